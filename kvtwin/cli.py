@@ -1,0 +1,36 @@
+"""The `kvtwin` command line: one typer app, one module per command under `commands/`."""
+
+from __future__ import annotations
+
+import typer
+
+from kvtwin import __version__
+from kvtwin.commands import lockstep
+
+app = typer.Typer(
+    name="kvtwin",
+    help="A digital twin of an LLM server's KV cache (vLLM v1 semantics).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"kvtwin {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """kvtwin: plan, replay and validate vLLM KV cache behaviour."""
+
+
+app.command("lockstep")(lockstep.lockstep)
+
+if __name__ == "__main__":
+    app()

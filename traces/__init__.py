@@ -1,0 +1,1 @@
+"""Request traces: one Arrow schema, loaders for public trace formats, synthetic workloads."""
