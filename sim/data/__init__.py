@@ -1,0 +1,1 @@
+"""Data files: GPU and model presets with their sources."""

@@ -1,0 +1,68 @@
+"""The engine step: schedule → execute → update, the one function every clock drives.
+
+DESIGN.md "One core, two clocks". The lockstep runner (one step per tick, a scripted
+model), the SimPy replay (a cost model predicts each step's seconds) and the GPU executor
+(kernels run and are timed) all call ``EngineCore.step`` with their own ``ModelBackend``;
+nothing here knows which clock is running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from sim.config import CacheConfig, SchedulerConfig
+from sim.request import Request, RequestStatus
+from sim.scheduler import Scheduler, SchedulerOutput
+from sim.spec import KVCacheConfig
+
+
+class ModelBackend(Protocol):
+    """Runs one scheduled batch; returns the tokens sampled per request."""
+
+    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> dict[str, list[int]]:
+        ...
+
+
+@dataclass
+class StepResult:
+    output: SchedulerOutput
+    finished: list[Request]
+
+
+class EngineCore:
+    def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig = CacheConfig()):
+        self.scheduler = Scheduler(kv_cache_config, scheduler_config, cache_config)
+        self.kv_cache_manager = self.scheduler.kv_cache_manager
+        self.rejected: list[tuple[Request, str]] = []
+
+    def add_request(self, request: Request) -> bool:
+        """Queue a request, or reject it (counted, with a reason) if it can never run."""
+        max_model_len = self.scheduler.config.max_model_len
+        if request.num_prompt_tokens >= max_model_len:
+            return self._reject(request, f"prompt of {request.num_prompt_tokens} tokens leaves no room for "
+                                         f"output within max_model_len {max_model_len}")
+        if request.max_tokens <= 0:
+            return self._reject(request, f"max_tokens must be positive, got {request.max_tokens}")
+        self.scheduler.add_request(request)
+        return True
+
+    def _reject(self, request: Request, reason: str) -> bool:
+        request.status = RequestStatus.REJECTED
+        self.rejected.append((request, reason))
+        return False
+
+    def step(self, model: ModelBackend) -> StepResult:
+        output = self.scheduler.schedule()
+        requests = self.scheduler.requests
+        # A request samples only once its computed tokens catch up with all it has:
+        # a partial prefill chunk (or part of a recompute) samples nothing.
+        ready = [r for rid in output.num_scheduled_tokens
+                 if (r := requests[rid]).num_computed_tokens >= r.num_tokens]
+        sampled = model.execute(output, ready) if output.num_scheduled_tokens else {}
+        finished = self.scheduler.update_from_output(output, sampled)
+        return StepResult(output, finished)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
