@@ -1,0 +1,141 @@
+"""Semantics §6: the v1 scheduler's decisions."""
+
+import pytest
+
+from sim.request import RequestStatus
+from sim.spec import MambaSpec
+
+from .builders import EchoModel, engine, full, new_request, tokens
+
+
+def run_until_done(eng, limit=10_000):
+    model = EchoModel()
+    results = []
+    for _ in range(limit):
+        if not eng.has_unfinished_requests():
+            return results
+        results.append(eng.step(model))
+    raise AssertionError("did not finish")
+
+
+def test_running_requests_are_scheduled_before_waiting_ones():
+    eng = engine(full(), num_blocks=64, max_num_batched_tokens=64)
+    eng.add_request(new_request("a", tokens(0, 100), max_tokens=3))
+    eng.step(EchoModel())
+    eng.add_request(new_request("b", tokens(5000, 40)))
+    out = eng.step(EchoModel()).output
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    assert out.num_scheduled_tokens == {"a": 36, "b": 28}
+
+
+def test_fcfs_preempts_the_last_running_request_and_requeues_it_first():
+    eng = engine(full(), num_blocks=9, max_num_batched_tokens=256, max_num_seqs=4)
+    eng.add_request(new_request("a", tokens(0, 60), max_tokens=30))
+    eng.add_request(new_request("b", tokens(1000, 60), max_tokens=30))
+    model = EchoModel()
+    preempted_step = None
+    for _ in range(60):
+        result = eng.step(model)
+        if result.output.preempted:
+            preempted_step = result
+            break
+    assert preempted_step is not None
+    assert preempted_step.output.preempted == ["b"]
+    victim = eng.scheduler.waiting.peek()
+    assert victim.request_id == "b" and victim.status is RequestStatus.PREEMPTED
+    assert victim.num_computed_tokens == 0 and victim.num_output_tokens > 0  # outputs kept
+    assert preempted_step.output.admitted == []  # no admission in a step that preempted
+
+
+def test_resumed_request_recomputes_its_tokens_minus_the_hit():
+    eng = engine(full(), num_blocks=9, max_num_batched_tokens=256)
+    eng.add_request(new_request("a", tokens(0, 60), max_tokens=30))
+    eng.add_request(new_request("b", tokens(1000, 60), max_tokens=30))
+    results = run_until_done(eng)
+    readmissions = [(r, a) for r in results for a in r.output.admitted if a.resumed]
+    assert readmissions
+    result, admission = readmissions[0]
+    assert admission.hit_tokens % 16 == 0
+    scheduled = result.output.num_scheduled_tokens[admission.request_id]
+    assert scheduled > 0
+
+
+def test_priority_preempts_the_lowest_priority_latest_arrival():
+    eng = engine(full(), num_blocks=9, max_num_batched_tokens=256, policy="priority")
+    eng.add_request(new_request("low", tokens(0, 60), max_tokens=30, priority=5, arrival_time=0))
+    eng.add_request(new_request("high", tokens(1000, 60), max_tokens=30, priority=0, arrival_time=1))
+    model = EchoModel()
+    for _ in range(100):
+        out = eng.step(model).output
+        if out.preempted:
+            assert out.preempted == ["low"]
+            return
+    pytest.fail("expected a preemption")
+
+
+def test_waiting_admission_stops_at_the_first_request_that_does_not_fit():
+    eng = engine(full(), num_blocks=12, max_num_batched_tokens=1024)
+    eng.add_request(new_request("fits", tokens(0, 100), max_tokens=50))
+    eng.add_request(new_request("big", tokens(1000, 150)))
+    eng.add_request(new_request("small", tokens(2000, 10)))
+    out = eng.step(EchoModel()).output
+    assert list(out.num_scheduled_tokens) == ["fits"]  # "small" would fit, but FCFS blocks it
+
+
+def test_max_num_seqs_limits_running_requests():
+    eng = engine(full(), num_blocks=64, max_num_seqs=2)
+    for i in range(4):
+        eng.add_request(new_request(f"r{i}", tokens(1000 * i, 20)))
+    out = eng.step(EchoModel()).output
+    assert list(out.num_scheduled_tokens) == ["r0", "r1"]
+
+
+def test_chunked_prefill_off_stops_when_the_prompt_exceeds_the_remaining_budget():
+    eng = engine(full(), num_blocks=64, max_num_batched_tokens=128, max_model_len=128, enable_chunked_prefill=False)
+    eng.add_request(new_request("a", tokens(0, 100)))
+    eng.add_request(new_request("b", tokens(1000, 100)))
+    out = eng.step(EchoModel()).output
+    assert out.num_scheduled_tokens == {"a": 100}
+
+
+def test_long_prefill_threshold_clips_chunks():
+    eng = engine(full(), num_blocks=64, max_num_batched_tokens=512, long_prefill_token_threshold=64)
+    eng.add_request(new_request("a", tokens(0, 300)))
+    eng.add_request(new_request("b", tokens(1000, 300)))
+    out = eng.step(EchoModel()).output
+    assert out.num_scheduled_tokens == {"a": 64, "b": 64}
+
+
+def test_token_budget_is_never_exceeded():
+    eng = engine(full(), num_blocks=256, max_num_batched_tokens=100, max_num_seqs=8)
+    for i in range(6):
+        eng.add_request(new_request(f"r{i}", tokens(1000 * i, 90), max_tokens=5))
+    for result in run_until_done(eng):
+        assert result.output.total_num_scheduled_tokens <= 100
+
+
+def test_finished_requests_free_their_blocks_at_once():
+    eng = engine(full(), num_blocks=32)
+    eng.add_request(new_request("a", tokens(0, 40), max_tokens=1))
+    result = eng.step(EchoModel())
+    assert [r.request_id for r in result.finished] == ["a"]
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == 31
+
+
+def test_mamba_align_prefill_chunks_end_on_block_boundaries():
+    mamba = MambaSpec(block_size=16, shapes=((4,),), dtype_bytes=(2,), mamba_cache_mode="align")
+    eng = engine(full(), mamba, num_blocks=64, max_num_batched_tokens=50)
+    eng.add_request(new_request("a", tokens(0, 120)))
+    first = eng.step(EchoModel()).output.num_scheduled_tokens["a"]
+    assert first == 48  # 50 rounded down to a block boundary
+    second = eng.step(EchoModel()).output.num_scheduled_tokens["a"]
+    # Stops at the last boundary a later request could hit: (120 - 1) // 16 * 16 = 112.
+    assert 48 + second <= 112 and (48 + second) % 16 == 0
+
+
+def test_prompts_that_leave_no_room_are_rejected_with_a_reason():
+    eng = engine(full(), max_model_len=64)
+    assert not eng.add_request(new_request("long", tokens(0, 64)))
+    request, reason = eng.rejected[0]
+    assert request.status is RequestStatus.REJECTED and "max_model_len 64" in reason
+    assert not eng.has_unfinished_requests()
