@@ -1,0 +1,147 @@
+"""Speed of the KV-cache core and scheduler through the lockstep runner.
+
+Replays every golden case and a generated workload of 2,000 requests with long shared
+prefixes (full attention, and a hybrid full + sliding window + Mamba variant) and reports
+steps per second and microseconds per ``allocate_slots`` call. Prints a table and writes
+one parquet row per workload to ``bench/out/bench_core.parquet``.
+
+    python bench/bench_core.py [--requests 2000] [--hash-algo builtin|sha256] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.table import Table
+
+from kvtwin import __version__
+from sim.config import CacheConfig, SchedulerConfig
+from sim.golden import CaseRequest, GoldenCase, load_case
+from sim.kv_cache_manager import KVCacheManager
+from sim.lockstep import run_case
+from sim.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden" / "cases"
+
+
+def shared_prefix_workload(num_requests: int, seed: int, hybrid: bool, hash_algo: str) -> GoldenCase:
+    """Chat traffic behind a few long system prompts (Zipf-popular), arriving a few per step."""
+    rng = random.Random(seed)
+    system_prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randrange(1024, 4096))] for _ in range(16)]
+    weights = [1 / (i + 1) for i in range(len(system_prompts))]
+    requests = []
+    step = 0
+    for i in range(num_requests):
+        step += rng.choice((0, 0, 1, 1, 2))
+        prefix = rng.choices(system_prompts, weights)[0]
+        suffix = [rng.randrange(1000, 40000) for _ in range(rng.randrange(32, 512))]
+        outputs = tuple(50000 + rng.randrange(10000) for _ in range(rng.randrange(16, 256)))
+        requests.append(CaseRequest(f"g{i:05d}", step, tuple(prefix + suffix), outputs, 0))
+    block = 16
+    specs = [FullAttentionSpec(block_size=block)]
+    if hybrid:
+        specs += [SlidingWindowSpec(block_size=block, sliding_window=1024),
+                  MambaSpec(block_size=block, shapes=((64, 64),), dtype_bytes=(2,), mamba_cache_mode="align")]
+    groups = tuple(KVCacheGroupSpec((f"g{i}",), s) for i, s in enumerate(specs))
+    kv = KVCacheConfig(num_blocks=6000 * len(specs), groups=groups, hash_block_size=block)
+    sched = SchedulerConfig(max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=8192)
+    name = f"generated-{num_requests}-{'hybrid' if hybrid else 'full'}"
+    return GoldenCase(name, kv, sched, CacheConfig(True, hash_algo), tuple(requests))
+
+
+class AllocateTimer:
+    """Counts allocate_slots calls and their total time by wrapping the method."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.total_ns = 0
+        self._original = KVCacheManager.allocate_slots
+
+    def __enter__(self) -> "AllocateTimer":
+        original, timer = self._original, self
+
+        def timed(manager, *args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return original(manager, *args, **kwargs)
+            finally:
+                timer.total_ns += time.perf_counter_ns() - start
+                timer.calls += 1
+
+        KVCacheManager.allocate_slots = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        KVCacheManager.allocate_slots = self._original
+
+
+def measure(case: GoldenCase) -> dict:
+    with AllocateTimer() as timer:
+        start = time.perf_counter()
+        result = run_case(case)
+        elapsed_s = time.perf_counter() - start
+    steps = len(result.steps)
+    tokens = sum(sum(s["scheduled"].values()) for s in result.steps)
+    return {
+        "workload": case.name,
+        "groups": "+".join(g.spec.kind for g in case.kv_cache_config.groups),
+        "hash_algo": case.cache_config.prefix_caching_hash_algo,
+        "requests": len(case.requests),
+        "steps": steps,
+        "scheduled_tokens": tokens,
+        "hit_tokens": sum(a["hit_tokens"] for r in result.requests for a in r["admissions"]),
+        "preemptions": sum(r["num_preemptions"] for r in result.requests),
+        "wall_s": elapsed_s,
+        "steps_per_s": steps / elapsed_s,
+        "allocate_slots_calls": timer.calls,
+        "us_per_allocate_slots": timer.total_ns / 1e3 / max(timer.calls, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hash-algo", default="builtin")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "bench_core.parquet")
+    args = parser.parse_args()
+
+    cases = [load_case(d, hash_algo=args.hash_algo) for d in sorted(GOLDEN.iterdir()) if d.is_dir()]
+    cases += [shared_prefix_workload(args.requests, args.seed, hybrid, args.hash_algo) for hybrid in (False, True)]
+    rows = []
+    console = Console(width=150)
+    with console.status("running") as status:
+        for case in cases:
+            status.update(f"running {case.name}")
+            rows.append(measure(case))
+
+    table = Table(title=f"kvtwin core, lockstep runner ({platform.python_implementation()} "
+                        f"{platform.python_version()}, hash {args.hash_algo})")
+    for column in ("workload", "groups", "requests", "steps", "hit_tokens", "preemptions", "wall_s", "steps_per_s",
+                   "us_per_allocate_slots"):
+        table.add_column(column, justify="left" if column in ("workload", "groups") else "right")
+    for row in rows:
+        table.add_row(row["workload"], row["groups"], str(row["requests"]), str(row["steps"]), str(row["hit_tokens"]),
+                      str(row["preemptions"]), f"{row['wall_s']:.3f}", f"{row['steps_per_s']:,.0f}",
+                      f"{row['us_per_allocate_slots']:.1f}")
+    console.print(table)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tbl = pa.Table.from_pylist(rows).replace_schema_metadata(
+        {"kvtwin_version": __version__, "python": platform.python_version(), "machine": platform.machine()})
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    pq.write_table(tbl, tmp)
+    tmp.replace(args.out)
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
