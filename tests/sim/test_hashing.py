@@ -84,3 +84,22 @@ def test_both_hash_functions_give_the_same_equality_pattern():
     for fn in (sha256_pickle, builtin_hash):
         h = [_hashes(TokenPrompt(p), 64, fn) for p in prompts]
         assert h[0] == h[2] and h[0][:2] == h[1][:2] and h[0][2] != h[1][2]
+
+
+def test_a_million_token_prompt_costs_one_hash_per_block_not_one_object_per_token():
+    from sim.request import Request
+
+    from .builders import engine, EchoModel, full
+
+    hash_ids = list(range(1_000_000 // 512 + 1))
+    eng = engine(full(), num_blocks=70_000, max_model_len=1_100_000, max_num_batched_tokens=1_100_000)
+    first = Request("a", HashIdPrompt(hash_ids, 512, 1_000_000), 2)
+    eng.add_request(first)
+    assert len(first.block_hashes) == 1_000_000 // 16
+    assert not hasattr(first.prompt, "token_ids")
+    eng.step(EchoModel())
+    eng.step(EchoModel())  # finished: its blocks stay cached
+    second = Request("b", HashIdPrompt(hash_ids, 512, 1_000_000), 2)
+    eng.add_request(second)
+    out = eng.step(EchoModel()).output
+    assert out.admitted[0].hit_tokens == 1_000_000 - 16  # all but the block holding the last token
