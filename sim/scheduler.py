@@ -88,7 +88,9 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled = out.num_scheduled_tokens
         token_budget = cfg.max_num_batched_tokens
-        long_prefill = cfg.long_prefill_token_threshold
+        # The threshold keeps one long prefill from starving others; alone, it has nobody
+        # to starve and may use the whole budget.
+        long_prefill = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
         is_priority = cfg.policy == "priority"
         kvm.new_step_starts()
 
@@ -129,16 +131,15 @@ class Scheduler:
             req_index += 1
 
         if not out.preempted:
-            self._schedule_waiting(out, token_budget)
+            self._schedule_waiting(out, token_budget, long_prefill)
 
         for request_id, num_tokens in scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         return out
 
-    def _schedule_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
         cfg = self.config
         kvm = self.kv_cache_manager
-        long_prefill = cfg.long_prefill_token_threshold
         while len(self.waiting) and token_budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break

@@ -139,3 +139,10 @@ def test_prompts_that_leave_no_room_are_rejected_with_a_reason():
     request, reason = eng.rejected[0]
     assert request.status is RequestStatus.REJECTED and "max_model_len 64" in reason
     assert not eng.has_unfinished_requests()
+
+
+def test_long_prefill_threshold_is_ignored_for_a_lone_request():
+    eng = engine(full(), num_blocks=64, max_num_batched_tokens=512, long_prefill_token_threshold=64)
+    eng.add_request(new_request("a", tokens(0, 300)))
+    out = eng.step(EchoModel()).output
+    assert out.num_scheduled_tokens == {"a": 300}
