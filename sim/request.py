@@ -23,7 +23,7 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "extra_keys",
                  "output_token_ids", "num_computed_tokens", "block_hashes", "status", "num_preemptions",
-                 "shared_prefix_boundary", "_hasher", "num_prompt_tokens")
+                 "shared_prefix_boundary", "_hasher", "num_prompt_tokens", "num_tokens")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
                  priority: int = 0, extra_keys: ExtraKeys | None = None):
@@ -35,6 +35,8 @@ class Request:
         self.priority = priority
         self.extra_keys = extra_keys
         self.output_token_ids: list[int] = []
+        # Prompt plus outputs; kept as a field because the scheduler reads it constantly.
+        self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         self.block_hashes: list = []
         self.status = RequestStatus.WAITING
@@ -43,10 +45,6 @@ class Request:
         # stops there so its state gets cached for siblings sharing that prefix.
         self.shared_prefix_boundary = 0
         self._hasher: BlockHasher | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -58,7 +56,10 @@ class Request:
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
-        self._extend_block_hashes()
+        self.num_tokens += len(token_ids)
+        hasher = self._hasher
+        if hasher is not None and self.num_tokens >= (len(self.block_hashes) + 1) * hasher.hash_block_size:
+            self._extend_block_hashes()
 
     def _extend_block_hashes(self) -> None:
         if self._hasher is not None:
