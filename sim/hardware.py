@@ -68,15 +68,17 @@ class GPUSpec:
         return self._sm_major() == 10
 
     def attention_kernel_block_alignment_tokens(self, *, head_size: int, use_mla: bool) -> int:
-        """Smallest block size the attention kernel vLLM picks here accepts (a multiple of it).
+        """The block size must be a multiple of this for the attention kernel vLLM picks here.
 
-        FlashAttention takes any multiple of 16. MLA backends want 64. On Blackwell the
-        default backend for head size 256 is FlashInfer, which does not support block 16
-        there, so vLLM aligns to 32 (vLLM ``HybridAttentionMambaModelConfig``, citing
-        flashinfer issue 1993).
+        vLLM picks the first backend of its per-device priority list and, unless the user
+        set a block size, uses that backend's smallest kernel block size. FlashAttention
+        (and its MLA variant, first for MLA on Hopper) takes any multiple of 16. On
+        Blackwell MLA goes to CUTLASS MLA, which needs 128; and the default backend for
+        head size 256 is FlashInfer, which does not support block 16 there, so vLLM
+        aligns to 32 (``HybridAttentionMambaModelConfig``, citing flashinfer issue 1993).
         """
         if use_mla:
-            return 64
+            return 128 if self.is_blackwell_datacenter else 16
         if self.is_blackwell_datacenter and head_size == 256:
             return 32
         return 16

@@ -1,0 +1,312 @@
+"""`kvtwin plan`: what fits — groups, blocks, tokens, concurrency, memory, hybrid on vs off.
+
+The numbers come from ``sim.planner.plan`` (vLLM 0.33's planner, semantics section 7);
+this module only gathers the inputs (flags, a scenario file, a local HF config) and prints
+the result as a table or one JSON object. Scenario format: ``scenarios/README.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from kvtwin.console import user_errors
+from sim.errors import ConfigError
+from sim.hardware import GIB, GPUSpec, get_gpu, gpu_from_mapping
+from sim.hf_config import load_hf_config
+from sim.models import ModelPreset, get_model, model_from_mapping
+from sim.planner import EngineConfig, Plan, engine_config, engine_fields_from_mapping, plan as make_plan
+
+SCENARIO_SECTIONS = ("model", "hardware", "engine")
+
+
+# --------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------
+
+
+def _model_from_table(table: dict[str, Any], base_dir: Path) -> ModelPreset:
+    """``[model]``: ``preset = NAME`` or ``hf_config = PATH`` (either with field
+    overrides), or a whole inline description."""
+    if not isinstance(table, dict):
+        raise ConfigError("model", "a table", table)
+    fields = dict(table)
+    preset = fields.pop("preset", None)
+    hf_config = fields.pop("hf_config", None)
+    if preset is not None and hf_config is not None:
+        raise ConfigError("model", "either preset or hf_config, not both")
+    if hf_config is not None:
+        path = Path(hf_config)
+        return load_hf_config(path if path.is_absolute() else base_dir / path, name=fields.pop("name", None),
+                              overrides=fields)
+    if preset is not None:
+        base = get_model(preset, field="model.preset")
+        if not fields:
+            return base
+        merged = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        if "state" in fields or base.state is None:
+            merged.pop("state")
+        else:
+            merged["state"] = {"kind": base.state.kind, **dataclasses.asdict(base.state)}
+        merged.update(fields)
+        return model_from_mapping(merged)
+    return model_from_mapping(fields)
+
+
+def load_scenario(path: Path) -> tuple[ModelPreset | None, GPUSpec | None, dict]:
+    """The model, GPU and engine settings of a scenario file (other sections are for
+    other commands and are ignored here)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("scenario", "valid TOML", str(err), source=str(path)) from None
+    try:
+        model = _model_from_table(data["model"], path.parent) if "model" in data else None
+        gpu = gpu_from_mapping(data["hardware"]) if "hardware" in data else None
+        engine = engine_fields_from_mapping(data.get("engine", {}))
+        engine_config(engine)  # validate here so errors name the file
+    except ConfigError as err:
+        raise err if err.source else err.with_source(str(path)) from None
+    return model, gpu, engine
+
+
+def gather_inputs(*, model: str | None, gpu: str | None, scenario: Path | None, hf_config: Path | None,
+                  flags: dict[str, Any]) -> tuple[ModelPreset, GPUSpec, EngineConfig]:
+    """Flags override the scenario, which overrides vLLM's defaults."""
+    scenario_model = scenario_gpu = None
+    engine_fields: dict[str, Any] = {}
+    if scenario is not None:
+        scenario_model, scenario_gpu, engine_fields = load_scenario(scenario)
+    if model is not None and hf_config is not None:
+        raise ConfigError("--model", "either --model or --hf-config, not both")
+    if model is not None:
+        chosen_model = get_model(model)
+    elif hf_config is not None:
+        chosen_model = load_hf_config(hf_config)
+    elif scenario_model is not None:
+        chosen_model = scenario_model
+    else:
+        raise ConfigError("--model", "a model preset name, --hf-config PATH or a scenario with a [model] table")
+    if gpu is not None:
+        chosen_gpu = get_gpu(gpu)
+    elif scenario_gpu is not None:
+        chosen_gpu = scenario_gpu
+    else:
+        raise ConfigError("--gpu", "a GPU preset name or a scenario with a [hardware] table")
+    engine_fields.update({k: v for k, v in flags.items() if v is not None})
+    return chosen_model, chosen_gpu, EngineConfig(**engine_fields)
+
+
+# --------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------
+
+
+def _n(value: float | int | None, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}" if digits else f"{value:,}"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:,.2f} GiB"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def render_plan(p: Plan) -> str:
+    j = p.to_json()
+    eng = p.engine
+    lines: list[str] = []
+    tp = eng.tensor_parallel_size
+    where = f"{tp} x {p.gpu.name} (TP {tp})" if tp > 1 else p.gpu.name
+    lines.append(f"kvtwin plan: {p.model.name} on {where} - vLLM 0.33 KV cache layout")
+    default = "vLLM default" if eng.hybrid_kv_cache_is_default else "not vLLM's default"
+    lines.append(f"  max_model_len {_n(eng.max_model_len)} | max_num_batched_tokens {_n(eng.max_num_batched_tokens)}"
+                 f" | max_num_seqs {_n(eng.max_num_seqs)} | KV cache {eng.kv_cache_dtype} "
+                 f"({eng.kv_cache_dtype_bytes} B/elem)")
+    lines.append(f"  hybrid KV cache manager {_on(eng.hybrid_kv_cache)} ({default}) | async scheduling "
+                 f"{_on(eng.async_scheduling)} ({_n(eng.max_in_flight_tokens)} tokens in flight) | prefix caching "
+                 f"{_on(eng.enable_prefix_caching)}"
+                 + (f" | mamba cache mode {eng.mamba_cache_mode}" if p.model.state is not None else ""))
+    if p.layers.hybrid_block is not None:
+        hb = p.layers.hybrid_block
+        lines.append(f"  attention block size {hb.block_size} tokens so one page ({_n(hb.attention_page_bytes)} B) "
+                     f"holds a state of {_n(hb.mamba_page_bytes)} B (alignment {hb.alignment_tokens})")
+    lines.append("")
+    lines.append(f"KV cache groups ({j['grouping']}, group size {j['group_size']}, "
+                 f"{j['waste']['num_padding_layers']} padding layers)")
+    header = f"  {'id':>3}  {'kind':<15} {'layers':>6} {'pad':>4} {'block':>6} {'page bytes':>12} " \
+             f"{'window':>7} {'blocks/req':>10} {'steady':>7}"
+    lines.append(header)
+    for g in j["groups"]:
+        window = g.get("sliding_window") or g.get("attention_chunk_size") or g.get("compute_only_sliding_window") \
+            or g.get("compute_only_attention_chunk_size") or ""
+        lines.append(f"  {g['group_id']:>3}  {g['kind']:<15} {g['num_layers']:>6} {g['num_padding_layers']:>4} "
+                     f"{g['block_size']:>6} {g['page_bytes']:>12,} {str(window):>7} {g['blocks_per_request']:>10,} "
+                     f"{g['steady_state_blocks_per_request']:>7,}")
+    lines.append("")
+    lines.append("Pool (per GPU)")
+    lines.append(f"  bytes per block       {_n(p.bytes_per_block)}")
+    lines.append(f"  num_blocks            {_n(p.num_blocks)} "
+                 f"(null block included; {_n(max(0, p.num_blocks - 1))} usable)")
+    if p.fits:
+        lines.append(f"  KV cache tokens       {_n(p.kv_cache_tokens)}  (vLLM's \"GPU KV cache size\")")
+        lines.append(f"  max concurrency       {p.max_concurrency:,.2f}x requests of {_n(eng.max_model_len)} tokens "
+                     f"(vLLM's figure; {_n(p.blocks_per_request)} blocks per request)")
+        lines.append(f"  steady state          {p.steady_state_concurrency:,.2f}x once prefills are done "
+                     f"({_n(p.steady_state_blocks_per_request)} blocks per request); running requests limited to "
+                     f"{_n(j['concurrency_limit'])} (max_num_seqs {_n(eng.max_num_seqs)})")
+    lines.append("")
+    m = p.memory
+    lines.append(f"Memory per GPU ({p.gpu.description or p.gpu.name}: {_gib(m.total_bytes)})")
+    if m.kv_cache_source == "kv_cache_memory_bytes":
+        lines.append(f"  KV cache              {_gib(m.kv_cache_bytes)}  "
+                     f"(--kv-cache-memory-bytes {m.kv_cache_bytes:,}; no memory estimate)")
+    else:
+        lines.append(f"  {'usable (x ' + format(m.gpu_memory_utilization, 'g') + ')':<21} {_gib(m.requested_bytes)}")
+        lines.append(f"  - weights             {_gib(m.weights_bytes)}")
+        lines.append(f"  - activation peak     {_gib(m.activation_peak_bytes)}  (estimate at "
+                     f"{_n(eng.max_num_batched_tokens)} tokens)")
+        lines.append(f"  - CUDA graphs         {_gib(m.cuda_graph_bytes)}  (estimate)")
+        lines.append(f"  - non-torch           {_gib(m.non_torch_bytes)}  (estimate)")
+        lines.append(f"  = KV cache            {_gib(m.kv_cache_bytes)}")
+    lines.append(f"  in blocks             {_gib(j['memory']['kv_cache_used_bytes'])} "
+                 f"({_n(j['memory']['kv_cache_unused_bytes'])} bytes left over)")
+    w = j["waste"]
+    if w["bytes_per_request"]:
+        lines.append("")
+        lines.append("Waste (per request of max_model_len)")
+        lines.append(f"  padding layers        {_n(w['padding_layer_bytes_per_request'])} bytes")
+        lines.append(f"  padded pages          {_n(w['page_padding_bytes_per_request'])} bytes")
+        lines.append(f"  share of the request  {w['fraction_of_request'] * 100:.2f}%")
+        for text in w["vllm_padding_warnings"]:
+            lines.append(f"  vLLM: {text}")
+    if not p.fits:
+        lines.append("")
+        lines.append(f"DOES NOT FIT: one request of {_n(eng.max_model_len)} tokens needs {_gib(p.needed_bytes)} of KV "
+                     f"cache; {_gib(max(0, m.kv_cache_bytes - p.bytes_per_block))} is available "
+                     f"(short by {_gib(p.shortfall_bytes)}). vLLM would refuse to start.")
+        for s in p.suggestions:
+            extra = f" (max concurrency {s['max_concurrency']:,.2f}x)" if "max_concurrency" in s else ""
+            lines.append(f"  would fit: {s['change']} = {s['value']}{extra}")
+        if not p.suggestions:
+            lines.append("  nothing simple fits: try a smaller model or a larger GPU")
+    for text in p.warnings:
+        lines.append(f"warning: {text}")
+    return "\n".join(lines)
+
+
+def _bytes_per_request(p: Plan) -> int:
+    return p.blocks_per_request * p.bytes_per_block
+
+
+def compare_json(on: Plan, off: Plan | None, off_error: str | None) -> dict:
+    out: dict = {"model": on.model.name, "hybrid_on": on.to_json()}
+    if off is None:
+        out["hybrid_off"] = {"error": off_error}
+        return out
+    out["hybrid_off"] = off.to_json()
+    on_bytes, off_bytes = _bytes_per_request(on), _bytes_per_request(off)
+    out["kv_bytes_per_request_saving"] = 1 - on_bytes / off_bytes if off_bytes else None
+    return out
+
+
+def render_compare(on: Plan, off: Plan | None, off_error: str | None) -> str:
+    lines = [f"kvtwin plan --compare-hybrid: {on.model.name} on {on.gpu.name} (TP {on.engine.tensor_parallel_size}), "
+             f"max_model_len {_n(on.engine.max_model_len)}"]
+    if off is None:
+        lines.append(render_plan(on))
+        lines.append("")
+        lines.append(f"hybrid KV cache manager off: not possible; it must stay {off_error}")
+        return "\n".join(lines)
+    rows = [
+        ("KV cache groups", len(on.groups), len(off.groups)),
+        ("block size", on.layers.attention_block_size, off.layers.attention_block_size),
+        ("bytes per block", on.bytes_per_block, off.bytes_per_block),
+        ("num_blocks", on.num_blocks, off.num_blocks),
+        ("blocks per request", on.blocks_per_request, off.blocks_per_request),
+        ("KV bytes per request", _bytes_per_request(on), _bytes_per_request(off)),
+        ("KV cache tokens", on.kv_cache_tokens, off.kv_cache_tokens),
+        ("max concurrency (vLLM)", on.max_concurrency, off.max_concurrency),
+        ("steady-state concurrency", on.steady_state_concurrency, off.steady_state_concurrency),
+    ]
+    lines.append(f"  {'':<26} {'hybrid on':>16} {'hybrid off':>16}")
+    for label, a, b in rows:
+        digits = 2 if isinstance(a, float) or isinstance(b, float) else 0
+        lines.append(f"  {label:<26} {_n(a, digits):>16} {_n(b, digits):>16}")
+    saving = compare_json(on, off, None)["kv_bytes_per_request_saving"]
+    lines.append(f"  the hybrid manager saves {saving * 100:.1f}% of a max_model_len request's KV bytes")
+    default = "on" if on.model.default_hybrid_kv_cache else "off"
+    lines.append(f"  (vLLM 0.33's default for {on.model.name}: {default})")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------
+
+
+def plan(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model preset name (see sim/data/models.toml)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset name (a100-40gb, a100-80gb, h100, h200, b200, "
+                                                          "l40s, mi300x)."),
+    scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML with [model], [hardware], "
+                                                                      "[engine] (scenarios/README.md)."),
+    hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="A local Hugging Face config.json (or its "
+                                                                       "directory) instead of a preset."),
+    tp: Optional[int] = typer.Option(None, "--tp", "--tensor-parallel-size", help="Tensor-parallel GPUs."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Longest request (tokens)."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens",
+                                                         help="Token budget per step."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Most running requests."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per block (default 16)."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype", help="auto, bfloat16, fp8, ..."),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization",
+                                                           help="Fraction of GPU memory vLLM may use (0.92)."),
+    kv_cache_memory_bytes: Optional[int] = typer.Option(None, "--kv-cache-memory-bytes",
+                                                        help="KV cache bytes per GPU; skips the memory estimate."),
+    hybrid_kv_cache: Optional[bool] = typer.Option(None, "--hybrid-kv-cache/--no-hybrid-kv-cache",
+                                                   help="Hybrid KV cache manager (default: vLLM's per model)."),
+    async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling",
+                                                    help="Two batches in flight (vLLM default on)."),
+    enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                                         help="Prefix caching (default on)."),
+    mamba_cache_mode: Optional[str] = typer.Option(None, "--mamba-cache-mode", help="none or align."),
+    mamba_cache_dtype: Optional[str] = typer.Option(None, "--mamba-cache-dtype", help="Conv state dtype."),
+    mamba_ssm_cache_dtype: Optional[str] = typer.Option(None, "--mamba-ssm-cache-dtype", help="SSM state dtype."),
+    compare_hybrid: bool = typer.Option(False, "--compare-hybrid", help="Show hybrid manager on vs off."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """What fits: KV cache groups, blocks, tokens, concurrency and memory, as vLLM 0.33 plans them."""
+    with user_errors():
+        flags = dict(tensor_parallel_size=tp, max_model_len=max_model_len,
+                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=block_size,
+                     kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
+                     kv_cache_memory_bytes=kv_cache_memory_bytes, hybrid_kv_cache=hybrid_kv_cache,
+                     async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+                     mamba_cache_mode=mamba_cache_mode, mamba_cache_dtype=mamba_cache_dtype,
+                     mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+        chosen_model, chosen_gpu, engine = gather_inputs(model=model, gpu=gpu, scenario=scenario,
+                                                         hf_config=hf_config, flags=flags)
+        if compare_hybrid:
+            on = make_plan(chosen_model, chosen_gpu, dataclasses.replace(engine, hybrid_kv_cache=True))
+            off, off_error = None, None
+            try:
+                off = make_plan(chosen_model, chosen_gpu, dataclasses.replace(engine, hybrid_kv_cache=False))
+            except ConfigError as err:
+                off_error = err.expected
+            if as_json:
+                print(json.dumps(compare_json(on, off, off_error), indent=1))
+            else:
+                print(render_compare(on, off, off_error))
+            return
+        result = make_plan(chosen_model, chosen_gpu, engine)
+        print(json.dumps(result.to_json(), indent=1) if as_json else render_plan(result))
