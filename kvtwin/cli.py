@@ -6,6 +6,8 @@ import typer
 
 from kvtwin import __version__
 from kvtwin.commands import lockstep
+from kvtwin.commands import plan
+from kvtwin.commands.trace import trace_app
 
 app = typer.Typer(
     name="kvtwin",
@@ -31,6 +33,8 @@ def main(
 
 
 app.command("lockstep")(lockstep.lockstep)
+app.command("plan")(plan.plan)
+app.add_typer(trace_app, name="trace")
 
 if __name__ == "__main__":
     app()

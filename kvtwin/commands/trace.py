@@ -1,0 +1,193 @@
+"""``kvtwin trace``: what is in a trace (info), one schema (convert), synthetic workloads (synth)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtwin.console import user_errors
+from traces import schema
+from traces import transforms
+from traces.generic import ColumnMap
+from traces.load import FORMATS, LoadOptions, load_trace
+from traces.mooncake import BURST, SPREAD
+from traces.stats import TraceStats, summarize
+from traces.synth import synthesize
+from traces.synth_spec import read_spec
+
+trace_app = typer.Typer(help="Inspect, convert and synthesise request traces.", no_args_is_help=True)
+
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Input format: {', '.join(FORMATS)} "
+                                                                   "(default: detected from the file).")]
+SkipBadOpt = Annotated[bool, typer.Option("--skip-bad", help="Skip malformed lines (counted and reported) "
+                                                             "instead of stopping at the first.")]
+ArrivalsOpt = Annotated[str, typer.Option("--arrivals", help="Mooncake: 'spread' requests uniformly within their "
+                                                             "~3 s timestamp bucket (seeded) or keep each "
+                                                             "bucket a 'burst'.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for spreading Mooncake arrivals.")]
+AssumeOpt = Annotated[Optional[int], typer.Option(
+    "--assume-session-history", metavar="BLOCK_TOKENS",
+    help="For traces without content identity: ASSUME each turn re-sends its session's history and "
+         "derive block hashes of this many tokens from it.")]
+MapOpt = Annotated[Optional[list[str]], typer.Option(
+    "--map", metavar="COLUMN=SOURCE", help="Generic format: trace column from source column "
+                                           "(arrival_time_s, prompt_tokens, output_tokens required).")]
+TimeUnitOpt = Annotated[str, typer.Option("--time-unit", help="Generic format: unit of the arrival column "
+                                                              "(s, ms, us, ns, datetime).")]
+HashBlockOpt = Annotated[Optional[int], typer.Option("--hash-block-tokens",
+                                                     help="Generic format: tokens each block hash covers.")]
+PerBlockOpt = Annotated[bool, typer.Option("--per-block-hashes", help="Generic format: the block hashes are "
+                                                                      "per block, not chained; chain them.")]
+
+
+def _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block) -> LoadOptions:
+    if arrivals not in (SPREAD, BURST):
+        raise typer.BadParameter(f"expected {SPREAD} or {BURST}", param_hint="--arrivals")
+    if fmt is not None and fmt not in FORMATS:
+        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}", param_hint="--format")
+    if assume is not None and assume < 1:
+        raise typer.BadParameter("expected a block size >= 1", param_hint="--assume-session-history")
+    columns = None
+    if maps:
+        try:
+            columns = ColumnMap.from_pairs(maps, time_unit=time_unit, hash_block_tokens=hash_block_tokens,
+                                           hashes_chained=not per_block)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--map") from None
+    return LoadOptions(format=fmt, skip_bad=skip_bad, arrivals=arrivals, seed=seed, columns=columns,
+                       assume_session_history=assume)
+
+
+def _report_notes(table) -> None:
+    """Notes and skipped-line reasons, one plain line each on stderr (never wrapped)."""
+    meta = schema.trace_meta(table)
+    for note in meta.notes:
+        print(f"kvtwin: note: {note}", file=sys.stderr)
+    for reason in meta.bad_line_reasons:
+        print(f"kvtwin: skipped: {reason}", file=sys.stderr)
+
+
+@trace_app.command("info")
+def info(
+    path: Annotated[str, typer.Argument(help="Trace file (or bundled:NAME).")],
+    block_tokens: Annotated[Optional[int], typer.Option("--block-tokens", min=1, help=(
+        "Block size for the prefix-reuse bound (default: the trace's hash block size, else 16)."))] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = SPREAD, seed: SeedOpt = 0,
+    assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = "s",
+    hash_block_tokens: HashBlockOpt = None, per_block: PerBlockOpt = False,
+) -> None:
+    """Requests, duration, rate, length percentiles, sessions and the prefix-reuse upper bound."""
+    with user_errors():
+        options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
+        table = load_trace(path, options)
+        stats = summarize(table, block_tokens)
+        meta = schema.trace_meta(table)
+        _report_notes(table)
+        if as_json:
+            out = stats.to_json()
+            out.update(path=path, format=meta.source_format, arrivals=meta.arrivals,
+                       skipped_bad_lines=meta.skipped_bad_lines, bad_line_reasons=list(meta.bad_line_reasons),
+                       notes=list(meta.notes), transforms=list(meta.transforms))
+            print(json.dumps(_finite(out), indent=2))
+            return
+        _print_info(path, stats, meta)
+
+
+def _finite(value):
+    """JSON has no NaN: empty traces report null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _print_info(path: str, stats: TraceStats, meta: schema.TraceMeta) -> None:
+    console = Console(soft_wrap=True)
+    console.print(f"[bold]{path}[/bold] ({meta.source_format})", highlight=False)
+    rate = "n/a" if stats.rate_per_s is None else f"{stats.rate_per_s:.3g} req/s"
+    console.print(f"{stats.requests:,} requests over {stats.duration_s:,.1f} s, {rate}; arrivals {meta.arrivals}",
+                  highlight=False)
+    lengths = Table("tokens", "mean", "p50", "p99", "max")
+    for name, dist in (("input", stats.input_tokens), ("output", stats.output_tokens)):
+        lengths.add_row(name, *(f"{getattr(dist, k):,.1f}" for k in ("mean", "p50", "p99", "max")))
+    console.print(lengths)
+    if stats.sessions is None:
+        console.print("sessions: none in this trace")
+    else:
+        ss = stats.sessions
+        console.print(f"sessions: {ss.sessions:,} ({ss.multi_turn_sessions:,} with 2+ turns, longest {ss.max_turns} "
+                      f"turns; {ss.requests_in_sessions:,} requests in sessions)", highlight=False)
+    if stats.prefix_reuse is None:
+        console.print("prefix reuse: [bold]unknown[/bold]: this trace has no content identity (no hashes, no token "
+                      "ids). --assume-session-history N derives one from sessions, as an explicit assumption.")
+        return
+    reuse = stats.prefix_reuse
+    assumed = " [bold]under the session-history ASSUMPTION[/bold]" if stats.identity_assumption else ""
+    console.print(f"prefix reuse upper bound (infinite cache, {reuse.block_tokens}-token blocks){assumed}: "
+                  f"{reuse.block_fraction:.4f} of {reuse.blocks:,} blocks, {reuse.token_fraction:.4f} of input tokens",
+                  highlight=False)
+
+
+@trace_app.command("convert")
+def convert(
+    inputs: Annotated[list[str], typer.Argument(help="Trace file(s); several are played one after another.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Parquet file to write.")],
+    fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = SPREAD, seed: SeedOpt = 0,
+    assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = "s",
+    hash_block_tokens: HashBlockOpt = None, per_block: PerBlockOpt = False,
+    start_s: Annotated[Optional[float], typer.Option("--start-s", min=0, help="Keep arrivals from here (s); "
+                                                                             "times shift to start at 0.")] = None,
+    end_s: Annotated[Optional[float], typer.Option("--end-s", help="Keep arrivals before this (s).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="Keep the first N requests.")] = None,
+    rate_scale: Annotated[Optional[float], typer.Option("--rate-scale", help=(
+        "Multiply the arrival rate (2 = twice as fast)."))] = None,
+    sample_sessions: Annotated[Optional[float], typer.Option("--sample-sessions", min=0.0, max=1.0, help=(
+        "Keep this fraction of sessions (whole sessions, chosen with --sample-seed)."))] = None,
+    sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed for --sample-sessions.")] = 0,
+    gap_s: Annotated[float, typer.Option("--gap-s", min=0, help="Pause between concatenated traces (s).")] = 0.0,
+) -> None:
+    """Read traces in any supported format and write one kvtwin trace parquet file."""
+    with user_errors():
+        options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
+        if rate_scale is not None and not rate_scale > 0:
+            raise typer.BadParameter("expected a factor > 0", param_hint="--rate-scale")
+        if end_s is not None and end_s <= (start_s or 0.0):
+            raise typer.BadParameter("expected a time after --start-s", param_hint="--end-s")
+        tables = [load_trace(path, options) for path in inputs]
+        for table in tables:
+            _report_notes(table)
+        table = tables[0] if len(tables) == 1 else transforms.concat(tables, gap_s=gap_s)
+        if start_s is not None or end_s is not None:
+            table = transforms.time_window(table, start_s or 0.0, end_s)
+        if sample_sessions is not None:
+            table = transforms.sample_sessions(table, sample_sessions, sample_seed)
+        if rate_scale is not None:
+            table = transforms.scale_rate(table, rate_scale)
+        if limit is not None:
+            table = transforms.limit(table, limit)
+        schema.write_parquet(table, output)
+        print(f"wrote {output}: {table.num_rows:,} requests", file=sys.stderr)
+
+
+@trace_app.command("synth")
+def synth(
+    spec: Annotated[Path, typer.Argument(help="Workload spec (TOML; see traces/SYNTH.md).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Parquet file to write.")],
+) -> None:
+    """Generate a seeded synthetic workload from a TOML spec."""
+    with user_errors():
+        parsed = read_spec(spec)
+        table = synthesize(parsed, base_dir=spec.parent, source_file=spec.name)
+        schema.write_parquet(table, output)
+        print(f"wrote {output}: {table.num_rows:,} requests ({parsed.kind}, seed {parsed.seed})", file=sys.stderr)

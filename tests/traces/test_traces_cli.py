@@ -1,0 +1,130 @@
+"""``kvtwin trace info/convert/synth`` through the CLI: output shape and one-line errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtwin.commands.trace import trace_app
+from traces import schema as s
+from traces.bundled import MOONCAKE_CONVERSATION
+
+FIXTURES = Path(__file__).parent / "fixtures"
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(trace_app, [str(a) for a in args])
+
+
+def test_info_json_is_one_object_with_the_promised_keys():
+    result = _run("info", FIXTURES / "mooncake_small.jsonl", "--json", "--arrivals", "burst")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    for key in ("requests", "duration_s", "rate_per_s", "input_tokens", "output_tokens", "prefix_reuse_upper_bound"):
+        assert key in info
+    for key in ("input_tokens", "output_tokens"):
+        assert set(info[key]) >= {"mean", "p50", "p99", "max"}
+    assert info["requests"] == 6 and info["duration_s"] == 6.0 and info["rate_per_s"] == 1.0
+    assert info["block_tokens"] == 512
+    # 16 blocks. Leading runs already seen: 0, [0], [0, 1], [0, 1, 2], [0], [0] = 8.
+    assert info["prefix_reuse"]["blocks"] == 16 and info["prefix_reuse"]["reused_blocks"] == 8
+    assert info["prefix_reuse_upper_bound"] == 0.5
+
+
+def test_info_json_on_the_bundled_mooncake_trace_matches_the_published_bound():
+    result = _run("info", f"bundled:{MOONCAKE_CONVERSATION}", "--json")
+    info = json.loads(result.stdout)
+    assert info["requests"] == 12_031
+    assert round(info["prefix_reuse_upper_bound"], 4) == 0.3664
+    assert info["block_tokens"] == 512 and "spread" in info["arrivals"]
+
+
+def test_info_says_when_a_trace_has_no_content_identity():
+    result = _run("info", FIXTURES / "azure_small.csv", "--json")
+    info = json.loads(result.stdout)
+    assert info["prefix_reuse_upper_bound"] is None and info["content_identity"] == "none"
+    human = _run("info", FIXTURES / "azure_small.csv")
+    assert "no content identity" in " ".join(human.stdout.split())
+
+
+def test_info_with_the_session_assumption_says_it_is_assumed():
+    result = _run("info", FIXTURES / "burstgpt3_small.csv", "--assume-session-history", "16", "--json")
+    info = json.loads(result.stdout)
+    assert info["identity_assumption"] == "session_history"
+    assert info["prefix_reuse_upper_bound"] is not None
+    assert any("ASSUMED" in note for note in info["notes"])
+
+
+def test_bad_input_is_one_error_line_and_exit_status_2():
+    result = _run("info", FIXTURES / "mooncake_bad.jsonl")
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"kvtwin: error: {FIXTURES / 'mooncake_bad.jsonl'}:2: line: expected one JSON object per line, "
+                     + lines[0].split("per line, ", 1)[1]]
+    assert "Traceback" not in result.output
+
+
+def test_skip_bad_reports_the_count_and_reasons():
+    result = _run("info", FIXTURES / "mooncake_bad.jsonl", "--skip-bad", "--json")
+    assert result.exit_code == 0
+    info = json.loads(result.stdout)
+    assert info["requests"] == 2 and info["skipped_bad_lines"] == 4
+    assert "skipped 4 bad line" in result.stderr and ":3: input_length" in result.stderr
+
+
+def test_missing_file_is_a_clean_error(tmp_path: Path):
+    result = _run("info", tmp_path / "nope.jsonl")
+    assert result.exit_code == 2 and "no such file" in result.stderr
+
+
+def test_convert_applies_transforms_and_writes_a_trace(tmp_path: Path):
+    out = tmp_path / "out.parquet"
+    result = _run("convert", FIXTURES / "mooncake_small.jsonl", FIXTURES / "mooncake_small.jsonl", "-o", out,
+                  "--arrivals", "burst", "--gap-s", "4", "--start-s", "1", "--rate-scale", "2", "--limit", "5")
+    assert result.exit_code == 0, result.output
+    table = s.read_parquet(out)
+    assert table.num_rows == 5
+    assert table.column(s.REQUEST_ID).to_pylist()[:3] == ["0:3", "0:4", "0:5"]
+    assert table.column(s.ARRIVAL_TIME_S).to_pylist()[0] == pytest.approx(2.001 / 2)
+    assert len(s.trace_meta(table).transforms) == 4
+
+
+def test_convert_generic_csv_with_a_map(tmp_path: Path):
+    out = tmp_path / "g.parquet"
+    result = _run("convert", FIXTURES / "generic_small.csv", "-o", out, "--map", "arrival_time_s=ts_ms",
+                  "--map", "prompt_tokens=prompt", "--map", "output_tokens=completion", "--time-unit", "ms")
+    assert result.exit_code == 0, result.output
+    assert s.read_parquet(out).column(s.ARRIVAL_TIME_S).to_pylist() == [0.0, 1.0, 2.5]
+    bad = _run("convert", FIXTURES / "generic_small.csv", "-o", out, "--map", "nonsense")
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def test_synth_writes_the_same_bytes_twice(tmp_path: Path):
+    spec = tmp_path / "w.toml"
+    spec.write_text('kind = "requests"\nseed = 3\nnum_requests = 50\narrival = { rate_per_s = 2 }\n'
+                    'prompt_tokens = { dist = "lognormal", mean = 300, sigma = 0.5 }\noutput_tokens = 20\n'
+                    'shared_prefix = { count = 3, tokens = 64 }\n')
+    for name in ("a.parquet", "b.parquet"):
+        result = _run("synth", spec, "-o", tmp_path / name)
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
+    assert s.read_parquet(tmp_path / "a.parquet").num_rows == 50
+
+
+def test_synth_spec_error_is_one_line(tmp_path: Path):
+    spec = tmp_path / "w.toml"
+    spec.write_text('kind = "requests"\nseed = 3\nnum_requests = 50\narrival = { rate_per_s = -2 }\n'
+                    'prompt_tokens = 10\noutput_tokens = 20\n')
+    result = _run("synth", spec, "-o", tmp_path / "x.parquet")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"kvtwin: error: {spec}: arrival.rate_per_s: expected a number > 0, got -2"
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_trace_is_wired_into_the_kvtwin_app():
+    from kvtwin.cli import app
+
+    result = runner.invoke(app, ["trace", "info", str(FIXTURES / "azure_small.csv"), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["requests"] == 4

@@ -1,0 +1,212 @@
+"""Loader for any CSV or parquet request log, given a map from trace columns to its columns.
+
+Arrival times are converted from ``time_unit`` to seconds and made relative to the first
+request (the first arrival time is kept as ``time_origin``). Token-count columns must hold
+integers >= 1. Parquet files may also carry prefix identity: a list column of block hashes
+(with the tokens each covers; chained or per-block) or a list column of prompt token ids.
+For parquet, the "line" in an error is the 1-based row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from traces import schema as s
+from traces.azure import format_utc_ns
+from traces.bad_lines import BadLines
+from traces.errors import TraceError
+from traces.fields import DATETIME, FLOAT, INT, STR, Field
+from traces.hashing import chain_lists
+from traces.readers import read_csv
+
+TIME_UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+DATETIME_UNIT = "datetime"
+MAPPABLE = (s.ARRIVAL_TIME_S, s.PROMPT_TOKENS, s.OUTPUT_TOKENS, s.REQUEST_ID, s.SESSION_ID, s.TURN, s.PRIORITY,
+            s.BLOCK_HASHES, s.PROMPT_TOKEN_IDS)
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Which source column feeds which trace column, and how to read the time and the hashes."""
+
+    arrival_time_s: str
+    prompt_tokens: str
+    output_tokens: str
+    time_unit: str = "s"
+    request_id: str | None = None
+    session_id: str | None = None
+    turn: str | None = None
+    priority: str | None = None
+    block_hashes: str | None = None
+    hash_block_tokens: int | None = None
+    hashes_chained: bool = True
+    prompt_token_ids: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.time_unit not in TIME_UNITS_S and self.time_unit != DATETIME_UNIT:
+            raise ValueError(f"time_unit must be one of {sorted(TIME_UNITS_S)} or {DATETIME_UNIT!r}")
+        if (self.block_hashes is None) != (self.hash_block_tokens is None):
+            raise ValueError("block_hashes and hash_block_tokens go together")
+        if self.block_hashes is not None and self.prompt_token_ids is not None:
+            raise ValueError("give block_hashes or prompt_token_ids, not both")
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[str], **options: object) -> ColumnMap:
+        """Build from ``TRACE_COLUMN=SOURCE_COLUMN`` strings (the CLI's ``--map``)."""
+        mapping: dict[str, object] = {}
+        for pair in pairs:
+            target, sep, source = pair.partition("=")
+            target, source = target.strip(), source.strip()
+            if not sep or not source or target not in MAPPABLE:
+                raise ValueError(f"--map {pair!r}: expected TRACE_COLUMN=SOURCE_COLUMN with TRACE_COLUMN one of "
+                                 f"{', '.join(MAPPABLE)}")
+            mapping[target] = source
+        missing = [name for name in s.REQUIRED_COLUMNS if name not in mapping and name != s.REQUEST_ID]
+        if missing:
+            raise ValueError(f"--map needs {', '.join(missing)}")
+        return cls(**mapping, **{k: v for k, v in options.items() if v is not None})
+
+
+def load_generic(path: str | os.PathLike, columns: ColumnMap, *, skip_bad: bool = False) -> pa.Table:
+    """Load a CSV or parquet file through ``columns`` into the trace schema."""
+    path_text = os.fspath(path)
+    if Path(path_text).suffix.lower() == ".parquet":
+        values, bad = _read_parquet(path_text, columns, skip_bad)
+    else:
+        values, bad = _read_csv(path_text, columns, skip_bad)
+    raw_times = values.pop(s.ARRIVAL_TIME_S)
+    if columns.time_unit == DATETIME_UNIT:
+        origin = int(raw_times.min()) if len(raw_times) else 0
+        times_s = (raw_times - origin) / 1e9
+        origin_text = format_utc_ns(origin)
+    else:
+        seconds = raw_times.astype(np.float64) * TIME_UNITS_S[columns.time_unit]
+        origin_s = float(seconds.min()) if len(seconds) else 0.0
+        times_s = seconds - origin_s
+        origin_text = f"{origin_s:.15g} s"
+    identity = s.IDENTITY_NONE
+    if columns.block_hashes is not None:
+        identity = s.IDENTITY_HASHES
+        if not columns.hashes_chained:
+            values[s.BLOCK_HASHES] = chain_lists(values[s.BLOCK_HASHES])
+        values[s.HASH_BLOCK_TOKENS] = np.full(len(times_s), columns.hash_block_tokens, dtype=np.int32)
+    elif columns.prompt_token_ids is not None:
+        identity = s.IDENTITY_TOKEN_IDS
+    if s.REQUEST_ID not in values:
+        values[s.REQUEST_ID] = pa.array(np.arange(len(times_s)).astype(str))
+    mapped = ", ".join(f"{f.name}={getattr(columns, f.name)}" for f in dataclasses.fields(columns)
+                       if getattr(columns, f.name) is not None)
+    meta = s.TraceMeta(source_format="generic", source_file=Path(path_text).name, content_identity=identity,
+                       time_origin=origin_text, notes=(f"columns: {mapped}",))
+    return s.build_table({s.ARRIVAL_TIME_S: times_s, **values}, bad.stamp(meta))
+
+
+def _read_csv(path: str, columns: ColumnMap, skip_bad: bool) -> tuple[dict, BadLines]:
+    if columns.block_hashes is not None or columns.prompt_token_ids is not None:
+        raise TraceError(path, "block_hashes" if columns.block_hashes else "prompt_token_ids",
+                         "a parquet file (list columns are read from parquet only)")
+    time_kind = DATETIME if columns.time_unit == DATETIME_UNIT else FLOAT
+    wanted = {
+        s.ARRIVAL_TIME_S: Field(columns.arrival_time_s, time_kind),
+        s.PROMPT_TOKENS: Field(columns.prompt_tokens, INT, minimum=1),
+        s.OUTPUT_TOKENS: Field(columns.output_tokens, INT, minimum=1),
+        s.REQUEST_ID: Field(columns.request_id, STR) if columns.request_id else None,
+        s.SESSION_ID: Field(columns.session_id, STR, required=False) if columns.session_id else None,
+        s.TURN: Field(columns.turn, INT, minimum=0, required=False) if columns.turn else None,
+        s.PRIORITY: Field(columns.priority, INT, required=False) if columns.priority else None,
+    }
+    wanted = {target: field for target, field in wanted.items() if field is not None}
+    read = read_csv(path, list(wanted.values()), skip_bad=skip_bad)
+    values = {target: read.values[field.name] for target, field in wanted.items()}
+    values[s.ARRIVAL_TIME_S] = values[s.ARRIVAL_TIME_S].to_numpy(zero_copy_only=False)
+    return values, read.bad
+
+
+def _read_parquet(path: str, columns: ColumnMap, skip_bad: bool) -> tuple[dict, BadLines]:
+    table = pq.read_table(path)
+    wanted = {
+        s.ARRIVAL_TIME_S: (columns.arrival_time_s, True),
+        s.PROMPT_TOKENS: (columns.prompt_tokens, True),
+        s.OUTPUT_TOKENS: (columns.output_tokens, True),
+        s.REQUEST_ID: (columns.request_id, True),
+        s.SESSION_ID: (columns.session_id, False),
+        s.TURN: (columns.turn, False),
+        s.PRIORITY: (columns.priority, False),
+        s.BLOCK_HASHES: (columns.block_hashes, False),
+        s.PROMPT_TOKEN_IDS: (columns.prompt_token_ids, False),
+    }
+    values: dict[str, pa.Array] = {}
+    bad_rows = np.zeros(table.num_rows, dtype=bool)
+    problems: list[TraceError] = []
+    for target, (source, required) in wanted.items():
+        if source is None:
+            continue
+        if source not in table.column_names:
+            raise TraceError(path, source, f"a column named {source!r}", got=", ".join(table.column_names))
+        column = table.column(source).combine_chunks()
+        column = _cast(path, source, column, target, columns.time_unit)
+        broken = _broken_rows(column, target, required)
+        for row in np.flatnonzero(broken & ~bad_rows)[:1]:
+            problems.append(TraceError(path, source, _expected(target), line=int(row) + 1,
+                                       got=column[int(row)].as_py()))
+        bad_rows |= broken
+        values[target] = column
+    bad = BadLines(path, skip_bad)
+    if bad_rows.any():
+        if not skip_bad:
+            raise min(problems, key=lambda e: e.line)
+        for row in np.flatnonzero(bad_rows):
+            bad.report(TraceError(path, "row", "valid values in every mapped column", line=int(row) + 1))
+        keep = pa.array(~bad_rows)
+        values = {target: column.filter(keep) for target, column in values.items()}
+    values[s.ARRIVAL_TIME_S] = values[s.ARRIVAL_TIME_S].to_numpy(zero_copy_only=False)
+    return values, bad
+
+
+def _cast(path: str, source: str, column: pa.Array, target: str, time_unit: str) -> pa.Array:
+    if target == s.ARRIVAL_TIME_S and time_unit == DATETIME_UNIT:
+        if not pa.types.is_timestamp(column.type):
+            raise TraceError(path, source, "a timestamp column (time_unit datetime)", got=str(column.type))
+        return column.cast(pa.timestamp("ns")).cast(pa.int64())
+    target_type = pa.float64() if target == s.ARRIVAL_TIME_S else s.TRACE_SCHEMA.field(target).type
+    if target == s.REQUEST_ID or target == s.SESSION_ID:
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+                or pa.types.is_integer(column.type)):
+            raise TraceError(path, source, "a string or integer column", got=str(column.type))
+    try:
+        return column.cast(target_type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        raise TraceError(path, source, f"a column castable to {target_type}", got=str(column.type)) from None
+
+
+def _broken_rows(column: pa.Array, target: str, required: bool) -> np.ndarray:
+    broken = column.is_null().to_numpy(zero_copy_only=False) if required else np.zeros(len(column), dtype=bool)
+    if target in (s.PROMPT_TOKENS, s.OUTPUT_TOKENS):
+        broken |= pc.fill_null(pc.less(column, 1), True).to_numpy(zero_copy_only=False)
+    elif target == s.ARRIVAL_TIME_S:
+        values = column.to_numpy(zero_copy_only=False).astype(np.float64)
+        broken |= ~np.isfinite(values)
+    elif target in (s.BLOCK_HASHES, s.PROMPT_TOKEN_IDS):
+        broken |= _lists_with_nulls(column)
+    return broken
+
+
+def _lists_with_nulls(column: pa.Array) -> np.ndarray:
+    flat_null = pc.is_null(pc.list_flatten(column)).to_numpy(zero_copy_only=False)
+    parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+    return np.bincount(parents[flat_null], minlength=len(column)) > 0
+
+
+def _expected(target: str) -> str:
+    return {s.PROMPT_TOKENS: "an integer >= 1", s.OUTPUT_TOKENS: "an integer >= 1",
+            s.ARRIVAL_TIME_S: "a finite time", s.REQUEST_ID: "a value in every row",
+            s.BLOCK_HASHES: "a list without nulls", s.PROMPT_TOKEN_IDS: "a list without nulls"}.get(target, "a value")

@@ -1,0 +1,117 @@
+"""One entry point for reading any trace: detect the format, dispatch to its loader.
+
+Detection looks at the file, not just its name: a parquet file with kvtwin metadata is a
+trace already; a JSONL file is Bailian-style when its first record has ``chat_id`` and
+Mooncake when it has ``hash_ids``; a CSV file is Azure by its exact header and BurstGPT when
+it has ``Request tokens`` and ``Response tokens``. Anything else needs ``format="generic"``
+and a column map.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from traces import schema as s
+from traces.azure import load_azure
+from traces.bailian import load_bailian
+from traces.bundled import resolve
+from traces.burstgpt import load_burstgpt
+from traces.errors import TraceError
+from traces.generic import ColumnMap, load_generic
+from traces.mooncake import DEFAULT_SPREAD_SEED, SPREAD, load_mooncake
+from traces.sessions import assume_session_history
+
+FORMATS = ("parquet", "mooncake", "bailian", "azure", "burstgpt", "generic")
+AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to read a trace. ``arrivals``/``seed`` apply to Mooncake, ``columns`` to generic;
+    ``assume_session_history`` (a block size) derives identity from sessions where there is none."""
+
+    format: str | None = None
+    skip_bad: bool = False
+    arrivals: str = SPREAD
+    seed: int = DEFAULT_SPREAD_SEED
+    columns: ColumnMap | None = None
+    assume_session_history: int | None = None
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The format of the trace at ``path`` (raises TraceError when it is not recognised)."""
+    path = os.fspath(path)
+    suffix = Path(path).suffix.lower()
+    if suffix == ".parquet":
+        return "parquet" if s.is_trace_parquet(path) else "generic"
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return _jsonl_format(path)
+    if suffix in (".csv", ".txt"):
+        return _csv_format(path)
+    raise TraceError(path, "format", "a .parquet, .jsonl or .csv trace (or an explicit --format)")
+
+
+def _jsonl_format(path: str) -> str:
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise TraceError(path, "line", "one JSON object per line", line=number) from None
+                keys = set(record) if isinstance(record, dict) else set()
+                if "chat_id" in keys:
+                    return "bailian"
+                if "hash_ids" in keys or "input_length" in keys:
+                    return "mooncake"
+                raise TraceError(path, "format", "Mooncake (hash_ids) or Bailian (chat_id) records",
+                                 line=number, got=sorted(keys)[:8])
+    raise TraceError(path, "file", "at least one request")
+
+
+def _csv_format(path: str) -> str:
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as handle:
+        header = [name.strip() for name in next(csv.reader(handle), [])]
+    if header == AZURE_HEADER:
+        return "azure"
+    if "Request tokens" in header and "Response tokens" in header:
+        return "burstgpt"
+    return "generic"
+
+
+def load_trace(path: str | os.PathLike, options: LoadOptions = LoadOptions()) -> pa.Table:
+    """Read the trace at ``path`` into the trace schema."""
+    path = os.fspath(resolve(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(2, "no such file", path)
+    fmt = options.format or detect_format(path)
+    if fmt not in FORMATS:
+        raise TraceError(path, "format", f"one of {', '.join(FORMATS)}", got=fmt)
+    if fmt == "generic":
+        if options.columns is None:
+            raise TraceError(path, "columns", "a column map for this file (--format generic --map "
+                             "arrival_time_s=COL --map prompt_tokens=COL --map output_tokens=COL)")
+        table = load_generic(path, options.columns, skip_bad=options.skip_bad)
+    elif fmt == "parquet":
+        table = s.read_parquet(path)
+    elif fmt == "mooncake":
+        table = load_mooncake(path, arrivals=options.arrivals, seed=options.seed, skip_bad=options.skip_bad)
+    elif fmt == "bailian":
+        table = load_bailian(path, skip_bad=options.skip_bad)
+    elif fmt == "azure":
+        table = load_azure(path, skip_bad=options.skip_bad)
+    else:
+        table = load_burstgpt(path, skip_bad=options.skip_bad)
+    if options.assume_session_history is not None:
+        try:
+            table = assume_session_history(table, options.assume_session_history)
+        except ValueError as err:
+            raise TraceError(path, "assume_session_history", "a trace without content identity",
+                             got=str(err)) from None
+    return table
