@@ -26,13 +26,14 @@ from dataclasses import dataclass
 class KVCacheBlock:
     """One physical block: its id, how many block tables hold it, and its cache key."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "owner_group", "prev_free", "next_free", "is_null")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: object | None = None  # set while the block is in the hash map
         self.group_id = -1
+        self.owner_group = -1  # the group that last took it from the pool (usage accounting)
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
@@ -136,6 +137,10 @@ class BlockPool:
         self.cached_block_hash_to_block: list[dict] = [{} for _ in range(num_groups)]
         self.enable_kv_events = enable_kv_events
         self.kv_event_queue: list[BlockStored | BlockRemoved] = []
+        # Counters for the replay's per-step records: blocks in use per group, and cached
+        # blocks evicted so far.
+        self.num_used_by_group = [0] * num_groups
+        self.num_evictions = 0
 
     # -- lookups -------------------------------------------------------------------
 
@@ -202,12 +207,13 @@ class BlockPool:
                 del cache[block_hash]
         if self.enable_kv_events:
             self.kv_event_queue.append(BlockRemoved(block.block_id, block.group_id))
+        self.num_evictions += 1
         block.block_hash = None
         block.group_id = -1
 
     # -- allocation and freeing ------------------------------------------------------
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, group_id: int = 0) -> list[KVCacheBlock]:
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise RuntimeError(f"cannot get {num_blocks} free blocks from the pool "
                                f"({self.free_block_queue.num_free_blocks} free)")
@@ -216,6 +222,8 @@ class BlockPool:
             if block.block_hash is not None:
                 self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
+            block.owner_group = group_id
+        self.num_used_by_group[group_id] += num_blocks
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -226,6 +234,7 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 queue.remove(block)
+                self.num_used_by_group[block.owner_group] += 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -241,6 +250,7 @@ class BlockPool:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.num_used_by_group[block.owner_group] -= 1
                 if block.block_hash is None or not self.enable_caching:
                     unhashed.append(block)
                 else:

@@ -17,10 +17,21 @@ from sim.scheduler import Scheduler, SchedulerOutput
 from sim.spec import KVCacheConfig
 
 
-class ModelBackend(Protocol):
-    """Runs one scheduled batch; returns the tokens sampled per request."""
+@dataclass
+class Execution:
+    """What running one batch produced: the tokens sampled per request, and how long it took
+    (predicted by a cost model, measured on a device, or one tick on the step clock)."""
 
-    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> dict[str, list[int]]:
+    sampled: dict[str, list[int]]
+    duration_s: float = 0.0
+    cost: object | None = None  # the backend's breakdown of duration_s, if it has one
+
+
+class Backend(Protocol):
+    """Runs one scheduled batch. ``ready_to_sample`` are the scheduled requests whose
+    computed tokens caught up with all their tokens: only they sample a token."""
+
+    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> Execution:
         ...
 
 
@@ -28,6 +39,10 @@ class ModelBackend(Protocol):
 class StepResult:
     output: SchedulerOutput
     finished: list[Request]
+    execution: Execution
+
+
+_IDLE = Execution({}, 0.0)
 
 
 class EngineCore:
@@ -53,16 +68,18 @@ class EngineCore:
         self.rejected.append((request, reason))
         return False
 
-    def step(self, model: ModelBackend) -> StepResult:
+    def step(self, backend: Backend) -> StepResult:
         output = self.scheduler.schedule()
+        if not output.num_scheduled_tokens:
+            return StepResult(output, [], _IDLE)
         requests = self.scheduler.requests
         # A request samples only once its computed tokens catch up with all it has:
         # a partial prefill chunk (or part of a recompute) samples nothing.
         ready = [r for rid in output.num_scheduled_tokens
                  if (r := requests[rid]).num_computed_tokens >= r.num_tokens]
-        sampled = model.execute(output, ready) if output.num_scheduled_tokens else {}
-        finished = self.scheduler.update_from_output(output, sampled)
-        return StepResult(output, finished)
+        execution = backend.execute(output, ready)
+        finished = self.scheduler.update_from_output(output, execution.sampled)
+        return StepResult(output, finished, execution)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -102,35 +102,77 @@ class TokenPrompt:
 class HashIdPrompt:
     """A prompt known only by chained chunk hash ids (``hash_block_tokens`` tokens each).
 
-    ``hash_ids[j]`` names the prefix up to the end of chunk ``j``, so a block inside the
-    prompt is identified by the id of the chunk holding its last token and its end offset.
-    Blocks that reach into the output mix that with the output tokens themselves.
+    ``hash_ids[j]`` names the prefix up to the end of chunk ``j``, so the prefix ending at
+    prompt token ``end`` is named by the id of the chunk holding token ``end - 1`` and
+    ``end`` itself: no chaining, and no tokens, are needed to identify it. Where a trace's
+    ids cover less than the prompt, the uncovered part is of unknown content and is
+    treated as unique to the request (``unique_id``).
     """
 
-    __slots__ = ("hash_ids", "hash_block_tokens", "num_tokens")
+    __slots__ = ("hash_ids", "hash_block_tokens", "num_tokens", "covered_tokens", "unique_id")
 
-    def __init__(self, hash_ids: Sequence[int], hash_block_tokens: int, num_tokens: int):
+    def __init__(self, hash_ids: Sequence[int], hash_block_tokens: int, num_tokens: int,
+                 unique_id: int | None = None):
         if hash_block_tokens <= 0:
             raise ConfigError("hash_block_tokens", "a positive integer", hash_block_tokens)
-        if len(hash_ids) * hash_block_tokens < num_tokens:
-            raise ConfigError("hash_ids", f"enough ids to cover {num_tokens} prompt tokens "
-                              f"at {hash_block_tokens} tokens each", len(hash_ids))
+        covered = min(num_tokens, len(hash_ids) * hash_block_tokens)
+        if covered < num_tokens and unique_id is None:
+            raise ConfigError("hash_ids", f"enough ids to cover {num_tokens} prompt tokens at {hash_block_tokens} "
+                              f"tokens each, or a unique_id for the uncovered rest", len(hash_ids))
         self.hash_ids = hash_ids
         self.hash_block_tokens = hash_block_tokens
         self.num_tokens = num_tokens
+        self.covered_tokens = covered
+        self.unique_id = unique_id
+
+    def prefix_identity(self, end: int) -> tuple:
+        """A name for prompt tokens ``[0, end)`` that equal prefixes, and only they, share."""
+        if end <= self.covered_tokens:
+            return ("h", self.hash_ids[(end - 1) // self.hash_block_tokens], end)
+        return ("u", self.unique_id, end)
 
     def block_identity(self, start: int, end: int, output_token_ids: list[int]) -> tuple:
         num_prompt = self.num_tokens
         if start >= num_prompt:
             return tuple(output_token_ids[start - num_prompt:end - num_prompt])
-        prompt_end = min(end, num_prompt)
-        prompt_part = ("h", self.hash_ids[(prompt_end - 1) // self.hash_block_tokens], prompt_end)
+        prompt_part = self.prefix_identity(min(end, num_prompt))
         if end <= num_prompt:
             return prompt_part
         return prompt_part + tuple(output_token_ids[:end - num_prompt])
 
 
 PromptSource = TokenPrompt | HashIdPrompt
+
+
+class HashIdBlockHashes:
+    """The block hashes of a ``HashIdPrompt`` request, made on demand.
+
+    A prompt block's hash is a function of its prefix identity alone, so none is computed
+    until a lookup or a cache registration asks for it: a request costs nothing per block
+    at arrival. Blocks that reach into the output are chained and stored (``tail``).
+    """
+
+    __slots__ = ("prompt", "block_size", "hash_fn", "extra", "num_prompt_blocks", "tail")
+
+    def __init__(self, prompt: HashIdPrompt, block_size: int, hash_fn: HashFn, extra: ExtraKeys | None):
+        self.prompt = prompt
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        # Not chained, so keys that vLLM puts on the first block only must go on every block.
+        self.extra = (extra.lora_name, extra.lora_path, extra.cache_salt) if extra is not None else None
+        self.num_prompt_blocks = prompt.num_tokens // block_size
+        self.tail: list = []
+
+    def __len__(self) -> int:
+        return self.num_prompt_blocks + len(self.tail)
+
+    def __getitem__(self, index: int) -> BlockHash:
+        if index < 0:
+            index += len(self)
+        if index < self.num_prompt_blocks:
+            identity = self.prompt.prefix_identity((index + 1) * self.block_size)
+            return self.hash_fn(identity if self.extra is None else (identity, self.extra))
+        return self.tail[index - self.num_prompt_blocks]
 
 
 class BlockHasher:
@@ -143,19 +185,25 @@ class BlockHasher:
         self.hash_block_size = hash_block_size
         self.none_hash = none_hash(hash_fn)
 
-    def extend(self, hashes: list, prompt: PromptSource, output_token_ids: list[int],
+    def new_hashes(self, prompt: PromptSource, extra: ExtraKeys | None) -> list | HashIdBlockHashes:
+        if isinstance(prompt, HashIdPrompt):
+            return HashIdBlockHashes(prompt, self.hash_block_size, self.hash_fn, extra)
+        return []
+
+    def extend(self, hashes: list | HashIdBlockHashes, prompt: PromptSource, output_token_ids: list[int],
                num_tokens: int, extra: ExtraKeys | None) -> None:
         """Append the hashes of blocks that became full since ``hashes`` was last extended."""
         bs = self.hash_block_size
         hash_fn = self.hash_fn
         index = len(hashes)
-        parent = hashes[-1] if hashes else self.none_hash
+        parent = hashes[index - 1] if index else self.none_hash
+        tail = hashes.tail if isinstance(hashes, HashIdBlockHashes) else hashes
         while (index + 1) * bs <= num_tokens:
             start = index * bs
             identity = prompt.block_identity(start, start + bs, output_token_ids)
             keys = extra.for_block(index) if extra is not None else None
             parent = hash_fn((parent, identity, keys))
-            hashes.append(parent)
+            tail.append(parent)
             index += 1
 
 
@@ -168,7 +216,7 @@ class CoarseBlockHashes:
 
     __slots__ = ("fine", "factor")
 
-    def __init__(self, fine: list, factor: int):
+    def __init__(self, fine: Sequence, factor: int):
         self.fine = fine
         self.factor = factor
 

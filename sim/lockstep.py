@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sim.engine import EngineCore
+from sim.engine import EngineCore, Execution
 from sim.errors import ConfigError
 from sim.golden import GoldenCase
 from sim.hashing import TokenPrompt
@@ -27,8 +27,10 @@ class ScriptedModel:
     def __init__(self, outputs: dict[str, tuple[int, ...]]):
         self.outputs = outputs
 
-    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> dict[str, list[int]]:
-        return {r.request_id: [self.outputs[r.request_id][r.num_output_tokens]] for r in ready_to_sample}
+    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> Execution:
+        # One step is one tick of the step clock.
+        return Execution({r.request_id: [self.outputs[r.request_id][r.num_output_tokens]] for r in ready_to_sample},
+                         duration_s=1.0)
 
 
 @dataclass

@@ -91,7 +91,7 @@ class SingleTypeKVCacheManager:
         num_new = cdiv(num_tokens, self.block_size) - len(table)
         if num_new <= 0:
             return []
-        new_blocks = self.block_pool.get_new_blocks(num_new)
+        new_blocks = self.block_pool.get_new_blocks(num_new, self.group_id)
         table.extend(new_blocks)
         return new_blocks
 
@@ -318,7 +318,7 @@ class MambaManager(SingleTypeKVCacheManager):
                     break
                 table.append(table[idx])
                 table[idx] = self.null_block
-        new_blocks = self.block_pool.get_new_blocks(num_required - len(table))
+        new_blocks = self.block_pool.get_new_blocks(num_required - len(table), self.group_id)
         returned = table[prev_len:]
         table.extend(new_blocks)
         self.allocated_block_reqs.add(request_id)

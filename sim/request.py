@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from sim.hashing import BlockHasher, ExtraKeys, PromptSource
+from sim.hashing import BlockHasher, ExtraKeys, HashIdBlockHashes, PromptSource
 
 
 class RequestStatus(enum.Enum):
@@ -38,7 +38,7 @@ class Request:
         # Prompt plus outputs; kept as a field because the scheduler reads it constantly.
         self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
-        self.block_hashes: list = []
+        self.block_hashes: list | HashIdBlockHashes = []
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         # Where a longer single-group prefix hit ends (0 if none): a Mamba prefill chunk
@@ -52,6 +52,7 @@ class Request:
 
     def attach_hasher(self, hasher: BlockHasher) -> None:
         self._hasher = hasher
+        self.block_hashes = hasher.new_hashes(self.prompt, self.extra_keys)
         self._extend_block_hashes()
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sim.config import CacheConfig, SchedulerConfig
-from sim.engine import EngineCore
+from sim.engine import EngineCore, Execution
 from sim.hashing import BlockHasher, TokenPrompt, get_hash_fn
 from sim.kv_cache_manager import KVCacheManager
 from sim.request import Request
@@ -52,7 +52,7 @@ class EchoModel:
     """Samples token 50000 + output index for every request ready to sample."""
 
     def execute(self, output, ready_to_sample):
-        return {r.request_id: [50_000 + r.num_output_tokens] for r in ready_to_sample}
+        return Execution({r.request_id: [50_000 + r.num_output_tokens] for r in ready_to_sample}, 1.0)
 
 
 def new_request(request_id: str, toks, max_tokens: int = 4, priority: int = 0, arrival_time: float = 0.0) -> Request:
