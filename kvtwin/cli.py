@@ -7,6 +7,7 @@ import typer
 from kvtwin import __version__
 from kvtwin.commands import lockstep
 from kvtwin.commands import plan
+from kvtwin.commands import replay
 from kvtwin.commands.trace import trace_app
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ def main(
 
 app.command("lockstep")(lockstep.lockstep)
 app.command("plan")(plan.plan)
+app.command("replay")(replay.replay)
 app.add_typer(trace_app, name="trace")
 
 if __name__ == "__main__":

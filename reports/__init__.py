@@ -1,4 +1,1 @@
-"""Turns run outputs into tables, parquet and HTML reports.
-
-Not built yet (a later issue); the package exists so the layout matches DESIGN.md.
-"""
+"""Run outputs: the run directory's parquet files and their documented schema (SCHEMA.md)."""

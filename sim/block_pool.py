@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sim.hashing import hashes_in_range
+
 
 class KVCacheBlock:
     """One physical block: its id, how many block tables hold it, and its cache key."""
@@ -173,12 +175,11 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         cache = self.cached_block_hash_to_block[group_id]
+        hashes = hashes_in_range(block_hashes, num_cached_blocks, num_full_blocks)
         stored = []
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
+        for block, block_hash in zip(blocks[num_cached_blocks:num_full_blocks], hashes):
             if block.is_null:
                 continue
-            block_hash = block_hashes[i]
             block.block_hash = block_hash
             block.group_id = group_id
             entry = cache.get(block_hash)
@@ -198,10 +199,9 @@ class BlockPool:
             return
         cache = self.cached_block_hash_to_block[block.group_id]
         entry = cache.get(block_hash)
-        if type(entry) is KVCacheBlock:
-            if entry is block:
-                del cache[block_hash]
-        elif entry is not None:
+        if entry is block:
+            del cache[block_hash]
+        elif entry is not None and type(entry) is dict:
             entry.pop(block.block_id, None)
             if not entry:
                 del cache[block_hash]
@@ -214,15 +214,28 @@ class BlockPool:
     # -- allocation and freeing ------------------------------------------------------
 
     def get_new_blocks(self, num_blocks: int, group_id: int = 0) -> list[KVCacheBlock]:
-        if num_blocks > self.free_block_queue.num_free_blocks:
-            raise RuntimeError(f"cannot get {num_blocks} free blocks from the pool "
-                               f"({self.free_block_queue.num_free_blocks} free)")
-        blocks = self.free_block_queue.popleft_n(num_blocks)
-        for block in blocks:
+        """Pop ``num_blocks`` from the front of the free queue, evicting their cache entries."""
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            raise RuntimeError(f"cannot get {num_blocks} free blocks from the pool ({queue.num_free_blocks} free)")
+        # The pops are inlined (one relink of the head at the end): every block a replay
+        # ever computes passes through here once.
+        head = queue._head
+        block = head.next_free
+        blocks = []
+        evict = self._maybe_evict_cached_block
+        for _ in range(num_blocks):
+            blocks.append(block)
+            following = block.next_free
+            block.prev_free = block.next_free = None
             if block.block_hash is not None:
-                self._maybe_evict_cached_block(block)
+                evict(block)
             block.ref_cnt = 1
             block.owner_group = group_id
+            block = following
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free_blocks -= num_blocks
         self.num_used_by_group[group_id] += num_blocks
         return blocks
 

@@ -88,6 +88,14 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.new_step_starts()
 
+    def is_noop(self, request_id: str, num_computed_tokens: int, num_tokens_need_slot: int,
+                num_tokens_main_model: int, num_tokens_to_cache: int) -> bool:
+        for m in self.managers:
+            if not m.is_noop(request_id, num_computed_tokens, num_tokens_need_slot, num_tokens_main_model,
+                             num_tokens_to_cache):
+                return False
+        return True
+
     def get_blocks(self, request_id: str) -> HitBlocks:
         return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers)
 

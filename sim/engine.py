@@ -60,6 +60,17 @@ class EngineCore:
                                          f"output within max_model_len {max_model_len}")
         if request.max_tokens <= 0:
             return self._reject(request, f"max_tokens must be positive, got {request.max_tokens}")
+        total_tokens = request.num_prompt_tokens + request.max_tokens
+        if total_tokens > max_model_len:
+            return self._reject(request, f"prompt + output = {total_tokens} tokens exceeds max_model_len "
+                                         f"{max_model_len}")
+        # vLLM would keep such a request at the head of the queue forever.
+        kvm = self.kv_cache_manager
+        needed = kvm.coordinator.get_num_blocks_to_allocate(request.request_id, total_tokens, kvm.empty_blocks, 0,
+                                                            total_tokens, apply_admission_cap=True)
+        usable = kvm.block_pool.num_gpu_blocks - 1
+        if needed > usable:
+            return self._reject(request, f"needs {needed} KV blocks, more than the pool's {usable}")
         self.scheduler.add_request(request)
         return True
 

@@ -152,7 +152,8 @@ class HashIdBlockHashes:
     at arrival. Blocks that reach into the output are chained and stored (``tail``).
     """
 
-    __slots__ = ("prompt", "block_size", "hash_fn", "extra", "num_prompt_blocks", "tail")
+    __slots__ = ("prompt", "block_size", "hash_fn", "extra", "num_prompt_blocks", "tail", "_ids", "_ids_tokens",
+                 "_fast_blocks")
 
     def __init__(self, prompt: HashIdPrompt, block_size: int, hash_fn: HashFn, extra: ExtraKeys | None):
         self.prompt = prompt
@@ -162,17 +163,45 @@ class HashIdBlockHashes:
         self.extra = (extra.lora_name, extra.lora_path, extra.cache_salt) if extra is not None else None
         self.num_prompt_blocks = prompt.num_tokens // block_size
         self.tail: list = []
+        # The hot case (builtin hash, no extra keys, a block the trace's ids cover) hashes
+        # (chunk id, end) directly: this runs once or twice for every prompt block replayed.
+        self._ids = prompt.hash_ids
+        self._ids_tokens = prompt.hash_block_tokens
+        fast = hash_fn is builtin_hash and self.extra is None
+        self._fast_blocks = min(self.num_prompt_blocks, prompt.covered_tokens // block_size) if fast else 0
 
     def __len__(self) -> int:
         return self.num_prompt_blocks + len(self.tail)
 
     def __getitem__(self, index: int) -> BlockHash:
+        if 0 <= index < self._fast_blocks:
+            end = (index + 1) * self.block_size
+            return hash((self._ids[(end - 1) // self._ids_tokens], end))
         if index < 0:
             index += len(self)
         if index < self.num_prompt_blocks:
             identity = self.prompt.prefix_identity((index + 1) * self.block_size)
             return self.hash_fn(identity if self.extra is None else (identity, self.extra))
         return self.tail[index - self.num_prompt_blocks]
+
+
+    def range(self, start: int, stop: int) -> list:
+        """Hashes of blocks ``[start, stop)`` in one call (the pool caches blocks in runs)."""
+        fast_stop = min(stop, self._fast_blocks)
+        out = []
+        if start < fast_stop:
+            ids, ids_tokens, bs = self._ids, self._ids_tokens, self.block_size
+            out = [hash((ids[(end - 1) // ids_tokens], end)) for end in range((start + 1) * bs, fast_stop * bs + 1, bs)]
+            start = fast_stop
+        out.extend(self[i] for i in range(start, stop))
+        return out
+
+
+def hashes_in_range(block_hashes: Sequence, start: int, stop: int) -> list:
+    """``list(block_hashes[start:stop])`` for every kind of block-hash sequence."""
+    if type(block_hashes) is list:
+        return block_hashes[start:stop]
+    return block_hashes.range(start, stop)
 
 
 class BlockHasher:
@@ -229,3 +258,6 @@ class CoarseBlockHashes:
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self.fine[(index + 1) * self.factor - 1]
+
+    def range(self, start: int, stop: int) -> list:
+        return [self[i] for i in range(start, stop)]

@@ -55,6 +55,16 @@ class KVCacheManager:
         """Give ``request`` slots for ``num_new_tokens`` more tokens; None if the pool is short."""
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
+        if (new_computed_blocks is None and num_new_computed_tokens == 0 and not full_sequence_must_fit
+                and num_lookahead_tokens == 0 and request.status is RequestStatus.RUNNING):
+            # The common decode step: when no group has anything to drop, add or cache, the
+            # full path below would change nothing and succeed (a running request needs no
+            # watermark), so skip it.
+            computed = min(request.num_computed_tokens, self.max_model_len)
+            end = computed + num_new_tokens
+            if self.coordinator.is_noop(request.request_id, computed, min(end, self.max_model_len), end,
+                                        min(end, request.num_tokens)):
+                return self.empty_blocks
         hit_blocks = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks
         coordinator = self.coordinator
         free_blocks = self.block_pool.get_num_free_blocks

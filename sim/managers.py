@@ -132,6 +132,28 @@ class SingleTypeKVCacheManager:
     def new_step_starts(self) -> None:
         pass
 
+    def is_noop(self, request_id: str, num_computed_tokens: int, num_tokens_need_slot: int,
+                num_tokens_main_model: int, num_tokens_to_cache: int) -> bool:
+        """Whether allocating for a running request would change nothing in this group:
+        no block to drop, none to add, none newly full. Most decode steps are such steps;
+        answering this is O(1) where the full path is not."""
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return False
+        block_size = self.block_size
+        if len(table) * block_size < num_tokens_need_slot:
+            return False
+        if self.enable_caching and num_tokens_to_cache // block_size > self.num_cached_block.get(request_id, 0):
+            return False
+        return self._nothing_to_skip(table, num_computed_tokens)
+
+    def _nothing_to_skip(self, table: list[KVCacheBlock], num_computed_tokens: int) -> bool:
+        num_skipped = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped <= 0:
+            return True
+        n = min(num_skipped // self.block_size, len(table))
+        return n == 0 or table[n - 1] is self.null_block
+
     # -- prefix hits -----------------------------------------------------------------
 
     @classmethod
@@ -344,6 +366,24 @@ class MambaManager(SingleTypeKVCacheManager):
             for block in self.req_to_blocks[request_id][before:after]:
                 if not block.is_null and block.block_hash is not None:
                     self.cached_blocks_this_step.add(block.block_hash)
+
+    def is_noop(self, request_id, num_computed_tokens, num_tokens_need_slot, num_tokens_main_model,
+                num_tokens_to_cache):
+        if not self.align:
+            return False
+        table = self.req_to_blocks.get(request_id)
+        if table is None or request_id not in self.allocated_block_reqs:
+            return False
+        block_size = self.block_size
+        if cdiv(num_tokens_main_model, block_size) + self.num_speculative_blocks > len(table):
+            return False
+        if self.enable_caching and num_tokens_to_cache // block_size > self.num_cached_block.get(request_id, 0):
+            return False
+        last_idx = self.last_state_block_idx.get(request_id)
+        if (last_idx is not None and last_idx < cdiv(num_computed_tokens, block_size) - 1
+                and table[last_idx] is not self.null_block):
+            return False
+        return self._nothing_to_skip(table, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
         self.allocated_block_reqs.discard(request_id)

@@ -9,70 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from kvtwin.console import user_errors
+from kvtwin.scenario import load_scenario
 from sim.errors import ConfigError
-from sim.hardware import GIB, GPUSpec, get_gpu, gpu_from_mapping
+from sim.hardware import GIB, GPUSpec, get_gpu
 from sim.hf_config import load_hf_config
-from sim.models import ModelPreset, get_model, model_from_mapping
-from sim.planner import EngineConfig, Plan, engine_config, engine_fields_from_mapping, plan as make_plan
+from sim.models import ModelPreset, get_model
+from sim.planner import EngineConfig, Plan, plan as make_plan
 
-SCENARIO_SECTIONS = ("model", "hardware", "engine")
 
 
 # --------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------
-
-
-def _model_from_table(table: dict[str, Any], base_dir: Path) -> ModelPreset:
-    """``[model]``: ``preset = NAME`` or ``hf_config = PATH`` (either with field
-    overrides), or a whole inline description."""
-    if not isinstance(table, dict):
-        raise ConfigError("model", "a table", table)
-    fields = dict(table)
-    preset = fields.pop("preset", None)
-    hf_config = fields.pop("hf_config", None)
-    if preset is not None and hf_config is not None:
-        raise ConfigError("model", "either preset or hf_config, not both")
-    if hf_config is not None:
-        path = Path(hf_config)
-        return load_hf_config(path if path.is_absolute() else base_dir / path, name=fields.pop("name", None),
-                              overrides=fields)
-    if preset is not None:
-        base = get_model(preset, field="model.preset")
-        if not fields:
-            return base
-        merged = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        if "state" in fields or base.state is None:
-            merged.pop("state")
-        else:
-            merged["state"] = {"kind": base.state.kind, **dataclasses.asdict(base.state)}
-        merged.update(fields)
-        return model_from_mapping(merged)
-    return model_from_mapping(fields)
-
-
-def load_scenario(path: Path) -> tuple[ModelPreset | None, GPUSpec | None, dict]:
-    """The model, GPU and engine settings of a scenario file (other sections are for
-    other commands and are ignored here)."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError("scenario", "valid TOML", str(err), source=str(path)) from None
-    try:
-        model = _model_from_table(data["model"], path.parent) if "model" in data else None
-        gpu = gpu_from_mapping(data["hardware"]) if "hardware" in data else None
-        engine = engine_fields_from_mapping(data.get("engine", {}))
-        engine_config(engine)  # validate here so errors name the file
-    except ConfigError as err:
-        raise err if err.source else err.with_source(str(path)) from None
-    return model, gpu, engine
 
 
 def gather_inputs(*, model: str | None, gpu: str | None, scenario: Path | None, hf_config: Path | None,
@@ -81,7 +35,8 @@ def gather_inputs(*, model: str | None, gpu: str | None, scenario: Path | None, 
     scenario_model = scenario_gpu = None
     engine_fields: dict[str, Any] = {}
     if scenario is not None:
-        scenario_model, scenario_gpu, engine_fields = load_scenario(scenario)
+        loaded = load_scenario(scenario)
+        scenario_model, scenario_gpu, engine_fields = loaded.model, loaded.gpu, dict(loaded.engine_fields)
     if model is not None and hf_config is not None:
         raise ConfigError("--model", "either --model or --hf-config, not both")
     if model is not None:
