@@ -88,6 +88,9 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.new_step_starts()
 
+    def noop_horizon(self, request_id: str) -> int:
+        return min(m.noop_horizon(request_id) for m in self.managers)
+
     def is_noop(self, request_id: str, num_computed_tokens: int, num_tokens_need_slot: int,
                 num_tokens_main_model: int, num_tokens_to_cache: int) -> bool:
         for m in self.managers:

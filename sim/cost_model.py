@@ -206,8 +206,13 @@ class CostModel:
         num_tokens = 0
         kv_bytes = 0.0
         attention_flops = 0.0
+        # Decodes (one new token each) are most items: their terms are sums of contexts.
+        decode_ends = []
         for new, before in items:
             num_tokens += new
+            if new == 1:
+                decode_ends.append(before + 1)
+                continue
             end = before + new
             for lc in self.layer_classes:
                 kind = lc.kind
@@ -223,6 +228,24 @@ class CostModel:
                     read = end
                 kv_bytes += (read + new) * lc.kv_bytes_per_token * lc.num_layers
                 attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended_keys(kind, window, before, end)
+        if decode_ends:
+            num_decodes = len(decode_ends)
+            total_ends = sum(decode_ends)
+            for lc in self.layer_classes:
+                kind = lc.kind
+                if kind == "mamba":
+                    kv_bytes += 2 * lc.state_bytes * lc.num_layers * num_decodes
+                    continue
+                window = lc.window_tokens
+                if kind == "sliding_window":
+                    attended = sum(e if e < window else window for e in decode_ends)
+                elif kind == "chunked_local":
+                    attended = sum((e - 1) % window + 1 for e in decode_ends)
+                else:
+                    attended = total_ends
+                # A decode reads what its query attends and writes one token.
+                kv_bytes += (attended + num_decodes) * lc.kv_bytes_per_token * lc.num_layers
+                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
         eff = self.eff
         linear_flops = self.linear_flops_per_token * num_tokens
         compute_s = (linear_flops / (self.flops_per_s * eff.matmul_flops_fraction)

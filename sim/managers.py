@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sim.block_pool import BlockPool, KVCacheBlock
+from sim.hashing import hashes_in_range
 from sim.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -147,6 +148,32 @@ class SingleTypeKVCacheManager:
             return False
         return self._nothing_to_skip(table, num_computed_tokens)
 
+    def noop_horizon(self, request_id: str) -> int:
+        """The largest token count ``end`` such that, for a running request with computed
+        tokens below ``end``, allocating up to ``end`` is a no-op in this group given its
+        current table. Lets the KV cache manager skip decode steps with one comparison."""
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return -1
+        block_size = self.block_size
+        horizon = len(table) * block_size
+        if self.enable_caching:
+            horizon = min(horizon, (self.num_cached_block.get(request_id, 0) + 1) * block_size - 1)
+        return min(horizon, self._skip_horizon(table))
+
+    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+        """Computed-token counts below this drop no further block (no early freeing: none)."""
+        return 1 << 62
+
+    def _leading_nulls(self, table: list[KVCacheBlock]) -> int:
+        null = self.null_block
+        count = 0
+        for block in table:
+            if block is not null:
+                break
+            count += 1
+        return count
+
     def _nothing_to_skip(self, table: list[KVCacheBlock], num_computed_tokens: int) -> bool:
         num_skipped = self.get_num_skipped_tokens(num_computed_tokens)
         if num_skipped <= 0:
@@ -173,11 +200,16 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # The common case, without the per-group list building.
             cache = block_pool.cached_block_hash_to_block[group_ids[0]]
             out = computed[0]
-            for i in range(max_num_blocks):
-                entry = cache.get(block_hashes[i])
-                if entry is None:
-                    break  # chained hashes: after a miss nothing can hit
-                out.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+            start = 0
+            while start < max_num_blocks:
+                # Hashes in growing runs: a miss usually comes early or not at all.
+                stop = min(max_num_blocks, start + max(64, start))
+                for block_hash in hashes_in_range(block_hashes, start, stop):
+                    entry = cache.get(block_hash)
+                    if entry is None:
+                        return cls._aligned(computed, block_size, alignment_tokens)  # chained: nothing later hits
+                    out.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+                start = stop
         else:
             for i in range(max_num_blocks):
                 hit = block_pool.get_cached_block(block_hashes[i], group_ids)
@@ -185,6 +217,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                     break
                 for blocks, block in zip(computed, hit):
                     blocks.append(block)
+        return cls._aligned(computed, block_size, alignment_tokens)
+
+    @staticmethod
+    def _aligned(computed: list[list[KVCacheBlock]], block_size: int, alignment_tokens: int):
         hit_length = len(computed[0]) * block_size
         if alignment_tokens != block_size and hit_length % alignment_tokens:
             hit_length = hit_length // alignment_tokens * alignment_tokens
@@ -197,6 +233,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # The next token attends the last `window` tokens including itself.
         return max(0, num_computed_tokens - self.spec.sliding_window + 1)
+
+    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+        # One more block drops once computed - window + 1 reaches the end of the next block.
+        return (self._leading_nulls(table) + 1) * self.block_size + self.spec.sliding_window - 1
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
@@ -237,6 +277,11 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         chunk = self.spec.attention_chunk_size
         return num_computed_tokens // chunk * chunk
+
+    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+        # Blocks drop when a chunk boundary passes the end of the next block.
+        chunk = self.spec.attention_chunk_size
+        return cdiv((self._leading_nulls(table) + 1) * self.block_size, chunk) * chunk
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
@@ -366,6 +411,9 @@ class MambaManager(SingleTypeKVCacheManager):
             for block in self.req_to_blocks[request_id][before:after]:
                 if not block.is_null and block.block_hash is not None:
                     self.cached_blocks_this_step.add(block.block_hash)
+
+    def noop_horizon(self, request_id: str) -> int:
+        return -1  # state blocks move every block boundary; is_noop decides
 
     def is_noop(self, request_id, num_computed_tokens, num_tokens_need_slot, num_tokens_main_model,
                 num_tokens_to_cache):

@@ -218,11 +218,12 @@ class Scheduler:
         """Append sampled tokens; finish and free requests that are done. Returns the finished."""
         finished: list[Request] = []
         max_model_len = self.config.max_model_len
+        requests = self.requests
         for request_id in output.num_scheduled_tokens:
             tokens = sampled.get(request_id)
             if not tokens:
                 continue
-            request = self.requests[request_id]
+            request = requests[request_id]
             request.append_output_token_ids(tokens)
             if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
                 request.status = RequestStatus.FINISHED

@@ -96,3 +96,26 @@ def test_calibration_file_overrides_and_rejects_unknown_keys(tmp_path):
         load_calibration(bad)
     with pytest.raises(ConfigError, match="fraction in"):
         efficiency_from_mapping({"matmul_flops_fraction": 1.5})
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "gpt-oss-20b", "llama-4-scout", "jamba-mini"])
+def test_decode_sums_equal_the_per_request_terms(name):
+    """The decode fast path (sums over contexts) must equal the general per-request terms."""
+    p = plan(get_model(name), get_gpu("h200"), EngineConfig(max_model_len=32768, tensor_parallel_size=8))
+    cm = CostModel(p.model, p.gpu, p.layers.specs, tensor_parallel_size=8)
+    items = [(1, c) for c in (0, 5, 127, 128, 1000, 8191, 8192, 20000)]
+    fast = cm.step_cost(items)
+    general_kv = general_flops = 0.0
+    for new, before in items:
+        end = before + new
+        for lc in cm.layer_classes:
+            if lc.kind == "mamba":
+                general_kv += 2 * lc.state_bytes * lc.num_layers
+                continue
+            read = min(end, lc.window_tokens + new - 1) if lc.kind == "sliding_window" else (
+                end - (before // lc.window_tokens) * lc.window_tokens if lc.kind == "chunked_local" else end)
+            general_kv += (read + new) * lc.kv_bytes_per_token * lc.num_layers
+            general_flops += 2.0 * lc.attention_width * lc.num_layers * attended_keys(lc.kind, lc.window_tokens,
+                                                                                      before, end)
+    assert fast.kv_bytes == pytest.approx(general_kv)
+    assert fast.flops - cm.linear_flops_per_token * len(items) == pytest.approx(general_flops)
