@@ -452,8 +452,8 @@ def test_hash_algo_does_not_change_decisions(s: Scenario):
 
 
 def test_unrunnable_requests_are_rejected_or_reported():
-    """PROGRESS, second half: a request that can never run is rejected with a reason, and one
-    that can never fit the pool is reported by the lockstep runner instead of looping."""
+    """PROGRESS, second half: a request that can never run (too long, no output, or more
+    blocks than the pool holds) is rejected with a reason instead of waiting forever."""
     sched = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64)
     kv = KVCacheConfig(num_blocks=3, groups=(KVCacheGroupSpec(("l",), FullAttentionSpec(block_size=16)),))
     engine = EngineCore(kv, sched, CacheConfig())
@@ -463,7 +463,10 @@ def test_unrunnable_requests_are_rejected_or_reported():
     assert too_long.status is RequestStatus.REJECTED and no_output.status is RequestStatus.REJECTED
     assert [r for r, _ in engine.rejected] == [too_long, no_output] and all(why for _, why in engine.rejected)
     assert not engine.has_unfinished_requests()
-    # 40 tokens need 3 blocks; the pool has 2 usable: the runner stops with an error.
+    # 40 tokens need 3 blocks; the pool has 2 usable: rejected up front, never left waiting.
+    big = Request("big", TokenPrompt([1] * 39), 1)
+    assert not engine.add_request(big) and "more than the pool's 2" in engine.rejected[-1][1]
+    # The lockstep runner turns such a rejection into an error naming the request.
     case = GoldenCase("toobig", kv, sched, CacheConfig(), (CaseRequest("big", 0, (1,) * 39, (2,), 0),))
     try:
         run_case(case, max_idle_steps=5)
