@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sim.engine import EngineCore, Execution
+from sim.block_pool import BlockPool
+from sim.engine import EngineCore, Execution, StepResult
 from sim.errors import ConfigError
 from sim.golden import GoldenCase
 from sim.hashing import TokenPrompt
@@ -31,6 +32,19 @@ class ScriptedModel:
         # One step is one tick of the step clock.
         return Execution({r.request_id: [self.outputs[r.request_id][r.num_output_tokens]] for r in ready_to_sample},
                          duration_s=1.0)
+
+
+def step_record(step: int, result: StepResult, pool: BlockPool) -> dict:
+    """One line of ``expected_steps.jsonl``: what a step scheduled and left in the pool."""
+    out = result.output
+    return {
+        "step": step,
+        "scheduled": dict(out.num_scheduled_tokens),
+        "preempted": list(out.preempted),
+        "finished": [r.request_id for r in result.finished],
+        "num_free_blocks": pool.get_num_free_blocks(),
+        "num_cached_blocks": pool.num_cached_blocks(),
+    }
 
 
 @dataclass
@@ -82,14 +96,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
                 record.first_scheduled_step = step
         for request in result.finished:
             records[request.request_id].finish_step = step
-        steps.append({
-            "step": step,
-            "scheduled": dict(out.num_scheduled_tokens),
-            "preempted": list(out.preempted),
-            "finished": [r.request_id for r in result.finished],
-            "num_free_blocks": pool.get_num_free_blocks(),
-            "num_cached_blocks": pool.num_cached_blocks(),
-        })
+        steps.append(step_record(step, result, pool))
         if on_step is not None:
             on_step(step)
         all_arrived = next_arrival == len(pending)

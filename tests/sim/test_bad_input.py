@@ -89,7 +89,7 @@ def test_malformed_request_line_names_file_line_and_field(tmp_path):
     (case / "requests.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError) as err:
         load_case(case)
-    assert f"requests.jsonl:3: output_token_ids" in str(err.value)
+    assert "requests.jsonl:3: output_token_ids" in str(err.value)
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):

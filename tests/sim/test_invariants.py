@@ -31,7 +31,7 @@ from sim.errors import ConfigError
 from sim.golden import CaseRequest, GoldenCase, load_case
 from sim.hashing import BlockHasher, TokenPrompt, get_hash_fn
 from sim.kv_cache_manager import KVCacheManager
-from sim.lockstep import ScriptedModel, run_case
+from sim.lockstep import ScriptedModel, run_case, step_record
 from sim.request import Request, RequestStatus
 from sim.spec import (
     ChunkedLocalAttentionSpec,
@@ -276,14 +276,7 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
             finished.add(request.request_id)
             if request.status is not RequestStatus.FINISHED:
                 raise AssertionError(f"REQ-CONSERVE: finished {request.request_id} has status {request.status}")
-        steps.append({
-            "step": step,
-            "scheduled": dict(out.num_scheduled_tokens),
-            "preempted": list(out.preempted),
-            "finished": [r.request_id for r in result.finished],
-            "num_free_blocks": pool.get_num_free_blocks(),
-            "num_cached_blocks": pool.num_cached_blocks(),
-        })
+        steps.append(step_record(step, result, pool))
         if check:
             check_invariants(engine, result, num_tokens_before)
             # REQ-CONSERVE over the whole workload: not arrived / waiting / running / finished / rejected.
