@@ -153,7 +153,7 @@ class HashIdBlockHashes:
     """
 
     __slots__ = ("prompt", "block_size", "hash_fn", "extra", "num_prompt_blocks", "tail", "_ids", "_ids_tokens",
-                 "_fast_blocks")
+                 "_fast_blocks", "_memo")
 
     def __init__(self, prompt: HashIdPrompt, block_size: int, hash_fn: HashFn, extra: ExtraKeys | None):
         self.prompt = prompt
@@ -169,6 +169,9 @@ class HashIdBlockHashes:
         self._ids_tokens = prompt.hash_block_tokens
         fast = hash_fn is builtin_hash and self.extra is None
         self._fast_blocks = min(self.num_prompt_blocks, prompt.covered_tokens // block_size) if fast else 0
+        # Hashes made so far, kept while the request lives: a waiting request at the head
+        # of a long queue is looked up again every step.
+        self._memo: list = []
 
     def __len__(self) -> int:
         return self.num_prompt_blocks + len(self.tail)
@@ -187,13 +190,16 @@ class HashIdBlockHashes:
 
     def range(self, start: int, stop: int) -> list:
         """Hashes of blocks ``[start, stop)`` in one call (the pool caches blocks in runs)."""
+        memo = self._memo
         fast_stop = min(stop, self._fast_blocks)
-        out = []
-        if start < fast_stop:
+        if len(memo) < fast_stop:
             ids, ids_tokens, bs = self._ids, self._ids_tokens, self.block_size
-            out = [hash((ids[(end - 1) // ids_tokens], end)) for end in range((start + 1) * bs, fast_stop * bs + 1, bs)]
-            start = fast_stop
-        out.extend(self[i] for i in range(start, stop))
+            memo.extend(hash((ids[(end - 1) // ids_tokens], end))
+                        for end in range((len(memo) + 1) * bs, fast_stop * bs + 1, bs))
+        if stop <= fast_stop:
+            return memo[start:stop]
+        out = memo[start:fast_stop] if start < fast_stop else []
+        out.extend(self[i] for i in range(max(start, fast_stop), stop))
         return out
 
 

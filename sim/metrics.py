@@ -34,12 +34,19 @@ class SLO:
 
 
 class _RequestRecord:
-    __slots__ = ("request", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
-                 "last_token_s", "hit_tokens", "hit_tokens_total", "queried_tokens", "scheduled_tokens",
-                 "status", "reason")
+    __slots__ = ("request", "request_id", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s",
+                 "finish_s", "last_token_s", "hit_tokens", "hit_tokens_total", "queried_tokens", "scheduled_tokens",
+                 "status", "reason", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions")
 
     def __init__(self, request: Request, index: int, session_id: str | None, arrival_s: float):
-        self.request = request
+        # The request is referenced only while it lives: a finished one is reduced to its
+        # counts, so its block hashes can be freed during a long replay.
+        self.request: Request | None = request
+        self.request_id = request.request_id
+        self.prompt_tokens = request.num_prompt_tokens
+        self.max_tokens = request.max_tokens
+        self.generated_tokens = 0
+        self.num_preemptions = 0
         self.index = index
         self.session_id = session_id
         self.arrival_s = arrival_s
@@ -53,6 +60,13 @@ class _RequestRecord:
         self.scheduled_tokens = 0
         self.status = "waiting"
         self.reason = ""
+
+    def snapshot(self) -> None:
+        request = self.request
+        if request is not None:
+            self.generated_tokens = request.num_output_tokens
+            self.num_preemptions = request.num_preemptions
+            self.request = None
 
 
 class MetricsRecorder:
@@ -113,6 +127,7 @@ class MetricsRecorder:
             record = records[request.request_id]
             record.finish_s = end_s
             record.status = "finished"
+            record.snapshot()
 
         pool = engine.kv_cache_manager.block_pool
         usable = pool.num_gpu_blocks - 1
@@ -146,23 +161,24 @@ class MetricsRecorder:
             if record.status in ("waiting", "running"):
                 status = record.request.status
                 record.status = "running" if status is RequestStatus.RUNNING else "waiting"
+            record.snapshot()
 
     def requests_table(self) -> pa.Table:
         rows = self.order
         first_token = np.array([r.first_token_s for r in rows], dtype=np.float64)
         finish = np.array([r.finish_s for r in rows], dtype=np.float64)
         arrival = np.array([r.arrival_s for r in rows], dtype=np.float64)
-        generated = np.array([r.request.num_output_tokens for r in rows], dtype=np.int64)
+        generated = np.array([r.generated_tokens for r in rows], dtype=np.int64)
         with np.errstate(invalid="ignore", divide="ignore"):
             tpot = np.where(generated > 1, (finish - first_token) / (generated - 1), np.nan)
-        prompt = np.array([r.request.num_prompt_tokens for r in rows], dtype=np.int64)
+        prompt = np.array([r.prompt_tokens for r in rows], dtype=np.int64)
         hit_first = np.array([r.hit_tokens for r in rows], dtype=np.int64)
         scheduled = np.array([r.scheduled_tokens for r in rows], dtype=np.int64)
         # Tokens computed beyond one pass over the prompt (less its first hit) and the outputs.
         recomputed = np.maximum(scheduled - (prompt - hit_first) - np.maximum(generated - 1, 0), 0)
         recomputed = np.where(scheduled > 0, recomputed, 0)
         return pa.table({
-            "request_id": pa.array([r.request.request_id for r in rows], pa.string()),
+            "request_id": pa.array([r.request_id for r in rows], pa.string()),
             "session_id": pa.array([r.session_id for r in rows], pa.string()),
             "status": pa.array([r.status for r in rows], pa.string()),
             "reject_reason": pa.array([r.reason or None for r in rows], pa.string()),
@@ -171,12 +187,12 @@ class MetricsRecorder:
             "first_token_time_s": first_token,
             "finish_time_s": finish,
             "prompt_tokens": prompt,
-            "output_tokens": np.array([r.request.max_tokens for r in rows], dtype=np.int64),
+            "output_tokens": np.array([r.max_tokens for r in rows], dtype=np.int64),
             "generated_tokens": generated,
             "prefix_hit_tokens": hit_first,
             "prefix_cache_queries": np.array([r.queried_tokens for r in rows], dtype=np.int64),
             "prefix_cache_hits": np.array([r.hit_tokens_total for r in rows], dtype=np.int64),
-            "num_preemptions": np.array([r.request.num_preemptions for r in rows], dtype=np.int64),
+            "num_preemptions": np.array([r.num_preemptions for r in rows], dtype=np.int64),
             "scheduled_tokens": scheduled,
             "recomputed_tokens": recomputed,
             "ttft_s": first_token - arrival,

@@ -9,7 +9,8 @@ clocks make the same decisions for the same arrival order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import simpy
@@ -51,7 +52,7 @@ class ReplayClock:
     finished: int = 0
 
 
-def run_simulation(engine: EngineCore, backend: Backend, arrivals: Sequence[Arrival], metrics: MetricsRecorder, *,
+def run_simulation(engine: EngineCore, backend: Backend, arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
                    time_limit_s: float | None = None,
                    on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000) -> float:
     """Replay ``arrivals`` (sorted by time) until every request is done or the time limit.
@@ -60,10 +61,14 @@ def run_simulation(engine: EngineCore, backend: Backend, arrivals: Sequence[Arri
     """
     env = simpy.Environment()
     clock = ReplayClock()
-    state = {"wake": None, "arrivals_done": len(arrivals) == 0}
+    # Consumed as they arrive, so a finished request is not kept alive by this list.
+    pending = deque(arrivals)
+    del arrivals
+    state = {"wake": None, "arrivals_done": not pending}
 
     def arrival_process():
-        for arrival in arrivals:
+        while pending:
+            arrival = pending.popleft()
             delay = arrival.arrival_s - env.now
             if delay > 0:
                 yield _UrgentTimeout(env, delay)
