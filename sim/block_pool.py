@@ -74,13 +74,16 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         tail = self._tail
+        last = tail.prev_free
+        count = 0
         for block in blocks:
-            last = tail.prev_free
             last.next_free = block
             block.prev_free = last
-            block.next_free = tail
-            tail.prev_free = block
-            self.num_free_blocks += 1
+            last = block
+            count += 1
+        last.next_free = tail
+        tail.prev_free = last
+        self.num_free_blocks += count
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front, keeping their order (``blocks[0]`` becomes the front)."""
@@ -175,23 +178,25 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         cache = self.cached_block_hash_to_block[group_id]
+        get = cache.get
         hashes = hashes_in_range(block_hashes, num_cached_blocks, num_full_blocks)
-        stored = []
-        for block, block_hash in zip(blocks[num_cached_blocks:num_full_blocks], hashes):
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        for block, block_hash in zip(new_blocks, hashes):
             if block.is_null:
                 continue
             block.block_hash = block_hash
             block.group_id = group_id
-            entry = cache.get(block_hash)
+            entry = get(block_hash)
             if entry is None:
                 cache[block_hash] = block
             elif type(entry) is KVCacheBlock:
                 cache[block_hash] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
-            stored.append(block.block_id)
-        if self.enable_kv_events and stored:
-            self.kv_event_queue.append(BlockStored(tuple(stored), group_id))
+        if self.enable_kv_events:
+            stored = tuple(b.block_id for b in new_blocks if not b.is_null)
+            if stored:
+                self.kv_event_queue.append(BlockStored(stored, group_id))
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
@@ -258,13 +263,16 @@ class BlockPool:
         """
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
+        used = self.num_used_by_group
+        caching = self.enable_caching
         for block in ordered_blocks:
             if block.is_null:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.num_used_by_group[block.owner_group] -= 1
-                if block.block_hash is None or not self.enable_caching:
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if ref_cnt == 0:
+                used[block.owner_group] -= 1
+                if block.block_hash is None or not caching:
                     unhashed.append(block)
                 else:
                     hashed.append(block)
