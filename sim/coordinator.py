@@ -47,6 +47,8 @@ class KVCacheCoordinator:
             self.managers.append(manager_class_for(spec)(spec, self.block_pool, gid, enable_caching,
                                                          self.hash_block_size, cap))
         self.scheduler_block_size = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
+        # A Mamba group moves its state block at every boundary: no horizon to skip to.
+        self.horizon_possible = all(m.has_noop_horizon for m in self.managers)
 
     # -- hash views --------------------------------------------------------------------
 
@@ -89,6 +91,8 @@ class KVCacheCoordinator:
             m.new_step_starts()
 
     def noop_horizon(self, request_id: str) -> int:
+        if not self.horizon_possible:
+            return -1
         return min(m.noop_horizon(request_id) for m in self.managers)
 
     def is_noop(self, request_id: str, num_computed_tokens: int, num_tokens_need_slot: int,

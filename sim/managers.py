@@ -34,6 +34,8 @@ class SingleTypeKVCacheManager:
     many leading entries were handed to the pool's hash map (``num_cached_block``; the
     key's presence marks a request that has been allocated at least once)."""
 
+    has_noop_horizon = True
+
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool,
                  hash_block_size: int, max_admission_blocks_per_request: int | None = None):
         self.spec = spec
@@ -306,6 +308,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 class MambaManager(SingleTypeKVCacheManager):
     """Recurrent state blocks. Align mode: the table is nulls plus the last state block(s)."""
 
+    has_noop_horizon = False
+
     def __init__(self, spec: MambaSpec, *args, **kwargs):
         super().__init__(spec, *args, **kwargs)
         self.align = spec.mamba_cache_mode == "align"
@@ -411,9 +415,6 @@ class MambaManager(SingleTypeKVCacheManager):
             for block in self.req_to_blocks[request_id][before:after]:
                 if not block.is_null and block.block_hash is not None:
                     self.cached_blocks_this_step.add(block.block_hash)
-
-    def noop_horizon(self, request_id: str) -> int:
-        return -1  # state blocks move every block boundary; is_noop decides
 
     def is_noop(self, request_id, num_computed_tokens, num_tokens_need_slot, num_tokens_main_model,
                 num_tokens_to_cache):
