@@ -19,6 +19,7 @@ import pyarrow as pa
 from sim.cost_model import Efficiency, efficiency_from_mapping, load_calibration
 from sim.errors import ConfigError
 from sim.hardware import GPUSpec, gpu_from_mapping
+from sim.hashing import get_hash_fn
 from sim.hf_config import load_hf_config
 from sim.metrics import SLO
 from sim.models import ModelPreset, get_model, model_from_mapping
@@ -179,8 +180,6 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
 
 
 def _check_scheduler(settings: SchedulerSettings) -> None:
-    from sim.hashing import get_hash_fn
-
     if settings.scheduling_policy not in ("fcfs", "priority"):
         raise ConfigError("engine.scheduling_policy", "fcfs or priority", settings.scheduling_policy)
     get_hash_fn(settings.prefix_caching_hash_algo)

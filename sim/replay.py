@@ -16,6 +16,7 @@ import pyarrow as pa
 from sim.config import CacheConfig, SchedulerConfig
 from sim.cost_model import CostModel, Efficiency
 from sim.engine import EngineCore, Execution
+from sim.errors import ConfigError
 from sim.metrics import SLO, MetricsRecorder, summarize
 from sim.planner import Plan
 from sim.request import Request
@@ -77,7 +78,6 @@ def run_replay(plan: Plan, trace: pa.Table, *, scheduler: SchedulerSettings = Sc
                on_progress: Callable[[ReplayClock], None] | None = None) -> ReplayResult:
     kv_cache_config = plan.kv_cache_config
     if kv_cache_config is None:
-        from sim.errors import ConfigError
         raise ConfigError("model", f"a model that fits: {plan.model.name} needs {plan.shortfall_bytes} more bytes "
                           f"of KV cache on {plan.gpu.name} at max_model_len {plan.engine.max_model_len} "
                           f"(see kvtwin plan)")

@@ -84,7 +84,6 @@ def test_group_usage_adds_up_to_pool_usage(replayed):
 
 
 def test_prefix_caching_saves_prefill_tokens_on_mooncake(llama_plan, mooncake_head):
-    import dataclasses
     on = run_replay(llama_plan, mooncake_head)
     off_plan = plan(get_model("llama-3.1-8b"), get_gpu("h100"),
                     EngineConfig(max_model_len=131072, enable_prefix_caching=False))
@@ -94,7 +93,6 @@ def test_prefix_caching_saves_prefill_tokens_on_mooncake(llama_plan, mooncake_he
     assert on.summary.column("prefix_cache_hits")[0].as_py() > 0
     assert off.summary.column("prefix_cache_hits")[0].as_py() == 0
     assert on_prefill < off_prefill
-    del dataclasses
 
 
 def test_requests_longer_than_max_model_len_are_rejected_and_counted(mooncake_head):
