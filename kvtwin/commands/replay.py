@@ -106,6 +106,12 @@ def replay(
                           plan=planned.to_json(), run_metadata=run_metadata)
     print_summary(result.summary.to_pylist()[0], title=f"{chosen_model.name} on {engine_fields.get('tensor_parallel_size', 1)}x "
                                                        f"{chosen_gpu.name}, {table.num_rows:,} requests")
+    summary = result.summary.to_pylist()[0]
+    last_arrival_s = float(table.column("arrival_time_s")[-1].as_py()) if table.num_rows else 0.0
+    if summary["completed"] and summary["duration_s"] > 1.5 * max(last_arrival_s, 1.0):
+        # The engine finished long after the last arrival: requests queued faster than it served.
+        print(f"saturated: the last request arrived at {last_arrival_s:,.0f} s but the engine needed until "
+              f"{summary['duration_s']:,.0f} s; try more GPUs (--tp), another --gpu or --model, or --rate-scale < 1")
     print(f"simulated {result.end_time_s:,.1f} s in {wall_s:,.1f} s wall; wrote {', '.join(p.name for p in paths)} "
           f"to {out}")
 
