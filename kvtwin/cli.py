@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from kvtwin import __version__
+from kvtwin.commands import kernels
 from kvtwin.commands import lockstep
 from kvtwin.commands import plan
 from kvtwin.commands import replay
@@ -33,6 +34,7 @@ def main(
     """kvtwin: plan, replay and validate vLLM KV cache behaviour."""
 
 
+app.command("kernels")(kernels.kernels)
 app.command("lockstep")(lockstep.lockstep)
 app.command("plan")(plan.plan)
 app.command("replay")(replay.replay)
