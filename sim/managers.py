@@ -69,7 +69,7 @@ class SingleTypeKVCacheManager:
         num_new = max(num_required - max(num_skipped_blocks, len(new_computed_blocks) + num_table), 0)
         # Hit blocks sitting evictable in the free queue stop being free once touched.
         first_kept = max(0, num_skipped_blocks - num_table)
-        num_evictable = sum(1 for b in new_computed_blocks[first_kept:] if b.ref_cnt == 0 and not b.is_null)
+        num_evictable = len([b for b in new_computed_blocks[first_kept:] if b.ref_cnt == 0 and not b.is_null])
         return num_new + num_evictable
 
     # -- mutations -------------------------------------------------------------------

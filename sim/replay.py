@@ -57,10 +57,11 @@ class CostModelBackend:
         sampled = {}
         bases = self._token_base
         for request in ready_to_sample:
-            base = bases.get(request.request_id)
+            request_id = request.request_id
+            base = bases.get(request_id)
             if base is None:
-                base = bases[request.request_id] = (len(bases) + 1) << 24
-            sampled[request.request_id] = [base + request.num_output_tokens]
+                base = bases[request_id] = (len(bases) + 1) << 24
+            sampled[request_id] = [base + len(request.output_token_ids)]
         return Execution(sampled, cost.total_s, cost)
 
 

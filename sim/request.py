@@ -23,7 +23,7 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "extra_keys",
                  "output_token_ids", "num_computed_tokens", "block_hashes", "status", "num_preemptions",
-                 "shared_prefix_boundary", "_hasher", "num_prompt_tokens", "num_tokens")
+                 "shared_prefix_boundary", "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
                  priority: int = 0, extra_keys: ExtraKeys | None = None):
@@ -45,6 +45,8 @@ class Request:
         # stops there so its state gets cached for siblings sharing that prefix.
         self.shared_prefix_boundary = 0
         self._hasher: BlockHasher | None = None
+        # Token count at which the next block becomes full and gets a hash.
+        self._next_hash_tokens = 1 << 62
 
     @property
     def num_output_tokens(self) -> int:
@@ -56,16 +58,16 @@ class Request:
         self._extend_block_hashes()
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
+        self.output_token_ids += token_ids
         self.num_tokens += len(token_ids)
-        hasher = self._hasher
-        if hasher is not None and self.num_tokens >= (len(self.block_hashes) + 1) * hasher.hash_block_size:
+        if self.num_tokens >= self._next_hash_tokens:
             self._extend_block_hashes()
 
     def _extend_block_hashes(self) -> None:
-        if self._hasher is not None:
-            self._hasher.extend(self.block_hashes, self.prompt, self.output_token_ids, self.num_tokens,
-                                self.extra_keys)
+        hasher = self._hasher
+        if hasher is not None:
+            hasher.extend(self.block_hashes, self.prompt, self.output_token_ids, self.num_tokens, self.extra_keys)
+            self._next_hash_tokens = (len(self.block_hashes) + 1) * hasher.hash_block_size
 
     def __lt__(self, other: "Request") -> bool:
         # The priority queue's order: lower priority value first, then earlier arrival.

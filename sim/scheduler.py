@@ -215,17 +215,20 @@ class Scheduler:
     # -- after the forward pass -------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Append sampled tokens; finish and free requests that are done. Returns the finished."""
+        """Append sampled tokens; finish and free requests that are done. Returns the finished.
+
+        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones)."""
         finished: list[Request] = []
         max_model_len = self.config.max_model_len
         requests = self.requests
-        for request_id in output.num_scheduled_tokens:
-            tokens = sampled.get(request_id)
+        # ``sampled`` follows the scheduled order, which is the order finished requests are
+        # freed in (it decides the free queue's order).
+        for request_id, tokens in sampled.items():
             if not tokens:
                 continue
             request = requests[request_id]
             request.append_output_token_ids(tokens)
-            if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+            if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len:
                 request.status = RequestStatus.FINISHED
                 self.kv_cache_manager.free(request)
                 finished.append(request)
