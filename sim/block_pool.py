@@ -228,13 +228,23 @@ class BlockPool:
         head = queue._head
         block = head.next_free
         blocks = []
-        evict = self._maybe_evict_cached_block
+        caches = self.cached_block_hash_to_block
+        slow_evict = self.enable_kv_events
         for _ in range(num_blocks):
             blocks.append(block)
             following = block.next_free
             block.prev_free = block.next_free = None
-            if block.block_hash is not None:
-                evict(block)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                cache = caches[block.group_id]
+                if not slow_evict and cache.get(block_hash) is block:
+                    # The common eviction (the key's only block, no events), inlined.
+                    del cache[block_hash]
+                    self.num_evictions += 1
+                    block.block_hash = None
+                    block.group_id = -1
+                else:
+                    self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
             block.owner_group = group_id
             block = following

@@ -26,8 +26,9 @@ class KVCacheManager:
         self.num_groups = len(kv_cache_config.groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.empty_blocks: HitBlocks = tuple([] for _ in range(self.num_groups))
-        # request id → token count up to which allocating for it changes nothing (decode fast path).
-        self._noop_horizon: dict[str, int] = {}
+        # request id → token count up to which allocating for a running request changes
+        # nothing (the decode fast path; the scheduler may consult it before calling).
+        self.noop_horizon: dict[str, int] = {}
         # Prefix-cache counters in tokens, as vLLM's PrefixCacheStats counts them.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -65,11 +66,11 @@ class KVCacheManager:
             # watermark), so skip it. The horizon answers in one comparison; is_noop in O(1).
             computed = min(request.num_computed_tokens, self.max_model_len)
             end = computed + num_new_tokens
-            if end <= self._noop_horizon.get(request.request_id, -1):
+            if end <= self.noop_horizon.get(request.request_id, -1):
                 return self.empty_blocks
             if self.coordinator.is_noop(request.request_id, computed, min(end, self.max_model_len), end,
                                         min(end, request.num_tokens)):
-                self._noop_horizon[request.request_id] = self.coordinator.noop_horizon(request.request_id)
+                self.noop_horizon[request.request_id] = self.coordinator.noop_horizon(request.request_id)
                 return self.empty_blocks
         hit_blocks = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks
         coordinator = self.coordinator
@@ -108,11 +109,11 @@ class KVCacheManager:
             coordinator.cache_blocks(request_id, request.block_hashes,
                                      min(total_computed + num_new_tokens, request.num_tokens))
         if fast:
-            self._noop_horizon[request_id] = coordinator.noop_horizon(request_id)
+            self.noop_horizon[request_id] = coordinator.noop_horizon(request_id)
         return new_blocks
 
     def free(self, request: Request) -> None:
-        self._noop_horizon.pop(request.request_id, None)
+        self.noop_horizon.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
 
     def new_step_starts(self) -> None:

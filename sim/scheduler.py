@@ -92,18 +92,31 @@ class Scheduler:
         # to starve and may use the whole budget.
         long_prefill = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
         is_priority = cfg.policy == "priority"
+        max_model_len = cfg.max_model_len
+        mamba_split = self.mamba_block_size > 0
+        horizon = kvm.noop_horizon
         kvm.new_step_starts()
 
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            num_new = request.num_tokens - computed
             if 0 < long_prefill < num_new:
                 num_new = long_prefill
-            num_new = min(num_new, token_budget, cfg.max_model_len - request.num_computed_tokens - 1)
-            if self.mamba_block_size:
+            if num_new > token_budget:
+                num_new = token_budget
+            if num_new > max_model_len - computed - 1:
+                num_new = max_model_len - computed - 1
+            if mamba_split:
                 num_new = self._mamba_block_aligned_split(request, num_new, 0)
             if num_new <= 0:
+                req_index += 1
+                continue
+            if computed + num_new <= horizon.get(request.request_id, -1):
+                # Most decode steps: the KV cache manager already knows nothing changes.
+                scheduled[request.request_id] = num_new
+                token_budget -= num_new
                 req_index += 1
                 continue
             while True:
