@@ -203,16 +203,18 @@ class CostModel:
 
     def step_cost(self, items: list[tuple[int, int]]) -> StepCost:
         """``items``: (new tokens, tokens computed before this step) per scheduled request."""
-        num_tokens = 0
+        decode_ends = [before + 1 for new, before in items if new == 1]
+        return self.split_step_cost(decode_ends, [item for item in items if item[0] != 1])
+
+    def split_step_cost(self, decode_ends: list[int], prefill_items: list[tuple[int, int]]) -> StepCost:
+        """The same, with decodes (one new token; given by the context length after the
+        step) apart from prefill chunks ((new tokens, computed before)): decodes are most
+        requests of most steps, and their terms are sums over contexts."""
+        num_tokens = len(decode_ends)
         kv_bytes = 0.0
         attention_flops = 0.0
-        # Decodes (one new token each) are most items: their terms are sums of contexts.
-        decode_ends = []
-        for new, before in items:
+        for new, before in prefill_items:
             num_tokens += new
-            if new == 1:
-                decode_ends.append(before + 1)
-                continue
             end = before + new
             for lc in self.layer_classes:
                 kind = lc.kind
@@ -258,7 +260,7 @@ class CostModel:
             bandwidth = self.gpu.interconnect_bytes_per_s * eff.interconnect_fraction
             per_layer = (allreduce_bytes / bandwidth if bandwidth else 0.0) + eff.allreduce_latency_s
             communication_s = 2 * self.num_layers * per_layer
-        overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * len(items)
+        overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * (len(decode_ends) + len(prefill_items))
         gpu_s = max(compute_s, memory_s) + communication_s
         total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s
         return StepCost(total_s, compute_s, memory_s, communication_s, overhead_s,

@@ -108,10 +108,9 @@ class MetricsRecorder:
         for request_id, num_new in output.num_scheduled_tokens.items():
             record = records[request_id]
             record.scheduled_tokens += num_new
-            # A decode: one token for a request that already produced its first token and is
-            # past its prompt (a recompute after preemption counts as prefill).
-            if (num_new == 1 and not math.isnan(record.first_token_s)
-                    and record.request.num_computed_tokens > record.request.num_prompt_tokens):
+            # A decode: one token for a request past its prompt (a longer recompute after a
+            # preemption counts as prefill).
+            if num_new == 1 and record.request.num_computed_tokens > record.prompt_tokens:
                 decode_tokens += 1
             else:
                 prefill_tokens += num_new

@@ -52,8 +52,10 @@ class CostModelBackend:
 
     def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> Execution:
         requests = self.requests
-        items = [(n, requests[rid].num_computed_tokens - n) for rid, n in output.num_scheduled_tokens.items()]
-        cost = self.cost_model.step_cost(items)
+        scheduled = output.num_scheduled_tokens.items()
+        decode_ends = [requests[rid].num_computed_tokens for rid, n in scheduled if n == 1]
+        prefill_items = [(n, requests[rid].num_computed_tokens - n) for rid, n in scheduled if n != 1]
+        cost = self.cost_model.split_step_cost(decode_ends, prefill_items)
         sampled = {}
         bases = self._token_base
         for request in ready_to_sample:
