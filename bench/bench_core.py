@@ -2,7 +2,9 @@
 
 Replays every golden case and a generated workload of 2,000 requests with long shared
 prefixes (full attention, and a hybrid full + sliding window + Mamba variant) and reports
-steps per second and microseconds per ``allocate_slots`` call. Prints a table and writes
+steps per second and microseconds per ``allocate_slots`` call. The scheduler skips the call
+for decode steps the KV cache manager already knows change nothing, so the per-call figure
+averages the calls that do work; steps per second is the end-to-end figure. Prints a table and writes
 one parquet row per workload to ``bench/out/bench_core.parquet``.
 
     python bench/bench_core.py [--requests 2000] [--hash-algo builtin|sha256] [--seed 0]
