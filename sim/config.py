@@ -22,6 +22,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # Raise the threshold to a fair share of the budget (budget // eligible requests).
+    adaptive_long_prefill_threshold: bool = False
     policy: SchedulingPolicy = "fcfs"
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True

@@ -20,7 +20,7 @@ _CONFIG_FIELDS = {
     "kv_cache_groups", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "long_prefill_token_threshold", "enable_chunked_prefill", "scheduling_policy", "watermark",
     "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo", "async_scheduling",
-    "description", "vllm_version",
+    "description", "vllm_version", "adaptive_long_prefill_threshold",
 }
 
 
@@ -90,6 +90,8 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             max_num_batched_tokens=_typed(data, "max_num_batched_tokens", int, 2048, source=source),
             enable_chunked_prefill=_typed(data, "enable_chunked_prefill", bool, True, source=source),
             long_prefill_token_threshold=_typed(data, "long_prefill_token_threshold", int, 0, source=source),
+            adaptive_long_prefill_threshold=_typed(data, "adaptive_long_prefill_threshold", bool, False,
+                                                   source=source),
             policy=_typed(data, "scheduling_policy", str, "fcfs", source=source),
             watermark=_typed(data, "watermark", float, 0.0, source=source),
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),

@@ -32,6 +32,7 @@ class SchedulerSettings:
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    adaptive_long_prefill_threshold: bool = False
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
     prefix_caching_hash_algo: str = "builtin"
@@ -89,7 +90,8 @@ def run_replay(plan: Plan, trace: pa.Table, *, scheduler: SchedulerSettings = Sc
         max_model_len=eng.max_model_len, max_num_seqs=eng.max_num_seqs,
         max_num_batched_tokens=eng.max_num_batched_tokens,
         enable_chunked_prefill=scheduler.enable_chunked_prefill,
-        long_prefill_token_threshold=scheduler.long_prefill_token_threshold, policy=scheduler.scheduling_policy,
+        long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
+        adaptive_long_prefill_threshold=scheduler.adaptive_long_prefill_threshold, policy=scheduler.scheduling_policy,
         watermark=scheduler.watermark, scheduler_reserve_full_isl=scheduler.scheduler_reserve_full_isl,
         async_scheduling=eng.async_scheduling)
     cache_config = CacheConfig(enable_prefix_caching=eng.enable_prefix_caching,

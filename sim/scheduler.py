@@ -90,7 +90,10 @@ class Scheduler:
         token_budget = cfg.max_num_batched_tokens
         # The threshold keeps one long prefill from starving others; alone, it has nobody
         # to starve and may use the whole budget.
-        long_prefill = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        num_eligible = len(self.running) + len(self.waiting)
+        long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
+            long_prefill = max(long_prefill, token_budget // num_eligible)
         is_priority = cfg.policy == "priority"
         max_model_len = cfg.max_model_len
         mamba_split = self.mamba_block_size > 0

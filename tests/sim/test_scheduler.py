@@ -146,3 +146,12 @@ def test_long_prefill_threshold_is_ignored_for_a_lone_request():
     eng.add_request(new_request("a", tokens(0, 300)))
     out = eng.step(EchoModel()).output
     assert out.num_scheduled_tokens == {"a": 300}
+
+
+def test_adaptive_long_prefill_threshold_floors_at_a_fair_share():
+    eng = engine(full(), num_blocks=64, max_num_batched_tokens=512, long_prefill_token_threshold=64,
+                 adaptive_long_prefill_threshold=True)
+    eng.add_request(new_request("a", tokens(0, 300)))
+    eng.add_request(new_request("b", tokens(1000, 300)))
+    out = eng.step(EchoModel()).output
+    assert out.num_scheduled_tokens == {"a": 256, "b": 256}  # max(64, 512 // 2)
