@@ -64,9 +64,6 @@ class FreeKVCacheBlockQueue:
         self._unlink(block)
         return block
 
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        return [self.popleft() for _ in range(n)]
-
     def remove(self, block: KVCacheBlock) -> None:
         if block.prev_free is None or block.next_free is None:
             raise RuntimeError(f"block {block.block_id} is not in the free queue")

@@ -29,9 +29,6 @@ class KVCacheManager:
         # request id → token count up to which allocating for a running request changes
         # nothing (the decode fast path; the scheduler may consult it before calling).
         self.noop_horizon: dict[str, int] = {}
-        # Prefix-cache counters in tokens, as vLLM's PrefixCacheStats counts them.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
     @property
     def usage(self) -> float:
@@ -44,8 +41,6 @@ class KVCacheManager:
         # The last token is always recomputed: its logits are needed.
         blocks, hit_tokens, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes,
                                                                                request.num_tokens - 1)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += hit_tokens
         shared_prefix_boundary = hit_tokens + uncached if uncached else 0
         if not any(blocks):
             blocks = self.empty_blocks
@@ -63,14 +58,14 @@ class KVCacheManager:
         if fast:
             # The common decode step: when no group has anything to drop, add or cache, the
             # full path below would change nothing and succeed (a running request needs no
-            # watermark), so skip it. The horizon answers in one comparison; is_noop in O(1).
+            # watermark), so skip it.
             computed = min(request.num_computed_tokens, self.max_model_len)
             end = computed + num_new_tokens
             if end <= self.noop_horizon.get(request.request_id, -1):
                 return self.empty_blocks
-            if self.coordinator.is_noop(request.request_id, computed, min(end, self.max_model_len), end,
-                                        min(end, request.num_tokens)):
-                self.noop_horizon[request.request_id] = self.coordinator.noop_horizon(request.request_id)
+            # Where a horizon exists it is exact, so only Mamba layouts need the O(1) check.
+            if not self.coordinator.horizon_possible and self.coordinator.is_noop(
+                    request.request_id, computed, min(end, self.max_model_len), end, min(end, request.num_tokens)):
                 return self.empty_blocks
         hit_blocks = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks
         coordinator = self.coordinator
@@ -127,14 +122,3 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
-
-    def held_blocks(self) -> dict[int, int]:
-        """block id → number of block-table entries holding it (for invariant checks)."""
-        counts: dict[int, int] = {}
-        for manager in self.coordinator.managers:
-            for table in manager.req_to_blocks.values():
-                for block in table:
-                    if not block.is_null:
-                        counts[block.block_id] = counts.get(block.block_id, 0) + 1
-        return counts
-

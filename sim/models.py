@@ -310,10 +310,6 @@ class ModelPreset:
         return sum(1 for k in self.layer_kinds if k == kind)
 
     @property
-    def is_hybrid(self) -> bool:
-        return len({k for k in self.layer_kinds if k is not None}) > 1
-
-    @property
     def uses_mla(self) -> bool:
         return "mla" in self.layer_kinds
 
