@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin import __version__
-from sim.config import CacheConfig, SchedulerConfig
-from sim.golden import CaseRequest, GoldenCase, load_case
-from sim.kv_cache_manager import KVCacheManager
-from sim.lockstep import run_case
-from sim.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
+from kvtwin.sim.core.kv_cache_manager import KVCacheManager
+from kvtwin.sim.lockstep.runner import run_case
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "cases"

@@ -21,10 +21,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin import __version__
-from kvtwin.scenario import DEFAULT_SCENARIO, load_scenario
-from sim.planner import EngineConfig, plan
-from sim.replay import run_replay
-from traces import transforms
+from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.parse import load_scenario
+from kvtwin.sim.planner.plan import EngineConfig, plan
+from kvtwin.sim.replay.run import run_replay
+from kvtwin.traces import transforms
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,10 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin import __version__
-from traces import schema
-from traces.bundled import MOONCAKE_CONVERSATION, bundled_path
-from traces.load import load_trace
-from traces.stats import summarize
+from kvtwin.traces import schema
+from kvtwin.traces.bundled import MOONCAKE_CONVERSATION, bundled_path
+from kvtwin.traces.load import load_trace
+from kvtwin.traces.stats import summarize
 
 REPEATS = 7
 OUT = Path(__file__).parent / "out" / "bench_traces.parquet"
@@ -40,7 +40,7 @@ OUT = Path(__file__).parent / "out" / "bench_traces.parquet"
 _COLD = """
 import json, resource, time
 t0 = time.perf_counter()
-from traces.load import load_trace
+from kvtwin.traces.load import load_trace
 t1 = time.perf_counter()
 table = load_trace({path!r})
 t2 = time.perf_counter()
@@ -105,7 +105,7 @@ def _print(row: dict) -> None:
     table = Table("measure", "value", title=f"kvtwin trace loading: {row['trace']} ({row['requests']:,} requests)")
     mib = 1 << 20
     table.add_row("source file", f"{row['source_bytes'] / mib:.2f} MiB")
-    table.add_row("cold: import traces", f"{row['cold_import_s'] * 1e3:.0f} ms")
+    table.add_row("cold: import kvtwin.traces", f"{row['cold_import_s'] * 1e3:.0f} ms")
     table.add_row("cold: first load", f"{row['cold_first_load_s'] * 1e3:.0f} ms")
     table.add_row("cold: peak RSS of the process", f"{row['cold_peak_rss_bytes'] / mib:.0f} MiB")
     table.add_row(f"warm load, median of {REPEATS}", f"{row['warm_load_median_s'] * 1e3:.0f} ms")

@@ -35,7 +35,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import backends, cases, reference  # noqa: E402
+from kvtwin.kernels import backends, cases, reference  # noqa: E402
 
 # HBM peak by device name (TB/s); the first match wins, so specific names come first.
 HBM_PEAK_TBPS = (("H200", 4.8), ("GH200", 4.0), ("H100 PCIe", 2.0), ("H100", 3.35), ("H800", 3.35),
@@ -260,7 +260,7 @@ def decode_bandwidth(chosen: dict[str, backends.Backend], sizes: Sizes, peak: fl
 
 def triton_decode_sweep(sizes: Sizes, peak: float | None) -> list[dict]:
     """A few Triton tile settings at one size, to see how far the defaults are from the best."""
-    from kernels import triton_attention
+    from kvtwin.kernels import triton_attention
 
     context, batch = sizes.sweep
     case = cases.filled_batch([1] * batch, [context] * batch, dtype=sizes.dtype, device=sizes.device, **sizes.heads)

@@ -16,7 +16,7 @@ __all__ = ["write_kv", "paged_attention", "state_update"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from kernels import ops
+        from kvtwin.kernels import ops
 
         return getattr(ops, name)
     raise AttributeError(f"module 'kernels' has no attribute {name!r}")

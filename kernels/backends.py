@@ -99,9 +99,9 @@ def triton_problem(device_type: str) -> str | None:
     if device_type not in ("cpu", "cuda"):
         return f"device type {device_type!r} is not supported"
     try:
-        importlib.import_module("kernels.triton_attention")
-        importlib.import_module("kernels.triton_write_kv")
-        importlib.import_module("kernels.triton_state_update")
+        importlib.import_module("kvtwin.kernels.triton_attention")
+        importlib.import_module("kvtwin.kernels.triton_write_kv")
+        importlib.import_module("kvtwin.kernels.triton_state_update")
     except Exception as err:
         return f"kernel modules fail to import: {type(err).__name__}: {err}"
     return None
@@ -115,7 +115,7 @@ def flash_problem(device_type: str) -> str | None:
         found = [name for name in ("vllm", "vllm_flash_attn") if installed(name)]
         return "needs a CUDA device" + (f" ({', '.join(found)} installed)" if found else
                                         " (and neither vllm nor vllm_flash_attn is installed)")
-    from kernels import flash
+    from kvtwin.kernels import flash
 
     try:
         attention = flash.load()
@@ -134,20 +134,20 @@ def flash_problem(device_type: str) -> str | None:
 
 
 def _torch_backend(note: str = "") -> Backend:
-    from kernels import reference
+    from kvtwin.kernels import reference
 
     return Backend("torch", reference.write_kv, reference.paged_attention, reference.state_update, note)
 
 
 def _triton_backend(note: str = "") -> Backend:
-    from kernels import triton_attention, triton_state_update, triton_write_kv
+    from kvtwin.kernels import triton_attention, triton_state_update, triton_write_kv
 
     return Backend("triton", triton_write_kv.write_kv, triton_attention.paged_attention,
                    triton_state_update.state_update, note)
 
 
 def _flash_backend(device_type: str, note: str = "") -> Backend:
-    from kernels import flash
+    from kvtwin.kernels import flash
 
     others = _triton_backend() if triton_problem(device_type) is None else _torch_backend()
     note = note or f"write_kv and state_update from {others.name}"
@@ -220,6 +220,6 @@ def _usable_detail(name: str, device_type: str) -> str:
 
         mode = "interpreter" if device_type == "cpu" else "compiled"
         return f"triton {triton.__version__} ({mode})"
-    from kernels import flash
+    from kvtwin.kernels import flash
 
     return f"{flash.load().module_name}, checked against a tiny case"

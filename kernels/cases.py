@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import reference
-from kernels.layout import NULL_BLOCK, slot_mapping
+from kvtwin.kernels import reference
+from kvtwin.kernels.layout import NULL_BLOCK, slot_mapping
 
 
 @dataclass

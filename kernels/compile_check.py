@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import triton_attention, triton_state_update, triton_write_kv
+from kvtwin.kernels import triton_attention, triton_state_update, triton_write_kv
 
 # tl.dot input dtypes by cache dtype name; fp32 runs exact ("ieee"), the others tensor cores.
 DOT_PRECISION = {"fp16": "tf32", "bf16": "tf32", "fp32": "ieee"}

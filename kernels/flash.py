@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.layout import check_attention_args, local_virtual_batches
+from kvtwin.kernels.layout import check_attention_args, local_virtual_batches
 
 MODULES = ("vllm.vllm_flash_attn", "vllm_flash_attn")
 
@@ -97,7 +97,7 @@ def check(candidate: Callable, baseline: Callable, device: torch.device | str, a
     cached context, a decode, a fresh prompt; grouped-query heads), plain and with a sliding
     window; else the reason. Unwritten slots hold zeros here: flash attention multiplies
     masked probabilities by whatever V holds, so NaN there would poison its output."""
-    from kernels import cases, reference
+    from kvtwin.kernels import cases, reference
 
     for window in (None, 24):
         case = cases.attention_case([5, 1, 20], [37, 50, 20], num_kv_heads=2, group=2, head_dim=64, block_size=16,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends import select_backend
+from kvtwin.kernels.backends import select_backend
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

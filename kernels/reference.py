@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.layout import NULL_BLOCK, check_attention_args
+from kvtwin.kernels.layout import NULL_BLOCK, check_attention_args
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

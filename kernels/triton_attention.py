@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import check_attention_args
+from kvtwin.kernels.layout import check_attention_args
 
 
 @triton.jit

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import typer
 
-from sim.errors import ConfigError
-from traces.errors import TraceError
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.traces.errors import TraceError
 
 
 @contextlib.contextmanager

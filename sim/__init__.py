@@ -1,7 +1,12 @@
-"""kvtwin's simulator: KV cache specs, block pool, managers, coordinators, the KV cache
-manager, the scheduler and the engine step function.
+"""kvtwin's simulator, in four layers (DESIGN.md):
 
-The KV-cache core and the scheduler are pure Python: they never import torch, SimPy or
-the executor, so the lockstep runner, the SimPy replay and the GPU executor all drive the
-very same code.
+* ``core`` — specs, block pool, managers, coordinators, the KV cache manager, the
+  scheduler and the engine step; the standard library only.
+* ``planner`` — presets and vLLM's KV cache planner (on ``core``).
+* ``lockstep`` — golden cases and the step clock (on ``core``).
+* ``replay`` — the cost model and the SimPy clock (on ``core``, ``planner``, ``traces``).
+* ``scenario`` — scenario files and their resolution with command-line overrides.
+
+Nothing here imports torch, the executor, the kernels, reports or the CLI, so the lockstep
+runner, the SimPy replay and the GPU executor all drive the very same code.
 """

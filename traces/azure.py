@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from traces import schema as s
-from traces.fields import DATETIME, INT, Field
-from traces.readers import read_csv
+from kvtwin.traces import schema as s
+from kvtwin.traces.fields import DATETIME, INT, Field
+from kvtwin.traces.readers import read_csv
 
 FIELDS = (
     Field("TIMESTAMP", DATETIME),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from traces.errors import TraceError
-from traces.schema import TraceMeta
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.schema import TraceMeta
 
 REASONS_KEPT = 5
 

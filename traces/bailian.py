@@ -19,10 +19,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from traces import schema as s
-from traces.fields import FLOAT, INT, INT_LIST, STR, Field, RowCheck
-from traces.hashing import chain_lists
-from traces.readers import read_jsonl
+from kvtwin.traces import schema as s
+from kvtwin.traces.fields import FLOAT, INT, INT_LIST, STR, Field, RowCheck
+from kvtwin.traces.hashing import chain_lists
+from kvtwin.traces.readers import read_jsonl
 
 BAILIAN_BLOCK_TOKENS = 16
 NO_PARENT = -1

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from traces import schema as s
-from traces.fields import FLOAT, INT, STR, Field, RowCheck
-from traces.readers import read_csv
-from traces.sessions import number_turns
+from kvtwin.traces import schema as s
+from kvtwin.traces.fields import FLOAT, INT, STR, Field, RowCheck
+from kvtwin.traces.readers import read_csv
+from kvtwin.traces.sessions import number_turns
 
 FIELDS = (
     Field("Timestamp", FLOAT, minimum=0),

@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from traces import schema as s
-from traces.hashing import hash_token_blocks, mix64
+from kvtwin.traces import schema as s
+from kvtwin.traces.hashing import hash_token_blocks, mix64
 
 _BEYOND_SALT = np.uint64(0xB170_0D00_5EED_0001)
 _NO_IDENTITY_SALT = np.uint64(0xB170_0D00_5EED_0002)

@@ -20,13 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from traces import schema as s
-from traces.azure import format_utc_ns
-from traces.bad_lines import BadLines
-from traces.errors import TraceError
-from traces.fields import DATETIME, FLOAT, INT, STR, Field
-from traces.hashing import chain_lists
-from traces.readers import read_csv
+from kvtwin.traces import schema as s
+from kvtwin.traces.azure import format_utc_ns
+from kvtwin.traces.bad_lines import BadLines
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.fields import DATETIME, FLOAT, INT, STR, Field
+from kvtwin.traces.hashing import chain_lists
+from kvtwin.traces.readers import read_csv
 
 TIME_UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 DATETIME_UNIT = "datetime"

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from traces import schema as s
-from traces.azure import load_azure
-from traces.bailian import load_bailian
-from traces.bundled import resolve
-from traces.burstgpt import load_burstgpt
-from traces.errors import TraceError
-from traces.generic import ColumnMap, load_generic
-from traces.mooncake import DEFAULT_SPREAD_SEED, SPREAD, load_mooncake
-from traces.sessions import assume_session_history
+from kvtwin.traces import schema as s
+from kvtwin.traces.azure import load_azure
+from kvtwin.traces.bailian import load_bailian
+from kvtwin.traces.bundled import resolve
+from kvtwin.traces.burstgpt import load_burstgpt
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.generic import ColumnMap, load_generic
+from kvtwin.traces.mooncake import DEFAULT_SPREAD_SEED, SPREAD, load_mooncake
+from kvtwin.traces.sessions import assume_session_history
 
 FORMATS = ("parquet", "mooncake", "bailian", "azure", "burstgpt", "generic")
 AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]

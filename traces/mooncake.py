@@ -20,11 +20,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from traces import schema as s
-from traces.arrivals import spread_within_buckets
-from traces.fields import FLOAT, INT, INT_LIST, Field, RowCheck
-from traces.hashing import chain_lists, list_positions
-from traces.readers import read_jsonl
+from kvtwin.traces import schema as s
+from kvtwin.traces.arrivals import spread_within_buckets
+from kvtwin.traces.fields import FLOAT, INT, INT_LIST, Field, RowCheck
+from kvtwin.traces.hashing import chain_lists, list_positions
+from kvtwin.traces.readers import read_jsonl
 
 MOONCAKE_BLOCK_TOKENS = 512
 SPREAD = "spread"

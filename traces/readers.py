@@ -20,9 +20,9 @@ import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.json as pjson
 
-from traces.bad_lines import BadLines
-from traces.errors import TraceError
-from traces.fields import (ARROW_TYPES, DATETIME, STR, BadValue, Field, RowCheck, convert_json, convert_text,
+from kvtwin.traces.bad_lines import BadLines
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.fields import (ARROW_TYPES, DATETIME, STR, BadValue, Field, RowCheck, convert_json, convert_text,
                            fast_path_problems)
 
 _JSON_BLOCK_BYTES = 16 << 20  # a block must hold the longest line; Bailian lines can be long

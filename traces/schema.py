@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from traces.errors import TraceError
+from kvtwin.traces.errors import TraceError
 
 SCHEMA_VERSION = 1
 METADATA_KEY = b"kvtwin.trace"

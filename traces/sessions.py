@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from traces import schema as s
-from traces.hashing import chain_flat, mix64
+from kvtwin.traces import schema as s
+from kvtwin.traces.hashing import chain_flat, mix64
 
 _FRESH_SALT = np.uint64(0x5E5510A5517A7E00)
 

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from traces import schema as s
-from traces.expand import table_block_ids
+from kvtwin.traces import schema as s
+from kvtwin.traces.expand import table_block_ids
 
 DEFAULT_BLOCK_TOKENS = 16  # for traces whose hashes do not suggest a block size
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from traces import schema as s
-from traces.arrivals import arrival_times_s, interarrival_gaps_s
-from traces.bundled import resolve
-from traces.distributions import sampler, token_counts
-from traces.hashing import ROOT, mix64
-from traces.load import load_trace
-from traces.synth_spec import REQUESTS, SynthSpec
+from kvtwin.traces import schema as s
+from kvtwin.traces.arrivals import arrival_times_s, interarrival_gaps_s
+from kvtwin.traces.bundled import resolve
+from kvtwin.traces.distributions import sampler, token_counts
+from kvtwin.traces.hashing import ROOT, mix64
+from kvtwin.traces.load import load_trace
+from kvtwin.traces.synth_spec import REQUESTS, SynthSpec
 
 _PREFIX_SALT = np.uint64(0x50FE_F1C5_0000_0001)
 _UNIQUE_SALT = np.uint64(0x50FE_F1C5_0000_0002)

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from traces.arrivals import GAMMA, POISSON
-from traces.distributions import EMPIRICAL, EXPONENTIAL, FIXED, KINDS, LOGNORMAL, ZIPF, Dist
-from traces.errors import TraceError
+from kvtwin.traces.arrivals import GAMMA, POISSON
+from kvtwin.traces.distributions import EMPIRICAL, EXPONENTIAL, FIXED, KINDS, LOGNORMAL, ZIPF, Dist
+from kvtwin.traces.errors import TraceError
 
 REQUESTS = "requests"
 CHAT = "chat"

@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from traces import schema as s
-from traces.hashing import mix64
+from kvtwin.traces import schema as s
+from kvtwin.traces.hashing import mix64
 
 IDENTITY_MIXED = "mixed"
 _PART_SALT = np.uint64(0xC0_4CA7_0000_0000)

@@ -20,7 +20,7 @@ def kernels(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of lines."),
 ) -> None:
     """Which kernel backends are usable here, and why not."""
-    from kernels import backends
+    from kvtwin.kernels import backends
 
     try:
         requested = backends.requested_backend()
@@ -48,6 +48,6 @@ def kernels(
 
 
 def _default_device() -> str:
-    from kernels import backends
+    from kvtwin.kernels import backends
 
     return "cpu" if backends.torch_problem() else backends.default_device_type()

@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtwin.console import user_errors
-from sim.golden import compare_results, load_case, read_jsonl, write_jsonl
-from sim.hashing import HASH_FUNCTIONS
-from sim.lockstep import run_case
+from kvtwin.sim.lockstep.golden import compare_results, load_case, read_jsonl, write_jsonl
+from kvtwin.sim.core.hashing import HASH_FUNCTIONS
+from kvtwin.sim.lockstep.runner import run_case
 
 
 def lockstep(

@@ -1,6 +1,6 @@
 """`kvtwin plan`: what fits — groups, blocks, tokens, concurrency, memory, hybrid on vs off.
 
-The numbers come from ``sim.planner.plan`` (vLLM 0.33's planner, semantics section 7);
+The numbers come from ``kvtwin.sim.planner.plan.plan`` (vLLM 0.33's planner, semantics section 7);
 this module only gathers the inputs (flags, a scenario file, a local HF config) and prints
 the result as a table or one JSON object. Scenario format: ``scenarios/README.md``.
 """
@@ -15,12 +15,12 @@ from typing import Any, Optional
 import typer
 
 from kvtwin.console import user_errors
-from kvtwin.scenario import load_scenario
-from sim.errors import ConfigError
-from sim.hardware import GIB, GPUSpec, get_gpu
-from sim.hf_config import load_hf_config
-from sim.models import ModelPreset, get_model
-from sim.planner import EngineConfig, Plan, plan as make_plan
+from kvtwin.sim.scenario.parse import load_scenario
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.hardware import GIB, GPUSpec, get_gpu
+from kvtwin.sim.planner.hf_config import load_hf_config
+from kvtwin.sim.planner.models import ModelPreset, get_model
+from kvtwin.sim.planner.plan import EngineConfig, Plan, plan as make_plan
 
 
 
@@ -210,7 +210,7 @@ def render_compare(on: Plan, off: Plan | None, off_error: str | None) -> str:
 
 
 def plan(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model preset name (see sim/data/models.toml)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model preset name (see sim/planner/data/models.toml)."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset name (a100-40gb, a100-80gb, h100, h200, b200, "
                                                           "l40s, mi300x)."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML with [model], [hardware], "

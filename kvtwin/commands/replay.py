@@ -21,14 +21,15 @@ from rich.table import Table
 
 from kvtwin import __version__
 from kvtwin.console import user_errors
-from kvtwin.scenario import DEFAULT_SCENARIO, Workload, load_scenario
-from reports.run_dir import write_run
-from sim.errors import ConfigError
-from sim.hardware import get_gpu
-from sim.models import get_model
-from sim.planner import EngineConfig, plan as make_plan
-from sim.replay import run_replay
-from traces.bundled import resolve
+from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.parse import Workload, load_scenario
+from kvtwin.reports.run_dir import write_run
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.plan import EngineConfig, plan as make_plan
+from kvtwin.sim.replay.run import run_replay
+from kvtwin.traces.bundled import resolve
 
 
 def replay(

@@ -13,14 +13,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin.console import user_errors
-from traces import schema
-from traces import transforms
-from traces.generic import ColumnMap
-from traces.load import FORMATS, LoadOptions, load_trace
-from traces.mooncake import BURST, SPREAD
-from traces.stats import TraceStats, summarize
-from traces.synth import synthesize
-from traces.synth_spec import read_spec
+from kvtwin.traces import schema
+from kvtwin.traces import transforms
+from kvtwin.traces.generic import ColumnMap
+from kvtwin.traces.load import FORMATS, LoadOptions, load_trace
+from kvtwin.traces.mooncake import BURST, SPREAD
+from kvtwin.traces.stats import TraceStats, summarize
+from kvtwin.traces.synth import synthesize
+from kvtwin.traces.synth_spec import read_spec
 
 trace_app = typer.Typer(help="Inspect, convert and synthesise request traces.", no_args_is_help=True)
 

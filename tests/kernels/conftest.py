@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True)
 def _fresh_backend_choice():
     """Each test sees its own KVTWIN_ATTN_BACKEND: forget the cached choice around it."""
-    from kernels import backends
+    from kvtwin.kernels import backends
 
     backends.resolve.cache_clear()
     yield

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import kernels  # noqa: E402
-from kernels import backends, cases, flash, reference  # noqa: E402
+from kvtwin import kernels  # noqa: E402
+from kvtwin.kernels import backends, cases, flash, reference  # noqa: E402
 
 
 def test_auto_on_cpu_is_the_reference(monkeypatch):

@@ -19,7 +19,7 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 @pytest.mark.skipif(not PTXAS.exists(), reason=f"this Triton wheel ships no ptxas at {PTXAS}")
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "kernels.compile_check", "90"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "kvtwin.kernels.compile_check", "90"], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith(("ok", "FAIL"))]

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kernels import cases, layout, reference  # noqa: E402
+from kvtwin.kernels import cases, layout, reference  # noqa: E402
 
 
 def dense_attention(case: cases.AttentionCase) -> torch.Tensor:

@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from kernels import cases, reference  # noqa: E402
-from kernels import triton_attention, triton_state_update, triton_write_kv  # noqa: E402
+from kvtwin.kernels import cases, reference  # noqa: E402
+from kvtwin.kernels import triton_attention, triton_state_update, triton_write_kv  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from sim.grouping import choose_group_size
-from sim.hardware import get_gpu
-from sim.models import get_model
-from sim.planner import EngineConfig, plan
+from kvtwin.sim.planner.grouping import choose_group_size
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.plan import EngineConfig, plan
 
 GIB = 1 << 30
 KV_40_GIB = 40 * GIB

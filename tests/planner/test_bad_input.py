@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.hardware import gpu_names
-from sim.models import model_names
+from kvtwin.sim.planner.hardware import gpu_names
+from kvtwin.sim.planner.models import model_names
 
 BASE = ["--model", "gemma-3-27b", "--gpu", "h100", "--tp", "2"]
 

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from sim.hardware import get_gpu
-from sim.hf_config import load_hf_config
-from sim.models import get_model
-from sim.planner import EngineConfig, build_layer_specs, plan
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.hf_config import load_hf_config
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.plan import EngineConfig, build_layer_specs, plan
 
 COMMON = {"torch_dtype": "bfloat16"}
 NEMOTRON_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # models.md 2.13
@@ -82,7 +82,7 @@ HF_CONFIGS = {
 
 
 def test_every_preset_has_an_hf_config_case():
-    from sim.models import model_names
+    from kvtwin.sim.planner.models import model_names
     assert sorted(HF_CONFIGS) == sorted(model_names())
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from sim.errors import ConfigError
-from sim.grouping import group_layers
-from sim.hardware import get_gpu
-from sim.models import model_from_mapping
-from sim.page_size import PageSizeNotUnifiable, hybrid_attention_block_size, unify_page_sizes
-from sim.planner import EngineConfig, plan
-from sim.spec import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.grouping import group_layers
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.models import model_from_mapping
+from kvtwin.sim.planner.page_size import PageSizeNotUnifiable, hybrid_attention_block_size, unify_page_sizes
+from kvtwin.sim.planner.plan import EngineConfig, plan
+from kvtwin.sim.core.spec import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 
 def test_smaller_page_that_divides_scales_its_block_size():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sim.errors import ConfigError
-from sim.hardware import get_gpu, gpu_from_mapping, gpu_names
-from sim.models import get_model, model_from_mapping, model_names
-from sim.planner import EngineConfig, plan
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.hardware import get_gpu, gpu_from_mapping, gpu_names
+from kvtwin.sim.planner.models import get_model, model_from_mapping, model_names
+from kvtwin.sim.planner.plan import EngineConfig, plan
 
 PRESETS = ["llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-32b", "mistral-7b-v0.1", "gemma-3-12b",
            "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout", "deepseek-v3", "qwen3-next-80b-a3b",

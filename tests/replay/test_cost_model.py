@@ -2,11 +2,11 @@
 
 import pytest
 
-from sim.cost_model import CostModel, Efficiency, attended_keys, efficiency_from_mapping, load_calibration
-from sim.errors import ConfigError
-from sim.hardware import get_gpu
-from sim.models import get_model
-from sim.planner import EngineConfig, plan
+from kvtwin.sim.replay.cost_model import CostModel, Efficiency, attended_keys, efficiency_from_mapping, load_calibration
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.plan import EngineConfig, plan
 
 
 def brute(kind, window, start, end):

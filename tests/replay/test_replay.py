@@ -7,20 +7,20 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sim.engine import EngineCore, Execution
-from sim.golden import load_case
-from sim.hardware import get_gpu
-from sim.hashing import TokenPrompt
-from sim.lockstep import run_case, step_record
-from sim.metrics import SLO, MetricsRecorder
-from sim.models import get_model
-from sim.planner import EngineConfig, plan
-from sim.replay import run_replay
-from sim.request import Request
-from sim.workload import Arrival, run_simulation
-from traces import transforms
-from traces.bundled import bundled_path
-from traces.load import load_trace
+from kvtwin.sim.core.engine import EngineCore, Execution
+from kvtwin.sim.lockstep.golden import load_case
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.core.hashing import TokenPrompt
+from kvtwin.sim.lockstep.runner import run_case, step_record
+from kvtwin.sim.replay.metrics import SLO, MetricsRecorder
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.plan import EngineConfig, plan
+from kvtwin.sim.replay.run import run_replay
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.replay.workload import Arrival, run_simulation
+from kvtwin.traces import transforms
+from kvtwin.traces.bundled import bundled_path
+from kvtwin.traces.load import load_trace
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "cases"
 
@@ -116,7 +116,7 @@ def test_time_limit_stops_the_run_and_reports_unfinished(llama_plan, mooncake_he
 
 
 def test_same_scenario_gives_byte_identical_parquet(llama_plan, mooncake_head, tmp_path):
-    from reports.run_dir import write_run
+    from kvtwin.reports.run_dir import write_run
 
     for name in ("a", "b"):
         result = run_replay(llama_plan, mooncake_head)

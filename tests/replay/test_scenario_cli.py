@@ -8,9 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
-from kvtwin.scenario import DEFAULT_SCENARIO, load_scenario
-from reports.run_dir import read_run_metadata, write_run
-from sim.errors import ConfigError
+from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.parse import load_scenario
+from kvtwin.reports.run_dir import read_run_metadata, write_run
+from kvtwin.sim.core.errors import ConfigError
 
 SCENARIOS = Path(__file__).parent.parent.parent / "scenarios"
 
@@ -76,7 +77,7 @@ def test_replay_command_bad_trace_is_one_line(tmp_path):
 def test_interrupted_write_leaves_no_partial_file(tmp_path, monkeypatch):
     import pyarrow as pa
 
-    import reports.run_dir as run_dir
+    import kvtwin.reports.run_dir as run_dir
 
     def broken(table, where, **kwargs):
         Path(where).write_bytes(b"half a file")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from sim.config import CacheConfig, SchedulerConfig
-from sim.engine import EngineCore, Execution
-from sim.hashing import BlockHasher, TokenPrompt, get_hash_fn
-from sim.kv_cache_manager import KVCacheManager
-from sim.request import Request
-from sim.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.engine import EngineCore, Execution
+from kvtwin.sim.core.hashing import BlockHasher, TokenPrompt, get_hash_fn
+from kvtwin.sim.core.kv_cache_manager import KVCacheManager
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
 BS = 16
 

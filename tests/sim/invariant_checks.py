@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from sim.block_pool import KVCacheBlock
-from sim.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache
-from sim.engine import EngineCore, StepResult
-from sim.managers import ChunkedLocalAttentionManager, MambaManager, SlidingWindowManager
-from sim.request import RequestStatus
-from sim.spec import FullAttentionSpec, cdiv
+from kvtwin.sim.core.block_pool import KVCacheBlock
+from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache
+from kvtwin.sim.core.engine import EngineCore, StepResult
+from kvtwin.sim.core.managers import ChunkedLocalAttentionManager, MambaManager, SlidingWindowManager
+from kvtwin.sim.core.request import RequestStatus
+from kvtwin.sim.core.spec import FullAttentionSpec, cdiv
 
 
 def _fail(name: str, message: str) -> None:

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
-from sim.config import SchedulerConfig
-from sim.errors import ConfigError
-from sim.golden import load_case
-from sim.spec import KVCacheConfig, KVCacheGroupSpec, FullAttentionSpec, SlidingWindowSpec, spec_from_dict
+from kvtwin.sim.core.config import SchedulerConfig
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.lockstep.golden import load_case
+from kvtwin.sim.core.spec import KVCacheConfig, KVCacheGroupSpec, FullAttentionSpec, SlidingWindowSpec, spec_from_dict
 
 CASE = Path(__file__).parent.parent / "golden" / "cases" / "swa128"
 

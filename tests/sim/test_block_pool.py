@@ -2,7 +2,7 @@
 
 import pytest
 
-from sim.block_pool import BlockPool, BlockRemoved, BlockStored
+from kvtwin.sim.core.block_pool import BlockPool, BlockRemoved, BlockStored
 
 from .builders import block_ids, full, kv_manager, request, tokens
 

@@ -1,7 +1,7 @@
 """Semantics §4: coordinator choice and the hybrid fixed-point hit."""
 
-from sim.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache, UnitaryKVCacheCoordinator
-from sim.spec import MambaSpec, SlidingWindowSpec
+from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache, UnitaryKVCacheCoordinator
+from kvtwin.sim.core.spec import MambaSpec, SlidingWindowSpec
 
 from .builders import full, kv_manager, request, tokens
 

@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
-from sim.golden import compare_results, load_case, read_jsonl
-from sim.lockstep import run_case
+from kvtwin.sim.lockstep.golden import compare_results, load_case, read_jsonl
+from kvtwin.sim.lockstep.runner import run_case
 
 CASES_DIR = Path(__file__).parent.parent / "golden" / "cases"
 CASES = sorted(p.name for p in CASES_DIR.iterdir() if (p / "config.json").exists())

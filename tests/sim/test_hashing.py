@@ -3,7 +3,7 @@
 import hashlib
 import pickle
 
-from sim.hashing import (
+from kvtwin.sim.core.hashing import (
     BlockHasher,
     CoarseBlockHashes,
     ExtraKeys,
@@ -87,7 +87,7 @@ def test_both_hash_functions_give_the_same_equality_pattern():
 
 
 def test_a_million_token_prompt_costs_one_hash_per_block_not_one_object_per_token():
-    from sim.request import Request
+    from kvtwin.sim.core.request import Request
 
     from .builders import engine, EchoModel, full
 

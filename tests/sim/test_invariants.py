@@ -24,16 +24,16 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from sim.block_pool import BlockPool
-from sim.config import CacheConfig, SchedulerConfig
-from sim.engine import EngineCore
-from sim.errors import ConfigError
-from sim.golden import CaseRequest, GoldenCase, load_case
-from sim.hashing import BlockHasher, TokenPrompt, get_hash_fn
-from sim.kv_cache_manager import KVCacheManager
-from sim.lockstep import ScriptedModel, run_case, step_record
-from sim.request import Request, RequestStatus
-from sim.spec import (
+from kvtwin.sim.core.block_pool import BlockPool
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
+from kvtwin.sim.core.hashing import BlockHasher, TokenPrompt, get_hash_fn
+from kvtwin.sim.core.kv_cache_manager import KVCacheManager
+from kvtwin.sim.lockstep.runner import ScriptedModel, run_case, step_record
+from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.core.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -404,8 +404,8 @@ GOLDEN_CASES = Path(__file__).resolve().parents[1] / "golden" / "cases"
 _RUN_GOLDEN = """
 import json, sys
 from pathlib import Path
-from sim.golden import load_case
-from sim.lockstep import run_case
+from kvtwin.sim.lockstep.golden import load_case
+from kvtwin.sim.lockstep.runner import run_case
 out = {}
 for d in sorted(Path(sys.argv[1]).iterdir()):
     if (d / "config.json").exists():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sim.request import RequestStatus
-from sim.spec import SlidingWindowSpec
+from kvtwin.sim.core.request import RequestStatus
+from kvtwin.sim.core.spec import SlidingWindowSpec
 
 from .builders import block_ids, full, kv_manager, request, tokens
 

@@ -1,6 +1,6 @@
 """Semantics §3 and §5: single-type managers as driven through allocate_slots."""
 
-from sim.spec import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from .builders import block_ids, full, kv_manager, request, tokens
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sim.request import RequestStatus
-from sim.spec import MambaSpec
+from kvtwin.sim.core.request import RequestStatus
+from kvtwin.sim.core.spec import MambaSpec
 
 from .builders import EchoModel, engine, full, new_request, tokens
 

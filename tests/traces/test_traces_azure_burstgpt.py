@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from traces import schema as s
-from traces.azure import load_azure
-from traces.burstgpt import load_burstgpt
-from traces.errors import TraceError
-from traces.stats import summarize
+from kvtwin.traces import schema as s
+from kvtwin.traces.azure import load_azure
+from kvtwin.traces.burstgpt import load_burstgpt
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.stats import summarize
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

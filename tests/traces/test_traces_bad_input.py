@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from traces import schema as s
-from traces.azure import load_azure
-from traces.bailian import load_bailian
-from traces.errors import TraceError
-from traces.mooncake import BURST, load_mooncake
+from kvtwin.traces import schema as s
+from kvtwin.traces.azure import load_azure
+from kvtwin.traces.bailian import load_bailian
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.mooncake import BURST, load_mooncake
 
 BAD = Path(__file__).parent / "fixtures" / "mooncake_bad.jsonl"
 

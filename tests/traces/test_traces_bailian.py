@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from traces import schema as s
-from traces.bailian import load_bailian, session_roots
-from traces.stats import summarize
+from kvtwin.traces import schema as s
+from kvtwin.traces.bailian import load_bailian, session_roots
+from kvtwin.traces.stats import summarize
 
 import numpy as np
 

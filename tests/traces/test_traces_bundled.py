@@ -8,13 +8,13 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from traces import bundled
-from traces import schema as s
-from traces.burstgpt import FIELDS as BURSTGPT_FIELDS
-from traces.load import LoadOptions, load_trace
-from traces.mooncake import BURST, ids_are_chained
-from traces.readers import read_csv
-from traces.stats import distribution, summarize
+from kvtwin.traces import bundled
+from kvtwin.traces import schema as s
+from kvtwin.traces.burstgpt import FIELDS as BURSTGPT_FIELDS
+from kvtwin.traces.load import LoadOptions, load_trace
+from kvtwin.traces.mooncake import BURST, ids_are_chained
+from kvtwin.traces.readers import read_csv
+from kvtwin.traces.stats import distribution, summarize
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.commands.trace import trace_app
-from traces import schema as s
-from traces.bundled import MOONCAKE_CONVERSATION
+from kvtwin.traces import schema as s
+from kvtwin.traces.bundled import MOONCAKE_CONVERSATION
 
 FIXTURES = Path(__file__).parent / "fixtures"
 runner = CliRunner()

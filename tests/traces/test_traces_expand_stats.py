@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from traces import schema as s
-from traces.expand import expand_request, expand_token_ids, reblock
-from traces.hashing import hash_token_blocks
-from traces.sessions import assume_session_history
-from traces.stats import prefix_reuse, summarize
+from kvtwin.traces import schema as s
+from kvtwin.traces.expand import expand_request, expand_token_ids, reblock
+from kvtwin.traces.hashing import hash_token_blocks
+from kvtwin.traces.sessions import assume_session_history
+from kvtwin.traces.stats import prefix_reuse, summarize
 
 # Prompts over a two-letter alphabet built from a few shared stems, so prefixes collide often.
 prompts = st.lists(

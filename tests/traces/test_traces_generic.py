@@ -6,11 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from traces import schema as s
-from traces.errors import TraceError
-from traces.generic import ColumnMap, load_generic
-from traces.load import LoadOptions, detect_format, load_trace
-from traces.stats import summarize
+from kvtwin.traces import schema as s
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.generic import ColumnMap, load_generic
+from kvtwin.traces.load import LoadOptions, detect_format, load_trace
+from kvtwin.traces.stats import summarize
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from traces import schema as s
-from traces.mooncake import BURST, load_mooncake
+from kvtwin.traces import schema as s
+from kvtwin.traces.mooncake import BURST, load_mooncake
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = FIXTURES / "mooncake_small.jsonl"

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from traces import schema as s
-from traces.errors import TraceError
+from kvtwin.traces import schema as s
+from kvtwin.traces.errors import TraceError
 
 
 def _table(**overrides):

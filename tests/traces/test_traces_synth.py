@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from traces import schema as s
-from traces.bundled import MOONCAKE_CONVERSATION, bundled_path
-from traces.errors import TraceError
-from traces.load import load_trace
-from traces.synth import synthesize
-from traces.synth_spec import parse_spec, read_spec
+from kvtwin.traces import schema as s
+from kvtwin.traces.bundled import MOONCAKE_CONVERSATION, bundled_path
+from kvtwin.traces.errors import TraceError
+from kvtwin.traces.load import load_trace
+from kvtwin.traces.synth import synthesize
+from kvtwin.traces.synth_spec import parse_spec, read_spec
 
 WORKLOADS = Path(__file__).parents[2] / "scenarios" / "workloads"
 

@@ -5,11 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from traces import schema as s
-from traces import transforms as t
-from traces.burstgpt import load_burstgpt
-from traces.mooncake import BURST, load_mooncake
-from traces.stats import summarize
+from kvtwin.traces import schema as s
+from kvtwin.traces import transforms as t
+from kvtwin.traces.burstgpt import load_burstgpt
+from kvtwin.traces.mooncake import BURST, load_mooncake
+from kvtwin.traces.stats import summarize
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

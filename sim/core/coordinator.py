@@ -1,0 +1,199 @@
+"""KV cache coordinators: one set of managers over one shared pool, and the hybrid hit.
+
+Seed 000 ("the group ledger") and semantics section 4. Every coordinator owns the single
+``BlockPool`` and one manager per group; most calls just loop over the managers in
+group order. They differ only in how a prefix hit is found:
+
+* ``KVCacheCoordinatorNoPrefixCache`` — caching off: never a hit.
+* ``UnitaryKVCacheCoordinator`` — one group: its manager's finder, as is.
+* ``HybridKVCacheCoordinator`` — several groups: groups with an identical spec are looked
+  up together ("attention groups"), full attention first; each finder may only shorten
+  the candidate length, and the search repeats until a pass leaves it unchanged (one pass
+  for the simple full + one-other case). The full-attention lists are then truncated to
+  the agreed length. The longest single-group hit minus the agreed length is returned as
+  the uncached common prefix, which the scheduler uses to pin a Mamba state there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from math import lcm
+
+from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
+from kvtwin.sim.core.hashing import CoarseBlockHashes
+from kvtwin.sim.core.managers import SingleTypeKVCacheManager, manager_class_for
+from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, cdiv
+
+HitBlocks = tuple[list[KVCacheBlock], ...]
+
+
+class KVCacheCoordinator:
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
+                 enable_caching: bool, enable_kv_events: bool = False):
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.hash_block_size = kv_cache_config.hash_block_size
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, len(kv_cache_config.groups), enable_caching,
+                                    enable_kv_events)
+        self.managers: list[SingleTypeKVCacheManager] = []
+        for gid, group in enumerate(kv_cache_config.groups):
+            spec = group.spec
+            cap = None
+            if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+                # The same bound the planner sizes the pool with, so whatever startup
+                # promised can be admitted at run time.
+                cap = spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+            self.managers.append(manager_class_for(spec)(spec, self.block_pool, gid, enable_caching,
+                                                         self.hash_block_size, cap))
+        self.scheduler_block_size = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
+        # A Mamba group moves its state block at every boundary: no horizon to skip to.
+        self.horizon_possible = all(m.has_noop_horizon for m in self.managers)
+
+    # -- hash views --------------------------------------------------------------------
+
+    def hashes_for(self, block_hashes: list, manager: SingleTypeKVCacheManager) -> Sequence:
+        factor = manager.hash_factor
+        return block_hashes if factor == 1 else CoarseBlockHashes(block_hashes, factor)
+
+    # -- loops over managers -----------------------------------------------------------
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: HitBlocks,
+                                   total_computed_tokens: int, num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        return sum(
+            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+                                         num_tokens_main_model, apply_admission_cap)
+            for i, m in enumerate(self.managers))
+
+    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: HitBlocks,
+                                     num_local_computed_tokens: int) -> None:
+        for i, m in enumerate(self.managers):
+            m.allocate_new_computed_blocks(request_id, new_computed_blocks[i], num_local_computed_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> HitBlocks:
+        return tuple(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model) for m in self.managers)
+
+    def cache_blocks(self, request_id: str, block_hashes: list, num_tokens: int) -> None:
+        for m in self.managers:
+            m.cache_blocks(self.hashes_for(block_hashes, m), request_id, num_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        for m in self.managers:
+            m.free(request_id)
+
+    def new_step_starts(self) -> None:
+        for m in self.managers:
+            m.new_step_starts()
+
+    def noop_horizon(self, request_id: str) -> int:
+        if not self.horizon_possible:
+            return -1
+        return min(m.noop_horizon(request_id) for m in self.managers)
+
+    def is_noop(self, request_id: str, num_computed_tokens: int, num_tokens_need_slot: int,
+                num_tokens_main_model: int, num_tokens_to_cache: int) -> bool:
+        for m in self.managers:
+            if not m.is_noop(request_id, num_computed_tokens, num_tokens_need_slot, num_tokens_main_model,
+                             num_tokens_to_cache):
+                return False
+        return True
+
+    def get_blocks(self, request_id: str) -> HitBlocks:
+        return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers)
+
+    def find_longest_cache_hit(self, block_hashes: list, max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        raise NotImplementedError
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        return tuple([] for _ in self.managers), 0, 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        manager = self.managers[0]
+        blocks, hit_length = type(manager).find_longest_cache_hit(
+            self.hashes_for(block_hashes, manager), max_cache_hit_length, [0], self.block_pool, manager.spec,
+            manager.block_size)
+        return tuple(blocks), hit_length, 0
+
+
+class _AttentionGroup:
+    """Groups whose spec is identical, looked up together (a hash must hit in all of them)."""
+
+    __slots__ = ("spec", "group_ids", "manager")
+
+    def __init__(self, spec, group_ids, manager):
+        self.spec = spec
+        self.group_ids = group_ids
+        self.manager = manager
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        by_spec: dict = {}
+        for gid, group in enumerate(self.kv_cache_config.groups):
+            by_spec.setdefault(group.spec, []).append(gid)
+        groups = [_AttentionGroup(spec, ids, self.managers[ids[0]]) for spec, ids in by_spec.items()]
+        # Full attention first: its left-to-right scan gives the upper bound the others
+        # can only shorten, and it never needs a second look.
+        groups.sort(key=lambda g: 0 if isinstance(g.spec, FullAttentionSpec) else 1)
+        self.attention_groups = groups
+        self.is_simple_hybrid = len(groups) == 2 and isinstance(groups[0].spec, FullAttentionSpec)
+        self.alignment_tokens = self.scheduler_block_size
+
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        num_groups = len(self.managers)
+        hit_length = max_cache_hit_length
+        longest_hit_length = 0
+        hit_blocks: list[list[KVCacheBlock] | None] = [None] * num_groups
+        hit_length_by_group = [0] * num_groups
+        while True:
+            curr = hit_length
+            for group in self.attention_groups:
+                first = group.group_ids[0]
+                if isinstance(group.spec, FullAttentionSpec) and hit_blocks[first] is not None:
+                    # A full-attention hit is prefix-closed: shortening is a truncation.
+                    curr = min(curr, hit_length_by_group[first])
+                    continue
+                manager = group.manager
+                blocks, new_length = type(manager).find_longest_cache_hit(
+                    self.hashes_for(block_hashes, manager), curr, group.group_ids, self.block_pool,
+                    group.spec, self.alignment_tokens)
+                curr = new_length
+                for gid, blks in zip(group.group_ids, blocks):
+                    hit_blocks[gid] = blks
+                    hit_length_by_group[gid] = new_length
+                longest_hit_length = max(longest_hit_length, curr)
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if self.is_simple_hybrid:
+                break
+        for group in self.attention_groups:
+            if not isinstance(group.spec, FullAttentionSpec):
+                continue
+            keep = cdiv(hit_length, group.spec.block_size)
+            for gid in group.group_ids:
+                if hit_blocks[gid] is not None:
+                    del hit_blocks[gid][keep:]
+        blocks = tuple(b if b is not None else [] for b in hit_blocks)
+        return blocks, hit_length, longest_hit_length - hit_length
+
+
+def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
+                             enable_caching: bool, enable_kv_events: bool = False) -> KVCacheCoordinator:
+    if not enable_caching:
+        cls = KVCacheCoordinatorNoPrefixCache
+    elif len(kv_cache_config.groups) == 1:
+        cls = UnitaryKVCacheCoordinator
+    else:
+        cls = HybridKVCacheCoordinator
+    return cls(kv_cache_config, max_model_len, max_in_flight_tokens, enable_caching, enable_kv_events)

@@ -1,0 +1,124 @@
+"""The scheduler's face of the KV cache: find hits, allocate slots, free (vLLM ``KVCacheManager``).
+
+Semantics section 5 and seed 002. ``allocate_slots`` follows vLLM's order step by step,
+because the order is observable: skipped blocks are released *before* the capacity check
+(even when the allocation then fails), free hit blocks count against capacity, waiting
+requests must fit their whole sequence, and blocks completed by this step's tokens are
+cached at schedule time, before the forward pass.
+"""
+
+from __future__ import annotations
+
+from kvtwin.sim.core.coordinator import HitBlocks, get_kv_cache_coordinator
+from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.core.spec import KVCacheConfig
+
+
+class KVCacheManager:
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
+                 enable_caching: bool = True, watermark: float = 0.0, enable_kv_events: bool = False):
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.coordinator = get_kv_cache_coordinator(kv_cache_config, max_model_len, max_in_flight_tokens,
+                                                    enable_caching, enable_kv_events)
+        self.block_pool = self.coordinator.block_pool
+        self.num_groups = len(kv_cache_config.groups)
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.empty_blocks: HitBlocks = tuple([] for _ in range(self.num_groups))
+        # request id → token count up to which allocating for a running request changes
+        # nothing (the decode fast path; the scheduler may consult it before calling).
+        self.noop_horizon: dict[str, int] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks, int, int]:
+        """(hit blocks per group, hit tokens, shared-prefix boundary). Takes no references."""
+        if not self.enable_caching:
+            return self.empty_blocks, 0, 0
+        # The last token is always recomputed: its logits are needed.
+        blocks, hit_tokens, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                                               request.num_tokens - 1)
+        shared_prefix_boundary = hit_tokens + uncached if uncached else 0
+        if not any(blocks):
+            blocks = self.empty_blocks
+        return blocks, hit_tokens, shared_prefix_boundary
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: HitBlocks | None = None, num_lookahead_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True) -> HitBlocks | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens; None if the pool is short."""
+        if num_new_tokens <= 0:
+            raise ValueError("num_new_tokens must be positive")
+        fast = (new_computed_blocks is None and num_new_computed_tokens == 0 and not full_sequence_must_fit
+                and num_lookahead_tokens == 0 and request.status is RequestStatus.RUNNING)
+        if fast:
+            # The common decode step: when no group has anything to drop, add or cache, the
+            # full path below would change nothing and succeed (a running request needs no
+            # watermark), so skip it.
+            computed = min(request.num_computed_tokens, self.max_model_len)
+            end = computed + num_new_tokens
+            if end <= self.noop_horizon.get(request.request_id, -1):
+                return self.empty_blocks
+            # Where a horizon exists it is exact, so only Mamba layouts need the O(1) check.
+            if not self.coordinator.horizon_possible and self.coordinator.is_noop(
+                    request.request_id, computed, min(end, self.max_model_len), end, min(end, request.num_tokens)):
+                return self.empty_blocks
+        hit_blocks = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks
+        coordinator = self.coordinator
+        free_blocks = self.block_pool.get_num_free_blocks
+        request_id = request.request_id
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local_computed, self.max_model_len)
+
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark_blocks = self.watermark_blocks
+
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            needed = coordinator.get_num_blocks_to_allocate(request_id, full_num_tokens, hit_blocks, total_computed,
+                                                            full_num_tokens, apply_admission_cap=True)
+            if needed + watermark_blocks > free_blocks():
+                return None
+
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+
+        # Released even if the allocation below fails: those blocks are dead either way.
+        coordinator.remove_skipped_blocks(request_id, total_computed)
+
+        needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hit_blocks,
+                                                        num_local_computed, num_tokens_main_model)
+        if needed + watermark_blocks > free_blocks() - reserved_blocks:
+            return None
+
+        if hit_blocks is not self.empty_blocks:
+            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_local_computed)
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_tokens_main_model)
+
+        if self.enable_caching:
+            coordinator.cache_blocks(request_id, request.block_hashes,
+                                     min(total_computed + num_new_tokens, request.num_tokens))
+        if fast:
+            self.noop_horizon[request_id] = coordinator.noop_horizon(request_id)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        self.noop_horizon.pop(request.request_id, None)
+        self.coordinator.free(request.request_id)
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+    def get_blocks(self, request_id: str) -> HitBlocks:
+        return self.coordinator.get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,455 @@
+"""Single-type managers: one per KV cache group, each owning that group's block tables.
+
+Semantics section 3 (vLLM ``single_type_kv_cache_manager.py``). A manager knows how its
+attention type uses blocks: which prefix blocks a hit needs, which blocks a request may
+drop early (``get_num_skipped_tokens``), and how many blocks an allocation will take from
+the shared pool. The base class holds the bookkeeping every type shares.
+
+* Full attention: left-to-right hit scan, nothing freed early.
+* Sliding window: a hit needs ``cdiv(window - 1, block_size)`` contiguous cached blocks,
+  found right to left; blocks that slid out of the window become the null block.
+* Chunked local: blocks before the current chunk are free hits and are dropped early.
+* Mamba: one state block matters; "align" mode keeps only the state at the last block
+  boundary (plus the previous one until the new state is written), "none" mode one block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
+from kvtwin.sim.core.hashing import hashes_in_range
+from kvtwin.sim.core.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one group: ``req_to_blocks`` (may contain the null block) and how
+    many leading entries were handed to the pool's hash map (``num_cached_block``; the
+    key's presence marks a request that has been allocated at least once)."""
+
+    has_noop_horizon = True
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool,
+                 hash_block_size: int, max_admission_blocks_per_request: int | None = None):
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.block_pool = block_pool
+        self.group_id = group_id
+        self.enable_caching = enable_caching
+        self.hash_factor = spec.block_size // hash_block_size
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        self.null_block = block_pool.null_block
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    # -- queries ---------------------------------------------------------------------
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens whose KV the next token no longer reads (0: keep everything)."""
+        return 0
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False) -> int:
+        num_required = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required = min(num_required, self.max_admission_blocks_per_request)
+        table = self.req_to_blocks.get(request_id)
+        num_table = len(table) if table is not None else 0
+        if request_id in self.num_cached_block:
+            return max(num_required - num_table, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_new = max(num_required - max(num_skipped_blocks, len(new_computed_blocks) + num_table), 0)
+        # Hit blocks sitting evictable in the free queue stop being free once touched.
+        first_kept = max(0, num_skipped_blocks - num_table)
+        num_evictable = len([b for b in new_computed_blocks[first_kept:] if b.ref_cnt == 0 and not b.is_null])
+        return num_new + num_evictable
+
+    # -- mutations -------------------------------------------------------------------
+
+    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
+                                     num_local_computed_tokens: int) -> None:
+        """Adopt a new request's prefix hit: null for skipped positions, touch the rest."""
+        if request_id in self.num_cached_block:
+            return
+        table = self.req_to_blocks.setdefault(request_id, [])
+        num_skipped_blocks = self.get_num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        kept = new_computed_blocks[num_skipped_blocks:] if num_skipped_blocks > 0 else new_computed_blocks
+        if self.enable_caching:
+            self.block_pool.touch(kept)
+        if num_skipped_blocks > 0:
+            table.extend([self.null_block] * num_skipped_blocks)
+        table.extend(kept)
+        self.num_cached_block[request_id] = len(table)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        table = self.req_to_blocks.setdefault(request_id, [])
+        num_new = cdiv(num_tokens, self.block_size) - len(table)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new, self.group_id)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, block_hashes: Sequence, request_id: str, num_tokens: int) -> None:
+        """Register blocks that are full once ``num_tokens`` tokens are computed."""
+        num_cached = self.num_cached_block.get(request_id, 0)
+        num_full = min(num_tokens, len(block_hashes) * self.block_size) // self.block_size
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(self.req_to_blocks[request_id], block_hashes, num_cached,
+                                              num_full, self.group_id)
+        self.num_cached_block[request_id] = max(num_full, num_cached)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace blocks the request can no longer read with the null block, highest first."""
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        table = self.req_to_blocks.get(request_id)
+        if not table:
+            return
+        null = self.null_block
+        removed = []
+        for i in range(min(num_skipped_tokens // self.block_size, len(table)) - 1, -1, -1):
+            if table[i] is null:
+                break  # everything before was nulled by an earlier call
+            removed.append(table[i])
+            table[i] = null
+        if removed:
+            self.block_pool.free_blocks(removed)
+
+    def free(self, request_id: str) -> None:
+        table = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if table:
+            # Last block first, so a request's chain is evicted tail first.
+            self.block_pool.free_blocks(reversed(table))
+
+    def new_step_starts(self) -> None:
+        pass
+
+    def is_noop(self, request_id: str, num_computed_tokens: int, num_tokens_need_slot: int,
+                num_tokens_main_model: int, num_tokens_to_cache: int) -> bool:
+        """Whether allocating for a running request would change nothing in this group:
+        no block to drop, none to add, none newly full. Most decode steps are such steps;
+        answering this is O(1) where the full path is not."""
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return False
+        block_size = self.block_size
+        if len(table) * block_size < num_tokens_need_slot:
+            return False
+        if self.enable_caching and num_tokens_to_cache // block_size > self.num_cached_block.get(request_id, 0):
+            return False
+        return self._nothing_to_skip(table, num_computed_tokens)
+
+    def noop_horizon(self, request_id: str) -> int:
+        """The largest token count ``end`` such that, for a running request with computed
+        tokens below ``end``, allocating up to ``end`` is a no-op in this group given its
+        current table. Lets the KV cache manager skip decode steps with one comparison."""
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return -1
+        block_size = self.block_size
+        horizon = len(table) * block_size
+        if self.enable_caching:
+            horizon = min(horizon, (self.num_cached_block.get(request_id, 0) + 1) * block_size - 1)
+        return min(horizon, self._skip_horizon(table))
+
+    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+        """Computed-token counts below this drop no further block (no early freeing: none)."""
+        return 1 << 62
+
+    def _leading_nulls(self, table: list[KVCacheBlock]) -> int:
+        null = self.null_block
+        count = 0
+        for block in table:
+            if block is not null:
+                break
+            count += 1
+        return count
+
+    def _nothing_to_skip(self, table: list[KVCacheBlock], num_computed_tokens: int) -> bool:
+        num_skipped = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped <= 0:
+            return True
+        n = min(num_skipped // self.block_size, len(table))
+        return n == 0 or table[n - 1] is self.null_block
+
+    # -- prefix hits -----------------------------------------------------------------
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence, max_length: int, group_ids: Sequence[int],
+                               block_pool: BlockPool, spec: KVCacheSpec,
+                               alignment_tokens: int) -> tuple[list[list[KVCacheBlock]], int]:
+        raise NotImplementedError
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
+        computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
+        block_size = spec.block_size
+        max_num_blocks = min(max_length // block_size, len(block_hashes))
+        if len(group_ids) == 1:
+            # The common case, without the per-group list building.
+            cache = block_pool.cached_block_hash_to_block[group_ids[0]]
+            out = computed[0]
+            start = 0
+            while start < max_num_blocks:
+                # Hashes in growing runs: a miss usually comes early or not at all.
+                stop = min(max_num_blocks, start + max(64, start))
+                for block_hash in hashes_in_range(block_hashes, start, stop):
+                    entry = cache.get(block_hash)
+                    if entry is None:
+                        return cls._aligned(computed, block_size, alignment_tokens)  # chained: nothing later hits
+                    out.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+                start = stop
+        else:
+            for i in range(max_num_blocks):
+                hit = block_pool.get_cached_block(block_hashes[i], group_ids)
+                if hit is None:
+                    break
+                for blocks, block in zip(computed, hit):
+                    blocks.append(block)
+        return cls._aligned(computed, block_size, alignment_tokens)
+
+    @staticmethod
+    def _aligned(computed: list[list[KVCacheBlock]], block_size: int, alignment_tokens: int):
+        hit_length = len(computed[0]) * block_size
+        if alignment_tokens != block_size and hit_length % alignment_tokens:
+            hit_length = hit_length // alignment_tokens * alignment_tokens
+            for blocks in computed:
+                del blocks[hit_length // block_size:]
+        return computed, hit_length
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # The next token attends the last `window` tokens including itself.
+        return max(0, num_computed_tokens - self.spec.sliding_window + 1)
+
+    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+        # One more block drops once computed - window + 1 reaches the end of the next block.
+        return (self._leading_nulls(table) + 1) * self.block_size + self.spec.sliding_window - 1
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
+        assert isinstance(spec, SlidingWindowSpec)
+        block_size = spec.block_size
+        num_needed = cdiv(spec.sliding_window - 1, block_size)
+        max_num_blocks = min(max_length // block_size, len(block_hashes))
+        null = block_pool.null_block
+        computed: list[list[KVCacheBlock]] = [[null] * max_num_blocks for _ in group_ids]
+        run = 0
+        match_found = False
+        for i in range(max_num_blocks - 1, -1, -1):
+            hit = block_pool.get_cached_block(block_hashes[i], group_ids)
+            if hit is None:
+                run = 0
+                continue
+            for blocks, block in zip(computed, hit):
+                blocks[i] = block
+            run += 1
+            if run >= num_needed and (alignment_tokens == block_size
+                                      or (i + run) * block_size % alignment_tokens == 0):
+                for blocks in computed:
+                    del blocks[i + run:]
+                match_found = True
+                break
+        if not match_found:
+            # A run that starts at block 0 is a valid hit even if shorter than the window.
+            for blocks in computed:
+                del blocks[run:]
+            if alignment_tokens != block_size:
+                keep = run * block_size // alignment_tokens * alignment_tokens // block_size
+                for blocks in computed:
+                    del blocks[keep:]
+        return computed, len(computed[0]) * block_size
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        chunk = self.spec.attention_chunk_size
+        return num_computed_tokens // chunk * chunk
+
+    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+        # Blocks drop when a chunk boundary passes the end of the next block.
+        chunk = self.spec.attention_chunk_size
+        return cdiv((self._leading_nulls(table) + 1) * self.block_size, chunk) * chunk
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
+        assert isinstance(spec, ChunkedLocalAttentionSpec)
+        block_size = spec.block_size
+        chunk = spec.attention_chunk_size
+        max_num_blocks = min(max_length // block_size, len(block_hashes))
+        # Blocks of earlier chunks are never read again: they count as hits for free.
+        start_block = (max_length // chunk * chunk) // block_size if max_length > 0 else 0
+        start_block = min(start_block, max_num_blocks)
+        null = block_pool.null_block
+        computed: list[list[KVCacheBlock]] = [[null] * start_block for _ in group_ids]
+        for i in range(start_block, max_num_blocks):
+            hit = block_pool.get_cached_block(block_hashes[i], group_ids)
+            if hit is None:
+                break
+            for blocks, block in zip(computed, hit):
+                blocks.append(block)
+        return computed, len(computed[0]) * block_size
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Recurrent state blocks. Align mode: the table is nulls plus the last state block(s)."""
+
+    has_noop_horizon = False
+
+    def __init__(self, spec: MambaSpec, *args, **kwargs):
+        super().__init__(spec, *args, **kwargs)
+        self.align = spec.mamba_cache_mode == "align"
+        self.num_speculative_blocks = spec.num_speculative_blocks
+        self.last_state_block_idx: dict[str, int] = {}
+        self.allocated_block_reqs: set[str] = set()
+        # Hashes cached in this step: a state written this step cannot be read by another
+        # request scheduled in the same step.
+        self.cached_blocks_this_step: set = set()
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # Only the state after the last computed token is needed.
+        return num_computed_tokens - 1
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
+        block_size = spec.block_size
+        computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
+        max_num_blocks = min(max_length // block_size, len(block_hashes))
+        for i in range(max_num_blocks - 1, -1, -1):
+            hit = block_pool.get_cached_block(block_hashes[i], group_ids)
+            if hit is None:
+                continue
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue
+            null = block_pool.null_block
+            for blocks, block in zip(computed, hit):
+                blocks.extend([null] * i)
+                blocks.append(block)
+            return computed, (i + 1) * block_size
+        return computed, 0
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_tokens_main_model, apply_admission_cap=False):
+        if new_computed_blocks and new_computed_blocks[-1].block_hash in self.cached_blocks_this_step:
+            # More than the pool holds: the allocation fails and the request waits a step.
+            return self.block_pool.num_gpu_blocks + 1
+        if not self.align:
+            if self.num_speculative_blocks:
+                num_tokens += self.block_size * self.num_speculative_blocks
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
+                                                      total_computed_tokens, num_tokens_main_model,
+                                                      apply_admission_cap)
+        # Align mode ignores lookahead tokens: they would break block alignment.
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        table = self.req_to_blocks.get(request_id)
+        num_new = num_required - len(new_computed_blocks) - (len(table) if table else 0)
+        if num_new > 0:
+            # A running request reuses its speculative blocks: one new state block at most.
+            num_new = 1 if request_id in self.allocated_block_reqs else 1 + self.num_speculative_blocks
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return max(num_new, 0) + num_evictable
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+        if not self.align:
+            if self.num_speculative_blocks:
+                num_tokens += self.block_size * self.num_speculative_blocks
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        table = self.req_to_blocks.setdefault(request_id, [])
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        if num_required <= len(table):
+            self.allocated_block_reqs.add(request_id)
+            return []
+        prev_len = len(table)
+        was_allocated = request_id in self.allocated_block_reqs
+        if was_allocated:
+            self.last_state_block_idx[request_id] = prev_len - 1 - self.num_speculative_blocks
+        elif prev_len > 0:
+            # A hit's last block holds the state the request resumes from.
+            self.last_state_block_idx[request_id] = prev_len - 1
+        num_skipped_blocks = num_required - self.num_speculative_blocks - 1
+        if prev_len < num_skipped_blocks:
+            table.extend([self.null_block] * (num_skipped_blocks - prev_len))
+        if was_allocated:
+            for idx in range(prev_len - self.num_speculative_blocks, prev_len):
+                if idx >= num_skipped_blocks:
+                    break
+                table.append(table[idx])
+                table[idx] = self.null_block
+        new_blocks = self.block_pool.get_new_blocks(num_required - len(table), self.group_id)
+        returned = table[prev_len:]
+        table.extend(new_blocks)
+        self.allocated_block_reqs.add(request_id)
+        return returned + new_blocks
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens)
+        if not self.align:
+            return
+        # The previous state block was only needed to seed the current one.
+        last_idx = self.last_state_block_idx.get(request_id)
+        if last_idx is not None and last_idx < cdiv(num_computed_tokens, self.block_size) - 1:
+            table = self.req_to_blocks[request_id]
+            if table[last_idx] is not self.null_block:
+                self.block_pool.free_blocks([table[last_idx]])
+                table[last_idx] = self.null_block
+
+    def cache_blocks(self, block_hashes, request_id, num_tokens):
+        before = self.num_cached_block.get(request_id, 0)
+        super().cache_blocks(block_hashes, request_id, num_tokens)
+        after = self.num_cached_block[request_id]
+        if after > before:
+            for block in self.req_to_blocks[request_id][before:after]:
+                if not block.is_null and block.block_hash is not None:
+                    self.cached_blocks_this_step.add(block.block_hash)
+
+    def is_noop(self, request_id, num_computed_tokens, num_tokens_need_slot, num_tokens_main_model,
+                num_tokens_to_cache):
+        if not self.align:
+            return False
+        table = self.req_to_blocks.get(request_id)
+        if table is None or request_id not in self.allocated_block_reqs:
+            return False
+        block_size = self.block_size
+        if cdiv(num_tokens_main_model, block_size) + self.num_speculative_blocks > len(table):
+            return False
+        if self.enable_caching and num_tokens_to_cache // block_size > self.num_cached_block.get(request_id, 0):
+            return False
+        last_idx = self.last_state_block_idx.get(request_id)
+        if (last_idx is not None and last_idx < cdiv(num_computed_tokens, block_size) - 1
+                and table[last_idx] is not self.null_block):
+            return False
+        return self._nothing_to_skip(table, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        self.allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        super().free(request_id)
+
+    def new_step_starts(self) -> None:
+        self.cached_blocks_this_step.clear()
+
+
+def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return ChunkedLocalAttentionManager
+    if isinstance(spec, MambaSpec):
+        return MambaManager
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager
+    raise TypeError(f"no manager for {type(spec).__name__}")

@@ -1,0 +1,256 @@
+"""The v1 continuous-batching scheduler (vLLM ``v1/core/sched/scheduler.py``, synchronous).
+
+Semantics section 6. One ``schedule()`` call per engine step:
+
+1. Running requests first, in running order, while token budget remains: each gets what
+   it still lacks (the rest of its prefill, or one decode token), clipped by the budget,
+   ``long_prefill_token_threshold``, ``max_model_len`` and, for Mamba "align" models, the
+   block-aligned prefill split. If the pool is short, preempt (FCFS: the last running
+   request; priority: the lowest-priority latest arrival) and retry; a request that had
+   to preempt itself ends the running pass.
+2. Waiting requests only if nobody was preempted this step, while budget remains and
+   fewer than ``max_num_seqs`` run: look up the prefix hit, admit if the whole sequence
+   fits; the first request that does not fit stops admission (head-of-line blocking).
+
+``update_from_output`` appends sampled tokens, finishes requests that reached
+``max_tokens`` or ``max_model_len`` and frees their blocks at once, in scheduled order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
+from kvtwin.sim.core.kv_cache_manager import KVCacheManager
+from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.core.request_queue import create_request_queue
+from kvtwin.sim.core.spec import KVCacheConfig, MambaSpec
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request taken from the waiting queue into the running queue in this step."""
+
+    request_id: str
+    hit_tokens: int
+    resumed: bool  # re-admitted after a preemption
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # running order, then admissions
+    admitted: list[Admission] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig = CacheConfig()):
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config, scheduler_config.max_model_len, scheduler_config.max_in_flight_tokens,
+            enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark,
+            enable_kv_events=cache_config.enable_kv_events)
+        self.hasher = (BlockHasher(get_hash_fn(cache_config.prefix_caching_hash_algo), kv_cache_config.hash_block_size)
+                       if cache_config.enable_prefix_caching else None)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        mamba_align = [g.spec for g in kv_cache_config.groups
+                       if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align"]
+        # Align mode caches a Mamba state only where a prefill chunk ends, so chunks must
+        # end on block boundaries.
+        self.mamba_block_size = mamba_align[0].block_size if mamba_align and cache_config.enable_prefix_caching \
+            else 0
+
+    # -- requests in and out -----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if self.hasher is not None:
+            request.attach_hasher(self.hasher)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kvm = self.kv_cache_manager
+        out = SchedulerOutput()
+        scheduled = out.num_scheduled_tokens
+        token_budget = cfg.max_num_batched_tokens
+        # The threshold keeps one long prefill from starving others; alone, it has nobody
+        # to starve and may use the whole budget.
+        num_eligible = len(self.running) + len(self.waiting)
+        long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
+            long_prefill = max(long_prefill, token_budget // num_eligible)
+        is_priority = cfg.policy == "priority"
+        max_model_len = cfg.max_model_len
+        mamba_split = self.mamba_block_size > 0
+        horizon = kvm.noop_horizon
+        kvm.new_step_starts()
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            computed = request.num_computed_tokens
+            num_new = request.num_tokens - computed
+            if 0 < long_prefill < num_new:
+                num_new = long_prefill
+            if num_new > token_budget:
+                num_new = token_budget
+            if num_new > max_model_len - computed - 1:
+                num_new = max_model_len - computed - 1
+            if mamba_split:
+                num_new = self._mamba_block_aligned_split(request, num_new, 0)
+            if num_new <= 0:
+                req_index += 1
+                continue
+            if computed + num_new <= horizon.get(request.request_id, -1):
+                # Most decode steps: the KV cache manager already knows nothing changes.
+                scheduled[request.request_id] = num_new
+                token_budget -= num_new
+                req_index += 1
+                continue
+            while True:
+                new_blocks = kvm.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                if is_priority:
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    victim_index = self.running.index(victim)
+                    del self.running[victim_index]
+                    if victim_index < req_index:
+                        req_index -= 1
+                    if victim.request_id in scheduled:
+                        token_budget += scheduled.pop(victim.request_id)
+                else:
+                    victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled[request.request_id] = num_new
+            token_budget -= num_new
+            req_index += 1
+
+        if not out.preempted:
+            self._schedule_waiting(out, token_budget, long_prefill)
+
+        for request_id, num_tokens in scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
+        cfg = self.config
+        kvm = self.kv_cache_manager
+        while len(self.waiting) and token_budget > 0:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            if request.num_computed_tokens == 0:
+                hit_blocks, hit_tokens, request.shared_prefix_boundary = kvm.get_computed_blocks(request)
+            else:
+                hit_blocks, hit_tokens = kvm.empty_blocks, 0
+            num_computed = request.num_computed_tokens + hit_tokens
+            num_new = request.num_tokens - num_computed
+            if 0 < long_prefill < num_new:
+                num_new = long_prefill
+            if not cfg.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            if self.mamba_block_size:
+                num_new = self._mamba_block_aligned_split(request, num_new, hit_tokens)
+                if num_new == 0:
+                    break
+            new_blocks = kvm.allocate_slots(request, num_new, hit_tokens, hit_blocks,
+                                            full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
+                                            has_scheduled_reqs=bool(self.running))
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            out.admitted.append(Admission(request.request_id, hit_tokens,
+                                          request.status is RequestStatus.PREEMPTED))
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            out.num_scheduled_tokens[request.request_id] = num_new
+            token_budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _mamba_block_aligned_split(self, request: Request, num_new: int, num_new_local_computed: int) -> int:
+        """Clip a prefill chunk so it ends where a Mamba state must be cached.
+
+        States are written only at chunk ends, so an unfinished prefill chunk must end on a
+        block boundary; it also stops at the last cacheable boundary of the sequence and at
+        a shared-prefix junction, so siblings sharing that prefix can reuse its state.
+        """
+        block_size = self.mamba_block_size
+        start = request.num_computed_tokens + num_new_local_computed
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if start >= prefill_end:
+            return num_new
+        # The last boundary a later request can hit (hits stop at num_tokens - 1).
+        last_cache_position = (request.num_tokens - 1) // block_size * block_size
+        end = start + num_new
+        if end < prefill_end:
+            max_prefill_tokens = self.config.max_num_batched_tokens
+            if self.config.long_prefill_token_threshold > 0:
+                max_prefill_tokens = min(max_prefill_tokens, self.config.long_prefill_token_threshold)
+            aligned_end = end // block_size * block_size
+            if aligned_end > start or block_size <= max_prefill_tokens:
+                end = aligned_end
+        boundary = request.shared_prefix_boundary
+        stops = (
+            (start // block_size + 1) * block_size if start % block_size else 0,
+            last_cache_position,
+            start + (boundary - start) // block_size * block_size if start < boundary < end else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
+
+    # -- after the forward pass -------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append sampled tokens; finish and free requests that are done. Returns the finished.
+
+        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones)."""
+        finished: list[Request] = []
+        max_model_len = self.config.max_model_len
+        requests = self.requests
+        # ``sampled`` follows the scheduled order, which is the order finished requests are
+        # freed in (it decides the free queue's order).
+        for request_id, tokens in sampled.items():
+            if not tokens:
+                continue
+            request = requests[request_id]
+            request.append_output_token_ids(tokens)
+            if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len:
+                request.status = RequestStatus.FINISHED
+                self.kv_cache_manager.free(request)
+                finished.append(request)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                del self.requests[request.request_id]
+        return finished

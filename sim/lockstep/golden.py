@@ -1,0 +1,228 @@
+"""Golden cases: the on-disk format of a lockstep case and of its results, and comparison.
+
+A case directory holds ``config.json`` (engine and KV cache settings), ``requests.jsonl``
+(the workload, with each request's scripted output tokens) and, when produced by vLLM
+itself, ``expected_requests.jsonl`` / ``expected_steps.jsonl``. Bad input raises a
+``ConfigError`` naming the file, line and field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.core.spec import KVCacheConfig, KVCacheGroupSpec, spec_from_dict
+
+_CONFIG_FIELDS = {
+    "kv_cache_groups", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "long_prefill_token_threshold", "enable_chunked_prefill", "scheduling_policy", "watermark",
+    "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo", "async_scheduling",
+    "description", "vllm_version", "adaptive_long_prefill_threshold",
+}
+
+
+@dataclass(frozen=True)
+class CaseRequest:
+    request_id: str
+    arrival_step: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    priority: int
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    name: str
+    kv_cache_config: KVCacheConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    requests: tuple[CaseRequest, ...]
+    description: str = ""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("config.json", "a file in the case directory", source=str(path.parent)) from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"line {err.lineno}", f"valid JSON ({err.msg})", source=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("(top level)", "a JSON object", type(data).__name__, source=str(path))
+    return data
+
+
+def _typed(data: dict, key: str, kind: type, default=None, *, source: str):
+    if key not in data:
+        if default is None:
+            raise ConfigError(key, f"a {kind.__name__} (required)", source=source)
+        return default
+    value = data[key]
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(key, f"a {kind.__name__}", value, source=source)
+    return value
+
+
+def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheConfig, SchedulerConfig, CacheConfig, str]:
+    source = str(path)
+    data = _read_json(path)
+    unknown = sorted(set(data) - _CONFIG_FIELDS)
+    if unknown:
+        raise ConfigError(unknown[0], f"one of the known fields ({', '.join(sorted(_CONFIG_FIELDS))})",
+                          source=source)
+    try:
+        block_size = _typed(data, "block_size", int, source=source)
+        groups_raw = _typed(data, "kv_cache_groups", list, source=source)
+        groups = tuple(
+            KVCacheGroupSpec((f"group{i}",), spec_from_dict(g, block_size=block_size, where=f"kv_cache_groups[{i}]"))
+            for i, g in enumerate(groups_raw))
+        kv_cache_config = KVCacheConfig(num_blocks=_typed(data, "num_blocks", int, source=source), groups=groups,
+                                        hash_block_size=block_size)
+        scheduler_config = SchedulerConfig(
+            max_model_len=_typed(data, "max_model_len", int, source=source),
+            max_num_seqs=_typed(data, "max_num_seqs", int, 128, source=source),
+            max_num_batched_tokens=_typed(data, "max_num_batched_tokens", int, 2048, source=source),
+            enable_chunked_prefill=_typed(data, "enable_chunked_prefill", bool, True, source=source),
+            long_prefill_token_threshold=_typed(data, "long_prefill_token_threshold", int, 0, source=source),
+            adaptive_long_prefill_threshold=_typed(data, "adaptive_long_prefill_threshold", bool, False,
+                                                   source=source),
+            policy=_typed(data, "scheduling_policy", str, "fcfs", source=source),
+            watermark=_typed(data, "watermark", float, 0.0, source=source),
+            scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
+            async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
+        )
+        cache_config = CacheConfig(
+            enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
+            prefix_caching_hash_algo=hash_algo or _typed(data, "prefix_caching_hash_algo", str, "sha256",
+                                                         source=source),
+        )
+    except ConfigError as err:
+        raise err if err.source else err.with_source(source) from None
+    if scheduler_config.async_scheduling:
+        raise ConfigError("async_scheduling", "false: the lockstep runner reproduces the synchronous scheduler",
+                          True, source=source)
+    return kv_cache_config, scheduler_config, cache_config, data.get("description", "")
+
+
+def _token_list(value, field: str, source: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ConfigError(field, "a list of integer token ids", type(value).__name__, source=source)
+    return tuple(value)
+
+
+def load_requests(path: Path) -> tuple[CaseRequest, ...]:
+    requests = []
+    seen: set[str] = set()
+    last_arrival = 0
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError("requests.jsonl", "a file in the case directory", source=str(path.parent)) from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        source = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError("(line)", f"one JSON object per line ({err.msg})", source=source) from None
+        if not isinstance(row, dict):
+            raise ConfigError("(line)", "a JSON object", type(row).__name__, source=source)
+        for key in ("request_id", "arrival_step", "prompt_token_ids", "output_token_ids"):
+            if key not in row:
+                raise ConfigError(key, "present (required field)", source=source)
+        request_id = row["request_id"]
+        if not isinstance(request_id, str) or request_id in seen:
+            raise ConfigError("request_id", "a string unique within the file", request_id, source=source)
+        seen.add(request_id)
+        arrival = row["arrival_step"]
+        if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < last_arrival:
+            raise ConfigError("arrival_step", f"an integer >= the previous line's ({last_arrival})", arrival,
+                              source=source)
+        last_arrival = arrival
+        prompt = _token_list(row["prompt_token_ids"], "prompt_token_ids", source)
+        outputs = _token_list(row["output_token_ids"], "output_token_ids", source)
+        if not prompt:
+            raise ConfigError("prompt_token_ids", "at least one token", 0, source=source)
+        if not outputs:
+            raise ConfigError("output_token_ids", "at least one token (max_tokens = its length)", 0, source=source)
+        priority = row.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ConfigError("priority", "an integer", priority, source=source)
+        requests.append(CaseRequest(request_id, arrival, prompt, outputs, priority))
+    return tuple(requests)
+
+
+def load_case(case_dir: str | Path, *, hash_algo: str | None = None) -> GoldenCase:
+    case_dir = Path(case_dir)
+    if not case_dir.is_dir():
+        raise ConfigError("CASE_DIR", "a directory holding config.json and requests.jsonl", str(case_dir))
+    kv_cache_config, scheduler_config, cache_config, description = load_config(case_dir / "config.json",
+                                                                                hash_algo=hash_algo)
+    requests = load_requests(case_dir / "requests.jsonl")
+    for r in requests:
+        if len(r.prompt_token_ids) + len(r.output_token_ids) > scheduler_config.max_model_len:
+            raise ConfigError("prompt_token_ids", f"prompt + output within max_model_len "
+                              f"{scheduler_config.max_model_len}", len(r.prompt_token_ids) + len(r.output_token_ids),
+                              source=f"{case_dir / 'requests.jsonl'} ({r.request_id})")
+    return GoldenCase(case_dir.name, kv_cache_config, scheduler_config, cache_config, requests, description)
+
+
+# -- results -------------------------------------------------------------------------------
+
+def dumps_line(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write atomically: a temp name first, renamed when complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(dumps_line(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def compare_results(expected_requests: list[dict], expected_steps: list[dict], actual_requests: list[dict],
+                    actual_steps: list[dict], limit: int = 10) -> list[str]:
+    """Field-by-field differences (maps as maps, preempted/finished as sets); empty if equal."""
+    diffs: list[str] = []
+    exp_req = {r["request_id"]: r for r in expected_requests}
+    act_req = {r["request_id"]: r for r in actual_requests}
+    for rid in exp_req.keys() | act_req.keys():
+        if rid not in act_req or rid not in exp_req:
+            diffs.append(f"request {rid}: present in only one of expected/actual")
+    for rid, exp in exp_req.items():
+        act = act_req.get(rid)
+        if act is None:
+            continue
+        for key in ("admissions", "num_preemptions", "first_scheduled_step", "finish_step"):
+            if exp.get(key) != act.get(key):
+                diffs.append(f"request {rid}: {key} expected {exp.get(key)!r}, got {act.get(key)!r}")
+    if len(expected_steps) != len(actual_steps):
+        diffs.append(f"steps: expected {len(expected_steps)}, got {len(actual_steps)}")
+    for exp, act in zip(expected_steps, actual_steps):
+        step = exp["step"]
+        for key in ("scheduled", "num_free_blocks", "num_cached_blocks"):
+            if exp[key] != act[key]:
+                diffs.append(f"step {step}: {key} expected {exp[key]!r}, got {act[key]!r}")
+        for key in ("preempted", "finished"):
+            if set(exp[key]) != set(act[key]):
+                diffs.append(f"step {step}: {key} expected {sorted(exp[key])}, got {sorted(act[key])}")
+    diffs.sort(key=_diff_order)
+    return diffs[:limit] if limit else diffs
+
+
+def _diff_order(message: str) -> tuple[int, int, str]:
+    # Earliest step first: the first differing step is the most useful clue.
+    if message.startswith("step ") and message[5:].split(":")[0].isdigit():
+        return (0, int(message[5:].split(":")[0]), message)
+    return (1, 0, message)

@@ -1,0 +1,112 @@
+"""The step clock: run a golden case one engine step per tick with a scripted model.
+
+DESIGN.md's third clock. Step ``s`` adds the requests arriving at ``s`` (in file order),
+calls ``EngineCore.step`` (schedule, the scripted model samples each request's next
+``output_token_ids`` entry once its prefill or recompute is complete, update), and
+records what happened. The run ends after the first step at whose end every request has
+arrived and finished. This is the exactness check: the same engine the replay and the
+executor drive, with nothing but the clock and the model swapped out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtwin.sim.core.block_pool import BlockPool
+from kvtwin.sim.core.engine import EngineCore, Execution, StepResult
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.lockstep.golden import GoldenCase
+from kvtwin.sim.core.hashing import TokenPrompt
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.scheduler import SchedulerOutput
+
+
+class ScriptedModel:
+    """Samples each request's predetermined output tokens, one per completed step."""
+
+    def __init__(self, outputs: dict[str, tuple[int, ...]]):
+        self.outputs = outputs
+
+    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> Execution:
+        # One step is one tick of the step clock.
+        return Execution({r.request_id: [self.outputs[r.request_id][r.num_output_tokens]] for r in ready_to_sample},
+                         duration_s=1.0)
+
+
+def step_record(step: int, result: StepResult, pool: BlockPool) -> dict:
+    """One line of ``expected_steps.jsonl``: what a step scheduled and left in the pool."""
+    out = result.output
+    return {
+        "step": step,
+        "scheduled": dict(out.num_scheduled_tokens),
+        "preempted": list(out.preempted),
+        "finished": [r.request_id for r in result.finished],
+        "num_free_blocks": pool.get_num_free_blocks(),
+        "num_cached_blocks": pool.num_cached_blocks(),
+    }
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    admissions: list[dict] = field(default_factory=list)
+    first_scheduled_step: int | None = None
+    finish_step: int | None = None
+
+    def to_json(self) -> dict:
+        return {"request_id": self.request_id, "admissions": self.admissions,
+                "num_preemptions": max(len(self.admissions) - 1, 0),
+                "first_scheduled_step": self.first_scheduled_step, "finish_step": self.finish_step}
+
+
+@dataclass
+class LockstepResult:
+    requests: list[dict]
+    steps: list[dict]
+
+
+def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
+             max_idle_steps: int = 10_000) -> LockstepResult:
+    engine = EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config)
+    pool = engine.kv_cache_manager.block_pool
+    model = ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
+    records = {r.request_id: RequestRecord(r.request_id) for r in case.requests}
+    pending = list(case.requests)
+    next_arrival = 0
+    steps: list[dict] = []
+    idle_steps = 0
+    step = 0
+    while True:
+        while next_arrival < len(pending) and pending[next_arrival].arrival_step == step:
+            spec = pending[next_arrival]
+            # Arrival time = line number: the priority policy's tie-break among equal priorities.
+            request = Request(spec.request_id, TokenPrompt(spec.prompt_token_ids), len(spec.output_token_ids),
+                              arrival_time=float(next_arrival), priority=spec.priority)
+            if not engine.add_request(request):
+                _, reason = engine.rejected[-1]
+                raise ConfigError("requests.jsonl", f"requests the engine accepts ({reason})", spec.request_id)
+            next_arrival += 1
+        result = engine.step(model)
+        out = result.output
+        for admission in out.admitted:
+            record = records[admission.request_id]
+            record.admissions.append({"step": step, "hit_tokens": admission.hit_tokens})
+            if record.first_scheduled_step is None:
+                record.first_scheduled_step = step
+        for request in result.finished:
+            records[request.request_id].finish_step = step
+        steps.append(step_record(step, result, pool))
+        if on_step is not None:
+            on_step(step)
+        all_arrived = next_arrival == len(pending)
+        if all_arrived and not engine.has_unfinished_requests():
+            break
+        idle_steps = idle_steps + 1 if (all_arrived and not out.num_scheduled_tokens) else 0
+        if idle_steps > max_idle_steps:
+            stuck = engine.scheduler.waiting.peek().request_id
+            raise ConfigError("requests.jsonl", f"a workload that can make progress: request {stuck} waits "
+                              f"forever (it can never fit the pool of {case.kv_cache_config.num_blocks} blocks)",
+                              source=case.name)
+        step += 1
+    return LockstepResult([records[r.request_id].to_json() for r in case.requests], steps)

@@ -1,0 +1,228 @@
+"""Grouping layers into KV cache groups: one block table per group, one pool for all.
+
+Seed 000 ("分组：把层切成「同构的管理单元」") and semantics section 7. In the order vLLM
+0.33's ``get_kv_cache_groups`` tries them:
+
+1. Hybrid KV cache manager off: sliding-window and chunked-local layers are promoted to
+   full attention (the window stays as metadata: compute is still windowed, memory is
+   not) — only when the model also has full-attention layers; a model whose layers still
+   differ afterwards (recurrent states) cannot run that way.
+2. Every layer has the same spec -> one group.
+3. Every layer needs the same token slots (e.g. all full attention, differing head sizes)
+   -> one group whose block costs the sum of its layers' pages.
+4. Otherwise unify the page sizes (``sim/planner/page_size.py``) and split by repeat pattern:
+   layers with the same spec form a bucket; ``group_size`` is the smallest bucket, or the
+   largest when the largest is under 1.5x the smallest; each bucket is cut into
+   ``cdiv(n, group_size)`` groups taking every ``num_groups``-th layer (interleaved, so a
+   pipeline stage never gets an empty group); short groups count padding layers.
+5. If page sizes cannot be unified (MLA), an MLA + sliding-window model falls back to
+   full allocation: everything promoted to full attention, one group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.page_size import PageSizeNotUnifiable, unify_page_sizes
+from kvtwin.sim.core.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """A KV cache group: its real layers, its spec and what one block costs in it."""
+
+    layer_names: tuple[str, ...]
+    spec: KVCacheSpec
+    layer_page_bytes: tuple[int, ...]
+    layer_unpadded_page_bytes: tuple[int, ...]
+    num_padding_layers: int = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id occupies in this group's real layers."""
+        return sum(self.layer_page_bytes)
+
+    @property
+    def unpadded_bytes_per_block(self) -> int:
+        return sum(self.layer_unpadded_page_bytes)
+
+    def blocks_per_request(self, *, max_in_flight_tokens: int, max_model_len: int) -> int:
+        return self.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+
+
+@dataclass(frozen=True)
+class Grouping:
+    groups: tuple[PlannedGroup, ...]
+    # "uniform", "uniform_type", "uniform_page_size" or "full_allocation_fallback"
+    strategy: str
+    group_size: int
+    num_promoted_layers: int = 0
+    # vLLM's "Add N padding layers, may waste at most X% KV cache memory", one per bucket.
+    padding_warnings: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def num_padding_layers(self) -> int:
+        return sum(g.num_padding_layers for g in self.groups)
+
+
+def _unpadded_page_bytes(spec: KVCacheSpec) -> int:
+    return getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
+
+
+def _merge_key(spec: KVCacheSpec) -> KVCacheSpec:
+    """Specs with equal keys can share a group. Full attention layers that differ only in
+    the window metadata of hybrid-off promotion still merge."""
+    if isinstance(spec, FullAttentionSpec):
+        return dataclasses.replace(spec, sliding_window=None, attention_chunk_size=None)
+    return spec
+
+
+def _merged_spec(specs: list[KVCacheSpec]) -> KVCacheSpec:
+    first = specs[0]
+    if not isinstance(first, FullAttentionSpec):
+        return first
+    windows = {s.sliding_window for s in specs if getattr(s, "sliding_window", None) is not None}
+    chunks = {s.attention_chunk_size for s in specs if getattr(s, "attention_chunk_size", None) is not None}
+    return dataclasses.replace(first, sliding_window=windows.pop() if len(windows) == 1 else None,
+                               attention_chunk_size=chunks.pop() if len(chunks) == 1 else None)
+
+
+def _slot_type(spec: KVCacheSpec) -> tuple | None:
+    """What decides how many token slots a layer needs; None for recurrent states."""
+    if isinstance(spec, FullAttentionSpec):  # MLA included
+        return ("full", spec.block_size)
+    if isinstance(spec, SlidingWindowSpec):
+        return ("sliding_window", spec.sliding_window, spec.block_size)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return ("chunked_local", spec.attention_chunk_size, spec.block_size)
+    return None
+
+
+def is_uniform(specs: dict[str, KVCacheSpec]) -> bool:
+    return len({_merge_key(s) for s in specs.values()}) <= 1
+
+
+def is_uniform_type(specs: dict[str, KVCacheSpec]) -> bool:
+    types = {_slot_type(s) for s in specs.values()}
+    return len(types) == 1 and None not in types
+
+
+def _group(names: list[str], specs: dict[str, KVCacheSpec], num_padding_layers: int = 0) -> PlannedGroup:
+    layer_specs = [specs[n] for n in names]
+    return PlannedGroup(layer_names=tuple(names), spec=_merged_spec(layer_specs),
+                        layer_page_bytes=tuple(s.page_size_bytes for s in layer_specs),
+                        layer_unpadded_page_bytes=tuple(_unpadded_page_bytes(s) for s in layer_specs),
+                        num_padding_layers=num_padding_layers)
+
+
+def promote_local_specs(specs: dict[str, KVCacheSpec]) -> tuple[dict[str, KVCacheSpec], int]:
+    """Sliding-window and chunked-local layers as full attention, when full layers exist.
+
+    Returns the specs and how many layers were promoted. A promoted layer takes the full
+    layers' block size and keeps its window / chunk as metadata.
+    """
+    if is_uniform(specs) or is_uniform_type(specs):
+        return dict(specs), 0
+    has_full = any(isinstance(s, FullAttentionSpec) for s in specs.values())
+    has_local = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs.values())
+    if not (has_full and has_local):
+        return dict(specs), 0
+    full_sizes = {s.block_size for s in specs.values() if isinstance(s, FullAttentionSpec)}
+    full_block_size = next(iter(full_sizes)) if len(full_sizes) == 1 else None
+    promoted: dict[str, KVCacheSpec] = {}
+    count = 0
+    for name, spec in specs.items():
+        if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+            block_size = full_block_size or spec.block_size
+            padded = None
+            if spec.page_size_padded is not None:
+                padded = max(spec.page_size_padded, spec.real_page_size_bytes * block_size // spec.block_size)
+            promoted[name] = FullAttentionSpec(
+                block_size=block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                head_size_v=spec.head_size_v, dtype_bytes=spec.dtype_bytes, page_size_padded=padded,
+                sliding_window=getattr(spec, "sliding_window", None),
+                attention_chunk_size=getattr(spec, "attention_chunk_size", None))
+            count += 1
+        else:
+            promoted[name] = spec
+    return promoted, count
+
+
+def choose_group_size(bucket_sizes: list[int]) -> int:
+    """The "1" of an n:1 pattern (the smallest bucket), or the largest bucket when the
+    buckets are close (max < 1.5 x min) so that a near-even split is not padded twice."""
+    smallest, largest = min(bucket_sizes), max(bucket_sizes)
+    return largest if largest < smallest * 1.5 else smallest
+
+
+def _group_by_page_size(specs: dict[str, KVCacheSpec]) -> tuple[list[PlannedGroup], int, list[tuple[int, float]]]:
+    buckets: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        buckets.setdefault(_merge_key(spec), []).append(name)
+    layer_buckets = list(buckets.values())
+    group_size = choose_group_size([len(b) for b in layer_buckets])
+    groups: list[PlannedGroup] = []
+    warnings: list[tuple[int, float]] = []
+    for layers in layer_buckets:
+        remainder = len(layers) % group_size
+        if remainder:
+            num_padding = group_size - remainder
+            warnings.append((num_padding, num_padding / len(layers)))
+        num_groups = cdiv(len(layers), group_size)
+        for i in range(num_groups):
+            names = layers[i::num_groups]
+            groups.append(_group(names, specs, num_padding_layers=group_size - len(names)))
+    return groups, group_size, warnings
+
+
+def _full_allocation_fallback(specs: dict[str, KVCacheSpec]) -> list[PlannedGroup] | None:
+    """MLA next to sliding-window layers whose pages cannot be unified: allocate every
+    layer as full attention in one group (the sliding-window saving is given up)."""
+    if any(isinstance(s, ChunkedLocalAttentionSpec) for s in specs.values()):
+        return None
+    has_mla = any(isinstance(s, MLAAttentionSpec) for s in specs.values())
+    has_swa = any(isinstance(s, SlidingWindowSpec) for s in specs.values())
+    if not (has_mla and has_swa):
+        return None
+    promoted, _ = promote_local_specs(specs)
+    if not is_uniform_type(promoted):
+        return None
+    return [_group(list(promoted), promoted)]
+
+
+def group_layers(specs: dict[str, KVCacheSpec], *, hybrid_kv_cache: bool) -> Grouping:
+    """Group the model's layers (name -> spec, in layer order) as vLLM 0.33 does."""
+    if not specs:
+        raise ConfigError("model", "at least one layer with a KV cache or state")
+    promoted_count = 0
+    if not hybrid_kv_cache:
+        specs, promoted_count = promote_local_specs(specs)
+        if not (is_uniform(specs) or is_uniform_type(specs)):
+            kinds = sorted({s.kind for s in specs.values()})
+            raise ConfigError("hybrid_kv_cache", "on for this model: vLLM turns the hybrid KV cache manager off "
+                              "only when every layer can be treated as full attention (layer kinds here: "
+                              f"{', '.join(kinds)})", False)
+    if is_uniform(specs):
+        return Grouping((_group(list(specs), specs),), "uniform", len(specs), promoted_count)
+    if is_uniform_type(specs):
+        return Grouping((_group(list(specs), specs),), "uniform_type", len(specs), promoted_count)
+    try:
+        unified = unify_page_sizes(specs)
+    except PageSizeNotUnifiable as err:
+        fallback = _full_allocation_fallback(specs)
+        if fallback is None:
+            raise ConfigError("model", "layers whose KV cache pages vLLM can unify", str(err)) from None
+        promoted = sum(1 for s in specs.values() if isinstance(s, SlidingWindowSpec))
+        return Grouping(tuple(fallback), "full_allocation_fallback", len(specs), promoted)
+    groups, group_size, warnings = _group_by_page_size(unified)
+    return Grouping(tuple(groups), "uniform_page_size", group_size, promoted_count, tuple(warnings))
+

@@ -1,0 +1,165 @@
+"""GPU presets and custom hardware: memory, bandwidth, FLOP/s, interconnect.
+
+The planner (semantics section 7) starts from a GPU's memory; the cost model uses its
+bandwidth and FLOP rates. The figures live in ``sim/planner/data/gpus.toml`` with the vendor
+datasheets they come from. A scenario can name a preset, override some of its fields, or
+describe a whole GPU inline.
+
+The GPU also decides a few block-size constraints vLLM takes from the attention and
+recurrent-state kernels it picks for that device (``attention_kernel_block_alignment_tokens``
+and ``gdn_prefill_checkpoint_alignment_tokens``): the planner asks the preset rather than
+hard-coding them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from kvtwin.sim.core.errors import ConfigError, require
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """One accelerator. FLOP rates are dense; ``fp8_flops == 0`` means no FP8 tensor cores."""
+
+    name: str
+    description: str = ""
+    vendor: str = "nvidia"
+    # "9.0" style for NVIDIA (SM major.minor), a gfx name for AMD, "" when unknown.
+    compute_capability: str = ""
+    memory_bytes: int
+    memory_datasheet: str = ""
+    hbm_bandwidth_bytes_per_s: float = 0.0
+    bf16_flops: float = 0.0
+    fp8_flops: float = 0.0
+    interconnect_bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.memory_bytes, int) and self.memory_bytes > 0, "memory_bytes",
+                "a positive number of bytes", self.memory_bytes)
+        for name in ("hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops", "interconnect_bytes_per_s"):
+            value = getattr(self, name)
+            require(isinstance(value, (int, float)) and value >= 0, name, "a non-negative number", value)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+    def _sm_major(self) -> int | None:
+        if self.vendor != "nvidia" or not self.compute_capability:
+            return None
+        try:
+            return int(self.compute_capability.split(".")[0])
+        except ValueError:
+            return None
+
+    @property
+    def is_hopper(self) -> bool:
+        return self.vendor == "nvidia" and self.compute_capability == "9.0"
+
+    @property
+    def is_blackwell_datacenter(self) -> bool:
+        return self._sm_major() == 10
+
+    def attention_kernel_block_alignment_tokens(self, *, head_size: int, use_mla: bool) -> int:
+        """The block size must be a multiple of this for the attention kernel vLLM picks here.
+
+        vLLM picks the first backend of its per-device priority list and, unless the user
+        set a block size, uses that backend's smallest kernel block size. FlashAttention
+        (and its MLA variant, first for MLA on Hopper) takes any multiple of 16. On
+        Blackwell MLA goes to CUTLASS MLA, which needs 128; and the default backend for
+        head size 256 is FlashInfer, which does not support block 16 there, so vLLM
+        aligns to 32 (``HybridAttentionMambaModelConfig``, citing flashinfer issue 1993).
+        """
+        if use_mla:
+            return 128 if self.is_blackwell_datacenter else 16
+        if self.is_blackwell_datacenter and head_size == 256:
+            return 32
+        return 16
+
+    @property
+    def gdn_prefill_checkpoint_alignment_tokens(self) -> int | None:
+        """Token alignment of gated-DeltaNet prefill checkpoints, or None if unconstrained.
+
+        On Hopper vLLM runs GDN prefill with FlashInfer's chunked kernel (chosen for SM90
+        with no further condition), which can only leave a state at a 64-token chunk
+        boundary; with align-mode prefix caching every block boundary is a checkpoint, so
+        the block size must be a multiple of 64. Elsewhere the Triton/FLA path can cut a
+        prefill at any token.
+        """
+        return 64 if self.is_hopper else None
+
+
+def _load_presets() -> dict[str, GPUSpec]:
+    raw = tomllib.loads(resources.files("kvtwin.sim.planner.data").joinpath("gpus.toml").read_text())
+    presets: dict[str, GPUSpec] = {}
+    for name, entry in raw.items():
+        fields = {k: v for k, v in entry.items() if k != "aliases"}
+        presets[name] = GPUSpec(name=name, **fields)
+    return presets
+
+
+GPU_PRESETS: dict[str, GPUSpec] = _load_presets()
+_ALIASES: dict[str, str] = {
+    alias: name
+    for name, entry in tomllib.loads(resources.files("kvtwin.sim.planner.data").joinpath("gpus.toml").read_text()).items()
+    for alias in entry.get("aliases", [])
+}
+
+
+def gpu_names() -> list[str]:
+    return sorted(GPU_PRESETS)
+
+
+def get_gpu(name: str, *, field: str = "--gpu") -> GPUSpec:
+    """A preset by name (case-insensitive, a few aliases); unknown names list the valid ones."""
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in GPU_PRESETS:
+        raise ConfigError(field, f"one of {', '.join(gpu_names())}", name)
+    return GPU_PRESETS[key]
+
+
+_GPU_FIELDS = {f.name for f in dataclasses.fields(GPUSpec)}
+
+
+def gpu_from_mapping(entry: dict[str, Any], *, where: str = "hardware") -> GPUSpec:
+    """A GPU from a scenario's ``[hardware]`` table.
+
+    Either ``gpu = "h100"`` (a preset, optionally with field overrides) or a full inline
+    description with at least ``name`` and ``memory_bytes`` (or ``memory_gib``).
+    ``tensor_parallel_size`` may also sit here; the caller takes it out first.
+    """
+    if not isinstance(entry, dict):
+        raise ConfigError(where, "a table", entry)
+    params = dict(entry)
+    preset_name = params.pop("gpu", None)
+    if "memory_gib" in params:
+        gib = params.pop("memory_gib")
+        require(isinstance(gib, (int, float)) and gib > 0, f"{where}.memory_gib", "a positive number", gib)
+        params["memory_bytes"] = int(gib * GIB)
+    unknown = sorted(set(params) - _GPU_FIELDS)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}",
+                          f"a hardware field ({', '.join(sorted(_GPU_FIELDS | {'gpu', 'memory_gib'}))})",
+                          params[unknown[0]])
+    try:
+        if preset_name is not None:
+            base = get_gpu(preset_name, field=f"{where}.gpu")
+            return dataclasses.replace(base, **params) if params else base
+        if "memory_bytes" not in params:
+            raise ConfigError(f"{where}.memory_bytes", "the GPU memory (memory_bytes or memory_gib), or gpu = a preset")
+        params.setdefault("name", "custom")
+        return GPUSpec(**params)
+    except ConfigError as err:
+        if err.field.startswith(where):
+            raise
+        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None
+    except TypeError as err:
+        raise ConfigError(where, "valid hardware fields", str(err)) from None

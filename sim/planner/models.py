@@ -1,0 +1,425 @@
+"""Model presets: the architecture facts the planner turns into one KV cache spec per layer.
+
+DESIGN.md "models.py". The built-in presets live in ``sim/planner/data/models.toml`` with the
+sources ``../shared/reference/models.md`` cites for every figure. A scenario can describe a
+model inline with the same fields (``model_from_mapping``) and ``sim/planner/hf_config.py`` reads a
+local Hugging Face ``config.json`` into the same form.
+
+A preset holds *facts*, not specs: the spec of a layer also depends on engine settings
+(block size, KV cache dtype, tensor parallelism, Mamba state dtypes), so ``sim/planner/plan.py``
+builds specs from a preset and an engine config. What a preset does compute itself is the
+per-GPU shape of its recurrent states (``RecurrentState.state_shapes``, following vLLM's
+``MambaStateShapeCalculator`` as restated in models.md section 1), its weight bytes and
+its FLOPs per token for the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, ClassVar
+
+from kvtwin.sim.core.errors import ConfigError, require
+
+# Letters of ``layer_pattern`` -> the spec kind a layer gets (None: the layer has no cache).
+LAYER_KINDS: dict[str, str | None] = {
+    "F": "full_attention",
+    "S": "sliding_window",
+    "C": "chunked_local",
+    "A": "mla",
+    "M": "mamba",
+    "-": None,
+}
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4,
+    "bfloat16": 2, "bf16": 2,
+    "float16": 2, "fp16": 2, "half": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+}
+
+
+def dtype_bytes(name: str, *, field: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ConfigError(field, f"one of {', '.join(DTYPE_BYTES)}", name)
+    return DTYPE_BYTES[name]
+
+
+def _positive_int(value: object, field: str) -> None:
+    require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field,
+            "a positive integer", value)
+
+
+def _divide(total: int, tp: int, field: str) -> int:
+    """``total / tp`` for a tensor-parallel-sharded dimension; it has to divide evenly."""
+    if total % tp:
+        raise ConfigError("tensor_parallel_size", f"a divisor of {field} ({total})", tp)
+    return total // tp
+
+
+# --------------------------------------------------------------------------------------
+# Recurrent states (Mamba-1, Mamba-2, gated DeltaNet, lightning/linear attention)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecurrentState:
+    """Shape facts of one recurrent-state layer. ``state_roles`` says which tensors are
+    the convolution window (``mamba_cache_dtype``) and which the SSM / recurrent state
+    (``mamba_ssm_cache_dtype``)."""
+
+    kind: ClassVar[str] = ""
+
+    def state_shapes(self, *, hidden_size: int, tp: int) -> tuple[tuple[int, ...], ...]:
+        raise NotImplementedError
+
+    def state_roles(self) -> tuple[str, ...]:
+        return ("conv", "ssm")
+
+    def inner_width(self, hidden_size: int) -> int:
+        """Width of the mixer's main projection (for the activation estimate)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba1State(RecurrentState):
+    """Jamba: conv (d_conv-1, d_inner/tp), ssm (d_inner/tp, d_state), d_inner = expand*hidden."""
+
+    kind: ClassVar[str] = "mamba1"
+    d_state: int
+    d_conv: int
+    expand: int
+
+    def __post_init__(self) -> None:
+        for name in ("d_state", "d_conv", "expand"):
+            _positive_int(getattr(self, name), f"state.{name}")
+
+    def inner_width(self, hidden_size: int) -> int:
+        return self.expand * hidden_size
+
+    def state_shapes(self, *, hidden_size: int, tp: int) -> tuple[tuple[int, ...], ...]:
+        d_inner = _divide(self.inner_width(hidden_size), tp, "the Mamba inner width")
+        return ((self.d_conv - 1, d_inner), (d_inner, self.d_state))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba2State(RecurrentState):
+    """Granite-4.0-H, Nemotron-H: conv (d_conv-1, conv_dim/tp), ssm (heads/tp, head_dim, d_state).
+
+    ``conv_dim = d_inner + 2 * groups * d_state``; when ``n_groups`` does not split over
+    the TP ranks vLLM replicates the groups up to ``tp`` first (models.md section 1).
+    """
+
+    kind: ClassVar[str] = "mamba2"
+    d_state: int
+    d_conv: int
+    num_heads: int
+    head_dim: int
+    n_groups: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("d_state", "d_conv", "num_heads", "head_dim", "n_groups"):
+            _positive_int(getattr(self, name), f"state.{name}")
+
+    def inner_width(self, hidden_size: int) -> int:
+        return self.num_heads * self.head_dim
+
+    def state_shapes(self, *, hidden_size: int, tp: int) -> tuple[tuple[int, ...], ...]:
+        groups = self.n_groups if self.n_groups % tp == 0 else self.n_groups + (tp - self.n_groups % tp)
+        conv_dim = self.inner_width(hidden_size) + 2 * groups * self.d_state
+        heads = _divide(self.num_heads, tp, "the Mamba-2 heads")
+        return ((self.d_conv - 1, _divide(conv_dim, tp, "the Mamba-2 conv width")),
+                (heads, self.head_dim, self.d_state))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaNetState(RecurrentState):
+    """Qwen3-Next: conv (k-1, (2*nk*dk + nv*dv)/tp), state (nv/tp, dv, dk)."""
+
+    kind: ClassVar[str] = "gated_deltanet"
+    conv_kernel: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("conv_kernel", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
+            _positive_int(getattr(self, name), f"state.{name}")
+
+    def inner_width(self, hidden_size: int) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + 2 * self.num_v_heads * self.head_v_dim
+
+    def state_shapes(self, *, hidden_size: int, tp: int) -> tuple[tuple[int, ...], ...]:
+        conv_dim = 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+        _divide(self.num_k_heads, tp, "the gated-DeltaNet key heads")
+        return ((self.conv_kernel - 1, _divide(conv_dim, tp, "the gated-DeltaNet conv width")),
+                (_divide(self.num_v_heads, tp, "the gated-DeltaNet value heads"), self.head_v_dim, self.head_k_dim))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearAttentionState(RecurrentState):
+    """MiniMax lightning attention: one (heads/tp, head_dim, head_dim) state."""
+
+    kind: ClassVar[str] = "linear_attention"
+    num_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim"):
+            _positive_int(getattr(self, name), f"state.{name}")
+
+    def inner_width(self, hidden_size: int) -> int:
+        return 4 * self.num_heads * self.head_dim
+
+    def state_roles(self) -> tuple[str, ...]:
+        # vLLM keys the linear-attention state on mamba_cache_dtype (models.md 1).
+        return ("conv",)
+
+    def state_shapes(self, *, hidden_size: int, tp: int) -> tuple[tuple[int, ...], ...]:
+        return ((_divide(self.num_heads, tp, "the linear-attention heads"), self.head_dim, self.head_dim),)
+
+
+STATE_KINDS: dict[str, type[RecurrentState]] = {
+    cls.kind: cls for cls in (Mamba1State, Mamba2State, GatedDeltaNetState, LinearAttentionState)
+}
+
+
+def state_from_mapping(entry: object, *, where: str) -> RecurrentState:
+    if not isinstance(entry, dict):
+        raise ConfigError(where, "a table with a 'kind' key", entry)
+    kind = entry.get("kind")
+    cls = STATE_KINDS.get(kind)
+    if cls is None:
+        raise ConfigError(f"{where}.kind", f"one of {', '.join(STATE_KINDS)}", kind)
+    params = {k: v for k, v in entry.items() if k != "kind"}
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", f"a field of a {kind} state ({', '.join(sorted(known))})",
+                          params[unknown[0]])
+    missing = sorted(f.name for f in dataclasses.fields(cls)
+                     if f.name not in params and f.default is dataclasses.MISSING)
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]}", f"a value (required for a {kind} state)")
+    try:
+        return cls(**params)
+    except ConfigError as err:
+        raise ConfigError(f"{where}.{err.field.removeprefix('state.')}", err.expected, err.got) from None
+
+
+# --------------------------------------------------------------------------------------
+# Model presets
+# --------------------------------------------------------------------------------------
+
+WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "mxfp4_moe")
+# MXFP4: 4-bit values plus one shared 8-bit scale per 32 values.
+_MXFP4_BYTES_PER_PARAM = (4 + 8 / 32) / 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPreset:
+    """Architecture facts of one model (see ``sim/planner/data/models.toml`` for the field meanings)."""
+
+    name: str
+    hf_id: str = ""
+    architecture: str = ""
+    source: str = ""
+    num_layers: int
+    layer_pattern: str = "F"
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    q_lora_rank: int | None = None
+    intermediate_size: int = 0
+    first_dense_layers: int = 0
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    vocab_size: int = 0
+    max_position_embeddings: int
+    params_total: float
+    params_active: float | None = None
+    weight_format: str = "bf16"
+    dtype: str = "bfloat16"
+    # A model-level default for the SSM state dtype when the engine says "auto"
+    # (vLLM's NemotronH config keeps it in float32).
+    mamba_ssm_cache_dtype: str = "auto"
+    state: RecurrentState | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            _positive_int(getattr(self, name), name)
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        _positive_int(self.head_dim_v, "head_dim_v")
+        if self.params_active is None:
+            object.__setattr__(self, "params_active", self.params_total)
+        require(isinstance(self.params_total, (int, float)) and self.params_total > 0, "params_total",
+                "a positive parameter count", self.params_total)
+        require(isinstance(self.params_active, (int, float)) and 0 < self.params_active <= self.params_total,
+                "params_active", f"a positive count no larger than params_total ({self.params_total:g})",
+                self.params_active)
+        require(isinstance(self.layer_pattern, str) and self.layer_pattern != ""
+                and all(c in LAYER_KINDS for c in self.layer_pattern), "layer_pattern",
+                f"a non-empty string of the letters {''.join(LAYER_KINDS)}", self.layer_pattern)
+        require(any(LAYER_KINDS[c] for c in self.layer_pattern), "layer_pattern",
+                "at least one layer with a cache", self.layer_pattern)
+        require(self.weight_format in WEIGHT_FORMATS, "weight_format", f"one of {', '.join(WEIGHT_FORMATS)}",
+                self.weight_format)
+        dtype_bytes(self.dtype, field="dtype")
+        if self.mamba_ssm_cache_dtype != "auto":
+            dtype_bytes(self.mamba_ssm_cache_dtype, field="mamba_ssm_cache_dtype")
+        kinds = set(self.layer_pattern)
+        if "S" in kinds:
+            _positive_int(self.sliding_window, "sliding_window")
+        if "C" in kinds:
+            _positive_int(self.attention_chunk_size, "attention_chunk_size")
+        if "A" in kinds:
+            _positive_int(self.kv_lora_rank, "kv_lora_rank")
+            _positive_int(self.qk_rope_head_dim, "qk_rope_head_dim")
+        if "M" in kinds:
+            require(self.state is not None, "state", "a recurrent-state table (the pattern has M layers)")
+        if kinds & {"F", "S", "C"}:
+            require(self.num_attention_heads % self.num_kv_heads == 0, "num_kv_heads",
+                    f"a divisor of num_attention_heads ({self.num_attention_heads})", self.num_kv_heads)
+
+    # -- layers ------------------------------------------------------------------------
+
+    @property
+    def layer_letters(self) -> str:
+        pattern = self.layer_pattern
+        return (pattern * (self.num_layers // len(pattern) + 1))[: self.num_layers]
+
+    @property
+    def layer_kinds(self) -> tuple[str | None, ...]:
+        """The spec kind of every layer, in layer order (None: no cache)."""
+        return tuple(LAYER_KINDS[c] for c in self.layer_letters)
+
+    def count_layers(self, kind: str) -> int:
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    @property
+    def uses_mla(self) -> bool:
+        return "mla" in self.layer_kinds
+
+    @property
+    def mla_head_size(self) -> int:
+        """Width of the cached latent: kv_lora_rank + qk_rope_head_dim (one "head")."""
+        return (self.kv_lora_rank or 0) + (self.qk_rope_head_dim or 0)
+
+    @property
+    def default_hybrid_kv_cache(self) -> bool:
+        """vLLM 0.33 turns the hybrid KV cache manager off for chunked-local attention
+        models unless an environment override is set, so their local layers are paid as
+        full attention by default."""
+        return "chunked_local" not in self.layer_kinds
+
+    # -- weights and compute -------------------------------------------------------------
+
+    @property
+    def routed_expert_params(self) -> float:
+        """Parameters of the routed experts (gate, up and down projections of each)."""
+        if not self.num_experts:
+            return 0.0
+        moe_layers = self.num_layers - self.first_dense_layers
+        return moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the checkpoint's weights (whole model, before TP sharding)."""
+        if self.weight_format == "fp8":
+            return int(self.params_total)
+        if self.weight_format == "mxfp4_moe":
+            experts = min(self.routed_expert_params, self.params_total)
+            return int(experts * _MXFP4_BYTES_PER_PARAM + (self.params_total - experts) * 2)
+        return int(self.params_total * 2)
+
+    def kv_projection_weight_bytes_per_kv_head(self) -> int:
+        """Bytes of one KV head's K and V projections over every softmax-attention layer."""
+        layers = sum(1 for k in self.layer_kinds if k in ("full_attention", "sliding_window", "chunked_local"))
+        return layers * self.hidden_size * (self.head_dim + self.head_dim_v) * dtype_bytes(self.dtype, field="dtype")
+
+    def attention_context_tokens(self, kind: str, context_tokens: int) -> int:
+        """Tokens one layer of ``kind`` attends for a token at position ``context_tokens``."""
+        if kind == "sliding_window":
+            return min(context_tokens, self.sliding_window or context_tokens)
+        if kind == "chunked_local":
+            chunk = self.attention_chunk_size or context_tokens
+            return min(context_tokens, chunk)
+        return context_tokens
+
+    def flops_per_token(self, context_tokens: int = 0) -> float:
+        """Forward FLOPs for one token at position ``context_tokens``: 2 per active
+        parameter for the matmuls, plus QK^T and PV over the attended context (recurrent
+        layers cost no context-dependent FLOPs)."""
+        flops = 2.0 * float(self.params_active)
+        for kind in self.layer_kinds:
+            if kind in ("full_attention", "sliding_window", "chunked_local"):
+                width = self.num_attention_heads * (self.head_dim + self.head_dim_v)
+            elif kind == "mla":
+                # Absorbed MLA decode attends the latent (plus the rope part) per head.
+                width = self.num_attention_heads * (self.mla_head_size + (self.kv_lora_rank or 0))
+            else:
+                continue
+            flops += 2.0 * width * self.attention_context_tokens(kind, context_tokens)
+        return flops
+
+
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelPreset)}
+
+
+def model_from_mapping(entry: dict[str, Any], *, name: str | None = None, where: str = "model") -> ModelPreset:
+    """A model from a TOML/JSON table with the fields of ``ModelPreset`` (state as a sub-table)."""
+    if not isinstance(entry, dict):
+        raise ConfigError(where, "a table of model fields", entry)
+    params = dict(entry)
+    if name is not None:
+        params.setdefault("name", name)
+    params.setdefault("name", "custom")
+    unknown = sorted(set(params) - _MODEL_FIELDS)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", "a model field (see scenarios/README.md)", params[unknown[0]])
+    if "state" in params:
+        params["state"] = state_from_mapping(params["state"], where=f"{where}.state")
+    missing = sorted(f.name for f in dataclasses.fields(ModelPreset)
+                     if f.name not in params and f.default is dataclasses.MISSING)
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]}", "a value (required model field)")
+    try:
+        return ModelPreset(**params)
+    except ConfigError as err:
+        if err.field.startswith(f"{where}."):
+            raise
+        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None
+
+
+def _load_presets() -> dict[str, ModelPreset]:
+    raw = tomllib.loads(resources.files("kvtwin.sim.planner.data").joinpath("models.toml").read_text())
+    return {name: model_from_mapping(entry, name=name, where=f"models.toml[{name}]")
+            for name, entry in raw.items()}
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = _load_presets()
+
+
+def model_names() -> list[str]:
+    return list(MODEL_PRESETS)
+
+
+def get_model(name: str, *, field: str = "--model") -> ModelPreset:
+    """A built-in preset by its exact name; unknown names list the valid ones."""
+    key = str(name).strip().lower()
+    if key not in MODEL_PRESETS:
+        raise ConfigError(field, f"one of {', '.join(model_names())}", name)
+    return MODEL_PRESETS[key]

@@ -1,0 +1,267 @@
+"""Step duration from the batch: a roofline per GPU, term by term, per layer type.
+
+DESIGN.md "cost model". One engine step runs every scheduled request's new tokens
+through the model once. Per GPU of the tensor-parallel group it
+
+* reads the weights once (MoE: only the experts the step's tokens are routed to, in
+  expectation for uniform routing),
+* reads each sequence's KV once per layer: full attention and MLA their whole context,
+  sliding-window layers at most the window, chunked-local layers the current chunk,
+  recurrent layers their state (read and written), and writes the new tokens' KV,
+* does 2 FLOPs per active parameter per token, plus QK^T and PV over what each query
+  token attends (closed forms for causal, windowed and chunked masks),
+* all-reduces the activations twice per layer when TP > 1,
+* and pays a CPU overhead per step and per scheduled request.
+
+GPU time is ``max(compute, memory) + communication``. With synchronous scheduling the CPU
+overhead adds to it; with asynchronous scheduling (vLLM's default) the next step is
+prepared while this one runs, so the step takes the longer of the two. Efficiency
+factors scale the datasheet peaks; a calibration file (fitted from kvtwin.executor
+measurements) overrides them.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.planner.hardware import GPUSpec
+from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
+from kvtwin.sim.planner.models import ModelPreset
+from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+_MXFP4_BYTES_PER_PARAM = 4.25 / 8
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of datasheet peaks a real step achieves, and fixed CPU costs.
+
+    The defaults are a starting point for a vLLM-like engine with CUDA graphs; fit them
+    from measurements (``kvtwin validate``) for predictions you can trust.
+    """
+
+    matmul_flops_fraction: float = 0.6
+    attention_flops_fraction: float = 0.45
+    hbm_bandwidth_fraction: float = 0.8
+    interconnect_fraction: float = 0.7
+    allreduce_latency_s: float = 8e-6
+    step_overhead_s: float = 1.5e-3
+    per_request_overhead_s: float = 15e-6
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_fraction"):
+                require(isinstance(value, (int, float)) and 0 < value <= 1, f"cost_model.{f.name}",
+                        "a fraction in (0, 1]", value)
+            else:
+                require(isinstance(value, (int, float)) and value >= 0, f"cost_model.{f.name}",
+                        "a non-negative number of seconds", value)
+
+
+def efficiency_from_mapping(entry: dict, *, where: str = "cost_model", base: Efficiency = Efficiency()) -> Efficiency:
+    allowed = {f.name for f in fields(Efficiency)}
+    if not isinstance(entry, dict):
+        raise ConfigError(where, "a table of efficiency factors", entry)
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", f"one of {', '.join(sorted(allowed))}", entry[unknown[0]])
+    try:
+        return replace(base, **entry)
+    except ConfigError as err:
+        raise ConfigError(err.field.replace("cost_model", where, 1), err.expected, err.got) from None
+
+
+def load_calibration(path: Path, base: Efficiency = Efficiency()) -> Efficiency:
+    """A calibration TOML: efficiency keys at the top level or under ``[cost_model]``."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError("calibration", "an existing TOML file", str(path)) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("calibration", f"valid TOML ({err})", source=str(path)) from None
+    entry = data.get("cost_model", data)
+    try:
+        return efficiency_from_mapping(entry, base=base)
+    except ConfigError as err:
+        raise err.with_source(str(path)) from None
+
+
+@dataclass(frozen=True)
+class LayerClass:
+    """Layers of one kind and shape, as one GPU of the TP group holds them."""
+
+    kind: str
+    num_layers: int
+    kv_bytes_per_token: float = 0.0  # per layer
+    window_tokens: int = 0  # sliding window / attention chunk
+    state_bytes: int = 0  # per layer per request (recurrent)
+    attention_width: int = 0  # q heads per GPU x (d_k + d_v): FLOPs per attended key / 2
+
+
+@dataclass(frozen=True)
+class StepCost:
+    total_s: float
+    compute_s: float
+    memory_s: float
+    communication_s: float
+    overhead_s: float
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+
+
+def attended_keys(kind: str, window: int, start: int, end: int) -> int:
+    """Sum over query positions p in [start, end) of the keys a causal query at p sees."""
+    if end <= start:
+        return 0
+    if kind == "sliding_window":
+        # min(p + 1, W): a triangle up to W, then W per query.
+        def prefix(n: int) -> int:  # sum of min(p + 1, W) for p < n
+            if n <= window:
+                return n * (n + 1) // 2
+            return window * (window + 1) // 2 + (n - window) * window
+        return prefix(end) - prefix(start)
+    if kind == "chunked_local":
+        def prefix(n: int) -> int:  # sum of (p mod C) + 1 for p < n
+            full, rest = divmod(n, window)
+            return full * window * (window + 1) // 2 + rest * (rest + 1) // 2
+        return prefix(end) - prefix(start)
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+class CostModel:
+    """Predicts the seconds one engine step takes on one TP group of ``gpu``."""
+
+    def __init__(self, model: ModelPreset, gpu: GPUSpec, layer_specs: dict[str, KVCacheSpec], *,
+                 tensor_parallel_size: int = 1, async_scheduling: bool = True,
+                 efficiency: Efficiency = Efficiency()):
+        require(gpu.hbm_bandwidth_bytes_per_s > 0 and gpu.bf16_flops > 0, f"hardware {gpu.name}",
+                "hbm_bandwidth_bytes_per_s and bf16_flops for the cost model", gpu.name)
+        self.model = model
+        self.gpu = gpu
+        self.tp = tensor_parallel_size
+        self.async_scheduling = async_scheduling
+        self.eff = efficiency
+        self.layer_classes = self._layer_classes(model, layer_specs, tensor_parallel_size)
+        self.weight_bytes = float(weights_bytes_per_gpu(model, tp=tensor_parallel_size))
+        self.expert_bytes, self.moe_layers = self._experts(model, tensor_parallel_size)
+        self.linear_flops_per_token = 2.0 * float(model.params_active) / tensor_parallel_size
+        self.activation_bytes_per_token = model.hidden_size * 2
+        self.num_layers = model.num_layers
+        self.flops_per_s = gpu.bf16_flops
+        self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.hbm_bandwidth_fraction
+
+    @staticmethod
+    def _layer_classes(model: ModelPreset, specs: dict[str, KVCacheSpec], tp: int) -> tuple[LayerClass, ...]:
+        q_heads = max(1, model.num_attention_heads // tp)
+        classes: dict[tuple, list] = {}
+        for spec in specs.values():
+            if isinstance(spec, MambaSpec):
+                key = ("mamba", 0, spec.real_page_size_bytes, 0, 0.0)
+            else:
+                per_token = spec.real_page_size_bytes / spec.block_size
+                if isinstance(spec, MLAAttentionSpec):
+                    kind, window = "mla", 0
+                    width = q_heads * (model.mla_head_size + (model.kv_lora_rank or 0))
+                elif isinstance(spec, SlidingWindowSpec):
+                    kind, window = "sliding_window", spec.sliding_window
+                    width = q_heads * (model.head_dim + model.head_dim_v)
+                elif isinstance(spec, ChunkedLocalAttentionSpec):
+                    kind, window = "chunked_local", spec.attention_chunk_size
+                    width = q_heads * (model.head_dim + model.head_dim_v)
+                else:
+                    kind, window = "full_attention", 0
+                    width = q_heads * (model.head_dim + model.head_dim_v)
+                key = (kind, window, 0, width, per_token)
+            classes.setdefault(key, []).append(spec)
+        return tuple(LayerClass(kind=k[0], num_layers=len(v), window_tokens=k[1], state_bytes=k[2],
+                                attention_width=k[3], kv_bytes_per_token=k[4]) for k, v in classes.items())
+
+    @staticmethod
+    def _experts(model: ModelPreset, tp: int) -> tuple[float, int]:
+        """Bytes of one routed expert in one layer on one GPU, and the number of MoE layers."""
+        if not model.num_experts:
+            return 0.0, 0
+        per_param = _MXFP4_BYTES_PER_PARAM if model.weight_format == "mxfp4_moe" else \
+            (1 if model.weight_format == "fp8" else 2)
+        params = 3 * model.hidden_size * model.moe_intermediate_size
+        return params * per_param / tp, model.num_layers - model.first_dense_layers
+
+    def _weight_bytes_read(self, num_tokens: int) -> float:
+        if not self.moe_layers:
+            return self.weight_bytes
+        model = self.model
+        experts, top_k = model.num_experts, model.num_experts_per_token
+        all_experts = experts * self.expert_bytes * self.moe_layers
+        # Expected distinct experts hit by num_tokens tokens each routed to top_k of them.
+        touched = experts * (1.0 - (1.0 - top_k / experts) ** num_tokens)
+        return self.weight_bytes - all_experts + touched * self.expert_bytes * self.moe_layers
+
+    def step_cost(self, items: list[tuple[int, int]]) -> StepCost:
+        """``items``: (new tokens, tokens computed before this step) per scheduled request."""
+        decode_ends = [before + 1 for new, before in items if new == 1]
+        return self.split_step_cost(decode_ends, [item for item in items if item[0] != 1])
+
+    def split_step_cost(self, decode_ends: list[int], prefill_items: list[tuple[int, int]]) -> StepCost:
+        """The same, with decodes (one new token; given by the context length after the
+        step) apart from prefill chunks ((new tokens, computed before)): decodes are most
+        requests of most steps, and their terms are sums over contexts."""
+        num_tokens = len(decode_ends)
+        kv_bytes = 0.0
+        attention_flops = 0.0
+        for new, before in prefill_items:
+            num_tokens += new
+            end = before + new
+            for lc in self.layer_classes:
+                kind = lc.kind
+                if kind == "mamba":
+                    kv_bytes += 2 * lc.state_bytes * lc.num_layers
+                    continue
+                window = lc.window_tokens
+                if kind == "sliding_window":
+                    read = min(end, window + new - 1)
+                elif kind == "chunked_local":
+                    read = end - (before // window) * window
+                else:
+                    read = end
+                kv_bytes += (read + new) * lc.kv_bytes_per_token * lc.num_layers
+                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended_keys(kind, window, before, end)
+        if decode_ends:
+            num_decodes = len(decode_ends)
+            total_ends = sum(decode_ends)
+            for lc in self.layer_classes:
+                kind = lc.kind
+                if kind == "mamba":
+                    kv_bytes += 2 * lc.state_bytes * lc.num_layers * num_decodes
+                    continue
+                window = lc.window_tokens
+                if kind == "sliding_window":
+                    attended = sum(e if e < window else window for e in decode_ends)
+                elif kind == "chunked_local":
+                    attended = sum((e - 1) % window + 1 for e in decode_ends)
+                else:
+                    attended = total_ends
+                # A decode reads what its query attends and writes one token.
+                kv_bytes += (attended + num_decodes) * lc.kv_bytes_per_token * lc.num_layers
+                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
+        eff = self.eff
+        linear_flops = self.linear_flops_per_token * num_tokens
+        compute_s = (linear_flops / (self.flops_per_s * eff.matmul_flops_fraction)
+                     + attention_flops / (self.flops_per_s * eff.attention_flops_fraction))
+        weight_bytes = self._weight_bytes_read(num_tokens)
+        memory_s = (weight_bytes + kv_bytes) / self.bytes_per_s
+        communication_s = 0.0
+        if self.tp > 1:
+            allreduce_bytes = num_tokens * self.activation_bytes_per_token * 2 * (self.tp - 1) / self.tp
+            bandwidth = self.gpu.interconnect_bytes_per_s * eff.interconnect_fraction
+            per_layer = (allreduce_bytes / bandwidth if bandwidth else 0.0) + eff.allreduce_latency_s
+            communication_s = 2 * self.num_layers * per_layer
+        overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * (len(decode_ends) + len(prefill_items))
+        gpu_s = max(compute_s, memory_s) + communication_s
+        total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s
+        return StepCost(total_s, compute_s, memory_s, communication_s, overhead_s,
+                        linear_flops + attention_flops, weight_bytes, kv_bytes)

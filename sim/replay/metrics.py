@@ -1,0 +1,300 @@
+"""What a replay measured: one record per request, one per engine step, one summary.
+
+DESIGN.md "Outputs"; column meanings are in ``reports/SCHEMA.md``. Names follow vLLM's
+metrics and ``vllm bench serve`` fields (``ttft``, ``tpot``, ``itl``, ``e2el``,
+``prefix_cache_queries``/``hits``, ``kv_cache_usage``, ``num_preemptions``) with units in
+the names. Times are seconds since the trace start. Everything is collected in plain
+lists and turned into Arrow tables at the end, so a run's outputs depend only on its
+inputs (no wall-clock values).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from kvtwin.sim.core.engine import StepResult
+from kvtwin.sim.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SLO:
+    """A request meets the SLO when its TTFT and TPOT are both within these bounds."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, ttft_s: float, tpot_s: float) -> bool:
+        return ((self.ttft_s is None or ttft_s <= self.ttft_s)
+                and (self.tpot_s is None or (math.isnan(tpot_s) or tpot_s <= self.tpot_s)))
+
+
+class _RequestRecord:
+    __slots__ = ("request", "request_id", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s",
+                 "finish_s", "last_token_s", "hit_tokens", "hit_tokens_total", "queried_tokens", "scheduled_tokens",
+                 "status", "reason", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions")
+
+    def __init__(self, request: Request, index: int, session_id: str | None, arrival_s: float):
+        # The request is referenced only while it lives: a finished one is reduced to its
+        # counts, so its block hashes can be freed during a long replay.
+        self.request: Request | None = request
+        self.request_id = request.request_id
+        self.prompt_tokens = request.num_prompt_tokens
+        self.max_tokens = request.max_tokens
+        self.generated_tokens = 0
+        self.num_preemptions = 0
+        self.index = index
+        self.session_id = session_id
+        self.arrival_s = arrival_s
+        self.first_scheduled_s = math.nan
+        self.first_token_s = math.nan
+        self.finish_s = math.nan
+        self.last_token_s = math.nan
+        self.hit_tokens = 0
+        self.hit_tokens_total = 0
+        self.queried_tokens = 0
+        self.scheduled_tokens = 0
+        self.status = "waiting"
+        self.reason = ""
+
+    def snapshot(self) -> None:
+        request = self.request
+        if request is not None:
+            self.generated_tokens = request.num_output_tokens
+            self.num_preemptions = request.num_preemptions
+            self.request = None
+
+
+class MetricsRecorder:
+    """Collects per-request and per-step records as the engine steps."""
+
+    def __init__(self, num_groups: int):
+        self.num_groups = num_groups
+        self.records: dict[str, _RequestRecord] = {}
+        self.order: list[_RequestRecord] = []
+        self.itl_s = array("d")
+        self.steps: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+        self._evictions_before = 0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def arrived(self, request: Request, arrival_s: float, session_id: str | None = None) -> None:
+        record = _RequestRecord(request, len(self.order), session_id, arrival_s)
+        self.records[request.request_id] = record
+        self.order.append(record)
+
+    def rejected(self, request: Request, reason: str) -> None:
+        record = self.records[request.request_id]
+        record.status = "rejected"
+        record.reason = reason
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def step(self, engine, result: StepResult, start_s: float, end_s: float) -> None:
+        output = result.output
+        records = self.records
+        for admission in output.admitted:
+            record = records[admission.request_id]
+            if math.isnan(record.first_scheduled_s):
+                record.first_scheduled_s = start_s
+                record.hit_tokens = admission.hit_tokens
+            record.hit_tokens_total += admission.hit_tokens
+            record.queried_tokens += record.request.num_tokens
+        prefill_tokens = decode_tokens = 0
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            record = records[request_id]
+            record.scheduled_tokens += num_new
+            # A decode: one token for a request past its prompt (a longer recompute after a
+            # preemption counts as prefill).
+            if num_new == 1 and record.request.num_computed_tokens > record.prompt_tokens:
+                decode_tokens += 1
+            else:
+                prefill_tokens += num_new
+        for request_id in result.execution.sampled:
+            record = records[request_id]
+            if math.isnan(record.first_token_s):
+                record.first_token_s = end_s
+                record.status = "running"
+            else:
+                self.itl_s.append(end_s - record.last_token_s)
+            record.last_token_s = end_s
+        for request in result.finished:
+            record = records[request.request_id]
+            record.finish_s = end_s
+            record.status = "finished"
+            record.snapshot()
+
+        pool = engine.kv_cache_manager.block_pool
+        usable = pool.num_gpu_blocks - 1
+        steps = self.steps
+        steps["step"].append(len(steps["step"]))
+        steps["time_s"].append(start_s)
+        steps["duration_s"].append(end_s - start_s)
+        steps["num_running"].append(len(engine.scheduler.running))
+        steps["num_waiting"].append(len(engine.scheduler.waiting))
+        steps["num_scheduled_reqs"].append(len(output.num_scheduled_tokens))
+        steps["prefill_tokens"].append(prefill_tokens)
+        steps["decode_tokens"].append(decode_tokens)
+        steps["num_admitted"].append(len(output.admitted))
+        steps["num_preempted"].append(len(output.preempted))
+        steps["num_finished"].append(len(result.finished))
+        steps["num_free_blocks"].append(pool.get_num_free_blocks())
+        steps["num_cached_blocks"].append(pool.num_cached_blocks())
+        steps["kv_cache_usage"].append(pool.get_usage())
+        steps["kv_cache_usage_by_group"].append([n / usable for n in pool.num_used_by_group])
+        steps["num_evictions"].append(pool.num_evictions - self._evictions_before)
+        self._evictions_before = pool.num_evictions
+        cost = result.execution.cost
+        for name in ("compute_s", "memory_s", "communication_s", "overhead_s"):
+            steps[name].append(getattr(cost, name) if cost is not None else math.nan)
+
+    # -- tables -----------------------------------------------------------------------------
+
+    def finish_unfinished(self) -> None:
+        """Requests still queued or running when the run stopped keep that status."""
+        for record in self.order:
+            if record.status in ("waiting", "running"):
+                status = record.request.status
+                record.status = "running" if status is RequestStatus.RUNNING else "waiting"
+            record.snapshot()
+
+    def requests_table(self) -> pa.Table:
+        rows = self.order
+        first_token = np.array([r.first_token_s for r in rows], dtype=np.float64)
+        finish = np.array([r.finish_s for r in rows], dtype=np.float64)
+        arrival = np.array([r.arrival_s for r in rows], dtype=np.float64)
+        generated = np.array([r.generated_tokens for r in rows], dtype=np.int64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = np.where(generated > 1, (finish - first_token) / (generated - 1), np.nan)
+        prompt = np.array([r.prompt_tokens for r in rows], dtype=np.int64)
+        hit_first = np.array([r.hit_tokens for r in rows], dtype=np.int64)
+        scheduled = np.array([r.scheduled_tokens for r in rows], dtype=np.int64)
+        # Tokens computed beyond one pass over the prompt (less its first hit) and the outputs.
+        recomputed = np.maximum(scheduled - (prompt - hit_first) - np.maximum(generated - 1, 0), 0)
+        recomputed = np.where(scheduled > 0, recomputed, 0)
+        return pa.table({
+            "request_id": pa.array([r.request_id for r in rows], pa.string()),
+            "session_id": pa.array([r.session_id for r in rows], pa.string()),
+            "status": pa.array([r.status for r in rows], pa.string()),
+            "reject_reason": pa.array([r.reason or None for r in rows], pa.string()),
+            "arrival_time_s": arrival,
+            "first_scheduled_time_s": np.array([r.first_scheduled_s for r in rows], dtype=np.float64),
+            "first_token_time_s": first_token,
+            "finish_time_s": finish,
+            "prompt_tokens": prompt,
+            "output_tokens": np.array([r.max_tokens for r in rows], dtype=np.int64),
+            "generated_tokens": generated,
+            "prefix_hit_tokens": hit_first,
+            "prefix_cache_queries": np.array([r.queried_tokens for r in rows], dtype=np.int64),
+            "prefix_cache_hits": np.array([r.hit_tokens_total for r in rows], dtype=np.int64),
+            "num_preemptions": np.array([r.num_preemptions for r in rows], dtype=np.int64),
+            "scheduled_tokens": scheduled,
+            "recomputed_tokens": recomputed,
+            "ttft_s": first_token - arrival,
+            "tpot_s": tpot,
+            "e2el_s": finish - arrival,
+        })
+
+    def steps_table(self) -> pa.Table:
+        columns = {}
+        for name, kind in STEP_COLUMNS.items():
+            values = self.steps[name]
+            columns[name] = pa.array(values, type=kind)
+        return pa.table(columns)
+
+
+STEP_COLUMNS: dict[str, pa.DataType] = {
+    "step": pa.int64(),
+    "time_s": pa.float64(),
+    "duration_s": pa.float64(),
+    "num_running": pa.int32(),
+    "num_waiting": pa.int32(),
+    "num_scheduled_reqs": pa.int32(),
+    "prefill_tokens": pa.int64(),
+    "decode_tokens": pa.int64(),
+    "num_admitted": pa.int32(),
+    "num_preempted": pa.int32(),
+    "num_finished": pa.int32(),
+    "num_free_blocks": pa.int64(),
+    "num_cached_blocks": pa.int64(),
+    "kv_cache_usage": pa.float64(),
+    "kv_cache_usage_by_group": pa.list_(pa.float64()),
+    "num_evictions": pa.int64(),
+    "compute_s": pa.float64(),
+    "memory_s": pa.float64(),
+    "communication_s": pa.float64(),
+    "overhead_s": pa.float64(),
+}
+
+
+def _stats(values: np.ndarray, prefix: str, scale: float = 1000.0) -> dict[str, float]:
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return {f"mean_{prefix}": math.nan, f"median_{prefix}": math.nan, f"p90_{prefix}": math.nan,
+                f"p99_{prefix}": math.nan}
+    return {
+        f"mean_{prefix}": float(finite.mean() * scale),
+        f"median_{prefix}": float(np.percentile(finite, 50) * scale),
+        f"p90_{prefix}": float(np.percentile(finite, 90) * scale),
+        f"p99_{prefix}": float(np.percentile(finite, 99) * scale),
+    }
+
+
+def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float) -> pa.Table:
+    """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms)."""
+    status = requests.column("status").to_numpy(zero_copy_only=False)
+    done = status == "finished"
+    ttft = requests.column("ttft_s").to_numpy()
+    tpot = requests.column("tpot_s").to_numpy()
+    e2el = requests.column("e2el_s").to_numpy()
+    generated = requests.column("generated_tokens").to_numpy()
+    prompt = requests.column("prompt_tokens").to_numpy()
+    duration_s = end_time_s
+    input_tokens = int(prompt[done].sum())
+    output_tokens = int(generated[done].sum())
+    met = np.array([slo.met(a, b) for a, b in zip(ttft[done], tpot[done])], dtype=bool)
+    step_durations = steps.column("duration_s").to_numpy() if steps.num_rows else np.zeros(0)
+    usage = steps.column("kv_cache_usage").to_numpy() if steps.num_rows else np.zeros(0)
+    busy_s = float(step_durations.sum())
+    queries = int(requests.column("prefix_cache_queries").to_numpy().sum())
+    hits = int(requests.column("prefix_cache_hits").to_numpy().sum())
+    row: dict[str, object] = {
+        "duration_s": duration_s,
+        "num_requests": requests.num_rows,
+        "completed": int(done.sum()),
+        "rejected": int((status == "rejected").sum()),
+        "unfinished": int(((status == "waiting") | (status == "running")).sum()),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": done.sum() / duration_s if duration_s > 0 else math.nan,
+        "output_throughput": output_tokens / duration_s if duration_s > 0 else math.nan,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s if duration_s > 0 else math.nan,
+    }
+    row.update(_stats(ttft[done], "ttft_ms"))
+    row.update(_stats(tpot[done], "tpot_ms"))
+    row.update(_stats(np.frombuffer(itl_s, dtype=np.float64) if len(itl_s) else np.zeros(0), "itl_ms"))
+    row.update(_stats(e2el[done], "e2el_ms"))
+    row.update({
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else math.nan,
+        "num_preemptions": int(requests.column("num_preemptions").to_numpy().sum()),
+        "recomputed_tokens": int(requests.column("recomputed_tokens").to_numpy().sum()),
+        "num_evictions": int(steps.column("num_evictions").to_numpy().sum()) if steps.num_rows else 0,
+        "num_steps": steps.num_rows,
+        "prefill_tokens": int(steps.column("prefill_tokens").to_numpy().sum()) if steps.num_rows else 0,
+        "decode_tokens": int(steps.column("decode_tokens").to_numpy().sum()) if steps.num_rows else 0,
+        "busy_time_s": busy_s,
+        "kv_cache_usage_peak": float(usage.max()) if usage.size else 0.0,
+        # Time-weighted: a step's usage holds for its duration.
+        "kv_cache_usage_mean": float((usage * step_durations).sum() / busy_s) if busy_s > 0 else 0.0,
+        "slo_ttft_ms": slo.ttft_s * 1000 if slo.ttft_s is not None else math.nan,
+        "slo_tpot_ms": slo.tpot_s * 1000 if slo.tpot_s is not None else math.nan,
+        "slo_attainment": float(met.mean()) if met.size else math.nan,
+        "request_goodput": float(met.sum()) / duration_s if duration_s > 0 else math.nan,
+    })
+    return pa.Table.from_pylist([row])

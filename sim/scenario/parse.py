@@ -1,0 +1,201 @@
+"""Scenario files: one TOML describing model, hardware, engine, workload, SLO and cost model.
+
+Format: ``scenarios/README.md``. Every table and key is checked: an unknown one is an
+error naming the file, the key and the allowed ones, never silently ignored. Paths in a
+scenario (a trace, a calibration file, an HF config) are relative to the scenario file;
+``bundled:NAME`` names a trace shipped with kvtwin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from kvtwin.sim.replay.cost_model import Efficiency, efficiency_from_mapping, load_calibration
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
+from kvtwin.sim.core.hashing import get_hash_fn
+from kvtwin.sim.planner.hf_config import load_hf_config
+from kvtwin.sim.replay.metrics import SLO
+from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
+from kvtwin.sim.planner.plan import engine_config, engine_fields_from_mapping
+from kvtwin.sim.replay.run import SchedulerSettings
+from kvtwin.traces import transforms
+from kvtwin.traces.bundled import resolve
+from kvtwin.traces.load import LoadOptions, load_trace
+from kvtwin.traces.synth import synthesize
+from kvtwin.traces.synth_spec import parse_spec
+
+SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run")
+SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerSettings))
+TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
+TRANSFORM_KEYS = ("start_s", "end_s", "limit", "rate_scale", "sample_sessions", "sample_seed")
+SLO_KEYS = ("ttft_s", "tpot_s")
+RUN_KEYS = ("time_limit_s",)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Where the requests come from (a trace file, or a synthetic spec) and how to cut it."""
+
+    trace: Path | None = None
+    synth: dict | None = None
+    load_options: LoadOptions = LoadOptions()
+    transforms: dict = field(default_factory=dict)
+    base_dir: Path = Path(".")
+
+    def load(self) -> pa.Table:
+        if self.trace is not None:
+            table = load_trace(self.trace, self.load_options)
+        else:
+            table = synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload")
+        t = self.transforms
+        if "start_s" in t or "end_s" in t:
+            table = transforms.time_window(table, t.get("start_s", 0.0), t.get("end_s"))
+        if "sample_sessions" in t:
+            table = transforms.sample_sessions(table, t["sample_sessions"], t.get("sample_seed", 0))
+        if "rate_scale" in t:
+            table = transforms.scale_rate(table, t["rate_scale"])
+        if "limit" in t:
+            table = transforms.limit(table, t["limit"])
+        return table
+
+
+@dataclass(frozen=True)
+class Scenario:
+    path: Path | None = None
+    description: str = ""
+    model: ModelPreset | None = None
+    gpu: GPUSpec | None = None
+    engine_fields: dict = field(default_factory=dict)
+    scheduler: SchedulerSettings = SchedulerSettings()
+    workload: Workload | None = None
+    slo: SLO = SLO()
+    efficiency: Efficiency = Efficiency()
+    time_limit_s: float | None = None
+
+
+def _table(data: dict, name: str) -> dict:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(name, "a table", value)
+    return value
+
+
+def _check_keys(table: dict, allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", f"one of {', '.join(allowed)}", table[unknown[0]])
+
+
+def model_from_table(table: dict[str, Any], base_dir: Path) -> ModelPreset:
+    """``[model]``: ``preset = NAME`` or ``hf_config = PATH`` (either with field
+    overrides), or a whole inline description."""
+    if not isinstance(table, dict):
+        raise ConfigError("model", "a table", table)
+    fields = dict(table)
+    preset = fields.pop("preset", None)
+    hf_config = fields.pop("hf_config", None)
+    if preset is not None and hf_config is not None:
+        raise ConfigError("model", "either preset or hf_config, not both")
+    if hf_config is not None:
+        path = Path(hf_config)
+        return load_hf_config(path if path.is_absolute() else base_dir / path, name=fields.pop("name", None),
+                              overrides=fields)
+    if preset is not None:
+        base = get_model(preset, field="model.preset")
+        if not fields:
+            return base
+        merged = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        if "state" in fields or base.state is None:
+            merged.pop("state")
+        else:
+            merged["state"] = {"kind": base.state.kind, **dataclasses.asdict(base.state)}
+        merged.update(fields)
+        return model_from_mapping(merged)
+    return model_from_mapping(fields)
+
+
+def _workload(table: dict, base_dir: Path) -> Workload | None:
+    if not table:
+        return None
+    transform = {k: table[k] for k in TRANSFORM_KEYS if k in table}
+    for key in ("start_s", "end_s", "rate_scale", "sample_sessions"):
+        if key in transform and not (isinstance(transform[key], (int, float)) and transform[key] >= 0):
+            raise ConfigError(f"workload.{key}", "a non-negative number", transform[key])
+    if "limit" in transform and not (isinstance(transform["limit"], int) and transform["limit"] > 0):
+        raise ConfigError("workload.limit", "a positive number of requests", transform["limit"])
+    if "trace" in table:
+        _check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
+        options = LoadOptions(format=table.get("format"), skip_bad=bool(table.get("skip_bad", False)),
+                              **({"arrivals": table["arrivals"]} if "arrivals" in table else {}),
+                              **({"seed": table["arrival_seed"]} if "arrival_seed" in table else {}))
+        return Workload(trace=resolve(table["trace"], base_dir), load_options=options, transforms=transform,
+                        base_dir=base_dir)
+    if "kind" in table:
+        synth = {k: v for k, v in table.items() if k not in TRANSFORM_KEYS}
+        parse_spec(synth, "workload")  # check now, so errors name the scenario file
+        return Workload(synth=synth, transforms=transform, base_dir=base_dir)
+    raise ConfigError("workload", "trace = PATH (a trace file, or bundled:NAME) or kind = requests|chat|agent "
+                      "(a synthetic workload)")
+
+
+def parse_scenario(data: dict, base_dir: Path) -> Scenario:
+    _check_keys(data, SECTIONS, "scenario")
+    engine_table = dict(_table(data, "engine"))
+    scheduler_fields = {k: engine_table.pop(k) for k in SCHEDULER_KEYS if k in engine_table}
+    engine_fields = engine_fields_from_mapping(engine_table)
+    engine_config(engine_fields)  # validated here so errors name the file
+    scheduler = SchedulerSettings(**scheduler_fields)
+    _check_scheduler(scheduler)
+    slo_table = _table(data, "slo")
+    _check_keys(slo_table, SLO_KEYS, "slo")
+    for key, value in slo_table.items():
+        if not (isinstance(value, (int, float)) and value > 0):
+            raise ConfigError(f"slo.{key}", "a positive number of seconds", value)
+    cost_table = dict(_table(data, "cost_model"))
+    calibration = cost_table.pop("calibration", None)
+    efficiency = Efficiency()
+    if calibration is not None:
+        path = Path(calibration)
+        efficiency = load_calibration(path if path.is_absolute() else base_dir / path)
+    efficiency = efficiency_from_mapping(cost_table, base=efficiency)
+    run_table = _table(data, "run")
+    _check_keys(run_table, RUN_KEYS, "run")
+    time_limit = run_table.get("time_limit_s")
+    if time_limit is not None and not (isinstance(time_limit, (int, float)) and time_limit > 0):
+        raise ConfigError("run.time_limit_s", "a positive number of simulated seconds", time_limit)
+    return Scenario(
+        description=str(data.get("description", "")),
+        model=model_from_table(data["model"], base_dir) if "model" in data else None,
+        gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
+        engine_fields=engine_fields, scheduler=scheduler, workload=_workload(_table(data, "workload"), base_dir),
+        slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit)
+
+
+def _check_scheduler(settings: SchedulerSettings) -> None:
+    if settings.scheduling_policy not in ("fcfs", "priority"):
+        raise ConfigError("engine.scheduling_policy", "fcfs or priority", settings.scheduling_policy)
+    get_hash_fn(settings.prefix_caching_hash_algo)
+
+
+def load_scenario(path: Path) -> Scenario:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("scenario", "an existing scenario file", str(path)) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("scenario", f"valid TOML ({err})", source=str(path)) from None
+    try:
+        scenario = parse_scenario(data, path.parent)
+    except ConfigError as err:
+        raise err if err.source else err.with_source(str(path)) from None
+    except TypeError as err:  # a scheduler key with a wrong type reaching the dataclass
+        raise ConfigError("engine", f"valid settings ({err})", source=str(path)) from None
+    return dataclasses.replace(scenario, path=path)
