@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin import __version__
-from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.scenarios import SCENARIOS_DIR
 from kvtwin.sim.scenario.parse import load_scenario
 from kvtwin.sim.planner.plan import EngineConfig, plan
 from kvtwin.sim.replay.run import run_replay
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", type=Path, default=DEFAULT_SCENARIO)
+    parser.add_argument("--scenario", type=Path, default=SCENARIOS_DIR / "mooncake-llama8b-h100-overload.toml")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "bench_replay.parquet")
     args = parser.parse_args()
