@@ -2,7 +2,10 @@
 the whole bundled Mooncake conversation trace (12,031 requests, mean prompt 12k tokens).
 
 Prints wall time, simulated requests per wall second, engine steps per second and peak
-RSS, and writes one parquet row to ``bench/out/bench_replay.parquet``.
+RSS, and writes one parquet row to ``bench/out/bench_replay.parquet``. The replay's wall
+time is also given as a ratio to a fixed pure-Python loop timed in the same run
+(``bench/reference_loop.py``, before and after the replay): compare that ratio across
+changes, since the machines are shared and wall seconds drift.
 
     python bench/bench_replay.py [--scenario scenarios/default.toml] [--limit N]
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -23,11 +27,13 @@ from rich.table import Table
 from kvtwin import __version__
 from kvtwin.scenarios import SCENARIOS_DIR
 from kvtwin.sim.scenario.parse import load_scenario
-from kvtwin.sim.planner.plan import EngineConfig, plan
+from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.traces import transforms
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from reference_loop import reference_seconds  # noqa: E402  (a sibling script, not a package)
 
 
 def main() -> None:
@@ -37,16 +43,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "bench_replay.parquet")
     args = parser.parse_args()
 
+    reference_before_s = reference_seconds()
     started = time.perf_counter()
     scenario = load_scenario(args.scenario)
     trace = scenario.workload.load()
     if args.limit:
         trace = transforms.limit(trace, args.limit)
-    planned = plan(scenario.model, scenario.gpu, EngineConfig(**scenario.engine_fields))
+    planned = plan(scenario.model, scenario.gpu, scenario.engine)
     loaded = time.perf_counter()
-    result = run_replay(planned, trace, scheduler=scenario.scheduler, efficiency=scenario.efficiency,
+    result = run_replay(planned, trace, efficiency=scenario.efficiency,
                         slo=scenario.slo)
     finished = time.perf_counter()
+    reference_s = min(reference_before_s, reference_seconds())
     summary = result.summary.to_pylist()[0]
     replay_s = finished - loaded
     row = {
@@ -57,6 +65,8 @@ def main() -> None:
         "load_and_plan_s": loaded - started,
         "replay_wall_s": replay_s,
         "total_wall_s": finished - started,
+        "reference_loop_s": reference_s,
+        "replay_vs_reference": replay_s / reference_s,
         "requests_per_wall_s": trace.num_rows / replay_s,
         "steps_per_wall_s": result.steps.num_rows / replay_s,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

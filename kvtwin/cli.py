@@ -1,4 +1,8 @@
-"""The `kvtwin` command line: one typer app, one module per command under `commands/`."""
+"""The `kvtwin` command line: one typer app, one module per command under `commands/`.
+
+Help texts are plain text (``rich_markup_mode=None``): they name TOML tables such as
+``[model]``, which rich markup would swallow.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,12 @@ import typer
 
 from kvtwin import __version__
 from kvtwin.commands import kernels
+from kvtwin.commands import presets
 from kvtwin.commands import lockstep
 from kvtwin.commands import plan
 from kvtwin.commands import replay
 from kvtwin.commands.trace import trace_app
+from kvtwin.console import guard_all
 
 app = typer.Typer(
     name="kvtwin",
@@ -17,6 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
@@ -36,9 +43,12 @@ def main(
 
 app.command("kernels")(kernels.kernels)
 app.command("lockstep")(lockstep.lockstep)
+app.command("models")(presets.models)
+app.command("gpus")(presets.gpus)
 app.command("plan")(plan.plan)
 app.command("replay")(replay.replay)
 app.add_typer(trace_app, name="trace")
+guard_all(app)
 
 if __name__ == "__main__":
     app()

@@ -1,15 +1,26 @@
-"""How the CLI talks to people: one clear line for bad input, never a traceback."""
+"""How the CLI talks to people: one clear line for bad input, never a traceback.
+
+Also the two ways a command ends early that are not errors in the command: Ctrl-C (exit
+130, with one line saying what was and was not written) and a closed stdout, as in
+``kvtwin replay | head -2`` (quietly, exit 0). ``guarded`` wraps every command once, in
+``kvtwin/cli.py``; a command that knows more about its state says so with
+``interrupt_note``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import typer
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.traces.errors import TraceError
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 @contextlib.contextmanager
@@ -23,3 +34,68 @@ def user_errors() -> Iterator[None]:
     except FileNotFoundError as err:
         print(f"kvtwin: error: {err.filename}: no such file", file=sys.stderr)
         raise typer.Exit(code=2) from None
+    except BrokenPipeError:
+        raise  # not the user's input: ``guarded`` ends quietly
+    except OSError as err:
+        # A path the user named that cannot be written or read (full disk, permissions).
+        print(f"kvtwin: error: {err.filename or 'output'}: {err.strerror or err}", file=sys.stderr)
+        raise typer.Exit(code=2) from None
+
+
+def _interrupted(text: str) -> None:
+    print(f"kvtwin: {text}", file=sys.stderr)
+    raise typer.Exit(code=EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def interrupt_note(note: Callable[[], str]) -> Iterator[None]:
+    """On Ctrl-C inside the block, report ``note()`` (e.g. what was written) and exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _interrupted(note())
+
+
+def _stdout_to_devnull() -> None:
+    # Python flushes stdout again at exit; without this the flush fails a second time and
+    # the interpreter prints "Exception ignored" and exits 120.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # not a real file descriptor (a test runner's buffer): nothing left to flush
+
+
+def guarded(command: Callable) -> Callable:
+    """Wrap a command: Ctrl-C exits 130 with one line; a closed stdout ends quietly with 0."""
+    if getattr(command, "__kvtwin_guarded__", False):
+        return command
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            result = command(*args, **kwargs)
+            # Output still buffered would otherwise meet a closed pipe at exit, outside this guard.
+            sys.stdout.flush()
+            return result
+        except KeyboardInterrupt:
+            _interrupted("interrupted")
+        except BrokenPipeError:
+            _stdout_to_devnull()
+            raise typer.Exit(code=0) from None
+        except SystemExit as exit_:
+            # rich's Console meets a closed pipe by pointing stdout at devnull and exiting 1.
+            if isinstance(exit_.__context__, BrokenPipeError):
+                raise typer.Exit(code=0) from None
+            raise
+
+    run.__kvtwin_guarded__ = True
+    return run
+
+
+def guard_all(app: typer.Typer) -> None:
+    """Apply ``guarded`` to every command of ``app`` and of its sub-apps."""
+    for info in app.registered_commands:
+        info.callback = guarded(info.callback)
+    for group in app.registered_groups:
+        guard_all(group.typer_instance)

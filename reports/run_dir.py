@@ -1,7 +1,8 @@
 """Writes a run directory: ``requests.parquet``, ``steps.parquet``, ``summary.parquet``,
 ``plan.json``. Every parquet file carries the scenario and the kvtwin version in its
-schema metadata, and every file is written under a temporary name and renamed when
-complete, so an interrupted run never leaves a partial file under a final name.
+schema metadata. The directory is written as a set: every file goes into a temporary
+sibling directory, which then replaces the previous run directory by renames, so an
+interrupted run never leaves a new ``requests.parquet`` next to an old ``steps.parquet``.
 Column meanings: ``reports/SCHEMA.md``.
 """
 
@@ -9,10 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from kvtwin import __version__
+from kvtwin.reports.paths import check_out_dir
+
+__all__ = ["METADATA_KEY", "check_out_dir", "read_run_metadata", "run_metadata", "write_json", "write_parquet",
+           "write_run"]
 
 METADATA_KEY = b"kvtwin.run"
 
@@ -39,18 +47,55 @@ def write_json(obj: dict, path: Path) -> None:
     _atomic_write_bytes(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n"))
 
 
+def run_metadata(scenario_path: Path, overrides: dict) -> dict:
+    """What every parquet file of a run records about how it was made (``reports/SCHEMA.md``)."""
+    scenario_path = Path(scenario_path)
+    return {
+        "kvtwin_version": __version__,
+        "scenario": scenario_path.read_text() if scenario_path.exists() else "",
+        "scenario_file": scenario_path.name,
+        "overrides": dict(overrides),
+    }
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Put ``staging`` where ``target`` is; the old ``target`` stays whole until the new one is in."""
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.rename(target, aside)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def write_run(out_dir: Path, *, requests: pa.Table, steps: pa.Table, summary: pa.Table, plan: dict,
               run_metadata: dict) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, table in (("requests", requests), ("steps", steps), ("summary", summary)):
-        path = out_dir / f"{name}.parquet"
-        write_parquet(table, path, run_metadata)
-        paths.append(path)
-    plan_path = out_dir / "plan.json"
-    write_json(plan, plan_path)
-    paths.append(plan_path)
-    return paths
+    """Write the run directory ``out_dir`` whole, replacing a previous run there; return its files."""
+    # Checked again here, not only by the command: replacing a directory removes what it held.
+    check_out_dir(out_dir)
+    # A symlinked run directory is replaced at its target, so the link keeps working.
+    target = Path(out_dir).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    names = []
+    try:
+        for name, table in (("requests", requests), ("steps", steps), ("summary", summary)):
+            write_parquet(table, staging / f"{name}.parquet", run_metadata)
+            names.append(f"{name}.parquet")
+        write_json(plan, staging / "plan.json")
+        names.append("plan.json")
+        _swap_in(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [Path(out_dir) / name for name in names]
 
 
 def read_run_metadata(path: Path) -> dict:

@@ -219,16 +219,26 @@ def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write ``table`` to ``path`` via a temp file in the same folder and an atomic rename."""
     path = Path(path)
     validate(table, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise _unwritable(path, err) from None
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise _unwritable(path, err) from None
         raise
     return path
+
+
+def _unwritable(path: Path, err: OSError) -> TraceError:
+    # Named after the path the user gave, not the temp file the error happened on.
+    return TraceError(str(path), "output", "a file path kvtwin can write", got=err.strerror or str(err))
 
 
 def read_parquet(path: str | os.PathLike) -> pa.Table:

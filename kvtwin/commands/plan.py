@@ -1,60 +1,26 @@
 """`kvtwin plan`: what fits — groups, blocks, tokens, concurrency, memory, hybrid on vs off.
 
-The numbers come from ``kvtwin.sim.planner.plan.plan`` (vLLM 0.33's planner, semantics section 7);
-this module only gathers the inputs (flags, a scenario file, a local HF config) and prints
-the result as a table or one JSON object. Scenario format: ``scenarios/README.md``.
+The numbers come from ``kvtwin.sim.planner.plan.plan`` (vLLM 0.33's planner, semantics
+section 7) and the inputs from ``kvtwin.sim.scenario.resolve`` (flags over a scenario file
+over vLLM's defaults); this module prints the result as a table or one JSON object. Scenario format: ``scenarios/README.md``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
 from kvtwin.console import user_errors
-from kvtwin.sim.scenario.parse import load_scenario
-from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.planner.hardware import GIB, GPUSpec, get_gpu
-from kvtwin.sim.planner.hf_config import load_hf_config
-from kvtwin.sim.planner.models import ModelPreset, get_model
-from kvtwin.sim.planner.plan import EngineConfig, Plan, plan as make_plan
+from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
+from kvtwin.sim.planner.hardware import GIB
+from kvtwin.sim.planner.plan import HybridComparison, Plan, compare_hybrid as compare_hybrid_layouts, plan as make_plan
 
-
-
-# --------------------------------------------------------------------------------------
-# Inputs
-# --------------------------------------------------------------------------------------
-
-
-def gather_inputs(*, model: str | None, gpu: str | None, scenario: Path | None, hf_config: Path | None,
-                  flags: dict[str, Any]) -> tuple[ModelPreset, GPUSpec, EngineConfig]:
-    """Flags override the scenario, which overrides vLLM's defaults."""
-    scenario_model = scenario_gpu = None
-    engine_fields: dict[str, Any] = {}
-    if scenario is not None:
-        loaded = load_scenario(scenario)
-        scenario_model, scenario_gpu, engine_fields = loaded.model, loaded.gpu, dict(loaded.engine_fields)
-    if model is not None and hf_config is not None:
-        raise ConfigError("--model", "either --model or --hf-config, not both")
-    if model is not None:
-        chosen_model = get_model(model)
-    elif hf_config is not None:
-        chosen_model = load_hf_config(hf_config)
-    elif scenario_model is not None:
-        chosen_model = scenario_model
-    else:
-        raise ConfigError("--model", "a model preset name, --hf-config PATH or a scenario with a [model] table")
-    if gpu is not None:
-        chosen_gpu = get_gpu(gpu)
-    elif scenario_gpu is not None:
-        chosen_gpu = scenario_gpu
-    else:
-        raise ConfigError("--gpu", "a GPU preset name or a scenario with a [hardware] table")
-    engine_fields.update({k: v for k, v in flags.items() if v is not None})
-    return chosen_model, chosen_gpu, EngineConfig(**engine_fields)
+# A plan that does not fit is still printed, then exits with this, so scripts can gate on it.
+EXIT_DOES_NOT_FIT = 1
 
 
 # --------------------------------------------------------------------------------------
@@ -163,18 +129,8 @@ def _bytes_per_request(p: Plan) -> int:
     return p.blocks_per_request * p.bytes_per_block
 
 
-def compare_json(on: Plan, off: Plan | None, off_error: str | None) -> dict:
-    out: dict = {"model": on.model.name, "hybrid_on": on.to_json()}
-    if off is None:
-        out["hybrid_off"] = {"error": off_error}
-        return out
-    out["hybrid_off"] = off.to_json()
-    on_bytes, off_bytes = _bytes_per_request(on), _bytes_per_request(off)
-    out["kv_bytes_per_request_saving"] = 1 - on_bytes / off_bytes if off_bytes else None
-    return out
-
-
-def render_compare(on: Plan, off: Plan | None, off_error: str | None) -> str:
+def render_compare(comparison: HybridComparison) -> str:
+    on, off, off_error = comparison.on, comparison.off, comparison.off_error
     lines = [f"kvtwin plan --compare-hybrid: {on.model.name} on {on.gpu.name} (TP {on.engine.tensor_parallel_size}), "
              f"max_model_len {_n(on.engine.max_model_len)}"]
     if off is None:
@@ -197,7 +153,7 @@ def render_compare(on: Plan, off: Plan | None, off_error: str | None) -> str:
     for label, a, b in rows:
         digits = 2 if isinstance(a, float) or isinstance(b, float) else 0
         lines.append(f"  {label:<26} {_n(a, digits):>16} {_n(b, digits):>16}")
-    saving = compare_json(on, off, None)["kv_bytes_per_request_saving"]
+    saving = comparison.kv_bytes_per_request_saving
     lines.append(f"  the hybrid manager saves {saving * 100:.1f}% of a max_model_len request's KV bytes")
     default = "on" if on.model.default_hybrid_kv_cache else "off"
     lines.append(f"  (vLLM 0.33's default for {on.model.name}: {default})")
@@ -210,9 +166,8 @@ def render_compare(on: Plan, off: Plan | None, off_error: str | None) -> str:
 
 
 def plan(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model preset name (see sim/planner/data/models.toml)."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset name (a100-40gb, a100-80gb, h100, h200, b200, "
-                                                          "l40s, mi300x)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML with [model], [hardware], "
                                                                       "[engine] (scenarios/README.md)."),
     hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="A local Hugging Face config.json (or its "
@@ -249,19 +204,16 @@ def plan(
                      async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
                      mamba_cache_mode=mamba_cache_mode, mamba_cache_dtype=mamba_cache_dtype,
                      mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
-        chosen_model, chosen_gpu, engine = gather_inputs(model=model, gpu=gpu, scenario=scenario,
-                                                         hf_config=hf_config, flags=flags)
+        resolved = resolve_scenario(scenario, Overrides(model=model, hf_config=hf_config, gpu=gpu, engine=flags))
+        chosen_model, chosen_gpu, engine = resolved.model, resolved.gpu, resolved.engine
         if compare_hybrid:
-            on = make_plan(chosen_model, chosen_gpu, dataclasses.replace(engine, hybrid_kv_cache=True))
-            off, off_error = None, None
-            try:
-                off = make_plan(chosen_model, chosen_gpu, dataclasses.replace(engine, hybrid_kv_cache=False))
-            except ConfigError as err:
-                off_error = err.expected
-            if as_json:
-                print(json.dumps(compare_json(on, off, off_error), indent=1))
-            else:
-                print(render_compare(on, off, off_error))
+            comparison = compare_hybrid_layouts(chosen_model, chosen_gpu, engine)
+            print(json.dumps(comparison.to_json(), indent=1) if as_json else render_compare(comparison))
+            on = comparison.on
+            if not on.fits:
+                raise typer.Exit(code=EXIT_DOES_NOT_FIT)
             return
         result = make_plan(chosen_model, chosen_gpu, engine)
         print(json.dumps(result.to_json(), indent=1) if as_json else render_plan(result))
+    if not result.fits:
+        raise typer.Exit(code=EXIT_DOES_NOT_FIT)

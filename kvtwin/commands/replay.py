@@ -8,36 +8,33 @@ directory (``reports/SCHEMA.md``).
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtwin import __version__
-from kvtwin.console import user_errors
+from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
+from kvtwin.console import interrupt_note, user_errors
+from kvtwin.reports import summary_text as words
 from kvtwin.scenarios import DEFAULT_SCENARIO
-from kvtwin.sim.scenario.parse import Workload, load_scenario
-from kvtwin.reports.run_dir import write_run
-from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.planner.hardware import get_gpu
-from kvtwin.sim.planner.models import get_model
-from kvtwin.sim.planner.plan import EngineConfig, plan as make_plan
+from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_run
 from kvtwin.sim.replay.run import run_replay
-from kvtwin.traces.bundled import resolve
 
 
 def replay(
-    scenario_path: Optional[Path] = typer.Argument(None, metavar="[SCENARIO.toml]",
+    scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
                                                    help="Scenario file (default: scenarios/default.toml)."),
     trace: Optional[str] = typer.Option(None, "--trace", help="Replay this trace instead (a file or bundled:NAME)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model preset."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel GPUs."),
     rate_scale: Optional[float] = typer.Option(None, "--rate-scale",
                                                help="Multiply the arrival rate (2 = twice as fast)."),
@@ -47,74 +44,100 @@ def replay(
                                                   help="Override the scenario's prefix caching."),
     time_limit_s: Optional[float] = typer.Option(None, "--time-limit-s", help="Stop at this simulated time."),
     out: Path = typer.Option(Path("runs/replay"), "--out", "-o", help="Run directory to write."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
     """Replay a trace against vLLM's KV cache manager and scheduler in simulated time."""
     console = Console(stderr=True)
-    with user_errors():
+    seen = {"now_s": None, "replaying": False, "out_existed": out.exists()}
+    with user_errors(), interrupt_note(lambda: _interrupted_before_writing(seen, out)):
+        # Before anything slow: a bad --out must not cost a whole simulation.
+        check_out_dir(out)
         path = scenario_path or DEFAULT_SCENARIO
-        scenario = load_scenario(path)
-        engine_fields = dict(scenario.engine_fields)
-        overrides = {"tensor_parallel_size": tp, "max_model_len": max_model_len,
-                     "enable_prefix_caching": prefix_caching}
-        engine_fields.update({k: v for k, v in overrides.items() if v is not None})
-        chosen_model = get_model(model) if model else scenario.model
-        chosen_gpu = get_gpu(gpu) if gpu else scenario.gpu
-        if chosen_model is None:
-            raise ConfigError("model", "a [model] table in the scenario or --model", source=str(path))
-        if chosen_gpu is None:
-            raise ConfigError("hardware", "a [hardware] table in the scenario or --gpu", source=str(path))
-        workload = scenario.workload
-        if trace is not None:
-            workload = Workload(trace=resolve(trace), transforms=workload.transforms if workload else {})
-        if workload is None:
-            raise ConfigError("workload", "a [workload] table in the scenario or --trace", source=str(path))
-        transform = dict(workload.transforms)
-        if rate_scale is not None:
-            transform["rate_scale"] = rate_scale
-        if limit is not None:
-            transform["limit"] = limit
-        workload = dataclasses.replace(workload, transforms=transform)
-
-        planned = make_plan(chosen_model, chosen_gpu, EngineConfig(**engine_fields))
-        if not planned.fits:
-            raise ConfigError("model", f"a layout that fits: {chosen_model.name} on {chosen_gpu.name} leaves no "
-                                       f"room for one max_model_len request (see kvtwin plan)", source=str(path))
+        overrides = Overrides(model=model, gpu=gpu, trace=trace, rate_scale=rate_scale, limit=limit,
+                              time_limit_s=time_limit_s,
+                              engine={"tensor_parallel_size": tp, "max_model_len": max_model_len,
+                                      "enable_prefix_caching": prefix_caching})
+        resolved = resolve_scenario(path, overrides)
+        chosen_model, chosen_gpu = resolved.model, resolved.gpu
+        workload = resolved.require_workload()
+        planned = resolved.plan()
+        planned.require_fits()  # before the trace is read
         table = workload.load()
-        last_arrival_s = float(table.column("arrival_time_s")[-1].as_py()) if table.num_rows else 0.0
         started = time.perf_counter()
-        with Progress(TextColumn("[bold]replay"), BarColumn(), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), console=console, transient=True, disable=quiet) as progress:
-            task = progress.add_task("replay", total=max(last_arrival_s, 1e-9), info="")
-
-            def on_progress(clock):
-                progress.update(task, completed=min(clock.now_s, last_arrival_s),
-                                info=f"t={clock.now_s:,.0f}s  {clock.arrived}/{table.num_rows} arrived  "
-                                     f"{clock.finished} done  {clock.steps:,} steps")
-
-            result = run_replay(planned, table, scheduler=scenario.scheduler, efficiency=scenario.efficiency,
-                                slo=scenario.slo, time_limit_s=time_limit_s or scenario.time_limit_s,
-                                on_progress=on_progress)
+        seen["replaying"] = True
+        with _progress(console, table.num_rows, quiet, started, seen) as on_progress:
+            result = run_replay(planned, table, efficiency=resolved.efficiency, slo=resolved.slo,
+                                time_limit_s=resolved.time_limit_s, on_progress=on_progress)
         wall_s = time.perf_counter() - started
-        run_metadata = {
-            "kvtwin_version": __version__,
-            "scenario": path.read_text() if path.exists() else "",
-            "scenario_file": path.name,
-            "overrides": {"trace": trace, "model": model, "gpu": gpu, "rate_scale": rate_scale, "limit": limit,
-                          **{k: v for k, v in overrides.items()}, "time_limit_s": time_limit_s},
-        }
         paths = write_run(out, requests=result.requests, steps=result.steps, summary=result.summary,
-                          plan=planned.to_json(), run_metadata=run_metadata)
-    print_summary(result.summary.to_pylist()[0], title=f"{chosen_model.name} on {engine_fields.get('tensor_parallel_size', 1)}x "
-                                                       f"{chosen_gpu.name}, {table.num_rows:,} requests")
-    summary = result.summary.to_pylist()[0]
-    last_arrival_s = float(table.column("arrival_time_s")[-1].as_py()) if table.num_rows else 0.0
-    if summary["completed"] and summary["duration_s"] > 1.5 * max(last_arrival_s, 1.0):
-        # The engine finished long after the last arrival: requests queued faster than it served.
-        print(f"saturated: the last request arrived at {last_arrival_s:,.0f} s but the engine needed until "
-              f"{summary['duration_s']:,.0f} s; try more GPUs (--tp), another --gpu or --model, or --rate-scale < 1")
-    print(f"simulated {result.end_time_s:,.1f} s in {wall_s:,.1f} s wall; wrote {', '.join(p.name for p in paths)} "
-          f"to {out}")
+                          plan=planned.to_json(), run_metadata=run_metadata(path, overrides.given()))
+    with interrupt_note(lambda: f"interrupted while printing the summary; {out} was written whole"):
+        summary = result.summary.to_pylist()[0]
+        print_summary(summary, title=f"{chosen_model.name} on {planned.engine.tensor_parallel_size}x "
+                                     f"{chosen_gpu.name}, {table.num_rows:,} requests")
+        print(words.plan_line(planned))
+        for line in (words.rejections_line(summary), words.not_arrived_line(summary),
+                     words.saturation_hint(summary)):
+            if line:
+                print(line)
+        print(f"simulated {words.format_duration_s(result.end_time_s)} in {wall_s:,.1f} s wall; wrote "
+              f"{', '.join(p.name for p in paths)} to {out}")
+
+
+# A plain progress line this often (wall seconds) when stderr is a log, not a terminal.
+PLAIN_PROGRESS_EVERY_S = 5.0
+
+
+def _interrupted_before_writing(seen: dict, out: Path) -> str:
+    if seen["now_s"] is not None:
+        where = f"at t={seen['now_s']:,.0f} s simulated"
+    else:
+        where = "early in the replay" if seen["replaying"] else "before the replay started"
+    left = f"{out} left as it was" if seen["out_existed"] else f"{out} not created"
+    return f"interrupted {where}; nothing written, {left}"
+
+
+def _progress_text(clock, total: int) -> str:
+    done = clock.finished + clock.rejected
+    return (f"{done:,}/{total:,} requests done ({clock.rejected:,} rejected), {clock.arrived:,} arrived, "
+            f"t={clock.now_s:,.0f} s simulated, {clock.steps:,} steps")
+
+
+@contextlib.contextmanager
+def _progress(console: Console, total: int, quiet: bool, started: float, seen: dict):
+    """Yield the replay's ``on_progress``: a bar on a terminal, a line every few seconds in a log."""
+    def remember(clock):
+        seen["now_s"] = clock.now_s
+
+    if quiet:
+        yield remember
+        return
+    if not console.is_terminal:
+        last = {"wall_s": started}
+
+        def on_progress(clock):
+            remember(clock)
+            now = time.perf_counter()
+            if now - last["wall_s"] >= PLAIN_PROGRESS_EVERY_S:
+                last["wall_s"] = now
+                print(f"kvtwin: replay: {_progress_text(clock, total)}, {now - started:,.0f} s wall",
+                      file=sys.stderr, flush=True)
+
+        yield on_progress
+        return
+    # The bar counts requests done (finished or rejected), not simulated time: time runs
+    # past the last arrival for as long as the queue takes to drain.
+    with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("replay", total=max(total, 1), info="")
+
+        def on_progress(clock):
+            remember(clock)
+            progress.update(task, completed=clock.finished + clock.rejected,
+                            info=f"done, t={clock.now_s:,.0f} s" + (f", {clock.rejected:,} rejected"
+                                                                     if clock.rejected else ""))
+
+        yield on_progress
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -132,30 +155,31 @@ def print_summary(row: dict, title: str) -> None:
     table.add_column("p50", justify="right")
     table.add_column("p90", justify="right")
     table.add_column("p99", justify="right")
-    for name, key in (("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "itl_ms"),
-                      ("E2E latency (ms)", "e2el_ms")):
-        table.add_row(name, _fmt(row[f"mean_{key}"]), _fmt(row[f"median_{key}"]), _fmt(row[f"p90_{key}"]),
-                      _fmt(row[f"p99_{key}"]))
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E latency", "e2el_ms"),
+                      ("queue delay (to first schedule)", "queue_delay_ms")):
+        table.add_row(name, *(words.format_duration_ms(row[f"{stat}_{key}"])
+                              for stat in ("mean", "median", "p90", "p99")))
     Console().print(table)
     facts = Table(show_header=False)
     facts.add_column("figure")
     facts.add_column("value", justify="right")
+    has_slo = not math.isnan(row["slo_ttft_ms"]) or not math.isnan(row["slo_tpot_ms"])
     for name, value in (
-        ("requests completed / rejected / unfinished",
+        ("completed / rejected / unfinished",
          f"{row['completed']:,} / {row['rejected']:,} / {row['unfinished']:,}"),
-        ("simulated duration (s)", _fmt(row["duration_s"])),
+        ("simulated duration", words.format_duration_s(row["duration_s"])),
         ("request throughput (req/s)", _fmt(row["request_throughput"], 3)),
-        ("output / total token throughput (tok/s)",
+        ("output / all tokens per s",
          f"{_fmt(row['output_throughput'])} / {_fmt(row['total_token_throughput'])}"),
-        ("prefix cache hit rate (tokens)", _fmt(row["prefix_cache_hit_rate"] * 100, 2) + " %"
-         if not math.isnan(row["prefix_cache_hit_rate"]) else "-"),
+        ("prefix cache hit rate (tokens)", words.prefix_line(row)),
         ("preemptions / recomputed tokens", f"{row['num_preemptions']:,} / {row['recomputed_tokens']:,}"),
         ("evicted cached blocks", _fmt(row["num_evictions"])),
-        ("KV cache usage peak / mean", f"{row['kv_cache_usage_peak'] * 100:.1f} % / "
-                                       f"{row['kv_cache_usage_mean'] * 100:.1f} %"),
-        ("SLO attainment / goodput (req/s)", f"{_fmt(row['slo_attainment'] * 100, 1)} % / "
-                                             f"{_fmt(row['request_goodput'], 3)}"
-         if not math.isnan(row["slo_ttft_ms"]) or not math.isnan(row["slo_tpot_ms"]) else "no SLO set"),
+        ("KV cache usage peak / mean", f"{words.format_percent(row['kv_cache_usage_peak'])} / "
+                                       f"{words.format_percent(row['kv_cache_usage_mean'])}"),
+        ("SLO: TTFT / TPOT at most", f"{words.format_duration_ms(row['slo_ttft_ms'])} / "
+                                     f"{words.format_duration_ms(row['slo_tpot_ms'])}" if has_slo else "no SLO set"),
+        ("SLO attainment / goodput (req/s)",
+         f"{words.format_percent(row['slo_attainment'])} / {_fmt(row['request_goodput'], 3)}" if has_slo else "-"),
     ):
         facts.add_row(name, value)
     Console().print(facts)

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin.console import user_errors
+from kvtwin.reports.paths import check_out_file
+from kvtwin.traces import bundled
 from kvtwin.traces import schema
 from kvtwin.traces import transforms
 from kvtwin.traces.generic import ColumnMap
@@ -22,7 +24,9 @@ from kvtwin.traces.stats import TraceStats, summarize
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import read_spec
 
-trace_app = typer.Typer(help="Inspect, convert and synthesise request traces.", no_args_is_help=True)
+# Plain help text: rich markup would swallow bracketed words.
+trace_app = typer.Typer(help="Inspect, convert and synthesise request traces.", no_args_is_help=True,
+                        rich_markup_mode=None)
 
 FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Input format: {', '.join(FORMATS)} "
                                                                    "(default: detected from the file).")]
@@ -159,6 +163,7 @@ def convert(
 ) -> None:
     """Read traces in any supported format and write one kvtwin trace parquet file."""
     with user_errors():
+        check_out_file(output, "--output")
         options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
         if rate_scale is not None and not rate_scale > 0:
             raise typer.BadParameter("expected a factor > 0", param_hint="--rate-scale")
@@ -187,7 +192,21 @@ def synth(
 ) -> None:
     """Generate a seeded synthetic workload from a TOML spec."""
     with user_errors():
+        check_out_file(output, "--output")
         parsed = read_spec(spec)
         table = synthesize(parsed, base_dir=spec.parent, source_file=spec.name)
         schema.write_parquet(table, output)
         print(f"wrote {output}: {table.num_rows:,} requests ({parsed.kind}, seed {parsed.seed})", file=sys.stderr)
+
+
+@trace_app.command("list")
+def list_bundled(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON list.")] = False) -> None:
+    """The traces shipped with kvtwin (use them as bundled:NAME), with rows and what they hold."""
+    traces = bundled.bundled_traces()
+    if as_json:
+        print(json.dumps([{"name": f"{bundled.PREFIX}{t.name}", "rows": t.rows, "size_bytes": t.size_bytes,
+                           "description": t.description} for t in traces], indent=1))
+        return
+    width = max(len(bundled.PREFIX + t.name) for t in traces)
+    for t in traces:
+        print(f"{bundled.PREFIX + t.name:<{width}}  {t.rows:>7,} rows  {t.size_bytes / 1e6:>5.1f} MB  {t.description}")

@@ -2,7 +2,8 @@
 
 One file per vLLM concept, named as vLLM names it: ``spec`` (KVCacheSpec and the layout),
 ``hashing``, ``block_pool``, ``managers`` (single-type managers), ``coordinator``,
-``kv_cache_manager``, ``request``, ``request_queue``, ``scheduler``, ``engine`` (the one
-step function every clock drives), ``config`` and ``errors``. Nothing here knows which
+``kv_cache_blocks``, ``kv_cache_manager``, ``request``, ``request_queue``, ``scheduler``,
+``scheduler_output`` (the whole contract with an executor), ``engine`` (the one step
+function every clock drives, and the ``ModelExecutor`` protocol), ``config`` and ``errors``. Nothing here knows which
 clock runs it; ``tests/test_layout.py`` enforces that it imports nothing else.
 """

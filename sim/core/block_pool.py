@@ -20,8 +20,6 @@ in vLLM, without building a key object on every lookup.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-
 from kvtwin.sim.core.hashing import hashes_in_range
 
 
@@ -109,26 +107,10 @@ class FreeKVCacheBlockQueue:
         return ids
 
 
-@dataclass(frozen=True)
-class BlockStored:
-    """KV event: blocks became cached (hittable) in a group."""
-
-    block_ids: tuple[int, ...]
-    group_id: int
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    """KV event: a block's cache entry was evicted from a group."""
-
-    block_id: int
-    group_id: int
-
-
 class BlockPool:
     """Owns every block, the free queue and the per-group hash → block maps."""
 
-    def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool, enable_kv_events: bool = False):
+    def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool):
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -137,8 +119,6 @@ class BlockPool:
         self.null_block.is_null = True
         # group id → {hash: block, or {block_id: block} when several blocks share a key}
         self.cached_block_hash_to_block: list[dict] = [{} for _ in range(num_groups)]
-        self.enable_kv_events = enable_kv_events
-        self.kv_event_queue: list[BlockStored | BlockRemoved] = []
         # Counters for the replay's per-step records: blocks in use per group, and cached
         # blocks evicted so far.
         self.num_used_by_group = [0] * num_groups
@@ -190,10 +170,6 @@ class BlockPool:
                 cache[block_hash] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
-        if self.enable_kv_events:
-            stored = tuple(b.block_id for b in new_blocks if not b.is_null)
-            if stored:
-                self.kv_event_queue.append(BlockStored(stored, group_id))
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
@@ -207,8 +183,6 @@ class BlockPool:
             entry.pop(block.block_id, None)
             if not entry:
                 del cache[block_hash]
-        if self.enable_kv_events:
-            self.kv_event_queue.append(BlockRemoved(block.block_id, block.group_id))
         self.num_evictions += 1
         block.block_hash = None
         block.group_id = -1
@@ -226,7 +200,6 @@ class BlockPool:
         block = head.next_free
         blocks = []
         caches = self.cached_block_hash_to_block
-        slow_evict = self.enable_kv_events
         for _ in range(num_blocks):
             blocks.append(block)
             following = block.next_free
@@ -234,8 +207,8 @@ class BlockPool:
             block_hash = block.block_hash
             if block_hash is not None:
                 cache = caches[block.group_id]
-                if not slow_evict and cache.get(block_hash) is block:
-                    # The common eviction (the key's only block, no events), inlined.
+                if cache.get(block_hash) is block:
+                    # The common eviction (the key's only block), inlined.
                     del cache[block_hash]
                     self.num_evictions += 1
                     block.block_hash = None
@@ -298,7 +271,3 @@ class BlockPool:
             block.block_hash = None
             block.group_id = -1
         return True
-
-    def take_events(self) -> list[BlockStored | BlockRemoved]:
-        events, self.kv_event_queue = self.kv_event_queue, []
-        return events

@@ -1,16 +1,66 @@
 """Engine settings the scheduler and KV cache manager run with (semantics section 6 defaults).
 
-Frozen, validated on construction: a bad value is a ``ConfigError`` naming the field.
+The bottom of one chain: a scenario's ``[engine]`` table becomes the planner's
+``EngineConfig`` (vLLM's option names, None for "vLLM's default"), which resolves against a
+model and GPU into a ``ResolvedEngineConfig`` holding the two configs here. The golden
+cases build these two directly from their ``config.json``.
+
+The rules each knob must satisfy live here once, in ``SCHEDULER_KNOBS`` and
+``CACHE_KNOBS``: ``EngineConfig`` checks a scenario against the same table, so a value is
+refused with the same words wherever it comes from. Strings are never booleans.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from kvtwin.sim.core.errors import require
+from kvtwin.sim.core.hashing import HASH_FUNCTIONS
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+Rule = tuple[Callable[[object], bool], str]
+_BOOL: Rule = (_is_bool, "true or false")
+
+# knob -> (accepts, what is expected); the fields of SchedulerConfig besides the sizes.
+SCHEDULER_KNOBS: dict[str, Rule] = {
+    "scheduling_policy": (lambda v: v in SCHEDULING_POLICIES, "'fcfs' or 'priority'"),
+    "enable_chunked_prefill": _BOOL,
+    "long_prefill_token_threshold": (lambda v: is_int(v) and v >= 0, "a non-negative integer (0 = off)"),
+    "adaptive_long_prefill_threshold": _BOOL,
+    "watermark": (lambda v: is_number(v) and 0.0 <= v < 1.0, "a fraction in [0, 1)"),
+    "scheduler_reserve_full_isl": _BOOL,
+    "async_scheduling": _BOOL,
+}
+CACHE_KNOBS: dict[str, Rule] = {
+    "enable_prefix_caching": _BOOL,
+    "prefix_caching_hash_algo": (lambda v: v in HASH_FUNCTIONS, f"one of {', '.join(HASH_FUNCTIONS)}"),
+}
+
+
+def check_knobs(values: Mapping[str, object], rules: Mapping[str, Rule]) -> None:
+    """Raise a ``ConfigError`` naming the first value its rule refuses (None is skipped:
+    it means "the default" to callers that allow it)."""
+    for name, value in values.items():
+        accepts, expected = rules[name]
+        if value is not None:
+            require(accepts(value), name, expected, value)
 
 
 @dataclass(frozen=True)
@@ -24,7 +74,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # Raise the threshold to a fair share of the budget (budget // eligible requests).
     adaptive_long_prefill_threshold: bool = False
-    policy: SchedulingPolicy = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
     # Two batches in flight double the tokens the sliding-window and chunked-local
@@ -34,12 +84,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
-                    "a positive integer", value)
-        require(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
-                "long_prefill_token_threshold", "a non-negative integer (0 = off)", self.long_prefill_token_threshold)
-        require(self.policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'", self.policy)
-        require(0.0 <= self.watermark < 1.0, "watermark", "a fraction in [0, 1)", self.watermark)
+            require(is_int(value) and value > 0, name, "a positive integer", value)
+        check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
         if not self.enable_chunked_prefill:
             # Without chunking a max_model_len prompt must fit one step, as vLLM requires.
             require(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
@@ -47,12 +93,20 @@ class SchedulerConfig:
                     self.max_num_batched_tokens)
 
     @property
+    def max_concurrent_batches(self) -> int:
+        # Async scheduling keeps two batches in flight (vLLM's AsyncScheduler).
+        return 2 if self.async_scheduling else 1
+
+    @property
     def max_in_flight_tokens(self) -> int:
-        return (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
+        """What the sliding-window / chunked-local admission caps add to the window."""
+        return self.max_concurrent_batches * self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "builtin"
-    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        check_knobs({name: getattr(self, name) for name in CACHE_KNOBS}, CACHE_KNOBS)

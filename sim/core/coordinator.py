@@ -21,31 +21,34 @@ from math import lcm
 
 from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
 from kvtwin.sim.core.hashing import CoarseBlockHashes
+from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.managers import SingleTypeKVCacheManager, manager_class_for
-from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, cdiv
-
-HitBlocks = tuple[list[KVCacheBlock], ...]
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, cdiv
 
 
 class KVCacheCoordinator:
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
-                 enable_caching: bool, enable_kv_events: bool = False):
+                 enable_caching: bool):
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.hash_block_size = kv_cache_config.hash_block_size
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, len(kv_cache_config.groups), enable_caching,
-                                    enable_kv_events)
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, len(kv_cache_config.groups), enable_caching)
         self.managers: list[SingleTypeKVCacheManager] = []
         for gid, group in enumerate(kv_cache_config.groups):
             spec = group.spec
-            cap = None
-            if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-                # The same bound the planner sizes the pool with, so whatever startup
-                # promised can be admitted at run time.
-                cap = spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+            # The same bound the planner sizes the pool with, so whatever startup promised
+            # can be admitted at run time.
+            cap = (spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+                   if spec.caps_admission else None)
             self.managers.append(manager_class_for(spec)(spec, self.block_pool, gid, enable_caching,
                                                          self.hash_block_size, cap))
+        self.num_groups = len(self.managers)
+        self.empty_blocks = KVCacheBlocks.empty(self.num_groups)
+        # One log of in-place table changes for all groups (see the managers).
+        self.replaced_block_ids: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.managers:
+            manager.replaced_block_ids = self.replaced_block_ids
         self.scheduler_block_size = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
         # A Mamba group moves its state block at every boundary: no horizon to skip to.
         self.horizon_possible = all(m.has_noop_horizon for m in self.managers)
@@ -58,21 +61,34 @@ class KVCacheCoordinator:
 
     # -- loops over managers -----------------------------------------------------------
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: HitBlocks,
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks,
                                    total_computed_tokens: int, num_tokens_main_model: int,
                                    apply_admission_cap: bool = False) -> int:
+        blocks = new_computed_blocks.blocks
         return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+            m.get_num_blocks_to_allocate(request_id, num_tokens, blocks[i], total_computed_tokens,
                                          num_tokens_main_model, apply_admission_cap)
             for i, m in enumerate(self.managers))
 
-    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: HitBlocks,
+    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks,
                                      num_local_computed_tokens: int) -> None:
+        blocks = new_computed_blocks.blocks
         for i, m in enumerate(self.managers):
-            m.allocate_new_computed_blocks(request_id, new_computed_blocks[i], num_local_computed_tokens)
+            m.allocate_new_computed_blocks(request_id, blocks[i], num_local_computed_tokens)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> HitBlocks:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model) for m in self.managers)
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> KVCacheBlocks:
+        """The blocks appended per group; ``empty_blocks`` when none were."""
+        managers = self.managers
+        if len(managers) == 1:
+            new = managers[0].allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            return KVCacheBlocks((new,)) if new else self.empty_blocks
+        per_group = tuple([m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model) for m in managers])
+        return KVCacheBlocks(per_group) if any(per_group) else self.empty_blocks
+
+    def take_replaced_block_ids(self, request_id: str) -> list[tuple[int, int, int]] | None:
+        """The ``(group id, position, new block id)`` changes made in place in the request's
+        tables since the last call, in the order made, or None if there were none; forgets them."""
+        return self.replaced_block_ids.pop(request_id, None)
 
     def cache_blocks(self, request_id: str, block_hashes: list, num_tokens: int) -> None:
         for m in self.managers:
@@ -103,16 +119,17 @@ class KVCacheCoordinator:
                 return False
         return True
 
-    def get_blocks(self, request_id: str) -> HitBlocks:
-        return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers)
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers))
 
-    def find_longest_cache_hit(self, block_hashes: list, max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+    def find_longest_cache_hit(self, block_hashes: list,
+                               max_cache_hit_length: int) -> tuple[KVCacheBlocks, int, int]:
         raise NotImplementedError
 
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
-        return tuple([] for _ in self.managers), 0, 0
+        return self.empty_blocks, 0, 0
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
@@ -121,7 +138,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         blocks, hit_length = type(manager).find_longest_cache_hit(
             self.hashes_for(block_hashes, manager), max_cache_hit_length, [0], self.block_pool, manager.spec,
             manager.block_size)
-        return tuple(blocks), hit_length, 0
+        if not hit_length:
+            return self.empty_blocks, 0, 0
+        return KVCacheBlocks(tuple(blocks)), hit_length, 0
 
 
 class _AttentionGroup:
@@ -184,16 +203,16 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             for gid in group.group_ids:
                 if hit_blocks[gid] is not None:
                     del hit_blocks[gid][keep:]
-        blocks = tuple(b if b is not None else [] for b in hit_blocks)
+        blocks = KVCacheBlocks(tuple(b if b is not None else [] for b in hit_blocks))
         return blocks, hit_length, longest_hit_length - hit_length
 
 
 def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
-                             enable_caching: bool, enable_kv_events: bool = False) -> KVCacheCoordinator:
+                             enable_caching: bool) -> KVCacheCoordinator:
     if not enable_caching:
         cls = KVCacheCoordinatorNoPrefixCache
     elif len(kv_cache_config.groups) == 1:
         cls = UnitaryKVCacheCoordinator
     else:
         cls = HybridKVCacheCoordinator
-    return cls(kv_cache_config, max_model_len, max_in_flight_tokens, enable_caching, enable_kv_events)
+    return cls(kv_cache_config, max_model_len, max_in_flight_tokens, enable_caching)

@@ -2,8 +2,9 @@
 
 DESIGN.md "One core, two clocks". The lockstep runner (one step per tick, a scripted
 model), the SimPy replay (a cost model predicts each step's seconds) and the GPU executor
-(kernels run and are timed) all call ``EngineCore.step`` with their own ``ModelBackend``;
-nothing here knows which clock is running.
+(kernels run and are timed) all call ``EngineCore.step`` with their own ``ModelExecutor``;
+nothing here knows which clock is running. An executor sees only the ``SchedulerOutput``
+(see ``scheduler_output.py`` for what it carries and how to keep block tables from it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Protocol
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.scheduler import Scheduler, SchedulerOutput
+from kvtwin.sim.core.scheduler_output import SchedulerOutput
+from kvtwin.sim.core.scheduler import Scheduler
 from kvtwin.sim.core.spec import KVCacheConfig
 
 
@@ -24,15 +26,34 @@ class Execution:
 
     sampled: dict[str, list[int]]
     duration_s: float = 0.0
-    cost: object | None = None  # the backend's breakdown of duration_s, if it has one
+    cost: object | None = None  # the executor's breakdown of duration_s, if it has one
 
 
-class Backend(Protocol):
-    """Runs one scheduled batch. ``ready_to_sample`` are the scheduled requests whose
-    computed tokens caught up with all their tokens: only they sample a token."""
+class ModelExecutor(Protocol):
+    """Runs one scheduled batch from the scheduler output alone.
 
-    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> Execution:
+    It samples one token for each request in ``output.num_output_tokens``. It is also
+    called for an output that schedules no tokens but preempts or reports finished
+    requests, so it can drop their tables (vLLM's model runner, too, updates its state
+    before it checks for an empty batch); that call's ``Execution`` is ignored: such a
+    step samples nothing and takes no time."""
+
+    def execute(self, output: SchedulerOutput) -> Execution:
         ...
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A request ``add_request`` refused because it can never run.
+
+    ``code`` is one of ``prompt_too_long`` (the prompt leaves no room for output within
+    max_model_len), ``bad_max_tokens`` (max_tokens <= 0), ``exceeds_max_model_len``
+    (prompt + output > max_model_len), ``exceeds_kv_pool`` (more blocks than the pool
+    holds); ``detail`` says it with the numbers."""
+
+    request: Request
+    code: str
+    detail: str
 
 
 @dataclass
@@ -50,45 +71,44 @@ class EngineCore:
                  cache_config: CacheConfig = CacheConfig()):
         self.scheduler = Scheduler(kv_cache_config, scheduler_config, cache_config)
         self.kv_cache_manager = self.scheduler.kv_cache_manager
-        self.rejected: list[tuple[Request, str]] = []
+        self.rejected: list[Rejection] = []
 
     def add_request(self, request: Request) -> bool:
-        """Queue a request, or reject it (counted, with a reason) if it can never run."""
+        """Queue a request, or reject it (counted, with a code) if it can never run."""
         max_model_len = self.scheduler.config.max_model_len
         if request.num_prompt_tokens >= max_model_len:
-            return self._reject(request, f"prompt of {request.num_prompt_tokens} tokens leaves no room for "
-                                         f"output within max_model_len {max_model_len}")
+            return self._reject(request, "prompt_too_long",
+                                f"prompt of {request.num_prompt_tokens} tokens leaves no room for output within "
+                                f"max_model_len {max_model_len}")
         if request.max_tokens <= 0:
-            return self._reject(request, f"max_tokens must be positive, got {request.max_tokens}")
+            return self._reject(request, "bad_max_tokens", f"max_tokens must be positive, got {request.max_tokens}")
         total_tokens = request.num_prompt_tokens + request.max_tokens
         if total_tokens > max_model_len:
-            return self._reject(request, f"prompt + output = {total_tokens} tokens exceeds max_model_len "
-                                         f"{max_model_len}")
+            return self._reject(request, "exceeds_max_model_len",
+                                f"prompt + output = {total_tokens} tokens exceeds max_model_len {max_model_len}")
         # vLLM would keep such a request at the head of the queue forever.
         kvm = self.kv_cache_manager
         needed = kvm.coordinator.get_num_blocks_to_allocate(request.request_id, total_tokens, kvm.empty_blocks, 0,
                                                             total_tokens, apply_admission_cap=True)
         usable = kvm.block_pool.num_gpu_blocks - 1
         if needed > usable:
-            return self._reject(request, f"needs {needed} KV blocks, more than the pool's {usable}")
+            return self._reject(request, "exceeds_kv_pool", f"needs {needed} KV blocks, more than the pool's {usable}")
         self.scheduler.add_request(request)
         return True
 
-    def _reject(self, request: Request, reason: str) -> bool:
+    def _reject(self, request: Request, code: str, detail: str) -> bool:
         request.status = RequestStatus.REJECTED
-        self.rejected.append((request, reason))
+        self.rejected.append(Rejection(request, code, detail))
         return False
 
-    def step(self, backend: Backend) -> StepResult:
+    def step(self, executor: ModelExecutor) -> StepResult:
         output = self.scheduler.schedule()
         if not output.num_scheduled_tokens:
+            if output.preempted or output.finished_req_ids:
+                # Nothing to run, but tables to drop.
+                executor.execute(output)
             return StepResult(output, [], _IDLE)
-        requests = self.scheduler.requests
-        # A request samples only once its computed tokens catch up with all it has:
-        # a partial prefill chunk (or part of a recompute) samples nothing.
-        ready = [r for rid in output.num_scheduled_tokens
-                 if (r := requests[rid]).num_computed_tokens >= r.num_tokens]
-        execution = backend.execute(output, ready)
+        execution = executor.execute(output)
         finished = self.scheduler.update_from_output(output, execution.sampled)
         return StepResult(output, finished, execution)
 

@@ -1,6 +1,7 @@
 """Chained block hashes: the identity of a prefix, one hash per full block.
 
-Semantics section 1. Block ``i``'s hash is ``hash_fn((parent, identity_i, extra_keys))``
+Semantics section 1. Block ``i``'s hash is ``hash_fn((parent, identity_i, None))`` — vLLM's
+3-tuple with no extra keys (kvtwin models no LoRA, multimodal or cache-salt inputs) —
 where ``parent`` is block ``i-1``'s hash (``NONE_HASH`` for the first block), so two
 requests share block ``i``'s hash only when they share the whole prefix up to it. Only
 full blocks are hashed, at the granularity ``hash_block_size``; a group with a coarser
@@ -23,8 +24,6 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
 from kvtwin.sim.core.errors import ConfigError
 
 BlockHash = object  # bytes for sha256, int for builtin
@@ -59,23 +58,6 @@ def none_hash(hash_fn: HashFn) -> BlockHash:
     if hash_fn is builtin_hash:
         return _BUILTIN_NONE_HASH
     return hash_fn(_NONE_HASH_SEED)
-
-
-@dataclass(frozen=True)
-class ExtraKeys:
-    """What besides the tokens makes a block distinct (semantics 1, "Extra keys")."""
-
-    lora_name: str | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-
-    def for_block(self, block_index: int) -> tuple | None:
-        keys: list[tuple] = []
-        if self.lora_name is not None:
-            keys.append(("lora", self.lora_name, self.lora_path))
-        if self.cache_salt is not None and block_index == 0:
-            keys.append(("cache_salt", self.cache_salt))
-        return tuple(keys) if keys else None
 
 
 class TokenPrompt:
@@ -152,22 +134,20 @@ class HashIdBlockHashes:
     at arrival. Blocks that reach into the output are chained and stored (``tail``).
     """
 
-    __slots__ = ("prompt", "block_size", "hash_fn", "extra", "num_prompt_blocks", "tail", "_ids", "_ids_tokens",
+    __slots__ = ("prompt", "block_size", "hash_fn", "num_prompt_blocks", "tail", "_ids", "_ids_tokens",
                  "_fast_blocks", "_memo")
 
-    def __init__(self, prompt: HashIdPrompt, block_size: int, hash_fn: HashFn, extra: ExtraKeys | None):
+    def __init__(self, prompt: HashIdPrompt, block_size: int, hash_fn: HashFn):
         self.prompt = prompt
         self.block_size = block_size
         self.hash_fn = hash_fn
-        # Not chained, so keys that vLLM puts on the first block only must go on every block.
-        self.extra = (extra.lora_name, extra.lora_path, extra.cache_salt) if extra is not None else None
         self.num_prompt_blocks = prompt.num_tokens // block_size
         self.tail: list = []
-        # The hot case (builtin hash, no extra keys, a block the trace's ids cover) hashes
+        # The hot case (builtin hash, a block the trace's ids cover) hashes
         # (chunk id, end) directly: this runs once or twice for every prompt block replayed.
         self._ids = prompt.hash_ids
         self._ids_tokens = prompt.hash_block_tokens
-        fast = hash_fn is builtin_hash and self.extra is None
+        fast = hash_fn is builtin_hash
         self._fast_blocks = min(self.num_prompt_blocks, prompt.covered_tokens // block_size) if fast else 0
         # Hashes made so far, kept while the request lives: a waiting request at the head
         # of a long queue is looked up again every step.
@@ -184,7 +164,7 @@ class HashIdBlockHashes:
             index += len(self)
         if index < self.num_prompt_blocks:
             identity = self.prompt.prefix_identity((index + 1) * self.block_size)
-            return self.hash_fn(identity if self.extra is None else (identity, self.extra))
+            return self.hash_fn(identity)
         return self.tail[index - self.num_prompt_blocks]
 
 
@@ -220,13 +200,13 @@ class BlockHasher:
         self.hash_block_size = hash_block_size
         self.none_hash = none_hash(hash_fn)
 
-    def new_hashes(self, prompt: PromptSource, extra: ExtraKeys | None) -> list | HashIdBlockHashes:
+    def new_hashes(self, prompt: PromptSource) -> list | HashIdBlockHashes:
         if isinstance(prompt, HashIdPrompt):
-            return HashIdBlockHashes(prompt, self.hash_block_size, self.hash_fn, extra)
+            return HashIdBlockHashes(prompt, self.hash_block_size, self.hash_fn)
         return []
 
     def extend(self, hashes: list | HashIdBlockHashes, prompt: PromptSource, output_token_ids: list[int],
-               num_tokens: int, extra: ExtraKeys | None) -> None:
+               num_tokens: int) -> None:
         """Append the hashes of blocks that became full since ``hashes`` was last extended."""
         bs = self.hash_block_size
         hash_fn = self.hash_fn
@@ -236,8 +216,7 @@ class BlockHasher:
         while (index + 1) * bs <= num_tokens:
             start = index * bs
             identity = prompt.block_identity(start, start + bs, output_token_ids)
-            keys = extra.for_block(index) if extra is not None else None
-            parent = hash_fn((parent, identity, keys))
+            parent = hash_fn((parent, identity, None))
             tail.append(parent)
             index += 1
 

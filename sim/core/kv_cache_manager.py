@@ -5,27 +5,37 @@ because the order is observable: skipped blocks are released *before* the capaci
 (even when the allocation then fails), free hit blocks count against capacity, waiting
 requests must fit their whole sequence, and blocks completed by this step's tokens are
 cached at schedule time, before the forward pass.
+
+Blocks travel as ``KVCacheBlocks`` (one list per group). Besides the blocks an allocation
+appends, the managers log every table entry they change in place (sliding-window and
+chunked-local blocks nulled, Mamba state blocks moved or released);
+``take_replaced_block_ids`` hands that log to the scheduler, whose output thus lets an
+executor keep exact copies of the tables.
 """
 
 from __future__ import annotations
 
-from kvtwin.sim.core.coordinator import HitBlocks, get_kv_cache_coordinator
+from kvtwin.sim.core.coordinator import get_kv_cache_coordinator
+from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import KVCacheConfig
 
 
 class KVCacheManager:
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
-                 enable_caching: bool = True, watermark: float = 0.0, enable_kv_events: bool = False):
+                 enable_caching: bool = True, watermark: float = 0.0):
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.coordinator = get_kv_cache_coordinator(kv_cache_config, max_model_len, max_in_flight_tokens,
-                                                    enable_caching, enable_kv_events)
+                                                    enable_caching)
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(kv_cache_config.groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.empty_blocks: HitBlocks = tuple([] for _ in range(self.num_groups))
+        # Returned for "no blocks" (no hit, nothing appended on the fast path): test by identity.
+        self.empty_blocks: KVCacheBlocks = self.coordinator.empty_blocks
+        # request id -> in-place table changes not yet taken (shared with the managers).
+        self.replaced_block_ids = self.coordinator.replaced_block_ids
         # request id → token count up to which allocating for a running request changes
         # nothing (the decode fast path; the scheduler may consult it before calling).
         self.noop_horizon: dict[str, int] = {}
@@ -34,7 +44,7 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
-    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks, int, int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
         """(hit blocks per group, hit tokens, shared-prefix boundary). Takes no references."""
         if not self.enable_caching:
             return self.empty_blocks, 0, 0
@@ -42,15 +52,19 @@ class KVCacheManager:
         blocks, hit_tokens, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes,
                                                                                request.num_tokens - 1)
         shared_prefix_boundary = hit_tokens + uncached if uncached else 0
-        if not any(blocks):
+        if not any(blocks.blocks):
             blocks = self.empty_blocks
         return blocks, hit_tokens, shared_prefix_boundary
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: HitBlocks | None = None, num_lookahead_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                       has_scheduled_reqs: bool = True) -> HitBlocks | None:
-        """Give ``request`` slots for ``num_new_tokens`` more tokens; None if the pool is short."""
+                       has_scheduled_reqs: bool = True) -> KVCacheBlocks | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens; None if the pool is short.
+
+        Returns the blocks appended to each group's table (``empty_blocks``, by identity,
+        when none were). Entries changed in place, even by a call that then
+        fails, wait in ``replaced_block_ids`` until taken or until the request is freed."""
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
         fast = (new_computed_blocks is None and num_new_computed_tokens == 0 and not full_sequence_must_fit
@@ -114,11 +128,14 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         self.coordinator.new_step_starts()
 
-    def get_blocks(self, request_id: str) -> HitBlocks:
+    def take_replaced_block_ids(self, request_id: str) -> list[tuple[int, int, int]] | None:
+        return self.coordinator.take_replaced_block_ids(request_id)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return self.coordinator.get_blocks(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.coordinator.managers)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
+
+NULL_BLOCK_ID = 0  # the pool's first block is the null block
 from kvtwin.sim.core.hashing import hashes_in_range
 from kvtwin.sim.core.spec import (
     ChunkedLocalAttentionSpec,
@@ -48,6 +50,11 @@ class SingleTypeKVCacheManager:
         self.null_block = block_pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # request id -> (group id, position, new block id) for every table entry changed in
+        # place since the scheduler last took them: an executor mirroring the tables learns
+        # of these from the scheduler output. The coordinator makes all its managers share
+        # one dict, so "nothing changed" is one emptiness test.
+        self.replaced_block_ids: dict[str, list[tuple[int, int, int]]] = {}
 
     # -- queries ---------------------------------------------------------------------
 
@@ -117,17 +124,29 @@ class SingleTypeKVCacheManager:
             return
         null = self.null_block
         removed = []
-        for i in range(min(num_skipped_tokens // self.block_size, len(table)) - 1, -1, -1):
+        stop = min(num_skipped_tokens // self.block_size, len(table))
+        for i in range(stop - 1, -1, -1):
             if table[i] is null:
                 break  # everything before was nulled by an earlier call
             removed.append(table[i])
             table[i] = null
         if removed:
             self.block_pool.free_blocks(removed)
+            self._record_nulled(request_id, range(stop - len(removed), stop))
+
+    def _record_nulled(self, request_id: str, positions) -> None:
+        gid = self.group_id
+        entries = [(gid, i, NULL_BLOCK_ID) for i in positions]
+        log = self.replaced_block_ids.get(request_id)
+        if log is None:
+            self.replaced_block_ids[request_id] = entries
+        else:
+            log.extend(entries)
 
     def free(self, request_id: str) -> None:
         table = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        self.replaced_block_ids.pop(request_id, None)
         if table:
             # Last block first, so a request's chain is evicted tail first.
             self.block_pool.free_blocks(reversed(table))
@@ -384,11 +403,15 @@ class MambaManager(SingleTypeKVCacheManager):
         if prev_len < num_skipped_blocks:
             table.extend([self.null_block] * (num_skipped_blocks - prev_len))
         if was_allocated:
+            moved = []
             for idx in range(prev_len - self.num_speculative_blocks, prev_len):
                 if idx >= num_skipped_blocks:
                     break
                 table.append(table[idx])
                 table[idx] = self.null_block
+                moved.append(idx)
+            if moved:
+                self._record_nulled(request_id, moved)
         new_blocks = self.block_pool.get_new_blocks(num_required - len(table), self.group_id)
         returned = table[prev_len:]
         table.extend(new_blocks)
@@ -406,6 +429,7 @@ class MambaManager(SingleTypeKVCacheManager):
             if table[last_idx] is not self.null_block:
                 self.block_pool.free_blocks([table[last_idx]])
                 table[last_idx] = self.null_block
+                self._record_nulled(request_id, (last_idx,))
 
     def cache_blocks(self, block_hashes, request_id, num_tokens):
         before = self.num_cached_block.get(request_id, 0)
@@ -443,13 +467,19 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step.clear()
 
 
+# One manager class per spec class (vLLM's ``spec_manager_map``). MLA is full attention
+# as far as blocks go; a subclass of a listed spec gets its nearest listed base's manager.
+MANAGER_CLASSES: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+}
+
+
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindowManager
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return ChunkedLocalAttentionManager
-    if isinstance(spec, MambaSpec):
-        return MambaManager
-    if isinstance(spec, FullAttentionSpec):
-        return FullAttentionManager
+    for cls in type(spec).__mro__:
+        manager = MANAGER_CLASSES.get(cls)
+        if manager is not None:
+            return manager
     raise TypeError(f"no manager for {type(spec).__name__}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from kvtwin.sim.core.hashing import BlockHasher, ExtraKeys, HashIdBlockHashes, PromptSource
+from kvtwin.sim.core.hashing import BlockHasher, HashIdBlockHashes, PromptSource
 
 
 class RequestStatus(enum.Enum):
@@ -21,19 +21,18 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "extra_keys",
-                 "output_token_ids", "num_computed_tokens", "block_hashes", "status", "num_preemptions",
-                 "shared_prefix_boundary", "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens")
+    __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "output_token_ids",
+                 "num_computed_tokens", "block_hashes", "status", "num_preemptions", "shared_prefix_boundary",
+                 "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
-                 priority: int = 0, extra_keys: ExtraKeys | None = None):
+                 priority: int = 0):
         self.request_id = request_id
         self.prompt = prompt
         self.num_prompt_tokens = prompt.num_tokens
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time
         self.priority = priority
-        self.extra_keys = extra_keys
         self.output_token_ids: list[int] = []
         # Prompt plus outputs; kept as a field because the scheduler reads it constantly.
         self.num_tokens = self.num_prompt_tokens
@@ -54,7 +53,7 @@ class Request:
 
     def attach_hasher(self, hasher: BlockHasher) -> None:
         self._hasher = hasher
-        self.block_hashes = hasher.new_hashes(self.prompt, self.extra_keys)
+        self.block_hashes = hasher.new_hashes(self.prompt)
         self._extend_block_hashes()
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
@@ -66,7 +65,7 @@ class Request:
     def _extend_block_hashes(self) -> None:
         hasher = self._hasher
         if hasher is not None:
-            hasher.extend(self.block_hashes, self.prompt, self.output_token_ids, self.num_tokens, self.extra_keys)
+            hasher.extend(self.block_hashes, self.prompt, self.output_token_ids, self.num_tokens)
             self._next_hash_tokens = (len(self.block_hashes) + 1) * hasher.hash_block_size
 
     def __lt__(self, other: "Request") -> bool:

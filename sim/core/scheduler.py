@@ -14,38 +14,25 @@ Semantics section 6. One ``schedule()`` call per engine step:
 
 ``update_from_output`` appends sampled tokens, finishes requests that reached
 ``max_tokens`` or ``max_model_len`` and frees their blocks at once, in scheduled order.
+
+The ``SchedulerOutput`` (``scheduler_output.py``) is everything an executor needs: block
+ids of admitted requests, blocks appended and entries replaced for running ones, positions,
+and who samples. A running request's table changes are taken from the KV cache manager
+right after its allocation succeeds; a request preempted later in the same step (priority
+policy) has them withdrawn, since its tables are dropped.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
+from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvtwin.sim.core.spec import KVCacheConfig, MambaSpec
 
-
-@dataclass(frozen=True)
-class Admission:
-    """A request taken from the waiting queue into the running queue in this step."""
-
-    request_id: str
-    hit_tokens: int
-    resumed: bool  # re-admitted after a preemption
-
-
-@dataclass
-class SchedulerOutput:
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # running order, then admissions
-    admitted: list[Admission] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
+__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -55,13 +42,14 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config, scheduler_config.max_model_len, scheduler_config.max_in_flight_tokens,
-            enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark,
-            enable_kv_events=cache_config.enable_kv_events)
+            enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark)
         self.hasher = (BlockHasher(get_hash_fn(cache_config.prefix_caching_hash_algo), kv_cache_config.hash_block_size)
                        if cache_config.enable_prefix_caching else None)
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(scheduler_config.policy)
+        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
+        # Finished in the last update_from_output; reported in the next output.
+        self.finished_req_ids: list[str] = []
         mamba_align = [g.spec for g in kv_cache_config.groups
                        if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align"]
         # Align mode caches a Mamba state only where a prefill chunk ends, so chunks must
@@ -86,7 +74,12 @@ class Scheduler:
         cfg = self.config
         kvm = self.kv_cache_manager
         out = SchedulerOutput()
+        if self.finished_req_ids:
+            out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         scheduled = out.num_scheduled_tokens
+        cached = out.scheduled_cached_reqs
+        empty_blocks = kvm.empty_blocks
+        replaced_log = kvm.replaced_block_ids
         token_budget = cfg.max_num_batched_tokens
         # The threshold keeps one long prefill from starving others; alone, it has nobody
         # to starve and may use the whole budget.
@@ -94,7 +87,7 @@ class Scheduler:
         long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
             long_prefill = max(long_prefill, token_budget // num_eligible)
-        is_priority = cfg.policy == "priority"
+        is_priority = cfg.scheduling_policy == "priority"
         max_model_len = cfg.max_model_len
         mamba_split = self.mamba_block_size > 0
         horizon = kvm.noop_horizon
@@ -134,6 +127,9 @@ class Scheduler:
                         req_index -= 1
                     if victim.request_id in scheduled:
                         token_budget += scheduled.pop(victim.request_id)
+                        # Its tables are dropped: what changed in them is moot.
+                        cached.new_blocks.pop(victim.request_id, None)
+                        cached.replaced_block_ids.pop(victim.request_id, None)
                 else:
                     victim = self.running.pop()
                 self._preempt(victim)
@@ -142,15 +138,36 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            scheduled[request.request_id] = num_new
+            request_id = request.request_id
+            if new_blocks is not empty_blocks:
+                cached.new_blocks[request_id] = new_blocks
+            if replaced_log:
+                # Also what an earlier failed attempt in this step changed (skipped blocks
+                # are released before the capacity check). Taken, so the log empties.
+                replaced = replaced_log.pop(request_id, None)
+                if replaced is not None:
+                    cached.replaced_block_ids[request_id] = replaced
+            scheduled[request_id] = num_new
             token_budget -= num_new
             req_index += 1
 
         if not out.preempted:
             self._schedule_waiting(out, token_budget, long_prefill)
 
+        # Advance the computed counts optimistically (before the forward pass), noting for
+        # the executor where each request starts and which ones sample.
+        requests = self.requests
+        note_computed = out.num_computed_tokens.append
+        sampling = out.num_output_tokens
         for request_id, num_tokens in scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = requests[request_id]
+            computed = request.num_computed_tokens
+            note_computed(computed)
+            computed += num_tokens
+            request.num_computed_tokens = computed
+            # A partial prefill chunk (or part of a recompute) samples nothing.
+            if computed >= request.num_tokens:
+                sampling[request_id] = request.num_tokens - request.num_prompt_tokens
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
@@ -182,11 +199,16 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.running.append(request)
-            out.admitted.append(Admission(request.request_id, hit_tokens,
-                                          request.status is RequestStatus.PREEMPTED))
+            request_id = request.request_id
+            resumed = request.status is RequestStatus.PREEMPTED
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
-            out.num_scheduled_tokens[request.request_id] = num_new
+            if kvm.replaced_block_ids:
+                kvm.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
+            out.scheduled_new_reqs.append(NewRequestData(
+                request_id, kvm.get_blocks(request_id), num_computed, request.num_prompt_tokens,
+                request.num_tokens, hit_tokens, resumed))
+            out.num_scheduled_tokens[request_id] = num_new
             token_budget -= num_new
 
     def _preempt(self, request: Request) -> None:
@@ -248,6 +270,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED
                 self.kv_cache_manager.free(request)
                 finished.append(request)
+                self.finished_req_ids.append(request_id)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

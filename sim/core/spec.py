@@ -9,10 +9,19 @@ and the planner's pool sizing share.
 ``KVCacheGroupSpec`` and ``KVCacheConfig`` are the planner's output and the KV cache
 manager's input: one spec per group, and one pool of ``num_blocks`` blocks (null block
 included) that every group draws from.
+
+Each spec class is the one home of its kind's facts: its name (``kind``) and letter in a
+model's layer pattern, its pages and admission cap, what a step reads (the keys a query
+attends, the KV tokens a chunk reads, a recurrent state) for the cost model, how the
+planner groups it (``slot_type``, ``merge_key``, ``as_full_attention``) and what the plan
+prints about it (``describe``). Adding a kind means: a spec class here (listed in
+``SPEC_CLASSES``), its manager in ``managers.MANAGER_CLASSES``, and how the planner builds
+it from a model layer (``sim/planner/plan.py``'s ``LAYER_SPEC_BUILDERS``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from math import prod
 from typing import ClassVar, Literal
@@ -29,14 +38,27 @@ MambaCacheMode = Literal["none", "align", "all"]
 
 @dataclass(frozen=True, kw_only=True)
 class KVCacheSpec:
-    """Base of every spec. ``kind`` is the name used in configs, outputs and `plan --json`."""
+    """Base of every spec. ``kind`` is the name used in configs, outputs and `plan --json`;
+    ``pattern_letter`` the layer's letter in a model's ``layer_pattern``."""
 
     kind: ClassVar[str] = ""
+    pattern_letter: ClassVar[str] = ""
+    # Whether the layer keeps K and V per KV head, sharded over tensor-parallel ranks
+    # (so TP must divide the KV heads, or be a multiple of them).
+    has_kv_heads: ClassVar[bool] = False
+    # Whether the whole-sequence admission check is capped at
+    # ``max_admission_blocks_per_request`` (kinds that free blocks as the request advances).
+    caps_admission: ClassVar[bool] = False
     block_size: int
 
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and self.block_size > 0,
                 "block_size", "a positive integer number of tokens", self.block_size)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """One block's bytes before any padding to a unified page size."""
+        raise NotImplementedError
 
     @property
     def page_size_bytes(self) -> int:
@@ -49,10 +71,60 @@ class KVCacheSpec:
     def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         return self.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len) * self.page_size_bytes
 
+    # -- what one step reads (the cost model) ----------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of cache one token adds (0 for a recurrent state)."""
+        return 0.0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of recurrent state a request reads and writes each step (0 for attention)."""
+        return 0
+
+    @property
+    def attention_width_per_head(self) -> int:
+        """Elements per query head multiplied per attended key (QK^T plus PV); 0 without attention."""
+        return 0
+
+    def attended_keys(self, start: int, end: int) -> int:
+        """Sum over query positions p in [start, end) of the keys the query at p attends."""
+        return 0
+
+    def kv_tokens_read(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Cached tokens a chunk of ``num_new_tokens`` after ``num_computed_tokens`` reads."""
+        return 0
+
+    def decode_attended_keys(self, context_ends: list[int]) -> int:
+        """``attended_keys(e - 1, e)`` summed over decodes ending at each ``e`` (the hot path)."""
+        return 0
+
+    # -- grouping (the planner) -------------------------------------------------------
+
+    def slot_type(self) -> tuple | None:
+        """What decides how many token slots a layer needs; None for recurrent states."""
+        return None
+
+    def merge_key(self) -> KVCacheSpec:
+        """Specs with equal keys can share a group."""
+        return self
+
+    def as_full_attention(self, block_size: int) -> FullAttentionSpec | None:
+        """This layer treated as full attention (hybrid KV cache manager off), or None if
+        it cannot be."""
+        return None
+
+    def describe(self) -> dict:
+        """The kind's own fields for ``plan --json``."""
+        return {}
+
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KVCacheSpec):
     """K and V of ``num_kv_heads`` heads per token; ``dtype_bytes`` per element."""
+
+    has_kv_heads: ClassVar[bool] = True
 
     num_kv_heads: int = 1
     head_size: int = 128
@@ -81,6 +153,26 @@ class AttentionSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
 
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.real_page_size_bytes / self.block_size
+
+    @property
+    def attention_width_per_head(self) -> int:
+        return self.head_size + self.head_size_v
+
+    def attended_keys(self, start: int, end: int) -> int:
+        return causal_keys(start, end)
+
+    def kv_tokens_read(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        return num_computed_tokens + num_new_tokens
+
+    def decode_attended_keys(self, context_ends: list[int]) -> int:
+        return sum(context_ends)
+
+    def describe(self) -> dict:
+        return {"num_kv_heads": self.num_kv_heads, "head_size": self.head_size, "head_size_v": self.head_size_v}
+
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(AttentionSpec):
@@ -92,8 +184,48 @@ class FullAttentionSpec(AttentionSpec):
     """
 
     kind: ClassVar[str] = "full_attention"
+    pattern_letter: ClassVar[str] = "F"
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+
+    # Compute still honours a promoted layer's window or chunk; only memory is paid in full.
+    def attended_keys(self, start: int, end: int) -> int:
+        if self.sliding_window is not None:
+            return window_keys(self.sliding_window, start, end)
+        if self.attention_chunk_size is not None:
+            return chunk_keys(self.attention_chunk_size, start, end)
+        return causal_keys(start, end)
+
+    def kv_tokens_read(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        if self.sliding_window is not None:
+            return window_tokens_read(self.sliding_window, num_computed_tokens, num_new_tokens)
+        if self.attention_chunk_size is not None:
+            return chunk_tokens_read(self.attention_chunk_size, num_computed_tokens, num_new_tokens)
+        return num_computed_tokens + num_new_tokens
+
+    def decode_attended_keys(self, context_ends: list[int]) -> int:
+        if self.sliding_window is not None:
+            return window_decode_keys(self.sliding_window, context_ends)
+        if self.attention_chunk_size is not None:
+            return chunk_decode_keys(self.attention_chunk_size, context_ends)
+        return sum(context_ends)
+
+    def slot_type(self) -> tuple | None:
+        return ("full", self.block_size)
+
+    def merge_key(self) -> KVCacheSpec:
+        # Layers that differ only in the window metadata of hybrid-off promotion still merge.
+        if self.sliding_window is None and self.attention_chunk_size is None:
+            return self
+        return dataclasses.replace(self, sliding_window=None, attention_chunk_size=None)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.sliding_window is not None:
+            out["compute_only_sliding_window"] = self.sliding_window
+        if self.attention_chunk_size is not None:
+            out["compute_only_attention_chunk_size"] = self.attention_chunk_size
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,10 +233,17 @@ class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention: one compressed latent per token, no separate V."""
 
     kind: ClassVar[str] = "mla"
+    pattern_letter: ClassVar[str] = "A"
+    has_kv_heads: ClassVar[bool] = False  # one latent shared by every head
 
+    # ``head_size`` is the latent plus its rope part; ``head_size_v`` is the latent the
+    # absorbed PV product reads (kv_lora_rank), which the page does not store twice.
     @property
     def real_page_size_bytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    def describe(self) -> dict:
+        return {"num_kv_heads": self.num_kv_heads, "head_size": self.head_size}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +251,8 @@ class SlidingWindowSpec(AttentionSpec):
     """The next token attends the last ``sliding_window`` tokens, itself included."""
 
     kind: ClassVar[str] = "sliding_window"
+    pattern_letter: ClassVar[str] = "S"
+    caps_admission: ClassVar[bool] = True
     sliding_window: int
 
     def __post_init__(self) -> None:
@@ -125,12 +266,32 @@ class SlidingWindowSpec(AttentionSpec):
         num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size) + 1
 
+    def attended_keys(self, start: int, end: int) -> int:
+        return window_keys(self.sliding_window, start, end)
+
+    def kv_tokens_read(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        return window_tokens_read(self.sliding_window, num_computed_tokens, num_new_tokens)
+
+    def decode_attended_keys(self, context_ends: list[int]) -> int:
+        return window_decode_keys(self.sliding_window, context_ends)
+
+    def slot_type(self) -> tuple | None:
+        return ("sliding_window", self.sliding_window, self.block_size)
+
+    def as_full_attention(self, block_size: int) -> FullAttentionSpec:
+        return _promoted(self, block_size, sliding_window=self.sliding_window)
+
+    def describe(self) -> dict:
+        return {"sliding_window": self.sliding_window, **super().describe()}
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
     """Attention within fixed chunks of ``attention_chunk_size`` tokens (Llama 4 local layers)."""
 
     kind: ClassVar[str] = "chunked_local"
+    pattern_letter: ClassVar[str] = "C"
+    caps_admission: ClassVar[bool] = True
     attention_chunk_size: int
 
     def __post_init__(self) -> None:
@@ -141,6 +302,24 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         num_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size)
+
+    def attended_keys(self, start: int, end: int) -> int:
+        return chunk_keys(self.attention_chunk_size, start, end)
+
+    def kv_tokens_read(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        return chunk_tokens_read(self.attention_chunk_size, num_computed_tokens, num_new_tokens)
+
+    def decode_attended_keys(self, context_ends: list[int]) -> int:
+        return chunk_decode_keys(self.attention_chunk_size, context_ends)
+
+    def slot_type(self) -> tuple | None:
+        return ("chunked_local", self.attention_chunk_size, self.block_size)
+
+    def as_full_attention(self, block_size: int) -> FullAttentionSpec:
+        return _promoted(self, block_size, attention_chunk_size=self.attention_chunk_size)
+
+    def describe(self) -> dict:
+        return {"attention_chunk_size": self.attention_chunk_size, **super().describe()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +332,7 @@ class MambaSpec(KVCacheSpec):
     """
 
     kind: ClassVar[str] = "mamba"
+    pattern_letter: ClassVar[str] = "M"
     shapes: tuple[tuple[int, ...], ...] = ()
     dtype_bytes: tuple[int, ...] = ()
     mamba_cache_mode: MambaCacheMode = "none"
@@ -185,11 +365,71 @@ class MambaSpec(KVCacheSpec):
             return 2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks
         return 1 + self.num_speculative_blocks
 
+    @property
+    def state_bytes(self) -> int:
+        return self.real_page_size_bytes
 
-SPEC_KINDS: dict[str, type[KVCacheSpec]] = {
-    cls.kind: cls
-    for cls in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
-}
+    def describe(self) -> dict:
+        return {"state_shapes": [list(shape) for shape in self.shapes], "state_dtype_bytes": list(self.dtype_bytes),
+                "mamba_cache_mode": self.mamba_cache_mode}
+
+
+def _promoted(spec: AttentionSpec, block_size: int, **window) -> FullAttentionSpec:
+    """A local-attention layer as full attention at ``block_size``, its window kept as metadata."""
+    padded = None
+    if spec.page_size_padded is not None:
+        padded = max(spec.page_size_padded, spec.real_page_size_bytes * block_size // spec.block_size)
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                             head_size_v=spec.head_size_v, dtype_bytes=spec.dtype_bytes, page_size_padded=padded,
+                             **window)
+
+
+SPEC_CLASSES: tuple[type[KVCacheSpec], ...] = (
+    FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
+SPEC_KINDS: dict[str, type[KVCacheSpec]] = {cls.kind: cls for cls in SPEC_CLASSES}
+
+
+# -- closed forms of what causal queries attend --------------------------------------
+# Sums over query positions p in [start, end) of the keys a query at p sees.
+
+
+def causal_keys(start: int, end: int) -> int:
+    if end <= start:
+        return 0
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+def window_keys(window: int, start: int, end: int) -> int:
+    """min(p + 1, W) summed: a triangle up to W, then W per query."""
+    def prefix(n: int) -> int:
+        if n <= window:
+            return n * (n + 1) // 2
+        return window * (window + 1) // 2 + (n - window) * window
+    return prefix(end) - prefix(start) if end > start else 0
+
+
+def chunk_keys(chunk: int, start: int, end: int) -> int:
+    """(p mod C) + 1 summed: a triangle per chunk."""
+    def prefix(n: int) -> int:
+        full, rest = divmod(n, chunk)
+        return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+    return prefix(end) - prefix(start) if end > start else 0
+
+
+def window_tokens_read(window: int, num_computed_tokens: int, num_new_tokens: int) -> int:
+    return min(num_computed_tokens + num_new_tokens, window + num_new_tokens - 1)
+
+
+def chunk_tokens_read(chunk: int, num_computed_tokens: int, num_new_tokens: int) -> int:
+    return num_computed_tokens + num_new_tokens - (num_computed_tokens // chunk) * chunk
+
+
+def window_decode_keys(window: int, context_ends: list[int]) -> int:
+    return sum(e if e < window else window for e in context_ends)
+
+
+def chunk_decode_keys(chunk: int, context_ends: list[int]) -> int:
+    return sum((e - 1) % chunk + 1 for e in context_ends)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             long_prefill_token_threshold=_typed(data, "long_prefill_token_threshold", int, 0, source=source),
             adaptive_long_prefill_threshold=_typed(data, "adaptive_long_prefill_threshold", bool, False,
                                                    source=source),
-            policy=_typed(data, "scheduling_policy", str, "fcfs", source=source),
+            scheduling_policy=_typed(data, "scheduling_policy", str, "fcfs", source=source),
             watermark=_typed(data, "watermark", float, 0.0, source=source),
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),

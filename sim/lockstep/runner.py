@@ -19,18 +19,20 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.lockstep.golden import GoldenCase
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request
-from kvtwin.sim.core.scheduler import SchedulerOutput
+from kvtwin.sim.core.scheduler_output import SchedulerOutput
 
 
 class ScriptedModel:
-    """Samples each request's predetermined output tokens, one per completed step."""
+    """A model executor that samples each request's predetermined output tokens, one per
+    completed step."""
 
     def __init__(self, outputs: dict[str, tuple[int, ...]]):
         self.outputs = outputs
 
-    def execute(self, output: SchedulerOutput, ready_to_sample: list[Request]) -> Execution:
+    def execute(self, output: SchedulerOutput) -> Execution:
+        outputs = self.outputs
         # One step is one tick of the step clock.
-        return Execution({r.request_id: [self.outputs[r.request_id][r.num_output_tokens]] for r in ready_to_sample},
+        return Execution({rid: [outputs[rid][index]] for rid, index in output.num_output_tokens.items()},
                          duration_s=1.0)
 
 
@@ -84,13 +86,14 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
             request = Request(spec.request_id, TokenPrompt(spec.prompt_token_ids), len(spec.output_token_ids),
                               arrival_time=float(next_arrival), priority=spec.priority)
             if not engine.add_request(request):
-                _, reason = engine.rejected[-1]
-                raise ConfigError("requests.jsonl", f"requests the engine accepts ({reason})", spec.request_id)
+                rejection = engine.rejected[-1]
+                raise ConfigError("requests.jsonl", f"requests the engine accepts ({rejection.code}: "
+                                  f"{rejection.detail})", spec.request_id)
             next_arrival += 1
         result = engine.step(model)
         out = result.output
-        for admission in out.admitted:
-            record = records[admission.request_id]
+        for admission in out.scheduled_new_reqs:
+            record = records[admission.req_id]
             record.admissions.append({"step": step, "hit_tokens": admission.hit_tokens})
             if record.first_scheduled_step is None:
                 record.first_scheduled_step = step

@@ -74,19 +74,9 @@ class Grouping:
         return sum(g.num_padding_layers for g in self.groups)
 
 
-def _unpadded_page_bytes(spec: KVCacheSpec) -> int:
-    return getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
-
-
-def _merge_key(spec: KVCacheSpec) -> KVCacheSpec:
-    """Specs with equal keys can share a group. Full attention layers that differ only in
-    the window metadata of hybrid-off promotion still merge."""
-    if isinstance(spec, FullAttentionSpec):
-        return dataclasses.replace(spec, sliding_window=None, attention_chunk_size=None)
-    return spec
-
-
 def _merged_spec(specs: list[KVCacheSpec]) -> KVCacheSpec:
+    """One spec for a group: promoted full-attention layers keep a window or chunk as
+    metadata only when all of them agree on it."""
     first = specs[0]
     if not isinstance(first, FullAttentionSpec):
         return first
@@ -96,23 +86,12 @@ def _merged_spec(specs: list[KVCacheSpec]) -> KVCacheSpec:
                                attention_chunk_size=chunks.pop() if len(chunks) == 1 else None)
 
 
-def _slot_type(spec: KVCacheSpec) -> tuple | None:
-    """What decides how many token slots a layer needs; None for recurrent states."""
-    if isinstance(spec, FullAttentionSpec):  # MLA included
-        return ("full", spec.block_size)
-    if isinstance(spec, SlidingWindowSpec):
-        return ("sliding_window", spec.sliding_window, spec.block_size)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return ("chunked_local", spec.attention_chunk_size, spec.block_size)
-    return None
-
-
 def is_uniform(specs: dict[str, KVCacheSpec]) -> bool:
-    return len({_merge_key(s) for s in specs.values()}) <= 1
+    return len({s.merge_key() for s in specs.values()}) <= 1
 
 
 def is_uniform_type(specs: dict[str, KVCacheSpec]) -> bool:
-    types = {_slot_type(s) for s in specs.values()}
+    types = {s.slot_type() for s in specs.values()}
     return len(types) == 1 and None not in types
 
 
@@ -120,7 +99,7 @@ def _group(names: list[str], specs: dict[str, KVCacheSpec], num_padding_layers: 
     layer_specs = [specs[n] for n in names]
     return PlannedGroup(layer_names=tuple(names), spec=_merged_spec(layer_specs),
                         layer_page_bytes=tuple(s.page_size_bytes for s in layer_specs),
-                        layer_unpadded_page_bytes=tuple(_unpadded_page_bytes(s) for s in layer_specs),
+                        layer_unpadded_page_bytes=tuple(s.real_page_size_bytes for s in layer_specs),
                         num_padding_layers=num_padding_layers)
 
 
@@ -133,28 +112,14 @@ def promote_local_specs(specs: dict[str, KVCacheSpec]) -> tuple[dict[str, KVCach
     if is_uniform(specs) or is_uniform_type(specs):
         return dict(specs), 0
     has_full = any(isinstance(s, FullAttentionSpec) for s in specs.values())
-    has_local = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs.values())
-    if not (has_full and has_local):
+    promotable = {name: spec for name, spec in specs.items() if spec.as_full_attention(spec.block_size) is not None}
+    if not (has_full and promotable):
         return dict(specs), 0
     full_sizes = {s.block_size for s in specs.values() if isinstance(s, FullAttentionSpec)}
     full_block_size = next(iter(full_sizes)) if len(full_sizes) == 1 else None
-    promoted: dict[str, KVCacheSpec] = {}
-    count = 0
-    for name, spec in specs.items():
-        if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-            block_size = full_block_size or spec.block_size
-            padded = None
-            if spec.page_size_padded is not None:
-                padded = max(spec.page_size_padded, spec.real_page_size_bytes * block_size // spec.block_size)
-            promoted[name] = FullAttentionSpec(
-                block_size=block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                head_size_v=spec.head_size_v, dtype_bytes=spec.dtype_bytes, page_size_padded=padded,
-                sliding_window=getattr(spec, "sliding_window", None),
-                attention_chunk_size=getattr(spec, "attention_chunk_size", None))
-            count += 1
-        else:
-            promoted[name] = spec
-    return promoted, count
+    promoted = {name: (spec.as_full_attention(full_block_size or spec.block_size) if name in promotable else spec)
+                for name, spec in specs.items()}
+    return promoted, len(promotable)
 
 
 def choose_group_size(bucket_sizes: list[int]) -> int:
@@ -167,7 +132,7 @@ def choose_group_size(bucket_sizes: list[int]) -> int:
 def _group_by_page_size(specs: dict[str, KVCacheSpec]) -> tuple[list[PlannedGroup], int, list[tuple[int, float]]]:
     buckets: dict[KVCacheSpec, list[str]] = {}
     for name, spec in specs.items():
-        buckets.setdefault(_merge_key(spec), []).append(name)
+        buckets.setdefault(spec.merge_key(), []).append(name)
     layer_buckets = list(buckets.values())
     group_size = choose_group_size([len(b) for b in layer_buckets])
     groups: list[PlannedGroup] = []

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from kvtwin.sim.planner.hardware import GPUSpec
-from kvtwin.sim.planner.models import ModelPreset
+from kvtwin.sim.planner.models import KV_HEAD_KINDS, ModelPreset
 
 MIB = 1 << 20
 ACTIVATION_BYTES = 2  # bf16 activations
@@ -67,7 +67,7 @@ def activation_bytes_per_token(model: ModelPreset, *, tp: int) -> int:
     """
     kinds = set(model.layer_kinds)
     mixer = 0
-    if kinds & {"full_attention", "sliding_window", "chunked_local"}:
+    if kinds & KV_HEAD_KINDS:
         q = model.num_attention_heads * model.head_dim
         kv = 2 * model.num_kv_heads * model.head_dim
         mixer = max(mixer, (q + kv + model.num_attention_heads * model.head_dim_v) // tp)

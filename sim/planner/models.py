@@ -22,16 +22,12 @@ from importlib import resources
 from typing import Any, ClassVar
 
 from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.spec import SPEC_CLASSES
 
 # Letters of ``layer_pattern`` -> the spec kind a layer gets (None: the layer has no cache).
-LAYER_KINDS: dict[str, str | None] = {
-    "F": "full_attention",
-    "S": "sliding_window",
-    "C": "chunked_local",
-    "A": "mla",
-    "M": "mamba",
-    "-": None,
-}
+LAYER_KINDS: dict[str, str | None] = {cls.pattern_letter: cls.kind for cls in SPEC_CLASSES} | {"-": None}
+# Layer kinds with K/V projections per KV head (softmax attention, MLA excepted).
+KV_HEAD_KINDS: frozenset[str] = frozenset(cls.kind for cls in SPEC_CLASSES if cls.has_kv_heads)
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "fp32": 4,
@@ -347,33 +343,8 @@ class ModelPreset:
 
     def kv_projection_weight_bytes_per_kv_head(self) -> int:
         """Bytes of one KV head's K and V projections over every softmax-attention layer."""
-        layers = sum(1 for k in self.layer_kinds if k in ("full_attention", "sliding_window", "chunked_local"))
+        layers = sum(1 for k in self.layer_kinds if k in KV_HEAD_KINDS)
         return layers * self.hidden_size * (self.head_dim + self.head_dim_v) * dtype_bytes(self.dtype, field="dtype")
-
-    def attention_context_tokens(self, kind: str, context_tokens: int) -> int:
-        """Tokens one layer of ``kind`` attends for a token at position ``context_tokens``."""
-        if kind == "sliding_window":
-            return min(context_tokens, self.sliding_window or context_tokens)
-        if kind == "chunked_local":
-            chunk = self.attention_chunk_size or context_tokens
-            return min(context_tokens, chunk)
-        return context_tokens
-
-    def flops_per_token(self, context_tokens: int = 0) -> float:
-        """Forward FLOPs for one token at position ``context_tokens``: 2 per active
-        parameter for the matmuls, plus QK^T and PV over the attended context (recurrent
-        layers cost no context-dependent FLOPs)."""
-        flops = 2.0 * float(self.params_active)
-        for kind in self.layer_kinds:
-            if kind in ("full_attention", "sliding_window", "chunked_local"):
-                width = self.num_attention_heads * (self.head_dim + self.head_dim_v)
-            elif kind == "mla":
-                # Absorbed MLA decode attends the latent (plus the rope part) per head.
-                width = self.num_attention_heads * (self.mla_head_size + (self.kv_lora_rank or 0))
-            else:
-                continue
-            flops += 2.0 * width * self.attention_context_tokens(kind, context_tokens)
-        return flops
 
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelPreset)}

@@ -2,7 +2,7 @@
 
 Seed 000 (spec -> grouping -> page size) and semantics section 7, as vLLM 0.33 does it:
 
-1. ``EngineConfig.resolve`` fills vLLM's defaults (batching defaults by GPU memory, the
+1. ``EngineConfig.resolve`` (``engine_config.py``) fills vLLM's defaults (batching defaults by GPU memory, the
    hybrid manager default per model, async scheduling on, Mamba "align" mode when prefix
    caching is on) and rejects bad input with one ``ConfigError`` each.
 2. One spec per layer, per GPU (KV heads sharded by TP, or replicated when fewer than the
@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import reduce
 
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.grouping import Grouping, PlannedGroup, group_layers
-from kvtwin.sim.planner.hardware import GIB, GPUSpec
+from kvtwin.sim.planner.engine_config import EngineConfig, ResolvedEngineConfig
+from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import MemoryBudget, estimate_memory, explicit_memory
 from kvtwin.sim.planner.models import DTYPE_BYTES, ModelPreset
 from kvtwin.sim.planner.page_size import HybridBlockSize, hybrid_attention_block_size
@@ -44,169 +46,6 @@ from kvtwin.sim.core.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
-KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
-MAMBA_DTYPES = ("auto", "float32", "bfloat16", "bf16", "float16", "fp16")
-MAMBA_CACHE_MODES = ("none", "align")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive(value: object, name: str, what: str = "a positive integer") -> None:
-    require(_is_int(value) and value > 0, name, what, value)
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """The engine settings that shape the KV cache (vLLM option names). None = vLLM's default."""
-
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    block_size: int | None = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    kv_cache_memory_bytes: int | None = None
-    hybrid_kv_cache: bool | None = None
-    async_scheduling: bool = True
-    enable_prefix_caching: bool = True
-    mamba_cache_mode: str | None = None
-    mamba_cache_dtype: str = "auto"
-    mamba_ssm_cache_dtype: str = "auto"
-    # Overrides of the memory estimate (bytes per GPU), e.g. from a real profiling run.
-    activation_peak_bytes: int | None = None
-    cuda_graph_bytes: int | None = None
-    non_torch_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        _positive(self.tensor_parallel_size, "tensor_parallel_size")
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
-                     "kv_cache_memory_bytes"):
-            value = getattr(self, name)
-            if value is not None:
-                _positive(value, name)
-        util = self.gpu_memory_utilization
-        require(isinstance(util, (int, float)) and not isinstance(util, bool) and 0 < util <= 1,
-                "gpu_memory_utilization", "a fraction in (0, 1]", util)
-        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}",
-                self.kv_cache_dtype)
-        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
-            require(getattr(self, name) in MAMBA_DTYPES, name, f"one of {', '.join(MAMBA_DTYPES)}",
-                    getattr(self, name))
-        if self.mamba_cache_mode is not None:
-            require(self.mamba_cache_mode in MAMBA_CACHE_MODES, "mamba_cache_mode",
-                    f"one of {', '.join(MAMBA_CACHE_MODES)} ('all' is not modelled)", self.mamba_cache_mode)
-        for name in ("hybrid_kv_cache", "async_scheduling", "enable_prefix_caching"):
-            value = getattr(self, name)
-            if value is not None:
-                require(isinstance(value, bool), name, "true or false", value)
-        for name in ("activation_peak_bytes", "cuda_graph_bytes", "non_torch_bytes"):
-            value = getattr(self, name)
-            if value is not None:
-                require(_is_int(value) and value >= 0, name, "a non-negative number of bytes", value)
-
-    def resolve(self, model: ModelPreset, gpu: GPUSpec) -> ResolvedEngine:
-        """vLLM 0.33's defaults filled in, and the settings checked against the model."""
-        tp = self.tensor_parallel_size
-        max_model_len = self.max_model_len or model.max_position_embeddings
-        # `vllm serve` defaults (engine/arg_utils.py): larger batches on >= 70 GiB GPUs, A100 excepted.
-        large = gpu.memory_bytes >= 70 * GIB and "a100" not in f"{gpu.name} {gpu.description}".lower()
-        max_num_batched_tokens = self.max_num_batched_tokens or (8192 if large else 2048)
-        max_num_seqs = self.max_num_seqs or (1024 if large else 256)
-        if max_num_batched_tokens < max_num_seqs:
-            raise ConfigError("max_num_batched_tokens", f"at least max_num_seqs ({max_num_seqs})",
-                              max_num_batched_tokens)
-        has_state = "mamba" in model.layer_kinds
-        mamba_cache_mode = self.mamba_cache_mode or ("align" if self.enable_prefix_caching and has_state else "none")
-        if mamba_cache_mode == "align" and not self.enable_prefix_caching:
-            raise ConfigError("mamba_cache_mode", "'none' when prefix caching is off", "align")
-        hybrid = model.default_hybrid_kv_cache if self.hybrid_kv_cache is None else self.hybrid_kv_cache
-        _check_model_fits_settings(model, tp=tp, max_model_len=max_model_len)
-        return ResolvedEngine(
-            tensor_parallel_size=tp, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, user_block_size=self.block_size or DEFAULT_BLOCK_SIZE,
-            kv_cache_dtype=self.kv_cache_dtype,
-            kv_cache_dtype_bytes=DTYPE_BYTES[model.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype],
-            gpu_memory_utilization=float(self.gpu_memory_utilization),
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes, hybrid_kv_cache=hybrid,
-            hybrid_kv_cache_is_default=hybrid == model.default_hybrid_kv_cache,
-            async_scheduling=self.async_scheduling, enable_prefix_caching=self.enable_prefix_caching,
-            mamba_cache_mode=mamba_cache_mode, **_mamba_dtypes(model, self),
-            activation_peak_bytes=self.activation_peak_bytes, cuda_graph_bytes=self.cuda_graph_bytes,
-            non_torch_bytes=self.non_torch_bytes)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResolvedEngine:
-    tensor_parallel_size: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    user_block_size: int
-    kv_cache_dtype: str
-    kv_cache_dtype_bytes: int
-    gpu_memory_utilization: float
-    kv_cache_memory_bytes: int | None
-    hybrid_kv_cache: bool
-    hybrid_kv_cache_is_default: bool
-    async_scheduling: bool
-    enable_prefix_caching: bool
-    mamba_cache_mode: str
-    mamba_conv_dtype: str
-    mamba_ssm_dtype: str
-    activation_peak_bytes: int | None
-    cuda_graph_bytes: int | None
-    non_torch_bytes: int | None
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        # Async scheduling keeps two batches in flight (AsyncScheduler).
-        return 2 if self.async_scheduling else 1
-
-    @property
-    def max_in_flight_tokens(self) -> int:
-        """What the sliding-window / chunked-local admission caps add to the window."""
-        return self.max_concurrent_batches * self.max_num_batched_tokens
-
-    @property
-    def decode_in_flight_tokens(self) -> int:
-        """Tokens one request has in flight once its prefill is done (one per batch)."""
-        return self.max_concurrent_batches
-
-
-def _mamba_dtypes(model: ModelPreset, engine: EngineConfig) -> dict[str, str]:
-    conv = model.dtype if engine.mamba_cache_dtype == "auto" else engine.mamba_cache_dtype
-    ssm = engine.mamba_ssm_cache_dtype
-    if ssm == "auto":
-        ssm = model.mamba_ssm_cache_dtype if model.mamba_ssm_cache_dtype != "auto" else conv
-    return {"mamba_conv_dtype": conv, "mamba_ssm_dtype": ssm}
-
-
-def _check_model_fits_settings(model: ModelPreset, *, tp: int, max_model_len: int) -> None:
-    kinds = set(model.layer_kinds)
-    if model.num_attention_heads % tp:
-        raise ConfigError("tensor_parallel_size",
-                          f"a divisor of {model.name}'s {model.num_attention_heads} attention heads", tp)
-    if kinds & {"full_attention", "sliding_window", "chunked_local"}:
-        kv = model.num_kv_heads
-        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-            raise ConfigError("tensor_parallel_size",
-                              f"a divisor or a multiple of {model.name}'s {kv} KV heads", tp)
-    if model.state is not None:
-        model.state.state_shapes(hidden_size=model.hidden_size, tp=tp)  # raises on a bad split
-    if "sliding_window" in kinds and model.sliding_window > max_model_len:
-        raise ConfigError("max_model_len", f"at least {model.name}'s sliding window ({model.sliding_window} tokens)",
-                          max_model_len)
-    if "chunked_local" in kinds and model.attention_chunk_size > max_model_len:
-        raise ConfigError("max_model_len",
-                          f"at least {model.name}'s attention chunk ({model.attention_chunk_size} tokens)",
-                          max_model_len)
-
 
 # --------------------------------------------------------------------------------------
 # Per-layer specs
@@ -227,7 +66,44 @@ def _layer_name(index: int) -> str:
     return f"layers.{index}"
 
 
-def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngine) -> LayerSpecs:
+@dataclass(frozen=True)
+class LayerShape:
+    """What a layer's spec is built from, as one GPU of the TP group holds it."""
+
+    model: ModelPreset
+    block_size: int
+    num_kv_heads: int
+    kv_dtype_bytes: int
+    state_shapes: tuple[tuple[int, ...], ...]
+    state_dtype_bytes: tuple[int, ...]
+    mamba_cache_mode: str
+    mamba_page_padded_bytes: int | None
+
+    def attention(self) -> dict:
+        m = self.model
+        return dict(block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=m.head_dim,
+                    head_size_v=m.head_dim_v, dtype_bytes=self.kv_dtype_bytes)
+
+
+# A model's layer kind -> its spec (the spec kinds of ``sim/core/spec.py``).
+LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
+    FullAttentionSpec.kind: lambda x: FullAttentionSpec(**x.attention()),
+    SlidingWindowSpec.kind: lambda x: SlidingWindowSpec(**x.attention(), sliding_window=x.model.sliding_window),
+    ChunkedLocalAttentionSpec.kind: lambda x: ChunkedLocalAttentionSpec(
+        **x.attention(), attention_chunk_size=x.model.attention_chunk_size),
+    # One latent (plus its rope part) per token; absorbed attention multiplies by the latent again.
+    MLAAttentionSpec.kind: lambda x: MLAAttentionSpec(
+        block_size=x.block_size, num_kv_heads=1, head_size=x.model.mla_head_size,
+        head_size_v=x.model.kv_lora_rank or x.model.mla_head_size, dtype_bytes=x.kv_dtype_bytes),
+    # The state block size only matters for prefix-caching granularity; it follows the
+    # attention block size (vLLM's mamba_block_size in "align" mode).
+    MambaSpec.kind: lambda x: MambaSpec(block_size=x.block_size, shapes=x.state_shapes,
+                                        dtype_bytes=x.state_dtype_bytes, mamba_cache_mode=x.mamba_cache_mode,
+                                        page_size_padded=x.mamba_page_padded_bytes),
+}
+
+
+def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig) -> LayerSpecs:
     """One spec per cached layer, as one GPU of the TP group sees it."""
     tp = eng.tensor_parallel_size
     kv_bytes = eng.kv_cache_dtype_bytes
@@ -240,6 +116,11 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngine) -> 
         head_size = model.head_dim
 
     kernel_alignment = gpu.attention_kernel_block_alignment_tokens(head_size=head_size, use_mla=model.uses_mla)
+    if eng.user_specified_block_size and eng.user_block_size % kernel_alignment:
+        # vLLM refuses a block size its attention kernel cannot tile ("No common block size").
+        raise ConfigError("block_size", f"a multiple of {kernel_alignment} tokens, the attention kernel's block on "
+                          f"{gpu.name} (e.g. {', '.join(str(kernel_alignment * k) for k in (1, 2, 4))})",
+                          eng.user_block_size)
     block_size = cdiv(eng.user_block_size, kernel_alignment) * kernel_alignment
     hybrid_block = None
     state_shapes: tuple[tuple[int, ...], ...] = ()
@@ -249,8 +130,7 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngine) -> 
         role_bytes = {"conv": DTYPE_BYTES[eng.mamba_conv_dtype], "ssm": DTYPE_BYTES[eng.mamba_ssm_dtype]}
         state_dtype_bytes = tuple(role_bytes[r] for r in model.state.state_roles())
         mamba_page = sum(math.prod(s) * b for s, b in zip(state_shapes, state_dtype_bytes))
-        has_attention = any(k in ("full_attention", "sliding_window", "chunked_local", "mla")
-                            for k in model.layer_kinds)
+        has_attention = any(k not in (None, MambaSpec.kind) for k in model.layer_kinds)
         if has_attention:
             checkpoint = None
             if model.state.kind == "gated_deltanet" and eng.mamba_cache_mode == "align":
@@ -261,28 +141,16 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngine) -> 
                 checkpoint_alignment_tokens=checkpoint)
             block_size = hybrid_block.block_size
 
-    attention = dict(block_size=block_size, num_kv_heads=kv_heads, head_size=model.head_dim,
-                     head_size_v=model.head_dim_v, dtype_bytes=kv_bytes)
+    layer = LayerShape(model=model, block_size=block_size, num_kv_heads=kv_heads, kv_dtype_bytes=kv_bytes,
+                       state_shapes=state_shapes, state_dtype_bytes=state_dtype_bytes,
+                       mamba_cache_mode=eng.mamba_cache_mode,
+                       mamba_page_padded_bytes=hybrid_block.mamba_page_padded_bytes if hybrid_block else None)
     specs: dict[str, KVCacheSpec] = {}
     index: dict[str, int] = {}
     for i, kind in enumerate(model.layer_kinds):
         if kind is None:
             continue
-        if kind == "full_attention":
-            spec: KVCacheSpec = FullAttentionSpec(**attention)
-        elif kind == "sliding_window":
-            spec = SlidingWindowSpec(**attention, sliding_window=model.sliding_window)
-        elif kind == "chunked_local":
-            spec = ChunkedLocalAttentionSpec(**attention, attention_chunk_size=model.attention_chunk_size)
-        elif kind == "mla":
-            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=model.mla_head_size,
-                                    dtype_bytes=kv_bytes)
-        else:
-            # The state block size only matters for prefix-caching granularity; it follows
-            # the attention block size (vLLM's mamba_block_size in "align" mode).
-            spec = MambaSpec(block_size=block_size, shapes=state_shapes, dtype_bytes=state_dtype_bytes,
-                             mamba_cache_mode=eng.mamba_cache_mode,
-                             page_size_padded=hybrid_block.mamba_page_padded_bytes if hybrid_block else None)
+        spec = LAYER_SPEC_BUILDERS[kind](layer)
         name = _layer_name(i)
         specs[name] = spec
         index[name] = i
@@ -298,7 +166,7 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngine) -> 
 class Plan:
     model: ModelPreset
     gpu: GPUSpec
-    engine: ResolvedEngine
+    engine: ResolvedEngineConfig
     layers: LayerSpecs
     grouping: Grouping
     memory: MemoryBudget
@@ -348,6 +216,17 @@ class Plan:
         hash_block_size = reduce(math.gcd, (g.spec.block_size for g in self.groups))
         return KVCacheConfig(num_blocks=self.num_blocks, groups=groups, hash_block_size=hash_block_size)
 
+    def require_fits(self) -> KVCacheConfig:
+        """The layout to run, or a ``ConfigError`` saying what would fit (vLLM refuses to start)."""
+        config = self.kv_cache_config
+        if config is None:
+            hints = "; ".join(f"{s['change']} = {s['value']}" for s in self.suggestions)
+            raise ConfigError("model", f"a layout that fits: {self.model.name} on {self.gpu.name} needs "
+                              f"{self.shortfall_bytes:,} more bytes of KV cache for one request of "
+                              f"{self.engine.max_model_len:,} tokens"
+                              + (f" (would fit: {hints})" if hints else " (see kvtwin plan)"))
+        return config
+
     def group_blocks_per_request(self, group: PlannedGroup, *, steady: bool = False) -> int:
         in_flight = self.engine.decode_in_flight_tokens if steady else self.engine.max_in_flight_tokens
         return group.blocks_per_request(max_in_flight_tokens=in_flight, max_model_len=self.engine.max_model_len)
@@ -388,7 +267,7 @@ class Plan:
             "num_padding_layers": g.num_padding_layers,
             "block_size": spec.block_size,
             "page_bytes": spec.page_size_bytes,
-            "unpadded_page_bytes": getattr(spec, "real_page_size_bytes", spec.page_size_bytes),
+            "unpadded_page_bytes": spec.real_page_size_bytes,
             "layer_indices": [self.layers.layer_index[n] for n in g.layer_names],
             "bytes_per_block": g.bytes_per_block,
             "blocks_per_request": self.group_blocks_per_request(g),
@@ -397,24 +276,7 @@ class Plan:
         }
         if len(pages) > 1:
             out["layer_page_bytes"] = list(g.layer_page_bytes)
-        if isinstance(spec, SlidingWindowSpec):
-            out["sliding_window"] = spec.sliding_window
-        if isinstance(spec, ChunkedLocalAttentionSpec):
-            out["attention_chunk_size"] = spec.attention_chunk_size
-        if isinstance(spec, FullAttentionSpec):
-            if spec.sliding_window is not None:
-                out["compute_only_sliding_window"] = spec.sliding_window
-            if spec.attention_chunk_size is not None:
-                out["compute_only_attention_chunk_size"] = spec.attention_chunk_size
-        if isinstance(spec, MambaSpec):
-            out["state_shapes"] = [list(s) for s in spec.shapes]
-            out["state_dtype_bytes"] = list(spec.dtype_bytes)
-            out["mamba_cache_mode"] = spec.mamba_cache_mode
-        else:
-            out["num_kv_heads"] = spec.num_kv_heads
-            out["head_size"] = spec.head_size
-            if not isinstance(spec, MLAAttentionSpec):
-                out["head_size_v"] = spec.head_size_v
+        out.update(spec.describe())
         return out
 
     def to_json(self) -> dict:
@@ -571,24 +433,38 @@ def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed:
     return out
 
 
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+@dataclass(frozen=True)
+class HybridComparison:
+    """One layout with vLLM's hybrid KV cache manager on and one with it off (every layer
+    as full attention), or why off is not possible for this model."""
+
+    on: Plan
+    off: Plan | None
+    off_error: str | None = None
+
+    @property
+    def kv_bytes_per_request_saving(self) -> float | None:
+        """The share of a max_model_len request's KV bytes the hybrid manager saves."""
+        if self.off is None:
+            return None
+        off_bytes = self.off.blocks_per_request * self.off.bytes_per_block
+        on_bytes = self.on.blocks_per_request * self.on.bytes_per_block
+        return 1 - on_bytes / off_bytes if off_bytes else None
+
+    def to_json(self) -> dict:
+        out: dict = {"model": self.on.model.name, "hybrid_on": self.on.to_json()}
+        if self.off is None:
+            out["hybrid_off"] = {"error": self.off_error}
+            return out
+        out["hybrid_off"] = self.off.to_json()
+        out["kv_bytes_per_request_saving"] = self.kv_bytes_per_request_saving
+        return out
 
 
-def engine_fields_from_mapping(entry: object, *, where: str = "engine") -> dict:
-    """The ``[engine]`` table of a scenario, checked for unknown keys (a typo must not
-    silently fall back to a default). Values are validated when ``EngineConfig`` is built."""
-    if not isinstance(entry, dict):
-        raise ConfigError(where, "a table of engine settings", entry)
-    unknown = sorted(set(entry) - _ENGINE_FIELDS)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"an engine setting ({', '.join(sorted(_ENGINE_FIELDS))})",
-                          entry[unknown[0]])
-    return dict(entry)
-
-
-def engine_config(fields: dict, *, where: str = "engine") -> EngineConfig:
-    """``EngineConfig(**fields)`` with errors naming the scenario table."""
+def compare_hybrid(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig) -> HybridComparison:
+    on = plan(model, gpu, dataclasses.replace(engine, hybrid_kv_cache=True))
     try:
-        return EngineConfig(**fields)
+        off = plan(model, gpu, dataclasses.replace(engine, hybrid_kv_cache=False))
     except ConfigError as err:
-        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None
+        return HybridComparison(on, None, err.expected)
+    return HybridComparison(on, off)

@@ -22,6 +22,7 @@ measurements) overrides them.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from kvtwin.sim.core.errors import ConfigError, require
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
-from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from kvtwin.sim.core.spec import KVCacheSpec
 
 _MXFP4_BYTES_PER_PARAM = 4.25 / 8
 
@@ -92,14 +93,14 @@ def load_calibration(path: Path, base: Efficiency = Efficiency()) -> Efficiency:
 
 @dataclass(frozen=True)
 class LayerClass:
-    """Layers of one kind and shape, as one GPU of the TP group holds them."""
+    """Layers with one spec, as one GPU of the TP group holds them. What a step reads in
+    them (keys attended, KV tokens read, a recurrent state) is the spec's to say."""
 
-    kind: str
+    spec: KVCacheSpec
     num_layers: int
-    kv_bytes_per_token: float = 0.0  # per layer
-    window_tokens: int = 0  # sliding window / attention chunk
-    state_bytes: int = 0  # per layer per request (recurrent)
     attention_width: int = 0  # q heads per GPU x (d_k + d_v): FLOPs per attended key / 2
+    kv_bytes_per_token: float = 0.0  # per layer
+    state_bytes: int = 0  # per layer per request (recurrent)
 
 
 @dataclass(frozen=True)
@@ -112,25 +113,6 @@ class StepCost:
     flops: float
     weight_bytes: float
     kv_bytes: float
-
-
-def attended_keys(kind: str, window: int, start: int, end: int) -> int:
-    """Sum over query positions p in [start, end) of the keys a causal query at p sees."""
-    if end <= start:
-        return 0
-    if kind == "sliding_window":
-        # min(p + 1, W): a triangle up to W, then W per query.
-        def prefix(n: int) -> int:  # sum of min(p + 1, W) for p < n
-            if n <= window:
-                return n * (n + 1) // 2
-            return window * (window + 1) // 2 + (n - window) * window
-        return prefix(end) - prefix(start)
-    if kind == "chunked_local":
-        def prefix(n: int) -> int:  # sum of (p mod C) + 1 for p < n
-            full, rest = divmod(n, window)
-            return full * window * (window + 1) // 2 + rest * (rest + 1) // 2
-        return prefix(end) - prefix(start)
-    return (end * (end + 1) - start * (start + 1)) // 2
 
 
 class CostModel:
@@ -158,28 +140,13 @@ class CostModel:
     @staticmethod
     def _layer_classes(model: ModelPreset, specs: dict[str, KVCacheSpec], tp: int) -> tuple[LayerClass, ...]:
         q_heads = max(1, model.num_attention_heads // tp)
-        classes: dict[tuple, list] = {}
+        counts: dict[KVCacheSpec, int] = {}
         for spec in specs.values():
-            if isinstance(spec, MambaSpec):
-                key = ("mamba", 0, spec.real_page_size_bytes, 0, 0.0)
-            else:
-                per_token = spec.real_page_size_bytes / spec.block_size
-                if isinstance(spec, MLAAttentionSpec):
-                    kind, window = "mla", 0
-                    width = q_heads * (model.mla_head_size + (model.kv_lora_rank or 0))
-                elif isinstance(spec, SlidingWindowSpec):
-                    kind, window = "sliding_window", spec.sliding_window
-                    width = q_heads * (model.head_dim + model.head_dim_v)
-                elif isinstance(spec, ChunkedLocalAttentionSpec):
-                    kind, window = "chunked_local", spec.attention_chunk_size
-                    width = q_heads * (model.head_dim + model.head_dim_v)
-                else:
-                    kind, window = "full_attention", 0
-                    width = q_heads * (model.head_dim + model.head_dim_v)
-                key = (kind, window, 0, width, per_token)
-            classes.setdefault(key, []).append(spec)
-        return tuple(LayerClass(kind=k[0], num_layers=len(v), window_tokens=k[1], state_bytes=k[2],
-                                attention_width=k[3], kv_bytes_per_token=k[4]) for k, v in classes.items())
+            # Padding a page to a unified size changes no byte a step reads.
+            key = dataclasses.replace(spec, page_size_padded=None) if hasattr(spec, "page_size_padded") else spec
+            counts[key] = counts.get(key, 0) + 1
+        return tuple(LayerClass(spec, n, q_heads * spec.attention_width_per_head, spec.kv_bytes_per_token,
+                                spec.state_bytes) for spec, n in counts.items())
 
     @staticmethod
     def _experts(model: ModelPreset, tp: int) -> tuple[float, int]:
@@ -201,52 +168,30 @@ class CostModel:
         touched = experts * (1.0 - (1.0 - top_k / experts) ** num_tokens)
         return self.weight_bytes - all_experts + touched * self.expert_bytes * self.moe_layers
 
-    def step_cost(self, items: list[tuple[int, int]]) -> StepCost:
-        """``items``: (new tokens, tokens computed before this step) per scheduled request."""
-        decode_ends = [before + 1 for new, before in items if new == 1]
-        return self.split_step_cost(decode_ends, [item for item in items if item[0] != 1])
-
     def split_step_cost(self, decode_ends: list[int], prefill_items: list[tuple[int, int]]) -> StepCost:
-        """The same, with decodes (one new token; given by the context length after the
-        step) apart from prefill chunks ((new tokens, computed before)): decodes are most
-        requests of most steps, and their terms are sums over contexts."""
+        """Seconds of one step: decodes (one new token each) given by the context length
+        after the step, prefill chunks as (new tokens, tokens computed before). Decodes are
+        most requests of most steps, so their terms are sums over contexts."""
         num_tokens = len(decode_ends)
         kv_bytes = 0.0
         attention_flops = 0.0
+        layer_classes = self.layer_classes
         for new, before in prefill_items:
             num_tokens += new
             end = before + new
-            for lc in self.layer_classes:
-                kind = lc.kind
-                if kind == "mamba":
-                    kv_bytes += 2 * lc.state_bytes * lc.num_layers
-                    continue
-                window = lc.window_tokens
-                if kind == "sliding_window":
-                    read = min(end, window + new - 1)
-                elif kind == "chunked_local":
-                    read = end - (before // window) * window
-                else:
-                    read = end
-                kv_bytes += (read + new) * lc.kv_bytes_per_token * lc.num_layers
-                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended_keys(kind, window, before, end)
+            for lc in layer_classes:
+                spec = lc.spec
+                # A chunk reads what its queries attend and writes its new tokens; a
+                # recurrent layer reads and writes its state once.
+                kv_bytes += ((spec.kv_tokens_read(before, new) + new) * lc.kv_bytes_per_token
+                             + 2 * lc.state_bytes) * lc.num_layers
+                attention_flops += 2.0 * lc.attention_width * lc.num_layers * spec.attended_keys(before, end)
         if decode_ends:
             num_decodes = len(decode_ends)
-            total_ends = sum(decode_ends)
-            for lc in self.layer_classes:
-                kind = lc.kind
-                if kind == "mamba":
-                    kv_bytes += 2 * lc.state_bytes * lc.num_layers * num_decodes
-                    continue
-                window = lc.window_tokens
-                if kind == "sliding_window":
-                    attended = sum(e if e < window else window for e in decode_ends)
-                elif kind == "chunked_local":
-                    attended = sum((e - 1) % window + 1 for e in decode_ends)
-                else:
-                    attended = total_ends
-                # A decode reads what its query attends and writes one token.
-                kv_bytes += (attended + num_decodes) * lc.kv_bytes_per_token * lc.num_layers
+            for lc in layer_classes:
+                attended = lc.spec.decode_attended_keys(decode_ends)
+                kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
+                             + 2 * lc.state_bytes * num_decodes) * lc.num_layers
                 attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
         eff = self.eff
         linear_flops = self.linear_flops_per_token * num_tokens

@@ -10,15 +10,20 @@ inputs (no wall-clock values).
 
 from __future__ import annotations
 
+import json
 import math
 from array import array
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from kvtwin.sim.core.engine import StepResult
+from kvtwin.sim.core.engine import Rejection, StepResult
 from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.traces.expand import table_block_ids
+from kvtwin.traces.schema import hash_block_tokens_of
+from kvtwin.traces.stats import DEFAULT_BLOCK_TOKENS, prefix_reuse
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class SLO:
 class _RequestRecord:
     __slots__ = ("request", "request_id", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s",
                  "finish_s", "last_token_s", "hit_tokens", "hit_tokens_total", "queried_tokens", "scheduled_tokens",
-                 "status", "reason", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions")
+                 "status", "reason", "reason_detail", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions")
 
     def __init__(self, request: Request, index: int, session_id: str | None, arrival_s: float):
         # The request is referenced only while it lives: a finished one is reduced to its
@@ -60,6 +65,7 @@ class _RequestRecord:
         self.scheduled_tokens = 0
         self.status = "waiting"
         self.reason = ""
+        self.reason_detail = ""
 
     def snapshot(self) -> None:
         request = self.request
@@ -87,18 +93,19 @@ class MetricsRecorder:
         self.records[request.request_id] = record
         self.order.append(record)
 
-    def rejected(self, request: Request, reason: str) -> None:
+    def rejected(self, request: Request, rejection: Rejection) -> None:
         record = self.records[request.request_id]
         record.status = "rejected"
-        record.reason = reason
+        record.reason = rejection.code
+        record.reason_detail = rejection.detail
 
     # -- steps ------------------------------------------------------------------------------
 
     def step(self, engine, result: StepResult, start_s: float, end_s: float) -> None:
         output = result.output
         records = self.records
-        for admission in output.admitted:
-            record = records[admission.request_id]
+        for admission in output.scheduled_new_reqs:
+            record = records[admission.req_id]
             if math.isnan(record.first_scheduled_s):
                 record.first_scheduled_s = start_s
                 record.hit_tokens = admission.hit_tokens
@@ -139,7 +146,7 @@ class MetricsRecorder:
         steps["num_scheduled_reqs"].append(len(output.num_scheduled_tokens))
         steps["prefill_tokens"].append(prefill_tokens)
         steps["decode_tokens"].append(decode_tokens)
-        steps["num_admitted"].append(len(output.admitted))
+        steps["num_admitted"].append(len(output.scheduled_new_reqs))
         steps["num_preempted"].append(len(output.preempted))
         steps["num_finished"].append(len(result.finished))
         steps["num_free_blocks"].append(pool.get_num_free_blocks())
@@ -180,7 +187,9 @@ class MetricsRecorder:
             "request_id": pa.array([r.request_id for r in rows], pa.string()),
             "session_id": pa.array([r.session_id for r in rows], pa.string()),
             "status": pa.array([r.status for r in rows], pa.string()),
-            "reject_reason": pa.array([r.reason or None for r in rows], pa.string()),
+            # A handful of codes over thousands of rows: dictionary-encoded, read back as categorical.
+            "reject_reason": pa.array([r.reason or None for r in rows], pa.string()).dictionary_encode(),
+            "reject_detail": pa.array([r.reason_detail or None for r in rows], pa.string()),
             "arrival_time_s": arrival,
             "first_scheduled_time_s": np.array([r.first_scheduled_s for r in rows], dtype=np.float64),
             "first_token_time_s": first_token,
@@ -244,8 +253,49 @@ def _stats(values: np.ndarray, prefix: str, scale: float = 1000.0) -> dict[str, 
     }
 
 
-def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float) -> pa.Table:
-    """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms)."""
+# When a run counts as saturated (summary columns ``saturated``, ``saturation_reason``).
+# A minute in line before the first schedule is more than any interactive service hides.
+SATURATION_QUEUE_P90_S = 60.0
+# Fewer than half the requests within the SLO: the deployment does not hold it.
+SATURATION_SLO_ATTAINMENT = 0.5
+# The engine still busy long after the last arrival: requests queued faster than served.
+SATURATION_DRAIN_FACTOR = 1.5
+SATURATION_DRAIN_MIN_S = 60.0
+
+
+def _reuse_upper_bound(trace: pa.Table) -> float:
+    """The infinite-cache share of prompt tokens (``kvtwin trace info``), NaN without identity.
+
+    Measured at the trace's own hash block size, which costs a few milliseconds on the
+    Mooncake hour; finer blocks would cost seconds and move the bound by under 1%.
+    """
+    block_tokens = hash_block_tokens_of(trace) or DEFAULT_BLOCK_TOKENS
+    ids = table_block_ids(trace, block_tokens)
+    if ids is None:
+        return math.nan
+    return prefix_reuse(ids, trace.column("prompt_tokens").to_numpy(), block_tokens).token_fraction
+
+
+def _saturation(queue_p90_s: float, attainment: float, has_slo: bool, completed: int, duration_s: float,
+                last_arrival_s: float) -> list[str]:
+    reasons = []
+    if queue_p90_s > SATURATION_QUEUE_P90_S:
+        reasons.append("queueing")
+    if has_slo and attainment < SATURATION_SLO_ATTAINMENT:
+        reasons.append("slo")
+    if (completed and duration_s > SATURATION_DRAIN_FACTOR * max(last_arrival_s, 1.0)
+            and duration_s - last_arrival_s > SATURATION_DRAIN_MIN_S):
+        reasons.append("drain")
+    return reasons
+
+
+def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float, *,
+              trace: pa.Table | None = None) -> pa.Table:
+    """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms).
+
+    ``trace`` is the replayed trace: it gives the requests that never arrived (a time
+    limit) and the prefix-reuse upper bound of those that did.
+    """
     status = requests.column("status").to_numpy(zero_copy_only=False)
     done = status == "finished"
     ttft = requests.column("ttft_s").to_numpy()
@@ -296,5 +346,30 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
         "slo_tpot_ms": slo.tpot_s * 1000 if slo.tpot_s is not None else math.nan,
         "slo_attainment": float(met.mean()) if met.size else math.nan,
         "request_goodput": float(met.sum()) / duration_s if duration_s > 0 else math.nan,
+    })
+    arrival = requests.column("arrival_time_s").to_numpy()
+    scheduled = requests.column("first_scheduled_time_s").to_numpy()
+    # A request still waiting at the end has queued at least until then.
+    queue_s = np.where(np.isnan(scheduled), end_time_s - arrival, scheduled - arrival)[status != "rejected"]
+    row.update(_stats(queue_s, "queue_delay_ms"))
+    last_arrival_s = float(arrival.max()) if arrival.size else 0.0
+    trace_rows = trace.num_rows if trace is not None else requests.num_rows
+    reasons = requests.column("reject_reason").drop_null()
+    by_reason = pc.value_counts(reasons.cast(pa.string())).to_pylist() if len(reasons) else []
+    has_slo = slo.ttft_s is not None or slo.tpot_s is not None
+    queue_p90_s = row["p90_queue_delay_ms"] / 1000 if not math.isnan(row["p90_queue_delay_ms"]) else 0.0
+    saturation = _saturation(queue_p90_s, row["slo_attainment"], has_slo, row["completed"], duration_s,
+                             last_arrival_s)
+    row.update({
+        "last_arrival_s": last_arrival_s,
+        "num_trace_requests": trace_rows,
+        "not_arrived": max(trace_rows - requests.num_rows, 0),
+        # Arrivals follow the trace's row order, so the rows that arrived are its first rows.
+        "prefix_reuse_upper_bound": _reuse_upper_bound(trace.slice(0, requests.num_rows))
+        if trace is not None else math.nan,
+        "rejected_by_reason": json.dumps({d["values"]: d["counts"] for d in sorted(by_reason,
+                                                                                  key=lambda d: d["values"])}),
+        "saturated": bool(saturation),
+        "saturation_reason": ",".join(saturation),
     })
     return pa.Table.from_pylist([row])

@@ -1,7 +1,7 @@
 """Simulated time: a SimPy arrival process and an engine process around ``EngineCore.step``.
 
 DESIGN.md "One core, two clocks". The arrival process adds each request at its arrival
-time; the engine process steps while there is work (each step lasting what the backend
+time; the engine process steps while there is work (each step lasting what the executor
 predicts) and sleeps on an event while idle. Arrivals at the same instant as a step
 boundary are added before that step schedules, as the lockstep clock does, so both
 clocks make the same decisions for the same arrival order.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import simpy
 from simpy.events import URGENT, Event
 
-from kvtwin.sim.core.engine import Backend, EngineCore
+from kvtwin.sim.core.engine import EngineCore, ModelExecutor
 from kvtwin.sim.replay.metrics import MetricsRecorder
 from kvtwin.sim.core.request import Request
 
@@ -50,9 +50,11 @@ class ReplayClock:
     steps: int = 0
     arrived: int = 0
     finished: int = 0
+    # Refused at arrival: done as far as progress goes (finished + rejected of the total).
+    rejected: int = 0
 
 
-def run_simulation(engine: EngineCore, backend: Backend, arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
+def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
                    time_limit_s: float | None = None,
                    on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000) -> float:
     """Replay ``arrivals`` (sorted by time) until every request is done or the time limit.
@@ -74,7 +76,8 @@ def run_simulation(engine: EngineCore, backend: Backend, arrivals: Iterable[Arri
                 yield _UrgentTimeout(env, delay)
             metrics.arrived(arrival.request, arrival.arrival_s, arrival.session_id)
             if not engine.add_request(arrival.request):
-                metrics.rejected(arrival.request, engine.rejected[-1][1])
+                metrics.rejected(arrival.request, engine.rejected[-1])
+                clock.rejected += 1
             clock.arrived += 1
             wake = state["wake"]
             if wake is not None and not wake.triggered:
@@ -94,7 +97,7 @@ def run_simulation(engine: EngineCore, backend: Backend, arrivals: Iterable[Arri
                 state["wake"] = None
                 continue
             start_s = env.now
-            result = engine.step(backend)
+            result = engine.step(executor)
             duration_s = result.execution.duration_s
             metrics.step(engine, result, start_s, start_s + duration_s)
             clock.steps += 1

@@ -1,6 +1,7 @@
 """Scenario files: one TOML describing model, hardware, engine, workload, SLO and cost model.
 
-Format: ``scenarios/README.md``. Every table and key is checked: an unknown one is an
+Format: ``scenarios/README.md``. ``resolve.py`` merges a scenario with command-line
+overrides. Every table and key is checked: an unknown one is an
 error naming the file, the key and the allowed ones, never silently ignored. Paths in a
 scenario (a trace, a calibration file, an HF config) are relative to the scenario file;
 ``bundled:NAME`` names a trace shipped with kvtwin.
@@ -18,23 +19,20 @@ import pyarrow as pa
 
 from kvtwin.sim.replay.cost_model import Efficiency, efficiency_from_mapping, load_calibration
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.engine_config import EngineConfig, engine_config_from_mapping
 from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
-from kvtwin.sim.core.hashing import get_hash_fn
 from kvtwin.sim.planner.hf_config import load_hf_config
-from kvtwin.sim.replay.metrics import SLO
 from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
-from kvtwin.sim.planner.plan import engine_config, engine_fields_from_mapping
-from kvtwin.sim.replay.run import SchedulerSettings
+from kvtwin.sim.replay.metrics import SLO
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
+from kvtwin.traces.errors import TraceError
 from kvtwin.traces.load import LoadOptions, load_trace
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
 
 SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run")
-SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerSettings))
 TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
-TRANSFORM_KEYS = ("start_s", "end_s", "limit", "rate_scale", "sample_sessions", "sample_seed")
 SLO_KEYS = ("ttft_s", "tpot_s")
 RUN_KEYS = ("time_limit_s",)
 
@@ -72,12 +70,38 @@ class Scenario:
     description: str = ""
     model: ModelPreset | None = None
     gpu: GPUSpec | None = None
-    engine_fields: dict = field(default_factory=dict)
-    scheduler: SchedulerSettings = SchedulerSettings()
+    engine: EngineConfig = EngineConfig()
     workload: Workload | None = None
     slo: SLO = SLO()
     efficiency: Efficiency = Efficiency()
     time_limit_s: float | None = None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# transform key -> (accepts, what is expected); shared by the scenario and the CLI flags.
+TRANSFORM_RULES = {
+    "start_s": (lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
+    "end_s": (lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
+    "limit": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive number of requests"),
+    "rate_scale": (lambda v: _is_number(v) and v > 0, "a positive factor (2 = twice as fast)"),
+    "sample_sessions": (lambda v: _is_number(v) and 0 < v <= 1, "a fraction of sessions in (0, 1]"),
+    "sample_seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer seed"),
+}
+TRANSFORM_KEYS = tuple(TRANSFORM_RULES)
+
+
+def check_transform(key: str, value: object, where: str) -> None:
+    accepts, expected = TRANSFORM_RULES[key]
+    if not accepts(value):
+        raise ConfigError(where, expected, value)
+
+
+def check_time_limit(value: object, where: str) -> None:
+    if not (_is_number(value) and value > 0):
+        raise ConfigError(where, "a positive number of simulated seconds", value)
 
 
 def _table(data: dict, name: str) -> dict:
@@ -125,18 +149,21 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
     if not table:
         return None
     transform = {k: table[k] for k in TRANSFORM_KEYS if k in table}
-    for key in ("start_s", "end_s", "rate_scale", "sample_sessions"):
-        if key in transform and not (isinstance(transform[key], (int, float)) and transform[key] >= 0):
-            raise ConfigError(f"workload.{key}", "a non-negative number", transform[key])
-    if "limit" in transform and not (isinstance(transform["limit"], int) and transform["limit"] > 0):
-        raise ConfigError("workload.limit", "a positive number of requests", transform["limit"])
+    for key, value in transform.items():
+        check_transform(key, value, f"workload.{key}")
     if "trace" in table:
         _check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
-        options = LoadOptions(format=table.get("format"), skip_bad=bool(table.get("skip_bad", False)),
+        skip_bad = table.get("skip_bad", False)
+        if not isinstance(skip_bad, bool):
+            raise ConfigError("workload.skip_bad", "true or false", skip_bad)
+        options = LoadOptions(format=table.get("format"), skip_bad=skip_bad,
                               **({"arrivals": table["arrivals"]} if "arrivals" in table else {}),
                               **({"seed": table["arrival_seed"]} if "arrival_seed" in table else {}))
-        return Workload(trace=resolve(table["trace"], base_dir), load_options=options, transforms=transform,
-                        base_dir=base_dir)
+        try:
+            trace = resolve(table["trace"], base_dir)
+        except TraceError as err:
+            raise ConfigError("workload.trace", err.expected, table["trace"]) from None
+        return Workload(trace=trace, load_options=options, transforms=transform, base_dir=base_dir)
     if "kind" in table:
         synth = {k: v for k, v in table.items() if k not in TRANSFORM_KEYS}
         parse_spec(synth, "workload")  # check now, so errors name the scenario file
@@ -147,12 +174,7 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
 
 def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     _check_keys(data, SECTIONS, "scenario")
-    engine_table = dict(_table(data, "engine"))
-    scheduler_fields = {k: engine_table.pop(k) for k in SCHEDULER_KEYS if k in engine_table}
-    engine_fields = engine_fields_from_mapping(engine_table)
-    engine_config(engine_fields)  # validated here so errors name the file
-    scheduler = SchedulerSettings(**scheduler_fields)
-    _check_scheduler(scheduler)
+    engine = engine_config_from_mapping(_table(data, "engine"))
     slo_table = _table(data, "slo")
     _check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():
@@ -168,20 +190,14 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     run_table = _table(data, "run")
     _check_keys(run_table, RUN_KEYS, "run")
     time_limit = run_table.get("time_limit_s")
-    if time_limit is not None and not (isinstance(time_limit, (int, float)) and time_limit > 0):
-        raise ConfigError("run.time_limit_s", "a positive number of simulated seconds", time_limit)
+    if time_limit is not None:
+        check_time_limit(time_limit, "run.time_limit_s")
     return Scenario(
         description=str(data.get("description", "")),
         model=model_from_table(data["model"], base_dir) if "model" in data else None,
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
-        engine_fields=engine_fields, scheduler=scheduler, workload=_workload(_table(data, "workload"), base_dir),
+        engine=engine, workload=_workload(_table(data, "workload"), base_dir),
         slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit)
-
-
-def _check_scheduler(settings: SchedulerSettings) -> None:
-    if settings.scheduling_policy not in ("fcfs", "priority"):
-        raise ConfigError("engine.scheduling_policy", "fcfs or priority", settings.scheduling_policy)
-    get_hash_fn(settings.prefix_caching_hash_algo)
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -196,6 +212,4 @@ def load_scenario(path: Path) -> Scenario:
         scenario = parse_scenario(data, path.parent)
     except ConfigError as err:
         raise err if err.source else err.with_source(str(path)) from None
-    except TypeError as err:  # a scheduler key with a wrong type reaching the dataclass
-        raise ConfigError("engine", f"valid settings ({err})", source=str(path)) from None
     return dataclasses.replace(scenario, path=path)

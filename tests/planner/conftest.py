@@ -23,8 +23,12 @@ class PlanRun:
     stderr: str
 
     def json(self) -> dict:
-        assert self.exit_code == 0, self.stderr
-        return json.loads(self.stdout)
+        assert self.exit_code in (0, 1), self.stderr
+        out = json.loads(self.stdout)
+        # A plan that does not fit is printed in full and exits 1, so scripts can gate on it.
+        fits = out["fits"] if "fits" in out else out["hybrid_on"]["fits"]
+        assert self.exit_code == (0 if fits else 1)
+        return out
 
 
 def _app() -> typer.Typer:

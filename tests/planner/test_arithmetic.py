@@ -12,7 +12,8 @@ import pytest
 from kvtwin.sim.planner.grouping import choose_group_size
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
-from kvtwin.sim.planner.plan import EngineConfig, plan
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.planner.plan import plan
 
 GIB = 1 << 30
 KV_40_GIB = 40 * GIB

@@ -11,7 +11,8 @@ import pytest
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import get_model
-from kvtwin.sim.planner.plan import EngineConfig, build_layer_specs, plan
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.planner.plan import build_layer_specs, plan
 
 COMMON = {"torch_dtype": "bfloat16"}
 NEMOTRON_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # models.md 2.13

@@ -9,7 +9,8 @@ from kvtwin.sim.planner.grouping import group_layers
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import model_from_mapping
 from kvtwin.sim.planner.page_size import PageSizeNotUnifiable, hybrid_attention_block_size, unify_page_sizes
-from kvtwin.sim.planner.plan import EngineConfig, plan
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.core.spec import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,11 +77,13 @@ def test_table_output(run_plan):
         assert needle in text
 
 
-def test_does_not_fit_is_reported_not_an_error(run_plan):
+def test_does_not_fit_is_printed_and_exits_1(run_plan):
     result = run_plan("--model", "llama-3.1-70b", "--gpu", "h100", "--max-model-len", "131072")
-    assert result.exit_code == 0
+    assert result.exit_code == 1  # scripts gate on it; 2 is bad input
     assert "DOES NOT FIT" in result.stdout and "would fit: tensor_parallel_size" in result.stdout
-    out = run_plan("--model", "llama-3.1-70b", "--gpu", "h100", "--max-model-len", "131072", "--json").json()
+    as_json = run_plan("--model", "llama-3.1-70b", "--gpu", "h100", "--max-model-len", "131072", "--json")
+    assert as_json.exit_code == 1
+    out = json.loads(as_json.stdout)
     assert out["fits"] is False and out["kv_cache_tokens"] is None and out["shortfall_bytes"] > 0
 
 
@@ -94,7 +97,8 @@ def test_compare_hybrid(run_plan):
     assert on["hybrid_kv_cache_manager"] and not off["hybrid_kv_cache_manager"]
     assert on["kv_cache_tokens"] > off["kv_cache_tokens"]
     assert 0 < out["kv_bytes_per_request_saving"] < 1
-    state = run_plan("--model", "jamba-mini", "--gpu", "h100", "--compare-hybrid", "--json").json()
+    # TP 2: on one H100 jamba-mini does not fit at all, and a plan that does not fit exits 1.
+    state = run_plan("--model", "jamba-mini", "--gpu", "h100", "--tp", "2", "--compare-hybrid", "--json").json()
     assert "error" in state["hybrid_off"]
 
 

@@ -1,5 +1,6 @@
 """The simulated replay: conservation, clocks, counters, caching, determinism, same decisions."""
 
+import json
 import math
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.lockstep.runner import run_case, step_record
 from kvtwin.sim.replay.metrics import SLO, MetricsRecorder
 from kvtwin.sim.planner.models import get_model
-from kvtwin.sim.planner.plan import EngineConfig, plan
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.workload import Arrival, run_simulation
@@ -103,8 +105,11 @@ def test_requests_longer_than_max_model_len_are_rejected_and_counted(mooncake_he
     too_long = [i for i, (p, o) in enumerate(zip(r.column("prompt_tokens").to_pylist(),
                                                  r.column("output_tokens").to_pylist())) if p + o > 8192]
     assert rejected == too_long and rejected
-    assert "max_model_len 8192" in r.column("reject_reason")[rejected[0]].as_py()
+    assert set(r.column("reject_reason").take(rejected).to_pylist()) <= {"prompt_too_long", "exceeds_max_model_len"}
+    assert "8192" in r.column("reject_detail")[rejected[0]].as_py()
     assert result.summary.column("rejected")[0].as_py() == len(rejected)
+    by_reason = json.loads(result.summary.column("rejected_by_reason")[0].as_py())
+    assert sum(by_reason.values()) == len(rejected)
 
 
 def test_time_limit_stops_the_run_and_reports_unfinished(llama_plan, mooncake_head):
@@ -130,8 +135,8 @@ class _OneSecondModel:
     def __init__(self, outputs):
         self.outputs = outputs
 
-    def execute(self, output, ready):
-        return Execution({r.request_id: [self.outputs[r.request_id][r.num_output_tokens]] for r in ready}, 1.0)
+    def execute(self, output):
+        return Execution({rid: [self.outputs[rid][index]] for rid, index in output.num_output_tokens.items()}, 1.0)
 
 
 @pytest.mark.parametrize("name", ["three_groups", "priority", "multiturn"])

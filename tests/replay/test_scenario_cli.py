@@ -16,11 +16,13 @@ from kvtwin.sim.core.errors import ConfigError
 SCENARIOS = Path(__file__).parent.parent.parent / "scenarios"
 
 
-def test_default_scenario_is_llama_on_one_h100_with_mooncake():
+def test_default_scenario_is_one_llama_replica_on_two_b200s_with_mooncake():
     s = load_scenario(DEFAULT_SCENARIO)
-    assert s.model.name == "llama-3.1-8b" and s.gpu.name == "h100"
+    assert s.model.name == "llama-3.1-8b" and s.gpu.name == "b200"
     assert s.workload.trace.name == "mooncake_conversation_trace.jsonl"
-    assert s.engine_fields.get("tensor_parallel_size", 1) == 1
+    assert s.engine.tensor_parallel_size == 2
+    assert "rate_scale" not in s.workload.transforms  # the trace at its recorded rate
+    assert (s.slo.ttft_s, s.slo.tpot_s) == (2.0, 0.1)
 
 
 @pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.name)
@@ -58,7 +60,7 @@ def test_replay_command_writes_a_run_directory(tmp_path):
     res = CliRunner().invoke(app, ["replay", str(SCENARIOS / "azure-conv-llama8b.toml"), "--limit", "40",
                                    "--out", str(out), "--quiet"])
     assert res.exit_code == 0, res.output
-    assert "TTFT (ms)" in res.output
+    assert "TTFT" in res.output and "plan: " in res.output
     for name in ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json"):
         assert (out / name).exists()
     assert pq.read_table(out / "requests.parquet").num_rows == 40

@@ -49,10 +49,10 @@ def engine(*specs: KVCacheSpec, num_blocks: int = 64, caching: bool = True, **sc
 
 
 class EchoModel:
-    """Samples token 50000 + output index for every request ready to sample."""
+    """A model executor that samples token 50000 + output index for every request that samples."""
 
-    def execute(self, output, ready_to_sample):
-        return Execution({r.request_id: [50_000 + r.num_output_tokens] for r in ready_to_sample}, 1.0)
+    def execute(self, output):
+        return Execution({rid: [50_000 + index] for rid, index in output.num_output_tokens.items()}, 1.0)
 
 
 def new_request(request_id: str, toks, max_tokens: int = 4, priority: int = 0, arrival_time: float = 0.0) -> Request:

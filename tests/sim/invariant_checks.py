@@ -25,6 +25,9 @@ from kvtwin.sim.core.request import RequestStatus
 from kvtwin.sim.core.spec import FullAttentionSpec, cdiv
 
 
+REJECTION_CODES = ("prompt_too_long", "bad_max_tokens", "exceeds_max_model_len", "exceeds_kv_pool")
+
+
 def _fail(name: str, message: str) -> None:
     raise AssertionError(f"{name}: {message}")
 
@@ -231,10 +234,12 @@ def check_queues(engine: EngineCore) -> None:
                                     f"computed tokens")
     if len(sched.running) > sched.config.max_num_seqs:
         _fail("BUDGET", f"{len(sched.running)} running requests > max_num_seqs {sched.config.max_num_seqs}")
-    for request, reason in engine.rejected:
-        if request.status is not RequestStatus.REJECTED or not reason:
+    for rejection in engine.rejected:
+        request = rejection.request
+        if request.status is not RequestStatus.REJECTED or rejection.code not in REJECTION_CODES \
+                or not rejection.detail:
             _fail("REQ-CONSERVE", f"rejected request {request.request_id} has status {request.status}, "
-                                  f"reason {reason!r}")
+                                  f"rejection {rejection.code!r}: {rejection.detail!r}")
         if request.request_id in sched.requests:
             _fail("REQ-CONSERVE", f"rejected request {request.request_id} was queued")
 
@@ -259,21 +264,22 @@ def check_step(engine: EngineCore, result: StepResult, num_tokens_before: Mappin
     bad = {rid: n for rid, n in out.num_scheduled_tokens.items() if n <= 0}
     if bad:
         _fail("BUDGET", f"non-positive scheduled token counts {bad}")
-    if out.preempted and out.admitted:
-        _fail("BUDGET", f"admitted {[a.request_id for a in out.admitted]} in a step that preempted {out.preempted}")
+    if out.preempted and out.scheduled_new_reqs:
+        _fail("BUDGET", f"admitted {[a.req_id for a in out.scheduled_new_reqs]} in a step that preempted "
+                        f"{out.preempted}")
 
     align = coordinator.scheduler_block_size
-    for admission in out.admitted:
+    for admission in out.scheduled_new_reqs:
         hit = admission.hit_tokens
-        num_tokens = num_tokens_before[admission.request_id]
+        num_tokens = num_tokens_before[admission.req_id]
         if hit < 0 or hit > num_tokens - 1:
-            _fail("HIT-CAP", f"request {admission.request_id} hit {hit} tokens of {num_tokens} (cap num_tokens-1)")
+            _fail("HIT-CAP", f"request {admission.req_id} hit {hit} tokens of {num_tokens} (cap num_tokens-1)")
         if hit % align:
-            _fail("HIT-CAP", f"request {admission.request_id} hit {hit} tokens, not a multiple of {align}")
+            _fail("HIT-CAP", f"request {admission.req_id} hit {hit} tokens, not a multiple of {align}")
         if (not kvm.enable_caching or isinstance(coordinator, KVCacheCoordinatorNoPrefixCache)) and hit:
-            _fail("HIT-CAP", f"request {admission.request_id} hit {hit} tokens with prefix caching off")
-        if admission.request_id not in out.num_scheduled_tokens:
-            _fail("REQ-CONSERVE", f"admitted request {admission.request_id} has no scheduled tokens")
+            _fail("HIT-CAP", f"request {admission.req_id} hit {hit} tokens with prefix caching off")
+        if admission.req_id not in out.num_scheduled_tokens:
+            _fail("REQ-CONSERVE", f"admitted request {admission.req_id} has no scheduled tokens")
 
     # Positions the step's tokens can no longer read are the null block.
     finished = {r.request_id for r in result.finished}

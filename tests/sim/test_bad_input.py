@@ -59,7 +59,7 @@ def test_non_positive_block_size_is_rejected():
 @pytest.mark.parametrize("kwargs, field", [
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
-    ({"policy": "lifo"}, "scheduling_policy"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"watermark": 1.5}, "watermark"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 256}, "max_num_batched_tokens"),
 ])

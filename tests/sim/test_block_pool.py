@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtwin.sim.core.block_pool import BlockPool, BlockRemoved, BlockStored
+from kvtwin.sim.core.block_pool import BlockPool
 
 from .builders import block_ids, full, kv_manager, request, tokens
 
@@ -82,15 +82,3 @@ def test_reset_prefix_cache_only_when_nothing_is_held():
     kvm.free(r)
     assert kvm.reset_prefix_cache()
     assert kvm.block_pool.num_cached_blocks() == 0
-
-
-def test_kv_events_report_stored_and_removed_blocks():
-    pool = BlockPool(4, 1, enable_caching=True, enable_kv_events=True)
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(blocks, ["h1", "h2"], 0, 2, group_id=0)
-    pool.free_blocks(reversed(blocks))
-    pool.get_new_blocks(3)  # reuses both cached blocks
-    events = pool.take_events()
-    assert events[0] == BlockStored((1, 2), 0)
-    assert {e.block_id for e in events[1:] if isinstance(e, BlockRemoved)} == {1, 2}
-    assert pool.take_events() == []

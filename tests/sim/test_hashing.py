@@ -6,7 +6,6 @@ import pickle
 from kvtwin.sim.core.hashing import (
     BlockHasher,
     CoarseBlockHashes,
-    ExtraKeys,
     HashIdPrompt,
     TokenPrompt,
     builtin_hash,
@@ -15,9 +14,9 @@ from kvtwin.sim.core.hashing import (
 )
 
 
-def _hashes(prompt, n_tokens, algo=sha256_pickle, bs=16, outputs=(), extra=None):
+def _hashes(prompt, n_tokens, algo=sha256_pickle, bs=16, outputs=()):
     out: list = []
-    BlockHasher(algo, bs).extend(out, prompt, list(outputs), n_tokens, extra)
+    BlockHasher(algo, bs).extend(out, prompt, list(outputs), n_tokens)
     return out
 
 
@@ -51,16 +50,6 @@ def test_equal_hash_means_equal_prefix():
     b = _hashes(TokenPrompt(list(range(16)) + [7] * 16 + list(range(32, 64))), 64, builtin_hash)
     assert a[0] == b[0]
     assert a[1] != b[1] and a[2] != b[2] and a[3] != b[3]  # the chain carries the difference
-
-
-def test_cache_salt_changes_only_the_first_blocks_key_but_every_hash_by_chaining():
-    toks = list(range(48))
-    plain = _hashes(TokenPrompt(toks), 48)
-    salted = _hashes(TokenPrompt(toks), 48, extra=ExtraKeys(cache_salt="tenant-a"))
-    assert all(p != s for p, s in zip(plain, salted))
-    assert ExtraKeys(cache_salt="x").for_block(0) == (("cache_salt", "x"),)
-    assert ExtraKeys(cache_salt="x").for_block(1) is None
-    assert ExtraKeys(lora_name="a", lora_path="/p").for_block(5) == (("lora", "a", "/p"),)
 
 
 def test_coarse_groups_reuse_the_last_fine_hash():
@@ -102,4 +91,4 @@ def test_a_million_token_prompt_costs_one_hash_per_block_not_one_object_per_toke
     second = Request("b", HashIdPrompt(hash_ids, 512, 1_000_000), 2)
     eng.add_request(second)
     out = eng.step(EchoModel()).output
-    assert out.admitted[0].hit_tokens == 1_000_000 - 16  # all but the block holding the last token
+    assert out.scheduled_new_reqs[0].hit_tokens == 1_000_000 - 16  # all but the block holding the last token

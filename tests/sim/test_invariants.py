@@ -42,6 +42,7 @@ from kvtwin.sim.core.spec import (
     SlidingWindowSpec,
     cdiv,
 )
+from tests.sim.block_table_mirror import BlockTableMirror
 from tests.sim.invariant_checks import check_cache_hit_probe, check_invariants
 
 COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -113,7 +114,7 @@ def scenarios(draw, *, caching: bool | None = None, rejects: bool = True) -> Sce
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 0, 8, 20, 48])),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.1])),
         async_scheduling=draw(st.integers(0, 4)) == 0,  # only doubles the windowed admission caps
     )
@@ -188,6 +189,7 @@ class RunResult:
     preemptions: dict[str, int]
     rejected: list[str]
     engine: EngineCore
+    mirror: BlockTableMirror | None = None
 
 
 def step_bound(s: Scenario) -> int:
@@ -198,17 +200,24 @@ def step_bound(s: Scenario) -> int:
     return last_arrival + 2 * work + 4 * len(accepted) + 50
 
 
-def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | None = None) -> RunResult:
+def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | None = None,
+                 mirror: bool = True) -> RunResult:
     """Step the engine like ``sim.lockstep.run_case``; check invariants after every step.
 
-    With ``probe_rng``, also probe the prefix-cache finder (HIT-AGREE / HIT-MONOTONE) with
-    the hash chains of every request seen so far after every step.
+    With ``mirror``, the scripted model runs inside a ``BlockTableMirror`` whose tables,
+    rebuilt from the scheduler outputs alone, are compared with the manager's after every
+    step (BLOCK-TABLE-MIRROR). With ``probe_rng``, also probe the prefix-cache finder
+    (HIT-AGREE / HIT-MONOTONE) with the hash chains of every request seen so far after
+    every step.
     """
     engine = EngineCore(s.kv_cache_config, s.scheduler_config, s.cache_config)
     sched = engine.scheduler
     kvm = engine.kv_cache_manager
     pool = kvm.block_pool
     model = ScriptedModel({r.request_id: r.output_token_ids for r in s.requests})
+    table_mirror = BlockTableMirror(model) if mirror else None
+    if table_mirror is not None:
+        model = table_mirror
     objs: dict[str, Request] = {}
     finished: set[str] = set()
     admissions: dict[str, list[dict]] = {r.request_id: [] for r in s.requests}
@@ -245,23 +254,23 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
                                      f"{outputs_before[rid]} -> {objs[rid].output_token_ids}")
             outputs_at_preemption[rid] = outputs_before[rid]
             recompute.pop(rid, None)
-        for adm in out.admitted:
-            admissions[adm.request_id].append({"step": step, "hit_tokens": adm.hit_tokens})
-            request = objs[adm.request_id]
+        for adm in out.scheduled_new_reqs:
+            admissions[adm.req_id].append({"step": step, "hit_tokens": adm.hit_tokens})
+            request = objs[adm.req_id]
             if check and adm.resumed:
                 # PREEMPT-RESUME: outputs kept; the hit is capped like any other.
-                if adm.request_id not in outputs_at_preemption:
-                    raise AssertionError(f"PREEMPT-RESUME: {adm.request_id} resumed but was never preempted")
-                kept = outputs_at_preemption.pop(adm.request_id)
-                if request.output_token_ids[:len(kept)] != kept or outputs_before[adm.request_id] != kept:
-                    raise AssertionError(f"PREEMPT-RESUME: {adm.request_id} lost output tokens {kept} -> "
+                if adm.req_id not in outputs_at_preemption:
+                    raise AssertionError(f"PREEMPT-RESUME: {adm.req_id} resumed but was never preempted")
+                kept = outputs_at_preemption.pop(adm.req_id)
+                if request.output_token_ids[:len(kept)] != kept or outputs_before[adm.req_id] != kept:
+                    raise AssertionError(f"PREEMPT-RESUME: {adm.req_id} lost output tokens {kept} -> "
                                          f"{request.output_token_ids}")
-                if adm.hit_tokens > num_tokens_before[adm.request_id] - 1:
-                    raise AssertionError(f"PREEMPT-RESUME: {adm.request_id} resumed with hit {adm.hit_tokens} of "
-                                         f"{num_tokens_before[adm.request_id]} tokens")
-            elif check and adm.request_id in outputs_at_preemption:
-                raise AssertionError(f"PREEMPT-RESUME: {adm.request_id} re-admitted without resumed=True")
-            recompute[adm.request_id] = [num_tokens_before[adm.request_id], adm.hit_tokens, 0]
+                if adm.hit_tokens > num_tokens_before[adm.req_id] - 1:
+                    raise AssertionError(f"PREEMPT-RESUME: {adm.req_id} resumed with hit {adm.hit_tokens} of "
+                                         f"{num_tokens_before[adm.req_id]} tokens")
+            elif check and adm.req_id in outputs_at_preemption:
+                raise AssertionError(f"PREEMPT-RESUME: {adm.req_id} re-admitted without resumed=True")
+            recompute[adm.req_id] = [num_tokens_before[adm.req_id], adm.hit_tokens, 0]
         for rid, n in out.num_scheduled_tokens.items():
             if rid in recompute:
                 recompute[rid][2] += n
@@ -277,11 +286,13 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
             if request.status is not RequestStatus.FINISHED:
                 raise AssertionError(f"REQ-CONSERVE: finished {request.request_id} has status {request.status}")
         steps.append(step_record(step, result, pool))
+        if table_mirror is not None:
+            table_mirror.check(engine, result)
         if check:
             check_invariants(engine, result, num_tokens_before)
             # REQ-CONSERVE over the whole workload: not arrived / waiting / running / finished / rejected.
             arrived = {r.request_id for r in pending[:next_arrival]}
-            rejected = {r.request_id for r, _ in engine.rejected}
+            rejected = {r.request.request_id for r in engine.rejected}
             live = set(sched.requests)
             parts = [arrived - live - finished - rejected, live & finished, live & rejected, finished & rejected]
             if parts[0] or parts[1] or parts[2] or parts[3]:
@@ -306,7 +317,8 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
             raise AssertionError(f"PROGRESS: not finished after {bound} steps; running "
                                  f"{[r.request_id for r in sched.running]}, waiting "
                                  f"{[r.request_id for r in sched.waiting]}")
-    return RunResult(steps, admissions, preemptions, [r.request_id for r, _ in engine.rejected], engine)
+    return RunResult(steps, admissions, preemptions, [r.request.request_id for r in engine.rejected], engine,
+                     table_mirror)
 
 
 # -- engine-level properties -------------------------------------------------------------------------------
@@ -454,11 +466,14 @@ def test_unrunnable_requests_are_rejected_or_reported():
     no_output = Request("none", TokenPrompt([1] * 8), 0)
     assert not engine.add_request(too_long) and not engine.add_request(no_output)
     assert too_long.status is RequestStatus.REJECTED and no_output.status is RequestStatus.REJECTED
-    assert [r for r, _ in engine.rejected] == [too_long, no_output] and all(why for _, why in engine.rejected)
+    assert [r.request for r in engine.rejected] == [too_long, no_output]
+    assert [r.code for r in engine.rejected] == ["prompt_too_long", "bad_max_tokens"]
+    assert all(r.detail for r in engine.rejected)
     assert not engine.has_unfinished_requests()
     # 40 tokens need 3 blocks; the pool has 2 usable: rejected up front, never left waiting.
     big = Request("big", TokenPrompt([1] * 39), 1)
-    assert not engine.add_request(big) and "more than the pool's 2" in engine.rejected[-1][1]
+    assert not engine.add_request(big) and engine.rejected[-1].code == "exceeds_kv_pool"
+    assert "more than the pool's 2" in engine.rejected[-1].detail
     # The lockstep runner turns such a rejection into an error naming the request.
     case = GoldenCase("toobig", kv, sched, CacheConfig(), (CaseRequest("big", 0, (1,) * 39, (2,), 0),))
     try:

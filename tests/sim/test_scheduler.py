@@ -44,7 +44,7 @@ def test_fcfs_preempts_the_last_running_request_and_requeues_it_first():
     victim = eng.scheduler.waiting.peek()
     assert victim.request_id == "b" and victim.status is RequestStatus.PREEMPTED
     assert victim.num_computed_tokens == 0 and victim.num_output_tokens > 0  # outputs kept
-    assert preempted_step.output.admitted == []  # no admission in a step that preempted
+    assert preempted_step.output.scheduled_new_reqs == []  # no admission in a step that preempted
 
 
 def test_resumed_request_recomputes_its_tokens_minus_the_hit():
@@ -52,16 +52,16 @@ def test_resumed_request_recomputes_its_tokens_minus_the_hit():
     eng.add_request(new_request("a", tokens(0, 60), max_tokens=30))
     eng.add_request(new_request("b", tokens(1000, 60), max_tokens=30))
     results = run_until_done(eng)
-    readmissions = [(r, a) for r in results for a in r.output.admitted if a.resumed]
+    readmissions = [(r, a) for r in results for a in r.output.scheduled_new_reqs if a.resumed]
     assert readmissions
     result, admission = readmissions[0]
     assert admission.hit_tokens % 16 == 0
-    scheduled = result.output.num_scheduled_tokens[admission.request_id]
+    scheduled = result.output.num_scheduled_tokens[admission.req_id]
     assert scheduled > 0
 
 
 def test_priority_preempts_the_lowest_priority_latest_arrival():
-    eng = engine(full(), num_blocks=9, max_num_batched_tokens=256, policy="priority")
+    eng = engine(full(), num_blocks=9, max_num_batched_tokens=256, scheduling_policy="priority")
     eng.add_request(new_request("low", tokens(0, 60), max_tokens=30, priority=5, arrival_time=0))
     eng.add_request(new_request("high", tokens(1000, 60), max_tokens=30, priority=0, arrival_time=1))
     model = EchoModel()
@@ -136,8 +136,9 @@ def test_mamba_align_prefill_chunks_end_on_block_boundaries():
 def test_prompts_that_leave_no_room_are_rejected_with_a_reason():
     eng = engine(full(), max_model_len=64)
     assert not eng.add_request(new_request("long", tokens(0, 64)))
-    request, reason = eng.rejected[0]
-    assert request.status is RequestStatus.REJECTED and "max_model_len 64" in reason
+    rejection = eng.rejected[0]
+    assert rejection.request.status is RequestStatus.REJECTED and rejection.code == "prompt_too_long"
+    assert "max_model_len 64" in rejection.detail
     assert not eng.has_unfinished_requests()
 
 

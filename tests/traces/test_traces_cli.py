@@ -128,3 +128,61 @@ def test_trace_is_wired_into_the_kvtwin_app():
 
     result = runner.invoke(app, ["trace", "info", str(FIXTURES / "azure_small.csv"), "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["requests"] == 4
+
+
+def _spec(tmp_path: Path) -> Path:
+    spec = tmp_path / "w.toml"
+    spec.write_text('kind = "requests"\nseed = 3\nnum_requests = 5\narrival = { rate_per_s = 2 }\n'
+                    'prompt_tokens = 10\noutput_tokens = 20\n')
+    return spec
+
+
+@pytest.mark.parametrize("where", ["proc", "under_a_file"])
+def test_synth_to_an_unwritable_place_names_the_path_given(tmp_path: Path, where):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    out = {"proc": Path("/proc/kvtwin.parquet"), "under_a_file": a_file / "x.parquet"}[where]
+    result = _run("synth", _spec(tmp_path), "-o", out)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error: --output: expected ")
+    assert lines[0].endswith(f"got '{out}'") and ".tmp" not in lines[0]
+
+
+def test_trace_writer_errors_name_the_final_path_not_the_temp_file(tmp_path: Path, monkeypatch):
+    assert _run("synth", _spec(tmp_path), "-o", tmp_path / "t.parquet").exit_code == 0
+    table = s.read_parquet(tmp_path / "t.parquet")
+
+    def disk_full(table, where, **kwargs):
+        raise OSError(28, "No space left on device", str(where))
+
+    monkeypatch.setattr(s.pq, "write_table", disk_full)
+    with pytest.raises(s.TraceError) as err:
+        s.write_parquet(table, tmp_path / "out.parquet")
+    assert str(err.value) == f"{tmp_path / 'out.parquet'}: output: expected a file path kvtwin can write, " \
+                             "got 'No space left on device'"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet", "w.toml"]  # no temp file left
+
+
+def test_unknown_bundled_trace_lists_the_bundled_ones(tmp_path: Path):
+    from kvtwin.cli import app
+    from kvtwin.traces.bundled import BUNDLED
+
+    result = runner.invoke(app, ["replay", "--trace", "bundled:nope.jsonl", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error: bundled:nope.jsonl: ")
+    assert all(f"bundled:{name}" in lines[0] for name in BUNDLED)
+
+
+def test_trace_list_names_every_bundled_trace_with_its_rows():
+    from kvtwin.traces.bundled import BUNDLED
+
+    result = _run("list")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(BUNDLED)
+    assert lines[0].startswith(f"bundled:{MOONCAKE_CONVERSATION}") and "12,031 rows" in lines[0]
+    listed = json.loads(_run("list", "--json").stdout)
+    assert [t["name"] for t in listed] == [f"bundled:{name}" for name in BUNDLED]
+    assert all(t["rows"] > 0 and t["description"] for t in listed)

@@ -1,0 +1,79 @@
+"""`kvtwin models` and `kvtwin gpus`: the built-in presets, one line of facts each.
+
+The names are what ``--model`` / ``--gpu`` and a scenario's ``preset`` / ``gpu`` accept;
+the facts are the preset fields the planner and cost model read
+(``sim/planner/data/models.toml``, ``gpus.toml``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import typer
+
+from kvtwin.sim.planner.hardware import GPU_PRESETS, gpu_names
+from kvtwin.sim.planner.models import MODEL_PRESETS, model_names
+
+# For --model / --gpu help; `kvtwin models` / `kvtwin gpus` add a line of facts to each name.
+MODEL_CHOICES = ", ".join(model_names()) + " (kvtwin models)"
+GPU_CHOICES = ", ".join(gpu_names()) + " (kvtwin gpus)"
+
+# Layer-pattern letters (scenarios/README.md, [model] layer_pattern) in reading order.
+_LAYER_WORDS = {"F": "full", "S": "sliding", "C": "chunked", "A": "MLA", "M": "state", "-": "no-cache"}
+
+
+def _params(count: float) -> str:
+    return f"{count / 1e9:,.1f}B" if count < 1e12 else f"{count / 1e12:,.2f}T"
+
+
+def _tokens(count: int) -> str:
+    return f"{count // 1024:,}k" if count % 1024 == 0 else f"{count:,}"
+
+
+def _model_line(name: str) -> str:
+    m = MODEL_PRESETS[name]
+    active = m.params_active if m.params_active is not None else m.params_total
+    params = _params(m.params_total) + (f" ({_params(active)} active)" if active < m.params_total else "")
+    counts = Counter(m.layer_letters)
+    words = dict(_LAYER_WORDS, M=f"{m.state.kind} state" if m.state is not None else "state")
+    layers = ", ".join(f"{counts[letter]} {word}" for letter, word in words.items() if counts[letter])
+    return (f"{name:<20} {params} params, {m.weight_format} weights; {m.num_layers} layers ({layers}); "
+            f"context {_tokens(m.max_position_embeddings)}; {m.hf_id or m.architecture}")
+
+
+def _gpu_line(name: str) -> str:
+    g = GPU_PRESETS[name]
+    fp8 = f", {g.fp8_flops / 1e12:,.0f} fp8" if g.fp8_flops else ", no fp8"
+    return (f"{name:<10} {g.memory_datasheet or format(g.memory_gib, '.0f') + ' GiB'}, "
+            f"{g.hbm_bandwidth_bytes_per_s / 1e12:,.2f} TB/s; {g.bf16_flops / 1e12:,.0f} bf16{fp8} dense TFLOP/s; "
+            f"{g.interconnect_bytes_per_s / 1e9:,.0f} GB/s peer link; {g.description}")
+
+
+def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON object: name -> facts.")) -> None:
+    """The model presets --model and [model] preset accept, one line of facts each."""
+    if as_json:
+        print(json.dumps({name: {"params_total": MODEL_PRESETS[name].params_total,
+                                 "params_active": MODEL_PRESETS[name].params_active,
+                                 "num_layers": MODEL_PRESETS[name].num_layers,
+                                 "layer_pattern": MODEL_PRESETS[name].layer_pattern,
+                                 "max_position_embeddings": MODEL_PRESETS[name].max_position_embeddings,
+                                 "hf_id": MODEL_PRESETS[name].hf_id} for name in model_names()}, indent=1))
+        return
+    for name in model_names():
+        print(_model_line(name))
+
+
+def gpus(as_json: bool = typer.Option(False, "--json", help="Print one JSON object: name -> facts.")) -> None:
+    """The GPU presets --gpu and [hardware] gpu accept, one line of facts each."""
+    if as_json:
+        print(json.dumps({name: {"description": GPU_PRESETS[name].description,
+                                 "memory_bytes": GPU_PRESETS[name].memory_bytes,
+                                 "hbm_bandwidth_bytes_per_s": GPU_PRESETS[name].hbm_bandwidth_bytes_per_s,
+                                 "bf16_flops": GPU_PRESETS[name].bf16_flops,
+                                 "fp8_flops": GPU_PRESETS[name].fp8_flops,
+                                 "interconnect_bytes_per_s": GPU_PRESETS[name].interconnect_bytes_per_s}
+                          for name in gpu_names()}, indent=1))
+        return
+    for name in gpu_names():
+        print(_gpu_line(name))

@@ -1,0 +1,98 @@
+"""The words of a run summary: figures in the unit that reads best, and the one-line verdicts.
+
+Shared by every command that prints a run (``kvtwin replay`` now, sweeps and reports
+later), so the same figure reads the same everywhere. Inputs are ``summary.parquet`` rows
+as dicts (``reports/SCHEMA.md``) and the planner's ``Plan``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+# Tried in order: the first unit in which the value is at least 1 is the one it reads best in.
+_UNITS_S = ((3600.0, "h"), (60.0, "min"), (1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def format_duration_s(seconds: float | None) -> str:
+    """``52.1 min``, ``3.2 s``, ``41 ms``: three significant figures at most, ``-`` for none."""
+    if _missing(seconds):
+        return "-"
+    if seconds == 0:
+        return "0 s"
+    size = abs(seconds)
+    for scale, unit in _UNITS_S:
+        # Rounded first, so 0.9996 s reads "1.0 s", not "1,000 ms" (and 59 min stays minutes).
+        if round(size / scale, 3) >= 1 or unit == "µs":
+            value = seconds / scale
+            digits = 0 if abs(value) >= 100 or unit in ("ms", "µs") and abs(value) >= 10 else 1
+            return f"{value:,.{digits}f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_duration_ms(milliseconds: float | None) -> str:
+    """A summary's ``_ms`` column in the unit that reads best."""
+    return "-" if _missing(milliseconds) else format_duration_s(milliseconds / 1000)
+
+
+def format_percent(fraction: float | None, digits: int = 1) -> str:
+    return "-" if _missing(fraction) else f"{fraction * 100:.{digits}f} %"
+
+
+def plan_line(plan) -> str:
+    """The KV cache layout a run used, in one line: blocks, KV tokens, max concurrency."""
+    usable = max(plan.num_blocks - 1, 0)
+    line = f"plan: {usable:,} KV blocks (+ the null block)"
+    if plan.fits:
+        line += (f", {plan.kv_cache_tokens:,} KV cache tokens, max concurrency {plan.max_concurrency:,.2f}x "
+                 f"requests of {plan.engine.max_model_len:,} tokens")
+    return line
+
+
+def prefix_line(row: dict) -> str:
+    """The hit rate next to what an infinite cache could have hit on the same requests."""
+    hit = format_percent(row["prefix_cache_hit_rate"])
+    bound = row.get("prefix_reuse_upper_bound")
+    if _missing(bound):
+        return f"{hit} (no bound: no content identity)"
+    return f"{hit} of {format_percent(bound)} possible"
+
+
+def rejections_line(row: dict) -> str | None:
+    """``rejected 3: exceeds_max_model_len 2, prompt_too_long 1``; None when nothing was rejected."""
+    if not row["rejected"]:
+        return None
+    counts = json.loads(row.get("rejected_by_reason") or "{}")
+    detail = ", ".join(f"{code} {count:,}" for code, count in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"rejected {row['rejected']:,}" + (f": {detail}" if detail else "")
+
+
+def not_arrived_line(row: dict) -> str | None:
+    """What a time limit cut: requests of the trace that never arrived."""
+    missing = row.get("not_arrived") or 0
+    if not missing:
+        return None
+    return (f"time limit: the run stopped at {format_duration_s(row['duration_s'])} simulated; "
+            f"{missing:,} of the trace's {row['num_trace_requests']:,} requests never arrived "
+            f"and are not in the figures")
+
+
+def saturation_hint(row: dict) -> str | None:
+    """Why the run counts as saturated (``saturation_reason``), in words; None when it does not."""
+    if not row.get("saturated"):
+        return None
+    reasons = [r for r in (row.get("saturation_reason") or "").split(",") if r]
+    words = []
+    if "queueing" in reasons:
+        words.append(f"p90 wait to be first scheduled {format_duration_ms(row['p90_queue_delay_ms'])}")
+    if "slo" in reasons:
+        words.append(f"only {format_percent(row['slo_attainment'])} of requests met the SLO")
+    if "drain" in reasons:
+        words.append(f"the last request arrived at {format_duration_s(row['last_arrival_s'])} but the engine "
+                     f"needed until {format_duration_s(row['duration_s'])}")
+    return (f"saturated: {'; '.join(words)}. Try more GPUs (--tp), another --gpu or --model, "
+            f"or --rate-scale < 1")

@@ -1,0 +1,233 @@
+"""One set of vLLM engine knobs, and how vLLM 0.33 resolves them for a model and a GPU.
+
+Semantics section 7 (defaults) and section 6 (scheduler knobs). The chain is:
+
+    scenario [engine] / flags ─► EngineConfig ─resolve(model, gpu)─► ResolvedEngineConfig
+                                                                      ├─ .scheduler: SchedulerConfig
+                                                                      └─ .cache:     CacheConfig
+
+``EngineConfig`` takes vLLM's option names; ``None`` means "vLLM's default", which may
+depend on the model or the GPU (batching defaults by GPU memory, the hybrid manager per
+model, Mamba "align" mode when prefix caching is on). Every value is checked when the
+config is built, so a scenario typo or a wrong type is refused before any work starts.
+The scheduler and cache knobs are checked by the same rules the core configs use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvtwin.sim.core.config import (
+    CACHE_KNOBS,
+    SCHEDULER_KNOBS,
+    CacheConfig,
+    SchedulerConfig,
+    check_knobs,
+    is_int,
+    is_number,
+)
+from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.planner.hardware import GIB, GPUSpec
+from kvtwin.sim.planner.models import DTYPE_BYTES, KV_HEAD_KINDS, ModelPreset
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
+MAMBA_DTYPES = ("auto", "float32", "bfloat16", "bf16", "float16", "fp16")
+MAMBA_CACHE_MODES = ("none", "align")
+
+
+def _positive(value: object, name: str, what: str = "a positive integer") -> None:
+    require(is_int(value) and value > 0, name, what, value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The engine settings (vLLM option names). None = vLLM's default."""
+
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_cache_memory_bytes: int | None = None
+    hybrid_kv_cache: bool | None = None
+    async_scheduling: bool = True
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "builtin"
+    mamba_cache_mode: str | None = None
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    # The scheduler's own knobs (vLLM 0.33 defaults).
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    adaptive_long_prefill_threshold: bool = False
+    watermark: float = 0.0
+    scheduler_reserve_full_isl: bool = True
+    # Overrides of the memory estimate (bytes per GPU), e.g. from a real profiling run.
+    activation_peak_bytes: int | None = None
+    cuda_graph_bytes: int | None = None
+    non_torch_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self.tensor_parallel_size, "tensor_parallel_size")
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
+                     "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(value, name)
+        util = self.gpu_memory_utilization
+        require(is_number(util) and 0 < util <= 1, "gpu_memory_utilization", "a fraction in (0, 1]", util)
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}",
+                self.kv_cache_dtype)
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            require(getattr(self, name) in MAMBA_DTYPES, name, f"one of {', '.join(MAMBA_DTYPES)}",
+                    getattr(self, name))
+        if self.mamba_cache_mode is not None:
+            require(self.mamba_cache_mode in MAMBA_CACHE_MODES, "mamba_cache_mode",
+                    f"one of {', '.join(MAMBA_CACHE_MODES)} ('all' is not modelled)", self.mamba_cache_mode)
+        if self.hybrid_kv_cache is not None:
+            require(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", "true or false", self.hybrid_kv_cache)
+        check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
+        check_knobs({name: getattr(self, name) for name in CACHE_KNOBS}, CACHE_KNOBS)
+        for name in ("activation_peak_bytes", "cuda_graph_bytes", "non_torch_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                require(is_int(value) and value >= 0, name, "a non-negative number of bytes", value)
+
+    def resolve(self, model: ModelPreset, gpu: GPUSpec) -> ResolvedEngineConfig:
+        """vLLM 0.33's defaults filled in, and the settings checked against the model."""
+        tp = self.tensor_parallel_size
+        max_model_len = self.max_model_len or model.max_position_embeddings
+        # `vllm serve` defaults (engine/arg_utils.py): larger batches on >= 70 GiB GPUs, A100 excepted.
+        large = gpu.memory_bytes >= 70 * GIB and "a100" not in f"{gpu.name} {gpu.description}".lower()
+        max_num_batched_tokens = self.max_num_batched_tokens or (8192 if large else 2048)
+        max_num_seqs = self.max_num_seqs or (1024 if large else 256)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ConfigError("max_num_batched_tokens", f"at least max_num_seqs ({max_num_seqs})",
+                              max_num_batched_tokens)
+        has_state = "mamba" in model.layer_kinds
+        mamba_cache_mode = self.mamba_cache_mode or ("align" if self.enable_prefix_caching and has_state else "none")
+        if mamba_cache_mode == "align" and not self.enable_prefix_caching:
+            raise ConfigError("mamba_cache_mode", "'none' when prefix caching is off", "align")
+        hybrid = model.default_hybrid_kv_cache if self.hybrid_kv_cache is None else self.hybrid_kv_cache
+        _check_model_fits_settings(model, tp=tp, max_model_len=max_model_len)
+        scheduler = SchedulerConfig(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            **{name: getattr(self, name) for name in SCHEDULER_KNOBS})
+        cache = CacheConfig(**{name: getattr(self, name) for name in CACHE_KNOBS})
+        return ResolvedEngineConfig(
+            tensor_parallel_size=tp, user_block_size=self.block_size or DEFAULT_BLOCK_SIZE,
+            user_specified_block_size=self.block_size is not None, kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype_bytes=DTYPE_BYTES[model.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype],
+            gpu_memory_utilization=float(self.gpu_memory_utilization),
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, hybrid_kv_cache=hybrid,
+            hybrid_kv_cache_is_default=hybrid == model.default_hybrid_kv_cache,
+            mamba_cache_mode=mamba_cache_mode, **_mamba_dtypes(model, self),
+            activation_peak_bytes=self.activation_peak_bytes, cuda_graph_bytes=self.cuda_graph_bytes,
+            non_torch_bytes=self.non_torch_bytes, scheduler=scheduler, cache=cache)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedEngineConfig:
+    """Every engine setting with vLLM's defaults filled in for one model on one GPU: what
+    the planner sizes the pool with, and the configs the scheduler and KV cache run on."""
+
+    tensor_parallel_size: int
+    user_block_size: int
+    user_specified_block_size: bool
+    kv_cache_dtype: str
+    kv_cache_dtype_bytes: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    hybrid_kv_cache: bool
+    hybrid_kv_cache_is_default: bool
+    mamba_cache_mode: str
+    mamba_conv_dtype: str
+    mamba_ssm_dtype: str
+    activation_peak_bytes: int | None
+    cuda_graph_bytes: int | None
+    non_torch_bytes: int | None
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+
+    # The scheduler's sizes are read everywhere in the planner; they live on ``scheduler``.
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler.async_scheduling
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.cache.enable_prefix_caching
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        return self.scheduler.max_in_flight_tokens
+
+    @property
+    def decode_in_flight_tokens(self) -> int:
+        """Tokens one request has in flight once its prefill is done (one per batch)."""
+        return self.scheduler.max_concurrent_batches
+
+
+def _mamba_dtypes(model: ModelPreset, engine: EngineConfig) -> dict[str, str]:
+    conv = model.dtype if engine.mamba_cache_dtype == "auto" else engine.mamba_cache_dtype
+    ssm = engine.mamba_ssm_cache_dtype
+    if ssm == "auto":
+        ssm = model.mamba_ssm_cache_dtype if model.mamba_ssm_cache_dtype != "auto" else conv
+    return {"mamba_conv_dtype": conv, "mamba_ssm_dtype": ssm}
+
+
+def _check_model_fits_settings(model: ModelPreset, *, tp: int, max_model_len: int) -> None:
+    kinds = set(model.layer_kinds)
+    if model.num_attention_heads % tp:
+        raise ConfigError("tensor_parallel_size",
+                          f"a divisor of {model.name}'s {model.num_attention_heads} attention heads", tp)
+    if kinds & KV_HEAD_KINDS:
+        kv = model.num_kv_heads
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ConfigError("tensor_parallel_size",
+                              f"a divisor or a multiple of {model.name}'s {kv} KV heads", tp)
+    if model.state is not None:
+        model.state.state_shapes(hidden_size=model.hidden_size, tp=tp)  # raises on a bad split
+    if "sliding_window" in kinds and model.sliding_window > max_model_len:
+        raise ConfigError("max_model_len", f"at least {model.name}'s sliding window ({model.sliding_window} tokens)",
+                          max_model_len)
+    if "chunked_local" in kinds and model.attention_chunk_size > max_model_len:
+        raise ConfigError("max_model_len",
+                          f"at least {model.name}'s attention chunk ({model.attention_chunk_size} tokens)",
+                          max_model_len)
+
+
+ENGINE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def engine_config_from_mapping(entry: object, *, where: str = "engine") -> EngineConfig:
+    """The ``[engine]`` table of a scenario as an ``EngineConfig``; errors name the table's
+    key. Unknown keys are refused: a typo must not silently fall back to a default."""
+    if not isinstance(entry, dict):
+        raise ConfigError(where, "a table of engine settings", entry)
+    unknown = sorted(set(entry) - set(ENGINE_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", f"an engine setting ({', '.join(sorted(ENGINE_KEYS))})",
+                          entry[unknown[0]])
+    try:
+        return EngineConfig(**entry)
+    except ConfigError as err:
+        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None

@@ -1,0 +1,150 @@
+"""A scenario file merged with command-line overrides: the one set of rules every command
+that plans or runs the engine shares (plan, replay, and the coming capacity and validate).
+
+Precedence, field by field: a flag wins over the scenario, which wins over vLLM's defaults.
+
+* model: ``--model PRESET`` or ``--hf-config PATH`` (not both), else the scenario's ``[model]``;
+* GPU: ``--gpu PRESET``, else ``[hardware]``;
+* engine: the scenario's ``[engine]`` table, then each engine flag given;
+* workload: ``--trace`` replaces the scenario's source but keeps its cuts (``limit``,
+  ``rate_scale``, ...); ``--limit`` and ``--rate-scale`` replace those cuts;
+* ``--time-limit-s`` wins over ``[run] time_limit_s``.
+
+Every flag is checked here, before any trace is read or any step simulated, and refused with
+the flag's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.planner.hardware import GPUSpec, get_gpu
+from kvtwin.sim.planner.hf_config import load_hf_config
+from kvtwin.sim.planner.models import ModelPreset, get_model
+from kvtwin.sim.planner.plan import Plan, plan
+from kvtwin.sim.replay.cost_model import Efficiency
+from kvtwin.sim.replay.metrics import SLO
+from kvtwin.sim.scenario.parse import Scenario, Workload, check_time_limit, check_transform, load_scenario
+from kvtwin.traces.bundled import resolve as resolve_trace
+
+# Engine fields whose flag is not simply ``--field-name``.
+_ENGINE_FLAGS = {"tensor_parallel_size": "--tp"}
+
+
+def engine_flag(field_name: str) -> str:
+    """The command-line spelling of an engine setting, for error messages."""
+    return _ENGINE_FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the command line said; None (or absent) means "not given"."""
+
+    model: str | None = None
+    hf_config: Path | None = None
+    gpu: str | None = None
+    trace: str | None = None
+    engine: Mapping[str, object] = field(default_factory=dict)  # EngineConfig field -> value
+    rate_scale: float | None = None
+    limit: int | None = None
+    time_limit_s: float | None = None
+
+    def check(self) -> None:
+        """Refuse a bad flag value by the flag's name (nothing has been read yet)."""
+        if self.model is not None and self.hf_config is not None:
+            raise ConfigError("--model", "either --model or --hf-config, not both")
+        if self.rate_scale is not None:
+            check_transform("rate_scale", self.rate_scale, "--rate-scale")
+        if self.limit is not None:
+            check_transform("limit", self.limit, "--limit")
+        if self.time_limit_s is not None:
+            check_time_limit(self.time_limit_s, "--time-limit-s")
+
+    def given(self) -> dict:
+        """The flags that were given, for a run's metadata."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        out = {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None}
+        out.update({k: v for k, v in self.engine.items() if v is not None})
+        return out
+
+
+@dataclass(frozen=True)
+class ResolvedScenario:
+    """Everything a command needs to plan or run, with every choice made."""
+
+    source: Path | None
+    description: str
+    model: ModelPreset
+    gpu: GPUSpec
+    engine: EngineConfig
+    workload: Workload | None
+    slo: SLO
+    efficiency: Efficiency
+    time_limit_s: float | None
+    overrides: Overrides
+
+    @property
+    def where(self) -> str | None:
+        return str(self.source) if self.source is not None else None
+
+    def plan(self) -> Plan:
+        return plan(self.model, self.gpu, self.engine)
+
+    def require_workload(self) -> Workload:
+        if self.workload is None:
+            raise ConfigError("workload", "a [workload] table in the scenario or --trace", source=self.where)
+        return self.workload
+
+
+def resolve_scenario(path: Path | None, overrides: Overrides = Overrides()) -> ResolvedScenario:
+    """Load ``path`` (if given) and apply ``overrides``; every error is one ``ConfigError``."""
+    overrides.check()
+    scenario = load_scenario(path) if path is not None else Scenario()
+    where = str(path) if path is not None else None
+
+    if overrides.model is not None:
+        model = get_model(overrides.model, field="--model")
+    elif overrides.hf_config is not None:
+        model = load_hf_config(overrides.hf_config)
+    elif scenario.model is not None:
+        model = scenario.model
+    else:
+        raise ConfigError("model", "--model PRESET, --hf-config PATH or a scenario with a [model] table",
+                          source=where)
+    if overrides.gpu is not None:
+        gpu = get_gpu(overrides.gpu, field="--gpu")
+    elif scenario.gpu is not None:
+        gpu = scenario.gpu
+    else:
+        raise ConfigError("hardware", "--gpu PRESET or a scenario with a [hardware] table", source=where)
+
+    engine = scenario.engine
+    for name, value in overrides.engine.items():
+        if value is None:
+            continue
+        try:
+            engine = dataclasses.replace(engine, **{name: value})
+        except ConfigError as err:
+            raise ConfigError(engine_flag(name), err.expected, err.got) from None
+
+    workload = scenario.workload
+    if overrides.trace is not None:
+        workload = Workload(trace=resolve_trace(overrides.trace),
+                            transforms=dict(workload.transforms) if workload is not None else {})
+    if workload is not None and (overrides.rate_scale is not None or overrides.limit is not None):
+        cuts = dict(workload.transforms)
+        if overrides.rate_scale is not None:
+            cuts["rate_scale"] = overrides.rate_scale
+        if overrides.limit is not None:
+            cuts["limit"] = overrides.limit
+        workload = dataclasses.replace(workload, transforms=cuts)
+
+    time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
+    return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
+                            workload=workload, slo=scenario.slo, efficiency=scenario.efficiency,
+                            time_limit_s=time_limit_s, overrides=overrides)

@@ -1,0 +1,197 @@
+"""One resolution of a scenario with command-line overrides, shared by `plan` and `replay`,
+and the bad values it refuses: one `kvtwin: error:` line naming the flag or the scenario key,
+exit code 2, before any simulation starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtwin.cli import app
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+
+SCENARIO = """\
+[model]
+preset = "llama-3.1-8b"
+
+[hardware]
+gpu = "h100"
+
+[engine]
+max_model_len = 32768
+watermark = 0.01
+scheduling_policy = "priority"
+
+[workload]
+trace = "bundled:mooncake_conversation_trace.jsonl"
+limit = 40
+rate_scale = 0.5
+
+[run]
+time_limit_s = 600
+"""
+
+
+@pytest.fixture
+def scenario(tmp_path) -> Path:
+    path = tmp_path / "s.toml"
+    path.write_text(SCENARIO)
+    return path
+
+
+def one_error_line(result, *needles: str) -> str:
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("kvtwin: error: ") and "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+# -- precedence --------------------------------------------------------------------------
+
+
+def test_the_scenario_supplies_what_no_flag_overrides(scenario):
+    r = resolve_scenario(scenario)
+    assert (r.model.name, r.gpu.name, r.engine.max_model_len) == ("llama-3.1-8b", "h100", 32768)
+    assert r.engine.scheduling_policy == "priority" and r.engine.watermark == 0.01
+    assert r.workload.transforms == {"limit": 40, "rate_scale": 0.5}
+    assert r.time_limit_s == 600
+
+
+def test_flags_win_field_by_field(scenario):
+    r = resolve_scenario(scenario, Overrides(model="qwen3-8b", gpu="h200", limit=7, time_limit_s=5.0,
+                                             engine={"tensor_parallel_size": 2, "max_model_len": None}))
+    assert (r.model.name, r.gpu.name) == ("qwen3-8b", "h200")
+    # A flag not given (None) leaves the scenario's value.
+    assert r.engine.tensor_parallel_size == 2 and r.engine.max_model_len == 32768
+    assert r.workload.transforms == {"limit": 7, "rate_scale": 0.5} and r.time_limit_s == 5.0
+
+
+def test_another_trace_keeps_the_scenarios_cuts(scenario):
+    r = resolve_scenario(scenario, Overrides(trace="bundled:AzureLLMInferenceTrace_conv.csv"))
+    assert r.workload.trace.name == "AzureLLMInferenceTrace_conv.csv"
+    assert r.workload.transforms == {"limit": 40, "rate_scale": 0.5}
+
+
+def test_plan_and_replay_resolve_the_same_engine(scenario, tmp_path):
+    """`plan --scenario` and `replay` read the same scenario into the same layout."""
+    planned = run("plan", "--scenario", str(scenario), "--json")
+    assert planned.exit_code == 0, planned.stderr
+    replayed = run("replay", str(scenario), "--limit", "5", "--quiet", "--out", str(tmp_path / "run"))
+    assert replayed.exit_code == 0, replayed.stderr
+    import json
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["num_blocks"] == \
+        json.loads(planned.stdout)["num_blocks"]
+
+
+def test_model_and_hf_config_together_are_refused():
+    with pytest.raises(ConfigError, match="--model"):
+        resolve_scenario(None, Overrides(model="qwen3-8b", hf_config=Path("x.json"), gpu="h100"))
+
+
+def test_without_a_model_or_gpu_the_error_says_where_to_put_one(scenario, tmp_path):
+    with pytest.raises(ConfigError, match=r"--model PRESET"):
+        resolve_scenario(None, Overrides(gpu="h100"))
+    bare = tmp_path / "bare.toml"
+    bare.write_text('[model]\npreset = "qwen3-8b"\n')
+    with pytest.raises(ConfigError, match=r"--gpu PRESET") as err:
+        resolve_scenario(bare)
+    assert err.value.source == str(bare)
+
+
+# -- bad flags (issue "one house", section 5: one test per row) --------------------------
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--limit", "-5", "a positive number of requests"),
+    ("--limit", "0", "a positive number of requests"),
+    ("--rate-scale", "0", "a positive factor"),
+    ("--rate-scale", "-1", "a positive factor"),
+    ("--time-limit-s", "-1", "a positive number of simulated seconds"),
+])
+def test_bad_replay_flags_are_refused_before_the_run(scenario, tmp_path, flag, value, expected):
+    out = tmp_path / "run"
+    result = run("replay", str(scenario), flag, value, "--quiet", "--out", str(out))
+    one_error_line(result, f"kvtwin: error: {flag}: expected {expected}", f"got {value}")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("line, field, expected", [
+    ('watermark = "yes"', "engine.watermark", "a fraction in [0, 1)"),
+    ("watermark = true", "engine.watermark", "a fraction in [0, 1)"),
+    ('enable_chunked_prefill = "no"', "engine.enable_chunked_prefill", "true or false"),
+    ('enable_chunked_prefill = "false"', "engine.enable_chunked_prefill", "true or false"),
+    ('scheduler_reserve_full_isl = "yes"', "engine.scheduler_reserve_full_isl", "true or false"),
+    ('async_scheduling = 1', "engine.async_scheduling", "true or false"),
+    ('long_prefill_token_threshold = "512"', "engine.long_prefill_token_threshold", "a non-negative integer"),
+    ('prefix_caching_hash_algo = "md5"', "engine.prefix_caching_hash_algo", "one of sha256, builtin"),
+])
+def test_strings_are_not_booleans_or_numbers_in_a_scenario(tmp_path, line, field, expected):
+    path = tmp_path / "bad.toml"
+    key = line.split("=")[0].strip()
+    text = "".join(kept for kept in SCENARIO.splitlines(keepends=True) if not kept.startswith(key + " "))
+    path.write_text(text.replace("[engine]\n", f"[engine]\n{line}\n"))
+    for args in (["replay", str(path), "--quiet", "--out", str(tmp_path / "run")],
+                 ["plan", "--scenario", str(path)]):
+        one_error_line(run(*args), f"{path}: {field}: expected {expected}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_engine_key_lists_every_engine_setting_scheduler_ones_included(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(SCENARIO.replace("[engine]\n", "[engine]\nschedulng_policy = 'fcfs'\n"))
+    line = one_error_line(run("plan", "--scenario", str(path)), "engine.schedulng_policy")
+    for key in ("scheduling_policy", "watermark", "enable_chunked_prefill", "scheduler_reserve_full_isl",
+                "long_prefill_token_threshold", "prefix_caching_hash_algo", "max_model_len", "block_size"):
+        assert key in line
+
+
+@pytest.mark.parametrize("value", ["7", "8", "24"])
+def test_a_block_size_the_attention_kernel_cannot_tile_is_refused_with_valid_sizes(value):
+    line = one_error_line(run("plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--block-size", value),
+                          "block_size", "a multiple of 16 tokens", "16, 32, 64", f"got {value}")
+    assert "h100" in line
+
+
+def test_a_block_size_the_kernel_can_tile_is_kept():
+    import json
+    result = run("plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--block-size", "32", "--json")
+    assert json.loads(result.stdout)["block_size"] == 32
+
+
+@pytest.mark.parametrize("line, field", [
+    ("skip_bad = 'yes'", "workload.skip_bad"),
+    ("sample_sessions = 1.5", "workload.sample_sessions"),
+    ("end_s = -3", "workload.end_s"),
+])
+def test_bad_workload_values_name_the_key(tmp_path, line, field):
+    path = tmp_path / "bad.toml"
+    path.write_text(SCENARIO.replace("limit = 40\n", f"limit = 40\n{line}\n"))
+    one_error_line(run("replay", str(path), "--quiet", "--out", str(tmp_path / "run")), f"{path}: {field}: ")
+
+
+def test_an_unknown_bundled_trace_in_a_scenario_names_the_file_and_lists_the_bundled_ones(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(SCENARIO.replace("bundled:mooncake_conversation_trace.jsonl", "bundled:nope.jsonl"))
+    one_error_line(run("replay", str(path), "--quiet", "--out", str(tmp_path / "run")),
+                   f"{path}: workload.trace: ", "bundled:mooncake_conversation_trace.jsonl", "'bundled:nope.jsonl'")
+
+
+def test_a_model_that_does_not_fit_is_refused_before_the_trace_is_read(scenario, tmp_path, monkeypatch):
+    import kvtwin.sim.scenario.parse as parse
+
+    monkeypatch.setattr(parse.Workload, "load", lambda self: pytest.fail("the trace was read"))
+    out = tmp_path / "run"
+    one_error_line(run("replay", str(scenario), "--model", "llama-3.1-70b", "--gpu", "l40s", "--max-model-len",
+                       "131072", "--quiet", "--out", str(out)), "model: expected a layout that fits",
+                   "would fit: tensor_parallel_size = 8")
+    assert not out.exists()

@@ -1,0 +1,135 @@
+"""A test-only model executor that rebuilds the block tables from the scheduler output alone.
+
+BLOCK-TABLE-MIRROR (``tests/INVARIANTS.md``): what a device executor will do, kept as
+simple as possible so that it can be trusted. Per output, in the order
+``scheduler_output.py`` prescribes: drop finished (previous step) and preempted requests;
+set a new or resumed request's tables to its ``block_ids``; for a running request apply
+the in-place replacements, then the appended blocks. It also mirrors what an executor
+needs for positions and sampling (computed tokens, sequence length) from the same stream.
+
+``check(engine, result)`` after each step asserts that the mirror equals the KV cache
+manager's tables (``get_block_ids``) for every running request, and holds nothing else but
+the requests that finished in that step (reported with the next output).
+"""
+
+from __future__ import annotations
+
+from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, StepResult
+from kvtwin.sim.core.scheduler_output import SchedulerOutput
+
+NAME = "BLOCK-TABLE-MIRROR"
+
+
+def _fail(message: str) -> None:
+    raise AssertionError(f"{NAME}: {message}")
+
+
+class BlockTableMirror:
+    def __init__(self, model: ModelExecutor):
+        self.model = model  # samples the tokens; the mirror only watches
+        self.tables: dict[str, tuple[list[int], ...]] = {}
+        self.num_computed_tokens: dict[str, int] = {}
+        self.num_tokens: dict[str, int] = {}
+        self.num_prompt_tokens: dict[str, int] = {}
+        self.expected_finished: set[str] = set()
+        self.num_replacements = 0
+        self.num_appends = 0
+
+    # -- the consumer --------------------------------------------------------------------
+
+    def execute(self, output: SchedulerOutput) -> Execution:
+        self.apply(output)
+        execution = self.model.execute(output)
+        for rid, tokens in execution.sampled.items():
+            self.num_tokens[rid] += len(tokens)
+        return execution
+
+    def _drop(self, rid: str, why: str) -> None:
+        if rid not in self.tables:
+            _fail(f"{why} request {rid} has no table to drop")
+        for state in (self.tables, self.num_computed_tokens, self.num_tokens, self.num_prompt_tokens):
+            del state[rid]
+
+    def apply(self, output: SchedulerOutput) -> None:
+        if set(output.finished_req_ids) != self.expected_finished:
+            _fail(f"finished_req_ids {output.finished_req_ids} != finished last step {sorted(self.expected_finished)}")
+        self.expected_finished = set()
+        for rid in output.finished_req_ids:
+            self._drop(rid, "finished")
+        for rid in output.preempted:
+            if rid in output.num_scheduled_tokens:
+                _fail(f"preempted request {rid} is also scheduled")
+            self._drop(rid, "preempted")
+        new_ids = set()
+        for new in output.scheduled_new_reqs:
+            rid = new.req_id
+            if rid in self.tables:
+                _fail(f"new request {rid} already has a table")
+            self.tables[rid] = tuple(list(ids) for ids in new.block_ids)
+            self.num_computed_tokens[rid] = new.num_computed_tokens
+            self.num_tokens[rid] = new.num_tokens
+            self.num_prompt_tokens[rid] = new.num_prompt_tokens
+            new_ids.add(rid)
+        cached_ids = set(output.cached_req_ids)
+        if cached_ids & new_ids:
+            _fail(f"requests both new and cached: {sorted(cached_ids & new_ids)}")
+        cached = output.scheduled_cached_reqs
+        for rid, changes in cached.replaced_block_ids.items():
+            if rid not in cached_ids:
+                _fail(f"replacements for {rid}, which is not a scheduled running request")
+            tables = self.tables[rid]
+            for gid, position, block_id in changes:
+                if not 0 <= position < len(tables[gid]):
+                    _fail(f"{rid} group {gid}: replacement at {position} outside its table of {len(tables[gid])}")
+                tables[gid][position] = block_id
+                self.num_replacements += 1
+        for rid, per_group in cached.new_block_ids.items():
+            if rid not in cached_ids:
+                _fail(f"appended blocks for {rid}, which is not a scheduled running request")
+            tables = self.tables[rid]
+            for gid, ids in enumerate(per_group):
+                tables[gid].extend(ids)
+                self.num_appends += len(ids)
+        # Positions and sampling, from the same stream.
+        if len(output.num_computed_tokens) != len(output.num_scheduled_tokens):
+            _fail("num_computed_tokens is not parallel to num_scheduled_tokens")
+        for (rid, n), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
+            if rid not in self.tables:
+                _fail(f"scheduled request {rid} has no table")
+            if computed != self.num_computed_tokens[rid]:
+                _fail(f"{rid} starts at {computed}, the mirror says {self.num_computed_tokens[rid]}")
+            computed += n
+            self.num_computed_tokens[rid] = computed
+            samples = computed >= self.num_tokens[rid]
+            if samples != (rid in output.num_output_tokens):
+                _fail(f"{rid} computes to {computed} of {self.num_tokens[rid]} tokens; sampling: "
+                      f"{rid in output.num_output_tokens}")
+            if samples and output.num_output_tokens[rid] != self.num_tokens[rid] - self.num_prompt_tokens[rid]:
+                _fail(f"{rid} samples output {output.num_output_tokens[rid]}, the mirror says "
+                      f"{self.num_tokens[rid] - self.num_prompt_tokens[rid]}")
+        if set(output.num_output_tokens) - set(output.num_scheduled_tokens):
+            _fail("a request samples without being scheduled")
+
+    # -- the check -------------------------------------------------------------------------
+
+    def check(self, engine: EngineCore, result: StepResult) -> None:
+        kvm = engine.kv_cache_manager
+        if kvm.replaced_block_ids:
+            # A running request whose allocation failed is either scheduled in the same step
+            # or preempted, so no in-place change may wait past the step.
+            _fail(f"in-place changes left undelivered: {kvm.replaced_block_ids}")
+        running = {r.request_id: r for r in engine.scheduler.running}
+        finished = {r.request_id for r in result.finished}
+        if finished & running.keys():
+            _fail(f"finished requests still running: {sorted(finished & running.keys())}")
+        if self.tables.keys() != running.keys() | finished:
+            _fail(f"mirror holds {sorted(self.tables)}, running {sorted(running)}, just finished {sorted(finished)}")
+        for rid, request in running.items():
+            actual = kvm.get_block_ids(rid)
+            if tuple(self.tables[rid]) != actual:
+                _fail(f"{rid}: mirror {self.tables[rid]} != manager {actual}")
+            if self.num_computed_tokens[rid] != request.num_computed_tokens:
+                _fail(f"{rid}: mirror computed {self.num_computed_tokens[rid]} != {request.num_computed_tokens}")
+            if self.num_tokens[rid] != request.num_tokens:
+                _fail(f"{rid}: mirror num_tokens {self.num_tokens[rid]} != {request.num_tokens}")
+        self.expected_finished = finished
