@@ -50,15 +50,20 @@ def _gpu_line(name: str) -> str:
             f"{g.interconnect_bytes_per_s / 1e9:,.0f} GB/s peer link; {g.description}")
 
 
+# What `--json` reports for each preset.
+MODEL_FACTS = ("params_total", "params_active", "num_layers", "layer_pattern", "max_position_embeddings", "hf_id")
+GPU_FACTS = ("description", "memory_bytes", "hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops",
+             "interconnect_bytes_per_s")
+
+
+def _facts(presets: dict, names: list[str], fields: tuple[str, ...]) -> str:
+    return json.dumps({name: {f: getattr(presets[name], f) for f in fields} for name in names}, indent=1)
+
+
 def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON object: name -> facts.")) -> None:
     """The model presets --model and [model] preset accept, one line of facts each."""
     if as_json:
-        print(json.dumps({name: {"params_total": MODEL_PRESETS[name].params_total,
-                                 "params_active": MODEL_PRESETS[name].params_active,
-                                 "num_layers": MODEL_PRESETS[name].num_layers,
-                                 "layer_pattern": MODEL_PRESETS[name].layer_pattern,
-                                 "max_position_embeddings": MODEL_PRESETS[name].max_position_embeddings,
-                                 "hf_id": MODEL_PRESETS[name].hf_id} for name in model_names()}, indent=1))
+        print(_facts(MODEL_PRESETS, model_names(), MODEL_FACTS))
         return
     for name in model_names():
         print(_model_line(name))
@@ -67,13 +72,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
 def gpus(as_json: bool = typer.Option(False, "--json", help="Print one JSON object: name -> facts.")) -> None:
     """The GPU presets --gpu and [hardware] gpu accept, one line of facts each."""
     if as_json:
-        print(json.dumps({name: {"description": GPU_PRESETS[name].description,
-                                 "memory_bytes": GPU_PRESETS[name].memory_bytes,
-                                 "hbm_bandwidth_bytes_per_s": GPU_PRESETS[name].hbm_bandwidth_bytes_per_s,
-                                 "bf16_flops": GPU_PRESETS[name].bf16_flops,
-                                 "fp8_flops": GPU_PRESETS[name].fp8_flops,
-                                 "interconnect_bytes_per_s": GPU_PRESETS[name].interconnect_bytes_per_s}
-                          for name in gpu_names()}, indent=1))
+        print(_facts(GPU_PRESETS, gpu_names(), GPU_FACTS))
         return
     for name in gpu_names():
         print(_gpu_line(name))
