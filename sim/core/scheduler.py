@@ -6,8 +6,9 @@ Semantics section 6. One ``schedule()`` call per engine step:
    it still lacks (the rest of its prefill, or one decode token), clipped by the budget,
    ``long_prefill_token_threshold``, ``max_model_len`` and, for Mamba "align" models, the
    block-aligned prefill split. If the pool is short, preempt (FCFS: the last running
-   request; priority: the lowest-priority latest arrival) and retry; a request that had
-   to preempt itself ends the running pass.
+   request; priority: the lowest-priority latest arrival) and retry. A request that had
+   to preempt itself ends the running pass under FCFS; under priority the pass goes on
+   with the next running request, which ranks higher and may fit in what it freed.
 2. Waiting requests only if nobody was preempted this step, while budget remains and
    fewer than ``max_num_seqs`` run: look up the prefix hit, admit if the whole sequence
    fits; the first request that does not fit stops admission (head-of-line blocking).
@@ -137,6 +138,11 @@ class Scheduler:
                 if victim is request:
                     break
             if new_blocks is None:
+                if is_priority and request.status is RequestStatus.PREEMPTED:
+                    # It was the lowest-priority running request and preempted itself.
+                    # The ones after it rank higher and may fit in what it freed; it left
+                    # ``self.running``, so ``req_index`` already points at the next one.
+                    continue
                 break
             request_id = request.request_id
             if new_blocks is not empty_blocks:

@@ -488,7 +488,7 @@ def spec_from_dict(entry: dict, *, block_size: int, where: str) -> KVCacheSpec:
         for key in ("shapes", "dtype_bytes"):
             if key in params:
                 params[key] = tuple(tuple(s) if isinstance(s, list) else s for s in params[key])
-    known = {f for f in cls.__dataclass_fields__}
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - known)
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}", f"a field of a {kind} group ({', '.join(sorted(known))})",

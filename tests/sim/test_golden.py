@@ -15,8 +15,14 @@ CASES_DIR = Path(__file__).parent.parent / "golden" / "cases"
 CASES = sorted(p.name for p in CASES_DIR.iterdir() if (p / "config.json").exists())
 
 
-def test_all_ten_golden_cases_are_present():
-    assert len(CASES) == 10
+# The cases published in ../shared/golden/cases (produced by vLLM 0.33.0 itself); the
+# directory may hold more (cases generated with the oracle for further rules).
+PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mamba_align", "multiturn",
+                "no_chunking", "priority", "swa128", "three_groups", "hybrid_priority"}
+
+
+def test_every_public_golden_case_is_present():
+    assert PUBLIC_CASES <= set(CASES)
 
 
 @pytest.mark.parametrize("name", CASES)

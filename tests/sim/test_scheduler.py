@@ -156,3 +156,30 @@ def test_adaptive_long_prefill_threshold_floors_at_a_fair_share():
     eng.add_request(new_request("b", tokens(1000, 300)))
     out = eng.step(EchoModel()).output
     assert out.num_scheduled_tokens == {"a": 256, "b": 256}  # max(64, 512 // 2)
+
+
+def _self_preemption_run(policy: str):
+    """A (priority 0) and B (priority 5, the lowest) run; C (priority 1) joins a step later,
+    behind B in the running order. The pool is full when B crosses into a new block."""
+    eng = engine(full(), num_blocks=6, max_num_batched_tokens=256, scheduling_policy=policy)
+    eng.add_request(new_request("A", tokens(0, 16), max_tokens=40, priority=0, arrival_time=0))
+    eng.add_request(new_request("B", tokens(1000, 10), max_tokens=40, priority=5, arrival_time=1))
+    model = EchoModel()
+    for step in range(60):
+        if step == 1:
+            eng.add_request(new_request("C", tokens(2000, 16), max_tokens=40, priority=1, arrival_time=2))
+        order = [r.request_id for r in eng.scheduler.running]
+        out = eng.step(model).output
+        if out.preempted:
+            return order, out
+    pytest.fail("expected a preemption")
+
+
+def test_priority_self_preemption_goes_on_with_the_next_running_request():
+    """Semantics section 6 (vLLM 0.33 scheduler.py, the ``new_blocks is None`` branch): the
+    lowest-priority request that cannot grow preempts itself, and the pass continues."""
+    order, out = _self_preemption_run("priority")
+    assert order == ["A", "B", "C"] and out.preempted == ["B"]
+    # Nobody before B needed blocks (so B preempted itself), and C, after it, still ran.
+    assert "A" not in out.scheduled_cached_reqs.new_blocks
+    assert "C" in out.num_scheduled_tokens and "B" not in out.num_scheduled_tokens
