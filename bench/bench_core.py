@@ -1,7 +1,8 @@
 """Speed of the KV-cache core and scheduler through the lockstep runner.
 
 Replays every golden case and a generated workload of 2,000 requests with long shared
-prefixes (full attention, and a hybrid full + sliding window + Mamba variant) and reports
+prefixes (full attention, and a hybrid full + sliding window + Mamba variant; each with
+synchronous and asynchronous scheduling, the latter stepped by ``EngineCore.step_async``) and reports
 steps per second and microseconds per ``allocate_slots`` call. The scheduler skips the call
 for decode steps the KV cache manager already knows change nothing, so the per-call figure
 averages the calls that do work; steps per second is the end-to-end figure. Prints a table and writes
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "cases"
 
 
-def shared_prefix_workload(num_requests: int, seed: int, hybrid: bool, hash_algo: str) -> GoldenCase:
+def shared_prefix_workload(num_requests: int, seed: int, hybrid: bool, hash_algo: str,
+                           async_scheduling: bool = False) -> GoldenCase:
     """Chat traffic behind a few long system prompts (Zipf-popular), arriving a few per step."""
     rng = random.Random(seed)
     system_prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randrange(1024, 4096))] for _ in range(16)]
@@ -54,8 +56,9 @@ def shared_prefix_workload(num_requests: int, seed: int, hybrid: bool, hash_algo
                   MambaSpec(block_size=block, shapes=((64, 64),), dtype_bytes=(2,), mamba_cache_mode="align")]
     groups = tuple(KVCacheGroupSpec((f"g{i}",), s) for i, s in enumerate(specs))
     kv = KVCacheConfig(num_blocks=6000 * len(specs), groups=groups, hash_block_size=block)
-    sched = SchedulerConfig(max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=8192)
-    name = f"generated-{num_requests}-{'hybrid' if hybrid else 'full'}"
+    sched = SchedulerConfig(max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=8192,
+                            async_scheduling=async_scheduling)
+    name = f"generated-{num_requests}-{'hybrid' if hybrid else 'full'}{'-async' if async_scheduling else ''}"
     return GoldenCase(name, kv, sched, CacheConfig(True, hash_algo), tuple(requests))
 
 
@@ -117,7 +120,8 @@ def main() -> None:
     args = parser.parse_args()
 
     cases = [load_case(d, hash_algo=args.hash_algo) for d in sorted(GOLDEN.iterdir()) if d.is_dir()]
-    cases += [shared_prefix_workload(args.requests, args.seed, hybrid, args.hash_algo) for hybrid in (False, True)]
+    cases += [shared_prefix_workload(args.requests, args.seed, hybrid, args.hash_algo, async_scheduling)
+              for async_scheduling in (False, True) for hybrid in (False, True)]
     rows = []
     console = Console(width=150)
     with console.status("running") as status:

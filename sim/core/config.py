@@ -77,8 +77,8 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
-    # Two batches in flight double the tokens the sliding-window and chunked-local
-    # admission caps must cover. The step loop itself is synchronous.
+    # vLLM's AsyncScheduler: two batches in flight (EngineCore.step_async), which also
+    # doubles the tokens the sliding-window and chunked-local admission caps must cover.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

@@ -50,6 +50,9 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.replaced_block_ids = self.replaced_block_ids
         self.scheduler_block_size = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
+        # Hits land on this grid, so a Mamba prefill checkpoint is placed on it too.
+        for manager in self.managers:
+            manager.cache_hit_alignment_tokens = self.scheduler_block_size
         # A Mamba group moves its state block at every boundary: no horizon to skip to.
         self.horizon_possible = all(m.has_noop_horizon for m in self.managers)
 

@@ -5,10 +5,19 @@ model), the SimPy replay (a cost model predicts each step's seconds) and the GPU
 (kernels run and are timed) all call ``EngineCore.step`` with their own ``ModelExecutor``;
 nothing here knows which clock is running. An executor sees only the ``SchedulerOutput``
 (see ``scheduler_output.py`` for what it carries and how to keep block tables from it).
+
+Asynchronous scheduling (``SchedulerConfig.async_scheduling``, vLLM's default) keeps two
+batches in flight: ``step_async`` is one call of vLLM's ``step_with_batch_queue``. It
+schedules a batch (handing it to the executor at once, as vLLM launches it) and returns
+if the queue has room and there is more to do; otherwise it applies the oldest batch's
+results. Its two halves, ``schedule_batch`` and ``update_batch``, let a clock put time
+between launching a batch and applying it (the SimPy replay waits for the batch's end).
+The synchronous ``step`` is unchanged and stays the only step for synchronous configs.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,7 +45,9 @@ class ModelExecutor(Protocol):
     called for an output that schedules no tokens but preempts or reports finished
     requests, so it can drop their tables (vLLM's model runner, too, updates its state
     before it checks for an empty batch); that call's ``Execution`` is ignored: such a
-    step samples nothing and takes no time."""
+    step samples nothing and takes no time. With asynchronous scheduling it is called when
+    a batch is scheduled, in schedule order, before the previous batch's tokens are applied;
+    its ``Execution`` is applied at that batch's update."""
 
     def execute(self, output: SchedulerOutput) -> Execution:
         ...
@@ -58,9 +69,28 @@ class Rejection:
 
 @dataclass
 class StepResult:
+    """What one step did. ``output`` is the step's schedule (an empty one for an async step
+    that scheduled nothing), ``finished`` the requests its update finished. ``execution``
+    belongs to the batch whose results the step applied: ``output`` itself in the
+    synchronous step; in ``step_async`` the batch ``updated`` (None: nothing applied)."""
+
     output: SchedulerOutput
     finished: list[Request]
     execution: Execution
+    updated: SchedulerOutput | None = None
+
+
+@dataclass
+class Batch:
+    """A scheduled batch in flight (async): its output and what the executor made of it."""
+
+    output: SchedulerOutput
+    execution: Execution
+
+    @property
+    def executed(self) -> bool:
+        """Whether it computes anything (vLLM's ``model_executed``)."""
+        return bool(self.output.num_scheduled_tokens)
 
 
 _IDLE = Execution({}, 0.0)
@@ -72,6 +102,9 @@ class EngineCore:
         self.scheduler = Scheduler(kv_cache_config, scheduler_config, cache_config)
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.rejected: list[Rejection] = []
+        # Async: batches scheduled and not yet updated, oldest first.
+        self.batch_queue: deque[Batch] = deque()
+        self.batch_queue_size = scheduler_config.max_concurrent_batches
 
     def add_request(self, request: Request) -> bool:
         """Queue a request, or reject it (counted, with a code) if it can never run."""
@@ -111,6 +144,50 @@ class EngineCore:
         execution = executor.execute(output)
         finished = self.scheduler.update_from_output(output, execution.sampled)
         return StepResult(output, finished, execution)
+
+    # -- asynchronous scheduling: two batches in flight --------------------------------
+
+    def has_requests(self) -> bool:
+        """Something to schedule, or finished requests still to report (vLLM's ``has_requests``)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
+
+    def schedule_batch(self, executor: ModelExecutor) -> Batch:
+        """Schedule one batch, hand it to the executor (it runs while the next is scheduled)
+        and queue it. An output with no tokens is queued too (vLLM updates it as well)."""
+        output = self.scheduler.schedule()
+        if output.num_scheduled_tokens:
+            execution = executor.execute(output)
+        else:
+            if output.preempted or output.finished_req_ids:
+                executor.execute(output)  # nothing to run, but tables to drop
+            execution = _IDLE
+        batch = Batch(output, execution)
+        self.batch_queue.append(batch)
+        return batch
+
+    def update_batch(self) -> StepResult:
+        """Apply the oldest batch's sampled tokens (it has finished running)."""
+        batch = self.batch_queue.popleft()
+        finished = self.scheduler.update_from_output(batch.output, batch.execution.sampled)
+        return StepResult(batch.output, finished, batch.execution, batch.output)
+
+    def step_async(self, executor: ModelExecutor) -> StepResult:
+        """One engine step with a batch queue (vLLM ``EngineCore.step_with_batch_queue``).
+
+        If there are requests, schedule a batch; if the queue then has room and (the batch
+        computes something or requests remain), that is the step. Otherwise apply the
+        oldest batch in flight (none: an idle step). The result's ``output`` is this step's
+        schedule, ``finished``, ``execution`` and ``updated`` those of the batch applied."""
+        scheduled = None
+        if self.has_requests():
+            scheduled = self.schedule_batch(executor)
+            if len(self.batch_queue) < self.batch_queue_size and (scheduled.executed or self.has_requests()):
+                return StepResult(scheduled.output, [], _IDLE)
+        elif not self.batch_queue:
+            return StepResult(SchedulerOutput(), [], _IDLE)
+        updated = self.update_batch()
+        updated.output = scheduled.output if scheduled is not None else SchedulerOutput()
+        return updated
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -78,8 +78,10 @@ class KVCacheManager:
             if end <= self.noop_horizon.get(request.request_id, -1):
                 return self.empty_blocks
             # Where a horizon exists it is exact, so only Mamba layouts need the O(1) check.
+            # (Blocks are dropped by the tokens processed: async batches in flight excluded.)
             if not self.coordinator.horizon_possible and self.coordinator.is_noop(
-                    request.request_id, computed, min(end, self.max_model_len), end, min(end, request.num_tokens)):
+                    request.request_id, max(0, computed - request.num_in_flight_tokens), min(end, self.max_model_len),
+                    end, min(end, request.num_tokens)):
                 return self.empty_blocks
         hit_blocks = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks
         coordinator = self.coordinator
@@ -103,7 +105,8 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
 
         # Released even if the allocation below fails: those blocks are dead either way.
-        coordinator.remove_skipped_blocks(request_id, total_computed)
+        # Async: only by what was processed; batches in flight still read below the window.
+        coordinator.remove_skipped_blocks(request_id, max(0, total_computed - request.num_in_flight_tokens))
 
         needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hit_blocks,
                                                         num_local_computed, num_tokens_main_model)

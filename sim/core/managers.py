@@ -10,7 +10,9 @@ the shared pool. The base class holds the bookkeeping every type shares.
   found right to left; blocks that slid out of the window become the null block.
 * Chunked local: blocks before the current chunk are free hits and are dropped early.
 * Mamba: one state block matters; "align" mode keeps only the state at the last block
-  boundary (plus the previous one until the new state is written), "none" mode one block.
+  boundary (plus the previous one until the new state is written, and, for kernels that
+  export prefill checkpoints, the state at the chunk's last boundary in the block before),
+  "none" mode one block.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvtwin.sim.core.spec import (
     MambaSpec,
     SlidingWindowSpec,
     cdiv,
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
 )
 
 
@@ -325,12 +329,14 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
 
 class MambaManager(SingleTypeKVCacheManager):
-    """Recurrent state blocks. Align mode: the table is nulls plus the last state block(s)."""
+    """Recurrent state blocks. Align mode: the table is nulls plus the last state block(s)
+    and, in a step with a prefill checkpoint, the checkpoint block just before them."""
 
     has_noop_horizon = False
 
-    def __init__(self, spec: MambaSpec, *args, **kwargs):
-        super().__init__(spec, *args, **kwargs)
+    def __init__(self, spec: MambaSpec, block_pool: BlockPool, group_id: int, enable_caching: bool,
+                 hash_block_size: int, *args, **kwargs):
+        super().__init__(spec, block_pool, group_id, enable_caching, hash_block_size, *args, **kwargs)
         self.align = spec.mamba_cache_mode == "align"
         self.num_speculative_blocks = spec.num_speculative_blocks
         self.last_state_block_idx: dict[str, int] = {}
@@ -338,6 +344,18 @@ class MambaManager(SingleTypeKVCacheManager):
         # Hashes cached in this step: a state written this step cannot be read by another
         # request scheduled in the same step.
         self.cached_blocks_this_step: set = set()
+        self.has_prefill_checkpoint_blocks = spec.has_prefill_checkpoint_blocks
+        self.hash_block_size = hash_block_size
+        # The grid hits are aligned to; the coordinator sets its scheduler block size.
+        self.cache_hit_alignment_tokens = spec.block_size
+        # Requests whose last (non-admission) count reserved a checkpoint block, which the
+        # allocation that follows keeps real (vLLM's ``_checkpoints``).
+        self.checkpoints: set[str] = set()
+        # request id -> table index below which every entry is null. Align-mode tables have
+        # real blocks behind null gaps (a checkpoint, a state whose retirement tokens in
+        # flight delayed), so skipped blocks are found by a scan from here, not by stopping
+        # at the first null (vLLM's ``_num_retired_blocks``).
+        self.num_retired_blocks: dict[str, int] = {}
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is needed.
@@ -376,11 +394,42 @@ class MambaManager(SingleTypeKVCacheManager):
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         table = self.req_to_blocks.get(request_id)
         num_new = num_required - len(new_computed_blocks) - (len(table) if table else 0)
+        checkpoint = 0
+        if self.has_prefill_checkpoint_blocks:
+            checkpoint = self._checkpoint_index(request_id, table, total_computed_tokens, num_tokens_main_model) >= 0
+            # The whole-sequence check only counts; the per-step count decides.
+            if not apply_admission_cap:
+                if checkpoint:
+                    self.checkpoints.add(request_id)
+                else:
+                    self.checkpoints.discard(request_id)
         if num_new > 0:
-            # A running request reuses its speculative blocks: one new state block at most.
-            num_new = 1 if request_id in self.allocated_block_reqs else 1 + self.num_speculative_blocks
+            # At most one new state block (and the checkpoint's); a running request reuses
+            # its speculative blocks.
+            cap = 1 + checkpoint
+            if request_id not in self.allocated_block_reqs:
+                cap += self.num_speculative_blocks
+            num_new = min(num_new, cap)
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return max(num_new, 0) + num_evictable
+
+    def _checkpoint_index(self, request_id: str, table: list[KVCacheBlock] | None, query_start: int,
+                          query_end: int) -> int:
+        """Where the chunk ``[query_start, query_end)`` exports a prefill checkpoint: the
+        block before the running state's, holding the state at the last hit-grid boundary
+        before ``query_end``; -1 if it exports none. vLLM 0.33 reserves one for every
+        qualifying chunk, not only the prompt's last (dense retention)."""
+        position = get_mamba_prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens)
+        if not is_mamba_prefill_checkpoint_valid(query_start, query_end, position, self.hash_block_size,
+                                                 self.block_size, self.spec.prefill_checkpoint_alignment):
+            return -1
+        idx = cdiv(query_end, self.block_size) - 2
+        if idx < 0:
+            return -1
+        if (table is None or idx >= len(table) or table[idx] is self.null_block
+                or (request_id in self.allocated_block_reqs and idx >= len(table) - self.num_speculative_blocks)):
+            return idx
+        return -1
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         if not self.align:
@@ -389,7 +438,9 @@ class MambaManager(SingleTypeKVCacheManager):
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         table = self.req_to_blocks.setdefault(request_id, [])
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
-        if num_required <= len(table):
+        # The checkpoint block sits just before the running state's and stays real.
+        checkpoint = 1 if self.checkpoints and request_id in self.checkpoints else 0
+        if num_required <= len(table) and not checkpoint:
             self.allocated_block_reqs.add(request_id)
             return []
         prev_len = len(table)
@@ -400,28 +451,51 @@ class MambaManager(SingleTypeKVCacheManager):
             # A hit's last block holds the state the request resumes from.
             self.last_state_block_idx[request_id] = prev_len - 1
         num_skipped_blocks = num_required - self.num_speculative_blocks - 1
-        if prev_len < num_skipped_blocks:
-            table.extend([self.null_block] * (num_skipped_blocks - prev_len))
+        null_end = num_skipped_blocks - checkpoint
+        if prev_len < null_end:
+            table.extend([self.null_block] * (null_end - prev_len))
         if was_allocated:
             moved = []
             for idx in range(prev_len - self.num_speculative_blocks, prev_len):
-                if idx >= num_skipped_blocks:
+                if idx >= null_end:
                     break
                 table.append(table[idx])
                 table[idx] = self.null_block
                 moved.append(idx)
             if moved:
                 self._record_nulled(request_id, moved)
-        new_blocks = self.block_pool.get_new_blocks(num_required - len(table), self.group_id)
+        new_blocks = self.block_pool.get_new_blocks(max(num_required - len(table), 0), self.group_id)
         returned = table[prev_len:]
         table.extend(new_blocks)
         self.allocated_block_reqs.add(request_id)
         return returned + new_blocks
 
+    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
+                                     num_local_computed_tokens: int) -> None:
+        fresh = request_id not in self.num_cached_block
+        super().allocate_new_computed_blocks(request_id, new_computed_blocks, num_local_computed_tokens)
+        if fresh and self.align:
+            # A hit is nulls and then its state block: nothing below it to retire.
+            self.num_retired_blocks[request_id] = max(len(self.req_to_blocks[request_id]) - 1, 0)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        super().remove_skipped_blocks(request_id, num_computed_tokens)
         if not self.align:
+            super().remove_skipped_blocks(request_id, num_computed_tokens)
             return
+        table = self.req_to_blocks.get(request_id)
+        if table and num_computed_tokens > 1:
+            stop = min((num_computed_tokens - 1) // self.block_size, len(table))
+            first = self.num_retired_blocks.get(request_id, 0)
+            if first < stop:
+                null = self.null_block
+                # Highest first, as vLLM frees them; the nulls in between cost one test each.
+                positions = [i for i in range(stop - 1, first - 1, -1) if table[i] is not null]
+                if positions:
+                    self.block_pool.free_blocks([table[i] for i in positions])
+                    for i in positions:
+                        table[i] = null
+                    self._record_nulled(request_id, positions)
+                self.num_retired_blocks[request_id] = stop
         # The previous state block was only needed to seed the current one.
         last_idx = self.last_state_block_idx.get(request_id)
         if last_idx is not None and last_idx < cdiv(num_computed_tokens, self.block_size) - 1:
@@ -453,14 +527,25 @@ class MambaManager(SingleTypeKVCacheManager):
         if self.enable_caching and num_tokens_to_cache // block_size > self.num_cached_block.get(request_id, 0):
             return False
         last_idx = self.last_state_block_idx.get(request_id)
+        null = self.null_block
         if (last_idx is not None and last_idx < cdiv(num_computed_tokens, block_size) - 1
-                and table[last_idx] is not self.null_block):
+                and table[last_idx] is not null):
             return False
-        return self._nothing_to_skip(table, num_computed_tokens)
+        stop = min((num_computed_tokens - 1) // block_size, len(table))
+        first = self.num_retired_blocks.get(request_id, 0)
+        if first < stop:
+            for i in range(first, stop):
+                if table[i] is not null:
+                    return False
+            # Only nulls there: retiring them changes nothing, so the next call starts after.
+            self.num_retired_blocks[request_id] = stop
+        return True
 
     def free(self, request_id: str) -> None:
         self.allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
+        self.checkpoints.discard(request_id)
+        self.num_retired_blocks.pop(request_id, None)
         super().free(request_id)
 
     def new_step_starts(self) -> None:

@@ -23,7 +23,8 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "output_token_ids",
                  "num_computed_tokens", "block_hashes", "status", "num_preemptions", "shared_prefix_boundary",
-                 "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens")
+                 "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens", "num_output_placeholders",
+                 "num_in_flight_tokens")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
                  priority: int = 0):
@@ -46,6 +47,14 @@ class Request:
         self._hasher: BlockHasher | None = None
         # Token count at which the next block becomes full and gets a hash.
         self._next_hash_tokens = 1 << 62
+        # Asynchronous scheduling only (both stay 0 otherwise): tokens this request will
+        # sample in batches still in flight (vLLM's output placeholders: they count as
+        # tokens it has when the next batch is scheduled) ...
+        self.num_output_placeholders = 0
+        # ... and the tokens it has scheduled in batches still in flight: blocks they read
+        # stay until they ran (a window slides by what was processed), and a preempted
+        # request waits until output from before its preemption has been delivered.
+        self.num_in_flight_tokens = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""The v1 continuous-batching scheduler (vLLM ``v1/core/sched/scheduler.py``, synchronous).
+"""The v1 continuous-batching scheduler (vLLM ``v1/core/sched/scheduler.py`` and, with
+``async_scheduling``, ``async_scheduler.py``).
 
 Semantics section 6. One ``schedule()`` call per engine step:
 
@@ -21,9 +22,27 @@ ids of admitted requests, blocks appended and entries replaced for running ones,
 and who samples. A running request's table changes are taken from the KV cache manager
 right after its allocation succeeds; a request preempted later in the same step (priority
 policy) has them withdrawn, since its tables are dropped.
+
+Asynchronous scheduling (vLLM's default; ``EngineCore.step_async`` keeps two batches in
+flight) changes only what the scheduler counts, never the synchronous path:
+
+* a request that samples in a batch holds an *output placeholder* until that batch's
+  update: it counts as a token the request has, so the next batch schedules its decode
+  (``num_tokens + placeholders - computed``) and it samples output ``outputs +
+  placeholders``; a request whose batch in flight samples its last token is skipped;
+* tokens of batches in flight (``num_in_flight_tokens``) do not count as processed: windowed
+  and Mamba blocks are released by ``computed - in flight``;
+* the update resolves placeholders and caches the blocks a sampled token completed (they
+  could not be cached when the next batch was allocated), before freeing what finished;
+  finished requests reach the executor with the next schedule, one batch late;
+* a request preempted while a batch with it is in flight still gets that batch's token
+  (stale output, no placeholder), may finish from the waiting queue, and is not resumed
+  while such output is in flight (set aside for the step, keeping its place).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
@@ -31,7 +50,8 @@ from kvtwin.sim.core.kv_cache_manager import KVCacheManager
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvtwin.sim.core.spec import KVCacheConfig, MambaSpec
+from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, get_mamba_prefill_checkpoint_position,
+                                  is_mamba_prefill_checkpoint_valid)
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
@@ -51,12 +71,28 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished in the last update_from_output; reported in the next output.
         self.finished_req_ids: list[str] = []
+        # Asynchronous scheduling (vLLM's AsyncScheduler): batches are scheduled before the
+        # previous one's tokens are known, and updated in schedule order.
+        self.async_scheduling = scheduler_config.async_scheduling
+        self.num_batches = 0  # schedule() calls so far (async; a counter for clocks and tests)
+        # Per batch in flight that schedules tokens, oldest first: its (request, tokens) that
+        # sample nothing (partial prefill chunks), whose tokens leave the flight at its update.
+        self._in_flight_partials: deque[list[tuple[Request, int]]] = deque()
         mamba_align = [g.spec for g in kv_cache_config.groups
                        if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align"]
         # Align mode caches a Mamba state only where a prefill chunk ends, so chunks must
         # end on block boundaries.
         self.mamba_block_size = mamba_align[0].block_size if mamba_align and cache_config.enable_prefix_caching \
             else 0
+        # Unless every Mamba group's kernel can also leave the state at the prompt's last
+        # cacheable boundary from inside the final chunk (a prefill checkpoint): then that
+        # chunk need not stop there. vLLM takes the first Mamba group's alignment.
+        mamba_specs = [g.spec for g in kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
+        self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(
+            s.num_prefill_checkpoint_blocks > 0 for s in mamba_specs)
+        self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs \
+            else None
+        self.hash_block_size = kv_cache_config.hash_block_size
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -92,6 +128,7 @@ class Scheduler:
         max_model_len = cfg.max_model_len
         mamba_split = self.mamba_block_size > 0
         horizon = kvm.noop_horizon
+        async_ = self.async_scheduling
         kvm.new_step_starts()
 
         req_index = 0
@@ -99,6 +136,14 @@ class Scheduler:
             request = self.running[req_index]
             computed = request.num_computed_tokens
             num_new = request.num_tokens - computed
+            if async_ and request.num_output_placeholders:
+                placeholders = request.num_output_placeholders
+                if computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
+                    # The batch in flight samples its last token: no further step is needed.
+                    req_index += 1
+                    continue
+                # The tokens being sampled in flight count as tokens it has.
+                num_new += placeholders
             if 0 < long_prefill < num_new:
                 num_new = long_prefill
             if num_new > token_budget:
@@ -165,6 +210,29 @@ class Scheduler:
         requests = self.requests
         note_computed = out.num_computed_tokens.append
         sampling = out.num_output_tokens
+        if async_:
+            self.num_batches += 1
+            partials: list[tuple[Request, int]] = []
+            if scheduled:  # (an empty batch has none; its update pops nothing)
+                self._in_flight_partials.append(partials)
+            for request_id, num_tokens in scheduled.items():
+                request = requests[request_id]
+                computed = request.num_computed_tokens
+                note_computed(computed)
+                computed += num_tokens
+                request.num_computed_tokens = computed
+                request.num_in_flight_tokens += num_tokens
+                # Everything it has, the outputs still being sampled included, is computed:
+                # it samples one more, and holds a placeholder for it until this batch's
+                # update (a partial prefill chunk samples nothing).
+                placeholders = request.num_output_placeholders
+                have = request.num_tokens + placeholders
+                if computed >= have:
+                    sampling[request_id] = have - request.num_prompt_tokens
+                    request.num_output_placeholders = placeholders + 1
+                else:
+                    partials.append((request, num_tokens))
+            return out
         for request_id, num_tokens in scheduled.items():
             request = requests[request_id]
             computed = request.num_computed_tokens
@@ -179,10 +247,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
         cfg = self.config
         kvm = self.kv_cache_manager
+        # Async: preempted requests whose output from before the preemption is still in
+        # flight, set aside for this step (vLLM resumes them only once it is delivered).
+        skipped: list[Request] = []
         while len(self.waiting) and token_budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.num_in_flight_tokens:
+                # Preempted while a batch with it was in flight (async; 0 when synchronous).
+                skipped.append(self.waiting.pop())
+                continue
             if request.num_computed_tokens == 0:
                 hit_blocks, hit_tokens, request.shared_prefix_boundary = kvm.get_computed_blocks(request)
             else:
@@ -216,12 +291,16 @@ class Scheduler:
                 request.num_tokens, hit_tokens, resumed))
             out.num_scheduled_tokens[request_id] = num_new
             token_budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend(request)  # back in front, in their order
 
     def _preempt(self, request: Request) -> None:
         """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Async: output still in flight is stale; it is delivered but resolves nothing.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.waiting.prepend(request)
 
@@ -230,16 +309,26 @@ class Scheduler:
 
         States are written only at chunk ends, so an unfinished prefill chunk must end on a
         block boundary; it also stops at the last cacheable boundary of the sequence and at
-        a shared-prefix junction, so siblings sharing that prefix can reuse its state.
+        a shared-prefix junction, so siblings sharing that prefix can reuse its state. A
+        final chunk whose kernel exports that last boundary as a prefill checkpoint (vLLM
+        0.33, ``is_mamba_prefill_checkpoint_valid``) runs through it, and may then start
+        mid-block.
         """
         block_size = self.mamba_block_size
         start = request.num_computed_tokens + num_new_local_computed
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if start >= prefill_end:
             return num_new
-        # The last boundary a later request can hit (hits stop at num_tokens - 1).
-        last_cache_position = (request.num_tokens - 1) // block_size * block_size
         end = start + num_new
+        # The last boundary a later request can hit (hits stop at num_tokens - 1).
+        last_cache_position = get_mamba_prefill_checkpoint_position(request.num_tokens, block_size)
+        internal_checkpoint = (
+            self.mamba_has_prefill_checkpoint_blocks and end >= prefill_end
+            and is_mamba_prefill_checkpoint_valid(
+                start, end, get_mamba_prefill_checkpoint_position(prefill_end, block_size), self.hash_block_size,
+                block_size, self.mamba_prefill_checkpoint_alignment))
+        if internal_checkpoint:
+            last_cache_position = 0
         if end < prefill_end:
             max_prefill_tokens = self.config.max_num_batched_tokens
             if self.config.long_prefill_token_threshold > 0:
@@ -249,7 +338,7 @@ class Scheduler:
                 end = aligned_end
         boundary = request.shared_prefix_boundary
         stops = (
-            (start // block_size + 1) * block_size if start % block_size else 0,
+            (start // block_size + 1) * block_size if start % block_size and not internal_checkpoint else 0,
             last_cache_position,
             start + (boundary - start) // block_size * block_size if start < boundary < end else 0,
         )
@@ -261,7 +350,10 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Append sampled tokens; finish and free requests that are done. Returns the finished.
 
-        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones)."""
+        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones).
+        With asynchronous scheduling every batch must be updated, in schedule order."""
+        if self.async_scheduling:
+            return self._update_async(output, sampled)
         finished: list[Request] = []
         max_model_len = self.config.max_model_len
         requests = self.requests
@@ -283,3 +375,79 @@ class Scheduler:
             for request in finished:
                 del self.requests[request.request_id]
         return finished
+
+    def _update_async(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """The update of the oldest batch in flight (vLLM's AsyncScheduler).
+
+        Its tokens leave the flight. Each sampled token resolves one of the request's
+        placeholders; it completes blocks only now, after the next batch was allocated, so
+        the blocks full within the tokens processed so far (computed less still in flight)
+        are cached here, before a finished request is freed. A request preempted while this
+        batch was in flight still receives its token (stale output: no placeholder, no
+        caching) and may finish from the waiting queue.
+        """
+        scheduled = output.num_scheduled_tokens
+        requests = self.requests
+        if not scheduled:
+            return []
+        # Partial prefill chunks sample nothing; their tokens leave the flight too.
+        for request, num_tokens in self._in_flight_partials.popleft():
+            request.num_in_flight_tokens -= num_tokens
+        finished: list[Request] = []
+        max_model_len = self.config.max_model_len
+        kvm = self.kv_cache_manager
+        caching = kvm.enable_caching
+        hash_block_size = kvm.coordinator.hash_block_size  # every group's block size is a multiple
+        cache_blocks = kvm.coordinator.cache_blocks
+        preempted = RequestStatus.PREEMPTED
+        for request_id, tokens in sampled.items():
+            # Never finished already: a request whose last token is in flight is not
+            # scheduled again (vLLM would discard such a token).
+            request = requests[request_id]
+            num_tokens = scheduled[request_id]
+            in_flight = request.num_in_flight_tokens - num_tokens
+            request.num_in_flight_tokens = in_flight
+            if not tokens:
+                continue
+            request.append_output_token_ids(tokens)
+            done = len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len
+            if request.status is preempted:
+                if done:
+                    self._remove_waiting(request)
+                    request.status = RequestStatus.FINISHED
+                    kvm.free(request)
+                    finished.append(request)
+                    self.finished_req_ids.append(request_id)
+                continue
+            placeholders = request.num_output_placeholders
+            if placeholders:
+                request.num_output_placeholders = placeholders - len(tokens)
+                if caching and not in_flight:
+                    # An allocation caches every block ending at or before the request's
+                    # length when it is scheduled, which is at least where its batch starts.
+                    # So only a block ending inside this batch's tokens can be new, and only
+                    # if no later batch (allocated once those tokens were known) holds the
+                    # request; every group's blocks end on hash-block boundaries.
+                    processed = request.num_computed_tokens
+                    if processed // hash_block_size != (processed - num_tokens) // hash_block_size:
+                        cache_blocks(request_id, request.block_hashes, processed)
+            if done:
+                request.status = RequestStatus.FINISHED
+                kvm.free(request)
+                finished.append(request)
+                self.finished_req_ids.append(request_id)
+        if finished:
+            done_ids = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done_ids]
+            for request in finished:
+                del requests[request.request_id]
+        return finished
+
+    def _remove_waiting(self, request: Request) -> None:
+        """Take one request out of the waiting queue, the others keeping their order."""
+        waiting = self.waiting
+        ahead = []
+        while (head := waiting.pop()) is not request:
+            ahead.append(head)
+        for head in reversed(ahead):
+            waiting.prepend(head)

@@ -5,6 +5,11 @@ access to the scheduler's requests: it keeps an exact copy of every running requ
 block table per KV cache group, as vLLM's GPU model runner does from its own output, and
 learns each scheduled request's positions and whether it samples.
 
+With asynchronous scheduling (two batches in flight) outputs still reach the executor in
+schedule order and the rules below are unchanged; a request's sequence length then counts
+the tokens being sampled in flight (its placeholders), and ``finished_req_ids`` lists what
+finished in the updates since the previous schedule.
+
 Keeping the tables, in this order, once per output:
 
 1. drop the tables of ``finished_req_ids`` (requests that finished at the end of the
@@ -36,7 +41,8 @@ Positions: request ``num_scheduled_tokens`` keys, in order (running requests in 
 order, then admissions), with ``num_computed_tokens`` at the same index giving the tokens
 already computed when the step starts; the step computes positions ``[computed, computed +
 scheduled)``. Requests in ``num_output_tokens`` sample one token at the end of the step;
-the value is how many output tokens they have so far (the index of the one they sample).
+the value is how many output tokens they have so far, those still being sampled in flight
+included (the index of the one they sample).
 """
 
 from __future__ import annotations

@@ -329,6 +329,13 @@ class MambaSpec(KVCacheSpec):
     ``shapes``/``dtype_bytes`` list the state tensors (e.g. conv state and SSM state) of
     one layer. In ``align`` mode the state at every block boundary can be cached, and a
     request holds its current and previous state block; otherwise one state, no caching.
+
+    Layers whose kernel can leave a state mid-prefill (vLLM 0.33's Mamba-2 mixer, Qwen's
+    gated DeltaNet on FlashInfer) publish a *prefill checkpoint*: one extra block per
+    request (``num_prefill_checkpoint_blocks``) holding the state at a block boundary
+    inside the chunk, so the scheduler need not end the chunk there. Checkpoint offsets
+    from the chunk start must be multiples of ``prefill_checkpoint_alignment``; None
+    means the kernel exports none, whatever the block count says.
     """
 
     kind: ClassVar[str] = "mamba"
@@ -338,6 +345,7 @@ class MambaSpec(KVCacheSpec):
     mamba_cache_mode: MambaCacheMode = "none"
     num_speculative_blocks: int = 0
     num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
     page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
@@ -348,6 +356,12 @@ class MambaSpec(KVCacheSpec):
                 f"one entry per state tensor ({len(self.shapes)})", self.dtype_bytes)
         require(self.num_speculative_blocks >= 0, "num_speculative_blocks", "a non-negative integer",
                 self.num_speculative_blocks)
+        require(_is_int(self.num_prefill_checkpoint_blocks) and self.num_prefill_checkpoint_blocks >= 0,
+                "num_prefill_checkpoint_blocks", "a non-negative integer", self.num_prefill_checkpoint_blocks)
+        require(self.prefill_checkpoint_alignment is None
+                or (_is_int(self.prefill_checkpoint_alignment) and self.prefill_checkpoint_alignment > 0),
+                "prefill_checkpoint_alignment", "a positive integer number of tokens, or null",
+                self.prefill_checkpoint_alignment)
         if self.page_size_padded is not None:
             require(self.page_size_padded >= self.real_page_size_bytes, "page_size_padded",
                     f"at least the state size ({self.real_page_size_bytes} bytes)", self.page_size_padded)
@@ -369,9 +383,43 @@ class MambaSpec(KVCacheSpec):
     def state_bytes(self) -> int:
         return self.real_page_size_bytes
 
+    @property
+    def has_prefill_checkpoint_blocks(self) -> bool:
+        """Whether a request keeps a checkpoint block (only align mode caches states)."""
+        return self.mamba_cache_mode == "align" and self.num_prefill_checkpoint_blocks > 0
+
     def describe(self) -> dict:
         return {"state_shapes": [list(shape) for shape in self.shapes], "state_dtype_bytes": list(self.dtype_bytes),
-                "mamba_cache_mode": self.mamba_cache_mode}
+                "mamba_cache_mode": self.mamba_cache_mode,
+                "num_prefill_checkpoint_blocks": self.num_prefill_checkpoint_blocks,
+                "prefill_checkpoint_alignment": self.prefill_checkpoint_alignment}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def get_mamba_prefill_checkpoint_position(num_tokens: int, block_size: int) -> int:
+    """The last block boundary whose state a later request can reuse (vLLM's helper of the
+    same name, no EAGLE): hits stop at ``num_tokens - 1`` because the last token's logits
+    are always recomputed."""
+    return max((num_tokens - 1) // block_size * block_size, 0)
+
+
+def is_mamba_prefill_checkpoint_valid(query_start: int, query_end: int, checkpoint_position: int,
+                                      hash_block_size: int, mamba_block_size: int,
+                                      checkpoint_alignment: int | None) -> bool:
+    """Whether the kernel can export the state at ``checkpoint_position`` from inside the
+    query ``[query_start, query_end)`` into its own block (the one before the running
+    state's), as vLLM 0.33 decides it. That block must lie after the block the query's
+    initial state comes from, and the offset must be on the kernel's grid."""
+    if checkpoint_alignment is None:
+        return False
+    return (query_start % hash_block_size == 0
+            and -(-query_end // mamba_block_size) - 2 > (query_start - 1) // mamba_block_size
+            and query_start + hash_block_size <= checkpoint_position
+            and query_start < checkpoint_position < query_end
+            and (checkpoint_position - query_start) % checkpoint_alignment == 0)
 
 
 def _promoted(spec: AttentionSpec, block_size: int, **window) -> FullAttentionSpec:

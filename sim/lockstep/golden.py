@@ -104,9 +104,6 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
         )
     except ConfigError as err:
         raise err if err.source else err.with_source(source) from None
-    if scheduler_config.async_scheduling:
-        raise ConfigError("async_scheduling", "false: the lockstep runner reproduces the synchronous scheduler",
-                          True, source=source)
     return kv_cache_config, scheduler_config, cache_config, data.get("description", "")
 
 

@@ -6,6 +6,11 @@ calls ``EngineCore.step`` (schedule, the scripted model samples each request's n
 records what happened. The run ends after the first step at whose end every request has
 arrived and finished. This is the exactness check: the same engine the replay and the
 executor drive, with nothing but the clock and the model swapped out.
+
+A case with ``async_scheduling`` is stepped by ``EngineCore.step_async`` (the golden
+README's "Asynchronous cases"): a step may only schedule, or schedule and apply the oldest
+batch; admissions are recorded at the step that scheduled them, finishes at the step whose
+update produced the last token, and the run also waits for the batches in flight.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ class ScriptedModel:
 
     def execute(self, output: SchedulerOutput) -> Execution:
         outputs = self.outputs
-        # One step is one tick of the step clock.
-        return Execution({rid: [outputs[rid][index]] for rid, index in output.num_output_tokens.items()},
-                         duration_s=1.0)
+        # One step is one tick of the step clock. A request that already has all its outputs
+        # gets token 0 (async only; vLLM discards it).
+        return Execution({rid: [outputs[rid][index] if index < len(outputs[rid]) else 0]
+                          for rid, index in output.num_output_tokens.items()}, duration_s=1.0)
 
 
 def step_record(step: int, result: StepResult, pool: BlockPool) -> dict:
@@ -55,10 +61,13 @@ class RequestRecord:
     admissions: list[dict] = field(default_factory=list)
     first_scheduled_step: int | None = None
     finish_step: int | None = None
+    # Counted as they happen: with async scheduling a preempted request can finish from the
+    # waiting queue (its last token was in flight) without another admission.
+    num_preemptions: int = 0
 
     def to_json(self) -> dict:
         return {"request_id": self.request_id, "admissions": self.admissions,
-                "num_preemptions": max(len(self.admissions) - 1, 0),
+                "num_preemptions": self.num_preemptions,
                 "first_scheduled_step": self.first_scheduled_step, "finish_step": self.finish_step}
 
 
@@ -79,6 +88,8 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
     steps: list[dict] = []
     idle_steps = 0
     step = 0
+    is_async = case.scheduler_config.async_scheduling
+    step_fn = engine.step_async if is_async else engine.step
     while True:
         while next_arrival < len(pending) and pending[next_arrival].arrival_step == step:
             spec = pending[next_arrival]
@@ -90,22 +101,25 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
                 raise ConfigError("requests.jsonl", f"requests the engine accepts ({rejection.code}: "
                                   f"{rejection.detail})", spec.request_id)
             next_arrival += 1
-        result = engine.step(model)
+        result = step_fn(model)
         out = result.output
         for admission in out.scheduled_new_reqs:
             record = records[admission.req_id]
             record.admissions.append({"step": step, "hit_tokens": admission.hit_tokens})
             if record.first_scheduled_step is None:
                 record.first_scheduled_step = step
+        for request_id in out.preempted:
+            records[request_id].num_preemptions += 1
         for request in result.finished:
             records[request.request_id].finish_step = step
         steps.append(step_record(step, result, pool))
         if on_step is not None:
             on_step(step)
         all_arrived = next_arrival == len(pending)
-        if all_arrived and not engine.has_unfinished_requests():
+        if all_arrived and not engine.has_unfinished_requests() and not engine.batch_queue:
             break
-        idle_steps = idle_steps + 1 if (all_arrived and not out.num_scheduled_tokens) else 0
+        idle = not out.num_scheduled_tokens and not any(b.executed for b in engine.batch_queue)
+        idle_steps = idle_steps + 1 if (all_arrived and idle) else 0
         if idle_steps > max_idle_steps:
             stuck = engine.scheduler.waiting.peek().request_id
             raise ConfigError("requests.jsonl", f"a workload that can make progress: request {stuck} waits "

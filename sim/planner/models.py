@@ -19,10 +19,13 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtwin.sim.core.errors import ConfigError, require
 from kvtwin.sim.core.spec import SPEC_CLASSES
+
+if TYPE_CHECKING:
+    from kvtwin.sim.planner.hardware import GPUSpec
 
 # Letters of ``layer_pattern`` -> the spec kind a layer gets (None: the layer has no cache).
 LAYER_KINDS: dict[str, str | None] = {cls.pattern_letter: cls.kind for cls in SPEC_CLASSES} | {"-": None}
@@ -78,6 +81,20 @@ class RecurrentState:
         """Width of the mixer's main projection (for the activation estimate)."""
         raise NotImplementedError
 
+    # Prefill checkpoints (vLLM 0.33, align mode only): a layer whose prefill kernel can
+    # leave the state at a block boundary inside a chunk gets one extra state block per
+    # request, so the scheduler need not end the prompt's last chunk on that boundary.
+
+    def prefill_checkpoint_kernel_alignment(self, gpu: GPUSpec) -> int | None:
+        """Token grid the prefill kernel exports checkpoints on, which the block size must
+        be a multiple of (vLLM's ``get_prefill_checkpoint_alignment``); None: no constraint."""
+        return None
+
+    def prefill_checkpoint(self, gpu: GPUSpec, *, block_size: int) -> tuple[int, int | None]:
+        """``(num_prefill_checkpoint_blocks, prefill_checkpoint_alignment)`` of the layer's
+        align-mode spec at this (state) block size: none by default (Mamba-1, lightning)."""
+        return 0, None
+
 
 @dataclass(frozen=True, kw_only=True)
 class Mamba1State(RecurrentState):
@@ -129,6 +146,11 @@ class Mamba2State(RecurrentState):
         return ((self.d_conv - 1, _divide(conv_dim, tp, "the Mamba-2 conv width")),
                 (heads, self.head_dim, self.d_state))
 
+    def prefill_checkpoint(self, gpu: GPUSpec, *, block_size: int) -> tuple[int, int | None]:
+        # vLLM's MambaMixer2 ends a kernel chunk exactly on the checkpoint, on any GPU, so
+        # any token offset works and the block size is unconstrained.
+        return 1, 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class GatedDeltaNetState(RecurrentState):
@@ -153,6 +175,17 @@ class GatedDeltaNetState(RecurrentState):
         _divide(self.num_k_heads, tp, "the gated-DeltaNet key heads")
         return ((self.conv_kernel - 1, _divide(conv_dim, tp, "the gated-DeltaNet conv width")),
                 (_divide(self.num_v_heads, tp, "the gated-DeltaNet value heads"), self.head_v_dim, self.head_k_dim))
+
+    def prefill_checkpoint_kernel_alignment(self, gpu: GPUSpec) -> int | None:
+        return gpu.gdn_prefill_checkpoint_alignment_tokens
+
+    def prefill_checkpoint(self, gpu: GPUSpec, *, block_size: int) -> tuple[int, int | None]:
+        # Only the FlashInfer prefill kernel exports mid-prefill states. vLLM then keeps
+        # checkpoint offsets on the prefix-cache grid (the state block size, which is
+        # already a multiple of the kernel's grid) to bound the states it emits.
+        if self.prefill_checkpoint_kernel_alignment(gpu) is None:
+            return 0, None
+        return 1, block_size
 
 
 @dataclass(frozen=True, kw_only=True)

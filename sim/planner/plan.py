@@ -78,6 +78,8 @@ class LayerShape:
     state_dtype_bytes: tuple[int, ...]
     mamba_cache_mode: str
     mamba_page_padded_bytes: int | None
+    # (num_prefill_checkpoint_blocks, prefill_checkpoint_alignment): the state kind's rule.
+    prefill_checkpoint: tuple[int, int | None] = (0, None)
 
     def attention(self) -> dict:
         m = self.model
@@ -99,7 +101,9 @@ LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
     # attention block size (vLLM's mamba_block_size in "align" mode).
     MambaSpec.kind: lambda x: MambaSpec(block_size=x.block_size, shapes=x.state_shapes,
                                         dtype_bytes=x.state_dtype_bytes, mamba_cache_mode=x.mamba_cache_mode,
-                                        page_size_padded=x.mamba_page_padded_bytes),
+                                        page_size_padded=x.mamba_page_padded_bytes,
+                                        num_prefill_checkpoint_blocks=x.prefill_checkpoint[0],
+                                        prefill_checkpoint_alignment=x.prefill_checkpoint[1]),
 }
 
 
@@ -133,18 +137,22 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
         has_attention = any(k not in (None, MambaSpec.kind) for k in model.layer_kinds)
         if has_attention:
             checkpoint = None
-            if model.state.kind == "gated_deltanet" and eng.mamba_cache_mode == "align":
-                checkpoint = gpu.gdn_prefill_checkpoint_alignment_tokens
+            if eng.mamba_cache_mode == "align":
+                checkpoint = model.state.prefill_checkpoint_kernel_alignment(gpu)
             hybrid_block = hybrid_attention_block_size(
                 block_size=block_size, attention_bytes_per_token=attention_bytes_per_token,
                 mamba_page_bytes=mamba_page, kernel_alignment_tokens=kernel_alignment,
                 checkpoint_alignment_tokens=checkpoint)
             block_size = hybrid_block.block_size
 
+    prefill_checkpoint = (0, None)
+    if model.state is not None and eng.mamba_cache_mode == "align":
+        prefill_checkpoint = model.state.prefill_checkpoint(gpu, block_size=block_size)
     layer = LayerShape(model=model, block_size=block_size, num_kv_heads=kv_heads, kv_dtype_bytes=kv_bytes,
                        state_shapes=state_shapes, state_dtype_bytes=state_dtype_bytes,
                        mamba_cache_mode=eng.mamba_cache_mode,
-                       mamba_page_padded_bytes=hybrid_block.mamba_page_padded_bytes if hybrid_block else None)
+                       mamba_page_padded_bytes=hybrid_block.mamba_page_padded_bytes if hybrid_block else None,
+                       prefill_checkpoint=prefill_checkpoint)
     specs: dict[str, KVCacheSpec] = {}
     index: dict[str, int] = {}
     for i, kind in enumerate(model.layer_kinds):

@@ -101,23 +101,29 @@ class MetricsRecorder:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def step(self, engine, result: StepResult, start_s: float, end_s: float) -> None:
+    def step(self, engine, result: StepResult, start_s: float, end_s: float,
+             scheduled_s: float | None = None) -> None:
+        """Record one executed batch: ``result.output`` ran from ``start_s`` to ``end_s`` and
+        its results were applied at ``end_s``. ``scheduled_s`` is when it was scheduled, if
+        earlier (async scheduling: while the previous batch ran); admissions take it."""
         output = result.output
         records = self.records
+        if scheduled_s is None:
+            scheduled_s = start_s
         for admission in output.scheduled_new_reqs:
             record = records[admission.req_id]
             if math.isnan(record.first_scheduled_s):
-                record.first_scheduled_s = start_s
+                record.first_scheduled_s = scheduled_s
                 record.hit_tokens = admission.hit_tokens
             record.hit_tokens_total += admission.hit_tokens
             record.queried_tokens += record.request.num_tokens
         prefill_tokens = decode_tokens = 0
-        for request_id, num_new in output.num_scheduled_tokens.items():
+        for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
             record = records[request_id]
             record.scheduled_tokens += num_new
             # A decode: one token for a request past its prompt (a longer recompute after a
-            # preemption counts as prefill).
-            if num_new == 1 and record.request.num_computed_tokens > record.prompt_tokens:
+            # preemption counts as prefill). ``computed`` is where the batch started.
+            if num_new == 1 and computed >= record.prompt_tokens:
                 decode_tokens += 1
             else:
                 prefill_tokens += num_new

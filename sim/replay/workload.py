@@ -5,6 +5,17 @@ time; the engine process steps while there is work (each step lasting what the e
 predicts) and sleeps on an event while idle. Arrivals at the same instant as a step
 boundary are added before that step schedules, as the lockstep clock does, so both
 clocks make the same decisions for the same arrival order.
+
+With ``async_scheduling`` (vLLM's default) the engine process runs vLLM's batch queue
+(``EngineCore.step_async`` in two halves): it schedules batch N+1 as soon as batch N is
+handed to the device, so scheduling takes no simulated time (the cost model already
+folds the CPU overlap into a batch's duration: ``max(gpu, overhead)``); the device runs
+batches one after another, each starting when the previous one ends (or when it was
+scheduled, if later); the engine then waits for the oldest batch's end and applies its
+results, and schedules the next one at that instant, before the newer batch's results
+are known. A metrics step is one batch: it starts when the device starts it and lasts
+its device time; its admissions are stamped with the time it was scheduled. Batches that
+computed nothing leave no step row unless they preempted.
 """
 
 from __future__ import annotations
@@ -116,8 +127,66 @@ def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterab
                 yield state["wake"]
                 state["wake"] = None
 
+    def wait_for_arrival():
+        state["wake"] = env.event()
+        yield state["wake"]
+        state["wake"] = None
+
+    def async_engine_process():
+        queue = engine.batch_queue
+        size = engine.batch_queue_size
+        # (scheduled at, device start, device end) of each batch in ``queue``, oldest first.
+        times: deque[tuple[float, float, float]] = deque()
+        device_free_s = 0.0
+        while True:
+            if not engine.has_requests() and not queue:
+                if state["arrivals_done"]:
+                    return
+                yield from wait_for_arrival()
+                continue
+            now = env.now
+            if engine.has_requests():
+                batch = engine.schedule_batch(executor)
+                if batch.executed:
+                    start_s = max(now, device_free_s)
+                    device_free_s = start_s + batch.execution.duration_s
+                    times.append((now, start_s, device_free_s))
+                else:
+                    # Nothing to run: done as soon as the batches before it are (queue order).
+                    done_s = max(now, device_free_s)
+                    times.append((now, done_s, done_s))
+                    if not batch.output.preempted and not any(b.executed for b in queue):
+                        # Nothing could be scheduled and nothing runs: apply what is queued (it
+                        # computed nothing) and wait for an arrival rather than spin (the
+                        # waiting head cannot fit until something changes).
+                        while queue:
+                            record(times.popleft(), engine.update_batch())
+                        if state["arrivals_done"]:
+                            return
+                        yield from wait_for_arrival()
+                        continue
+                if len(queue) < size and (batch.executed or engine.has_requests()):
+                    continue  # the queue has room: schedule the next batch at once
+            batch_times = times.popleft()
+            if batch_times[2] > env.now:
+                yield env.timeout(batch_times[2] - env.now)
+            record(batch_times, engine.update_batch())
+
+    def record(batch_times: tuple[float, float, float], result) -> None:
+        """A metrics step for an applied batch that computed or preempted something."""
+        output = result.output
+        if output.num_scheduled_tokens or output.preempted:
+            scheduled_s, start_s, end_s = batch_times
+            metrics.step(engine, result, start_s, end_s, scheduled_s)
+            clock.steps += 1
+            if on_progress is not None and clock.steps % progress_every == 0:
+                clock.now_s = start_s
+                on_progress(clock)
+        clock.finished += len(result.finished)
+
     env.process(arrival_process())
-    done = env.process(engine_process())
+    is_async = engine.scheduler.config.async_scheduling
+    done = env.process(async_engine_process() if is_async else engine_process())
     env.run(until=done if time_limit_s is None else env.any_of([done, env.timeout(time_limit_s)]))
     clock.now_s = env.now
     if on_progress is not None:

@@ -155,8 +155,8 @@ def _state_bytes(shapes, dtype_bytes):
     return sum(math.prod(s) * b for s, b in zip(shapes, dtype_bytes))
 
 
-@pytest.mark.parametrize("gpu,block,alignment", [("a100-80gb", 544, 16), ("h100", 576, 64)])
-def test_qwen3_next_state_bytes_and_gpu_dependent_block_size(gpu, block, alignment):
+@pytest.mark.parametrize("gpu,block,alignment,checkpoint", [("a100-80gb", 544, 16, 0), ("h100", 576, 64, 1)])
+def test_qwen3_next_state_bytes_and_gpu_dependent_block_size(gpu, block, alignment, checkpoint):
     p = run("qwen3-next-80b-a3b", gpu=gpu, max_model_len=131072)
     conv = 3 * (2 * 16 * 128 + 32 * 128) * 2  # (kernel-1, 2*nk*dk + nv*dv) bf16
     ssm = 32 * 128 * 128 * 2  # (nv, dv, dk) bf16
@@ -171,12 +171,15 @@ def test_qwen3_next_state_bytes_and_gpu_dependent_block_size(gpu, block, alignme
     mamba = p.groups[0].spec
     assert mamba.real_page_size_bytes == state and mamba.page_size_bytes == page
     assert p.bytes_per_block == 12 * page
-    # align mode: current + previous state per request, 36 GDN layers.
+    # align mode: current + previous state per request, 36 GDN layers; on Hopper FlashInfer's
+    # prefill exports checkpoints, one more state block per request, on the block grid.
+    assert mamba.num_prefill_checkpoint_blocks == checkpoint
+    assert mamba.prefill_checkpoint_alignment == (block if checkpoint else None)
     state_blocks = sum(p.group_blocks_per_request(g) for g in p.groups[:3])
-    assert state_blocks == 3 * 2
-    assert 36 * 2 * state == 79_036_416
-    assert state_blocks * 12 * mamba.real_page_size_bytes == 36 * 2 * state
-    assert p.blocks_per_request == 6 + cdiv(131072, block)
+    assert state_blocks == 3 * (2 + checkpoint)
+    assert 36 * 2 * state == 79_036_416 and 36 * 3 * state == 118_554_624
+    assert state_blocks * 12 * mamba.real_page_size_bytes == 36 * (2 + checkpoint) * state
+    assert p.blocks_per_request == 3 * (2 + checkpoint) + cdiv(131072, block)
     none_mode = run("qwen3-next-80b-a3b", gpu=gpu, max_model_len=131072, enable_prefix_caching=False)
     assert sum(none_mode.group_blocks_per_request(g) for g in none_mode.groups[:3]) == 3
     # Without checkpoints (no prefix caching) Hopper needs no extra alignment.
@@ -211,6 +214,41 @@ def test_jamba_state_bytes_and_groups():
     assert p.bytes_per_block == 4 * 80 * attn_per_token == 1_310_720
     assert 28 * 2 * state == 17_432_576  # state bytes per request in align mode
     assert p.blocks_per_request == 7 * 2 + cdiv(65536, 80)
+
+
+def test_prefill_checkpoints_make_three_state_pages_per_request():
+    """vLLM 0.33: Mamba-2 mixers and gated DeltaNet on FlashInfer (Hopper) publish prefill
+    checkpoints, so an align-mode request holds current + previous + checkpoint state."""
+    # Nemotron-H-8B on H100: 24 Mamba-2 layers (fp32 SSM by default) + 4 attention.
+    p = run("nemotron-h-8b", gpu="h100", max_model_len=8192)
+    state = 3 * (128 * 64 + 2 * 8 * 128) * 2 + 128 * 64 * 128 * 4  # conv bf16 + ssm fp32
+    attn_per_token = 8 * (128 + 128) * 2
+    block = 16 * cdiv(state, 16 * attn_per_token)
+    assert (state, block) == (4_255_744, 1040) and p.layers.attention_block_size == block
+    assert [g.spec.kind for g in p.groups] == ["mamba"] * (24 // 4) + ["full_attention"]
+    for g in p.groups[:-1]:
+        assert (g.spec.num_prefill_checkpoint_blocks, g.spec.prefill_checkpoint_alignment) == (1, 1)
+        assert p.group_blocks_per_request(g) == 2 + 1
+    assert p.blocks_per_request == 6 * 3 + cdiv(8192, block) == 26
+
+    # Qwen3-Next on 4 x H200: 36 GDN + 12 attention layers, sharded over 4 ranks.
+    q = run("qwen3-next-80b-a3b", gpu="h200", tensor_parallel_size=4, max_model_len=262144)
+    state = 3 * (2 * 16 * 128 + 32 * 128) // 4 * 2 + (32 // 4) * 128 * 128 * 2
+    attn_per_token = 1 * (256 + 256) * 2  # 2 KV heads over 4 ranks: one per rank
+    block = 64 * cdiv(state, 64 * attn_per_token)  # FlashInfer's 64-token grid on Hopper
+    assert (state, block) == (274_432, 320) and q.layers.attention_block_size == block
+    for g in q.groups[:3]:
+        # Checkpoint offsets on the prefix-cache grid: the state block size.
+        assert (g.spec.num_prefill_checkpoint_blocks, g.spec.prefill_checkpoint_alignment) == (1, block)
+        assert q.group_blocks_per_request(g) == 3
+    assert q.blocks_per_request == 3 * 3 + cdiv(262144, block) == 829
+
+    # Mamba-1 (Jamba) exports none: two state pages.
+    j = run("jamba-mini", gpu="h100", max_model_len=65536)
+    assert {(g.spec.num_prefill_checkpoint_blocks, j.group_blocks_per_request(g)) for g in j.groups[:-1]} == {(0, 2)}
+    # Without prefix caching ("none" mode) there are no checkpoints and one state page.
+    n = run("nemotron-h-8b", gpu="h100", max_model_len=8192, enable_prefix_caching=False)
+    assert {(g.spec.num_prefill_checkpoint_blocks, n.group_blocks_per_request(g)) for g in n.groups[:-1]} == {(0, 1)}
 
 
 @pytest.mark.parametrize("model,groups,padding,block", [

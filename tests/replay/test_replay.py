@@ -136,7 +136,9 @@ class _OneSecondModel:
         self.outputs = outputs
 
     def execute(self, output):
-        return Execution({rid: [self.outputs[rid][index]] for rid, index in output.num_output_tokens.items()}, 1.0)
+        outputs = self.outputs
+        return Execution({rid: [outputs[rid][index] if index < len(outputs[rid]) else 0]
+                          for rid, index in output.num_output_tokens.items()}, 1.0)
 
 
 @pytest.mark.parametrize("name", ["three_groups", "priority", "multiturn"])
@@ -179,3 +181,105 @@ def test_trace_without_identity_shares_nothing(llama_plan):
     result = run_replay(llama_plan, table)
     assert result.summary.column("prefix_cache_hits")[0].as_py() == 0
     assert isinstance(result.requests, pa.Table)
+
+
+# -- asynchronous scheduling: the SimPy batch queue against the lockstep engine step ------------
+
+def _async_lockstep(case, arrival_steps):
+    """Step ``case`` (with these arrival steps) by ``EngineCore.step_async`` with a model of
+    one second per batch, and lay the steps on the SimPy clock: scheduling takes no time, a
+    batch runs on the device after the previous one, a step that applies a batch ends at that
+    batch's end. Returns the decisions (one record per applied batch that computed or
+    preempted something), the SimPy time of each request's arrival step, and the steps whose
+    arrivals the SimPy clock cannot place (their step follows a schedule at the same instant)."""
+    engine = EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config)
+    sched = engine.scheduler
+    pool = engine.kv_cache_manager.block_pool
+    model = _OneSecondModel({r.request_id: r.output_token_ids for r in case.requests})
+    order = sorted(range(len(case.requests)), key=lambda i: (arrival_steps[i], i))
+    records, arrival_s, clashes = [], {}, set()
+    now = device_free = 0.0
+    last_schedule_s = -1.0
+    ends: dict[int, float] = {}
+    next_arrival, step = 0, 0
+    while True:
+        arrived = False
+        while next_arrival < len(order) and arrival_steps[order[next_arrival]] == step:
+            i = order[next_arrival]
+            r = case.requests[i]
+            engine.add_request(Request(r.request_id, TokenPrompt(r.prompt_token_ids), len(r.output_token_ids),
+                                       arrival_time=float(i), priority=r.priority))
+            arrival_s[r.request_id] = now
+            arrived = True
+            next_arrival += 1
+        if arrived and now <= last_schedule_s:
+            clashes.add(step)
+        batches = sched.num_batches
+        result = engine.step_async(model)
+        if sched.num_batches > batches:
+            last_schedule_s = now
+            if result.output.num_scheduled_tokens:
+                device_free = max(now, device_free) + 1.0
+                ends[id(result.output)] = device_free
+            else:
+                ends[id(result.output)] = now
+        updated = result.updated
+        if updated is not None:
+            now = max(now, ends.pop(id(updated)))
+            if updated.num_scheduled_tokens or updated.preempted:
+                records.append((dict(updated.num_scheduled_tokens), list(updated.preempted),
+                                sorted(r.request_id for r in result.finished), pool.get_num_free_blocks(),
+                                pool.num_cached_blocks()))
+        elif sched.num_batches == batches:
+            now += 1.0  # an idle step: the SimPy clock waits for the next arrival
+        if next_arrival == len(order) and not engine.has_unfinished_requests() and not engine.batch_queue:
+            return records, arrival_s, clashes
+        step += 1
+
+
+@pytest.mark.parametrize("name", ["async_pressure", "async_swa128", "async_priority", "async_multiturn"])
+def test_simpy_clock_makes_the_lockstep_clocks_decisions_with_async_scheduling(name):
+    """The SimPy batch queue (``run_simulation`` with an async config) makes exactly the
+    decisions of ``EngineCore.step_async`` stepped by the lockstep clock, batch by batch:
+    what each batch scheduled and preempted, what its update finished, and the pool after.
+
+    SimPy schedules in no time, so requests arriving between two schedules at the same
+    instant (lockstep steps after a schedule-only step) cannot be placed on its clock; such
+    arrivals are moved one step earlier until none is left (a fixed point, usually a handful
+    of requests), and the lockstep reference is that adjusted workload."""
+    case = load_case(GOLDEN / name)
+    assert case.scheduler_config.async_scheduling
+    arrival_steps = [r.arrival_step for r in case.requests]
+    for _ in range(200):
+        records, arrival_s, clashes = _async_lockstep(case, arrival_steps)
+        if not clashes:
+            break
+        arrival_steps = [s - 1 if s in clashes else s for s in arrival_steps]
+    else:
+        raise AssertionError("arrivals did not settle")
+    engine = EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config)
+    pool = engine.kv_cache_manager.block_pool
+    order = sorted(range(len(case.requests)), key=lambda i: (arrival_steps[i], i))
+    arrivals = [Arrival(arrival_s[case.requests[i].request_id],
+                        Request(case.requests[i].request_id, TokenPrompt(case.requests[i].prompt_token_ids),
+                                len(case.requests[i].output_token_ids), arrival_time=float(i),
+                                priority=case.requests[i].priority)) for i in order]
+    recorded = []
+
+    class Recorder(MetricsRecorder):
+        def step(self, eng, result, start_s, end_s, scheduled_s=None):
+            super().step(eng, result, start_s, end_s, scheduled_s)
+            out = result.output
+            recorded.append((dict(out.num_scheduled_tokens), list(out.preempted),
+                             sorted(r.request_id for r in result.finished), pool.get_num_free_blocks(),
+                             pool.num_cached_blocks()))
+
+    metrics = Recorder(len(case.kv_cache_config.groups))
+    run_simulation(engine, _OneSecondModel({r.request_id: r.output_token_ids for r in case.requests}), arrivals,
+                   metrics)
+    assert len(recorded) == len(records)
+    assert recorded == records
+    steps = metrics.steps_table()
+    start, duration = steps.column("time_s").to_numpy(), steps.column("duration_s").to_numpy()
+    # The device runs one batch at a time, back to back while there is work.
+    assert (start[1:] >= start[:-1] + duration[:-1] - 1e-9).all()

@@ -9,7 +9,15 @@ needs for positions and sampling (computed tokens, sequence length) from the sam
 
 ``check(engine, result)`` after each step asserts that the mirror equals the KV cache
 manager's tables (``get_block_ids``) for every running request, and holds nothing else but
-the requests that finished in that step (reported with the next output).
+the requests that finished since the last output (reported with the next output).
+
+Asynchronous scheduling (``EngineCore.step_async``) needs no other rule: outputs reach
+the executor in schedule order, and the mirror counts a token as the request's as soon as
+a batch that samples it is handed over (vLLM's output placeholders), so its sequence
+length is the scheduler's ``num_tokens + num_output_placeholders``. Finished requests
+are reported with the next schedule, which may come several steps later (steps that only
+update); a request preempted while a batch was in flight can finish from the waiting
+queue when that batch's token arrives, and its table was already dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ class BlockTableMirror:
         self.num_tokens: dict[str, int] = {}
         self.num_prompt_tokens: dict[str, int] = {}
         self.expected_finished: set[str] = set()
+        self.dropped_preempted: set[str] = set()  # preempted, not resumed (tables dropped)
         self.num_replacements = 0
         self.num_appends = 0
 
@@ -55,11 +64,15 @@ class BlockTableMirror:
             _fail(f"finished_req_ids {output.finished_req_ids} != finished last step {sorted(self.expected_finished)}")
         self.expected_finished = set()
         for rid in output.finished_req_ids:
+            if rid in self.dropped_preempted:  # finished by stale output while waiting (async)
+                self.dropped_preempted.discard(rid)
+                continue
             self._drop(rid, "finished")
         for rid in output.preempted:
             if rid in output.num_scheduled_tokens:
                 _fail(f"preempted request {rid} is also scheduled")
             self._drop(rid, "preempted")
+            self.dropped_preempted.add(rid)
         new_ids = set()
         for new in output.scheduled_new_reqs:
             rid = new.req_id
@@ -69,6 +82,7 @@ class BlockTableMirror:
             self.num_computed_tokens[rid] = new.num_computed_tokens
             self.num_tokens[rid] = new.num_tokens
             self.num_prompt_tokens[rid] = new.num_prompt_tokens
+            self.dropped_preempted.discard(rid)
             new_ids.add(rid)
         cached_ids = set(output.cached_req_ids)
         if cached_ids & new_ids:
@@ -122,7 +136,9 @@ class BlockTableMirror:
         finished = {r.request_id for r in result.finished}
         if finished & running.keys():
             _fail(f"finished requests still running: {sorted(finished & running.keys())}")
-        if self.tables.keys() != running.keys() | finished:
+        # Finished since the last output (several steps' worth under async scheduling).
+        finished |= self.expected_finished
+        if self.tables.keys() != running.keys() | (finished - self.dropped_preempted):
             _fail(f"mirror holds {sorted(self.tables)}, running {sorted(running)}, just finished {sorted(finished)}")
         for rid, request in running.items():
             actual = kvm.get_block_ids(rid)
@@ -130,6 +146,8 @@ class BlockTableMirror:
                 _fail(f"{rid}: mirror {self.tables[rid]} != manager {actual}")
             if self.num_computed_tokens[rid] != request.num_computed_tokens:
                 _fail(f"{rid}: mirror computed {self.num_computed_tokens[rid]} != {request.num_computed_tokens}")
-            if self.num_tokens[rid] != request.num_tokens:
-                _fail(f"{rid}: mirror num_tokens {self.num_tokens[rid]} != {request.num_tokens}")
+            # Async: tokens being sampled in flight count (0 placeholders when synchronous).
+            if self.num_tokens[rid] != request.num_tokens + request.num_output_placeholders:
+                _fail(f"{rid}: mirror num_tokens {self.num_tokens[rid]} != {request.num_tokens} + "
+                      f"{request.num_output_placeholders} placeholders")
         self.expected_finished = finished

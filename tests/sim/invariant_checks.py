@@ -181,6 +181,11 @@ def check_tables(engine: EngineCore) -> None:
                                        f"admission cap {cap}: {[b.block_id for b in table]}")
             if isinstance(manager, MambaManager):
                 cap = spec.max_admission_blocks_per_request(cfg.max_in_flight_tokens, cfg.max_model_len)
+                if manager.align and cfg.async_scheduling:
+                    # What the batch in flight reads (its state, and its checkpoint with
+                    # prefill checkpoints) is retired only once it ran: vLLM frees by the
+                    # processed tokens, so one more of each while two batches fly.
+                    cap += 1 + spec.num_prefill_checkpoint_blocks
                 if len(real) > cap:
                     _fail("MAMBA-BOUND", f"group {gid} request {rid} holds {len(real)} real state blocks > {cap}: "
                                          f"{[b.block_id for b in table]}")
@@ -223,9 +228,13 @@ def check_queues(engine: EngineCore) -> None:
     for request in sched.running:
         if request.status is not RequestStatus.RUNNING:
             _fail("REQ-CONSERVE", f"running request {request.request_id} has status {request.status}")
-        if not 0 < request.num_computed_tokens <= request.num_tokens:
+        # Async: the tokens being sampled in flight (placeholders) count as tokens it has; the
+        # last of them is not computed yet (0 placeholders when synchronous).
+        if not 0 < request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders:
             _fail("REQ-CONSERVE", f"running request {request.request_id} computed {request.num_computed_tokens} "
-                                  f"of {request.num_tokens} tokens")
+                                  f"of {request.num_tokens} tokens + {request.num_output_placeholders} placeholders")
+        if not sched.async_scheduling and request.num_output_placeholders:
+            _fail("REQ-CONSERVE", f"synchronous request {request.request_id} holds output placeholders")
     for request in waiting:
         if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             _fail("REQ-CONSERVE", f"waiting request {request.request_id} has status {request.status}")
@@ -246,12 +255,17 @@ def check_queues(engine: EngineCore) -> None:
 
 # -- one step's decisions -------------------------------------------------------------------------------
 
-def check_step(engine: EngineCore, result: StepResult, num_tokens_before: Mapping[str, int]) -> None:
+def check_step(engine: EngineCore, result: StepResult, num_tokens_before: Mapping[str, int],
+               in_flight_before: Mapping[str, int] | None = None) -> None:
     """What the step decided: BUDGET, HIT-CAP, and nulls before the window.
 
     ``num_tokens_before`` maps each request id the scheduler knew before the step to its
     ``num_tokens`` then (admission sees the sequence before this step's sampled token).
+    ``in_flight_before`` (async scheduling) maps it to its ``num_in_flight_tokens`` then:
+    a window slides only by what was processed, so while a batch is in flight the
+    positions it still reads stay real (0 for every request when synchronous).
     """
+    in_flight_before = in_flight_before or {}
     sched = engine.scheduler
     cfg = sched.config
     kvm = engine.kv_cache_manager
@@ -287,7 +301,7 @@ def check_step(engine: EngineCore, result: StepResult, num_tokens_before: Mappin
         if rid in finished:
             continue
         request = sched.requests[rid]
-        processed = request.num_computed_tokens - n
+        processed = request.num_computed_tokens - n - in_flight_before.get(rid, 0)
         for gid, manager in enumerate(coordinator.managers):
             if not isinstance(manager, (SlidingWindowManager, ChunkedLocalAttentionManager)):
                 continue
@@ -300,13 +314,14 @@ def check_step(engine: EngineCore, result: StepResult, num_tokens_before: Mappin
 
 
 def check_invariants(engine: EngineCore, result: StepResult | None = None,
-                     num_tokens_before: Mapping[str, int] | None = None) -> None:
+                     num_tokens_before: Mapping[str, int] | None = None,
+                     in_flight_before: Mapping[str, int] | None = None) -> None:
     """Every state invariant; with ``result`` (and ``num_tokens_before``) also the step's decisions."""
     check_pool(engine)
     check_tables(engine)
     check_queues(engine)
     if result is not None:
-        check_step(engine, result, num_tokens_before or {})
+        check_step(engine, result, num_tokens_before or {}, in_flight_before)
 
 
 # -- prefix-hit probes -------------------------------------------------------------------------------

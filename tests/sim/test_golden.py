@@ -18,11 +18,30 @@ CASES = sorted(p.name for p in CASES_DIR.iterdir() if (p / "config.json").exists
 # The cases published in ../shared/golden/cases (produced by vLLM 0.33.0 itself); the
 # directory may hold more (cases generated with the oracle for further rules).
 PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mamba_align", "multiturn",
-                "no_chunking", "priority", "swa128", "three_groups", "hybrid_priority"}
+                "no_chunking", "priority", "swa128", "three_groups", "hybrid_priority", "mamba_checkpoint",
+                "async_pressure"}
+
+
+# Asynchronous scheduling (vLLM's default AsyncScheduler, two batches in flight), produced
+# with ../shared/oracle/gen_golden_async.py: the public async_pressure plus full + sliding
+# window, full + chunked local, full + Mamba (align, no prefill checkpoints), a hybrid
+# under the priority policy, the priority policy, chunked prefill off, multi-turn and big
+# batches (budget 8192, up to 29 requests and ~3k tokens per batch).
+ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba_align", "async_hybrid_priority",
+               "async_priority", "async_no_chunking", "async_multiturn", "async_big_batches"}
+
+def test_all_thirteen_public_golden_cases_are_listed():
+    assert len(PUBLIC_CASES) == 13
 
 
 def test_every_public_golden_case_is_present():
     assert PUBLIC_CASES <= set(CASES)
+
+
+def test_every_async_golden_case_is_present_and_async():
+    assert len(ASYNC_CASES) >= 9 and ASYNC_CASES <= set(CASES)
+    for name in CASES:
+        assert load_case(CASES_DIR / name).scheduler_config.async_scheduling == (name in ASYNC_CASES), name
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -34,7 +53,7 @@ def test_golden_case_matches_vllm_exactly(name):
     assert diffs == []
 
 
-@pytest.mark.parametrize("name", ["full_pressure", "three_groups", "mamba_align"])
+@pytest.mark.parametrize("name", ["full_pressure", "three_groups", "mamba_align", "mamba_checkpoint"])
 def test_results_do_not_depend_on_the_hash_function(name):
     case_dir = CASES_DIR / name
     with_sha = run_case(load_case(case_dir, hash_algo="sha256"))
