@@ -206,7 +206,8 @@ class Scheduler:
             self._schedule_waiting(out, token_budget, long_prefill)
 
         # Advance the computed counts optimistically (before the forward pass), noting for
-        # the executor where each request starts and which ones sample.
+        # the executor where each request starts and which ones sample. Two loops, so the
+        # synchronous hot path pays nothing for placeholders and in-flight bookkeeping.
         requests = self.requests
         note_computed = out.num_computed_tokens.append
         sampling = out.num_output_tokens
