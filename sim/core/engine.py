@@ -134,14 +134,21 @@ class EngineCore:
         self.rejected.append(Rejection(request, code, detail))
         return False
 
+    @staticmethod
+    def _execute(executor: ModelExecutor, output: SchedulerOutput) -> Execution:
+        """Run a batch; an empty one is still shown to the executor when it has tables to
+        drop, but samples nothing and takes no time."""
+        if output.num_scheduled_tokens:
+            return executor.execute(output)
+        if output.preempted or output.finished_req_ids:
+            executor.execute(output)
+        return _IDLE
+
     def step(self, executor: ModelExecutor) -> StepResult:
         output = self.scheduler.schedule()
+        execution = self._execute(executor, output)
         if not output.num_scheduled_tokens:
-            if output.preempted or output.finished_req_ids:
-                # Nothing to run, but tables to drop.
-                executor.execute(output)
             return StepResult(output, [], _IDLE)
-        execution = executor.execute(output)
         finished = self.scheduler.update_from_output(output, execution.sampled)
         return StepResult(output, finished, execution)
 
@@ -155,13 +162,7 @@ class EngineCore:
         """Schedule one batch, hand it to the executor (it runs while the next is scheduled)
         and queue it. An output with no tokens is queued too (vLLM updates it as well)."""
         output = self.scheduler.schedule()
-        if output.num_scheduled_tokens:
-            execution = executor.execute(output)
-        else:
-            if output.preempted or output.finished_req_ids:
-                executor.execute(output)  # nothing to run, but tables to drop
-            execution = _IDLE
-        batch = Batch(output, execution)
+        batch = Batch(output, self._execute(executor, output))
         self.batch_queue.append(batch)
         return batch
 

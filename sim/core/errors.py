@@ -7,6 +7,8 @@ print one clear line instead of a traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 
 class ConfigError(ValueError):
     """Invalid configuration or input; ``str(err)`` is a complete one-line message."""
@@ -23,6 +25,14 @@ class ConfigError(ValueError):
     def with_source(self, source: str) -> "ConfigError":
         """The same error, attributed to a file (used when a loader knows the path)."""
         return ConfigError(self.field, self.expected, self.got, source=source)
+
+
+def reject_unknown_keys(mapping: Mapping, allowed: Iterable[str], *, where: str, expected: str) -> None:
+    """Refuse the first key of ``mapping`` (sorted) not in ``allowed``, as ``where.key``:
+    a typo in a config must never silently fall back to a default."""
+    unknown = sorted(set(mapping) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", expected, mapping[unknown[0]])
 
 
 def require(condition: bool, field: str, expected: str, got: object = None) -> None:

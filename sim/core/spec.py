@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import ClassVar, Literal
 
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 
 
 def cdiv(a: int, b: int) -> int:
@@ -536,11 +536,8 @@ def spec_from_dict(entry: dict, *, block_size: int, where: str) -> KVCacheSpec:
         for key in ("shapes", "dtype_bytes"):
             if key in params:
                 params[key] = tuple(tuple(s) if isinstance(s, list) else s for s in params[key])
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"a field of a {kind} group ({', '.join(sorted(known))})",
-                          params[unknown[0]])
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    reject_unknown_keys(params, known, where=where, expected=f"a field of a {kind} group ({', '.join(known)})")
     try:
         return cls(**params)
     except ConfigError as err:

@@ -27,7 +27,7 @@ from kvtwin.sim.core.config import (
     is_int,
     is_number,
 )
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 from kvtwin.sim.planner.hardware import GIB, GPUSpec
 from kvtwin.sim.planner.models import DTYPE_BYTES, KV_HEAD_KINDS, ModelPreset
 
@@ -223,10 +223,8 @@ def engine_config_from_mapping(entry: object, *, where: str = "engine") -> Engin
     key. Unknown keys are refused: a typo must not silently fall back to a default."""
     if not isinstance(entry, dict):
         raise ConfigError(where, "a table of engine settings", entry)
-    unknown = sorted(set(entry) - set(ENGINE_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"an engine setting ({', '.join(sorted(ENGINE_KEYS))})",
-                          entry[unknown[0]])
+    reject_unknown_keys(entry, ENGINE_KEYS, where=where,
+                        expected=f"an engine setting ({', '.join(sorted(ENGINE_KEYS))})")
     try:
         return EngineConfig(**entry)
     except ConfigError as err:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 
 GIB = 1 << 30
 
@@ -144,11 +144,8 @@ def gpu_from_mapping(entry: dict[str, Any], *, where: str = "hardware") -> GPUSp
         gib = params.pop("memory_gib")
         require(isinstance(gib, (int, float)) and gib > 0, f"{where}.memory_gib", "a positive number", gib)
         params["memory_bytes"] = int(gib * GIB)
-    unknown = sorted(set(params) - _GPU_FIELDS)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}",
-                          f"a hardware field ({', '.join(sorted(_GPU_FIELDS | {'gpu', 'memory_gib'}))})",
-                          params[unknown[0]])
+    reject_unknown_keys(params, _GPU_FIELDS, where=where,
+                        expected=f"a hardware field ({', '.join(sorted(_GPU_FIELDS | {'gpu', 'memory_gib'}))})")
     try:
         if preset_name is not None:
             base = get_gpu(preset_name, field=f"{where}.gpu")

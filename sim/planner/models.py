@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 from kvtwin.sim.core.spec import SPEC_CLASSES
 
 if TYPE_CHECKING:
@@ -224,11 +224,8 @@ def state_from_mapping(entry: object, *, where: str) -> RecurrentState:
     if cls is None:
         raise ConfigError(f"{where}.kind", f"one of {', '.join(STATE_KINDS)}", kind)
     params = {k: v for k, v in entry.items() if k != "kind"}
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"a field of a {kind} state ({', '.join(sorted(known))})",
-                          params[unknown[0]])
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    reject_unknown_keys(params, known, where=where, expected=f"a field of a {kind} state ({', '.join(known)})")
     missing = sorted(f.name for f in dataclasses.fields(cls)
                      if f.name not in params and f.default is dataclasses.MISSING)
     if missing:
@@ -391,9 +388,7 @@ def model_from_mapping(entry: dict[str, Any], *, name: str | None = None, where:
     if name is not None:
         params.setdefault("name", name)
     params.setdefault("name", "custom")
-    unknown = sorted(set(params) - _MODEL_FIELDS)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", "a model field (see scenarios/README.md)", params[unknown[0]])
+    reject_unknown_keys(params, _MODEL_FIELDS, where=where, expected="a model field (see scenarios/README.md)")
     if "state" in params:
         params["state"] = state_from_mapping(params["state"], where=f"{where}.state")
     missing = sorted(f.name for f in dataclasses.fields(ModelPreset)

@@ -27,7 +27,7 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
@@ -67,9 +67,7 @@ def efficiency_from_mapping(entry: dict, *, where: str = "cost_model", base: Eff
     allowed = {f.name for f in fields(Efficiency)}
     if not isinstance(entry, dict):
         raise ConfigError(where, "a table of efficiency factors", entry)
-    unknown = sorted(set(entry) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"one of {', '.join(sorted(allowed))}", entry[unknown[0]])
+    reject_unknown_keys(entry, allowed, where=where, expected=f"one of {', '.join(sorted(allowed))}")
     try:
         return replace(base, **entry)
     except ConfigError as err:

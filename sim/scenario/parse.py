@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvtwin.sim.replay.cost_model import Efficiency, efficiency_from_mapping, load_calibration
-from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys
 from kvtwin.sim.planner.engine_config import EngineConfig, engine_config_from_mapping
 from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
 from kvtwin.sim.planner.hf_config import load_hf_config
@@ -112,9 +112,7 @@ def _table(data: dict, name: str) -> dict:
 
 
 def _check_keys(table: dict, allowed: tuple[str, ...], where: str) -> None:
-    unknown = sorted(set(table) - set(allowed))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"one of {', '.join(allowed)}", table[unknown[0]])
+    reject_unknown_keys(table, allowed, where=where, expected=f"one of {', '.join(allowed)}")
 
 
 def model_from_table(table: dict[str, Any], base_dir: Path) -> ModelPreset:
