@@ -76,6 +76,14 @@ def _swap_in(staging: Path, target: Path) -> None:
 def write_run(out_dir: Path, *, requests: pa.Table, steps: pa.Table, summary: pa.Table, plan: dict,
               run_metadata: dict) -> list[Path]:
     """Write the run directory ``out_dir`` whole, replacing a previous run there; return its files."""
+    return write_dir(out_dir, tables={"requests": requests, "steps": steps, "summary": summary},
+                     json_files={"plan": plan}, run_metadata=run_metadata)
+
+
+def write_dir(out_dir: Path, *, tables: dict[str, pa.Table], json_files: dict[str, dict] | None = None,
+              text_files: dict[str, str] | None = None, run_metadata: dict) -> list[Path]:
+    """Write ``NAME.parquet`` per table, ``NAME.json`` and text files (by file name) into
+    ``out_dir`` whole, replacing what was there; return the files."""
     # Checked again here, not only by the command: replacing a directory removes what it held.
     check_out_dir(out_dir)
     # A symlinked run directory is replaced at its target, so the link keeps working.
@@ -86,11 +94,15 @@ def write_run(out_dir: Path, *, requests: pa.Table, steps: pa.Table, summary: pa
     staging.mkdir()
     names = []
     try:
-        for name, table in (("requests", requests), ("steps", steps), ("summary", summary)):
+        for name, table in tables.items():
             write_parquet(table, staging / f"{name}.parquet", run_metadata)
             names.append(f"{name}.parquet")
-        write_json(plan, staging / "plan.json")
-        names.append("plan.json")
+        for name, obj in (json_files or {}).items():
+            write_json(obj, staging / f"{name}.json")
+            names.append(f"{name}.json")
+        for name, text in (text_files or {}).items():
+            (staging / name).write_text(text)
+            names.append(name)
         _swap_in(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -289,7 +289,7 @@ class Scheduler:
                 kvm.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
             out.scheduled_new_reqs.append(NewRequestData(
                 request_id, kvm.get_blocks(request_id), num_computed, request.num_prompt_tokens,
-                request.num_tokens, hit_tokens, resumed))
+                request.num_tokens, hit_tokens, resumed, request.prompt))
             out.num_scheduled_tokens[request_id] = num_new
             token_budget -= num_new
         for request in reversed(skipped):

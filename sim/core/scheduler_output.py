@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import islice
 
+from kvtwin.sim.core.hashing import PromptSource
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 
 
@@ -64,6 +65,9 @@ class NewRequestData:
     num_tokens: int  # prompt plus the outputs it kept from before a preemption
     hit_tokens: int  # the local prefix-cache hit (metrics; equals num_computed_tokens today)
     resumed: bool  # re-admitted after a preemption
+    # The prompt's identity (token ids or a trace's chained hash ids; a reference, nothing
+    # is copied): an executor derives the token ids it feeds the model from it.
+    prompt: PromptSource | None = None
 
     @property
     def block_ids(self) -> tuple[list[int], ...]:

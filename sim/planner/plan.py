@@ -80,6 +80,10 @@ class LayerShape:
     mamba_page_padded_bytes: int | None
     # (num_prefill_checkpoint_blocks, prefill_checkpoint_alignment): the state kind's rule.
     prefill_checkpoint: tuple[int, int | None] = (0, None)
+    # A state block's tokens: the attention block size in align mode (the granularity of
+    # prefix caching); max_model_len otherwise, so one block holds a request's state
+    # (vLLM 0.33 ``HybridAttentionMambaModelConfig`` sets ``mamba_block_size`` so).
+    state_block_size: int = 0
 
     def attention(self) -> dict:
         m = self.model
@@ -97,9 +101,8 @@ LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
     MLAAttentionSpec.kind: lambda x: MLAAttentionSpec(
         block_size=x.block_size, num_kv_heads=1, head_size=x.model.mla_head_size,
         head_size_v=x.model.kv_lora_rank or x.model.mla_head_size, dtype_bytes=x.kv_dtype_bytes),
-    # The state block size only matters for prefix-caching granularity; it follows the
-    # attention block size (vLLM's mamba_block_size in "align" mode).
-    MambaSpec.kind: lambda x: MambaSpec(block_size=x.block_size, shapes=x.state_shapes,
+    # The state block size only matters for prefix-caching granularity (``state_block_size``).
+    MambaSpec.kind: lambda x: MambaSpec(block_size=x.state_block_size or x.block_size, shapes=x.state_shapes,
                                         dtype_bytes=x.state_dtype_bytes, mamba_cache_mode=x.mamba_cache_mode,
                                         page_size_padded=x.mamba_page_padded_bytes,
                                         num_prefill_checkpoint_blocks=x.prefill_checkpoint[0],
@@ -152,7 +155,8 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
                        state_shapes=state_shapes, state_dtype_bytes=state_dtype_bytes,
                        mamba_cache_mode=eng.mamba_cache_mode,
                        mamba_page_padded_bytes=hybrid_block.mamba_page_padded_bytes if hybrid_block else None,
-                       prefill_checkpoint=prefill_checkpoint)
+                       prefill_checkpoint=prefill_checkpoint,
+                       state_block_size=block_size if eng.mamba_cache_mode == "align" else eng.max_model_len)
     specs: dict[str, KVCacheSpec] = {}
     index: dict[str, int] = {}
     for i, kind in enumerate(model.layer_kinds):

@@ -108,9 +108,13 @@ class StepCost:
     memory_s: float
     communication_s: float
     overhead_s: float
-    flops: float
+    flops: float  # linear_flops + attention_flops
     weight_bytes: float
     kv_bytes: float
+    # The raw terms a calibration refits the efficiency factors from (calibration.py).
+    linear_flops: float
+    attention_flops: float
+    num_requests: int  # decodes + prefill items: what the per-request overhead multiplies
 
 
 class CostModel:
@@ -203,8 +207,10 @@ class CostModel:
             bandwidth = self.gpu.interconnect_bytes_per_s * eff.interconnect_fraction
             per_layer = (allreduce_bytes / bandwidth if bandwidth else 0.0) + eff.allreduce_latency_s
             communication_s = 2 * self.num_layers * per_layer
-        overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * (len(decode_ends) + len(prefill_items))
+        num_requests = len(decode_ends) + len(prefill_items)
+        overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * num_requests
         gpu_s = max(compute_s, memory_s) + communication_s
         total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s
         return StepCost(total_s, compute_s, memory_s, communication_s, overhead_s,
-                        linear_flops + attention_flops, weight_bytes, kv_bytes)
+                        linear_flops + attention_flops, weight_bytes, kv_bytes,
+                        linear_flops, attention_flops, num_requests)

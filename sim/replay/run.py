@@ -13,14 +13,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
+import simpy
 
-from kvtwin.sim.replay.cost_model import CostModel, Efficiency
-from kvtwin.sim.core.engine import EngineCore, Execution
+from kvtwin.sim.replay.cost_model import CostModel, Efficiency, StepCost
+from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
 from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.workload import ReplayClock, run_simulation
+
+
+def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
+    """The cost model's prediction for one scheduled batch. A decode is costed by the
+    context it ends at; a prefill chunk by its length and start."""
+    scheduled = output.num_scheduled_tokens.values()
+    computed = output.num_computed_tokens
+    decode_ends = [c + 1 for n, c in zip(scheduled, computed) if n == 1]
+    prefill_items = [(n, c) for n, c in zip(scheduled, computed) if n != 1]
+    return cost_model.split_step_cost(decode_ends, prefill_items)
 
 
 class CostModelExecutor:
@@ -36,14 +47,9 @@ class CostModelExecutor:
         self._token_base: dict[str, int] = {}
 
     def execute(self, output: SchedulerOutput) -> Execution:
-        scheduled = output.num_scheduled_tokens.values()
-        if not scheduled:
+        if not output.num_scheduled_tokens:
             return Execution({}, 0.0)
-        computed = output.num_computed_tokens
-        # A decode is costed by the context it ends at; a prefill chunk by its length and start.
-        decode_ends = [c + 1 for n, c in zip(scheduled, computed) if n == 1]
-        prefill_items = [(n, c) for n, c in zip(scheduled, computed) if n != 1]
-        cost = self.cost_model.split_step_cost(decode_ends, prefill_items)
+        cost = step_cost(self.cost_model, output)
         sampled = {}
         bases = self._token_base
         for request_id, num_output_tokens in output.num_output_tokens.items():
@@ -62,18 +68,52 @@ class ReplayResult:
     end_time_s: float
 
 
-def run_replay(plan: Plan, trace: pa.Table, *, efficiency: Efficiency = Efficiency(), slo: SLO = SLO(), time_limit_s: float | None = None,
+def run_replay(plan: Plan, trace: pa.Table, *, efficiency: Efficiency = Efficiency(), slo: SLO = SLO(),
+               time_limit_s: float | None = None,
                on_progress: Callable[[ReplayClock], None] | None = None) -> ReplayResult:
+    """``kvtwin replay``: the plan and trace with the cost model as the clock."""
+    return run_with_executor(plan, trace, CostModelExecutor(plan_cost_model(plan, efficiency)), slo=slo,
+                             time_limit_s=time_limit_s, on_progress=on_progress)
+
+
+def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostModel:
+    eng = plan.engine
+    return CostModel(plan.model, plan.gpu, plan.layers.specs, tensor_parallel_size=eng.tensor_parallel_size,
+                     async_scheduling=eng.async_scheduling, efficiency=efficiency)
+
+
+def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor, *, slo: SLO = SLO(),
+                      time_limit_s: float | None = None, env: simpy.Environment | None = None,
+                      on_progress: Callable[[ReplayClock], None] | None = None) -> ReplayResult:
+    """Any clock: the plan's engine replays the trace, each step lasting what ``executor``
+    says (predicted, measured on a device, or replayed from a recording); ``env`` is the
+    SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real time)."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
     engine = EngineCore(kv_cache_config, eng.scheduler, eng.cache)
-    cost_model = CostModel(plan.model, plan.gpu, plan.layers.specs, tensor_parallel_size=eng.tensor_parallel_size,
-                           async_scheduling=eng.async_scheduling, efficiency=efficiency)
-    executor = CostModelExecutor(cost_model)
     metrics = MetricsRecorder(len(kv_cache_config.groups))
     end_s = run_simulation(engine, executor, arrivals_from_trace(trace), metrics, time_limit_s=time_limit_s,
-                           on_progress=on_progress)
+                           on_progress=on_progress, env=env)
     requests = metrics.requests_table()
     steps = metrics.steps_table()
     summary = summarize(requests, steps, metrics.itl_s, slo, end_s, trace=trace)
     return ReplayResult(requests, steps, summary, end_s)
+
+
+class RecordedClockExecutor(CostModelExecutor):
+    """The simulator on another run's clock: step ``i`` lasts the ``i``-th recorded duration
+    (e.g. a device run's measured ones), tokens as the cost-model executor makes them. Steps
+    past the recording (the runs diverged) take the cost model's prediction."""
+
+    def __init__(self, cost_model: CostModel, durations_s: list[float]):
+        super().__init__(cost_model)
+        self.durations_s = durations_s
+        self.num_steps = 0
+
+    def execute(self, output: SchedulerOutput) -> Execution:
+        execution = super().execute(output)
+        if output.num_scheduled_tokens:
+            if self.num_steps < len(self.durations_s):
+                execution.duration_s = self.durations_s[self.num_steps]
+            self.num_steps += 1
+        return execution

@@ -67,12 +67,15 @@ class ReplayClock:
 
 def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
                    time_limit_s: float | None = None,
-                   on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000) -> float:
+                   on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000,
+                   env: simpy.Environment | None = None) -> float:
     """Replay ``arrivals`` (sorted by time) until every request is done or the time limit.
 
-    Returns the simulated time at which the run ended.
+    ``env`` is the clock (default a fresh ``simpy.Environment``; a
+    ``simpy.rt.RealtimeEnvironment`` for wall-clock pacing). Returns the simulated time at
+    which the run ended.
     """
-    env = simpy.Environment()
+    env = env if env is not None else simpy.Environment()
     clock = ReplayClock()
     # Consumed as they arrive, so a finished request is not kept alive by this list.
     pending = deque(arrivals)
