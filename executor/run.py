@@ -19,7 +19,7 @@ import simpy.rt
 import torch
 
 from kvtwin.executor.runner import DeviceExecutor, ExecutorState, Faults
-from kvtwin.executor.shapes import ModelShape, model_shape
+from kvtwin.executor.shapes import ModelShape, model_shape, pool_page_bytes
 from kvtwin.kernels.backends import Backend, select_backend
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.plan import Plan
@@ -75,15 +75,39 @@ def require_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# A scaled CPU pool larger than this is a scenario meant for a GPU: say so before allocating.
+MAX_CPU_POOL_BYTES = 4 << 30
+
+
+def check_pool_fits(plan: Plan, options: ExecutorOptions) -> int:
+    """The executor's KV pool bytes for ``plan``; on a CPU, refuse a pool it cannot hold."""
+    config = plan.require_fits()
+    dtype = torch_dtype(plan, options)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    shape = _shape(plan, options, dtype_bytes)
+    pool_bytes = config.num_blocks * sum(pool_page_bytes(shape, config, dtype_bytes))
+    if options.device == "cpu" and pool_bytes > MAX_CPU_POOL_BYTES:
+        raise ConfigError("engine.kv_cache_memory_bytes",
+                          f"a KV pool a CPU can hold: the plan's {config.num_blocks:,} blocks need "
+                          f"{pool_bytes / (1 << 30):,.1f} GiB even in the scaled model (limit "
+                          f"{MAX_CPU_POOL_BYTES >> 30} GiB); set a smaller kv_cache_memory_bytes in the scenario's "
+                          "[engine] table, or use --device cuda", plan.num_blocks)
+    return pool_bytes
+
+
+def _shape(plan: Plan, options: ExecutorOptions, dtype_bytes: int) -> ModelShape:
+    return model_shape(plan.model, plan.require_fits(), plan.layers.layer_index,
+                       tensor_parallel_size=plan.engine.tensor_parallel_size, scaled=options.is_scaled,
+                       layers_per_group=options.layers_per_group, dtype_bytes=dtype_bytes)
+
+
 def build_executor(plan: Plan, options: ExecutorOptions, *, efficiency: Efficiency = Efficiency()
                    ) -> DeviceExecutor:
     config = plan.require_fits()
     device = require_device(options.device)
     dtype = torch_dtype(plan, options)
-    shape = model_shape(plan.model, config, plan.layers.layer_index,
-                        tensor_parallel_size=plan.engine.tensor_parallel_size, scaled=options.is_scaled,
-                        layers_per_group=options.layers_per_group,
-                        dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    check_pool_fits(plan, options)
+    shape = _shape(plan, options, torch.empty((), dtype=dtype).element_size())
     return DeviceExecutor(shape, config, device=device, dtype=dtype, kernels=select_backend(device.type),
                           seed=options.seed, cost_model=plan_cost_model(plan, efficiency), audit=options.audit,
                           faults=options.faults)

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from kvtwin.kernels.layout import NULL_BLOCK, check_attention_args
 
+# Query tokens per slice of one sequence's attention (bounds the score matrix's memory).
+QUERY_SLICE = 512
+
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -76,17 +79,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.zeros_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for s, seq_len in enumerate(lens):
-        q0, q1 = starts[s], starts[s + 1]
-        if q1 == q0:
-            continue
-        first_query = seq_len - (q1 - q0)
-        query_pos = torch.arange(first_query, seq_len, device=q.device)
-        key_pos = torch.arange(first_visible_key(first_query, sliding_window, chunk_size), seq_len, device=q.device)
-        k = gather_positions(k_cache, block_tables[s], key_pos).float().repeat_interleave(group, dim=1)
-        v = gather_positions(v_cache, block_tables[s], key_pos).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
-        scores = scores.masked_fill(~visible_keys(query_pos, key_pos, sliding_window, chunk_size), float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+        first_query = seq_len - (starts[s + 1] - starts[s])
+        # Queries a slice at a time, so a long prefill's score matrix stays small.
+        for q0 in range(starts[s], starts[s + 1], QUERY_SLICE):
+            q1 = min(q0 + QUERY_SLICE, starts[s + 1])
+            first = first_query + (q0 - starts[s])
+            query_pos = torch.arange(first, first + q1 - q0, device=q.device)
+            key_pos = torch.arange(first_visible_key(first, sliding_window, chunk_size), first + q1 - q0,
+                                   device=q.device)
+            k = gather_positions(k_cache, block_tables[s], key_pos).float().repeat_interleave(group, dim=1)
+            v = gather_positions(v_cache, block_tables[s], key_pos).float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+            scores = scores.masked_fill(~visible_keys(query_pos, key_pos, sliding_window, chunk_size), float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
 
 

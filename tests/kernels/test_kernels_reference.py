@@ -47,6 +47,18 @@ def test_reference_matches_dense_attention(window, chunk, group):
     torch.testing.assert_close(got, dense_attention(case), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window,chunk", [(None, None), (37, None), (None, 64)])
+def test_reference_slices_long_queries_exactly(window, chunk, monkeypatch):
+    """A prefill longer than a query slice (and slices that start mid-window or mid-chunk)
+    gives what one slice would."""
+    monkeypatch.setattr(reference, "QUERY_SLICE", 50)
+    case = cases.attention_case([130, 1], [150, 90], num_kv_heads=2, group=2, head_dim=16, block_size=8,
+                                sliding_window=window, chunk_size=chunk, seed=5)
+    reference.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    got = reference.paged_attention(**case.attention_args())
+    torch.testing.assert_close(got, dense_attention(case), atol=1e-5, rtol=1e-5)
+
+
 def test_reference_reads_the_block_table():
     """Swapping two blocks of a sequence's table changes its output (and only its)."""
     case = cases.attention_case([4, 4], [40, 40], block_size=8, seed=3)

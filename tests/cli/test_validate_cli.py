@@ -1,0 +1,135 @@
+"""`kvtwin validate` from the command line: a run writes its directory whole and prints a
+verdict per check; a failed check exits 1; bad input is one error line and exit 2, before
+any kernel runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("torch")
+
+import kvtwin.executor.validate as validate_module  # noqa: E402
+from kvtwin.cli import app  # noqa: E402
+from kvtwin.executor.runner import Faults  # noqa: E402
+from kvtwin.sim.replay.cost_model import load_calibration  # noqa: E402
+
+# Llama-3.1-8B pages are 2 MiB: 128 MiB of KV cache is a 64-block pool, small enough that
+# sixteen chat requests evict each other's prefixes.
+SCENARIO = """
+description = "tiny llama for the validate CLI"
+[model]
+preset = "llama-3.1-8b"
+[hardware]
+gpu = "h100"
+[engine]
+max_model_len = 900
+kv_cache_memory_bytes = 134217728
+max_num_batched_tokens = 512
+max_num_seqs = 8
+[workload]
+kind = "chat"
+seed = 3
+num_requests = 12
+block_tokens = 16
+arrival = { process = "poisson", rate_per_s = 4.0 }
+shared_prefix = { count = 2, tokens = 200, zipf_s = 1.0 }
+turns = { dist = "fixed", value = 2 }
+user_tokens = { dist = "lognormal", mean = 60, sigma = 0.5 }
+output_tokens = { dist = "lognormal", mean = 8, sigma = 0.5 }
+turn_gap_s = { dist = "exponential", mean = 1 }
+max_prompt_tokens = 600
+"""
+
+
+@pytest.fixture
+def scenario(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(SCENARIO)
+    return path
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, ["validate", *map(str, args)])
+
+
+def test_validate_writes_the_directory_and_a_verdict_per_check(scenario, tmp_path):
+    out = tmp_path / "run"
+    result = _invoke(scenario, "--out", out, "--quiet")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("prefix hits: pass")
+    assert lines[1].startswith("predicted hits: pass")
+    assert lines[2].startswith("memory: skipped")
+    assert lines[3].startswith("step latency: info")
+    assert sorted(p.name for p in out.iterdir()) == ["calibration.toml", "plan.json", "steps.parquet",
+                                                     "validation.parquet"]
+    table = pq.read_table(out / "validation.parquet")
+    assert table.column_names == list(validate_module.VALIDATION_COLUMNS)
+    assert set(table.column("check").to_pylist()) == set(validate_module.CHECKS)
+    load_calibration(out / "calibration.toml")  # kvtwin replay accepts it
+    steps = pq.read_table(out / "steps.parquet")
+    assert steps.num_rows > 0 and min(steps.column("measured_s").to_pylist()) > 0
+
+
+def test_a_failed_check_exits_1(scenario, tmp_path, monkeypatch):
+    real = validate_module.validate
+
+    def broken(resolved, trace, options, **kwargs):
+        executor = dataclasses.replace(options.executor, faults=Faults(corrupt_table=True))
+        return real(resolved, trace, dataclasses.replace(options, executor=executor), **kwargs)
+
+    monkeypatch.setattr(validate_module, "validate", broken)
+    result = _invoke(scenario, "--out", tmp_path / "run", "--quiet", "--checks", "prefix_hits_are_real")
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("prefix hits: FAIL") and "block audit:" in result.stdout
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--checks", "speed"], "--checks"),
+    (["--checks", ","], "--checks"),
+    (["--requests", "0"], "--requests"),
+    (["--device", "tpu"], "--device"),
+    (["--clock", "sundial"], "--clock"),
+])
+def test_bad_flags_are_one_error_line(scenario, tmp_path, monkeypatch, flags, field):
+    monkeypatch.setattr(validate_module, "validate", lambda *a, **k: pytest.fail("validation ran"))
+    result = _invoke(scenario, "--out", tmp_path / "run", *flags)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"kvtwin: error: {field}: expected"), errors
+    assert not (tmp_path / "run").exists()
+
+
+def test_cuda_without_a_gpu_is_refused_before_running(scenario, tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(validate_module, "validate", lambda *a, **k: pytest.fail("validation ran"))
+    result = _invoke(scenario, "--device", "cuda", "--out", tmp_path / "run")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("kvtwin: error: --device: expected a CUDA device (torch sees none here); "
+                                     "use --device cpu, got 'cuda'")
+
+
+def test_an_output_path_that_is_a_file_is_refused_first(scenario, tmp_path, monkeypatch):
+    monkeypatch.setattr(validate_module, "validate", lambda *a, **k: pytest.fail("validation ran"))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    result = _invoke(scenario, "--out", a_file)
+    assert result.exit_code == 2 and result.stderr.startswith("kvtwin: error: --out: expected")
+    assert a_file.read_text() == "mine"
+
+
+def test_a_pool_too_big_for_a_cpu_names_the_knob(tmp_path, monkeypatch):
+    monkeypatch.setattr(validate_module, "validate", lambda *a, **k: pytest.fail("validation ran"))
+    monkeypatch.setattr("kvtwin.executor.run.MAX_CPU_POOL_BYTES", 1 << 16)
+    path = tmp_path / "big.toml"
+    path.write_text(SCENARIO)
+    result = _invoke(path, "--out", tmp_path / "run")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("kvtwin: error: engine.kv_cache_memory_bytes: expected a KV pool a CPU can hold")
