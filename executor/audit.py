@@ -40,7 +40,7 @@ class Finding:
 
 
 class BlockAudit:
-    def __init__(self, num_groups: int, num_blocks: int, max_findings: int = 20):
+    def __init__(self, num_groups: int, num_blocks: int, max_findings: int = 100):
         self.num_tokens = np.full((num_groups, num_blocks), -1, dtype=np.int64)
         self.fingerprint = np.zeros((num_groups, num_blocks), dtype=np.uint64)
         self.findings: list[Finding] = []
@@ -74,7 +74,7 @@ class BlockAudit:
 
     def check_reads(self, step: int, request_id: str, group_id: int, table: list[int], block_size: int,
                     first_visible: int, computed: int, tokens: RequestTokens) -> None:
-        """Every non-null block holding positions ``[first_visible, computed)`` must hold
+        """Every block holding positions ``[first_visible, computed)`` must be real and hold
         this request's prefix up to its filled end."""
         if computed <= first_visible or len(self.findings) >= self.max_findings:
             return

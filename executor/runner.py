@@ -45,7 +45,7 @@ KEPT_LOGITS = 256
 @dataclass(frozen=True)
 class Faults:
     """Test-only breakage. ``corrupt_table``: the first admission with a prefix hit gets a
-    wrong block at the start of its first attention group's table. ``stale_block``: the
+    wrong block in place of its hit's last block, in the first group where that is real. ``stale_block``: the
     first block handed to a request that held another request's tokens is not rewritten.
     ``drop_state_copy``: the first recurrent-state copy is skipped."""
 
@@ -132,11 +132,12 @@ class DeviceExecutor:
         if self.audit is not None:
             for c in copies:
                 self.audit.copied(c.group_id, c.src_block, c.dst_block)
+            self._record_kv_writes(inputs, skipped_writes)
             self._check_reads(step, inputs)
         host_s = time.perf_counter() - host_start
         device_s, logits = self._run(inputs, copies)
         if self.audit is not None:
-            self._record_writes(inputs, skipped_writes)
+            self._record_state_writes(inputs)
         self.tables.advance(output)
         sampled = {}
         for row, (rid, index) in enumerate(inputs.samples):
@@ -190,8 +191,9 @@ class DeviceExecutor:
     # -- the audit ------------------------------------------------------------------------
 
     def _check_reads(self, step: int, inputs: BatchInputs) -> None:
-        """Every block the step reads holds the reading request's prefix (state groups:
-        the block the kernel resumes from, after this step's copies)."""
+        """Every block the step reads holds the reading request's prefix: attention keys up to
+        the step's last token (this step's writes included), and for state groups the block
+        the kernel resumes from, after this step's copies."""
         audit = self.audit
         for gid, group in enumerate(self.config.groups):
             spec = group.spec
@@ -206,23 +208,30 @@ class DeviceExecutor:
                 else:
                     first = first_visible_key(c, getattr(spec, "sliding_window", None),
                                               getattr(spec, "attention_chunk_size", None))
-                    audit.check_reads(step, rid, gid, row, bs, first, c, tokens)
+                    audit.check_reads(step, rid, gid, row, bs, first, c + inputs.scheduled[i], tokens)
 
-    def _record_writes(self, inputs: BatchInputs, skipped: list[tuple[int, int]]) -> None:
+    def _record_kv_writes(self, inputs: BatchInputs, skipped: list[tuple[int, int]]) -> None:
+        """Every layer writes the step's K/V before it attends, so the step's reads see them."""
         audit = self.audit
         for gid, group in enumerate(self.config.groups):
+            if isinstance(group.spec, MambaSpec):
+                continue
             bs = group.spec.block_size
-            is_state = isinstance(group.spec, MambaSpec)
             for i, (rid, c, n) in enumerate(zip(inputs.request_ids, inputs.computed, inputs.scheduled)):
                 table = inputs.host_tables[gid][i]
-                tokens = self.tokens[rid]
-                if not is_state:
-                    if skipped:
-                        table = [NULL_BLOCK if (gid, b) in skipped else b for b in table]
-                    audit.wrote_tokens(gid, table, bs, c, c + n, tokens)
-                    continue
-                # The kernel leaves a state at every block end it passes and after the last token.
-                end = c + n
+                if skipped:
+                    table = [NULL_BLOCK if (gid, b) in skipped else b for b in table]
+                audit.wrote_tokens(gid, table, bs, c, c + n, self.tokens[rid])
+
+    def _record_state_writes(self, inputs: BatchInputs) -> None:
+        """The state kernel leaves a state at every block end it passes and after the last token."""
+        audit = self.audit
+        for gid, group in enumerate(self.config.groups):
+            if not isinstance(group.spec, MambaSpec):
+                continue
+            bs = group.spec.block_size
+            for i, (rid, c, n) in enumerate(zip(inputs.request_ids, inputs.computed, inputs.scheduled)):
+                table, tokens, end = inputs.host_tables[gid][i], self.tokens[rid], c + n
                 for done in range((c // bs + 1) * bs, end, bs):
                     audit.wrote_state(gid, table[(done - 1) // bs], done, tokens)
                 audit.wrote_state(gid, table[(end - 1) // bs], end, tokens)

@@ -87,11 +87,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             query_pos = torch.arange(first, first + q1 - q0, device=q.device)
             key_pos = torch.arange(first_visible_key(first, sliding_window, chunk_size), first + q1 - q0,
                                    device=q.device)
-            k = gather_positions(k_cache, block_tables[s], key_pos).float().repeat_interleave(group, dim=1)
-            v = gather_positions(v_cache, block_tables[s], key_pos).float().repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+            k = gather_positions(k_cache, block_tables[s], key_pos).float()  # [keys, kv_heads, dim]
+            v = gather_positions(v_cache, block_tables[s], key_pos).float()
+            # Query head h = n * group + g reads kv head n.
+            queries = q[q0:q1].float().unflatten(1, (k.shape[1], group))  # [q, kv_heads, group, dim]
+            scores = torch.einsum("qngd,knd->ngqk", queries, k) * scale
             scores = scores.masked_fill(~visible_keys(query_pos, key_pos, sliding_window, chunk_size), float("-inf"))
-            out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+            mixed = torch.einsum("ngqk,knd->qngd", scores.softmax(dim=-1), v)
+            out[q0:q1] = mixed.flatten(1, 2).to(q.dtype)
     return out
 
 
