@@ -76,7 +76,7 @@ def profile_step(executor: DeviceExecutor, num_tokens: int, num_reqs: int) -> to
 
 def check_memory(out, resolved: ResolvedScenario, options: ExecutorOptions) -> None:
     """Check 3 on a CUDA device; adds rows and a verdict to ``out`` (a ``Validation``)."""
-    from kvtwin.executor.validate import Verdict
+    from kvtwin.executor.validate import Verdict  # validate imports this module only when it runs check 3
 
     name = "memory"
     props = torch.cuda.get_device_properties(0)
