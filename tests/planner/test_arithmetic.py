@@ -251,6 +251,30 @@ def test_prefill_checkpoints_make_three_state_pages_per_request():
     assert {(g.spec.num_prefill_checkpoint_blocks, n.group_blocks_per_request(g)) for g in n.groups[:-1]} == {(0, 1)}
 
 
+def test_without_prefix_caching_a_state_block_spans_max_model_len():
+    """vLLM 0.33 (``model_executor/models/config.py``, HybridAttentionMambaModelConfig) sets
+    ``mamba_block_size = max_model_len`` when prefix caching is off: one block holds a
+    request's state for its whole life, so a request never takes more than one per group."""
+    from kvtwin.sim.core.engine import EngineCore
+    from kvtwin.sim.core.hashing import TokenPrompt
+    from kvtwin.sim.core.request import Request
+    from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model
+
+    on = run("nemotron-h-8b", gpu="h100", max_model_len=8192)
+    off = run("nemotron-h-8b", gpu="h100", max_model_len=8192, enable_prefix_caching=False)
+    assert {g.spec.block_size for g in on.groups[:-1]} == {on.layers.attention_block_size}
+    assert {g.spec.block_size for g in off.groups[:-1]} == {8192}
+    assert off.groups[-1].spec.block_size == off.layers.attention_block_size
+    engine = EngineCore(off.require_fits(), off.engine.scheduler, off.engine.cache)
+    engine.add_request(Request("r", TokenPrompt(range(5000)), 40))
+    executor = CostModelExecutor(plan_cost_model(off))
+    while engine.has_unfinished_requests():
+        engine.step(executor)
+        if engine.scheduler.running:
+            tables = engine.kv_cache_manager.get_block_ids("r")
+            assert [len([b for b in t if b]) for t in tables[:-1]] == [1] * (len(tables) - 1)
+
+
 @pytest.mark.parametrize("model,groups,padding,block", [
     ("gemma-3-12b", 6, 0, 16),        # 40 SWA + 8 full: group size 8
     ("gemma-3-27b", 7, 8, 16),        # 52 SWA + 10 full: group size 10
