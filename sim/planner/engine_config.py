@@ -112,8 +112,13 @@ class EngineConfig:
                               max_num_batched_tokens)
         has_state = "mamba" in model.layer_kinds
         mamba_cache_mode = self.mamba_cache_mode or ("align" if self.enable_prefix_caching and has_state else "none")
+        # vLLM 0.33 would switch the mode to match prefix caching; a scenario that asks for the
+        # other one is told so instead of being run as something it did not say.
         if mamba_cache_mode == "align" and not self.enable_prefix_caching:
             raise ConfigError("mamba_cache_mode", "'none' when prefix caching is off", "align")
+        if mamba_cache_mode == "none" and self.enable_prefix_caching and has_state:
+            raise ConfigError("mamba_cache_mode", "'align' when prefix caching is on (vLLM 0.33 switches to it; "
+                              "set enable_prefix_caching = false for 'none')", "none")
         hybrid = model.default_hybrid_kv_cache if self.hybrid_kv_cache is None else self.hybrid_kv_cache
         _check_model_fits_settings(model, tp=tp, max_model_len=max_model_len)
         scheduler = SchedulerConfig(

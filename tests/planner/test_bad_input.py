@@ -102,3 +102,19 @@ def test_bad_hf_config(run_plan, tmp_path):
     assert_one_error_line(run_plan("--hf-config", path, "--gpu", "h100"), "architectures", "BertModel")
     path.write_text("{not json")
     assert_one_error_line(run_plan("--hf-config", path, "--gpu", "h100"), "valid JSON")
+
+
+@pytest.mark.parametrize("mode, caching, expected", [
+    ("none", True, "expected 'align' when prefix caching is on"),
+    ("align", False, "expected 'none' when prefix caching is off"),
+])
+def test_a_state_cache_mode_that_contradicts_prefix_caching(mode, caching, expected):
+    """vLLM 0.33 would quietly switch the mode; kvtwin refuses rather than run another config."""
+    from kvtwin.sim.core.errors import ConfigError
+    from kvtwin.sim.planner.engine_config import EngineConfig
+    from kvtwin.sim.planner.hardware import get_gpu
+    from kvtwin.sim.planner.models import get_model
+
+    engine = EngineConfig(mamba_cache_mode=mode, enable_prefix_caching=caching)
+    with pytest.raises(ConfigError, match=expected):
+        engine.resolve(get_model("nemotron-h-8b"), get_gpu("h100"))
