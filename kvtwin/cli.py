@@ -14,6 +14,7 @@ from kvtwin.commands import presets
 from kvtwin.commands import lockstep
 from kvtwin.commands import plan
 from kvtwin.commands import replay
+from kvtwin.commands import report
 from kvtwin.commands import validate
 from kvtwin.commands.trace import trace_app
 from kvtwin.console import guard_all
@@ -49,6 +50,7 @@ app.command("gpus")(presets.gpus)
 app.command("plan")(plan.plan)
 app.command("replay")(replay.replay)
 app.command("validate")(validate.validate)
+app.command("report")(report.report)
 app.add_typer(trace_app, name="trace")
 guard_all(app)
 

@@ -16,8 +16,9 @@ from kvtwin.sim.core.errors import ConfigError
 
 # What kvtwin itself puts in a run or sweep directory. A directory holding anything else is
 # not replaced, because replacing a run directory removes the previous one whole.
-RUN_DIR_FILES = frozenset({"requests.parquet", "steps.parquet", "summary.parquet", "plan.json",
-                           "capacity.parquet", "report.html"})
+RUN_DIR_FILES = frozenset({"requests.parquet", "steps.parquet", "summary.parquet", "plan.json", "replicas.parquet",
+                           "capacity.parquet", "hit_curve.parquet", "report.html",
+                           "validation.parquet", "calibration.toml"})
 
 
 def _is_run_output(entry: Path) -> bool:

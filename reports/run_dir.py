@@ -74,10 +74,16 @@ def _swap_in(staging: Path, target: Path) -> None:
 
 
 def write_run(out_dir: Path, *, requests: pa.Table, steps: pa.Table, summary: pa.Table, plan: dict,
-              run_metadata: dict) -> list[Path]:
-    """Write the run directory ``out_dir`` whole, replacing a previous run there; return its files."""
-    return write_dir(out_dir, tables={"requests": requests, "steps": steps, "summary": summary},
-                     json_files={"plan": plan}, run_metadata=run_metadata)
+              run_metadata: dict, extra_tables: dict[str, pa.Table] | None = None,
+              text_files: dict[str, str] | None = None) -> list[Path]:
+    """Write the run directory ``out_dir`` whole, replacing a previous run there; return its files.
+
+    ``extra_tables`` (``NAME`` -> table, written as ``NAME.parquet``) and ``text_files`` (file
+    name -> text, e.g. ``report.html``) go into the same directory swap."""
+    tables = {"requests": requests, "steps": steps, "summary": summary}
+    tables.update(extra_tables or {})
+    return write_dir(out_dir, tables=tables, json_files={"plan": plan}, text_files=text_files,
+                     run_metadata=run_metadata)
 
 
 def write_dir(out_dir: Path, *, tables: dict[str, pa.Table], json_files: dict[str, dict] | None = None,

@@ -3,7 +3,7 @@
 Reads a scenario (``scenarios/default.toml`` when none is given), applies command-line
 overrides, plans the KV cache layout, replays the workload through the KV-cache core and
 scheduler with the cost model as the clock, prints a summary table, and writes the run
-directory (``reports/SCHEMA.md``).
+directory (``reports/SCHEMA.md``) with its ``report.html`` (unless ``--no-report``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def replay(
     time_limit_s: Optional[float] = typer.Option(None, "--time-limit-s", help="Stop at this simulated time."),
     out: Path = typer.Option(Path("runs/replay"), "--out", "-o", help="Run directory to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+    no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the run directory."),
 ) -> None:
     """Replay a trace against vLLM's KV cache manager and scheduler in simulated time."""
     console = Console(stderr=True)
@@ -69,8 +70,18 @@ def replay(
             result = run_replay(planned, table, efficiency=resolved.efficiency, slo=resolved.slo,
                                 time_limit_s=resolved.time_limit_s, on_progress=on_progress)
         wall_s = time.perf_counter() - started
+        metadata = run_metadata(path, overrides.given())
+        plan_json = planned.to_json()
+        text_files = None
+        if not no_report:
+            # Rendered from the tables in memory and written in the same directory swap.
+            from kvtwin.reports.html import render_replay_report
+
+            text_files = {"report.html": render_replay_report(result.requests, result.steps, result.summary,
+                                                              plan_json, metadata)}
         paths = write_run(out, requests=result.requests, steps=result.steps, summary=result.summary,
-                          plan=planned.to_json(), run_metadata=run_metadata(path, overrides.given()))
+                          plan=plan_json, run_metadata=metadata, extra_tables={"replicas": result.replicas},
+                          text_files=text_files)
     with interrupt_note(lambda: f"interrupted while printing the summary; {out} was written whole"):
         summary = result.summary.to_pylist()[0]
         print_summary(summary, title=f"{chosen_model.name} on {planned.engine.tensor_parallel_size}x "

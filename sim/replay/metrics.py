@@ -41,9 +41,10 @@ class SLO:
 class _RequestRecord:
     __slots__ = ("request", "request_id", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s",
                  "finish_s", "last_token_s", "hit_tokens", "hit_tokens_total", "queried_tokens", "scheduled_tokens",
-                 "status", "reason", "reason_detail", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions")
+                 "status", "reason", "reason_detail", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions",
+                 "replica")
 
-    def __init__(self, request: Request, index: int, session_id: str | None, arrival_s: float):
+    def __init__(self, request: Request, index: int, session_id: str | None, arrival_s: float, replica: int = 0):
         # The request is referenced only while it lives: a finished one is reduced to its
         # counts, so its block hashes can be freed during a long replay.
         self.request: Request | None = request
@@ -66,6 +67,7 @@ class _RequestRecord:
         self.status = "waiting"
         self.reason = ""
         self.reason_detail = ""
+        self.replica = replica
 
     def snapshot(self) -> None:
         request = self.request
@@ -76,20 +78,37 @@ class _RequestRecord:
 
 
 class MetricsRecorder:
-    """Collects per-request and per-step records as the engine steps."""
+    """Collects per-request and per-step records as the engine steps.
 
-    def __init__(self, num_groups: int):
+    One recorder serves every data-parallel replica of a run: a request and a step carry
+    the replica they ran on (``replica``); inter-token latencies are kept per replica
+    (``itl_by_replica``; ``itl_s`` is replica 0's, and all of them with one replica).
+    """
+
+    def __init__(self, num_groups: int, num_replicas: int = 1):
         self.num_groups = num_groups
+        self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
         self.order: list[_RequestRecord] = []
-        self.itl_s = array("d")
+        self.itl_by_replica = [array("d") for _ in range(num_replicas)]
+        self.itl_s = self.itl_by_replica[0]
         self.steps: dict[str, list] = {name: [] for name in STEP_COLUMNS}
-        self._evictions_before = 0
+        self.step_replica = array("i")
+        self._evictions_before = [0] * num_replicas
+
+    def all_itl_s(self) -> array:
+        """Every replica's inter-token latencies (replica order)."""
+        if self.num_replicas == 1:
+            return self.itl_s
+        out = array("d")
+        for itl in self.itl_by_replica:
+            out.extend(itl)
+        return out
 
     # -- requests --------------------------------------------------------------------------
 
-    def arrived(self, request: Request, arrival_s: float, session_id: str | None = None) -> None:
-        record = _RequestRecord(request, len(self.order), session_id, arrival_s)
+    def arrived(self, request: Request, arrival_s: float, session_id: str | None = None, replica: int = 0) -> None:
+        record = _RequestRecord(request, len(self.order), session_id, arrival_s, replica)
         self.records[request.request_id] = record
         self.order.append(record)
 
@@ -102,10 +121,11 @@ class MetricsRecorder:
     # -- steps ------------------------------------------------------------------------------
 
     def step(self, engine, result: StepResult, start_s: float, end_s: float,
-             scheduled_s: float | None = None) -> None:
-        """Record one executed batch: ``result.output`` ran from ``start_s`` to ``end_s`` and
-        its results were applied at ``end_s``. ``scheduled_s`` is when it was scheduled, if
-        earlier (async scheduling: while the previous batch ran); admissions take it."""
+             scheduled_s: float | None = None, replica: int = 0) -> None:
+        """Record one executed batch: ``result.output`` ran from ``start_s`` to ``end_s`` on
+        ``replica`` and its results were applied at ``end_s``. ``scheduled_s`` is when it
+        was scheduled, if earlier (async scheduling: while the previous batch ran);
+        admissions take it."""
         output = result.output
         records = self.records
         if scheduled_s is None:
@@ -127,13 +147,14 @@ class MetricsRecorder:
                 decode_tokens += 1
             else:
                 prefill_tokens += num_new
+        itl_s = self.itl_by_replica[replica]
         for request_id in result.execution.sampled:
             record = records[request_id]
             if math.isnan(record.first_token_s):
                 record.first_token_s = end_s
                 record.status = "running"
             else:
-                self.itl_s.append(end_s - record.last_token_s)
+                itl_s.append(end_s - record.last_token_s)
             record.last_token_s = end_s
         for request in result.finished:
             record = records[request.request_id]
@@ -159,8 +180,9 @@ class MetricsRecorder:
         steps["num_cached_blocks"].append(pool.num_cached_blocks())
         steps["kv_cache_usage"].append(pool.get_usage())
         steps["kv_cache_usage_by_group"].append([n / usable for n in pool.num_used_by_group])
-        steps["num_evictions"].append(pool.num_evictions - self._evictions_before)
-        self._evictions_before = pool.num_evictions
+        steps["num_evictions"].append(pool.num_evictions - self._evictions_before[replica])
+        self._evictions_before[replica] = pool.num_evictions
+        self.step_replica.append(replica)
         cost = result.execution.cost
         for name in ("compute_s", "memory_s", "communication_s", "overhead_s"):
             steps[name].append(getattr(cost, name) if cost is not None else math.nan)
@@ -212,6 +234,7 @@ class MetricsRecorder:
             "ttft_s": first_token - arrival,
             "tpot_s": tpot,
             "e2el_s": finish - arrival,
+            "replica": pa.array(np.array([r.replica for r in rows], dtype=np.int32), pa.int32()),
         })
 
     def steps_table(self) -> pa.Table:
@@ -219,6 +242,8 @@ class MetricsRecorder:
         for name, kind in STEP_COLUMNS.items():
             values = self.steps[name]
             columns[name] = pa.array(values, type=kind)
+        columns["replica"] = pa.array(np.frombuffer(self.step_replica, dtype=np.int32) if len(self.step_replica)
+                                      else np.zeros(0, np.int32), pa.int32())
         return pa.table(columns)
 
 
@@ -296,11 +321,13 @@ def _saturation(queue_p90_s: float, attainment: float, has_slo: bool, completed:
 
 
 def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float, *,
-              trace: pa.Table | None = None) -> pa.Table:
+              trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin") -> pa.Table:
     """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms).
 
     ``trace`` is the replayed trace: it gives the requests that never arrived (a time
-    limit) and the prefix-reuse upper bound of those that did.
+    limit) and the prefix-reuse upper bound of those that did. ``num_replicas`` and
+    ``router`` describe the cluster (figures are over all replicas); ``load_imbalance``
+    is computed from the requests' ``replica`` column (``load_imbalance``).
     """
     status = requests.column("status").to_numpy(zero_copy_only=False)
     done = status == "finished"
@@ -377,5 +404,71 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
                                                                                   key=lambda d: d["values"])}),
         "saturated": bool(saturation),
         "saturation_reason": ",".join(saturation),
+        "num_replicas": num_replicas,
+        "router": router,
+        "load_imbalance": load_imbalance(requests, num_replicas),
     })
     return pa.Table.from_pylist([row])
+
+
+def routed_counts(requests: pa.Table, num_replicas: int) -> np.ndarray:
+    """Requests routed to each replica (every arrival, rejected ones included)."""
+    if "replica" not in requests.column_names or requests.num_rows == 0:
+        counts = np.zeros(num_replicas, dtype=np.int64)
+        counts[0] = requests.num_rows
+        return counts
+    return np.bincount(requests.column("replica").to_numpy(), minlength=num_replicas)[:num_replicas]
+
+
+def load_imbalance(requests: pa.Table, num_replicas: int) -> float:
+    """Max over replicas of the requests routed there, over the mean (1.0 = even, N = all
+    on one of N replicas); NaN when nothing arrived."""
+    counts = routed_counts(requests, num_replicas)
+    mean = counts.mean() if counts.size else 0.0
+    return float(counts.max() / mean) if mean > 0 else math.nan
+
+
+# Cluster-level columns of ``summarize`` that a per-replica row does not repeat.
+_CLUSTER_ONLY = ("num_replicas", "router", "load_imbalance")
+
+
+def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list[array], slo: SLO,
+                       end_time_s: float, *, trace: pa.Table | None = None,
+                       cluster_summary: pa.Table | None = None) -> pa.Table:
+    """One row per replica: ``replica``, then ``summarize``'s figures over that replica's
+    requests, steps and inter-token latencies (the cluster-only ``num_replicas``,
+    ``router`` and ``load_imbalance`` left out), then ``load_ratio`` (requests routed
+    there over the mean). Durations and rates use the cluster's ``end_time_s``; a
+    replica's trace is the rows routed to it (so ``prefix_reuse_upper_bound`` is the
+    reuse available within its own stream, and ``not_arrived`` is 0). With one replica
+    the row is ``cluster_summary``'s, if given (the same figures, not computed twice)."""
+    num_replicas = len(itl_by_replica)
+    if num_replicas == 1 and cluster_summary is not None:
+        row = cluster_summary.to_pylist()[0]
+        row["not_arrived"] = 0
+        row["num_trace_requests"] = requests.num_rows
+        for name in _CLUSTER_ONLY:
+            del row[name]
+        table = pa.Table.from_pylist([{"replica": 0, **row, "load_ratio": 1.0 if requests.num_rows else math.nan}])
+        return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))
+    counts = routed_counts(requests, num_replicas)
+    mean = counts.mean() if counts.size else 0.0
+    replica_of_request = (requests.column("replica").to_numpy() if "replica" in requests.column_names
+                          else np.zeros(requests.num_rows, np.int32))
+    replica_of_step = (steps.column("replica").to_numpy() if "replica" in steps.column_names
+                       else np.zeros(steps.num_rows, np.int32))
+    arrived = trace.slice(0, requests.num_rows) if trace is not None else None
+    rows = []
+    for replica in range(num_replicas):
+        mine = np.flatnonzero(replica_of_request == replica)
+        sub_requests = requests.take(mine)
+        sub_steps = steps.take(np.flatnonzero(replica_of_step == replica))
+        sub_trace = arrived.take(mine) if arrived is not None else None
+        row = summarize(sub_requests, sub_steps, itl_by_replica[replica], slo, end_time_s,
+                        trace=sub_trace).to_pylist()[0]
+        for name in _CLUSTER_ONLY:
+            del row[name]
+        rows.append({"replica": replica, **row,
+                     "load_ratio": float(counts[replica] / mean) if mean > 0 else math.nan})
+    table = pa.Table.from_pylist(rows)
+    return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))

@@ -4,12 +4,14 @@ Puts the pieces together: the plan's ``KVCacheConfig`` and its resolved engine c
 (the scheduler and cache configs) build the ``EngineCore``; the trace's rows become
 requests arriving at their times; the cost model predicts each step's duration and
 samples synthetic output tokens; the metrics recorder turns what happened into the three
-tables of a run directory.
+tables of a run directory. ``engine.replicas = N`` builds N engines, each with its own
+executor and cost-model clock, behind the router ``engine.router`` (``router.py``);
+``ReplayResult.replicas`` is then the per-replica summary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -17,7 +19,8 @@ import simpy
 
 from kvtwin.sim.replay.cost_model import CostModel, Efficiency, StepCost
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
-from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize
+from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize, summarize_replicas
+from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
@@ -66,13 +69,17 @@ class ReplayResult:
     steps: pa.Table
     summary: pa.Table
     end_time_s: float
+    # One row per data-parallel replica (``summarize_replicas``; one row with one replica).
+    replicas: pa.Table | None = None
 
 
 def run_replay(plan: Plan, trace: pa.Table, *, efficiency: Efficiency = Efficiency(), slo: SLO = SLO(),
                time_limit_s: float | None = None,
                on_progress: Callable[[ReplayClock], None] | None = None) -> ReplayResult:
-    """``kvtwin replay``: the plan and trace with the cost model as the clock."""
-    return run_with_executor(plan, trace, CostModelExecutor(plan_cost_model(plan, efficiency)), slo=slo,
+    """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
+    cost model and executor per replica of ``plan.engine.replicas``."""
+    executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(plan.engine.replicas)]
+    return run_with_executor(plan, trace, executors if len(executors) > 1 else executors[0], slo=slo,
                              time_limit_s=time_limit_s, on_progress=on_progress)
 
 
@@ -82,22 +89,32 @@ def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostMo
                      async_scheduling=eng.async_scheduling, efficiency=efficiency)
 
 
-def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor, *, slo: SLO = SLO(),
-                      time_limit_s: float | None = None, env: simpy.Environment | None = None,
+def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Sequence[ModelExecutor], *,
+                      slo: SLO = SLO(), time_limit_s: float | None = None, env: simpy.Environment | None = None,
                       on_progress: Callable[[ReplayClock], None] | None = None) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what ``executor``
     says (predicted, measured on a device, or replayed from a recording); ``env`` is the
-    SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real time)."""
+    SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real time).
+
+    ``executor`` is one executor, or a list of one per replica: the run has as many
+    replicas as executors given (a single executor: one replica, whatever
+    ``plan.engine.replicas`` says), behind the router ``plan.engine.router``."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
-    engine = EngineCore(kv_cache_config, eng.scheduler, eng.cache)
-    metrics = MetricsRecorder(len(kv_cache_config.groups))
-    end_s = run_simulation(engine, executor, arrivals_from_trace(trace), metrics, time_limit_s=time_limit_s,
-                           on_progress=on_progress, env=env)
+    executors = list(executor) if isinstance(executor, (list, tuple)) else [executor]
+    engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache) for _ in executors]
+    router = make_router(eng.router, engines)
+    metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines))
+    end_s = run_simulation(engines[0] if len(engines) == 1 else engines, executors[0] if len(engines) == 1 else
+                           executors, arrivals_from_trace(trace), metrics, time_limit_s=time_limit_s,
+                           on_progress=on_progress, env=env, router=router)
     requests = metrics.requests_table()
     steps = metrics.steps_table()
-    summary = summarize(requests, steps, metrics.itl_s, slo, end_s, trace=trace)
-    return ReplayResult(requests, steps, summary, end_s)
+    summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace, num_replicas=len(engines),
+                        router=eng.router)
+    replicas = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
+                                  cluster_summary=summary)
+    return ReplayResult(requests, steps, summary, end_s, replicas)
 
 
 class RecordedClockExecutor(CostModelExecutor):

@@ -16,12 +16,20 @@ results, and schedules the next one at that instant, before the newer batch's re
 are known. A metrics step is one batch: it starts when the device starts it and lasts
 its device time; its admissions are stamped with the time it was scheduled. Batches that
 computed nothing leave no step row unless they preempted.
+
+Data-parallel replicas (``engine.replicas``): several engines, each with its own executor
+(its own cost-model clock), share one environment. The one arrival process asks the
+router (``router.py``) for each arrival's replica and adds the request there; each
+replica runs its own engine process (the synchronous or the asynchronous one above) and
+sleeps on its own event while idle; the router is told when a routed request finishes or
+is rejected (its outstanding tokens). With one replica no router is consulted and the run
+is exactly the single-engine replay.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import simpy
@@ -29,6 +37,7 @@ from simpy.events import URGENT, Event
 
 from kvtwin.sim.core.engine import EngineCore, ModelExecutor
 from kvtwin.sim.replay.metrics import MetricsRecorder
+from kvtwin.sim.replay.router import Router
 from kvtwin.sim.core.request import Request
 
 
@@ -65,22 +74,42 @@ class ReplayClock:
     rejected: int = 0
 
 
-def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
+def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExecutor | Sequence[ModelExecutor],
+                   arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
                    time_limit_s: float | None = None,
                    on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000,
-                   env: simpy.Environment | None = None) -> float:
+                   env: simpy.Environment | None = None, router: Router | None = None) -> float:
     """Replay ``arrivals`` (sorted by time) until every request is done or the time limit.
 
-    ``env`` is the clock (default a fresh ``simpy.Environment``; a
-    ``simpy.rt.RealtimeEnvironment`` for wall-clock pacing). Returns the simulated time at
-    which the run ended.
+    ``engine`` is one engine or a list of data-parallel replicas, ``executor`` its
+    executor or one per replica; with several replicas ``router`` (required) picks the
+    replica of each arrival, and each replica runs its own engine process in the same
+    environment. With one replica the router is not consulted. ``env`` is the clock
+    (default a fresh ``simpy.Environment``; a ``simpy.rt.RealtimeEnvironment`` for
+    wall-clock pacing). Returns the simulated time at which the run ended.
     """
+    engines = [engine] if isinstance(engine, EngineCore) else list(engine)
+    executors = list(executor) if isinstance(executor, (list, tuple)) else [executor]
+    if len(executors) != len(engines):
+        raise ValueError(f"{len(engines)} engines but {len(executors)} executors")
+    num_replicas = len(engines)
+    if num_replicas > 1 and router is None:
+        raise ValueError("several replicas need a router")
+    if num_replicas == 1:
+        router = None
     env = env if env is not None else simpy.Environment()
     clock = ReplayClock()
     # Consumed as they arrive, so a finished request is not kept alive by this list.
     pending = deque(arrivals)
     del arrivals
-    state = {"wake": None, "arrivals_done": not pending}
+    # Per replica: the event its engine process sleeps on while idle.
+    wakes: list[Event | None] = [None] * num_replicas
+    state = {"arrivals_done": not pending}
+
+    def wake_replica(replica: int) -> None:
+        wake = wakes[replica]
+        if wake is not None and not wake.triggered:
+            wake.succeed()
 
     def arrival_process():
         while pending:
@@ -88,34 +117,47 @@ def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterab
             delay = arrival.arrival_s - env.now
             if delay > 0:
                 yield _UrgentTimeout(env, delay)
-            metrics.arrived(arrival.request, arrival.arrival_s, arrival.session_id)
-            if not engine.add_request(arrival.request):
-                metrics.rejected(arrival.request, engine.rejected[-1])
+            request = arrival.request
+            replica = router.route(request, arrival.session_id) if router is not None else 0
+            if router is None:
+                metrics.arrived(request, arrival.arrival_s, arrival.session_id)
+            else:
+                metrics.arrived(request, arrival.arrival_s, arrival.session_id, replica)
+            engine = engines[replica]
+            if not engine.add_request(request):
+                metrics.rejected(request, engine.rejected[-1])
                 clock.rejected += 1
+                if router is not None:
+                    router.release(replica, request)
             clock.arrived += 1
-            wake = state["wake"]
-            if wake is not None and not wake.triggered:
-                wake.succeed()
+            wake_replica(replica)
         state["arrivals_done"] = True
-        wake = state["wake"]
-        if wake is not None and not wake.triggered:
-            wake.succeed()
+        for replica in range(num_replicas):
+            wake_replica(replica)
 
-    def engine_process():
+    def engine_process(replica: int):
+        engine = engines[replica]
+        executor = executors[replica]
         while True:
             if not engine.has_unfinished_requests():
                 if state["arrivals_done"]:
                     return
-                state["wake"] = env.event()
-                yield state["wake"]
-                state["wake"] = None
+                wakes[replica] = env.event()
+                yield wakes[replica]
+                wakes[replica] = None
                 continue
             start_s = env.now
             result = engine.step(executor)
             duration_s = result.execution.duration_s
-            metrics.step(engine, result, start_s, start_s + duration_s)
+            if router is None:
+                metrics.step(engine, result, start_s, start_s + duration_s)
+            else:
+                metrics.step(engine, result, start_s, start_s + duration_s, replica=replica)
             clock.steps += 1
             clock.finished += len(result.finished)
+            if router is not None:
+                for request in result.finished:
+                    router.release(replica, request)
             if on_progress is not None and clock.steps % progress_every == 0:
                 clock.now_s = start_s
                 on_progress(clock)
@@ -126,16 +168,18 @@ def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterab
                 # rather than spin (the waiting head cannot fit until something changes).
                 if state["arrivals_done"]:
                     return
-                state["wake"] = env.event()
-                yield state["wake"]
-                state["wake"] = None
+                wakes[replica] = env.event()
+                yield wakes[replica]
+                wakes[replica] = None
 
-    def wait_for_arrival():
-        state["wake"] = env.event()
-        yield state["wake"]
-        state["wake"] = None
+    def wait_for_arrival(replica: int):
+        wakes[replica] = env.event()
+        yield wakes[replica]
+        wakes[replica] = None
 
-    def async_engine_process():
+    def async_engine_process(replica: int):
+        engine = engines[replica]
+        executor = executors[replica]
         queue = engine.batch_queue
         size = engine.batch_queue_size
         # (scheduled at, device start, device end) of each batch in ``queue``, oldest first.
@@ -145,7 +189,7 @@ def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterab
             if not engine.has_requests() and not queue:
                 if state["arrivals_done"]:
                     return
-                yield from wait_for_arrival()
+                yield from wait_for_arrival(replica)
                 continue
             now = env.now
             if engine.has_requests():
@@ -163,33 +207,40 @@ def run_simulation(engine: EngineCore, executor: ModelExecutor, arrivals: Iterab
                         # computed nothing) and wait for an arrival rather than spin (the
                         # waiting head cannot fit until something changes).
                         while queue:
-                            record(times.popleft(), engine.update_batch())
+                            record(engine, replica, times.popleft(), engine.update_batch())
                         if state["arrivals_done"]:
                             return
-                        yield from wait_for_arrival()
+                        yield from wait_for_arrival(replica)
                         continue
                 if len(queue) < size and (batch.executed or engine.has_requests()):
                     continue  # the queue has room: schedule the next batch at once
             batch_times = times.popleft()
             if batch_times[2] > env.now:
                 yield env.timeout(batch_times[2] - env.now)
-            record(batch_times, engine.update_batch())
+            record(engine, replica, batch_times, engine.update_batch())
 
-    def record(batch_times: tuple[float, float, float], result) -> None:
+    def record(engine: EngineCore, replica: int, batch_times: tuple[float, float, float], result) -> None:
         """A metrics step for an applied batch that computed or preempted something."""
         output = result.output
         if output.num_scheduled_tokens or output.preempted:
             scheduled_s, start_s, end_s = batch_times
-            metrics.step(engine, result, start_s, end_s, scheduled_s)
+            if router is None:
+                metrics.step(engine, result, start_s, end_s, scheduled_s)
+            else:
+                metrics.step(engine, result, start_s, end_s, scheduled_s, replica=replica)
             clock.steps += 1
             if on_progress is not None and clock.steps % progress_every == 0:
                 clock.now_s = start_s
                 on_progress(clock)
         clock.finished += len(result.finished)
+        if router is not None:
+            for request in result.finished:
+                router.release(replica, request)
 
     env.process(arrival_process())
-    is_async = engine.scheduler.config.async_scheduling
-    done = env.process(async_engine_process() if is_async else engine_process())
+    process = async_engine_process if engines[0].scheduler.config.async_scheduling else engine_process
+    dones = [env.process(process(replica)) for replica in range(num_replicas)]
+    done = dones[0] if num_replicas == 1 else env.all_of(dones)
     env.run(until=done if time_limit_s is None else env.any_of([done, env.timeout(time_limit_s)]))
     clock.now_s = env.now
     if on_progress is not None:

@@ -73,6 +73,10 @@ def test_validate_writes_the_directory_and_a_verdict_per_check(scenario, tmp_pat
     load_calibration(out / "calibration.toml")  # kvtwin replay accepts it
     steps = pq.read_table(out / "steps.parquet")
     assert steps.num_rows > 0 and min(steps.column("measured_s").to_pylist()) > 0
+    # A validation directory is replaced whole by the next validation.
+    again = _invoke(scenario, "--out", out, "--quiet", "--checks", "prefix_hits_are_real")
+    assert again.exit_code == 0, again.output
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "steps.parquet", "validation.parquet"]
 
 
 def test_a_failed_check_exits_1(scenario, tmp_path, monkeypatch):

@@ -1,0 +1,247 @@
+"""The report's plots: each function draws one figure and returns its PNG bytes.
+
+Matplotlib is used through ``Figure`` and the Agg canvas directly, never ``pyplot``: no
+global figure manager, no backend switch, nothing that changes how other code in the
+process plots. The output is deterministic: a fixed size and dpi, and no ``Software``
+entry in the PNG metadata, so the same data gives the same bytes.
+
+The functions take plain arrays (already binned or downsampled by ``reports.html``): a
+plot never sees a million-row table.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+__all__ = ["bars", "hit_rate_over_time", "hit_rate_vs_capacity", "kv_usage_by_group", "latency_cdfs", "lines",
+           "preemptions_over_time", "queues_over_time", "replica_load"]
+
+DPI = 100
+WIDTH_IN, HEIGHT_IN = 8.0, 3.6
+# The default colour cycle, fixed here so a matplotlib style change elsewhere does not move it.
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf")
+
+
+def _figure(ncols: int = 1, height: float = HEIGHT_IN) -> tuple[Figure, list]:
+    fig = Figure(figsize=(WIDTH_IN, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return fig, list(axes)
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _empty(ax, text: str = "no data") -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#777")
+
+
+def time_unit(t_max: float) -> tuple[float, str]:
+    """Divisor and axis label for times up to ``t_max`` seconds."""
+    if t_max >= 2 * 3600:
+        return 3600.0, "simulated time (h)"
+    if t_max >= 600:
+        return 60.0, "simulated time (min)"
+    return 1.0, "simulated time (s)"
+
+
+def _time_axis(ax, t: np.ndarray) -> np.ndarray:
+    div, label = time_unit(float(np.nanmax(t)) if len(t) else 0.0)
+    ax.set_xlabel(label)
+    return np.asarray(t, dtype=float) / div
+
+
+def kv_usage_by_group(t: np.ndarray, usage: np.ndarray, labels: Sequence[str]) -> bytes:
+    """Stacked KV cache usage: ``usage`` is (bins, groups), fractions of the usable blocks."""
+    fig, (ax,) = _figure()
+    if len(t) == 0:
+        _empty(ax)
+    else:
+        x = _time_axis(ax, t)
+        colors = [COLORS[i % len(COLORS)] for i in range(usage.shape[1])]
+        ax.stackplot(x, (usage * 100).T, labels=list(labels), colors=colors, alpha=0.85, linewidth=0)
+        ax.set_ylim(0, 100)
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylabel("KV cache blocks in use (%)")
+    ax.set_title("KV cache usage by group")
+    return _png(fig)
+
+
+def hit_rate_over_time(t: np.ndarray, rate: np.ndarray, overall: float | None = None,
+                       bound: float | None = None) -> bytes:
+    """Prefix-cache hit rate (tokens) per time bin, with the run's overall rate and the trace's bound."""
+    fig, (ax,) = _figure()
+    if len(t) == 0:
+        _empty(ax)
+    else:
+        x = _time_axis(ax, t)
+        ax.plot(x, np.asarray(rate) * 100, color=COLORS[0], linewidth=1.2, label="per bin")
+        if overall is not None and np.isfinite(overall):
+            ax.axhline(overall * 100, color=COLORS[1], linestyle="--", linewidth=1, label="whole run")
+        if bound is not None and np.isfinite(bound):
+            ax.axhline(bound * 100, color=COLORS[2], linestyle=":", linewidth=1, label="infinite-cache bound")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_ylabel("prefix cache hit rate (%)")
+    ax.set_title("Prefix cache hit rate (by first-scheduled time)")
+    return _png(fig)
+
+
+def queues_over_time(t: np.ndarray, running: np.ndarray, waiting: np.ndarray) -> bytes:
+    fig, (ax,) = _figure()
+    if len(t) == 0:
+        _empty(ax)
+    else:
+        x = _time_axis(ax, t)
+        ax.plot(x, running, color=COLORS[0], linewidth=1.2, label="running")
+        ax.plot(x, waiting, color=COLORS[3], linewidth=1.2, label="waiting")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylabel("requests")
+    ax.set_title("Running and waiting queues")
+    return _png(fig)
+
+
+def preemptions_over_time(t: np.ndarray, counts: np.ndarray, bin_s: float) -> bytes:
+    fig, (ax,) = _figure()
+    if len(t) == 0:
+        _empty(ax)
+    else:
+        x = _time_axis(ax, t)
+        ax.plot(x, counts, color=COLORS[3], linewidth=1.2, drawstyle="steps-mid")
+        ax.set_ylim(bottom=0)
+        total = int(np.sum(counts))
+        ax.text(0.99, 0.95, f"total {total:,}", ha="right", va="top", transform=ax.transAxes, fontsize=8)
+    ax.set_ylabel(f"preemptions per {bin_s:,.3g} s")
+    ax.set_title("Preemptions")
+    return _png(fig)
+
+
+def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float] | None = None) -> bytes:
+    """One CDF panel per (name, sorted values in ms); a dashed line at each name's SLO."""
+    fig, axes = _figure(len(series))
+    for ax, (name, values) in zip(axes, series):
+        values = np.asarray(values, dtype=float)
+        if len(values) == 0:
+            _empty(ax)
+        else:
+            y = np.linspace(0, 1, len(values)) if len(values) > 1 else np.ones(1)
+            ax.plot(values, y * 100, color=COLORS[0], linewidth=1.4)
+            if values[0] > 0 and values[-1] / values[0] > 100:
+                ax.set_xscale("log")
+            bound = (slo or {}).get(name)
+            if bound is not None and np.isfinite(bound):
+                ax.axvline(bound, color=COLORS[3], linestyle="--", linewidth=1, label="SLO")
+                ax.legend(loc="lower right", fontsize=8)
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylim(0, 100)
+        ax.set_title(f"{name} CDF")
+    axes[0].set_ylabel("requests (%)")
+    return _png(fig)
+
+
+def replica_load(replicas: Sequence[str], requests: np.ndarray, tokens: np.ndarray | None = None) -> bytes:
+    ncols = 1 if tokens is None else 2
+    fig, axes = _figure(ncols)
+    x = np.arange(len(replicas))
+    axes[0].bar(x, requests, color=COLORS[0])
+    axes[0].set_ylabel("requests routed")
+    axes[0].set_title("Requests per replica")
+    if tokens is not None:
+        axes[1].bar(x, np.asarray(tokens) / 1e6, color=COLORS[1])
+        axes[1].set_ylabel("prompt tokens (M)")
+        axes[1].set_title("Prompt tokens per replica")
+    for ax in axes:
+        ax.set_xticks(x, list(replicas))
+        ax.set_xlabel("replica")
+    return _png(fig)
+
+
+def lines(series: Sequence[tuple[str, np.ndarray, np.ndarray]], *, xlabel: str, ylabel: str, title: str,
+          percent: bool = False, reference: float | None = None) -> bytes:
+    """One line with markers per (label, x, y); ``percent`` shows fractions as %."""
+    fig, (ax,) = _figure()
+    scale = 100.0 if percent else 1.0
+    for i, (label, x, y) in enumerate(series):
+        ax.plot(x, np.asarray(y, dtype=float) * scale, marker="o", markersize=4, linewidth=1.3,
+                color=COLORS[i % len(COLORS)], label=label or None)
+    if reference is not None:
+        ax.axhline(reference * scale, color="#777", linestyle=":", linewidth=1)
+    if not series:
+        _empty(ax)
+    elif any(label for label, _, _ in series):
+        ax.legend(fontsize=8)
+    if percent:
+        ax.set_ylim(0, 105)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return _png(fig)
+
+
+def hit_rate_vs_capacity(curve: tuple[np.ndarray, np.ndarray] | None,
+                         points: tuple[np.ndarray, np.ndarray] | None, *, xlabel: str) -> bytes:
+    """The one-pass hit-rate curve (line) with the exactly replayed sweep points over it."""
+    fig, (ax,) = _figure()
+    if curve is not None and len(curve[0]):
+        ax.plot(curve[0], np.asarray(curve[1]) * 100, color=COLORS[0], linewidth=1.4, label="one-pass curve")
+    if points is not None and len(points[0]):
+        ax.plot(points[0], np.asarray(points[1]) * 100, linestyle="none", marker="o", markersize=6,
+                color=COLORS[3], label="replayed sweep points")
+    if (curve is None or not len(curve[0])) and (points is None or not len(points[0])):
+        _empty(ax)
+    else:
+        ax.legend(fontsize=8)
+        ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("prefix cache hit rate (%)")
+    ax.set_title("Prefix cache hit rate vs KV cache capacity")
+    return _png(fig)
+
+
+def bars(categories: Sequence[str], groups: Sequence[tuple[str, np.ndarray]], *, ylabel: str, title: str,
+         panels: Sequence[tuple[str, str, Sequence[tuple[str, np.ndarray]]]] | None = None) -> bytes:
+    """Grouped bars: one group per category, one bar per (label, values) in ``groups``.
+
+    ``panels`` draws several such charts side by side instead: (title, ylabel, groups) each.
+    """
+    specs = list(panels) if panels else [(title, ylabel, groups)]
+    labels = [label for label, _ in specs[0][2] if label]
+    ncol = max(1, min(3, len(labels)))
+    rows = -(-len(labels) // ncol)
+    long_ticks = len(categories) > 4 or max((len(str(c)) for c in categories), default=0) > 14
+    fig, axes = _figure(len(specs), height=HEIGHT_IN + 0.22 * rows + (0.8 if long_ticks else 0))
+    x = np.arange(len(categories))
+    for ax, (panel_title, panel_ylabel, panel_groups) in zip(axes, specs):
+        n = max(1, len(panel_groups))
+        width = 0.8 / n
+        for i, (label, values) in enumerate(panel_groups):
+            ax.bar(x - 0.4 + width * (i + 0.5), np.asarray(values, dtype=float), width,
+                   color=COLORS[i % len(COLORS)], label=label or None)
+        if long_ticks:
+            ax.set_xticks(x, list(categories), rotation=30, ha="right", fontsize=7)
+        else:
+            ax.set_xticks(x, list(categories), fontsize=8)
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_ylabel(panel_ylabel)
+        heights = np.concatenate([np.asarray(v, dtype=float) for _, v in panel_groups] or [np.zeros(0)])
+        heights = heights[np.isfinite(heights)]
+        if len(heights) and np.all(heights == np.round(heights)):
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts, e.g. replicas
+    if labels:
+        # One legend for every panel, under them: bars of the same colour mean the same thing.
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=ncol, fontsize=7)
+    return _png(fig)
