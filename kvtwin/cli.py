@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from kvtwin import __version__
+from kvtwin.commands import capacity
 from kvtwin.commands import kernels
 from kvtwin.commands import presets
 from kvtwin.commands import lockstep
@@ -49,6 +50,7 @@ app.command("models")(presets.models)
 app.command("gpus")(presets.gpus)
 app.command("plan")(plan.plan)
 app.command("replay")(replay.replay)
+app.command("capacity")(capacity.capacity)
 app.command("validate")(validate.validate)
 app.command("report")(report.report)
 app.add_typer(trace_app, name="trace")

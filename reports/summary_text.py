@@ -53,6 +53,18 @@ def plan_line(plan) -> str:
     return line
 
 
+def replicas_line(row: dict, replicas) -> str | None:
+    """``replicas: 2 behind prefix_aware: requests 6,137 / 5,894 (imbalance 1.02), hit rate ...``;
+    None with one replica. ``replicas`` is the per-replica table (``replicas.parquet``)."""
+    if (row.get("num_replicas") or 1) <= 1:
+        return None
+    per = replicas.to_pylist()
+    counts = " / ".join(f"{r['num_requests']:,}" for r in per)
+    hits = " / ".join(format_percent(r["prefix_cache_hit_rate"]) for r in per)
+    return (f"replicas: {row['num_replicas']} behind {row['router']}: requests {counts} (imbalance "
+            f"{row['load_imbalance']:.2f}), prefix cache hit rate {hits}")
+
+
 def prefix_line(row: dict) -> str:
     """The hit rate next to what an infinite cache could have hit on the same requests."""
     hit = format_percent(row["prefix_cache_hit_rate"])

@@ -84,10 +84,13 @@ def replay(
                           text_files=text_files)
     with interrupt_note(lambda: f"interrupted while printing the summary; {out} was written whole"):
         summary = result.summary.to_pylist()[0]
-        print_summary(summary, title=f"{chosen_model.name} on {planned.engine.tensor_parallel_size}x "
-                                     f"{chosen_gpu.name}, {table.num_rows:,} requests")
-        print(words.plan_line(planned))
-        for line in (words.rejections_line(summary), words.not_arrived_line(summary),
+        deployment = f"{planned.engine.tensor_parallel_size}x {chosen_gpu.name}"
+        if planned.engine.replicas > 1:
+            deployment = f"{planned.engine.replicas} replicas of {deployment}"
+        print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
+        print(words.plan_line(planned) + (" per replica" if planned.engine.replicas > 1 else ""))
+        for line in (words.replicas_line(summary, result.replicas), words.rejections_line(summary),
+                     words.not_arrived_line(summary),
                      words.saturation_hint(summary)):
             if line:
                 print(line)

@@ -39,8 +39,14 @@ class GPUSpec:
     bf16_flops: float = 0.0
     fp8_flops: float = 0.0
     interconnect_bytes_per_s: float = 0.0
+    # USD per GPU-hour, for cost figures (``kvtwin capacity``); presets leave it unset.
+    price_per_hour: float | None = None
 
     def __post_init__(self) -> None:
+        if self.price_per_hour is not None:
+            require(isinstance(self.price_per_hour, (int, float)) and not isinstance(self.price_per_hour, bool)
+                    and self.price_per_hour >= 0, "price_per_hour", "a non-negative price in USD per GPU-hour",
+                    self.price_per_hour)
         require(isinstance(self.memory_bytes, int) and self.memory_bytes > 0, "memory_bytes",
                 "a positive number of bytes", self.memory_bytes)
         for name in ("hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops", "interconnect_bytes_per_s"):

@@ -48,10 +48,16 @@ class Workload:
     base_dir: Path = Path(".")
 
     def load(self) -> pa.Table:
+        return self.cut(self.load_source())
+
+    def load_source(self) -> pa.Table:
+        """The requests before any cut (a caller replaying many cuts of one source loads it once)."""
         if self.trace is not None:
-            table = load_trace(self.trace, self.load_options)
-        else:
-            table = synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload")
+            return load_trace(self.trace, self.load_options)
+        return synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload")
+
+    def cut(self, table: pa.Table) -> pa.Table:
+        """This workload's cuts, in their order, applied to ``table``."""
         t = self.transforms
         if "start_s" in t or "end_s" in t:
             table = transforms.time_window(table, t.get("start_s", 0.0), t.get("end_s"))
@@ -198,14 +204,24 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit)
 
 
-def load_scenario(path: Path) -> Scenario:
+def load_scenario_data(path: Path) -> dict:
+    """A scenario file's TOML mapping, unchecked (``scenario_from_data`` checks it)."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError("scenario", "an existing scenario file", str(path)) from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError("scenario", f"valid TOML ({err})", source=str(path)) from None
+
+
+def load_scenario(path: Path) -> Scenario:
+    return scenario_from_data(load_scenario_data(path), path)
+
+
+def scenario_from_data(data: dict, path: Path) -> Scenario:
+    """A scenario from its TOML mapping (e.g. a file's, edited), checked as if read from ``path``."""
+    path = Path(path)
     try:
         scenario = parse_scenario(data, path.parent)
     except ConfigError as err:

@@ -29,7 +29,8 @@ from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.plan import Plan, plan
 from kvtwin.sim.replay.cost_model import Efficiency
 from kvtwin.sim.replay.metrics import SLO
-from kvtwin.sim.scenario.parse import Scenario, Workload, check_time_limit, check_transform, load_scenario
+from kvtwin.sim.scenario.parse import (Scenario, Workload, check_time_limit, check_transform, load_scenario,
+                                      scenario_from_data)
 from kvtwin.traces.bundled import resolve as resolve_trace
 
 # Engine fields whose flag is not simply ``--field-name``.
@@ -101,10 +102,16 @@ class ResolvedScenario:
         return self.workload
 
 
-def resolve_scenario(path: Path | None, overrides: Overrides = Overrides()) -> ResolvedScenario:
-    """Load ``path`` (if given) and apply ``overrides``; every error is one ``ConfigError``."""
+def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
+                     data: dict | None = None) -> ResolvedScenario:
+    """Load ``path`` (if given) and apply ``overrides``; every error is one ``ConfigError``.
+    ``data``, if given, is the scenario's TOML mapping to use instead of the file's (an
+    edited copy, as ``kvtwin capacity`` makes per point); paths in it stay relative to ``path``."""
     overrides.check()
-    scenario = load_scenario(path) if path is not None else Scenario()
+    if data is not None:
+        scenario = scenario_from_data(data, path if path is not None else Path("scenario"))
+    else:
+        scenario = load_scenario(path) if path is not None else Scenario()
     where = str(path) if path is not None else None
 
     if overrides.model is not None:

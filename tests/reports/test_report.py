@@ -28,6 +28,8 @@ from kvtwin.reports.run_dir import write_dir
 IMG = '<img src="data:image/png;base64,'
 REPLAY_CAPTIONS = ("KV cache usage by KV cache group over time", "Prefix cache hit rate over time",
                    "Running and waiting requests", "Preemptions (recompute)", "Cumulative distributions of TTFT")
+# The default scenario runs two replicas, so its report adds the per-replica load.
+DEFAULT_RUN_CAPTIONS = REPLAY_CAPTIONS + ("Load per replica",)
 CAPACITY_CAPTIONS = ("Throughput vs rate", "SLO attainment vs rate", "Prefix cache hit rate vs KV cache capacity",
                      "Replicas needed", "Router comparison")
 EVIL = '<script>alert("x")</script>&'
@@ -110,8 +112,8 @@ def _srcs(text: str) -> list[str]:
 
 def test_replay_report_has_every_plot(replay_dir):
     text = (replay_dir / "report.html").read_text()
-    assert text.count(IMG) == len(REPLAY_CAPTIONS)
-    for caption in REPLAY_CAPTIONS:
+    assert text.count(IMG) == len(DEFAULT_RUN_CAPTIONS)
+    for caption in DEFAULT_RUN_CAPTIONS:
         assert caption in text
     for fact in ("Llama-3.1-8B", "bundled:mooncake_conversation_trace.jsonl", "kvtwin version", "num_blocks",
                  "full_attention", "max concurrency", "Key metrics", "steps.parquet"):
@@ -126,7 +128,7 @@ def test_report_is_deterministic_and_self_contained(replay_dir):
     first, second = render_report_dir(replay_dir), render_report_dir(replay_dir)
     assert first == second
     sources = _srcs(first)
-    assert len(sources) == len(REPLAY_CAPTIONS)
+    assert len(sources) == len(DEFAULT_RUN_CAPTIONS)
     assert all(s.startswith("data:image/png;base64,") for s in sources)
     assert not re.search(r"(?:src|href)\s*=\s*[\"']?\s*(?:https?:)?//", first)
     assert "<link" not in first and "@import" not in first and "url(" not in first
@@ -223,7 +225,7 @@ def test_report_command_on_a_replay_dir(tmp_path):
     _replay(out, "--no-report")
     assert not (out / "report.html").exists()
     text = _cli_ok(out)
-    assert text.count(IMG) == len(REPLAY_CAPTIONS)
+    assert text.count(IMG) == len(DEFAULT_RUN_CAPTIONS)
     assert not any(p.name.startswith(".") for p in out.iterdir())
 
 
@@ -291,7 +293,7 @@ def test_every_plot_renders_in_a_browser(tmp_path, replay_dir):
     capacity, curve = _capacity()
     write_dir(capacity_dir, tables={"capacity": capacity, "hit_curve": curve}, run_metadata={})
     write_report(capacity_dir)
-    for page, expected in ((replay_dir / "report.html", len(REPLAY_CAPTIONS)),
+    for page, expected in ((replay_dir / "report.html", len(DEFAULT_RUN_CAPTIONS)),
                            (capacity_dir / "report.html", len(CAPACITY_CAPTIONS) + 1)):
         loaded, summary = _rendered(browser, page, tmp_path / "profile")
         assert loaded == ["1"] * expected, (page, loaded)
@@ -301,4 +303,4 @@ def test_every_plot_renders_in_a_browser(tmp_path, replay_dir):
     text = (replay_dir / "report.html").read_text()
     broken.write_text(text.replace(IMG, '<img src="data:image/png;base64,AAAA', 1))
     loaded, summary = _rendered(browser, broken, tmp_path / "profile")
-    assert loaded.count("0") == 1 and summary == f"{len(REPLAY_CAPTIONS) - 1}/{len(REPLAY_CAPTIONS)}"
+    assert loaded.count("0") == 1 and summary == f"{len(DEFAULT_RUN_CAPTIONS) - 1}/{len(DEFAULT_RUN_CAPTIONS)}"

@@ -1,0 +1,220 @@
+"""`kvtwin capacity`: a scenario swept over settings, and the largest rate each point holds.
+
+Parses the flags, checks them all before the first replay (the sweep keys and each value
+through the scenario rules, the out directory, the backend), runs the points
+(``kvtwin.sim.replay.sweep``), prints one row per point and writes ``capacity.parquet``
+(and ``hit_curve.parquet`` with ``--hit-curve``, ``kvtwin.sim.replay.reuse_curve``) into
+the capacity directory, whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtwin.console import interrupt_note, user_errors
+from kvtwin.reports import summary_text as words
+from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
+from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.replay import sweep
+from kvtwin.sim.replay.reuse_curve import reuse_profile
+from kvtwin.sim.scenario.parse import load_scenario_data
+from kvtwin.sim.scenario.resolve import resolve_scenario
+
+BACKENDS = ("process", "ray")
+
+
+def capacity(
+    scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
+                                                   help="Scenario file (default: scenarios/default.toml)."),
+    sweeps: List[str] = typer.Option([], "--sweep", metavar="KEY=V1,V2,...",
+                                     help="Sweep a scenario key (engine.<field>, hardware.gpu, model.preset, "
+                                          "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, "
+                                          "cost_model.<field>); repeatable: the points are the product."),
+    find_max_rate: bool = typer.Option(False, "--find-max-rate",
+                                       help="Per point, search the largest workload.rate_scale that holds the SLO."),
+    target_rate: Optional[float] = typer.Option(None, "--target-rate",
+                                                help="Requests/s to size replicas for (with --find-max-rate)."),
+    rate_tolerance: float = typer.Option(sweep.DEFAULT_RATE_TOLERANCE, "--rate-tolerance",
+                                         help="Relative tolerance of the rate search."),
+    goodput: Optional[float] = typer.Option(None, "--goodput",
+                                            help="SLO holds when this fraction of requests meets it "
+                                                 "(default: p99 TTFT and p99 TPOT within the SLO)."),
+    max_replays: int = typer.Option(sweep.DEFAULT_MAX_REPLAYS, "--max-replays",
+                                    help="Most replays per point in the rate search."),
+    hit_curve: bool = typer.Option(False, "--hit-curve",
+                                   help="Also write hit_curve.parquet: LRU hit rate against KV cache size."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Points run at once (default: CPUs)."),
+    backend: str = typer.Option("process", "--backend", help="process (a local pool) or ray."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join this Ray cluster."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests per point."),
+    out: Path = typer.Option(Path("runs/capacity"), "--out", "-o", help="Capacity directory to write."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+    no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the directory."),
+) -> None:
+    """Sweep a scenario over settings; with --find-max-rate, the largest rate each point holds."""
+    console = Console(stderr=True)
+    out_existed = out.exists()
+    with user_errors(), interrupt_note(lambda: f"interrupted; nothing written, "
+                                               f"{out} {'left as it was' if out_existed else 'not created'}"):
+        check_out_dir(out)
+        if backend not in BACKENDS:
+            raise ConfigError("--backend", "process or ray", backend)
+        if jobs is not None and jobs < 1:
+            raise ConfigError("--jobs", "a positive number of points at once", jobs)
+        if ray_address is not None and backend != "ray":
+            raise ConfigError("--ray-address", "--backend ray with it", ray_address)
+        search = None
+        if find_max_rate:
+            search = sweep.RateSearch(tolerance=rate_tolerance, goodput=goodput, max_replays=max_replays,
+                                      target_rate=target_rate)
+            search.check()
+        elif target_rate is not None or goodput is not None:
+            raise ConfigError("--target-rate" if target_rate is not None else "--goodput", "--find-max-rate with it",
+                              target_rate if target_rate is not None else goodput)
+        if backend == "ray":
+            sweep.import_ray()
+        path = scenario_path or DEFAULT_SCENARIO
+        data = sweep.with_limit(load_scenario_data(path), limit)
+        axes = sweep.parse_sweeps(sweeps)
+        base = resolve_scenario(path, data=data)  # the scenario itself, checked whole
+        base.require_workload()
+        if search is not None and base.slo.ttft_s is None and base.slo.tpot_s is None \
+                and not any(a.key.section == "slo" for a in axes):
+            raise ConfigError("--find-max-rate", "a scenario with an [slo] table (ttft_s, tpot_s)", source=base.where)
+        sweep.check_axes(path, data, axes)
+        points = sweep.sweep_points(axes)
+        tasks = [sweep.PointTask(p.index, str(path), sweep.apply_values(data, p.values), search) for p in points]
+        workers = jobs if jobs is not None else sweep.default_jobs(len(tasks))
+        started = time.perf_counter()
+        with _progress(console, len(tasks), quiet, started) as on_done:
+            rows = sweep.run_points(tasks, jobs=workers, backend=backend, ray_address=ray_address, on_done=on_done)
+        table = sweep.capacity_table(rows, points, axes, find_max_rate=search is not None)
+        tables = {"capacity": table}
+        comparison = []
+        if hit_curve:
+            planned = base.plan()
+            kv_config = planned.require_fits()
+            block_size = min(g.spec.block_size for g in kv_config.groups)
+            profile = reuse_profile(base.require_workload().load(), block_size)
+            exact = {r["kv_cache_blocks"]: r["summary"]["prefix_cache_hit_rate"] for r in rows
+                     if r["status"] == "ok" and "kv_cache_blocks" in r}
+            tables["hit_curve"] = profile.table(sorted(exact) or None)
+            comparison = [(blocks, float(profile.hit_rate(blocks)), hit) for blocks, hit in sorted(exact.items())]
+        wall_s = time.perf_counter() - started
+        given = {"sweep": list(sweeps), "find_max_rate": find_max_rate, "limit": limit}
+        if search is not None:
+            given.update(rate_tolerance=rate_tolerance, goodput=goodput, max_replays=max_replays,
+                         target_rate=target_rate)
+        metadata = run_metadata(path, given)
+        text_files = None
+        if not no_report:
+            # Rendered from the tables in memory and written in the same directory swap.
+            from kvtwin.reports.html import render_capacity_report
+
+            plan_json = base.plan().to_json() if base.plan().fits else None
+            text_files = {"report.html": render_capacity_report(table, tables.get("hit_curve"), metadata, plan_json)}
+        paths = write_dir(out, tables=tables, text_files=text_files, run_metadata=metadata)
+    with interrupt_note(lambda: f"interrupted while printing; {out} was written whole"):
+        print_points(table, axes, search is not None)
+        for blocks, predicted, hit in comparison:
+            print(f"hit curve at {blocks:,} blocks: {words.format_percent(predicted)} "
+                  f"(replay: {words.format_percent(hit)})")
+        failed = sum(1 for r in rows if r["status"] != "ok")
+        print(f"{len(rows)} points ({failed} failed) in {wall_s:,.1f} s wall; wrote "
+              f"{', '.join(p.name for p in paths)} to {out}")
+
+
+PLAIN_PROGRESS_EVERY_S = 5.0
+
+
+@contextlib.contextmanager
+def _progress(console: Console, total: int, quiet: bool, started: float):
+    """Yield ``on_done(row)``: a bar over points on a terminal, a line every few seconds in a log."""
+    count = {"done": 0, "failed": 0}
+
+    def tally(row: dict) -> None:
+        count["done"] += 1
+        count["failed"] += row["status"] != "ok"
+
+    if quiet:
+        yield tally
+        return
+    if not console.is_terminal:
+        last = {"wall_s": started}
+
+        def on_done(row):
+            tally(row)
+            now = time.perf_counter()
+            if now - last["wall_s"] >= PLAIN_PROGRESS_EVERY_S or count["done"] == total:
+                last["wall_s"] = now
+                print(f"kvtwin: capacity: {count['done']:,}/{total:,} points done ({count['failed']:,} failed), "
+                      f"{now - started:,.0f} s wall", file=sys.stderr, flush=True)
+
+        yield on_done
+        return
+    with Progress(TextColumn("[bold]capacity"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("capacity", total=max(total, 1), info="")
+
+        def on_done(row):
+            tally(row)
+            progress.update(task, completed=count["done"],
+                            info=f"points, {count['failed']:,} failed" if count["failed"] else "points")
+
+        yield on_done
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def print_points(table, axes, find_max_rate: bool) -> None:
+    shown = Table(show_header=True)
+    names = ["point", *(a.key.key for a in axes), "status"]
+    figures = [("p99 TTFT", "p99_ttft_ms"), ("p99 TPOT", "p99_tpot_ms"), ("SLO met", "slo_attainment"),
+               ("hit rate", "prefix_cache_hit_rate"), ("req/s", "request_throughput")]
+    if find_max_rate:
+        figures += [("max rate x", "max_rate_scale"), ("max req/s", "max_request_rate"),
+                    ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
+        if table.column("replicas_needed_target_rate").null_count < table.num_rows:
+            figures.append(("replicas @target", "replicas_needed_target_rate"))
+    for name in names:
+        shown.add_column(name, no_wrap=True)
+    for title, _ in figures:
+        shown.add_column(title, justify="right")
+    for row in table.to_pylist():
+        cells = [_cell(row[n]) for n in names]
+        for _, column in figures:
+            value = row[column]
+            if column.endswith("_ms"):
+                cells.append(words.format_duration_ms(value) if value is not None else "-")
+            elif column in ("slo_attainment", "prefix_cache_hit_rate"):
+                cells.append(words.format_percent(value) if value is not None else "-")
+            else:
+                cells.append(_cell(value))
+        shown.add_row(*cells)
+    console = Console()
+    # A log or a pipe gets the whole table, not one folded to 80 columns.
+    (console if console.is_terminal else Console(width=240)).print(shown)
+    for row in table.to_pylist():
+        if row["status"] != "ok":
+            print(f"point {row['point']} failed: {row['error']}")
