@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 import typer
@@ -21,6 +22,46 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.traces.errors import TraceError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+# A plain progress line this often (wall seconds) when stderr is a log, not a terminal.
+PLAIN_PROGRESS_EVERY_S = 5.0
+
+
+@contextlib.contextmanager
+def progress_display(name: str, total: int, *, quiet: bool, started: float, done: Callable[[], int],
+                     line: Callable[[], str], info: Callable[[], str],
+                     every_s: Callable[[], float] = lambda: PLAIN_PROGRESS_EVERY_S
+                     ) -> Iterator[Callable[..., None]]:
+    """Yield ``update(final=False)``, called whenever the count of things ``done()`` out of
+    ``total`` may have moved: a bar (``info()`` beside it) when stderr is a terminal; off
+    one (a log), a ``kvtwin: NAME: line(), N s wall`` line at most every ``every_s()``
+    seconds, and on a ``final`` update; nothing when ``quiet``."""
+    if quiet:
+        yield lambda final=False: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        last = {"wall_s": started}
+
+        def update(final: bool = False) -> None:
+            now = time.perf_counter()
+            if final or now - last["wall_s"] >= every_s():
+                last["wall_s"] = now
+                print(f"kvtwin: {name}: {line()}, {now - started:,.0f} s wall", file=sys.stderr, flush=True)
+
+        yield update
+        return
+    with Progress(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(name, total=max(total, 1), info="")
+
+        def update(final: bool = False) -> None:
+            bar.update(task, completed=done(), info=info())
+
+        yield update
 
 
 @contextlib.contextmanager

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtwin.console import interrupt_note, user_errors
+from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
 from kvtwin.reports import summary_text as words
 from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
 from kvtwin.scenarios import DEFAULT_SCENARIO
@@ -63,7 +61,6 @@ def capacity(
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the directory."),
 ) -> None:
     """Sweep a scenario over settings; with --find-max-rate, the largest rate each point holds."""
-    console = Console(stderr=True)
     out_existed = out.exists()
     with user_errors(), interrupt_note(lambda: f"interrupted; nothing written, "
                                                f"{out} {'left as it was' if out_existed else 'not created'}"):
@@ -97,7 +94,7 @@ def capacity(
         tasks = [sweep.PointTask(p.index, str(path), sweep.apply_values(data, p.values), search) for p in points]
         workers = jobs if jobs is not None else sweep.default_jobs(len(tasks))
         started = time.perf_counter()
-        with _progress(console, len(tasks), quiet, started) as on_done:
+        with _progress(len(tasks), quiet, started) as on_done:
             rows = sweep.run_points(tasks, jobs=workers, backend=backend, ray_address=ray_address, on_done=on_done)
         table = sweep.capacity_table(rows, points, axes, find_max_rate=search is not None)
         tables = {"capacity": table}
@@ -135,42 +132,25 @@ def capacity(
               f"{', '.join(p.name for p in paths)} to {out}")
 
 
-PLAIN_PROGRESS_EVERY_S = 5.0
 
 
 @contextlib.contextmanager
-def _progress(console: Console, total: int, quiet: bool, started: float):
+def _progress(total: int, quiet: bool, started: float):
     """Yield ``on_done(row)``: a bar over points on a terminal, a line every few seconds in a log."""
     count = {"done": 0, "failed": 0}
 
-    def tally(row: dict) -> None:
-        count["done"] += 1
-        count["failed"] += row["status"] != "ok"
+    def line() -> str:
+        return f"{count['done']:,}/{total:,} points done ({count['failed']:,} failed)"
 
-    if quiet:
-        yield tally
-        return
-    if not console.is_terminal:
-        last = {"wall_s": started}
+    def info() -> str:
+        return f"points, {count['failed']:,} failed" if count["failed"] else "points"
 
-        def on_done(row):
-            tally(row)
-            now = time.perf_counter()
-            if now - last["wall_s"] >= PLAIN_PROGRESS_EVERY_S or count["done"] == total:
-                last["wall_s"] = now
-                print(f"kvtwin: capacity: {count['done']:,}/{total:,} points done ({count['failed']:,} failed), "
-                      f"{now - started:,.0f} s wall", file=sys.stderr, flush=True)
-
-        yield on_done
-        return
-    with Progress(TextColumn("[bold]capacity"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("capacity", total=max(total, 1), info="")
-
-        def on_done(row):
-            tally(row)
-            progress.update(task, completed=count["done"],
-                            info=f"points, {count['failed']:,} failed" if count["failed"] else "points")
+    with progress_display("capacity", total, quiet=quiet, started=started, done=lambda: count["done"], line=line,
+                          info=info, every_s=lambda: PLAIN_PROGRESS_EVERY_S) as update:
+        def on_done(row: dict) -> None:
+            count["done"] += 1
+            count["failed"] += row["status"] != "ok"
+            update(final=count["done"] == total)
 
         yield on_done
 

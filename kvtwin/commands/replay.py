@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
-from kvtwin.console import interrupt_note, user_errors
+from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
 from kvtwin.reports import summary_text as words
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
@@ -48,7 +46,6 @@ def replay(
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the run directory."),
 ) -> None:
     """Replay a trace against vLLM's KV cache manager and scheduler in simulated time."""
-    console = Console(stderr=True)
     seen = {"now_s": None, "replaying": False, "out_existed": out.exists()}
     with user_errors(), interrupt_note(lambda: _interrupted_before_writing(seen, out)):
         # Before anything slow: a bad --out must not cost a whole simulation.
@@ -66,7 +63,7 @@ def replay(
         table = workload.load()
         started = time.perf_counter()
         seen["replaying"] = True
-        with _progress(console, table.num_rows, quiet, started, seen) as on_progress:
+        with _progress(table.num_rows, quiet, started, seen) as on_progress:
             result = run_replay(planned, table, efficiency=resolved.efficiency, slo=resolved.slo,
                                 time_limit_s=resolved.time_limit_s, on_progress=on_progress)
         wall_s = time.perf_counter() - started
@@ -98,8 +95,6 @@ def replay(
               f"{', '.join(p.name for p in paths)} to {out}")
 
 
-# A plain progress line this often (wall seconds) when stderr is a log, not a terminal.
-PLAIN_PROGRESS_EVERY_S = 5.0
 
 
 def _interrupted_before_writing(seen: dict, out: Path) -> str:
@@ -118,38 +113,24 @@ def _progress_text(clock, total: int) -> str:
 
 
 @contextlib.contextmanager
-def _progress(console: Console, total: int, quiet: bool, started: float, seen: dict):
-    """Yield the replay's ``on_progress``: a bar on a terminal, a line every few seconds in a log."""
-    def remember(clock):
-        seen["now_s"] = clock.now_s
+def _progress(total: int, quiet: bool, started: float, seen: dict):
+    """Yield the replay's ``on_progress``. The bar counts requests done (finished or
+    rejected), not simulated time: time runs past the last arrival for as long as the
+    queue takes to drain."""
+    state = {"clock": None}
 
-    if quiet:
-        yield remember
-        return
-    if not console.is_terminal:
-        last = {"wall_s": started}
+    def info() -> str:
+        clock = state["clock"]
+        return f"done, t={clock.now_s:,.0f} s" + (f", {clock.rejected:,} rejected" if clock.rejected else "")
 
+    with progress_display("replay", total, quiet=quiet, started=started,
+                          done=lambda: state["clock"].finished + state["clock"].rejected,
+                          line=lambda: _progress_text(state["clock"], total), info=info,
+                          every_s=lambda: PLAIN_PROGRESS_EVERY_S) as update:
         def on_progress(clock):
-            remember(clock)
-            now = time.perf_counter()
-            if now - last["wall_s"] >= PLAIN_PROGRESS_EVERY_S:
-                last["wall_s"] = now
-                print(f"kvtwin: replay: {_progress_text(clock, total)}, {now - started:,.0f} s wall",
-                      file=sys.stderr, flush=True)
-
-        yield on_progress
-        return
-    # The bar counts requests done (finished or rejected), not simulated time: time runs
-    # past the last arrival for as long as the queue takes to drain.
-    with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("replay", total=max(total, 1), info="")
-
-        def on_progress(clock):
-            remember(clock)
-            progress.update(task, completed=clock.finished + clock.rejected,
-                            info=f"done, t={clock.now_s:,.0f} s" + (f", {clock.rejected:,} rejected"
-                                                                     if clock.rejected else ""))
+            seen["now_s"] = clock.now_s
+            state["clock"] = clock
+            update()
 
         yield on_progress
 
