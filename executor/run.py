@@ -58,8 +58,6 @@ class ExecutorRun:
     state: ExecutorState
     shape: ModelShape
     kernels: Backend
-    pool_bytes: int
-    weight_bytes: int
 
 
 def torch_dtype(plan: Plan, options: ExecutorOptions) -> torch.dtype:
@@ -119,5 +117,4 @@ def run_executor(plan: Plan, trace: pa.Table, options: ExecutorOptions = Executo
     executor = executor or build_executor(plan, options, efficiency=efficiency)
     env = simpy.rt.RealtimeEnvironment(strict=False) if options.clock == "wall" else simpy.Environment()
     result = run_with_executor(plan, trace, executor, slo=slo, time_limit_s=time_limit_s, env=env)
-    return ExecutorRun(result, executor.state, executor.shape, executor.kernels, executor.pool.nbytes,
-                       executor.model.nbytes)
+    return ExecutorRun(result, executor.state, executor.shape, executor.kernels)

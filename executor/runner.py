@@ -28,7 +28,7 @@ from kvtwin.executor.block_tables import NULL_BLOCK, BlockTables, StateCopy
 from kvtwin.executor.inputs import BatchInputs, build_inputs
 from kvtwin.executor.kv_pool import KVPool
 from kvtwin.executor.model import RandomModel
-from kvtwin.executor.shapes import MIXER_STATE, ModelShape, pool_page_bytes
+from kvtwin.executor.shapes import ModelShape, pool_page_bytes
 from kvtwin.executor.tokens import RequestTokens, output_token_id
 from kvtwin.kernels.backends import Backend
 from kvtwin.kernels.reference import first_visible_key
@@ -76,6 +76,7 @@ class ExecutorState:
     sampled_at: dict[tuple[str, int], int] = field(default_factory=dict)  # -> step
     steps: list[StepRecord] = field(default_factory=list)
     faults_fired: list[str] = field(default_factory=list)
+    preemptions: list[tuple[int, str]] = field(default_factory=list)  # (steps executed so far, request)
     findings: list[Finding] = field(default_factory=list)  # the block audit's, in step order
 
     def first_finding(self, request_id: str) -> str | None:
@@ -114,6 +115,7 @@ class DeviceExecutor:
     def execute(self, output: SchedulerOutput) -> Execution:
         host_start = time.perf_counter()
         new_ids = self.tables.apply(output)
+        self.state.preemptions += [(self.num_steps, rid) for rid in output.preempted]
         for rid in output.finished_req_ids:
             self.tokens.pop(rid, None)
         for new in output.scheduled_new_reqs:
@@ -286,11 +288,3 @@ class DeviceExecutor:
                     return [(gid, block)]
         return []
 
-
-def layer_kinds(shape: ModelShape) -> dict[str, int]:
-    """How many executed layers of each mixer kind (for reports)."""
-    counts: dict[str, int] = {}
-    for layer in shape.layers:
-        key = layer.spec.kind if layer.mixer != MIXER_STATE else f"state ({layer.spec.mamba_cache_mode})"
-        counts[key] = counts.get(key, 0) + 1
-    return counts

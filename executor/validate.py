@@ -37,13 +37,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from kvtwin.executor.run import ExecutorOptions, ExecutorRun, build_executor, run_executor, torch_dtype
+from kvtwin.executor.run import ExecutorOptions, ExecutorRun, run_executor, torch_dtype
 from kvtwin.executor.runner import Faults
 from kvtwin.sim.core.engine import Execution, ModelExecutor
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.planner.plan import Plan, plan as make_plan
-from kvtwin.sim.replay.calibration import (StepSample, ape_by_kind, batch_kind, calibration_text, fit_efficiency,
-                                           predict_s)
+from kvtwin.sim.replay.calibration import StepSample, ape_by_kind, batch_kind, calibration_text, fit_efficiency
 from kvtwin.sim.replay.cost_model import Efficiency
 from kvtwin.sim.replay.run import CostModelExecutor, RecordedClockExecutor, plan_cost_model, run_with_executor
 from kvtwin.sim.scenario.resolve import ResolvedScenario
@@ -104,7 +103,8 @@ def _num(value) -> float | None:
 
 
 class PreemptionLog:
-    """Wraps any executor and notes each preemption as (executed steps so far, request)."""
+    """Wraps a simulator's executor and notes each preemption as (executed steps so far,
+    request), as ``DeviceExecutor`` records them in ``ExecutorState.preemptions``."""
 
     def __init__(self, inner: ModelExecutor):
         self.inner = inner
@@ -116,9 +116,6 @@ class PreemptionLog:
         if output.num_scheduled_tokens:
             self.num_steps += 1
         return self.inner.execute(output)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 @dataclass(frozen=True)
@@ -139,8 +136,8 @@ def validate(resolved: ResolvedScenario, trace: pa.Table, options: ValidateOptio
     run_on = None
     if "prefix_hits_are_real" in options.checks or "predicted_hits_are_executed" in options.checks:
         progress("executor, prefix caching on")
-        run_on = _run_logged(plan, trace, options.executor, resolved)
-        out.executor_steps = executor_steps_table(run_on[0])
+        run_on = run_executor(plan, trace, options.executor, efficiency=resolved.efficiency)
+        out.executor_steps = executor_steps_table(run_on)
     if "prefix_hits_are_real" in options.checks:
         release_device_memory()
         progress("executor, prefix caching off")
@@ -148,10 +145,10 @@ def validate(resolved: ResolvedScenario, trace: pa.Table, options: ValidateOptio
         # The reference recomputes everything and runs unbroken (test faults break the run under test).
         reference = dataclasses.replace(options.executor, faults=Faults())
         run_off = run_executor(plan_off, trace, reference, efficiency=resolved.efficiency)
-        check_prefix_hits(out, run_on[0], run_off, torch_dtype(plan, options.executor))
+        check_prefix_hits(out, run_on, run_off, torch_dtype(plan, options.executor))
     if "predicted_hits_are_executed" in options.checks:
         progress("simulator on the cost-model and measured clocks")
-        check_predicted_hits(out, plan, trace, resolved.efficiency, *run_on)
+        check_predicted_hits(out, plan, trace, resolved.efficiency, run_on)
     if "memory" in options.checks:
         if options.executor.device != "cuda":
             out.verdicts.append(Verdict("memory", "skipped", "memory: skipped (needs --device cuda: a CPU has no "
@@ -175,14 +172,6 @@ def release_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _run_logged(plan: Plan, trace: pa.Table, options: ExecutorOptions, resolved: ResolvedScenario
-                ) -> tuple[ExecutorRun, list[tuple[int, str]]]:
-    executor = build_executor(plan, options, efficiency=resolved.efficiency)
-    log = PreemptionLog(executor)
-    run = run_executor(plan, trace, options, efficiency=resolved.efficiency, executor=log)
-    return run, log.preemptions
 
 
 def prefix_caching_off(resolved: ResolvedScenario) -> Plan:
@@ -267,9 +256,10 @@ def _hit_rate(table: pa.Table) -> float:
     return (pc.sum(table.column("prefix_cache_hits")).as_py() or 0) / queries if queries else math.nan
 
 
-def check_predicted_hits(out: Validation, plan: Plan, trace: pa.Table, efficiency: Efficiency, run: ExecutorRun,
-                         executor_preemptions: list[tuple[int, str]]) -> None:
+def check_predicted_hits(out: Validation, plan: Plan, trace: pa.Table, efficiency: Efficiency,
+                         run: ExecutorRun) -> None:
     name = "predicted_hits_are_executed"
+    executor_preemptions = run.state.preemptions
     cost_model = plan_cost_model(plan, efficiency)
     predicted = run_with_executor(plan, trace, CostModelExecutor(cost_model))
     durations = [record.device_s for record in run.state.steps]
@@ -377,11 +367,13 @@ def check_step_latency(out: Validation, plan: Plan, trace: pa.Table, efficiency:
                  async_scheduling=plan.engine.async_scheduling)
     kinds = [s.kind for s in samples]
     measured = [s.measured_s for s in samples]
-    before = [predict_s(s.cost, efficiency, **peaks) for s in samples]
+    before = [s.cost.total_s for s in samples]  # the cost model with the scenario's efficiency
     fit = fit_efficiency(samples, base=efficiency, **peaks)
     after = [fit.predict_s(s.cost) for s in samples]
+    errors_by_kind = {}
     for label, predicted in (("before calibration", before), ("after calibration", after)):
-        for entry in ape_by_kind(predicted, measured, kinds):
+        errors_by_kind[label] = ape_by_kind(predicted, measured, kinds)
+        for entry in errors_by_kind[label]:
             out.row(name, entry["kind"], f"step_ape_median: {label}", None, entry["median_ape"], entry["median_ape"],
                     None, f"{entry['count']} steps")
             out.row(name, entry["kind"], f"step_ape_p90: {label}", None, entry["p90_ape"], entry["p90_ape"], None,
@@ -411,7 +403,8 @@ def check_step_latency(out: Validation, plan: Plan, trace: pa.Table, efficiency:
                 f"{int(ok.sum())} requests; expected/observed are the simulated/executed means")
     summary = (f"held-out {held.num_rows} requests, calibrated simulator vs executor: median error TTFT "
                f"{errors['ttft_s']:.1%}, TPOT {errors['tpot_s']:.1%}, E2E {errors['e2el_s']:.1%}; step error "
-               f"median {np.median(_ape(before, measured)):.0%} before, {fit.median_ape:.1%} after calibration")
+               f"median {errors_by_kind['before calibration'][0]['median_ape']:.0%} before, {fit.median_ape:.1%} after "
+               "calibration")
     if not on_gpu:
         out.verdicts.append(Verdict(name, "info", f"step latency: info (CPU: no goal) — {summary}"))
         return
@@ -420,7 +413,3 @@ def check_step_latency(out: Validation, plan: Plan, trace: pa.Table, efficiency:
     out.verdicts.append(Verdict(name, status, f"step latency: {status.upper() if status == 'fail' else status} — "
                                 f"{summary} (goal: TPOT and E2E under {E2E_TPOT_GOAL:.0%})"))
 
-
-def _ape(predicted: list[float], measured: list[float]) -> np.ndarray:
-    p, m = np.asarray(predicted), np.asarray(measured)
-    return np.abs(p - m) / m if m.size else np.asarray([math.nan])

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from kvtwin import __version__
 from kvtwin.reports import plots
 from kvtwin.reports.run_dir import METADATA_KEY
-from kvtwin.reports.summary_text import format_duration_ms, format_duration_s, format_percent
+from kvtwin.reports.summary_text import format_duration_ms, format_duration_s, format_percent, missing
 from kvtwin.sim.core.errors import ConfigError
 
 __all__ = ["REPLAY_FILES", "CAPACITY_FILES", "render_capacity_report", "render_replay_report", "render_report_dir",
@@ -291,7 +291,7 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
     def ms(name):
         return " / ".join(format_duration_ms(s.get(f"{stat}_{name}_ms")) for stat in ("mean", "median", "p90", "p99"))
 
-    has_slo = any(not _missing(s.get(k)) for k in ("slo_ttft_ms", "slo_tpot_ms"))
+    has_slo = any(not missing(s.get(k)) for k in ("slo_ttft_ms", "slo_tpot_ms"))
     rows = [("requests: completed / rejected / unfinished",
              f"{_fmt_cell(s.get('completed'))} / {_fmt_cell(s.get('rejected'))} / {_fmt_cell(s.get('unfinished'))}"),
             ("simulated duration", format_duration_s(s.get("duration_s"))),
@@ -320,10 +320,6 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
     if s.get("rejected_by_reason") not in (None, "", "{}"):
         rows.append(("rejected by reason", s["rejected_by_reason"]))
     return rows
-
-
-def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _group_labels(plan: dict | None, count: int) -> list[str]:
@@ -399,7 +395,7 @@ def _replay_plots(requests: pa.Table, steps: pa.Table, s: dict, plan: dict | Non
     series = [(name, _cdf_values(_np(requests, col)[finished] * 1000) if requests.num_rows else np.zeros(0))
               for name, col in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))]
     slo = {"TTFT": s.get("slo_ttft_ms"), "TPOT": s.get("slo_tpot_ms")}
-    slo = {k: float(v) for k, v in slo.items() if not _missing(v)}
+    slo = {k: float(v) for k, v in slo.items() if not missing(v)}
     out.append(_figure(plots.latency_cdfs(series, slo),
                        "Cumulative distributions of TTFT, TPOT and end-to-end latency over finished requests "
                        "(dashed: the scenario's SLO).", "latency CDFs"))
@@ -450,7 +446,7 @@ def _varying(frame: pd.DataFrame, keys: Sequence[str]) -> list[str]:
 
 def _key_value(key: str, value) -> str:
     """A sweep value as people read it: byte sizes in GiB."""
-    if key.endswith("_bytes") and isinstance(value, (int, float, np.integer, np.floating)) and not _missing(value):
+    if key.endswith("_bytes") and isinstance(value, (int, float, np.integer, np.floating)) and not missing(value):
         return f"{float(value) / 2**30:,.4g} GiB"
     return _fmt_cell(value)
 

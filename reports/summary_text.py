@@ -14,13 +14,13 @@ import math
 _UNITS_S = ((3600.0, "h"), (60.0, "min"), (1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
 
 
-def _missing(value) -> bool:
+def missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def format_duration_s(seconds: float | None) -> str:
     """``52.1 min``, ``3.2 s``, ``41 ms``: three significant figures at most, ``-`` for none."""
-    if _missing(seconds):
+    if missing(seconds):
         return "-"
     if seconds == 0:
         return "0 s"
@@ -36,11 +36,11 @@ def format_duration_s(seconds: float | None) -> str:
 
 def format_duration_ms(milliseconds: float | None) -> str:
     """A summary's ``_ms`` column in the unit that reads best."""
-    return "-" if _missing(milliseconds) else format_duration_s(milliseconds / 1000)
+    return "-" if missing(milliseconds) else format_duration_s(milliseconds / 1000)
 
 
 def format_percent(fraction: float | None, digits: int = 1) -> str:
-    return "-" if _missing(fraction) else f"{fraction * 100:.{digits}f} %"
+    return "-" if missing(fraction) else f"{fraction * 100:.{digits}f} %"
 
 
 def plan_line(plan) -> str:
@@ -69,7 +69,7 @@ def prefix_line(row: dict) -> str:
     """The hit rate next to what an infinite cache could have hit on the same requests."""
     hit = format_percent(row["prefix_cache_hit_rate"])
     bound = row.get("prefix_reuse_upper_bound")
-    if _missing(bound):
+    if missing(bound):
         return f"{hit} (no bound: no content identity)"
     return f"{hit} of {format_percent(bound)} possible"
 

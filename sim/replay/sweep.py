@@ -412,11 +412,6 @@ def _source(workload: Workload) -> pa.Table:
     return table
 
 
-def _replicas(engine: object) -> int:
-    replicas = getattr(engine, "replicas", 1)
-    return replicas if isinstance(replicas, int) and replicas > 0 else 1
-
-
 def run_point(task: PointTask) -> dict:
     """Run one point; never raises for bad input: a failure is the row's ``error``."""
     row: dict = {"point": task.index, "status": "ok", "error": None, "summary": None}
@@ -451,7 +446,7 @@ def run_point(task: PointTask) -> dict:
         row["search"] = {"start_rate_scale": start, "converged": found.converged,
                          "tried": [[x, ok] for x, ok in found.history]}
         trace_rate = request_rate(runs[start][1])
-        replicas = _replicas(resolved.engine)
+        replicas = resolved.engine.replicas
         gpus = resolved.engine.tensor_parallel_size * replicas
         price = resolved.gpu.price_per_hour
         extra = dict.fromkeys(MAX_RATE_COLUMNS)

@@ -115,10 +115,9 @@ def validate_with_runs(resolved: ResolvedScenario, options: validate_module.Vali
 
     def spy(plan, *args, **kwargs):
         run = real(plan, *args, **kwargs)
-        if "executor" in kwargs:  # validate hands only the run under test its (logged) executor
-            runs["on"] = run
-        elif not plan.engine.cache.enable_prefix_caching:
-            runs["off"] = run
+        # Validate's first run is the one under test (prefix caching on); check 4's come later.
+        key = "on" if plan.engine.cache.enable_prefix_caching else "off"
+        runs.setdefault(key, run)
         return run
 
     with mock.patch.object(validate_module, "run_executor", spy):
