@@ -74,10 +74,29 @@ class KVCacheCoordinator:
             for i, m in enumerate(self.managers))
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks,
-                                     num_local_computed_tokens: int) -> None:
+                                     num_local_computed_tokens: int, num_external_computed_tokens: int = 0) -> None:
         blocks = new_computed_blocks.blocks
         for i, m in enumerate(self.managers):
-            m.allocate_new_computed_blocks(request_id, blocks[i], num_local_computed_tokens)
+            m.allocate_new_computed_blocks(request_id, blocks[i], num_local_computed_tokens,
+                                           num_external_computed_tokens)
+        if num_external_computed_tokens > 0:
+            # Two phases (vLLM issue #33775): every group's hit is held before any group
+            # takes fresh blocks for the loaded tokens.
+            for m in self.managers:
+                m.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                    num_external_computed_tokens)
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba states cached at block boundaries since the last call, per request, for an
+        offload connector: ``(group id, block id, boundary tokens)``."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for m in self.managers:
+            pending = getattr(m, "boundary_state_offloads", None)
+            if pending:
+                for request_id, group_id, block_id, boundary in pending:
+                    offloads.setdefault(request_id, []).append((group_id, block_id, boundary))
+                pending.clear()
+        return offloads
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> KVCacheBlocks:
         """The blocks appended per group; ``empty_blocks`` when none were."""

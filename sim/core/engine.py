@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnector
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -78,6 +79,8 @@ class StepResult:
     finished: list[Request]
     execution: Execution
     updated: SchedulerOutput | None = None
+    # With an offload tier: what the worker reported finished in this step.
+    transfers: KVConnectorOutput | None = None
 
 
 @dataclass
@@ -96,10 +99,26 @@ class Batch:
 _IDLE = Execution({}, 0.0)
 
 
+@dataclass
+class OffloadTier:
+    """An offload tier for an engine: the manager that holds the chunks (CPU, or CPU over
+    disk) and the worker stand-in that decides when transfers finish (its clock)."""
+
+    manager: object
+    transfers: object  # StepTransfers or TimedTransfers
+    blocks_per_chunk: int = 1
+
+
 class EngineCore:
     def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig = CacheConfig()):
-        self.scheduler = Scheduler(kv_cache_config, scheduler_config, cache_config)
+                 cache_config: CacheConfig = CacheConfig(), offload: OffloadTier | None = None):
+        connector = None
+        if offload is not None:
+            connector = OffloadingConnector(kv_cache_config, offload.manager, cache_config.enable_prefix_caching,
+                                            offload.blocks_per_chunk)
+        self.offload = offload
+        self.scheduler = Scheduler(kv_cache_config, scheduler_config, cache_config, connector)
+        self.connector = connector
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.rejected: list[Rejection] = []
         # Async: batches scheduled and not yet updated, oldest first.
@@ -146,11 +165,28 @@ class EngineCore:
 
     def step(self, executor: ModelExecutor) -> StepResult:
         output = self.scheduler.schedule()
+        if self.offload is not None:
+            return self._step_with_offload(executor, output)
         execution = self._execute(executor, output)
         if not output.num_scheduled_tokens:
             return StepResult(output, [], _IDLE)
         finished = self.scheduler.update_from_output(output, execution.sampled)
         return StepResult(output, finished, execution)
+
+    def _step_with_offload(self, executor: ModelExecutor, output: SchedulerOutput) -> StepResult:
+        """The worker gets the step's transfer jobs before the forward pass and reports
+        the finished ones with its output; an empty step still reports them."""
+        transfers = self.offload.transfers
+        transfers.submit(output.kv_connector_metadata)
+        execution = self._execute(executor, output)
+        finished = self.scheduler.update_from_output(output, execution.sampled) if output.num_scheduled_tokens else []
+        reported = transfers.finish_step(execution.duration_s)
+        self.scheduler.update_connector_output(reported)
+        return StepResult(output, finished, execution, transfers=reported)
+
+    def has_pending_transfers(self) -> bool:
+        """Transfer jobs still running (the engine keeps stepping until they finish)."""
+        return self.connector is not None and self.connector.has_pending_jobs()
 
     # -- asynchronous scheduling: two batches in flight --------------------------------
 

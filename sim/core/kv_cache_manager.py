@@ -59,13 +59,17 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                       has_scheduled_reqs: bool = True) -> KVCacheBlocks | None:
+                       has_scheduled_reqs: bool = True, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False) -> KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` more tokens; None if the pool is short.
 
+        ``num_external_computed_tokens`` follow the local hit and come from an offload tier:
+        they get blocks too (an asynchronous load asks for nothing else: ``num_new_tokens``
+        0), and ``delay_cache_blocks`` leaves them uncached until the load has landed.
         Returns the blocks appended to each group's table (``empty_blocks``, by identity,
         when none were). Entries changed in place, even by a call that then
         fails, wait in ``replaced_block_ids`` until taken or until the request is freed."""
-        if num_new_tokens <= 0:
+        if num_new_tokens <= 0 and num_external_computed_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
         fast = (new_computed_blocks is None and num_new_computed_tokens == 0 and not full_sequence_must_fit
                 and num_lookahead_tokens == 0 and request.status is RequestStatus.RUNNING)
@@ -88,7 +92,7 @@ class KVCacheManager:
         free_blocks = self.block_pool.get_num_free_blocks
         request_id = request.request_id
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local_computed, self.max_model_len)
+        total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
 
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -109,13 +113,17 @@ class KVCacheManager:
         coordinator.remove_skipped_blocks(request_id, max(0, total_computed - request.num_in_flight_tokens))
 
         needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hit_blocks,
-                                                        num_local_computed, num_tokens_main_model)
+                                                        num_local_computed + num_external_computed_tokens,
+                                                        num_tokens_main_model)
         if needed + watermark_blocks > free_blocks() - reserved_blocks:
             return None
 
-        if hit_blocks is not self.empty_blocks:
-            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_local_computed)
+        if hit_blocks is not self.empty_blocks or num_external_computed_tokens:
+            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_local_computed,
+                                                     num_external_computed_tokens)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_tokens_main_model)
+        if delay_cache_blocks:
+            return new_blocks
 
         if self.enable_caching:
             coordinator.cache_blocks(request_id, request.block_hashes,
@@ -123,6 +131,19 @@ class KVCacheManager:
         if fast:
             self.noop_horizon[request_id] = coordinator.noop_horizon(request_id)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's blocks full within ``num_computed_tokens`` (after a load)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request.request_id, request.block_hashes, num_computed_tokens)
+
+    def remaining_blocks(self, request: Request) -> int:
+        """Blocks the request still needs to hold its whole sequence (vLLM's
+        ``_request_remaining_blocks``): what an in-flight prefill has reserved."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        return self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens, self.empty_blocks,
+                                                           request.num_computed_tokens, num_tokens,
+                                                           apply_admission_cap=True)
 
     def free(self, request: Request) -> None:
         self.noop_horizon.pop(request.request_id, None)

@@ -86,12 +86,16 @@ class SingleTypeKVCacheManager:
     # -- mutations -------------------------------------------------------------------
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
-                                     num_local_computed_tokens: int) -> None:
-        """Adopt a new request's prefix hit: null for skipped positions, touch the rest."""
+                                     num_local_computed_tokens: int, num_external_computed_tokens: int = 0) -> None:
+        """Adopt a new request's prefix hit: null for skipped positions, touch the rest.
+
+        Positions are skipped by the whole computed prefix, the tokens an offload tier
+        supplies (``num_external_computed_tokens``) included."""
         if request_id in self.num_cached_block:
             return
         table = self.req_to_blocks.setdefault(request_id, [])
-        num_skipped_blocks = self.get_num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        num_skipped_blocks = self.get_num_skipped_tokens(
+            num_local_computed_tokens + num_external_computed_tokens) // self.block_size
         kept = new_computed_blocks[num_skipped_blocks:] if num_skipped_blocks > 0 else new_computed_blocks
         if self.enable_caching:
             self.block_pool.touch(kept)
@@ -99,6 +103,22 @@ class SingleTypeKVCacheManager:
             table.extend([self.null_block] * num_skipped_blocks)
         table.extend(kept)
         self.num_cached_block[request_id] = len(table)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """Blocks for the tokens an offload tier will load, past the local hit; the ones the
+        attention no longer reads stay null. Runs once every group adopted its local hit,
+        so taking blocks here cannot evict another group's hit blocks."""
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped = self.get_num_skipped_tokens(num_total)
+        if num_skipped > 0:
+            num_external_computed_tokens = min(num_total - num_skipped, num_external_computed_tokens)
+        if num_external_computed_tokens <= 0:
+            return
+        table = self.req_to_blocks[request_id]
+        num_new = cdiv(num_total, self.block_size) - len(table)
+        if num_new > 0:
+            table.extend(self.block_pool.get_new_blocks(num_new, self.group_id))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         table = self.req_to_blocks.setdefault(request_id, [])
@@ -356,6 +376,9 @@ class MambaManager(SingleTypeKVCacheManager):
         # flight delayed), so skipped blocks are found by a scan from here, not by stopping
         # at the first null (vLLM's ``_num_retired_blocks``).
         self.num_retired_blocks: dict[str, int] = {}
+        # (request id, group id, block id, boundary tokens) of states cached since the
+        # scheduler last took them; None unless an offload connector listens.
+        self.boundary_state_offloads: list[tuple[str, int, int, int]] | None = None
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is needed.
@@ -471,11 +494,20 @@ class MambaManager(SingleTypeKVCacheManager):
         return returned + new_blocks
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
-                                     num_local_computed_tokens: int) -> None:
+                                     num_local_computed_tokens: int, num_external_computed_tokens: int = 0) -> None:
         fresh = request_id not in self.num_cached_block
-        super().allocate_new_computed_blocks(request_id, new_computed_blocks, num_local_computed_tokens)
+        super().allocate_new_computed_blocks(request_id, new_computed_blocks, num_local_computed_tokens,
+                                             num_external_computed_tokens)
         if fresh and self.align:
             # A hit is nulls and then its state block: nothing below it to retire.
+            self.num_retired_blocks[request_id] = max(len(self.req_to_blocks[request_id]) - 1, 0)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                  num_external_computed_tokens)
+        if self.align:
+            # Nulls and then the state block the load fills.
             self.num_retired_blocks[request_id] = max(len(self.req_to_blocks[request_id]) - 1, 0)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -510,9 +542,16 @@ class MambaManager(SingleTypeKVCacheManager):
         super().cache_blocks(block_hashes, request_id, num_tokens)
         after = self.num_cached_block[request_id]
         if after > before:
-            for block in self.req_to_blocks[request_id][before:after]:
+            offers = self.boundary_state_offloads
+            table = self.req_to_blocks[request_id]
+            for idx in range(before, after):
+                block = table[idx]
                 if not block.is_null and block.block_hash is not None:
                     self.cached_blocks_this_step.add(block.block_hash)
+                    if offers is not None and self.align:
+                        # An offload connector stores each state cached at a boundary,
+                        # reading this exact block (vLLM's boundary-state hand-off).
+                        offers.append((request_id, self.group_id, block.block_id, (idx + 1) * self.block_size))
 
     def is_noop(self, request_id, num_computed_tokens, num_tokens_need_slot, num_tokens_main_model,
                 num_tokens_to_cache):
@@ -542,6 +581,10 @@ class MambaManager(SingleTypeKVCacheManager):
         return True
 
     def free(self, request_id: str) -> None:
+        if self.boundary_state_offloads:
+            # Offers are good until the end of the step that made them; these blocks go
+            # back to the pool now.
+            self.boundary_state_offloads[:] = [e for e in self.boundary_state_offloads if e[0] != request_id]
         self.allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self.checkpoints.discard(request_id)

@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Blocks allocated, KV being loaded from an offload tier (vLLM's WAITING_FOR_REMOTE_KVS).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
     REJECTED = "rejected"
 
@@ -55,6 +57,9 @@ class Request:
         # stay until they ran (a window slides by what was processed), and a preempted
         # request waits until output from before its preemption has been delivered.
         self.num_in_flight_tokens = 0
+
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
 
     @property
     def num_output_tokens(self) -> int:

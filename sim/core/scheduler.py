@@ -47,6 +47,8 @@ from collections import deque
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
+from kvtwin.sim.core.managers import MambaManager
+from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnector
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -58,7 +60,7 @@ __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"
 
 class Scheduler:
     def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig = CacheConfig()):
+                 cache_config: CacheConfig = CacheConfig(), connector: OffloadingConnector | None = None):
         self.config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
@@ -93,6 +95,25 @@ class Scheduler:
         self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs \
             else None
         self.hash_block_size = kv_cache_config.hash_block_size
+        # An offload tier behind a KV connector (issue 13), or None: then nothing below
+        # that mentions the connector runs.
+        self.connector = connector
+        if connector is not None:
+            if scheduler_config.async_scheduling:
+                raise ValueError("KV offloading is modelled with the synchronous scheduler only")
+            # Requests that hold blocks while waiting (their KV is being loaded) queue
+            # apart and go first (vLLM's kv_holding_waiting).
+            self.kv_holding_waiting = create_request_queue(scheduler_config.scheduling_policy)
+            self.finished_recving_kv_req_ids: set[str] = set()
+            # Requests still prefilling or loading: admitting an asynchronous load must
+            # leave them the blocks they still need.
+            self.inflight_prefills: set[Request] = set()
+            # (request, GPU hit tokens, loaded tokens, loaded tokens per tier) for every
+            # admission that loads from the tier, until a metrics recorder takes them.
+            self.external_hits: list[tuple[Request, int, int, dict[str, int]]] = []
+            for manager in self.kv_cache_manager.coordinator.managers:
+                if isinstance(manager, MambaManager):
+                    manager.boundary_state_offloads = []
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -101,8 +122,12 @@ class Scheduler:
             request.attach_hasher(self.hasher)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def has_unfinished_requests(self) -> bool:
+        if self.connector is not None and len(self.kv_holding_waiting):
+            return True
         return bool(self.running) or len(self.waiting) > 0
 
     # -- one step ------------------------------------------------------------------------
@@ -121,6 +146,8 @@ class Scheduler:
         # The threshold keeps one long prefill from starving others; alone, it has nobody
         # to starve and may use the whole budget.
         num_eligible = len(self.running) + len(self.waiting)
+        if self.connector is not None:
+            num_eligible += len(self.kv_holding_waiting)
         long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
             long_prefill = max(long_prefill, token_budget // num_eligible)
@@ -202,6 +229,10 @@ class Scheduler:
             token_budget -= num_new
             req_index += 1
 
+        if self.connector is not None:
+            if not out.preempted:
+                self._schedule_waiting_with_connector(out, token_budget, long_prefill)
+            return self._finish_schedule_with_connector(out)
         if not out.preempted:
             self._schedule_waiting(out, token_budget, long_prefill)
 
@@ -295,8 +326,140 @@ class Scheduler:
         for request in reversed(skipped):
             self.waiting.prepend(request)  # back in front, in their order
 
+    # -- the waiting pass with an offload connector (vLLM's connector paths) ------------
+
+    def _schedule_waiting_with_connector(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
+        """Admit waiting requests, asking the connector for hits beyond the GPU's.
+
+        A request with an asynchronous load gets its blocks now and waits, holding them,
+        in ``kv_holding_waiting`` until the worker reports the load; that queue is served
+        first. A request that cannot go this step (the connector asks to wait, its load is
+        still running) is set aside and keeps its place; the first that does not fit in
+        the pool stops admission, as without a connector."""
+        cfg = self.config
+        kvm = self.kv_cache_manager
+        connector = self.connector
+        holding, waiting = self.kv_holding_waiting, self.waiting
+        skipped_holding: list[Request] = []
+        skipped_waiting: list[Request] = []
+        while token_budget > 0:
+            queue = holding if len(holding) else waiting
+            if not len(queue) or len(self.running) >= cfg.max_num_seqs:
+                break
+            request = queue.peek()
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.request_id not in self.finished_recving_kv_req_ids:
+                    skipped_holding.append(queue.pop())
+                    continue
+                self._finish_remote_load(request)
+            num_external = 0
+            load_async = False
+            if request.num_computed_tokens == 0:
+                hit_blocks, hit_tokens, request.shared_prefix_boundary = kvm.get_computed_blocks(request)
+                external, load_async = connector.get_num_new_matched_tokens(request, hit_tokens)
+                if external is None:
+                    (skipped_holding if self._holds_kv_blocks(request) else skipped_waiting).append(queue.pop())
+                    continue
+                num_external = external
+            else:
+                hit_blocks, hit_tokens = kvm.empty_blocks, 0
+            num_computed = request.num_computed_tokens + hit_tokens + num_external
+            if load_async:
+                num_new = 0  # nothing runs until the KV has landed
+            else:
+                num_new = request.num_tokens - num_computed
+                if 0 < long_prefill < num_new:
+                    num_new = long_prefill
+                if not cfg.enable_chunked_prefill and num_new > token_budget:
+                    break
+                num_new = min(num_new, token_budget)
+                if self.mamba_block_size:
+                    num_new = self._mamba_block_aligned_split(request, num_new, hit_tokens + num_external)
+                    if num_new == 0:
+                        break
+            # A load holds its blocks with no progress and cannot be preempted here: admit
+            # it only if the requests already prefilling keep what they still need.
+            reserved = sum(kvm.remaining_blocks(r) for r in self.inflight_prefills) if load_async else 0
+            new_blocks = kvm.allocate_slots(request, num_new, hit_tokens, hit_blocks,
+                                            full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
+                                            reserved_blocks=reserved, has_scheduled_reqs=bool(self.running),
+                                            num_external_computed_tokens=num_external,
+                                            delay_cache_blocks=load_async)
+            if new_blocks is None:
+                break
+            request_id = request.request_id
+            connector.update_state_after_alloc(request, kvm.get_blocks(request_id), num_external)
+            if num_external:
+                self.external_hits.append((request, hit_tokens, num_external,
+                                           connector.get_external_cache_hit_sources(request, num_external)))
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_computed_tokens = num_computed
+                self.inflight_prefills.add(request)
+                skipped_holding.append(queue.pop())
+                continue
+            queue.pop()
+            self.running.append(request)
+            resumed = request.status is RequestStatus.PREEMPTED
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if kvm.replaced_block_ids:
+                kvm.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
+            out.scheduled_new_reqs.append(NewRequestData(
+                request_id, kvm.get_blocks(request_id), num_computed, request.num_prompt_tokens,
+                request.num_tokens, hit_tokens, resumed, request.prompt))
+            out.num_scheduled_tokens[request_id] = num_new
+            token_budget -= num_new
+            if num_computed + num_new < request.num_tokens:
+                self.inflight_prefills.add(request)
+        for request in reversed(skipped_holding):
+            holding.prepend(request)
+        for request in reversed(skipped_waiting):
+            waiting.prepend(request)
+
+    @staticmethod
+    def _holds_kv_blocks(request: Request) -> bool:
+        return request.num_computed_tokens > 0 or request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def _finish_remote_load(self, request: Request) -> None:
+        """The load landed: cache what it brought and queue the request as before it."""
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens -= 1  # the last token is recomputed for its logits
+        self.finished_recving_kv_req_ids.remove(request.request_id)
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+
+    def _finish_schedule_with_connector(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Hand the step to the connector, which adds its transfer jobs to the output (it
+        reads the computed counts from before the step, as vLLM's does), then advance the
+        computed counts as the synchronous path does."""
+        offloads = self.kv_cache_manager.coordinator.take_boundary_state_offloads() if self.mamba_block_size else None
+        out.kv_connector_metadata = self.connector.build_connector_meta(out, offloads)
+        requests = self.requests
+        note_computed = out.num_computed_tokens.append
+        sampling = out.num_output_tokens
+        inflight = self.inflight_prefills
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            request = requests[request_id]
+            computed = request.num_computed_tokens
+            note_computed(computed)
+            computed += num_tokens
+            request.num_computed_tokens = computed
+            if computed >= request.num_tokens:
+                sampling[request_id] = request.num_tokens - request.num_prompt_tokens
+                inflight.discard(request)
+        return out
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The worker's report: finished transfers; requests whose load landed may run."""
+        self.connector.update_connector_output(connector_output)
+        for request_id in connector_output.finished_recving:
+            self.finished_recving_kv_req_ids.add(request_id)
+
     def _preempt(self, request: Request) -> None:
         """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""
+        if self.connector is not None:
+            self.inflight_prefills.discard(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -305,7 +468,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _mamba_block_aligned_split(self, request: Request, num_new: int, num_new_local_computed: int) -> int:
+    def _mamba_block_aligned_split(self, request: Request, num_new: int, num_new_computed: int) -> int:
         """Clip a prefill chunk so it ends where a Mamba state must be cached.
 
         States are written only at chunk ends, so an unfinished prefill chunk must end on a
@@ -316,7 +479,7 @@ class Scheduler:
         mid-block.
         """
         block_size = self.mamba_block_size
-        start = request.num_computed_tokens + num_new_local_computed
+        start = request.num_computed_tokens + num_new_computed  # the local hit and any loaded tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if start >= prefill_end:
             return num_new
@@ -367,6 +530,9 @@ class Scheduler:
             request.append_output_token_ids(tokens)
             if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len:
                 request.status = RequestStatus.FINISHED
+                if self.connector is not None:
+                    self.connector.request_finished(request)
+                    self.inflight_prefills.discard(request)
                 self.kv_cache_manager.free(request)
                 finished.append(request)
                 self.finished_req_ids.append(request_id)

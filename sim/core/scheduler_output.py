@@ -105,6 +105,9 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     preempted: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # finished at the end of the previous step
+    # With an offload tier: the step's transfer jobs (an OffloadingConnectorMetadata)
+    # for the worker; None without one.
+    kv_connector_metadata: object | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

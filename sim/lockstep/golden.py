@@ -20,8 +20,11 @@ _CONFIG_FIELDS = {
     "kv_cache_groups", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "long_prefill_token_threshold", "enable_chunked_prefill", "scheduling_policy", "watermark",
     "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo", "async_scheduling",
-    "description", "vllm_version", "adaptive_long_prefill_threshold",
+    "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload",
 }
+# The ``kv_offload`` table of an offload case (the native CPU offloading connector).
+_OFFLOAD_FIELDS = {"cpu_bytes_to_use": int, "eviction_policy": str, "kv_bytes_per_chunk": int,
+                   "num_cpu_chunks": int, "load_steps": int, "store_steps": int}
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,18 @@ class CaseRequest:
 
 
 @dataclass(frozen=True)
+class CaseOffload:
+    """A case's CPU tier: its size in chunks (vLLM's ``cpu_bytes_to_use`` over its bytes per
+    chunk), the eviction policy, and after how many steps the worker stand-in reports a
+    load or a store finished."""
+
+    num_cpu_chunks: int
+    eviction_policy: str
+    load_steps: int
+    store_steps: int
+
+
+@dataclass(frozen=True)
 class GoldenCase:
     name: str
     kv_cache_config: KVCacheConfig
@@ -41,6 +56,7 @@ class GoldenCase:
     cache_config: CacheConfig
     requests: tuple[CaseRequest, ...]
     description: str = ""
+    offload: CaseOffload | None = None
 
 
 def _read_json(path: Path) -> dict:
@@ -107,6 +123,27 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
     return kv_cache_config, scheduler_config, cache_config, data.get("description", "")
 
 
+def load_offload(path: Path) -> CaseOffload | None:
+    data = _read_json(path).get("kv_offload")
+    if data is None:
+        return None
+    source = f"{path} (kv_offload)"
+    if not isinstance(data, dict):
+        raise ConfigError("kv_offload", "a table", data, source=str(path))
+    unknown = sorted(set(data) - set(_OFFLOAD_FIELDS))
+    if unknown:
+        raise ConfigError(unknown[0], f"one of {', '.join(sorted(_OFFLOAD_FIELDS))}", source=source)
+    values = {key: _typed(data, key, kind, source=source) for key, kind in _OFFLOAD_FIELDS.items()}
+    num_chunks = values["cpu_bytes_to_use"] // values["kv_bytes_per_chunk"] if values["kv_bytes_per_chunk"] > 0 else 0
+    if num_chunks != values["num_cpu_chunks"]:
+        raise ConfigError("num_cpu_chunks", f"cpu_bytes_to_use // kv_bytes_per_chunk = {num_chunks}",
+                          values["num_cpu_chunks"], source=source)
+    for key in ("load_steps", "store_steps"):
+        if values[key] < 0:
+            raise ConfigError(key, "a non-negative integer", values[key], source=source)
+    return CaseOffload(num_chunks, values["eviction_policy"], values["load_steps"], values["store_steps"])
+
+
 def _token_list(value, field: str, source: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ConfigError(field, "a list of integer token ids", type(value).__name__, source=source)
@@ -168,7 +205,8 @@ def load_case(case_dir: str | Path, *, hash_algo: str | None = None) -> GoldenCa
             raise ConfigError("prompt_token_ids", f"prompt + output within max_model_len "
                               f"{scheduler_config.max_model_len}", len(r.prompt_token_ids) + len(r.output_token_ids),
                               source=f"{case_dir / 'requests.jsonl'} ({r.request_id})")
-    return GoldenCase(case_dir.name, kv_cache_config, scheduler_config, cache_config, requests, description)
+    return GoldenCase(case_dir.name, kv_cache_config, scheduler_config, cache_config, requests, description,
+                      load_offload(case_dir / "config.json"))
 
 
 # -- results -------------------------------------------------------------------------------
@@ -214,6 +252,10 @@ def compare_results(expected_requests: list[dict], expected_steps: list[dict], a
         for key in ("preempted", "finished"):
             if set(exp[key]) != set(act[key]):
                 diffs.append(f"step {step}: {key} expected {sorted(exp[key])}, got {sorted(act[key])}")
+        for key, value in exp.get("offload", {}).items():
+            got = act.get("offload", {}).get(key)
+            if value != got:
+                diffs.append(f"step {step}: offload.{key} expected {value!r}, got {got!r}")
     diffs.sort(key=_diff_order)
     return diffs[:limit] if limit else diffs
 

@@ -19,11 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtwin.sim.core.block_pool import BlockPool
-from kvtwin.sim.core.engine import EngineCore, Execution, StepResult
+from kvtwin.sim.core.engine import EngineCore, Execution, OffloadTier, StepResult
+from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
+from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.lockstep.golden import GoldenCase
 from kvtwin.sim.core.hashing import TokenPrompt
-from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 
 
@@ -77,10 +79,37 @@ class LockstepResult:
     steps: list[dict]
 
 
+def offload_record(engine: EngineCore, result: StepResult, evicted_before: int) -> dict:
+    """The ``offload`` part of a step's line: transfer jobs made and reported, and the tier."""
+    meta = result.output.kv_connector_metadata
+    manager = engine.offload.manager
+    return {
+        "loads": [[job.req_id, len(job.keys)] for job in meta.load_jobs.values()],
+        "stores": [[job.req_id, len(job.keys)] for job in meta.store_jobs.values()],
+        "evicted": manager.num_evicted_keys - evicted_before,
+        "flushed": sorted(meta.jobs_to_flush),
+        "completed": sorted(result.transfers.completed_jobs),
+        "cpu_used_chunks": manager.num_used_chunks,
+        "waiting_for_kv": sorted(r.request_id for r in engine.scheduler.kv_holding_waiting
+                                 if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS),
+    }
+
+
+def build_engine(case: GoldenCase) -> EngineCore:
+    offload = None
+    if case.offload is not None:
+        manager = CPUOffloadingManager(case.offload.num_cpu_chunks, case.offload.eviction_policy)
+        offload = OffloadTier(manager, StepTransfers(case.offload.load_steps, case.offload.store_steps))
+    return EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config, offload)
+
+
 def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
              max_idle_steps: int = 10_000) -> LockstepResult:
-    engine = EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config)
+    engine = build_engine(case)
     pool = engine.kv_cache_manager.block_pool
+    offloading = engine.offload is not None
+    # request id -> (loaded tokens, step the load was issued) of its pending admission.
+    loads: dict[str, tuple[int, int]] = {}
     model = ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
     records = {r.request_id: RequestRecord(r.request_id) for r in case.requests}
     pending = list(case.requests)
@@ -101,22 +130,38 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
                 raise ConfigError("requests.jsonl", f"requests the engine accepts ({rejection.code}: "
                                   f"{rejection.detail})", spec.request_id)
             next_arrival += 1
+        evicted_before = engine.offload.manager.num_evicted_keys if offloading else 0
         result = step_fn(model)
         out = result.output
+        if offloading:
+            for request, _, num_external, _ in engine.scheduler.external_hits:
+                loads[request.request_id] = (num_external, step)
+            engine.scheduler.external_hits.clear()
         for admission in out.scheduled_new_reqs:
             record = records[admission.req_id]
-            record.admissions.append({"step": step, "hit_tokens": admission.hit_tokens})
+            if offloading:
+                num_external, load_step = loads.pop(admission.req_id, (0, None))
+                record.admissions.append({"step": step, "hit_tokens": admission.num_computed_tokens,
+                                          "external_tokens": num_external, "load_step": load_step})
+            else:
+                record.admissions.append({"step": step, "hit_tokens": admission.hit_tokens})
             if record.first_scheduled_step is None:
                 record.first_scheduled_step = step
         for request_id in out.preempted:
             records[request_id].num_preemptions += 1
         for request in result.finished:
             records[request.request_id].finish_step = step
-        steps.append(step_record(step, result, pool))
+        line = step_record(step, result, pool)
+        if offloading:
+            line["offload"] = offload_record(engine, result, evicted_before)
+        steps.append(line)
         if on_step is not None:
             on_step(step)
         all_arrived = next_arrival == len(pending)
-        if all_arrived and not engine.has_unfinished_requests() and not engine.batch_queue:
+        # With an offload tier the engine also steps until its transfers are done and the
+        # last finished request has been reported (its final store is made then).
+        if (all_arrived and not engine.has_unfinished_requests() and not engine.batch_queue
+                and not (offloading and (engine.has_pending_transfers() or engine.scheduler.finished_req_ids))):
             break
         idle = not out.num_scheduled_tokens and not any(b.executed for b in engine.batch_queue)
         idle_steps = idle_steps + 1 if (all_arrived and idle) else 0

@@ -1,0 +1,691 @@
+"""The scheduler side of vLLM 0.33's native offloading connector (``OffloadingConnector``).
+
+Issue 13; vLLM ``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``. The
+connector sits between the scheduler and an offloading manager (the CPU tier, or the CPU
+tier over a disk tier). It answers four questions the scheduler asks, in the same order
+and with the same effects as vLLM's:
+
+* ``get_num_new_matched_tokens`` — how many tokens past the GPU prefix hit the tier holds.
+  Full-attention groups are looked up left to right, windowed groups (sliding window,
+  chunked local, and Mamba, whose "window" is one chunk) right to left, repeating until the
+  hit length agrees; a chunk still being stored or loaded defers the request a step.
+* ``update_state_after_alloc`` — once the scheduler allocated the blocks, which chunks to
+  load into which fresh blocks: one load job per request, pinning its keys in the tier.
+* ``build_connector_meta`` — at the end of every ``schedule()``: the store jobs for prompt
+  chunks the step computes (or that a request finished with), a Mamba group's states as
+  the KV cache manager hands them over at block boundaries, and the jobs to flush because
+  a block they read was handed out again (or their request was preempted).
+* ``update_connector_output`` — the worker reports finished jobs: stores become readable,
+  loads release their pins, and a request waiting for its load may run.
+
+Blocks are freed as soon as a request finishes (``request_finished`` returns nothing to
+delay); a store still reading a freed block is flushed if the block is reused, which the
+worker does before that step's forward pass.
+
+Left out, as vLLM's defaults leave them off or our layouts never reach them: partial-tail
+(sub-chunk) hits and stores, synchronous loads within a step, EAGLE drafter groups,
+``max_load_tokens`` / ``max_offload_tokens``, prefix-cache retention intervals, decode
+context parallelism, cache resets and KV events. Only prompt tokens are offloaded
+(vLLM's ``offload_prompt_only`` default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtwin.sim.core.offload.base import LookupResult, ReqContext, make_offload_key
+from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheSpec,
+                                  MambaSpec, SlidingWindowSpec, cdiv)
+
+
+@dataclass(frozen=True)
+class GroupOffloadConfig:
+    """How one KV cache group is cut into offload chunks."""
+
+    group_idx: int
+    tokens_per_block: int
+    tokens_per_chunk: int
+    hashes_per_chunk: int
+    # None: full attention (prefix lookup); otherwise the chunks a hit must end with.
+    sliding_window_size_in_chunks: int | None
+    spec: KVCacheSpec
+    # A Mamba "align" group's state is handed over by the KV cache manager, not read from
+    # the request's block table.
+    requires_cow_source: bool
+
+    def load_window_size_in_chunks(self, num_tokens: int) -> int | None:
+        window = self.sliding_window_size_in_chunks
+        if isinstance(self.spec, SlidingWindowSpec):
+            # The lookup rounds its right edge up to a chunk; the allocation keeps the
+            # window ending at the hit, which may reach one chunk further left.
+            right_padding = -num_tokens % self.tokens_per_chunk
+            window = max(window, cdiv(self.spec.sliding_window - 1 + right_padding, self.tokens_per_chunk))
+        return window
+
+
+def sliding_window_size_in_chunks(spec: KVCacheSpec, tokens_per_chunk: int) -> int | None:
+    if isinstance(spec, SlidingWindowSpec):
+        return max(cdiv(spec.sliding_window, tokens_per_chunk), cdiv(spec.sliding_window - 1, tokens_per_chunk))
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return cdiv(spec.attention_chunk_size, tokens_per_chunk)
+    if isinstance(spec, MambaSpec):
+        return 1  # one state carries everything before it
+    return None
+
+
+@dataclass
+class RequestGroupState:
+    offload_keys: list = field(default_factory=list)
+    # The request's block table as the connector sees it: append-only, 0 for a skipped
+    # position or an entry found stale (its block was handed out again).
+    block_ids: list[int] = field(default_factory=list)
+    next_stored_chunk_idx: int = 0
+
+
+class RequestOffloadState:
+    __slots__ = ("req", "req_context", "group_states", "num_locally_computed_tokens", "transfer_jobs",
+                 "finished_signaled", "load_key_ranges")
+
+    def __init__(self, request, num_groups: int):
+        self.req = request
+        self.req_context = ReqContext(request.request_id)
+        self.group_states = tuple(RequestGroupState() for _ in range(num_groups))
+        self.num_locally_computed_tokens = 0
+        # In flight: one load, or any number of stores.
+        self.transfer_jobs: set[int] = set()
+        self.finished_signaled = False
+        # (first token, end token, key) of the last load, for hits per tier.
+        self.load_key_ranges: list[tuple[int, int, object]] = []
+
+
+@dataclass
+class TransferJob:
+    """One transfer the worker runs: ``keys`` between the tier and these GPU blocks."""
+
+    job_id: int
+    req_id: str
+    is_store: bool
+    keys: list
+    block_ids: list[int]
+
+
+@dataclass
+class TransferJobStatus:
+    req_id: str
+    keys: frozenset
+    is_store: bool
+    # Store source blocks watched from the moment the request finishes ...
+    deferred_fence_block_ids: list[int] | None = None
+    # ... and those watched from the start (windowed blocks may be freed any step).
+    fenced_block_ids: list[int] | None = None
+
+
+@dataclass
+class OffloadingConnectorMetadata:
+    """What one step hands the worker (the connector part of the scheduler output)."""
+
+    load_jobs: dict[int, TransferJob] = field(default_factory=dict)
+    store_jobs: dict[int, TransferJob] = field(default_factory=dict)
+    jobs_to_flush: set[int] = field(default_factory=set)
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker reports after a step: finished jobs, and the requests whose load
+    finished (vLLM's ``finished_recving``)."""
+
+    completed_jobs: list[int] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+
+
+class OffloadingConnector:
+    def __init__(self, kv_cache_config: KVCacheConfig, manager, enable_prefix_caching: bool = True,
+                 blocks_per_chunk: int = 1):
+        self.manager = manager
+        self.blocks_per_chunk = blocks_per_chunk
+        tokens_per_hash = kv_cache_config.hash_block_size
+        self.tokens_per_hash = tokens_per_hash
+        configs = []
+        for gid, group in enumerate(kv_cache_config.groups):
+            spec = group.spec
+            tokens_per_chunk = spec.block_size * blocks_per_chunk
+            configs.append(GroupOffloadConfig(
+                gid, spec.block_size, tokens_per_chunk, tokens_per_chunk // tokens_per_hash,
+                sliding_window_size_in_chunks(spec, tokens_per_chunk), spec,
+                isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"))
+        self.group_configs: tuple[GroupOffloadConfig, ...] = tuple(configs)
+        # Hits are aligned to the full-attention chunk; with no full-attention group, to the
+        # largest chunk (vLLM's alignment_tokens).
+        full_chunks = {c.tokens_per_chunk for c in configs if c.sliding_window_size_in_chunks is None}
+        if len(full_chunks) == 1:
+            self.alignment_tokens: int | None = full_chunks.pop()
+        elif not full_chunks:
+            self.alignment_tokens = max(c.tokens_per_chunk for c in configs)
+        else:
+            self.alignment_tokens = None
+        full = [i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is None]
+        windowed = sorted((i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is not None),
+                          key=lambda i: configs[i].sliding_window_size_in_chunks, reverse=True)
+        self._full_attention_groups = tuple(full)
+        self._sliding_window_groups = tuple(windowed)
+        self._lookup_groups = self._full_attention_groups + self._sliding_window_groups
+        mamba_sizes = {c.tokens_per_chunk for c in configs if c.requires_cow_source}
+        assert len(mamba_sizes) <= 1
+        self._mamba_align_size: int | None = mamba_sizes.pop() if mamba_sizes else None
+
+        self._req_status: dict[str, RequestOffloadState] = {}
+        self._jobs: dict[int, TransferJobStatus] = {}
+        self._job_counter = 0
+        # block id -> store jobs still reading it (see TransferJobStatus's fences).
+        self._block_id_to_pending_jobs: dict[int, set[int]] = {}
+        self._current_batch_load_jobs: dict[int, TransferJob] = {}
+        self._current_batch_jobs_to_flush: set[int] = set()
+        self._current_batch_allocated_block_ids: set[int] = set()
+        # With GPU prefix caching a chunk being loaded for one request is not loaded again
+        # for another: that one waits and then hits on the GPU.
+        self._chunks_being_loaded: set | None = set() if enable_prefix_caching else None
+        # Per step, for metrics: keys in this step's load and store jobs.
+        self.step_loaded_keys = 0
+        self.step_stored_keys = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        state = RequestOffloadState(request, len(self.group_configs))
+        self.manager.on_new_request(state.req_context)
+        self._req_status[request.request_id] = state
+
+    def _update_offload_keys(self, state: RequestOffloadState) -> None:
+        hashes = state.req.block_hashes
+        num_hashes = len(hashes)
+        ctx = state.req_context
+        for config, group_state in zip(self.group_configs, state.group_states):
+            per_chunk = config.hashes_per_chunk
+            keys = group_state.offload_keys
+            # A chunk's key is the hash of its last block.
+            for idx in range(per_chunk * (len(keys) + 1) - 1, num_hashes, per_chunk):
+                key = make_offload_key(hashes[idx], config.group_idx)
+                keys.append(key)
+                ctx.set_offload_key_position(key, len(keys) * config.tokens_per_chunk)
+
+    def _num_offloadable_tokens(self, request, num_computed_tokens: int) -> int:
+        return min(num_computed_tokens, request.num_tokens, request.num_prompt_tokens)
+
+    def _storable_chunks(self, state: RequestOffloadState, config: GroupOffloadConfig,
+                         group_state: RequestGroupState, num_offloadable_tokens: int) -> int:
+        return min(num_offloadable_tokens // config.tokens_per_chunk,
+                   len(group_state.block_ids) // self.blocks_per_chunk, len(group_state.offload_keys))
+
+    def _advance_stored_idx(self, state: RequestOffloadState, num_offloadable_tokens: int) -> None:
+        for config, group_state in zip(self.group_configs, state.group_states):
+            group_state.next_stored_chunk_idx = max(
+                group_state.next_stored_chunk_idx,
+                self._storable_chunks(state, config, group_state, num_offloadable_tokens))
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def _maximal_prefix_lookup(self, keys, ctx) -> int | None:
+        hits = 0
+        defer = False
+        lookup = self.manager.lookup
+        for key in keys:
+            result = lookup(key, ctx)
+            if result is LookupResult.HIT or result is LookupResult.HIT_PENDING:
+                hits += 1
+                defer |= result is LookupResult.HIT_PENDING
+            elif result is LookupResult.RETRY:
+                defer = True  # keep scanning so the manager can start its lookups
+            else:
+                break
+        return None if defer else hits
+
+    def _sliding_window_lookup(self, keys, window: int, ctx, initial_window: int | None) -> int | None:
+        """End (in ``keys``) of the last run of ``window`` hits, scanning from the end; the
+        first run may need a wider window for a partial right chunk. 0 on a miss, None if
+        the manager asks to wait."""
+        defer = False
+        pending_in_window = False
+        run = 0
+        required = initial_window or window
+        lookup = self.manager.lookup
+        for idx in range(len(keys) - 1, -1, -1):
+            result = lookup(keys[idx], ctx)
+            if result is LookupResult.HIT:
+                run += 1
+            elif result is LookupResult.HIT_PENDING:
+                pending_in_window = True
+                run += 1
+            elif result is LookupResult.RETRY:
+                defer = True
+                run = 0
+                pending_in_window = False
+                required = window
+            else:
+                run = 0
+                pending_in_window = False
+                required = window
+            if run == required:
+                return None if defer or pending_in_window else idx + required
+        return None if defer or pending_in_window else run
+
+    def _lookup(self, state: RequestOffloadState) -> int | None:
+        num_computed = state.num_locally_computed_tokens
+        max_hit = state.req.num_tokens
+        if self._sliding_window_groups:
+            # The last prompt token is recomputed for its logits; keep a hit after that.
+            max_hit -= 1
+            if self._mamba_align_size is not None:
+                max_hit = max_hit // self._mamba_align_size * self._mamba_align_size
+        num_hit_tokens = 0
+        defer = False
+        lookup_groups = self._lookup_groups
+        ctx = state.req_context
+        while lookup_groups:
+            looked_up_sliding_window = False
+            groups_iter = iter(lookup_groups)
+            lookup_groups = ()
+            for group_idx in groups_iter:
+                config = self.group_configs[group_idx]
+                group_state = state.group_states[group_idx]
+                per_chunk = config.tokens_per_chunk
+                keys = group_state.offload_keys
+                max_hit = min(max_hit, len(keys) * per_chunk)
+                if max_hit - num_computed < per_chunk:
+                    return 0
+                window = config.sliding_window_size_in_chunks
+                num_chunks = min(cdiv(max_hit, per_chunk), len(keys))
+                start_chunk = num_computed // per_chunk
+                window_keys = keys[start_chunk:num_chunks]
+                if window is None:
+                    num_hit_chunks = self._maximal_prefix_lookup(window_keys, ctx)
+                else:
+                    candidate_end = min(max_hit, num_chunks * per_chunk)
+                    num_hit_chunks = self._sliding_window_lookup(
+                        window_keys, window, ctx, config.load_window_size_in_chunks(candidate_end))
+                if num_hit_chunks == 0:
+                    return 0
+                if num_hit_chunks is None:
+                    defer = True
+                else:
+                    max_hit = min(max_hit, per_chunk * (start_chunk + num_hit_chunks))
+                new_num_hit_tokens = max_hit - num_computed
+                if new_num_hit_tokens < per_chunk:
+                    return 0
+                if new_num_hit_tokens < num_hit_tokens:
+                    if defer:
+                        # Another pass over every group: do we still have to wait?
+                        defer = False
+                        lookup_groups = self._lookup_groups
+                    elif looked_up_sliding_window and not lookup_groups:
+                        # Confirm the windowed groups already looked up at the new length.
+                        lookup_groups = self._sliding_window_groups
+                looked_up_sliding_window |= window is not None
+                num_hit_tokens = new_num_hit_tokens
+        if defer:
+            return None
+        if self._chunks_being_loaded:
+            end = num_computed + num_hit_tokens
+            for config, group_state in zip(self.group_configs, state.group_states):
+                window = config.load_window_size_in_chunks(end)
+                keys = group_state.offload_keys[num_computed // config.tokens_per_chunk:
+                                                cdiv(end, config.tokens_per_chunk)]
+                if window is not None:
+                    keys = keys[-window:]
+                if any(key in self._chunks_being_loaded for key in keys):
+                    return None  # another request is loading them: wait, then hit on the GPU
+        return num_hit_tokens
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens the tier can add past ``num_computed_tokens`` or None to ask again next
+        step, whether they load asynchronously)."""
+        state = self._req_status[request.request_id]
+        for group_state in state.group_states:
+            group_state.block_ids.clear()
+            group_state.next_stored_chunk_idx = 0  # starting over: offer every chunk again
+        if state.transfer_jobs:
+            return None, False
+        self._update_offload_keys(state)
+        state.num_locally_computed_tokens = num_computed_tokens
+        num_hit_tokens = self._lookup(state)
+        return num_hit_tokens, bool(num_hit_tokens)
+
+    # -- loads ---------------------------------------------------------------------------
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        allocated = self._current_batch_allocated_block_ids
+        for group_blocks in blocks.blocks:
+            allocated.update(b.block_id for b in group_blocks if b.block_id != 0)
+        if num_external_tokens == 0:
+            return
+        state = self._req_status[request.request_id]
+        num_local = state.num_locally_computed_tokens
+        num_cached_tokens = num_local + num_external_tokens
+        keys_to_load: list = []
+        dst_block_ids: list[int] = []
+        state.load_key_ranges.clear()
+        for config, group_state in zip(self.group_configs, state.group_states):
+            group_blocks = blocks.blocks[config.group_idx]
+            per_block = config.tokens_per_block
+            per_chunk = config.tokens_per_chunk
+            num_gpu_blocks = cdiv(num_cached_tokens, per_block)
+            # The load fills the fresh (unhashed, real) blocks after the local hit; windowed
+            # and Mamba groups hold nulls and older real blocks below it.
+            load_start = num_gpu_blocks
+            for i in range(cdiv(num_local, per_block), num_gpu_blocks):
+                block = group_blocks[i]
+                if not block.is_null and block.block_hash is None:
+                    load_start = i
+                    break
+            num_chunks = cdiv(num_cached_tokens, per_chunk)
+            if num_gpu_blocks > load_start:
+                start_chunk = load_start // self.blocks_per_chunk
+                group_keys = group_state.offload_keys[start_chunk:num_chunks]
+                keys_to_load.extend(group_keys)
+                if isinstance(config.spec, MambaSpec):
+                    state.load_key_ranges.extend((num_local, num_cached_tokens, k) for k in group_keys)
+                else:
+                    for chunk_idx, key in enumerate(group_keys, start_chunk):
+                        state.load_key_ranges.append((max(load_start * per_block, chunk_idx * per_chunk),
+                                                      min(num_cached_tokens, (chunk_idx + 1) * per_chunk), key))
+            dst_block_ids.extend(b.block_id for b in group_blocks[load_start:num_gpu_blocks])
+            # Chunks hit on the GPU or loaded are in the tier already: never store them.
+            group_state.next_stored_chunk_idx = num_chunks
+        self.manager.prepare_load(keys_to_load, state.req_context)
+        job_id = self._new_job_id()
+        self._current_batch_load_jobs[job_id] = TransferJob(job_id, request.request_id, False, keys_to_load,
+                                                            dst_block_ids)
+        assert not state.transfer_jobs  # a load is only issued with nothing else in flight
+        state.transfer_jobs.add(job_id)
+        self._jobs[job_id] = TransferJobStatus(request.request_id, frozenset(keys_to_load), False)
+        self.step_loaded_keys += len(keys_to_load)
+        if self._chunks_being_loaded is not None:
+            self._chunks_being_loaded.update(keys_to_load)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
+        """The external hit split by the tier each loaded key came from (tokens no key
+        covers, such as sliding-window history that was not loaded, are "unspecified");
+        where keys of two tiers cover a token, the outer (slower) tier counts."""
+        if not num_external_tokens:
+            return {}
+        state = self._req_status[request.request_id]
+        start = state.num_locally_computed_tokens
+        end = start + num_external_tokens
+        events = [(end, 0, "unspecified")]
+        source = self.manager.get_load_source
+        for lo, hi, key in state.load_key_ranges:
+            lo, hi = max(start, lo), min(end, hi)
+            if lo < hi:
+                tier = source(key, state.req_context)
+                events.append((lo, 1, tier))
+                events.append((hi, -1, tier))
+        active: dict[str, int] = {}
+        sources: dict[str, int] = {}
+        position = start
+        for boundary, delta, tier in sorted(events, key=lambda e: (e[0], e[1], _TIER_ORDER.get(e[2], 9))):
+            if boundary > position:
+                live = [t for t, n in active.items() if n > 0]
+                outer = max(live, key=_TIER_ORDER.__getitem__) if live else "unspecified"
+                sources[outer] = sources.get(outer, 0) + boundary - position
+            active[tier] = active.get(tier, 0) + delta
+            position = boundary
+        return sources
+
+    # -- stores, at the end of every schedule() ----------------------------------------
+
+    def _new_job_id(self) -> int:
+        job_id = self._job_counter
+        self._job_counter += 1
+        return job_id
+
+    def _update_req_states(self, output) -> None:
+        allocated = self._current_batch_allocated_block_ids
+        windowed = self._sliding_window_groups
+        # request id -> per windowed group, the table length before this step's appends.
+        old_ends: dict[str, tuple[int, ...]] = {}
+
+        def extend(state: RequestOffloadState, block_id_groups) -> None:
+            if windowed:
+                old_ends[state.req.request_id] = tuple(len(state.group_states[g].block_ids) for g in windowed)
+            for config, group_state in zip(self.group_configs, state.group_states):
+                ids = block_id_groups[config.group_idx]
+                group_state.block_ids.extend(ids)
+                allocated.update(b for b in ids if b != 0)
+
+        for new in output.scheduled_new_reqs:
+            state = self._req_status[new.req_id]
+            self._update_offload_keys(state)
+            for group_state in state.group_states:
+                group_state.block_ids.clear()  # the whole table comes with it
+            extend(state, new.block_ids)
+        new_block_ids = output.scheduled_cached_reqs.new_block_ids
+        for req_id in output.cached_req_ids:
+            state = self._req_status[req_id]
+            self._update_offload_keys(state)
+            ids = new_block_ids.get(req_id)
+            if ids is not None:
+                extend(state, ids)
+        # A windowed block freed early and handed out again this step is stale in every
+        # table that still lists it at a position not yet stored.
+        if windowed and allocated:
+            per_chunk = self.blocks_per_chunk
+            for req_id, state in self._req_status.items():
+                ends = old_ends.get(req_id)
+                for i, gid in enumerate(windowed):
+                    group_state = state.group_states[gid]
+                    block_ids = group_state.block_ids
+                    end = ends[i] if ends is not None else len(block_ids)
+                    for j in range(group_state.next_stored_chunk_idx * per_chunk, end):
+                        if block_ids[j] in allocated:
+                            block_ids[j] = 0
+
+    def _start_store(self, state: RequestOffloadState, keys: list, block_ids: list[int],
+                     fenced: list[int] | None, deferred: list[int] | None) -> TransferJob:
+        job_id = self._new_job_id()
+        state.transfer_jobs.add(job_id)
+        self._jobs[job_id] = TransferJobStatus(state.req.request_id, frozenset(keys), True, deferred, fenced)
+        self.step_stored_keys += len(keys)
+        return TransferJob(job_id, state.req.request_id, True, keys, block_ids)
+
+    def _build_boundary_store_jobs(self, handoffs: dict[str, list[tuple[int, int, int]]]) -> dict[int, TransferJob]:
+        """Mamba states at block boundaries, as the KV cache manager handed them over."""
+        jobs: dict[int, TransferJob] = {}
+        hashes_per_token = self.tokens_per_hash
+        for req_id, entries in handoffs.items():
+            state = self._req_status.get(req_id)
+            if state is None:
+                continue
+            req = state.req
+            max_boundary = self._num_offloadable_tokens(req, req.num_tokens)
+            for group_idx, block_id, boundary in entries:
+                config = self.group_configs[group_idx]
+                if block_id == 0 or boundary > max_boundary or boundary % config.tokens_per_chunk:
+                    continue
+                key = make_offload_key(req.block_hashes[boundary // hashes_per_token - 1], group_idx)
+                state.req_context.set_offload_key_position(key, boundary)
+                stored = self.manager.prepare_store([key], state.req_context)
+                if stored is None or not stored.keys_to_store:
+                    continue
+                job = self._start_store(state, [key], [block_id], [block_id], None)
+                self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job.job_id)
+                jobs[job.job_id] = job
+        return jobs
+
+    def _reachable_block_mask(self, config: GroupOffloadConfig, start_chunk: int, end_chunk: int,
+                              boundaries: tuple[int, ...]) -> list[bool] | None:
+        """Which blocks of chunks ``[start, end)`` a later hit can reach (None: all).
+
+        Only a sliding window is sparse: a hit needs the window's blocks before its end.
+        vLLM 0.33 retains windowed history only at semantic boundaries by default
+        (``prefix_cache_retention_interval`` 0): the window before the prompt's last token
+        and before a shared-prefix junction, each on the alignment grid."""
+        spec = config.spec
+        alignment = self.alignment_tokens
+        if not isinstance(spec, SlidingWindowSpec) or alignment is None or alignment % spec.block_size:
+            return None
+        per_chunk = self.blocks_per_chunk
+        start_block, end_block = start_chunk * per_chunk, end_chunk * per_chunk
+        need = cdiv(spec.sliding_window - 1, spec.block_size)
+        mask = [False] * (end_block - start_block)
+        for boundary in boundaries:
+            end = boundary // alignment * alignment // spec.block_size
+            for i in range(max(start_block, end - need), min(end_block, end)):
+                mask[i - start_block] = True
+        return mask
+
+    def _build_store_jobs(self, output) -> dict[int, TransferJob]:
+        per_chunk = self.blocks_per_chunk
+        jobs: dict[int, TransferJob] = {}
+        scheduled = output.num_scheduled_tokens
+        for req_id in [*scheduled, *output.finished_req_ids]:
+            state = self._req_status.get(req_id)
+            if state is None:
+                continue
+            req = state.req
+            finished = req.is_finished()
+            if finished:
+                # The last sampled token's slot is never committed to the prefix cache.
+                num_tokens_after = max(req.num_prompt_tokens, req.num_tokens - 1)
+            else:
+                num_tokens_after = req.num_computed_tokens + scheduled[req_id]
+            num_offloadable = self._num_offloadable_tokens(req, num_tokens_after)
+            new_keys: list = []
+            ranges: list[tuple[int, int]] = []
+            # Where a later request can resume: the prompt's last token, and where this
+            # request's prefix stops being shared.
+            boundaries = (req.num_prompt_tokens - 1,) + ((req.shared_prefix_boundary,)
+                                                         if req.shared_prefix_boundary else ())
+            for config, group_state in zip(self.group_configs, state.group_states):
+                num_chunks = self._storable_chunks(state, config, group_state, num_offloadable)
+                start_chunk = group_state.next_stored_chunk_idx
+                ranges.append((start_chunk, num_chunks))
+                if config.requires_cow_source or num_chunks <= start_chunk:
+                    continue
+                keys = group_state.offload_keys[start_chunk:num_chunks]
+                # A chunk's source is its last block; 0 is a skipped or stale entry.
+                last_ids = group_state.block_ids[start_chunk * per_chunk + per_chunk - 1:num_chunks * per_chunk:per_chunk]
+                mask = self._reachable_block_mask(config, start_chunk, num_chunks, boundaries)
+                for key_idx, (key, block_id) in enumerate(zip(keys, last_ids)):
+                    if block_id == 0:
+                        continue
+                    span = range(key_idx * per_chunk, (key_idx + 1) * per_chunk)
+                    if mask is not None and not any(mask[b] for b in span):
+                        continue
+                    first_block = (start_chunk + key_idx) * per_chunk
+                    if any(group_state.block_ids[first_block + b - key_idx * per_chunk] == 0
+                           and (mask is None or mask[b]) for b in span):
+                        continue  # a reachable null would leave part of the chunk unwritten
+                    new_keys.append(key)
+            if not new_keys:
+                self._advance_stored_idx(state, num_offloadable)
+                continue
+            stored = self.manager.prepare_store(new_keys, state.req_context)
+            if stored is None:
+                continue  # the tier is full of pinned chunks: try again next step
+            if not stored.keys_to_store:
+                self._advance_stored_idx(state, num_offloadable)
+                continue
+            to_store = set(stored.keys_to_store)
+            src_ids: list[int] = []
+            fenced: list[int] = []
+            deferred: list[int] = []
+            for config, group_state, (start_chunk, num_chunks) in zip(self.group_configs, state.group_states, ranges):
+                windowed = config.sliding_window_size_in_chunks is not None
+                block_ids = group_state.block_ids
+                for idx, key in enumerate(group_state.offload_keys[start_chunk:num_chunks]):
+                    if key not in to_store:
+                        continue
+                    first_block = (start_chunk + idx) * per_chunk
+                    for b in range(per_chunk):
+                        block_id = block_ids[first_block + b]
+                        if block_id == 0:
+                            continue
+                        src_ids.append(block_id)
+                        (fenced if windowed else deferred).append(block_id)
+                group_state.next_stored_chunk_idx = max(group_state.next_stored_chunk_idx, num_chunks)
+            job = self._start_store(state, list(stored.keys_to_store), src_ids, fenced or None, deferred)
+            for block_id in fenced:
+                self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job.job_id)
+            if finished:
+                for block_id in deferred:
+                    self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job.job_id)
+                    if block_id in self._current_batch_allocated_block_ids:
+                        self._current_batch_jobs_to_flush.add(job.job_id)
+            jobs[job.job_id] = job
+        return jobs
+
+    def build_connector_meta(self, output, boundary_offloads: dict | None = None) -> OffloadingConnectorMetadata:
+        self._update_req_states(output)
+        for req_id in output.preempted:
+            state = self._req_status.get(req_id)
+            if state is not None:
+                self._current_batch_jobs_to_flush.update(state.transfer_jobs - self._current_batch_load_jobs.keys())
+        pending = self._block_id_to_pending_jobs
+        if pending and not pending.keys().isdisjoint(self._current_batch_allocated_block_ids):
+            self._current_batch_jobs_to_flush.update(
+                job_id for block_id in self._current_batch_allocated_block_ids if block_id in pending
+                for job_id in pending[block_id])
+        store_jobs = self._build_boundary_store_jobs(boundary_offloads) if boundary_offloads else {}
+        store_jobs.update(self._build_store_jobs(output))
+        meta = OffloadingConnectorMetadata(self._current_batch_load_jobs, store_jobs, self._current_batch_jobs_to_flush)
+        for req_id in output.finished_req_ids:
+            state = self._req_status.get(req_id)
+            if state is None:
+                continue
+            state.finished_signaled = True
+            self.manager.on_request_finished(state.req_context)
+            if not state.transfer_jobs:
+                del self._req_status[req_id]
+        self._current_batch_load_jobs = {}
+        self._current_batch_jobs_to_flush = set()
+        self._current_batch_allocated_block_ids = set()
+        self.manager.on_schedule_end()
+        return meta
+
+    # -- the worker's report -------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for job_id in connector_output.completed_jobs:
+            job = self._jobs.pop(job_id)
+            state = self._req_status[job.req_id]
+            if job.is_store:
+                self.manager.complete_store(job.keys, state.req_context)
+            else:
+                self.manager.complete_load(job.keys, state.req_context)
+                if self._chunks_being_loaded:
+                    self._chunks_being_loaded.difference_update(job.keys)
+            if self._block_id_to_pending_jobs:
+                self._remove_pending_job(job_id, job.fenced_block_ids)
+                if state.req.is_finished():
+                    self._remove_pending_job(job_id, job.deferred_fence_block_ids)
+            state.transfer_jobs.remove(job_id)
+            if state.finished_signaled and not state.transfer_jobs:
+                del self._req_status[job.req_id]
+
+    def _remove_pending_job(self, job_id: int, block_ids: list[int] | None) -> None:
+        pending = self._block_id_to_pending_jobs
+        for block_id in block_ids or ():
+            jobs = pending[block_id]
+            jobs.remove(job_id)
+            if not jobs:
+                del pending[block_id]
+
+    def request_finished(self, request) -> None:
+        """Called before a finished request's blocks are freed (they are freed at once)."""
+        state = self._req_status.get(request.request_id)
+        if state is None:
+            return
+        # The final block hash: the next step may store the chunk it completes.
+        self._update_offload_keys(state)
+        # Its blocks may be handed out again from now on: watch them for flushes.
+        for job_id in state.transfer_jobs:
+            for block_id in self._jobs[job_id].deferred_fence_block_ids or ():
+                self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job_id)
+
+    def has_pending_jobs(self) -> bool:
+        """Transfers still in flight, the tier's own (disk promotions) included: vLLM keeps
+        stepping the engine until they finish."""
+        return bool(self._jobs) or self.manager.has_pending_work()
+
+
+# Nearer tiers first: where two tiers' keys cover a token, the outer one is reported.
+_TIER_ORDER = {"unspecified": -1, "gpu": 0, "cpu": 1, "disk": 2}

@@ -1,0 +1,456 @@
+"""Replacement policies of the CPU offloading tier: which resident chunk to drop next.
+
+Reproduces vLLM 0.33's ``vllm/v1/kv_offload/cpu/policies`` (``base.py``, ``lru.py``,
+``arc.py``, the name registry of ``factory.py``) with the same observable decisions:
+
+* ``LRUCachePolicy`` — recency as a rank per key, evictable keys in a lazily invalidated
+  min-heap of ``(rank, key)``. A running request holds one provisional rank for all its
+  keys, ordered ``(request_rank, -end_token)`` so its tail goes before its head; finishing
+  the request gives its keys fresh ranks tail-first. Pinning a chunk does not change its
+  rank, so a chunk released after a transfer keeps the recency its request gave it.
+* ``ARCCachePolicy`` — adaptive replacement: T1 (seen once), T2 (reused), ghost lists B1
+  and B2 of recently evicted keys, and ``target_t1_size`` moved by ghost hits on stores.
+  Storing never promotes; a request's reuse of a ready chunk promotes it once, when the
+  request finishes.
+
+``evict`` is atomic in both: it either drops exactly ``n`` unprotected idle chunks or
+changes nothing and returns None.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.core.offload.base import OffloadKey, ReqContext
+
+
+class ChunkStatus:
+    """One CPU chunk's state: how many loads read it, and which buffer slot it is.
+
+    ``ref_cnt`` is -1 while the store that fills the chunk is in flight (not readable),
+    0 when idle (evictable), and the number of loads in flight otherwise.
+    """
+
+    __slots__ = ("ref_cnt", "chunk_id")
+
+    def __init__(self, chunk_id: int):
+        self.ref_cnt = -1
+        self.chunk_id = chunk_id
+
+    def __repr__(self) -> str:
+        return f"ChunkStatus(chunk_id={self.chunk_id}, ref_cnt={self.ref_cnt})"
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+
+def order_request_keys(key_groups: Sequence[Sequence[OffloadKey]], req_context: ReqContext) -> list[OffloadKey]:
+    """All groups' keys head to tail: by end-token position when every key has one,
+    otherwise group after group as given."""
+    keys = [key for group in key_groups for key in group]
+    positions = {}
+    for key in keys:
+        position = req_context.get_offload_key_position(key)
+        if position is not None:
+            positions[key] = position
+    if len(positions) == len(keys):
+        # Stable: keys at one position (one block in several groups) stay in group order.
+        keys.sort(key=positions.__getitem__)
+    return keys
+
+
+class CachePolicy:
+    """What a policy must answer; the manager owns ref counts and the chunk pool."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        self.cache_capacity = cache_capacity
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        raise NotImplementedError
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        raise NotImplementedError
+
+    def remove(self, key: OffloadKey) -> None:
+        """Forget a chunk whose store failed (no ghost entry, no recency)."""
+        raise NotImplementedError
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        raise NotImplementedError
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Keys a request offers that are absent, seen before they are inserted."""
+        self.touch(keys, req_context)
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """A request's first sight of keys (resident or not), before it finishes."""
+        return
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        """Commit one request's accesses; ``key_groups`` are per group, head to tail."""
+        for keys in key_groups:
+            self.touch(keys, req_context)
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """The chunk's ref_cnt just became 0."""
+        return
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """The chunk's ref_cnt just left 0."""
+        return
+
+    def snapshot(self) -> dict:
+        """The policy's order as plain data, for tests and diagnostics."""
+        raise NotImplementedError
+
+
+def _chunk_row(key: OffloadKey, chunk: ChunkStatus) -> list:
+    return [list(key), chunk.chunk_id, chunk.ref_cnt]
+
+
+class _RequestRank:
+    """The LRU rank one request's keys share while it runs (kept in its ReqContext)."""
+
+    __slots__ = ("owner", "cache_generation", "rank")
+
+    def __init__(self, owner: object, cache_generation: int, rank: int):
+        self.owner = owner
+        self.cache_generation = cache_generation
+        self.rank = rank
+
+
+# vLLM's heap maintenance thresholds. They only decide when stale entries are dropped,
+# which cannot reorder the distinct live entries; kept identical anyway.
+_HEAP_MIN_REBUILD = 64
+
+
+class LRUCachePolicy(CachePolicy):
+    def __init__(self, cache_capacity: int):
+        super().__init__(cache_capacity)
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self._ranks: dict[OffloadKey, tuple[int, int]] = {}
+        self._evictable: set[OffloadKey] = set()
+        self._heap: list[tuple[tuple[int, int], OffloadKey]] = []
+        self._next_rank = 0
+        self._cache_generation = 0
+
+    def _request_rank(self, req_context: ReqContext) -> int:
+        state = req_context.get_state(_RequestRank)
+        if state is None or state.owner is not self or state.cache_generation != self._cache_generation:
+            self._next_rank += 1
+            state = _RequestRank(self, self._cache_generation, self._next_rank)
+            req_context.set_state(state)
+        return state.rank
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [(self._ranks[key], key) for key in self._evictable]
+        heapq.heapify(self._heap)
+
+    def _maybe_compact_heap(self) -> None:
+        if len(self._heap) >= max(_HEAP_MIN_REBUILD, 2 * len(self._evictable)):
+            self._rebuild_heap()
+
+    def _reheap(self, updated_evictable: Sequence[OffloadKey]) -> None:
+        if not updated_evictable:
+            return
+        if len(updated_evictable) >= max(_HEAP_MIN_REBUILD, len(self._evictable) // 4):
+            self._rebuild_heap()
+        else:
+            for key in updated_evictable:
+                heapq.heappush(self._heap, (self._ranks[key], key))
+            self._maybe_compact_heap()
+
+    def _give_fresh_ranks(self, keys_last_first: Iterable[OffloadKey]) -> None:
+        # The last key given a rank is the most recent: callers pass tails first.
+        updated_evictable = []
+        for key in keys_last_first:
+            if key not in self.chunks:
+                continue
+            self._next_rank += 1
+            self._ranks[key] = (self._next_rank, 0)
+            if key in self._evictable:
+                updated_evictable.append(key)
+        self._reheap(updated_evictable)
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        self.chunks[key] = chunk
+        position = req_context.get_offload_key_position(key)
+        if position is None:
+            self._next_rank += 1
+            self._ranks[key] = (self._next_rank, 0)
+        else:
+            self._ranks[key] = (self._request_rank(req_context), -position)
+        if chunk.ref_cnt == 0:
+            self._evictable.add(key)
+            heapq.heappush(self._heap, (self._ranks[key], key))
+
+    def remove(self, key: OffloadKey) -> None:
+        del self.chunks[key]
+        self._ranks.pop(key, None)
+        self._evictable.discard(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._give_fresh_ranks(reversed(list(keys)))
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        request_rank = self._request_rank(req_context)
+        updated_evictable = []
+        for key in keys:
+            position = req_context.get_offload_key_position(key)
+            if position is None or key not in self.chunks:
+                continue
+            rank = (request_rank, -position)
+            # Never move a key back in time: a key already ranked by a later request
+            # (or a later position of this one) keeps its rank.
+            if self._ranks[key] >= rank:
+                continue
+            self._ranks[key] = rank
+            if key in self._evictable:
+                updated_evictable.append(key)
+        self._reheap(updated_evictable)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        self._give_fresh_ranks(reversed(order_request_keys(key_groups, req_context)))
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._ranks.clear()
+        self._evictable.clear()
+        self._heap.clear()
+        self._next_rank = 0
+        self._cache_generation += 1
+
+    def _is_live(self, entry: tuple[tuple[int, int], OffloadKey]) -> bool:
+        rank, key = entry
+        return key in self._evictable and self._ranks.get(key) == rank
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n == 0:
+            return []
+        selected: list[tuple[tuple[tuple[int, int], OffloadKey], ChunkStatus]] = []
+        selected_keys: set[OffloadKey] = set()
+        skipped: list[tuple[tuple[int, int], OffloadKey]] = []
+        while self._heap and len(selected) < n:
+            entry = heapq.heappop(self._heap)
+            if not self._is_live(entry):
+                continue
+            key = entry[1]
+            # A chunk pinned and released without a rank change has two equal live
+            # entries; it is still one chunk.
+            if key in selected_keys:
+                continue
+            if key in protected:
+                skipped.append(entry)
+                continue
+            chunk = self.chunks[key]
+            assert chunk.ref_cnt == 0, f"evictable chunk {key!r} is in use"
+            selected.append((entry, chunk))
+            selected_keys.add(key)
+
+        if len(selected) < n:
+            for entry, _ in selected:
+                heapq.heappush(self._heap, entry)
+            for entry in skipped:
+                heapq.heappush(self._heap, entry)
+            return None
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+
+        evicted = []
+        for (_, key), chunk in selected:
+            self._evictable.remove(key)
+            del self.chunks[key]
+            del self._ranks[key]
+            evicted.append((key, chunk))
+        self._maybe_compact_heap()
+        return evicted
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._evictable.add(key)
+        heapq.heappush(self._heap, (self._ranks[key], key))
+        self._maybe_compact_heap()
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._evictable.remove(key)
+
+    def snapshot(self) -> dict:
+        """Resident chunks from least to most recent (``[key, chunk_id, ref_cnt]``)."""
+        order = sorted(self.chunks, key=lambda key: (self._ranks[key], key))
+        return {"lru": [_chunk_row(key, self.chunks[key]) for key in order]}
+
+
+class ARCCachePolicy(CachePolicy):
+    def __init__(self, cache_capacity: int):
+        super().__init__(cache_capacity)
+        self.target_t1_size: float = 0.0
+        self.t1: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        chunk = self.t1.get(key)
+        return chunk if chunk is not None else self.t2.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        self.t1[key] = chunk
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+
+    def remove(self, key: OffloadKey) -> None:
+        if self.t1.pop(key, None) is None:
+            self.t2.pop(key, None)
+
+    def _adapt_to_ghost_hit(self, key: OffloadKey) -> None:
+        # A ghost hit in B1 says T1 was too small, in B2 that T2 was; the step is
+        # larger when the other ghost list is longer (ARC's delta rule).
+        if key in self.b1:
+            delta = max(1, len(self.b2) / len(self.b1))
+            self.target_t1_size = min(self.target_t1_size + delta, self.cache_capacity)
+            self.b1.move_to_end(key)
+        elif key in self.b2:
+            delta = max(1, len(self.b1) / len(self.b2))
+            self.target_t1_size = max(self.target_t1_size - delta, 0)
+            self.b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        for key in reversed(list(keys)):
+            self._adapt_to_ghost_hit(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        for key in reversed(list(keys)):
+            if key in self.t1:
+                chunk = self.t1.pop(key)
+                if chunk.is_ready:
+                    self.t2[key] = chunk
+                else:
+                    # Still being written: the store was its only use so far.
+                    self.t1[key] = chunk
+            elif key in self.t2:
+                self.t2.move_to_end(key)
+            else:
+                self._adapt_to_ghost_hit(key)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        for key in reversed(order_request_keys(key_groups, req_context)):
+            if key in insertion_only_keys:
+                # Storing is not a second use: refresh recency, keep the list.
+                if key in self.t1:
+                    self.t1.move_to_end(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
+            elif key in reused_keys:
+                if key in self.t1:
+                    self.t2[key] = self.t1.pop(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
+
+    def clear(self) -> None:
+        self.t1.clear()
+        self.t2.clear()
+        self.b1.clear()
+        self.b2.clear()
+        self.target_t1_size = 0.0
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n == 0:
+            return []
+        # Choose all n first, against a T1 size that shrinks as T1 victims are chosen;
+        # each list is scanned once from its LRU end, so a list passed over as empty
+        # stays passed over for the rest of this eviction.
+        t1_scan: Iterator[tuple[OffloadKey, ChunkStatus]] = iter(self.t1.items())
+        t2_scan: Iterator[tuple[OffloadKey, ChunkStatus]] = iter(self.t2.items())
+
+        def next_idle(scan: Iterator[tuple[OffloadKey, ChunkStatus]]) -> tuple[OffloadKey, ChunkStatus] | None:
+            for key, chunk in scan:
+                if chunk.ref_cnt == 0 and key not in protected:
+                    return key, chunk
+            return None
+
+        chosen: list[tuple[OffloadKey, ChunkStatus, bool]] = []
+        t1_size = len(self.t1)
+        for _ in range(n):
+            pick = None
+            if t1_size >= int(self.target_t1_size):
+                found = next_idle(t1_scan)
+                if found is not None:
+                    pick = (*found, True)
+                    t1_size -= 1
+            if pick is None:
+                found = next_idle(t2_scan)
+                if found is not None:
+                    pick = (*found, False)
+            if pick is None:
+                found = next_idle(t1_scan)
+                if found is None:
+                    return None
+                pick = (*found, True)
+                t1_size -= 1
+            chosen.append(pick)
+
+        evicted = []
+        for key, chunk, from_t1 in chosen:
+            if from_t1:
+                del self.t1[key]
+                self.b1[key] = None
+            else:
+                del self.t2[key]
+                self.b2[key] = None
+            evicted.append((key, chunk))
+        for ghosts in (self.b1, self.b2):
+            for _ in range(len(ghosts) - self.cache_capacity):
+                ghosts.popitem(last=False)
+        return evicted
+
+    def snapshot(self) -> dict:
+        """T1/T2 as ``[key, chunk_id, ref_cnt]`` and B1/B2 as keys, LRU end first."""
+        return {
+            "t1": [_chunk_row(key, chunk) for key, chunk in self.t1.items()],
+            "t2": [_chunk_row(key, chunk) for key, chunk in self.t2.items()],
+            "b1": [list(key) for key in self.b1],
+            "b2": [list(key) for key in self.b2],
+            "target_t1_size": float(self.target_t1_size),
+        }
+
+
+POLICIES = ("lru", "arc")
+_POLICY_CLASSES: dict[str, type[CachePolicy]] = {"lru": LRUCachePolicy, "arc": ARCCachePolicy}
+
+
+def make_policy(name: str, capacity: int) -> CachePolicy:
+    try:
+        cls = _POLICY_CLASSES[name]
+    except KeyError:
+        raise ConfigError("offload.cache_policy", f"one of {', '.join(POLICIES)}", name) from None
+    return cls(cache_capacity=capacity)
