@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from kvtwin import __version__
 from kvtwin.reports import plots
 from kvtwin.reports.run_dir import METADATA_KEY
-from kvtwin.reports.summary_text import format_duration_ms, format_duration_s, format_percent, missing
+from kvtwin.reports.summary_text import format_bytes, format_duration_ms, format_duration_s, format_percent, missing
 from kvtwin.sim.core.errors import ConfigError
 
 __all__ = ["REPLAY_FILES", "CAPACITY_FILES", "render_capacity_report", "render_replay_report", "render_report_dir",
@@ -315,6 +315,16 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
                   f"{format_duration_ms(s.get('slo_ttft_ms'))} / {format_duration_ms(s.get('slo_tpot_ms'))}"),
                  ("SLO attainment / goodput (req/s)",
                   f"{format_percent(s.get('slo_attainment'))} / {_fmt_cell(s.get('request_goodput'))}")]
+    if s.get("hit_rate_total") is not None:
+        # Offload tiers: hits per tier, the loads, the traffic.
+        rows += [("offload tiers (policy)", f"{format_bytes(s.get('offload_cpu_bytes'))} CPU"
+                  + (f" + {format_bytes(s.get('offload_disk_bytes'))} disk" if s.get("offload_disk_chunks") else "")
+                  + f" ({s.get('offload_policy')})"),
+                 ("hit rate GPU / CPU / disk / total (prompt tokens)",
+                  " / ".join(format_percent(s.get(f"hit_rate_{t}")) for t in ("gpu", "cpu", "disk", "total"))),
+                 ("loads; wait mean / p50 / p90 / p99", f"{_fmt_cell(s.get('num_loads'))}; {ms('load_wait')}"),
+                 ("KV loaded / stored over PCIe",
+                  f"{format_bytes(s.get('kv_offload_load_bytes'))} / {format_bytes(s.get('kv_offload_store_bytes'))}")]
     if "saturated" in s:
         rows.append(("saturated", ("yes: " + str(s.get("saturation_reason") or "")) if s.get("saturated") else "no"))
     if s.get("rejected_by_reason") not in (None, "", "{}"):
@@ -433,6 +443,7 @@ def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dic
 RATE_KEY = "workload.rate_scale"
 KV_KEY = "engine.kv_cache_memory_bytes"
 ROUTER_KEY = "engine.router"
+OFFLOAD_KEY = "offload.cpu_bytes"
 
 
 def _sweep_keys(frame: pd.DataFrame) -> list[str]:
@@ -559,6 +570,7 @@ def _capacity_plots(frame: pd.DataFrame, hit_curve: pa.Table | None, plan: dict 
                                                           points[:2] if points else None, xlabel=xlabel),
                                "Prefix cache hit rate vs KV cache capacity: " + "; ".join(what) + ".",
                                "hit rate vs KV capacity"))
+    out += _offload_plots(ok, varying) if OFFLOAD_KEY in keys else []
     needed = [c for c in ("replicas_needed_trace_rate", "replicas_needed_target_rate")
               if c in ok.columns and len(_finite(ok, c))]
     if needed:
@@ -599,6 +611,41 @@ def _capacity_plots(frame: pd.DataFrame, hit_curve: pa.Table | None, plan: dict 
                                "Router comparison: " + ", ".join(m[0] for m in metrics) + f" per {ROUTER_KEY}"
                                + (" (one bar per " + ", ".join(others) + ")" if others else "") + ".",
                                "router comparison"))
+    return out
+
+
+def _offload_plots(ok: pd.DataFrame, varying: Sequence[str]) -> list[str]:
+    """Hit rate per tier and TTFT against the CPU tier's size (one line per other varying
+    key), next to the KV-capacity curve: what host memory buys on this trace."""
+    data = ok.copy()
+    data["offload_gib"] = pd.to_numeric(data[OFFLOAD_KEY], errors="coerce").fillna(0) / 2**30
+    others = [k for k in varying if k != OFFLOAD_KEY]
+    by = " (one line per " + ", ".join(others) + ")" if others else ""
+    out = []
+    total = "hit_rate_total" if "hit_rate_total" in data.columns else "prefix_cache_hit_rate"
+    if total in data.columns:
+        # A point without a tier has no tier columns: its total is its GPU hit rate.
+        if total == "hit_rate_total" and "prefix_cache_hit_rate" in data.columns:
+            data[total] = pd.to_numeric(data[total], errors="coerce").fillna(
+                pd.to_numeric(data["prefix_cache_hit_rate"], errors="coerce"))
+        series = [(f"{label} total".strip(), x, y) for label, x, y in _lines_by_combo(data, "offload_gib", total, others)]
+        if "hit_rate_cpu" in data.columns:
+            data["hit_rate_cpu"] = pd.to_numeric(data["hit_rate_cpu"], errors="coerce").fillna(0.0)
+            series += [(f"{label} from CPU".strip(), x, y)
+                       for label, x, y in _lines_by_combo(data, "offload_gib", "hit_rate_cpu", others)]
+        if series:
+            out.append(_figure(plots.lines(series, xlabel="CPU offload tier (GiB)", ylabel="prompt tokens hit (%)",
+                                           title="Hit rate vs CPU offload size", percent=True),
+                               f"Prompt tokens served from a cache against {OFFLOAD_KEY}: all tiers together, and "
+                               f"the part loaded from the CPU tier{by}. 0 GiB is the run without offloading.",
+                               "hit rate vs offload size"))
+    ttft = [(c, label) for c, label in (("median_ttft_ms", "median"), ("p99_ttft_ms", "p99")) if c in data.columns]
+    series = [(f"{label} {name}".strip(), x, y) for column, name in ttft
+              for label, x, y in _lines_by_combo(data, "offload_gib", column, others)]
+    if series:
+        out.append(_figure(plots.lines(series, xlabel="CPU offload tier (GiB)", ylabel="TTFT (ms)",
+                                       title="TTFT vs CPU offload size"),
+                           f"Time to first token (median, p99) against {OFFLOAD_KEY}{by}.", "TTFT vs offload size"))
     return out
 
 

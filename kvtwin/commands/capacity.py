@@ -38,7 +38,8 @@ def capacity(
     sweeps: List[str] = typer.Option([], "--sweep", metavar="KEY=V1,V2,...",
                                      help="Sweep a scenario key (engine.<field>, hardware.gpu, model.preset, "
                                           "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, "
-                                          "cost_model.<field>); repeatable: the points are the product."),
+                                          "cost_model.<field>, offload.<field>); repeatable: the points are "
+                                          "the product."),
     find_max_rate: bool = typer.Option(False, "--find-max-rate",
                                        help="Per point, search the largest workload.rate_scale that holds the SLO."),
     target_rate: Optional[float] = typer.Option(None, "--target-rate",
@@ -172,6 +173,9 @@ def print_points(table, axes, find_max_rate: bool) -> None:
     names = ["point", *(a.key.key for a in axes), "status"]
     figures = [("p99 TTFT", "p99_ttft_ms"), ("p99 TPOT", "p99_tpot_ms"), ("SLO met", "slo_attainment"),
                ("hit rate", "prefix_cache_hit_rate"), ("req/s", "request_throughput")]
+    if "hit_rate_total" in table.column_names:
+        # Offloading: what the tiers add to the GPU's hits (of prompt tokens; "-" without tiers).
+        figures[4:4] = [("+CPU", "hit_rate_cpu"), ("+disk", "hit_rate_disk"), ("total hit", "hit_rate_total")]
     if find_max_rate:
         figures += [("max rate x", "max_rate_scale"), ("max req/s", "max_request_rate"),
                     ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
@@ -187,7 +191,7 @@ def print_points(table, axes, find_max_rate: bool) -> None:
             value = row[column]
             if column.endswith("_ms"):
                 cells.append(words.format_duration_ms(value) if value is not None else "-")
-            elif column in ("slo_attainment", "prefix_cache_hit_rate"):
+            elif column in ("slo_attainment", "prefix_cache_hit_rate") or column.startswith("hit_rate_"):
                 cells.append(words.format_percent(value) if value is not None else "-")
             else:
                 cells.append(_cell(value))

@@ -47,13 +47,14 @@ def _gpu_line(name: str) -> str:
     fp8 = f", {g.fp8_flops / 1e12:,.0f} fp8" if g.fp8_flops else ", no fp8"
     return (f"{name:<10} {g.memory_datasheet or format(g.memory_gib, '.0f') + ' GiB'}, "
             f"{g.hbm_bandwidth_bytes_per_s / 1e12:,.2f} TB/s; {g.bf16_flops / 1e12:,.0f} bf16{fp8} dense TFLOP/s; "
-            f"{g.interconnect_bytes_per_s / 1e9:,.0f} GB/s peer link; {g.description}")
+            f"{g.interconnect_bytes_per_s / 1e9:,.0f} GB/s peer link, {g.pcie_h2d_bytes_per_s / 1e9:,.0f} GB/s "
+            f"host link; {g.description}")
 
 
 # What `--json` reports for each preset.
 MODEL_FACTS = ("params_total", "params_active", "num_layers", "layer_pattern", "max_position_embeddings", "hf_id")
 GPU_FACTS = ("description", "memory_bytes", "hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops",
-             "interconnect_bytes_per_s")
+             "interconnect_bytes_per_s", "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s")
 
 
 def _facts(presets: dict, names: list[str], fields: tuple[str, ...]) -> str:

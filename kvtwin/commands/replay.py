@@ -41,6 +41,16 @@ def replay(
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
                                                   help="Override the scenario's prefix caching."),
     time_limit_s: Optional[float] = typer.Option(None, "--time-limit-s", help="Stop at this simulated time."),
+    offload_cpu_bytes: Optional[int] = typer.Option(None, "--offload-cpu-bytes",
+                                                    help="Host memory for the CPU KV offload tier, bytes "
+                                                         "(0 = off; needs async_scheduling = false)."),
+    offload_policy: Optional[str] = typer.Option(None, "--offload-policy", help="CPU/disk tier policy: lru or arc."),
+    offload_disk_bytes: Optional[int] = typer.Option(None, "--offload-disk-bytes",
+                                                     help="Disk tier below the CPU tier, bytes (0 = none)."),
+    offload_disk_bandwidth: Optional[float] = typer.Option(None, "--offload-disk-bandwidth",
+                                                           help="Disk tier bandwidth, bytes/s."),
+    offload_disk_latency: Optional[float] = typer.Option(None, "--offload-disk-latency",
+                                                         help="Disk tier latency per job, seconds (default 0.0001)."),
     out: Path = typer.Option(Path("runs/replay"), "--out", "-o", help="Run directory to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the run directory."),
@@ -54,18 +64,24 @@ def replay(
         overrides = Overrides(model=model, gpu=gpu, trace=trace, rate_scale=rate_scale, limit=limit,
                               time_limit_s=time_limit_s,
                               engine={"tensor_parallel_size": tp, "max_model_len": max_model_len,
-                                      "enable_prefix_caching": prefix_caching})
+                                      "enable_prefix_caching": prefix_caching},
+                              offload={k: v for k, v in (("cpu_bytes", offload_cpu_bytes), ("policy", offload_policy),
+                                                         ("disk_bytes", offload_disk_bytes),
+                                                         ("disk_bandwidth_bytes_per_s", offload_disk_bandwidth),
+                                                         ("disk_latency_s", offload_disk_latency))
+                                       if v is not None})
         resolved = resolve_scenario(path, overrides)
         chosen_model, chosen_gpu = resolved.model, resolved.gpu
         workload = resolved.require_workload()
         planned = resolved.plan()
         planned.require_fits()  # before the trace is read
+        offload = resolved.offload_for(planned)
         table = workload.load()
         started = time.perf_counter()
         seen["replaying"] = True
         with _progress(table.num_rows, quiet, started, seen) as on_progress:
             result = run_replay(planned, table, efficiency=resolved.efficiency, slo=resolved.slo,
-                                time_limit_s=resolved.time_limit_s, on_progress=on_progress)
+                                time_limit_s=resolved.time_limit_s, on_progress=on_progress, offload=offload)
         wall_s = time.perf_counter() - started
         metadata = run_metadata(path, overrides.given())
         plan_json = planned.to_json()
@@ -86,7 +102,8 @@ def replay(
             deployment = f"{planned.engine.replicas} replicas of {deployment}"
         print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
         print(words.plan_line(planned) + (" per replica" if planned.engine.replicas > 1 else ""))
-        for line in (words.replicas_line(summary, result.replicas), words.rejections_line(summary),
+        for line in (words.replicas_line(summary, result.replicas), words.offload_line(summary),
+                     words.rejections_line(summary),
                      words.not_arrived_line(summary),
                      words.saturation_hint(summary)):
             if line:

@@ -58,6 +58,11 @@ def validate(
         path = scenario_path or DEFAULT_SCENARIO
         overrides = Overrides(limit=requests)
         resolved = resolve_scenario(path, overrides)
+        if resolved.offload.enabled:
+            # The device executor has no offload worker: refuse rather than validate another run.
+            raise ConfigError("offload.cpu_bytes", "0 for kvtwin validate (the device executor does not offload "
+                              "KV; validate the scenario without its [offload] table)", resolved.offload.cpu_bytes,
+                              source=resolved.where)
         workload = resolved.require_workload()
         planned = resolved.plan()
         planned.require_fits()

@@ -295,36 +295,49 @@ class Scheduler:
             else:
                 hit_blocks, hit_tokens = kvm.empty_blocks, 0
             num_computed = request.num_computed_tokens + hit_tokens
-            num_new = request.num_tokens - num_computed
-            if 0 < long_prefill < num_new:
-                num_new = long_prefill
-            if not cfg.enable_chunked_prefill and num_new > token_budget:
+            num_new = self._first_chunk(request, num_computed, hit_tokens, token_budget, long_prefill)
+            if not num_new:
                 break
-            num_new = min(num_new, token_budget)
-            if self.mamba_block_size:
-                num_new = self._mamba_block_aligned_split(request, num_new, hit_tokens)
-                if num_new == 0:
-                    break
             new_blocks = kvm.allocate_slots(request, num_new, hit_tokens, hit_blocks,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                                             has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
                 break
             self.waiting.pop()
-            self.running.append(request)
-            request_id = request.request_id
-            resumed = request.status is RequestStatus.PREEMPTED
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
-            if kvm.replaced_block_ids:
-                kvm.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
-            out.scheduled_new_reqs.append(NewRequestData(
-                request_id, kvm.get_blocks(request_id), num_computed, request.num_prompt_tokens,
-                request.num_tokens, hit_tokens, resumed, request.prompt))
-            out.num_scheduled_tokens[request_id] = num_new
+            self._admit(out, request, num_computed, num_new, hit_tokens)
             token_budget -= num_new
         for request in reversed(skipped):
             self.waiting.prepend(request)  # back in front, in their order
+
+    def _first_chunk(self, request: Request, num_computed: int, num_new_computed: int, token_budget: int,
+                     long_prefill: int) -> int:
+        """Tokens a waiting request may schedule now, past its hit; 0 stops admission (no
+        chunked prefill and the rest does not fit the budget, or no Mamba-aligned chunk)."""
+        num_new = request.num_tokens - num_computed
+        if 0 < long_prefill < num_new:
+            num_new = long_prefill
+        if not self.config.enable_chunked_prefill and num_new > token_budget:
+            return 0
+        num_new = min(num_new, token_budget)
+        if self.mamba_block_size:
+            num_new = self._mamba_block_aligned_split(request, num_new, num_new_computed)
+        return num_new
+
+    def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int,
+               hit_tokens: int) -> None:
+        """Move a request (taken from its queue) to running; its whole table goes out."""
+        kvm = self.kv_cache_manager
+        self.running.append(request)
+        request_id = request.request_id
+        resumed = request.status is RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if kvm.replaced_block_ids:
+            kvm.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
+        out.scheduled_new_reqs.append(NewRequestData(
+            request_id, kvm.get_blocks(request_id), num_computed, request.num_prompt_tokens,
+            request.num_tokens, hit_tokens, resumed, request.prompt))
+        out.num_scheduled_tokens[request_id] = num_new
 
     # -- the waiting pass with an offload connector (vLLM's connector paths) ------------
 
@@ -367,16 +380,10 @@ class Scheduler:
             if load_async:
                 num_new = 0  # nothing runs until the KV has landed
             else:
-                num_new = request.num_tokens - num_computed
-                if 0 < long_prefill < num_new:
-                    num_new = long_prefill
-                if not cfg.enable_chunked_prefill and num_new > token_budget:
+                num_new = self._first_chunk(request, num_computed, hit_tokens + num_external, token_budget,
+                                            long_prefill)
+                if not num_new:
                     break
-                num_new = min(num_new, token_budget)
-                if self.mamba_block_size:
-                    num_new = self._mamba_block_aligned_split(request, num_new, hit_tokens + num_external)
-                    if num_new == 0:
-                        break
             # A load holds its blocks with no progress and cannot be preempted here: admit
             # it only if the requests already prefilling keep what they still need.
             reserved = sum(kvm.remaining_blocks(r) for r in self.inflight_prefills) if load_async else 0
@@ -399,16 +406,7 @@ class Scheduler:
                 skipped_holding.append(queue.pop())
                 continue
             queue.pop()
-            self.running.append(request)
-            resumed = request.status is RequestStatus.PREEMPTED
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
-            if kvm.replaced_block_ids:
-                kvm.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
-            out.scheduled_new_reqs.append(NewRequestData(
-                request_id, kvm.get_blocks(request_id), num_computed, request.num_prompt_tokens,
-                request.num_tokens, hit_tokens, resumed, request.prompt))
-            out.num_scheduled_tokens[request_id] = num_new
+            self._admit(out, request, num_computed, num_new, hit_tokens)
             token_budget -= num_new
             if num_computed + num_new < request.num_tokens:
                 self.inflight_prefills.add(request)

@@ -1,8 +1,8 @@
-"""GPU presets and custom hardware: memory, bandwidth, FLOP/s, interconnect.
+"""GPU presets and custom hardware: memory, bandwidth, FLOP/s, interconnect, host link.
 
 The planner (semantics section 7) starts from a GPU's memory; the cost model uses its
-bandwidth and FLOP rates. The figures live in ``sim/planner/data/gpus.toml`` with the vendor
-datasheets they come from. A scenario can name a preset, override some of its fields, or
+bandwidth and FLOP rates, and the KV offload tiers its PCIe host link (per direction). The
+figures live in ``sim/planner/data/gpus.toml`` with the vendor datasheets they come from. A scenario can name a preset, override some of its fields, or
 describe a whole GPU inline.
 
 The GPU also decides a few block-size constraints vLLM takes from the attention and
@@ -39,6 +39,10 @@ class GPUSpec:
     bf16_flops: float = 0.0
     fp8_flops: float = 0.0
     interconnect_bytes_per_s: float = 0.0
+    # Host link, per direction (host-to-device loads, device-to-host stores of offloaded KV):
+    # what one GPU achieves with pinned host memory, not the raw link rate.
+    pcie_h2d_bytes_per_s: float = 0.0
+    pcie_d2h_bytes_per_s: float = 0.0
     # USD per GPU-hour, for cost figures (``kvtwin capacity``); presets leave it unset.
     price_per_hour: float | None = None
 
@@ -49,7 +53,8 @@ class GPUSpec:
                     self.price_per_hour)
         require(isinstance(self.memory_bytes, int) and self.memory_bytes > 0, "memory_bytes",
                 "a positive number of bytes", self.memory_bytes)
-        for name in ("hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops", "interconnect_bytes_per_s"):
+        for name in ("hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops", "interconnect_bytes_per_s",
+                     "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s"):
             value = getattr(self, name)
             require(isinstance(value, (int, float)) and value >= 0, name, "a non-negative number", value)
 

@@ -77,6 +77,53 @@ class _RequestRecord:
             self.request = None
 
 
+class _OffloadRecord:
+    """One request's offload hits (at its first admission) and its first load's times."""
+
+    __slots__ = ("admitted", "gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "load_wait_s",
+                 "load_transfer_s", "pending_issue_s", "pending_gpu_hit_tokens")
+
+    def __init__(self) -> None:
+        self.admitted = False
+        self.gpu_hit_tokens = self.cpu_hit_tokens = self.disk_hit_tokens = 0
+        self.load_wait_s = math.nan
+        self.load_transfer_s = math.nan
+        # A load issued and its request not yet scheduled: when, and the GPU hit then.
+        self.pending_issue_s: float | None = None
+        self.pending_gpu_hit_tokens = 0
+
+
+# Per-step offload columns (``reports/SCHEMA.md``): counter deltas of the step, except the
+# gauges (chunks in use after the step).
+_OFFLOAD_CPU_STEP_COLUMNS = ("offload_cpu_loaded_keys", "offload_cpu_stored_keys", "offload_cpu_evicted_keys",
+                             "offload_cpu_used_chunks")
+_OFFLOAD_DISK_STEP_COLUMNS = ("offload_disk_loaded_keys", "offload_disk_stored_keys", "offload_disk_evicted_keys",
+                              "offload_disk_used_chunks")
+_OFFLOAD_BYTES_STEP_COLUMNS = ("offload_load_bytes", "offload_store_bytes")
+_OFFLOAD_GAUGES = frozenset({"offload_cpu_used_chunks", "offload_disk_used_chunks"})
+
+
+def offload_step_columns(has_disk: bool) -> tuple[str, ...]:
+    return (_OFFLOAD_CPU_STEP_COLUMNS + (_OFFLOAD_DISK_STEP_COLUMNS if has_disk else ())
+            + _OFFLOAD_BYTES_STEP_COLUMNS)
+
+
+def offload_counters(tier) -> dict[str, int]:
+    """An offload tier's cumulative counters (gauges as they are), by step column."""
+    manager = tier.manager
+    transfers = tier.transfers
+    out = {"offload_cpu_loaded_keys": manager.num_loaded_keys, "offload_cpu_stored_keys": manager.num_stored_keys,
+           "offload_cpu_evicted_keys": manager.num_evicted_keys, "offload_cpu_used_chunks": manager.num_used_chunks}
+    if getattr(manager, "disk_num_chunks", 0):
+        out.update({"offload_disk_loaded_keys": manager.disk_loaded_keys,
+                    "offload_disk_stored_keys": manager.disk_stored_keys,
+                    "offload_disk_evicted_keys": manager.disk_evicted_keys,
+                    "offload_disk_used_chunks": manager.num_disk_used_chunks})
+    out["offload_load_bytes"] = transfers.loaded_bytes
+    out["offload_store_bytes"] = transfers.stored_bytes
+    return out
+
+
 class MetricsRecorder:
     """Collects per-request and per-step records as the engine steps.
 
@@ -85,7 +132,7 @@ class MetricsRecorder:
     (``itl_by_replica``; ``itl_s`` is replica 0's, and all of them with one replica).
     """
 
-    def __init__(self, num_groups: int, num_replicas: int = 1):
+    def __init__(self, num_groups: int, num_replicas: int = 1, offload=None):
         self.num_groups = num_groups
         self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
@@ -95,6 +142,16 @@ class MetricsRecorder:
         self.steps: dict[str, list] = {name: [] for name in STEP_COLUMNS}
         self.step_replica = array("i")
         self._evictions_before = [0] * num_replicas
+        # With offload tiers (a ``ResolvedOffload``): per request, what its admissions hit
+        # in each tier and how long its load took; per step, the tiers' counters.
+        self.offload = offload
+        if offload is not None:
+            self._offload_columns = offload_step_columns(offload.has_disk)
+            for name in self._offload_columns:
+                self.steps[name] = []
+            self._offload_before: list[dict[str, int]] = [dict.fromkeys(self._offload_columns, 0)
+                                                          for _ in range(num_replicas)]
+            self._loads: dict[str, _OffloadRecord] = {}
 
     def all_itl_s(self) -> array:
         """Every replica's inter-token latencies (replica order)."""
@@ -130,12 +187,19 @@ class MetricsRecorder:
         records = self.records
         if scheduled_s is None:
             scheduled_s = start_s
+        loads = self._loads if self.offload is not None else None
+        if loads is not None:
+            self._record_loads(engine, output, start_s)
         for admission in output.scheduled_new_reqs:
             record = records[admission.req_id]
+            hit_tokens = admission.hit_tokens
+            if loads is not None:
+                hit_tokens = self._offload_admission(admission.req_id, hit_tokens, scheduled_s,
+                                                     math.isnan(record.first_scheduled_s))
             if math.isnan(record.first_scheduled_s):
                 record.first_scheduled_s = scheduled_s
-                record.hit_tokens = admission.hit_tokens
-            record.hit_tokens_total += admission.hit_tokens
+                record.hit_tokens = hit_tokens
+            record.hit_tokens_total += hit_tokens
             record.queried_tokens += record.request.num_tokens
         prefill_tokens = decode_tokens = 0
         for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
@@ -186,6 +250,63 @@ class MetricsRecorder:
         cost = result.execution.cost
         for name in ("compute_s", "memory_s", "communication_s", "overhead_s"):
             steps[name].append(getattr(cost, name) if cost is not None else math.nan)
+        if loads is not None:
+            before = self._offload_before[replica]
+            for name, value in offload_counters(engine.offload).items():
+                steps[name].append(value if name in _OFFLOAD_GAUGES else value - before[name])
+                before[name] = value
+
+    # -- offload tiers ----------------------------------------------------------------------
+
+    def _record_loads(self, engine, output, start_s: float) -> None:
+        """The loads this step's schedule issued (the scheduler's ``external_hits``), and
+        how long the worker takes for them."""
+        hits = engine.scheduler.external_hits
+        if not hits:
+            return
+        loads = self._loads
+        meta = output.kv_connector_metadata
+        jobs = meta.load_jobs if meta is not None else {}
+        for request, gpu_hit_tokens, loaded_tokens, sources in hits:
+            load = loads.get(request.request_id)
+            if load is None:
+                load = loads[request.request_id] = _OffloadRecord()
+            if not load.admitted:
+                # The first admission: its hits per tier. Tokens of the hit that no loaded
+                # chunk covers (sliding-window history it skips) go with the slowest tier read.
+                cpu, disk = sources.get("cpu", 0), sources.get("disk", 0)
+                if disk:
+                    disk = loaded_tokens - cpu
+                else:
+                    cpu = loaded_tokens
+                load.admitted = True
+                load.gpu_hit_tokens, load.cpu_hit_tokens, load.disk_hit_tokens = gpu_hit_tokens, cpu, disk
+            load.pending_issue_s = start_s
+            load.pending_gpu_hit_tokens = gpu_hit_tokens
+        hits.clear()
+        seconds = getattr(engine.offload.transfers, "load_seconds", None)
+        if seconds is None:
+            return  # a step clock: no seconds
+        for job_id, job in jobs.items():
+            load = loads.get(job.req_id)
+            if load is not None and math.isnan(load.load_transfer_s):
+                load.load_transfer_s = seconds.get(job_id, math.nan)
+
+    def _offload_admission(self, request_id: str, hit_tokens: int, scheduled_s: float, first: bool) -> int:
+        """A request scheduled: after its load, its GPU hit is the one found when the load
+        was issued (the admission now computes on from the loaded tokens)."""
+        load = self._loads.get(request_id)
+        if load is None:
+            load = self._loads[request_id] = _OffloadRecord()
+        if load.pending_issue_s is not None:
+            hit_tokens = load.pending_gpu_hit_tokens
+            if math.isnan(load.load_wait_s):
+                load.load_wait_s = scheduled_s - load.pending_issue_s
+            load.pending_issue_s = None
+        elif first and not load.admitted:
+            load.admitted = True
+            load.gpu_hit_tokens = hit_tokens
+        return hit_tokens
 
     # -- tables -----------------------------------------------------------------------------
 
@@ -211,7 +332,7 @@ class MetricsRecorder:
         # Tokens computed beyond one pass over the prompt (less its first hit) and the outputs.
         recomputed = np.maximum(scheduled - (prompt - hit_first) - np.maximum(generated - 1, 0), 0)
         recomputed = np.where(scheduled > 0, recomputed, 0)
-        return pa.table({
+        table = pa.table({
             "request_id": pa.array([r.request_id for r in rows], pa.string()),
             "session_id": pa.array([r.session_id for r in rows], pa.string()),
             "status": pa.array([r.status for r in rows], pa.string()),
@@ -236,6 +357,16 @@ class MetricsRecorder:
             "e2el_s": finish - arrival,
             "replica": pa.array(np.array([r.replica for r in rows], dtype=np.int32), pa.int32()),
         })
+        if self.offload is None:
+            return table
+        loads = self._loads
+        empty = _OffloadRecord()
+        per = [loads.get(r.request_id, empty) for r in rows]
+        for name in ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens"):
+            table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.int64)))
+        for name in ("load_wait_s", "load_transfer_s"):
+            table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.float64)))
+        return table
 
     def steps_table(self) -> pa.Table:
         columns = {}
@@ -244,6 +375,9 @@ class MetricsRecorder:
             columns[name] = pa.array(values, type=kind)
         columns["replica"] = pa.array(np.frombuffer(self.step_replica, dtype=np.int32) if len(self.step_replica)
                                       else np.zeros(0, np.int32), pa.int32())
+        if self.offload is not None:
+            for name in self._offload_columns:
+                columns[name] = pa.array(self.steps[name], type=pa.int64())
         return pa.table(columns)
 
 
@@ -321,13 +455,17 @@ def _saturation(queue_p90_s: float, attainment: float, has_slo: bool, completed:
 
 
 def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float, *,
-              trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin") -> pa.Table:
+              trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin",
+              offload: dict | None = None) -> pa.Table:
     """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms).
 
     ``trace`` is the replayed trace: it gives the requests that never arrived (a time
     limit) and the prefix-reuse upper bound of those that did. ``num_replicas`` and
     ``router`` describe the cluster (figures are over all replicas); ``load_imbalance``
-    is computed from the requests' ``replica`` column (``load_imbalance``).
+    is computed from the requests' ``replica`` column (``load_imbalance``). With offload
+    tiers (the tables have their columns) the offload figures follow
+    (``OFFLOAD_SUMMARY_COLUMNS``); ``offload`` is the tiers' settings
+    (``ResolvedOffload.describe()``).
     """
     status = requests.column("status").to_numpy(zero_copy_only=False)
     done = status == "finished"
@@ -408,7 +546,77 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
         "router": router,
         "load_imbalance": load_imbalance(requests, num_replicas),
     })
+    if "cpu_hit_tokens" in requests.column_names:
+        row.update(offload_summary(requests, steps, offload))
     return pa.Table.from_pylist([row])
+
+
+# The summary's offload columns (only in runs with offload tiers), in order.
+OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
+    "offload_policy": pa.string(),
+    "offload_cpu_bytes": pa.int64(),
+    "offload_cpu_chunks": pa.int64(),
+    "offload_chunk_bytes": pa.int64(),
+    "offload_disk_bytes": pa.int64(),
+    "offload_disk_chunks": pa.int64(),
+    "gpu_hit_tokens": pa.int64(),
+    "cpu_hit_tokens": pa.int64(),
+    "disk_hit_tokens": pa.int64(),
+    "hit_rate_gpu": pa.float64(),
+    "hit_rate_cpu": pa.float64(),
+    "hit_rate_disk": pa.float64(),
+    "hit_rate_total": pa.float64(),
+    "num_loads": pa.int64(),
+    "mean_load_wait_ms": pa.float64(),
+    "median_load_wait_ms": pa.float64(),
+    "p90_load_wait_ms": pa.float64(),
+    "p99_load_wait_ms": pa.float64(),
+    "mean_load_transfer_ms": pa.float64(),
+    "median_load_transfer_ms": pa.float64(),
+    "p90_load_transfer_ms": pa.float64(),
+    "p99_load_transfer_ms": pa.float64(),
+    "kv_offload_load_bytes": pa.int64(),
+    "kv_offload_store_bytes": pa.int64(),
+    "offload_cpu_loaded_keys": pa.int64(),
+    "offload_cpu_stored_keys": pa.int64(),
+    "offload_cpu_evicted_keys": pa.int64(),
+    "offload_disk_loaded_keys": pa.int64(),
+    "offload_disk_stored_keys": pa.int64(),
+    "offload_disk_evicted_keys": pa.int64(),
+}
+
+
+def offload_summary(requests: pa.Table, steps: pa.Table, offload: dict | None = None) -> dict:
+    """The offload figures of a run (``OFFLOAD_SUMMARY_COLUMNS``): hits per tier at first
+    admission over the prompt tokens of the requests admitted, the loads' waits, the
+    tiers' traffic (sums of the step columns; a disk column is 0 without a disk tier)."""
+    row: dict[str, object] = {name: None for name in OFFLOAD_SUMMARY_COLUMNS}
+    row.update(offload or {})
+    status = requests.column("status").to_numpy(zero_copy_only=False)
+    admitted = ~np.isnan(requests.column("first_scheduled_time_s").to_numpy()) & (status != "rejected")
+    prompt = int(requests.column("prompt_tokens").to_numpy()[admitted].sum())
+    total = 0
+    for tier in ("gpu", "cpu", "disk"):
+        hits = int(requests.column(f"{tier}_hit_tokens").to_numpy()[admitted].sum())
+        total += hits
+        row[f"{tier}_hit_tokens"] = hits
+        row[f"hit_rate_{tier}"] = hits / prompt if prompt else math.nan
+    row["hit_rate_total"] = total / prompt if prompt else math.nan
+    wait = requests.column("load_wait_s").to_numpy()
+    row["num_loads"] = int(np.isfinite(wait).sum())
+    row.update(_stats(wait, "load_wait_ms"))
+    row.update(_stats(requests.column("load_transfer_s").to_numpy(), "load_transfer_ms"))
+    names = steps.column_names
+
+    def total_of(column: str) -> int:
+        return int(steps.column(column).to_numpy().sum()) if column in names and steps.num_rows else 0
+
+    row["kv_offload_load_bytes"] = total_of("offload_load_bytes")
+    row["kv_offload_store_bytes"] = total_of("offload_store_bytes")
+    for tier in ("cpu", "disk"):
+        for what in ("loaded", "stored", "evicted"):
+            row[f"offload_{tier}_{what}_keys"] = total_of(f"offload_{tier}_{what}_keys")
+    return row
 
 
 def routed_counts(requests: pa.Table, num_replicas: int) -> np.ndarray:
@@ -434,7 +642,7 @@ _CLUSTER_ONLY = ("num_replicas", "router", "load_imbalance")
 
 def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list[array], slo: SLO,
                        end_time_s: float, *, trace: pa.Table | None = None,
-                       cluster_summary: pa.Table | None = None) -> pa.Table:
+                       cluster_summary: pa.Table | None = None, offload: dict | None = None) -> pa.Table:
     """One row per replica: ``replica``, then ``summarize``'s figures over that replica's
     requests, steps and inter-token latencies (the cluster-only ``num_replicas``,
     ``router`` and ``load_imbalance`` left out), then ``load_ratio`` (requests routed
@@ -465,7 +673,7 @@ def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list
         sub_steps = steps.take(np.flatnonzero(replica_of_step == replica))
         sub_trace = arrived.take(mine) if arrived is not None else None
         row = summarize(sub_requests, sub_steps, itl_by_replica[replica], slo, end_time_s,
-                        trace=sub_trace).to_pylist()[0]
+                        trace=sub_trace, offload=offload).to_pylist()[0]
         for name in _CLUSTER_ONLY:
             del row[name]
         rows.append({"replica": replica, **row,

@@ -7,6 +7,13 @@ samples synthetic output tokens; the metrics recorder turns what happened into t
 tables of a run directory. ``engine.replicas = N`` builds N engines, each with its own
 executor and cost-model clock, behind the router ``engine.router`` (``router.py``);
 ``ReplayResult.replicas`` is then the per-replica summary.
+
+With an offload tier (``offload``, a ``ResolvedOffload`` from the scenario's ``[offload]``
+table) every replica's engine gets its own CPU tier (``CPUOffloadingManager``), over a disk
+tier when ``disk_bytes > 0`` (``TieredOffloadingManager``, its CPU↔disk jobs on a
+``TimedPromotions`` queue), with transfers timed on the SimPy clock (``TimedTransfers``:
+FIFO per PCIe direction at the GPU's host-link rate); ``sim/planner/offload.py`` sizes
+them. Without one nothing here or in the engine mentions offloading.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import pyarrow as pa
 import simpy
 
 from kvtwin.sim.replay.cost_model import CostModel, Efficiency, StepCost
-from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
+from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, OffloadTier
 from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize, summarize_replicas
 from kvtwin.sim.replay.router import make_router
+from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
@@ -75,12 +83,14 @@ class ReplayResult:
 
 def run_replay(plan: Plan, trace: pa.Table, *, efficiency: Efficiency = Efficiency(), slo: SLO = SLO(),
                time_limit_s: float | None = None,
-               on_progress: Callable[[ReplayClock], None] | None = None) -> ReplayResult:
+               on_progress: Callable[[ReplayClock], None] | None = None,
+               offload: ResolvedOffload | None = None) -> ReplayResult:
     """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
-    cost model and executor per replica of ``plan.engine.replicas``."""
+    cost model and executor per replica of ``plan.engine.replicas``, each with the offload
+    tiers ``offload`` sizes (None: none)."""
     executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(plan.engine.replicas)]
     return run_with_executor(plan, trace, executors if len(executors) > 1 else executors[0], slo=slo,
-                             time_limit_s=time_limit_s, on_progress=on_progress)
+                             time_limit_s=time_limit_s, on_progress=on_progress, offload=offload)
 
 
 def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostModel:
@@ -91,30 +101,60 @@ def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostMo
 
 def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Sequence[ModelExecutor], *,
                       slo: SLO = SLO(), time_limit_s: float | None = None, env: simpy.Environment | None = None,
-                      on_progress: Callable[[ReplayClock], None] | None = None) -> ReplayResult:
+                      on_progress: Callable[[ReplayClock], None] | None = None,
+                      offload: ResolvedOffload | None = None) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what ``executor``
     says (predicted, measured on a device, or replayed from a recording); ``env`` is the
     SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real time).
 
     ``executor`` is one executor, or a list of one per replica: the run has as many
     replicas as executors given (a single executor: one replica, whatever
-    ``plan.engine.replicas`` says), behind the router ``plan.engine.router``."""
+    ``plan.engine.replicas`` says), behind the router ``plan.engine.router``. ``offload``
+    gives each replica its offload tiers (module docstring)."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
     executors = list(executor) if isinstance(executor, (list, tuple)) else [executor]
-    engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache) for _ in executors]
+    if offload is None:
+        engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache) for _ in executors]
+    else:
+        env = env if env is not None else simpy.Environment()
+        engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, offload_tier(offload, env))
+                   for _ in executors]
     router = make_router(eng.router, engines)
-    metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines))
+    metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload)
     end_s = run_simulation(engines[0] if len(engines) == 1 else engines, executors[0] if len(engines) == 1 else
                            executors, arrivals_from_trace(trace), metrics, time_limit_s=time_limit_s,
                            on_progress=on_progress, env=env, router=router)
     requests = metrics.requests_table()
     steps = metrics.steps_table()
+    facts = offload.describe() if offload is not None else None
     summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace, num_replicas=len(engines),
-                        router=eng.router)
+                        router=eng.router, offload=facts)
     replicas = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
-                                  cluster_summary=summary)
+                                  cluster_summary=summary, offload=facts)
     return ReplayResult(requests, steps, summary, end_s, replicas)
+
+
+def offload_tier(offload: ResolvedOffload, env: simpy.Environment) -> OffloadTier:
+    """One replica's offload tiers on ``env``'s clock: the CPU tier (over a disk tier when
+    ``offload`` has disk chunks) and the timed PCIe transfers."""
+    # Imported here: a replay without offloading never loads the offload managers.
+    from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
+    from kvtwin.sim.core.offload.transfers import TimedTransfers
+
+    def now_s() -> float:
+        return env.now
+
+    manager = CPUOffloadingManager(offload.num_cpu_chunks, offload.policy)
+    if offload.has_disk:
+        from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager, TimedPromotions
+
+        config = offload.config
+        promotions = TimedPromotions(config.disk_bandwidth_bytes_per_s, config.disk_latency_s, now_s)
+        manager = TieredOffloadingManager(manager, offload.num_disk_chunks, offload.policy, promotions,
+                                          chunk_bytes=offload.kv_bytes_per_chunk)
+    transfers = TimedTransfers(now_s, offload.h2d_bytes_per_s, offload.d2h_bytes_per_s, offload.bytes_per_key)
+    return OffloadTier(manager, transfers, blocks_per_chunk=BLOCKS_PER_CHUNK)
 
 
 class RecordedClockExecutor(CostModelExecutor):

@@ -12,7 +12,10 @@ order. KEY is a dotted scenario path:
 * ``model.preset`` — a model preset (the scenario's ``[model]`` table is replaced by it);
 * ``workload.rate_scale``, ``workload.limit`` (and the other cuts: ``start_s``, ``end_s``,
   ``sample_sessions``, ``sample_seed``);
-* ``slo.ttft_s``, ``slo.tpot_s``; ``cost_model.<field>`` (``Efficiency``).
+* ``slo.ttft_s``, ``slo.tpot_s``; ``cost_model.<field>`` (``Efficiency``);
+* ``offload.<field>`` — the offload tiers (``offload.cpu_bytes``, ``offload.policy``,
+  ``offload.disk_bytes``, ...; ``OffloadConfig``): ``offload.cpu_bytes=0,...`` puts the
+  run without offloading next to the sized tiers.
 
 Values are parsed as the field's type (integers, numbers, ``true``/``false``, strings). A
 point is applied by editing the scenario file's TOML mapping at the dotted key and reading
@@ -77,8 +80,9 @@ import pyarrow as pa
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
+from kvtwin.sim.planner.offload import OffloadConfig
 from kvtwin.sim.replay.cost_model import Efficiency
-from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize
+from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS, SLO, MetricsRecorder, summarize
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.parse import TRANSFORM_KEYS, Workload, scenario_from_data
 from kvtwin.sim.scenario.resolve import resolve_scenario
@@ -148,6 +152,7 @@ def _section_fields() -> dict[str, dict[str, tuple[str, bool]]]:
         "workload": {k: (v, False) for k, v in _WORKLOAD_KINDS.items()},
         "slo": {"ttft_s": ("float", False), "tpot_s": ("float", False)},
         "cost_model": {k: ("float", False) for k in _fields_of(Efficiency)},
+        "offload": _fields_of(OffloadConfig),
     }
 
 
@@ -157,7 +162,8 @@ def sweep_key(key: str) -> SweepKey:
     section, _, name = key.partition(".")
     if section not in sections or not name:
         raise ConfigError(FLAG, "KEY=V1,V2,... with KEY one of engine.<field>, hardware.gpu, model.preset, "
-                                "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, cost_model.<field>",
+                                "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, cost_model.<field>, "
+                                "offload.<field>",
                           key)
     fields = sections[section]
     if name not in fields:
@@ -421,6 +427,7 @@ def run_point(task: PointTask) -> dict:
         planned = resolved.plan()
         kv_config = planned.require_fits()
         row["kv_cache_blocks"] = kv_config.num_blocks - 1  # less the null block
+        offload = resolved.offload_for(planned)
         source = _source(workload)
 
         def replay(scale: float | None):
@@ -428,7 +435,7 @@ def run_point(task: PointTask) -> dict:
                 workload, transforms={**workload.transforms, "rate_scale": scale})
             trace = w.cut(source)
             result = run_replay(planned, trace, efficiency=resolved.efficiency, slo=resolved.slo,
-                                time_limit_s=resolved.time_limit_s)
+                                time_limit_s=resolved.time_limit_s, offload=offload)
             return result.summary.to_pylist()[0], trace
 
         if task.search is None:
@@ -592,6 +599,13 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
             continue
         values = [(r["summary"] or {}).get(field.name) if r["summary"] is not None else None for r in rows]
         columns[field.name] = pa.array(values, field.type)
+    # The offload columns, when a point ran with offloading (null in the points without).
+    if any(r["summary"] is not None and "hit_rate_total" in r["summary"] for r in rows):
+        for name, kind in OFFLOAD_SUMMARY_COLUMNS.items():
+            if name in columns:
+                continue
+            values = [(r["summary"] or {}).get(name) for r in rows]
+            columns[name] = pa.array(values, kind)
     if find_max_rate:
         for name, kind in MAX_RATE_COLUMNS.items():
             values = [r.get(name) if r["status"] == "ok" else None for r in rows]

@@ -17,6 +17,14 @@ are known. A metrics step is one batch: it starts when the device starts it and 
 its device time; its admissions are stamped with the time it was scheduled. Batches that
 computed nothing leave no step row unless they preempted.
 
+With an offload tier (``EngineCore.offload``; synchronous scheduling only) the engine also
+steps while finished requests are still to be reported (their last chunks are stored in
+that step, as vLLM steps while ``has_finished_requests``). A step that schedules nothing
+because requests wait for transfers (a load from the tier, or a store or a disk promotion
+their lookup waits for) steps again at once if the worker reported a transfer finished in
+it, and otherwise sleeps until the next transfer finishes or a request arrives, whichever
+is first. Without an offload tier none of this runs.
+
 Data-parallel replicas (``engine.replicas``): several engines, each with its own executor
 (its own cost-model clock), share one environment. The one arrival process asks the
 router (``router.py``) for each arrival's replica and adds the request there; each
@@ -72,6 +80,18 @@ class ReplayClock:
     finished: int = 0
     # Refused at arrival: done as far as progress goes (finished + rejected of the total).
     rejected: int = 0
+
+
+def next_offload_event_s(engine: EngineCore) -> float | None:
+    """When the next transfer of ``engine``'s offload tier finishes: a GPU↔CPU job, or a
+    CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
+    tier = engine.offload
+    times = [tier.transfers.next_completion_s()]
+    next_finish = getattr(getattr(tier.manager, "promotion", None), "next_finish_s", None)
+    if next_finish is not None:
+        times.append(next_finish())
+    times = [t for t in times if t is not None]
+    return min(times) if times else None
 
 
 def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExecutor | Sequence[ModelExecutor],
@@ -138,8 +158,9 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
     def engine_process(replica: int):
         engine = engines[replica]
         executor = executors[replica]
+        offload = engine.offload is not None
         while True:
-            if not engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests() and not (offload and engine.scheduler.finished_req_ids):
                 if state["arrivals_done"]:
                     return
                 wakes[replica] = env.event()
@@ -164,6 +185,19 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
             if duration_s > 0:
                 yield env.timeout(duration_s)
             elif not result.output.num_scheduled_tokens:
+                if offload and engine.has_unfinished_requests():
+                    transfers = result.transfers
+                    if transfers is not None and (transfers.completed_jobs or transfers.finished_recving):
+                        continue  # what finished may let a waiting request go: schedule again now
+                    due_s = next_offload_event_s(engine)
+                    if due_s is not None:
+                        # Waiting for a transfer (a load, or a store or promotion a lookup
+                        # waits on): step again when the next one finishes, or at an arrival.
+                        if due_s > env.now:
+                            wakes[replica] = env.event()
+                            yield env.any_of([wakes[replica], env.timeout(due_s - env.now)])
+                            wakes[replica] = None
+                        continue
                 # Nothing could be scheduled and no time passes: wait for an arrival
                 # rather than spin (the waiting head cannot fit until something changes).
                 if state["arrivals_done"]:

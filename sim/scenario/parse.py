@@ -1,4 +1,5 @@
-"""Scenario files: one TOML describing model, hardware, engine, workload, SLO and cost model.
+"""Scenario files: one TOML describing model, hardware, engine, workload, SLO, cost model and
+offload tiers.
 
 Format: ``scenarios/README.md``. ``resolve.py`` merges a scenario with command-line
 overrides. Every table and key is checked: an unknown one is an
@@ -23,6 +24,7 @@ from kvtwin.sim.planner.engine_config import EngineConfig, engine_config_from_ma
 from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
+from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
 from kvtwin.sim.replay.metrics import SLO
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
@@ -31,7 +33,7 @@ from kvtwin.traces.load import LoadOptions, load_trace
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
 
-SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run")
+SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload")
 TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
 SLO_KEYS = ("ttft_s", "tpot_s")
 RUN_KEYS = ("time_limit_s",)
@@ -81,6 +83,7 @@ class Scenario:
     slo: SLO = SLO()
     efficiency: Efficiency = Efficiency()
     time_limit_s: float | None = None
+    offload: OffloadConfig = OffloadConfig()
 
 
 def _is_number(value: object) -> bool:
@@ -179,6 +182,8 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
 def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     _check_keys(data, SECTIONS, "scenario")
     engine = engine_config_from_mapping(_table(data, "engine"))
+    offload = offload_config_from_mapping(_table(data, "offload"))
+    offload.check_engine(engine.async_scheduling)
     slo_table = _table(data, "slo")
     _check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():
@@ -201,7 +206,7 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         model=model_from_table(data["model"], base_dir) if "model" in data else None,
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
         engine=engine, workload=_workload(_table(data, "workload"), base_dir),
-        slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit)
+        slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload)
 
 
 def load_scenario_data(path: Path) -> dict:

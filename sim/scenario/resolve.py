@@ -8,7 +8,10 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
 * engine: the scenario's ``[engine]`` table, then each engine flag given;
 * workload: ``--trace`` replaces the scenario's source but keeps its cuts (``limit``,
   ``rate_scale``, ...); ``--limit`` and ``--rate-scale`` replace those cuts;
-* ``--time-limit-s`` wins over ``[run] time_limit_s``.
+* ``--time-limit-s`` wins over ``[run] time_limit_s``;
+* offload: the scenario's ``[offload]`` table, then each ``--offload-*`` flag given
+  (``--offload-cpu-bytes``, ``--offload-policy``, ``--offload-disk-bytes``,
+  ``--offload-disk-bandwidth``); offloading with ``async_scheduling`` on is refused.
 
 Every flag is checked here, before any trace is read or any step simulated, and refused with
 the flag's name.
@@ -26,6 +29,7 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec, get_gpu
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model
+from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
 from kvtwin.sim.replay.cost_model import Efficiency
 from kvtwin.sim.replay.metrics import SLO
@@ -35,6 +39,10 @@ from kvtwin.traces.bundled import resolve as resolve_trace
 
 # Engine fields whose flag is not simply ``--field-name``.
 _ENGINE_FLAGS = {"tensor_parallel_size": "--tp"}
+# Offload fields and their flags (``--offload-`` + the field, but for the bandwidth).
+OFFLOAD_FLAGS = {"cpu_bytes": "--offload-cpu-bytes", "policy": "--offload-policy",
+                 "disk_bytes": "--offload-disk-bytes", "disk_bandwidth_bytes_per_s": "--offload-disk-bandwidth",
+                 "disk_latency_s": "--offload-disk-latency"}
 
 
 def engine_flag(field_name: str) -> str:
@@ -54,6 +62,7 @@ class Overrides:
     rate_scale: float | None = None
     limit: int | None = None
     time_limit_s: float | None = None
+    offload: Mapping[str, object] = field(default_factory=dict)  # OffloadConfig field -> value
 
     def check(self) -> None:
         """Refuse a bad flag value by the flag's name (nothing has been read yet)."""
@@ -68,9 +77,10 @@ class Overrides:
 
     def given(self) -> dict:
         """The flags that were given, for a run's metadata."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("engine", "offload")}
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None}
         out.update({k: v for k, v in self.engine.items() if v is not None})
+        out.update({f"offload_{k}": v for k, v in self.offload.items() if v is not None})
         return out
 
 
@@ -88,6 +98,7 @@ class ResolvedScenario:
     efficiency: Efficiency
     time_limit_s: float | None
     overrides: Overrides
+    offload: OffloadConfig = OffloadConfig()
 
     @property
     def where(self) -> str | None:
@@ -95,6 +106,16 @@ class ResolvedScenario:
 
     def plan(self) -> Plan:
         return plan(self.model, self.gpu, self.engine)
+
+    def offload_for(self, planned: Plan) -> ResolvedOffload | None:
+        """The offload tiers sized for ``planned`` (None: no offloading); errors name the file."""
+        try:
+            return self.offload.resolve(planned)
+        except ConfigError as err:
+            name = err.field.removeprefix("offload.")
+            if self.overrides.offload.get(name) is not None:
+                raise ConfigError(OFFLOAD_FLAGS[name], err.expected, err.got) from None
+            raise err if err.source or self.where is None else err.with_source(self.where) from None
 
     def require_workload(self) -> Workload:
         if self.workload is None:
@@ -151,7 +172,25 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             cuts["limit"] = overrides.limit
         workload = dataclasses.replace(workload, transforms=cuts)
 
+    offload = scenario.offload
+    given = {name: value for name, value in overrides.offload.items() if value is not None}
+    if given:
+        # All at once: a disk tier's size and bandwidth are checked together.
+        try:
+            offload = dataclasses.replace(offload, **given)
+        except ConfigError as err:
+            if err.field in given:
+                raise ConfigError(OFFLOAD_FLAGS[err.field], err.expected, err.got) from None
+            # A scenario value (or default) the flags made inconsistent: both ways to set it.
+            raise ConfigError(f"{OFFLOAD_FLAGS[err.field]} or [offload] {err.field}", err.expected,
+                              err.got) from None
+    if overrides.offload or overrides.engine:
+        try:
+            offload.check_engine(engine.async_scheduling)
+        except ConfigError as err:
+            raise err.with_source(where) if where is not None else err from None
+
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
                             workload=workload, slo=scenario.slo, efficiency=scenario.efficiency,
-                            time_limit_s=time_limit_s, overrides=overrides)
+                            time_limit_s=time_limit_s, overrides=overrides, offload=offload)

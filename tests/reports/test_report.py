@@ -304,3 +304,26 @@ def test_every_plot_renders_in_a_browser(tmp_path, replay_dir):
     broken.write_text(text.replace(IMG, '<img src="data:image/png;base64,AAAA', 1))
     loaded, summary = _rendered(browser, broken, tmp_path / "profile")
     assert loaded.count("0") == 1 and summary == f"{len(DEFAULT_RUN_CAPTIONS) - 1}/{len(DEFAULT_RUN_CAPTIONS)}"
+
+
+def test_capacity_report_plots_hit_rate_and_ttft_against_the_offload_size():
+    """A sweep of offload.cpu_bytes (with replicas beside it): hit rate per tier and TTFT
+    against the CPU tier's size, one line per replica count; a point without a tier
+    (0 bytes) counts its GPU hit rate as its total."""
+    rows = []
+    for point, (replicas, cpu) in enumerate((r, c) for r in (1, 2) for c in (0, 500 * 10**9, 10**12)):
+        offloads = cpu > 0
+        rows.append({"point": point, "status": "ok", "error": "", "engine.replicas": replicas,
+                     "offload.cpu_bytes": cpu, "prefix_cache_hit_rate": 0.11, "slo_attainment": 0.95,
+                     "median_ttft_ms": 135.0 - cpu / 10**10, "p99_ttft_ms": 3200.0 - replicas * 100,
+                     "hit_rate_total": 0.11 + cpu / 10**13 if offloads else None,
+                     "hit_rate_cpu": cpu / 10**13 if offloads else None})
+    text = render_capacity_report(pa.Table.from_pylist(rows), None, {}, None)
+    for caption in ("Prompt tokens served from a cache against offload.cpu_bytes",
+                    "Time to first token (median, p99) against offload.cpu_bytes (one line per engine.replicas)"):
+        assert caption in text, caption
+    # Without an offload sweep there are no such figures: the offload ones are two more.
+    plain = render_capacity_report(pa.Table.from_pylist([{k: v for k, v in r.items() if not k.startswith(("offload",
+                                                          "hit_rate_"))} for r in rows]), None, {}, None)
+    assert "offload" not in plain.lower()
+    assert text.count(IMG) == plain.count(IMG) + 2

@@ -84,7 +84,7 @@ class RequestGroupState:
 
 class RequestOffloadState:
     __slots__ = ("req", "req_context", "group_states", "num_locally_computed_tokens", "transfer_jobs",
-                 "finished_signaled", "load_key_ranges")
+                 "finished_signaled", "load_key_ranges", "settled_tokens")
 
     def __init__(self, request, num_groups: int):
         self.req = request
@@ -96,6 +96,9 @@ class RequestOffloadState:
         self.finished_signaled = False
         # (first token, end token, key) of the last load, for hits per tier.
         self.load_key_ranges: list[tuple[int, int, object]] = []
+        # Offloadable tokens up to which every group's chunks were offered (all stored or
+        # skipped): a store pass at this count is a no-op (-1: not settled).
+        self.settled_tokens = -1
 
 
 @dataclass
@@ -142,6 +145,9 @@ class OffloadingConnector:
     def __init__(self, kv_cache_config: KVCacheConfig, manager, enable_prefix_caching: bool = True,
                  blocks_per_chunk: int = 1):
         self.manager = manager
+        # A tier whose lookups are pure and never RETRY scans a prefix in one call (the
+        # waiting queue's head is looked up again every step it cannot be admitted).
+        self._lookup_prefix = getattr(manager, "lookup_prefix", None)
         self.blocks_per_chunk = blocks_per_chunk
         tokens_per_hash = kv_cache_config.hash_block_size
         self.tokens_per_hash = tokens_per_hash
@@ -225,6 +231,9 @@ class OffloadingConnector:
     # -- lookup --------------------------------------------------------------------------
 
     def _maximal_prefix_lookup(self, keys, ctx) -> int | None:
+        if self._lookup_prefix is not None:
+            hits, pending = self._lookup_prefix(keys, ctx)
+            return None if pending else hits
         hits = 0
         defer = False
         lookup = self.manager.lookup
@@ -342,6 +351,7 @@ class OffloadingConnector:
         for group_state in state.group_states:
             group_state.block_ids.clear()
             group_state.next_stored_chunk_idx = 0  # starting over: offer every chunk again
+        state.settled_tokens = -1
         if state.transfer_jobs:
             return None, False
         self._update_offload_keys(state)
@@ -548,6 +558,8 @@ class OffloadingConnector:
             else:
                 num_tokens_after = req.num_computed_tokens + scheduled[req_id]
             num_offloadable = self._num_offloadable_tokens(req, num_tokens_after)
+            if num_offloadable == state.settled_tokens:
+                continue  # nothing new to offer (a decode step, mostly)
             new_keys: list = []
             ranges: list[tuple[int, int]] = []
             # Where a later request can resume: the prompt's last token, and where this
@@ -577,12 +589,14 @@ class OffloadingConnector:
                     new_keys.append(key)
             if not new_keys:
                 self._advance_stored_idx(state, num_offloadable)
+                self._note_settled(state, num_offloadable)
                 continue
             stored = self.manager.prepare_store(new_keys, state.req_context)
             if stored is None:
                 continue  # the tier is full of pinned chunks: try again next step
             if not stored.keys_to_store:
                 self._advance_stored_idx(state, num_offloadable)
+                self._note_settled(state, num_offloadable)
                 continue
             to_store = set(stored.keys_to_store)
             src_ids: list[int] = []
@@ -602,6 +616,7 @@ class OffloadingConnector:
                         src_ids.append(block_id)
                         (fenced if windowed else deferred).append(block_id)
                 group_state.next_stored_chunk_idx = max(group_state.next_stored_chunk_idx, num_chunks)
+            self._note_settled(state, num_offloadable)
             job = self._start_store(state, list(stored.keys_to_store), src_ids, fenced or None, deferred)
             for block_id in fenced:
                 self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job.job_id)
@@ -612,6 +627,11 @@ class OffloadingConnector:
                         self._current_batch_jobs_to_flush.add(job.job_id)
             jobs[job.job_id] = job
         return jobs
+
+    def _note_settled(self, state: RequestOffloadState, num_offloadable: int) -> None:
+        if all(gs.next_stored_chunk_idx >= num_offloadable // c.tokens_per_chunk
+               for c, gs in zip(self.group_configs, state.group_states)):
+            state.settled_tokens = num_offloadable
 
     def build_connector_meta(self, output, boundary_offloads: dict | None = None) -> OffloadingConnectorMetadata:
         self._update_req_states(output)

@@ -181,6 +181,12 @@ class CPUOffloadingManager:
             return LookupResult.MISS
         return LookupResult.HIT if chunk.is_ready else LookupResult.HIT_PENDING
 
+    def lookup_prefix(self, keys, req_context: ReqContext) -> tuple[int, bool]:
+        """``lookup`` of ``keys`` in order until the first MISS, in one call: (HIT or
+        HIT_PENDING answers, whether any was HIT_PENDING). This tier never answers RETRY,
+        and looking up changes nothing, so the connector's prefix scan may use it."""
+        return self._policy.resident_prefix(keys)
+
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> str:
         return "cpu"
 

@@ -72,6 +72,21 @@ class CachePolicy:
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         raise NotImplementedError
 
+    def resident_prefix(self, keys) -> tuple[int, bool]:
+        """How many of ``keys``, from the first, are resident, and whether any of those is
+        still being written: ``get`` until the first miss, in one loop."""
+        get = self.get
+        count = 0
+        pending = False
+        for key in keys:
+            chunk = get(key)
+            if chunk is None:
+                break
+            count += 1
+            if chunk.ref_cnt < 0:
+                pending = True
+        return count, pending
+
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         raise NotImplementedError
 
@@ -190,6 +205,19 @@ class LRUCachePolicy(CachePolicy):
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
+
+    def resident_prefix(self, keys) -> tuple[int, bool]:
+        get = self.chunks.get
+        count = 0
+        pending = False
+        for key in keys:
+            chunk = get(key)
+            if chunk is None:
+                break
+            count += 1
+            if chunk.ref_cnt < 0:
+                pending = True
+        return count, pending
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         self.chunks[key] = chunk

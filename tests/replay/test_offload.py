@@ -1,0 +1,294 @@
+"""KV offloading in the replay: the ``[offload]`` config, tiers per replica, and its metrics.
+
+A session-heavy synthetic chat (most of each prompt the session's history) on a small GPU
+KV cache (3 GiB, ~24k tokens of Llama-3.1-8B): the GPU cache turns over, so a CPU tier of
+6 GiB (3,072 chunks, 48k tokens; it still evicts) catches reuse the GPU lost, and a disk
+tier catches it when the CPU tier is tiny. cpu_bytes = 0 is no offloading at all.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
+from kvtwin.sim.planner.plan import plan
+from kvtwin.sim.replay import sweep
+from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS
+from kvtwin.sim.replay.run import offload_tier, run_replay
+from kvtwin.sim.scenario.parse import parse_scenario
+from kvtwin.traces.synth import synthesize
+from kvtwin.traces.synth_spec import parse_spec
+
+GIB = 2**30
+CHAT = {"kind": "chat", "seed": 3, "num_requests": 150, "block_tokens": 16,
+        "arrival": {"process": "poisson", "rate_per_s": 1.0},
+        "shared_prefix": {"count": 4, "tokens": 800, "zipf_s": 1.0},
+        "turns": {"dist": "zipf", "s": 1.2, "max": 12},
+        "user_tokens": {"dist": "lognormal", "mean": 300, "sigma": 0.5},
+        "output_tokens": {"dist": "lognormal", "mean": 100, "sigma": 0.5},
+        "turn_gap_s": {"dist": "exponential", "mean": 10}, "max_prompt_tokens": 12000}
+OFFLOAD_REQUEST_COLUMNS = ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "load_wait_s", "load_transfer_s")
+
+
+def _plan(**engine):
+    settings = {"max_model_len": 16896, "kv_cache_memory_bytes": 3 * GIB, "async_scheduling": False, **engine}
+    return plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings))
+
+
+def assert_tables_equal(a: pa.Table, b: pa.Table) -> None:
+    assert a.schema.remove_metadata() == b.schema.remove_metadata()
+    for name in a.column_names:
+        x, y = a.column(name), b.column(name)
+        if pa.types.is_floating(x.type):
+            assert np.array_equal(x.to_numpy(), y.to_numpy(), equal_nan=True), name
+        else:
+            assert x.to_pylist() == y.to_pylist(), name
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return synthesize(parse_spec(CHAT))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _plan()
+
+
+@pytest.fixture(scope="module")
+def runs(chat, llama):
+    cache = {}
+
+    def run(cpu_gib: float = 0.0, disk_gib: float = 0.0, policy: str = "lru"):
+        key = (cpu_gib, disk_gib, policy)
+        if key not in cache:
+            config = OffloadConfig(cpu_bytes=int(cpu_gib * GIB), disk_bytes=int(disk_gib * GIB), policy=policy,
+                                   disk_bandwidth_bytes_per_s=5e9 if disk_gib else None)
+            cache[key] = run_replay(llama, chat, offload=config.resolve(llama))
+        return cache[key]
+
+    return run
+
+
+def _first_admission_hit_rate(result) -> float:
+    r = result.requests
+    admitted = ~np.isnan(r.column("first_scheduled_time_s").to_numpy())
+    return r.column("prefix_hit_tokens").to_numpy()[admitted].sum() / r.column("prompt_tokens").to_numpy()[admitted].sum()
+
+
+def _summary(result) -> dict:
+    return result.summary.to_pylist()[0]
+
+
+# -- the config ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table, field", [
+    ({"cpu_bytes": "8GiB"}, "offload.cpu_bytes"),
+    ({"cpu_bytes": True}, "offload.cpu_bytes"),
+    ({"cpu_bytes": -1}, "offload.cpu_bytes"),
+    ({"cpu_bytes": 8.5e9}, "offload.cpu_bytes"),
+    ({"cpu_bytes": GIB, "policy": "fifo"}, "offload.policy"),
+    ({"cpu_bytes": GIB, "policy": True}, "offload.policy"),
+    ({"cpu_bytes": GIB, "disk_bytes": -5}, "offload.disk_bytes"),
+    ({"cpu_bytes": GIB, "disk_bytes": GIB}, "offload.disk_bandwidth_bytes_per_s"),
+    ({"cpu_bytes": GIB, "disk_bytes": GIB, "disk_bandwidth_bytes_per_s": "fast"}, "offload.disk_bandwidth_bytes_per_s"),
+    ({"cpu_bytes": GIB, "disk_bytes": GIB, "disk_bandwidth_bytes_per_s": 0}, "offload.disk_bandwidth_bytes_per_s"),
+    ({"cpu_bytes": 0, "disk_bytes": GIB, "disk_bandwidth_bytes_per_s": 1e9}, "offload.disk_bytes"),
+    ({"cpu_bytes": GIB, "disk_latency_s": -1}, "offload.disk_latency_s"),
+    ({"cpu_bytes": GIB, "disk_latency_s": False}, "offload.disk_latency_s"),
+    ({"cpu_gib": 8}, "offload.cpu_gib"),
+])
+def test_bad_offload_settings_are_errors_naming_the_key(table, field):
+    with pytest.raises(ConfigError) as err:
+        offload_config_from_mapping(table)
+    assert err.value.field == field
+
+
+def test_offload_with_async_scheduling_is_refused_with_the_setting_to_change():
+    with pytest.raises(ConfigError, match="async_scheduling = false") as err:
+        parse_scenario({"engine": {}, "offload": {"cpu_bytes": GIB}}, base_dir=None)
+    assert err.value.field == "engine.async_scheduling"
+    parse_scenario({"engine": {"async_scheduling": False}, "offload": {"cpu_bytes": GIB}}, base_dir=None)
+    parse_scenario({"engine": {}, "offload": {"cpu_bytes": 0}}, base_dir=None)  # off: nothing to refuse
+    # The core refuses it too, whoever builds the engine.
+    async_plan = _plan(async_scheduling=True)
+    tier = offload_tier(OffloadConfig(cpu_bytes=GIB).resolve(async_plan), env=SimpleNamespace(now=0.0))
+    with pytest.raises(ValueError):
+        EngineCore(async_plan.require_fits(), async_plan.engine.scheduler, async_plan.engine.cache, tier)
+
+
+def test_cpu_chunks_are_worker_bytes_times_world_size_rounded_to_the_page():
+    tp2 = _plan(tensor_parallel_size=2)
+    # Llama-3.1-8B at TP 2: 32 layers x K,V x 4 KV heads x 128 x 2 bytes x 16 tokens = 1 MiB a worker.
+    assert tp2.bytes_per_block == 2**20
+    resolved = OffloadConfig(cpu_bytes=10 * GIB + 5).resolve(tp2)
+    assert resolved.chunk_bytes == 2 * 2**20 and resolved.num_cpu_chunks == 10 * GIB // (2 * 2**20)
+    # Each worker moves its share over its own link: per-GPU rate x TP for the whole chunk.
+    assert resolved.h2d_bytes_per_s == 2 * get_gpu("h100").pcie_h2d_bytes_per_s
+    assert resolved.bytes_per_key / resolved.h2d_bytes_per_s == tp2.bytes_per_block / 50e9
+    # An unaligned block is rounded up to the 4096-byte page; MLA with TP keeps one copy.
+    fake = SimpleNamespace(engine=SimpleNamespace(tensor_parallel_size=4), bytes_per_block=1000,
+                           model=SimpleNamespace(uses_mla=False, name="m"), gpu=get_gpu("a100"))
+    assert OffloadConfig(cpu_bytes=40960).resolve(fake).chunk_bytes == 4096
+    assert OffloadConfig(cpu_bytes=40960).resolve(fake).num_cpu_chunks == 10
+    fake.model.uses_mla = True
+    mla = OffloadConfig(cpu_bytes=40960).resolve(fake)
+    assert (mla.chunk_bytes, mla.copies, mla.h2d_bytes_per_s) == (4096, 1, 25e9)
+    with pytest.raises(ConfigError, match="at least one CPU chunk"):
+        OffloadConfig(cpu_bytes=4095).resolve(fake)
+    assert OffloadConfig(cpu_bytes=0).resolve(tp2) is None
+
+
+def test_offload_cpu_bytes_is_a_sweep_key():
+    axis = sweep.parse_sweeps(["offload.cpu_bytes=0,8000000000"])[0]
+    assert axis.key.kind == "int" and axis.values == (0, 8_000_000_000)
+    assert sweep.apply_values({"engine": {}}, {"offload.cpu_bytes": 5})["offload"] == {"cpu_bytes": 5}
+    assert sweep.sweep_key("offload.policy").kind == "str"
+    with pytest.raises(ConfigError, match="cpu_bytes"):
+        sweep.sweep_key("offload.cpu_gib")
+
+
+# -- the replay ---------------------------------------------------------------------------
+
+
+def test_a_cpu_tier_catches_reuse_the_gpu_lost(runs):
+    off, on = runs(), runs(cpu_gib=6)
+    s = _summary(on)
+    assert s["offload_cpu_chunks"] == 3072 and s["offload_policy"] == "lru"
+    assert s["offload_cpu_evicted_keys"] > 0  # the tier is smaller than what the run offers it
+    assert s["cpu_hit_tokens"] > 0 and s["hit_rate_cpu"] > 0.05
+    assert s["hit_rate_total"] >= _first_admission_hit_rate(off)
+    assert s["hit_rate_total"] == pytest.approx(s["hit_rate_gpu"] + s["hit_rate_cpu"] + s["hit_rate_disk"])
+    assert s["p99_ttft_ms"] <= _summary(off)["p99_ttft_ms"]
+    assert s["completed"] == _summary(off)["completed"] == on.requests.num_rows
+
+
+def test_offload_columns_add_up(runs, llama):
+    on = runs(cpu_gib=6)
+    r, steps, s = on.requests, on.steps, _summary(on)
+    assert r.column_names[-5:] == list(OFFLOAD_REQUEST_COLUMNS)
+    gpu, cpu, disk = (r.column(f"{t}_hit_tokens").to_numpy() for t in ("gpu", "cpu", "disk"))
+    prompt = r.column("prompt_tokens").to_numpy()
+    assert (gpu + cpu + disk < prompt).all() and not disk.any()
+    # The GPU part of a loaded request's hit is the prefix cache's hit.
+    assert (r.column("prefix_hit_tokens").to_numpy() == gpu).all()
+    wait = r.column("load_wait_s").to_numpy()
+    loaded = cpu > 0
+    assert np.isfinite(wait[loaded]).all() and (wait[loaded] > 0).all() and np.isnan(wait[~loaded]).all()
+    assert s["num_loads"] == loaded.sum()
+    # The transfer is part of the wait: 2 MiB chunks at 50 GB/s, behind earlier loads.
+    transfer = r.column("load_transfer_s").to_numpy()
+    assert (transfer[loaded] <= wait[loaded] + 1e-12).all()
+    assert (transfer[loaded] >= cpu[loaded] / 16 * 2**21 / 50e9 - 1e-12).all()
+    # A load finishes before its request's first token.
+    ttft = r.column("ttft_s").to_numpy()
+    assert (ttft[loaded] > wait[loaded]).all()
+    # Bytes are keys times the KV bytes of a chunk; the summary sums the step columns.
+    bytes_per_key = OffloadConfig(cpu_bytes=6 * GIB).resolve(llama).bytes_per_key
+    loaded_keys = steps.column("offload_cpu_loaded_keys").to_numpy().sum()
+    assert s["kv_offload_load_bytes"] == loaded_keys * bytes_per_key == s["offload_cpu_loaded_keys"] * bytes_per_key
+    assert s["kv_offload_store_bytes"] == s["offload_cpu_stored_keys"] * bytes_per_key
+    assert steps.column("offload_cpu_used_chunks").to_numpy().max() <= 3072
+    assert set(OFFLOAD_SUMMARY_COLUMNS) <= set(on.summary.column_names)
+    assert "offload_disk_loaded_keys" not in steps.column_names  # no disk tier, no disk columns
+
+
+def test_cpu_bytes_zero_is_exactly_the_run_without_offload(runs, chat, llama):
+    off = runs()
+    zero = run_replay(llama, chat, offload=OffloadConfig(cpu_bytes=0).resolve(llama))
+    for name in ("requests", "steps", "summary", "replicas"):
+        assert_tables_equal(getattr(off, name), getattr(zero, name))
+    assert "hit_rate_total" not in off.summary.column_names
+    assert not set(OFFLOAD_REQUEST_COLUMNS) & set(off.requests.column_names)
+
+
+def test_an_offload_replay_is_deterministic(runs, chat, llama):
+    first = runs(cpu_gib=6)
+    again = run_replay(llama, chat, offload=OffloadConfig(cpu_bytes=6 * GIB).resolve(llama))
+    for name in ("requests", "steps", "summary"):
+        assert_tables_equal(getattr(first, name), getattr(again, name))
+
+
+def test_a_disk_tier_adds_disk_hits_when_the_cpu_tier_is_tiny(runs):
+    tiny, tiered = runs(cpu_gib=0.25), runs(cpu_gib=0.25, disk_gib=8)
+    s = _summary(tiered)
+    assert (s["offload_cpu_chunks"], s["offload_disk_chunks"]) == (128, 4096)
+    assert s["disk_hit_tokens"] > 0 and s["offload_disk_loaded_keys"] > 0 and s["offload_disk_stored_keys"] > 0
+    assert s["hit_rate_total"] > _summary(tiny)["hit_rate_total"] + 0.05
+    assert tiered.steps.column("offload_disk_used_chunks").to_numpy().max() <= 4096
+    disk = tiered.requests.column("disk_hit_tokens").to_numpy()
+    assert np.isfinite(tiered.requests.column("load_wait_s").to_numpy()[disk > 0]).all()
+
+
+def test_arc_keeps_more_of_a_small_tier_than_lru(runs):
+    lru, arc = runs(cpu_gib=2, policy="lru"), runs(cpu_gib=2, policy="arc")
+    assert _summary(arc)["offload_policy"] == "arc"
+    assert _summary(arc)["hit_rate_cpu"] > _summary(lru)["hit_rate_cpu"]
+
+
+def test_replicas_each_have_their_own_tier(chat):
+    two = _plan(replicas=2, router="round_robin")
+    result = run_replay(two, chat, offload=OffloadConfig(cpu_bytes=4 * GIB).resolve(two))
+    per = result.replicas.to_pylist()
+    s = _summary(result)
+    assert [row["offload_cpu_chunks"] for row in per] == [2048, 2048]
+    assert sum(row["cpu_hit_tokens"] for row in per) == s["cpu_hit_tokens"]
+    assert sum(row["kv_offload_store_bytes"] for row in per) == s["kv_offload_store_bytes"]
+
+
+def test_capacity_table_has_offload_columns_when_a_point_offloads(runs):
+    axes = sweep.parse_sweeps(["offload.cpu_bytes=0,6442450944"])
+    points = sweep.sweep_points(axes)
+    rows = [{"point": 0, "status": "ok", "error": None, "summary": _summary(runs())},
+            {"point": 1, "status": "ok", "error": None, "summary": _summary(runs(cpu_gib=6))}]
+    table = sweep.capacity_table(rows, points, axes)
+    assert table.column("hit_rate_total").to_pylist()[0] is None
+    assert table.column("hit_rate_total").to_pylist()[1] > 0.7
+    plain = sweep.capacity_table(rows[:1], points[:1], axes)
+    assert "hit_rate_total" not in plain.column_names
+
+
+# -- sanity on the bundled Mooncake trace (the issue's proof) ------------------------------
+
+@pytest.fixture(scope="module")
+def mooncake_small_gpu():
+    """The Mooncake conversation trace's first 400 requests (long multi-turn prompts) on a
+    GPU cache small enough (10 GiB, ~80k tokens of Llama-3.1-8B) that it loses reuse; longer
+    prompts than max_model_len are rejected, the same in every run."""
+    from kvtwin.traces import transforms
+    from kvtwin.traces.bundled import bundled_path
+    from kvtwin.traces.load import load_trace
+    trace = transforms.limit(load_trace(bundled_path("mooncake_conversation_trace.jsonl")), 400)
+    return trace, _plan(max_model_len=65536, kv_cache_memory_bytes=10 * GIB)
+
+
+def test_offload_never_lowers_the_total_hit_rate_on_mooncake(mooncake_small_gpu):
+    """The trace's reuse is far apart (hundreds of thousands of tokens): a small tier adds
+    little, a large one a lot, and none takes hits away."""
+    trace, llama = mooncake_small_gpu
+    off_rate = _first_admission_hit_rate(run_replay(llama, trace))
+    rates = {}
+    for policy, cpu_gib in (("lru", 128), ("lru", 512), ("arc", 512)):
+        offload = OffloadConfig(cpu_bytes=cpu_gib * GIB, policy=policy).resolve(llama)
+        rates[policy, cpu_gib] = _summary(run_replay(llama, trace, offload=offload))["hit_rate_total"]
+    assert all(rate >= off_rate for rate in rates.values()), (off_rate, rates)
+    assert rates["lru", 512] >= rates["lru", 128]
+    assert rates["lru", 512] > off_rate + 0.05 and rates["arc", 512] > off_rate + 0.05
+
+
+def test_a_zero_byte_cpu_tier_is_exactly_no_offload_on_mooncake(mooncake_small_gpu):
+    trace, llama = mooncake_small_gpu
+    off = run_replay(llama, trace)
+    zero = run_replay(llama, trace, offload=OffloadConfig(cpu_bytes=0).resolve(llama))
+    for name in ("requests", "steps", "summary", "replicas"):
+        assert_tables_equal(getattr(off, name), getattr(zero, name))
