@@ -265,7 +265,16 @@ class Scheduler:
                 else:
                     partials.append((request, num_tokens))
             return out
-        for request_id, num_tokens in scheduled.items():
+        self._advance_computed(out)
+        return out
+
+    def _advance_computed(self, out: SchedulerOutput) -> None:
+        """The synchronous advance: each scheduled request's computed count moves past this
+        step's tokens; a request whose tokens are then all computed samples."""
+        requests = self.requests
+        note_computed = out.num_computed_tokens.append
+        sampling = out.num_output_tokens
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = requests[request_id]
             computed = request.num_computed_tokens
             note_computed(computed)
@@ -274,7 +283,6 @@ class Scheduler:
             # A partial prefill chunk (or part of a recompute) samples nothing.
             if computed >= request.num_tokens:
                 sampling[request_id] = request.num_tokens - request.num_prompt_tokens
-        return out
 
     def _schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
         cfg = self.config
@@ -433,19 +441,10 @@ class Scheduler:
         computed counts as the synchronous path does."""
         offloads = self.kv_cache_manager.coordinator.take_boundary_state_offloads() if self.mamba_block_size else None
         out.kv_connector_metadata = self.connector.build_connector_meta(out, offloads)
+        self._advance_computed(out)
         requests = self.requests
-        note_computed = out.num_computed_tokens.append
-        sampling = out.num_output_tokens
-        inflight = self.inflight_prefills
-        for request_id, num_tokens in out.num_scheduled_tokens.items():
-            request = requests[request_id]
-            computed = request.num_computed_tokens
-            note_computed(computed)
-            computed += num_tokens
-            request.num_computed_tokens = computed
-            if computed >= request.num_tokens:
-                sampling[request_id] = request.num_tokens - request.num_prompt_tokens
-                inflight.discard(request)
+        for request_id in out.num_output_tokens:
+            self.inflight_prefills.discard(requests[request_id])  # its prefill is done
         return out
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
+from tests.tables import assert_tables_equal
 
 SCENARIO = """\
 description = "offload test: session-heavy chat on a small GPU KV cache"
@@ -60,16 +59,6 @@ def _tables(run_dir):
     return {name: pq.read_table(run_dir / f"{name}.parquet") for name in ("requests", "steps", "summary", "replicas")}
 
 
-def _same_values(a: pa.Table, b: pa.Table) -> None:
-    assert a.schema.remove_metadata() == b.schema.remove_metadata()
-    for name in a.column_names:
-        x, y = a.column(name), b.column(name)
-        if pa.types.is_floating(x.type):
-            assert np.array_equal(x.to_numpy(), y.to_numpy(), equal_nan=True), name
-        else:
-            assert x.to_pylist() == y.to_pylist(), name
-
-
 def test_replay_with_a_cpu_tier_reports_hits_per_tier(tmp_path):
     path = _scenario(tmp_path, f"[offload]\ncpu_bytes = {CPU_BYTES}\npolicy = \"arc\"\n")
     res = _replay(path, "--out", tmp_path / "run", report=True)
@@ -106,7 +95,7 @@ def test_cpu_bytes_zero_gives_exactly_the_run_without_offload(tmp_path):
     base = _tables(tmp_path / "plain")
     for other in ("zero", "flag"):
         for name, table in _tables(tmp_path / other).items():
-            _same_values(base[name], table)
+            assert_tables_equal(base[name], table, with_metadata=False)
 
 
 @pytest.mark.parametrize("extra, flags, fragments", [

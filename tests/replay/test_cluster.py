@@ -30,6 +30,7 @@ from kvtwin.traces.bundled import bundled_path
 from kvtwin.traces.load import load_trace
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
+from tests.tables import assert_tables_equal
 
 NEW_REQUEST_COLUMNS = ("replica",)
 NEW_STEP_COLUMNS = ("replica",)
@@ -52,18 +53,6 @@ KV_BYTES = 3 * 2**30
 def _plan(**engine):
     settings = {"max_model_len": 16896, "kv_cache_memory_bytes": KV_BYTES, **engine}
     return plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings))
-
-
-def assert_tables_equal(a: pa.Table, b: pa.Table) -> None:
-    """Same columns, types and values (NaN equal to NaN)."""
-    assert a.column_names == b.column_names
-    assert a.schema == b.schema
-    for name in a.column_names:
-        x, y = a.column(name), b.column(name)
-        if pa.types.is_floating(x.type):
-            assert np.array_equal(x.to_numpy(), y.to_numpy(), equal_nan=True), name
-        else:
-            assert x.to_pylist() == y.to_pylist(), name
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from kvtwin.sim.core.engine import EngineCore
@@ -27,6 +26,7 @@ from kvtwin.sim.replay.run import offload_tier, run_replay
 from kvtwin.sim.scenario.parse import parse_scenario
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
+from tests.tables import assert_tables_equal
 
 GIB = 2**30
 CHAT = {"kind": "chat", "seed": 3, "num_requests": 150, "block_tokens": 16,
@@ -42,16 +42,6 @@ OFFLOAD_REQUEST_COLUMNS = ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens"
 def _plan(**engine):
     settings = {"max_model_len": 16896, "kv_cache_memory_bytes": 3 * GIB, "async_scheduling": False, **engine}
     return plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings))
-
-
-def assert_tables_equal(a: pa.Table, b: pa.Table) -> None:
-    assert a.schema.remove_metadata() == b.schema.remove_metadata()
-    for name in a.column_names:
-        x, y = a.column(name), b.column(name)
-        if pa.types.is_floating(x.type):
-            assert np.array_equal(x.to_numpy(), y.to_numpy(), equal_nan=True), name
-        else:
-            assert x.to_pylist() == y.to_pylist(), name
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +197,7 @@ def test_cpu_bytes_zero_is_exactly_the_run_without_offload(runs, chat, llama):
     off = runs()
     zero = run_replay(llama, chat, offload=OffloadConfig(cpu_bytes=0).resolve(llama))
     for name in ("requests", "steps", "summary", "replicas"):
-        assert_tables_equal(getattr(off, name), getattr(zero, name))
+        assert_tables_equal(getattr(off, name), getattr(zero, name), with_metadata=False)
     assert "hit_rate_total" not in off.summary.column_names
     assert not set(OFFLOAD_REQUEST_COLUMNS) & set(off.requests.column_names)
 
@@ -291,4 +281,4 @@ def test_a_zero_byte_cpu_tier_is_exactly_no_offload_on_mooncake(mooncake_small_g
     off = run_replay(llama, trace)
     zero = run_replay(llama, trace, offload=OffloadConfig(cpu_bytes=0).resolve(llama))
     for name in ("requests", "steps", "summary", "replicas"):
-        assert_tables_equal(getattr(off, name), getattr(zero, name))
+        assert_tables_equal(getattr(off, name), getattr(zero, name), with_metadata=False)

@@ -30,7 +30,7 @@ from kvtwin.sim.core.offload.base import (
     RequestOffloadingContext,
     offload_key_group,
 )
-from kvtwin.sim.core.offload.policies import ChunkStatus, make_policy
+from kvtwin.sim.core.offload.policies import ChunkStatus, make_policy, sort_by_position
 
 
 class _RequestCacheAccess:
@@ -309,15 +309,7 @@ class CPUOffloadingManager:
         state.finished = True
         key_groups = []
         for group_idx in sorted(state.key_groups):
-            keys = state.key_groups[group_idx]
-            positions = {}
-            for key in keys:
-                position = req_context.get_offload_key_position(key)
-                if position is not None:
-                    positions[key] = position
-            if len(positions) == len(keys):
-                keys = sorted(keys, key=positions.__getitem__)
-            key_groups.append(tuple(keys))
+            key_groups.append(tuple(sort_by_position(state.key_groups[group_idx], req_context)))
         self._policy.on_request_finished(tuple(key_groups), state.inserted_keys - state.reused_keys,
                                          state.reused_keys, req_context)
 

@@ -48,19 +48,36 @@ class ChunkStatus:
         return self.ref_cnt >= 0
 
 
-def order_request_keys(key_groups: Sequence[Sequence[OffloadKey]], req_context: ReqContext) -> list[OffloadKey]:
-    """All groups' keys head to tail: by end-token position when every key has one,
-    otherwise group after group as given."""
-    keys = [key for group in key_groups for key in group]
+def sort_by_position(keys: Sequence[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
+    """Keys head to tail by their end-token positions when every key has one, otherwise as
+    given. Stable: keys at one position (one block in several groups) keep their order."""
     positions = {}
     for key in keys:
         position = req_context.get_offload_key_position(key)
         if position is not None:
             positions[key] = position
     if len(positions) == len(keys):
-        # Stable: keys at one position (one block in several groups) stay in group order.
-        keys.sort(key=positions.__getitem__)
-    return keys
+        return sorted(keys, key=positions.__getitem__)
+    return list(keys)
+
+
+def order_request_keys(key_groups: Sequence[Sequence[OffloadKey]], req_context: ReqContext) -> list[OffloadKey]:
+    """All groups' keys head to tail: by end-token position when every key has one,
+    otherwise group after group as given."""
+    return sort_by_position([key for group in key_groups for key in group], req_context)
+
+
+def _resident_prefix(get, keys) -> tuple[int, bool]:
+    count = 0
+    pending = False
+    for key in keys:
+        chunk = get(key)
+        if chunk is None:
+            break
+        count += 1
+        if chunk.ref_cnt < 0:  # not written yet
+            pending = True
+    return count, pending
 
 
 class CachePolicy:
@@ -75,17 +92,7 @@ class CachePolicy:
     def resident_prefix(self, keys) -> tuple[int, bool]:
         """How many of ``keys``, from the first, are resident, and whether any of those is
         still being written: ``get`` until the first miss, in one loop."""
-        get = self.get
-        count = 0
-        pending = False
-        for key in keys:
-            chunk = get(key)
-            if chunk is None:
-                break
-            count += 1
-            if chunk.ref_cnt < 0:
-                pending = True
-        return count, pending
+        return _resident_prefix(self.get, keys)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         raise NotImplementedError
@@ -207,17 +214,7 @@ class LRUCachePolicy(CachePolicy):
         return self.chunks.get(key)
 
     def resident_prefix(self, keys) -> tuple[int, bool]:
-        get = self.chunks.get
-        count = 0
-        pending = False
-        for key in keys:
-            chunk = get(key)
-            if chunk is None:
-                break
-            count += 1
-            if chunk.ref_cnt < 0:
-                pending = True
-        return count, pending
+        return _resident_prefix(self.chunks.get, keys)  # the dict's own get: no method call per key
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         self.chunks[key] = chunk
