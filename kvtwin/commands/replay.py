@@ -43,7 +43,7 @@ def replay(
     time_limit_s: Optional[float] = typer.Option(None, "--time-limit-s", help="Stop at this simulated time."),
     offload_cpu_bytes: Optional[int] = typer.Option(None, "--offload-cpu-bytes",
                                                     help="Host memory for the CPU KV offload tier, bytes "
-                                                         "(0 = off; needs async_scheduling = false)."),
+                                                         "(0 = off)."),
     offload_policy: Optional[str] = typer.Option(None, "--offload-policy", help="CPU/disk tier policy: lru or arc."),
     offload_disk_bytes: Optional[int] = typer.Option(None, "--offload-disk-bytes",
                                                      help="Disk tier below the CPU tier, bytes (0 = none)."),

@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
 """Golden cases for vLLM 0.33's native CPU KV offloading (OffloadingConnector).
 
-Drives vLLM's *real* v1 ``Scheduler`` (synchronous), its KVCacheManager /
-coordinators / BlockPool and the *real* scheduler side of the native
-``OffloadingConnector`` (``OffloadingConnectorScheduler`` + ``CPUOffloadingManager``
-with the ``lru`` or ``arc`` policy).  Two things are faked:
+Drives vLLM's *real* v1 ``Scheduler`` (synchronous) or ``AsyncScheduler``
+(``"async_scheduling": true``: stepped as ``EngineCore.step_with_batch_queue``
+does, two batches in flight), its KVCacheManager / coordinators / BlockPool and
+the *real* scheduler side of the native ``OffloadingConnector``
+(``OffloadingConnectorScheduler`` + ``CPUOffloadingManager`` with the ``lru`` or
+``arc`` policy).  Two things are faked:
 
-* the model: after each ``schedule()`` it samples the request's next scripted
-  output token for every scheduled request whose known tokens are all computed;
-* the connector's worker side: a job issued in step ``s`` is reported finished
-  in step ``s + load_steps`` (load jobs) or ``s + store_steps`` (store jobs); a
-  job named in ``jobs_to_flush`` of step ``t`` is reported in step ``t`` if it
-  was not reported before.  Reports use exactly the real worker's format
+* the model: each scheduled request that is not a partial prefill chunk samples
+  its next scripted output token (asynchronous: chosen when the batch is
+  updated);
+* the connector's worker side, counting *ticks* (synchronous: steps;
+  asynchronous: batches, i.e. schedule() calls, numbered in schedule order): a
+  job issued in tick ``t`` is reported finished in the output of tick
+  ``t + load_steps`` (load jobs) or ``t + store_steps`` (store jobs); a job named
+  in ``jobs_to_flush`` of tick ``t`` is reported in tick ``t`` if it was not
+  reported before.  Reports use exactly the real worker's format
   (``KVConnectorOutput.finished_recving`` + ``OffloadingWorkerMetadata``).
 
 Nothing in vLLM is altered.  The harness only observes (it wraps
@@ -25,8 +30,8 @@ count keys, evictions, loads and deferred lookups, the scheduler's
 finishes two requests (vLLM hands same-step finishes to the connector as a set,
 whose order depends on PYTHONHASHSEED; see make_case).
 
-The step loop and every output field are defined in ``README.md`` next to this
-file (section "gen_offload_golden.py").
+The step loops and every output field are defined in ``README.md`` next to
+this file (section "gen_offload_golden.py", "The step" and "Asynchronous mode").
 
 Usage (run with the oracle venv's python, PYTHONWARNINGS=ignore):
   gen_offload_golden.py make [--out DIR] [--only NAME,...]   build + run the cases
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import json
 import os
 import random
@@ -79,6 +85,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -179,22 +186,25 @@ def validate_config(cfg: dict) -> None:
         raise CaseError(f"config.json kv_offload: missing keys {missing}, unknown {extra}")
     if ko["eviction_policy"] not in ("lru", "arc"):
         raise CaseError("kv_offload.eviction_policy must be 'lru' or 'arc'")
-    # a store is submitted by the real worker at the start of the next step,
-    # so it cannot finish in its own step unless flushed; a load can.
+    # a store is submitted by the real worker at the start of the next step
+    # (batch), so it cannot finish in its own step (batch) unless flushed; a
+    # load can (not realistically: README "Asynchronous mode").
     if int(ko["load_steps"]) < 0 or int(ko["store_steps"]) < 1:
         raise CaseError("kv_offload: need load_steps >= 0 and store_steps >= 1")
     if cfg["vllm_version"] != vllm.__version__:
         raise CaseError(f"config.json: vllm_version {cfg['vllm_version']} but "
                         f"installed vllm is {vllm.__version__}")
-    if cfg["async_scheduling"]:
-        raise CaseError("config.json: async_scheduling must be false")
+    if not isinstance(cfg["async_scheduling"], bool):
+        raise CaseError("config.json: async_scheduling must be true or false")
 
 
 def build_scheduler(cfg: dict):
-    """vLLM's Scheduler with the OffloadingConnector (scheduler role).
-    kv_offload.kv_bytes_per_chunk / num_cpu_chunks may be null (filled from
-    what vLLM computed); if given they must equal what vLLM computed."""
+    """vLLM's Scheduler (``AsyncScheduler`` when ``async_scheduling``) with the
+    OffloadingConnector (scheduler role).  kv_offload.kv_bytes_per_chunk /
+    num_cpu_chunks may be null (filled from what vLLM computed); if given they
+    must equal what vLLM computed."""
     validate_config(cfg)
+    is_async = bool(cfg["async_scheduling"])
     ko = cfg["kv_offload"]
     bs = int(cfg["block_size"])
     groups = build_groups(cfg["kv_cache_groups"], bs)
@@ -219,7 +229,7 @@ def build_scheduler(cfg: dict):
         policy=cfg["scheduling_policy"],
         watermark=float(cfg["watermark"]),
         scheduler_reserve_full_isl=bool(cfg["scheduler_reserve_full_isl"]),
-        async_scheduling=False,
+        async_scheduling=is_async,
         is_encoder_decoder=False,
     )
     kv_transfer_config = KVTransferConfig(
@@ -258,8 +268,11 @@ def build_scheduler(cfg: dict):
         return spec
 
     OffloadingSpecFactory.create_spec = classmethod(_create_spec)
+    sched_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    if sched_cls is not (AsyncScheduler if is_async else Scheduler):
+        raise CaseError(f"vLLM picked scheduler class {sched_cls.__name__}")
     try:
-        sched = Scheduler(
+        sched = sched_cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -290,8 +303,20 @@ def build_scheduler(cfg: dict):
             raise CaseError(f"vLLM changed {k}: asked {cfg[k]!r}, effective {v!r}")
     if sched_bs != bs or hash_bs != bs:
         raise CaseError(f"unexpected scheduler/hash block size {sched_bs}/{hash_bs}")
-    if vllm_config.max_in_flight_tokens != sc.max_num_batched_tokens:
-        raise CaseError("max_in_flight_tokens != max_num_batched_tokens")
+    # EngineCore.step_with_batch_queue is used with max_concurrent_batches > 1
+    batches = vllm_config.max_concurrent_batches
+    if batches != (2 if is_async else 1):
+        raise CaseError(f"max_concurrent_batches = {batches}")
+    if vllm_config.max_in_flight_tokens != batches * sc.max_num_batched_tokens:
+        raise CaseError("max_in_flight_tokens != batches * max_num_batched_tokens")
+    # kv_role "kv_both" is a KV consumer: with two batches in flight vLLM
+    # defers freeing a request's blocks until the batches that may still
+    # write them are updated (Scheduler.defer_block_free).
+    if sched.defer_block_free != is_async or sched.defer_async_loads:
+        raise CaseError(f"defer_block_free {sched.defer_block_free}, defer_async_loads "
+                        f"{sched.defer_async_loads}")
+    if sched.requires_kv_delivery:
+        raise CaseError("connector requires_kv_delivery")
     conn = sched.connector
     if conn is None or type(conn).__name__ != "OffloadingConnector":
         raise CaseError(f"scheduler built connector {type(conn).__name__}")
@@ -347,35 +372,46 @@ def validate_request(r: dict, cfg: dict, where: str) -> None:
 # --------------------------------------------------------------------------
 class FakeOffloadWorker:
     """Reports connector jobs the way OffloadingConnectorWorker does, with a
-    fixed latency: load jobs issued in step s finish in step s + load_steps,
-    store jobs in step s + store_steps; jobs_to_flush of step t finish in t."""
+    fixed latency counted in *ticks*: steps (synchronous) or batches
+    (asynchronous).  Load jobs issued in tick t finish in tick t + load_steps,
+    store jobs in t + store_steps; jobs_to_flush of tick t finish in t.  With
+    asynchronous scheduling batch k+1 is submitted before batch k is
+    collected; that cannot change batch k's report, since a job issued or
+    flushed in tick k+1 is never due before k+1."""
 
     def __init__(self, load_steps: int, store_steps: int):
         self.load_steps = load_steps
         self.store_steps = store_steps
-        # job id -> [is_load, req_id (None for sync loads), due_step]
+        # job id -> [is_load, req_id (None for sync loads), due_tick]
         self.pending: dict[int, list] = {}
         self.reported: set[int] = set()
+        self.last_collected = -1
 
-    def submit(self, meta: OffloadingConnectorMetadata, step: int) -> None:
+    def submit(self, meta: OffloadingConnectorMetadata, tick: int) -> None:
+        if tick <= self.last_collected:
+            raise CaseError(f"tick {tick} submitted after tick {self.last_collected} "
+                            "was collected")
         for jid, job in meta.load_jobs.items():
             if jid in self.pending or jid in self.reported:
                 raise CaseError(f"load job {jid} issued twice")
             sync = bool(getattr(job, "sync", False))
             self.pending[jid] = [True, None if sync else job.req_id,
-                                 step if sync else step + self.load_steps]
+                                 tick if sync else tick + self.load_steps]
         for jid, job in meta.store_jobs.items():
             if jid in self.pending or jid in self.reported:
                 raise CaseError(f"store job {jid} issued twice")
-            self.pending[jid] = [False, job.req_id, step + self.store_steps]
+            self.pending[jid] = [False, job.req_id, tick + self.store_steps]
         for jid in meta.jobs_to_flush or ():
             if jid in self.pending:
-                self.pending[jid][2] = min(self.pending[jid][2], step)
+                self.pending[jid][2] = min(self.pending[jid][2], tick)
             elif jid not in self.reported:
                 raise CaseError(f"flush of unknown job {jid}")
 
-    def collect(self, step: int) -> tuple[list[int], KVConnectorOutput]:
-        done = sorted(j for j, (_, _, due) in self.pending.items() if due <= step)
+    def collect(self, tick: int) -> tuple[list[int], KVConnectorOutput]:
+        if tick != self.last_collected + 1:
+            raise CaseError(f"collect({tick}) after collect({self.last_collected})")
+        self.last_collected = tick
+        done = sorted(j for j, (_, _, due) in self.pending.items() if due <= tick)
         finished_recving: set[str] = set()
         wmeta = OffloadingWorkerMetadata()
         for jid in done:
@@ -397,10 +433,13 @@ class FakeOffloadWorker:
 # --------------------------------------------------------------------------
 def run_case(cfg: dict, requests: list[dict], on_finish=None,
              max_stall_steps: int = 3000, max_steps: int = 100_000):
-    """Run one case (``requests`` sorted by arrival_step).  ``on_finish(spec,
-    step)`` may return new request specs arriving after ``step`` (multi-turn
-    workloads); the written requests.jsonl is static and replays identically.
+    """Run one case (``requests`` sorted by arrival_step), synchronous or
+    asynchronous as ``cfg["async_scheduling"]`` says (README: "The step" /
+    "Asynchronous mode").  ``on_finish(spec, step)`` may return new request
+    specs arriving after ``step`` (multi-turn workloads); the written
+    requests.jsonl is static and replays identically.
     Returns (requests_in_add_order, expected_requests, expected_steps, geometry)."""
+    is_async = bool(cfg["async_scheduling"])
     sched, hasher, geometry = build_scheduler(cfg)
     pool = sched.kv_cache_manager.block_pool
     conn = sched.connector
@@ -418,14 +457,21 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
                     store_failed=0)
     preempt_order: list[str] = []
     cur_step = [0]
+    in_schedule = [False]
     # req id -> (external_tokens, load_step, local_tokens) of a load issued
     # and not yet consumed by an admission
     pending_load: dict[str, tuple[int, int, int]] = {}
-    totals = dict(store_failed=0, store_calls=0, lookup_deferred=0)
+    totals = dict(store_failed=0, store_calls=0, lookup_deferred=0, deferred_frees=0,
+                  cow_copies=0, preempt_gated=0)
+
+    def only_in_schedule(what):
+        if not in_schedule[0]:
+            raise CaseError(f"step {cur_step[0]}: {what} called outside schedule()")
 
     orig_prepare_store = manager.prepare_store
 
     def prepare_store(keys, req_context, _orig=orig_prepare_store):
+        only_in_schedule("prepare_store")
         out = _orig(keys, req_context)
         step_obs["store_calls"] += 1
         if out is None:
@@ -440,6 +486,7 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
     orig_prepare_load = manager.prepare_load
 
     def prepare_load(keys, req_context, _orig=orig_prepare_load):
+        only_in_schedule("prepare_load")
         step_obs["load_keys"] += len(keys)
         return _orig(keys, req_context)
 
@@ -448,6 +495,7 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
     orig_usaa = cs.update_state_after_alloc
 
     def update_state_after_alloc(request, blocks, num_external_tokens, _orig=orig_usaa):
+        only_in_schedule("update_state_after_alloc")
         ret = _orig(request, blocks, num_external_tokens)
         if num_external_tokens > 0:
             rid = request.request_id
@@ -477,7 +525,44 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
 
     sched._preempt_request = _preempt_observer
 
-    # ---- the loop ----
+    # (asynchronous mode) count the frees vLLM defers (Scheduler.defer_block_free)
+    orig_frb = sched._free_request_blocks
+
+    def _free_request_blocks(request, _orig=orig_frb):
+        if not sched._request_blocks_can_be_freed(request):
+            if request.status == RequestStatus.RUNNING:
+                raise CaseError(f"deferred free of running request {request.request_id}")
+            totals["deferred_frees"] += 1
+        return _orig(request)
+
+    sched._free_request_blocks = _free_request_blocks
+
+    # (asynchronous mode) the preemption gate: a running request whose blocks
+    # a batch in flight may still write is not preempted (the allocation
+    # fails instead; schedule() moves on).  Counted where it answers False
+    # for a RUNNING request.
+    orig_can_free = sched._request_blocks_can_be_freed
+
+    def _request_blocks_can_be_freed(request, _orig=orig_can_free):
+        ret = _orig(request)
+        if not ret and request.status == RequestStatus.RUNNING:
+            totals["preempt_gated"] += 1
+        return ret
+
+    sched._request_blocks_can_be_freed = _request_blocks_can_be_freed
+
+    kvm = sched.kv_cache_manager
+    orig_take_copies = kvm.take_kv_cache_block_copies
+
+    def take_kv_cache_block_copies(*a, _orig=orig_take_copies, **kw):
+        ret = _orig(*a, **kw)
+        if ret[0]:
+            totals["cow_copies"] += 1
+        return ret
+
+    kvm.take_kv_cache_block_copies = take_kv_cache_block_copies
+
+    # ---- state ----
     pending = list(requests)
     for i in range(1, len(pending)):
         if pending[i]["arrival_step"] < pending[i - 1]["arrival_step"]:
@@ -489,18 +574,11 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
     specs: dict[str, dict] = {}
     info: dict[str, dict] = {}
     steps: list[dict] = []
-    step = 0
-    stall = 0
-    next_job_id = 0
+    next_job_id = [0]
     admit_from = (RequestStatus.WAITING, RequestStatus.PREEMPTED,
                   RequestStatus.WAITING_FOR_REMOTE_KVS)
-    while True:
-        if step >= max_steps:
-            raise CaseError(f"no end after {max_steps} steps")
-        cur_step[0] = step
-        for k in step_obs:
-            step_obs[k] = 0
-        # 1. arrivals
+
+    def arrivals(step):
         while pending and pending[0]["arrival_step"] <= step:
             spec = pending.pop(0)
             pending_keys.pop(0)
@@ -528,24 +606,31 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
             info[rid] = dict(request_id=rid, admissions=[], num_preemptions=0,
                              first_scheduled_step=None, finish_step=None)
             sched.add_request(req)
-        # 2. schedule (the connector builds its metadata inside schedule())
+
+    def do_schedule(step, tick):
+        """One schedule() (the connector builds its metadata inside it); the
+        batch's jobs go to the worker.  Returns (scheduler_output, samplers,
+        part of the step record)."""
         before = {rid: r.status for rid, r in sched.requests.items()}
         preempt_order.clear()
-        so = sched.schedule()
+        in_schedule[0] = True
+        try:
+            so = sched.schedule()
+        finally:
+            in_schedule[0] = False
         meta = so.kv_connector_metadata
         if not isinstance(meta, OffloadingConnectorMetadata):
             raise CaseError(f"step {step}: no OffloadingConnectorMetadata")
-        rec = dict(step=step, scheduled={}, preempted=list(preempt_order), finished=[])
         if sorted(preempt_order) != sorted(so.preempted_req_ids or []):
             raise CaseError("preemption observer disagrees with SchedulerOutput")
-        # connector jobs created in this step, in job-id order.  Job ids come
-        # from one counter (loads and stores): this step's loads, then its
-        # stores, take the next ids in that order.
+        # connector jobs created in this schedule, in job-id order.  Job ids
+        # come from one counter (loads and stores): this schedule's loads,
+        # then its stores, take the next ids in that order.
         new_ids = sorted(meta.load_jobs) + sorted(meta.store_jobs)
-        if new_ids != list(range(next_job_id, cs._job_counter)):
+        if new_ids != list(range(next_job_id[0], cs._job_counter)):
             raise CaseError(f"step {step}: job ids {new_ids} not the next "
-                            f"{cs._job_counter - next_job_id} ids from {next_job_id}")
-        next_job_id = cs._job_counter
+                            f"{cs._job_counter - next_job_id[0]} ids from {next_job_id[0]}")
+        next_job_id[0] = cs._job_counter
         loads = [[meta.load_jobs[j].req_id, len(cs._jobs[j].keys)]
                  for j in sorted(meta.load_jobs)]
         stores = [[meta.store_jobs[j].req_id, len(cs._jobs[j].keys)]
@@ -554,13 +639,15 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
             raise CaseError(f"step {step}: load keys disagree with prepare_load")
         if sum(n for _, n in stores) != step_obs["store_keys"]:
             raise CaseError(f"step {step}: store keys disagree with prepare_store")
-        flushed = sorted(meta.jobs_to_flush or ())
-        # 3. fake model
-        req_ids, sampled = [], []
+        part = dict(scheduled={}, preempted=list(preempt_order), loads=loads,
+                    stores=stores, evicted=step_obs["evicted"],
+                    flushed=sorted(meta.jobs_to_flush or ()))
+        # the fake model's samplers: every scheduled request that is not a
+        # partial prefill chunk (async: vLLM gives it an output placeholder)
+        samplers = []
         for rid, n in so.num_scheduled_tokens.items():
             req = reqs[rid]
-            req_ids.append(rid)
-            rec["scheduled"][rid] = n
+            part["scheduled"][rid] = n
             st0 = before.get(rid)
             if st0 in admit_from:
                 hit = req.num_computed_tokens - n
@@ -578,24 +665,42 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
                     info[rid]["first_scheduled_step"] = step
             elif st0 != RequestStatus.RUNNING:
                 raise CaseError(f"request {rid} scheduled from status {st0}")
-            if req.num_computed_tokens >= req.num_tokens:
-                sampled.append([specs[rid]["output_token_ids"][req.num_output_tokens]])
+            if not is_async and req.is_prefill_chunk != \
+                    (req.num_computed_tokens < req.num_tokens):
+                raise CaseError(f"request {rid}: is_prefill_chunk disagrees")
+            if not req.is_prefill_chunk:
+                samplers.append(rid)
+        for rid in part["preempted"]:
+            info[rid]["num_preemptions"] += 1
+        worker.submit(meta, tick)
+        return so, samplers, part
+
+    def do_update(step, so, samplers, tick):
+        """The batch's model output (with the worker's report for this tick)
+        and update_from_output().  Returns (completed job ids, finished)."""
+        completed, kv_out = worker.collect(tick)
+        req_ids, sampled = [], []
+        for rid in so.num_scheduled_tokens:
+            req_ids.append(rid)
+            if rid in samplers:
+                k = reqs[rid].num_output_tokens
+                outs = specs[rid]["output_token_ids"]
+                if k < len(outs):
+                    sampled.append([outs[k]])
+                elif is_async:
+                    sampled.append([0])  # vLLM discards it (request finished)
+                else:
+                    raise CaseError(f"request {rid} sampled past its outputs")
             else:
                 sampled.append([])  # partial prefill chunk: nothing sampled
-        for rid in rec["preempted"]:
-            info[rid]["num_preemptions"] += 1
-        # 3b. the worker: submit this step's jobs, report what is due now
-        worker.submit(meta, step)
-        completed, kv_out = worker.collect(step)
         mro = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=kv_out,
         )
-        # 4. update
         sched.update_from_output(so, mro)
-        new_specs = []
+        finished, new_specs = [], []
         for rid in so.num_scheduled_tokens:
             req = reqs[rid]
             if req.is_finished() and info[rid]["finish_step"] is None:
@@ -604,7 +709,7 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
                     raise CaseError(f"request {rid} finished abnormally: {req.status}, "
                                     f"{req.num_output_tokens} outputs")
                 info[rid]["finish_step"] = step
-                rec["finished"].append(rid)
+                finished.append(rid)
                 if on_finish is not None:
                     new_specs.extend(on_finish(specs[rid], step) or [])
         for ns in new_specs:
@@ -613,23 +718,67 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
             pos = bisect.bisect_right(pending_keys, ns["arrival_step"])
             pending.insert(pos, ns)
             pending_keys.insert(pos, ns["arrival_step"])
-        # 5. record
-        rec["num_free_blocks"] = pool.get_num_free_blocks()
-        rec["num_cached_blocks"] = len(pool.cached_block_hash_to_block)
+        return completed, finished
+
+    # ---- the loop ----
+    step = 0
+    stall = 0
+    queue: collections.deque = collections.deque()  # async: batches in flight
+    n_batches = 0
+    while True:
+        if step >= max_steps:
+            raise CaseError(f"no end after {max_steps} steps")
+        cur_step[0] = step
+        for k in step_obs:
+            step_obs[k] = 0
+        # 1. arrivals
+        arrivals(step)
+        part = dict(scheduled={}, preempted=[], loads=[], stores=[], evicted=0,
+                    flushed=[])
+        completed, finished = [], []
+        sched_batch = upd_batch = None
+        if not is_async:
+            # 2. schedule, 3. fake model + worker, 4. update (one batch per step)
+            so, samplers, part = do_schedule(step, step)
+            completed, finished = do_update(step, so, samplers, step)
+        else:
+            # one EngineCore.step_with_batch_queue (2 batches in flight)
+            update_now = True
+            if sched.has_requests():
+                so, samplers, part = do_schedule(step, n_batches)
+                queue.appendleft((so, samplers, n_batches))
+                sched_batch = n_batches
+                n_batches += 1
+                executed = so.total_num_scheduled_tokens > 0
+                if len(queue) < 2 and (executed or sched.has_requests()):
+                    update_now = False  # schedule-only step
+            elif not queue:
+                update_now = False  # idle step
+            if update_now:
+                so, samplers, upd_batch = queue.pop()
+                completed, finished = do_update(step, so, samplers, upd_batch)
+        # record
+        rec = dict(step=step, scheduled=part["scheduled"], preempted=part["preempted"],
+                   finished=finished,
+                   num_free_blocks=pool.get_num_free_blocks(),
+                   num_cached_blocks=len(pool.cached_block_hash_to_block))
         rec["offload"] = dict(
-            loads=loads,
-            stores=stores,
-            evicted=step_obs["evicted"],
-            flushed=flushed,
+            loads=part["loads"],
+            stores=part["stores"],
+            evicted=part["evicted"],
+            flushed=part["flushed"],
             completed=completed,
             cpu_used_chunks=manager._num_allocated_chunks - len(manager._free_list),
             waiting_for_kv=sorted(rid for rid, r in sched.requests.items()
                                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
         )
+        if is_async:
+            rec["offload"]["scheduled_batch"] = sched_batch
+            rec["offload"]["updated_batch"] = upd_batch
         totals["store_failed"] += step_obs["store_failed"]
         totals["store_calls"] += step_obs["store_calls"]
         steps.append(rec)
-        if rec["scheduled"] or completed or loads or stores:
+        if rec["scheduled"] or completed or part["loads"] or part["stores"] or finished:
             stall = 0
         else:
             stall += 1
@@ -637,13 +786,15 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
                 raise CaseError(f"stalled at step {step}: {len(cs._jobs)} jobs, "
                                 f"{sched.get_num_unfinished_requests()} unfinished")
         step += 1
-        # end: every request arrived and finished, no connector job pending and
-        # nothing finished in this step (vLLM's EngineCore keeps stepping while
-        # Scheduler.has_requests(): finished_req_ids not yet handed to the
-        # connector, or connector jobs in flight).
-        if not pending and not sched.has_requests():
-            if sched.get_num_unfinished_requests() or cs._jobs or rec["finished"]:
+        # end: every request arrived, not Scheduler.has_requests() (no
+        # unfinished request, no finished_req_ids not yet handed to a
+        # schedule(), no connector job in flight) and (async) no batch in
+        # flight: vLLM's EngineCore.has_work() is False.
+        if not pending and not sched.has_requests() and not queue:
+            if sched.get_num_unfinished_requests() or cs._jobs or sched.finished_req_ids:
                 raise CaseError("has_requests() is False but work remains")
+            if not is_async and rec["finished"]:
+                raise CaseError("run ends in a step that finished a request")
             break
     # ---- sanity ----
     for rid, v in info.items():
@@ -653,10 +804,14 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
             raise CaseError(f"request {rid}: admissions/preemptions mismatch")
     if pending_load:
         raise CaseError(f"loads never consumed by an admission: {sorted(pending_load)}")
+    if sched.deferred_frees or sched.deferred_loads:
+        raise CaseError("deferred block frees / loads left at the end")
     if steps[-1]["num_free_blocks"] != int(cfg["num_blocks"]) - 1:
         raise CaseError("GPU blocks leaked at the end of the run")
     if worker.pending:
         raise CaseError(f"worker still holds jobs {sorted(worker.pending)}")
+    if is_async and worker.last_collected != n_batches - 1:
+        raise CaseError("not every batch was updated")
     if cs._jobs or cs._req_status or cs._block_id_to_pending_jobs:
         raise CaseError("connector scheduler still holds jobs / request state")
     if manager._num_write_pending_chunks != 0:
@@ -669,6 +824,10 @@ def run_case(cfg: dict, requests: list[dict], on_finish=None,
     exp_requests = [info[str(s["request_id"])] for s in added]
     geometry["store_failed"] = totals["store_failed"]
     geometry["lookup_deferred"] = totals["lookup_deferred"]
+    geometry["deferred_frees"] = totals["deferred_frees"]
+    geometry["cow_copies"] = totals["cow_copies"]
+    geometry["preempt_gated"] = totals["preempt_gated"]
+    geometry["batches"] = n_batches if is_async else len(steps)
     return added, exp_requests, steps, geometry
 
 
@@ -753,7 +912,19 @@ def summarize(cfg: dict, exp_requests: list[dict], exp_steps: list[dict],
         lookup_deferred=geometry.get("lookup_deferred", 0),
         odd_hits=sum(a["hit_tokens"] % 16 != 0 for a in adm),
         preemptions=sum(r["num_preemptions"] for r in exp_requests),
-    )
+    ) | (dict(
+        batches=geometry.get("batches"),
+        empty_batches=sum(o["scheduled_batch"] is not None and not s["scheduled"]
+                          for s, o in zip(exp_steps, off)),
+        schedule_only_steps=sum(o["scheduled_batch"] is not None and
+                                o["updated_batch"] is None for o in off),
+        update_only_steps=sum(o["scheduled_batch"] is None and
+                              o["updated_batch"] is not None for o in off),
+        min_load_wait=min(waits, default=0),
+        deferred_frees=geometry.get("deferred_frees", 0),
+        cow_copies=geometry.get("cow_copies", 0),
+        preempt_gated=geometry.get("preempt_gated", 0),
+    ) if cfg["async_scheduling"] else {})
 
 
 # --------------------------------------------------------------------------
@@ -864,7 +1035,7 @@ def SWA(w):
 
 def config(groups, num_blocks, max_num_seqs, budget, description, *, cpu_chunks,
            policy, load_steps=1, store_steps=1, bytes_per_chunk, max_model_len=2048,
-           reserve=True):
+           reserve=True, async_scheduling=False):
     return {
         "vllm_version": VLLM_VERSION,
         "kv_cache_groups": groups,
@@ -880,7 +1051,7 @@ def config(groups, num_blocks, max_num_seqs, budget, description, *, cpu_chunks,
         "scheduler_reserve_full_isl": reserve,
         "enable_prefix_caching": True,
         "prefix_caching_hash_algo": "sha256",
-        "async_scheduling": False,
+        "async_scheduling": async_scheduling,
         "description": description,
         "kv_offload": {
             # sized in whole chunks: vLLM gives cpu_bytes_to_use // kv_bytes_per_chunk
@@ -958,6 +1129,52 @@ def offload_cases():
     cases["offload_mamba_lru"] = mamba("lru", 9103)
     cases["offload_mamba_arc"] = mamba("arc", 9103)
     cases["offload_full_lru_slow"] = full_slow
+
+    # asynchronous scheduling (AsyncScheduler, two batches in flight); the
+    # worker's latencies count batches
+    def a_full(policy, seed, n_conv=24):
+        return lambda: (config(
+            [FULL], 160, 4, 512,
+            f"asynchronous scheduling, full attention, 159 usable GPU blocks, CPU tier "
+            f"({policy}, 400 chunks) smaller than the reused prefixes: GPU-evicted "
+            "prefixes come back from the CPU tier; CPU evictions",
+            cpu_chunks=400, policy=policy, bytes_per_chunk=PAGE, async_scheduling=True),
+            lambda: workload(seed, n_conv=n_conv))
+
+    def a_swa(policy, seed, n_conv=24):
+        return lambda: (config(
+            [FULL, SWA(64)], 200, 4, 512,
+            f"asynchronous scheduling, full + sliding window 64, CPU tier ({policy}, "
+            "700 chunks): both groups offloaded per 16-token chunk, SWA chunks only "
+            "where reachable; SWA lookups need the window",
+            cpu_chunks=700, policy=policy, bytes_per_chunk=PAGE, async_scheduling=True),
+            lambda: workload(seed, n_conv=n_conv))
+
+    def a_mamba(policy, seed, n_conv=24):
+        return lambda: (config(
+            [FULL, MAMBA], 200, 4, 512,
+            f"asynchronous scheduling, full + mamba (align), CPU tier ({policy}, 500 "
+            "chunks): Mamba boundary states offloaded one job per state",
+            cpu_chunks=500, policy=policy, bytes_per_chunk=PAGE, async_scheduling=True),
+            lambda: workload(seed, n_conv=n_conv))
+
+    def a_full_slow():
+        return (config(
+            [FULL], 130, 6, 512,
+            "asynchronous scheduling, full attention, slow transfers (loads 3 batches, "
+            "stores 2 batches), ARC, 129 usable GPU blocks, scheduler_reserve_full_isl "
+            "false, short outputs: requests wait for loads, pending stores flushed "
+            "when their GPU blocks are reused, preemptions",
+            cpu_chunks=400, policy="arc", load_steps=3, store_steps=2,
+            bytes_per_chunk=PAGE, reserve=False, async_scheduling=True),
+            lambda: workload(9115, n_conv=22, start_gap=4, think=(10, 60),
+                             olen=(1, 10)))
+
+    # (17 and 18 conversations: keeps each case directory under 400 KB)
+    cases["offload_async_full_lru"] = a_full("lru", 9101, n_conv=17)
+    cases["offload_async_swa_arc"] = a_swa("arc", 9102, n_conv=18)
+    cases["offload_async_mamba_lru"] = a_mamba("lru", 9103)
+    cases["offload_async_full_arc_slow"] = a_full_slow
     return cases
 
 

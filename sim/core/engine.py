@@ -196,17 +196,25 @@ class EngineCore:
 
     def schedule_batch(self, executor: ModelExecutor) -> Batch:
         """Schedule one batch, hand it to the executor (it runs while the next is scheduled)
-        and queue it. An output with no tokens is queued too (vLLM updates it as well)."""
+        and queue it. An output with no tokens is queued too (vLLM updates it as well).
+        With an offload tier the worker gets the batch's transfer jobs with it."""
         output = self.scheduler.schedule()
+        if self.offload is not None:
+            self.offload.transfers.submit(output.kv_connector_metadata)
         batch = Batch(output, self._execute(executor, output))
         self.batch_queue.append(batch)
         return batch
 
     def update_batch(self) -> StepResult:
-        """Apply the oldest batch's sampled tokens (it has finished running)."""
+        """Apply the oldest batch's sampled tokens (it has finished running), and with an
+        offload tier the transfers the worker reports finished with it."""
         batch = self.batch_queue.popleft()
         finished = self.scheduler.update_from_output(batch.output, batch.execution.sampled)
-        return StepResult(batch.output, finished, batch.execution, batch.output)
+        reported = None
+        if self.offload is not None:
+            reported = self.offload.transfers.finish_step(batch.execution.duration_s)
+            self.scheduler.update_connector_output(reported)
+        return StepResult(batch.output, finished, batch.execution, batch.output, transfers=reported)
 
     def step_async(self, executor: ModelExecutor) -> StepResult:
         """One engine step with a batch queue (vLLM ``EngineCore.step_with_batch_queue``).

@@ -26,7 +26,7 @@ class Request:
     __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "output_token_ids",
                  "num_computed_tokens", "block_hashes", "status", "num_preemptions", "shared_prefix_boundary",
                  "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens", "num_output_placeholders",
-                 "num_in_flight_tokens")
+                 "num_in_flight_tokens", "last_sched_seq")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
                  priority: int = 0):
@@ -57,6 +57,9 @@ class Request:
         # stay until they ran (a window slides by what was processed), and a preempted
         # request waits until output from before its preemption has been delivered.
         self.num_in_flight_tokens = 0
+        # With an offload connector and two batches in flight: the last non-empty batch that
+        # holds this request (its blocks are not freed before that batch is applied).
+        self.last_sched_seq = 0
 
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -99,8 +99,6 @@ class Scheduler:
         # that mentions the connector runs.
         self.connector = connector
         if connector is not None:
-            if scheduler_config.async_scheduling:
-                raise ValueError("KV offloading is modelled with the synchronous scheduler only")
             # Requests that hold blocks while waiting (their KV is being loaded) queue
             # apart and go first (vLLM's kv_holding_waiting).
             self.kv_holding_waiting = create_request_queue(scheduler_config.scheduling_policy)
@@ -111,6 +109,15 @@ class Scheduler:
             # (request, GPU hit tokens, loaded tokens, loaded tokens per tier) for every
             # admission that loads from the tier, until a metrics recorder takes them.
             self.external_hits: list[tuple[Request, int, int, dict[str, int]]] = []
+            # Two batches in flight with a connector that loads into blocks (vLLM's
+            # defer_block_free): a request's blocks go back to the pool only once every
+            # non-empty batch holding it has been applied, and a running request still in
+            # a batch in flight is not preempted. Non-empty batches are counted as they are
+            # scheduled and as they are applied.
+            self.defer_block_free = scheduler_config.async_scheduling
+            self.sched_step_seq = 0
+            self.processed_step_seq = 0
+            self.deferred_frees: deque[tuple[int, Request]] = deque()
             for manager in self.kv_cache_manager.coordinator.managers:
                 if isinstance(manager, MambaManager):
                     manager.boundary_state_offloads = []
@@ -156,6 +163,7 @@ class Scheduler:
         mamba_split = self.mamba_block_size > 0
         horizon = kvm.noop_horizon
         async_ = self.async_scheduling
+        deferring = self.connector is not None and self.defer_block_free
         kvm.new_step_starts()
 
         req_index = 0
@@ -192,8 +200,11 @@ class Scheduler:
                 new_blocks = kvm.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                victim = (max(self.running, key=lambda r: (r.priority, r.arrival_time)) if is_priority
+                          else self.running[-1])
+                if deferring and victim.last_sched_seq > self.processed_step_seq:
+                    break  # its blocks would not come back before this allocation: wait
                 if is_priority:
-                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                     victim_index = self.running.index(victim)
                     del self.running[victim_index]
                     if victim_index < req_index:
@@ -204,7 +215,7 @@ class Scheduler:
                         cached.new_blocks.pop(victim.request_id, None)
                         cached.replaced_block_ids.pop(victim.request_id, None)
                 else:
-                    victim = self.running.pop()
+                    self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is request:
@@ -239,34 +250,40 @@ class Scheduler:
         # Advance the computed counts optimistically (before the forward pass), noting for
         # the executor where each request starts and which ones sample. Two loops, so the
         # synchronous hot path pays nothing for placeholders and in-flight bookkeeping.
-        requests = self.requests
-        note_computed = out.num_computed_tokens.append
-        sampling = out.num_output_tokens
         if async_:
-            self.num_batches += 1
-            partials: list[tuple[Request, int]] = []
-            if scheduled:  # (an empty batch has none; its update pops nothing)
-                self._in_flight_partials.append(partials)
-            for request_id, num_tokens in scheduled.items():
-                request = requests[request_id]
-                computed = request.num_computed_tokens
-                note_computed(computed)
-                computed += num_tokens
-                request.num_computed_tokens = computed
-                request.num_in_flight_tokens += num_tokens
-                # Everything it has, the outputs still being sampled included, is computed:
-                # it samples one more, and holds a placeholder for it until this batch's
-                # update (a partial prefill chunk samples nothing).
-                placeholders = request.num_output_placeholders
-                have = request.num_tokens + placeholders
-                if computed >= have:
-                    sampling[request_id] = have - request.num_prompt_tokens
-                    request.num_output_placeholders = placeholders + 1
-                else:
-                    partials.append((request, num_tokens))
+            self._advance_computed_async(out)
             return out
         self._advance_computed(out)
         return out
+
+    def _advance_computed_async(self, out: SchedulerOutput) -> None:
+        """The asynchronous advance: as the synchronous one, and a request that samples
+        holds a placeholder until this batch's update; partial chunks' tokens stay in flight."""
+        requests = self.requests
+        note_computed = out.num_computed_tokens.append
+        sampling = out.num_output_tokens
+        scheduled = out.num_scheduled_tokens
+        self.num_batches += 1
+        partials: list[tuple[Request, int]] = []
+        if scheduled:  # (an empty batch has none; its update pops nothing)
+            self._in_flight_partials.append(partials)
+        for request_id, num_tokens in scheduled.items():
+            request = requests[request_id]
+            computed = request.num_computed_tokens
+            note_computed(computed)
+            computed += num_tokens
+            request.num_computed_tokens = computed
+            request.num_in_flight_tokens += num_tokens
+            # Everything it has, the outputs still being sampled included, is computed:
+            # it samples one more, and holds a placeholder for it until this batch's
+            # update (a partial prefill chunk samples nothing).
+            placeholders = request.num_output_placeholders
+            have = request.num_tokens + placeholders
+            if computed >= have:
+                sampling[request_id] = have - request.num_prompt_tokens
+                request.num_output_placeholders = placeholders + 1
+            else:
+                partials.append((request, num_tokens))
 
     def _advance_computed(self, out: SchedulerOutput) -> None:
         """The synchronous advance: each scheduled request's computed count moves past this
@@ -373,6 +390,10 @@ class Scheduler:
                     skipped_holding.append(queue.pop())
                     continue
                 self._finish_remote_load(request)
+            if request.num_in_flight_tokens:
+                # Preempted while a batch with it was in flight (async; 0 when synchronous).
+                (skipped_holding if self._holds_kv_blocks(request) else skipped_waiting).append(queue.pop())
+                continue
             num_external = 0
             load_async = False
             if request.num_computed_tokens == 0:
@@ -441,8 +462,15 @@ class Scheduler:
         computed counts as the synchronous path does."""
         offloads = self.kv_cache_manager.coordinator.take_boundary_state_offloads() if self.mamba_block_size else None
         out.kv_connector_metadata = self.connector.build_connector_meta(out, offloads)
-        self._advance_computed(out)
         requests = self.requests
+        if self.defer_block_free and out.num_scheduled_tokens:
+            self.sched_step_seq += 1
+            for request_id in out.num_scheduled_tokens:
+                requests[request_id].last_sched_seq = self.sched_step_seq
+        if self.async_scheduling:
+            self._advance_computed_async(out)
+        else:
+            self._advance_computed(out)
         for request_id in out.num_output_tokens:
             self.inflight_prefills.discard(requests[request_id])  # its prefill is done
         return out
@@ -526,13 +554,7 @@ class Scheduler:
             request = requests[request_id]
             request.append_output_token_ids(tokens)
             if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len:
-                request.status = RequestStatus.FINISHED
-                if self.connector is not None:
-                    self.connector.request_finished(request)
-                    self.inflight_prefills.discard(request)
-                self.kv_cache_manager.free(request)
-                finished.append(request)
-                self.finished_req_ids.append(request_id)
+                self._finish(request, finished)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -554,6 +576,12 @@ class Scheduler:
         requests = self.requests
         if not scheduled:
             return []
+        if self.connector is not None and self.defer_block_free:
+            # Every write of this and earlier batches is done: deferred blocks may go back.
+            self.processed_step_seq += 1
+            frees = self.deferred_frees
+            while frees and frees[0][0] <= self.processed_step_seq:
+                self.kv_cache_manager.free(frees.popleft()[1])
         # Partial prefill chunks sample nothing; their tokens leave the flight too.
         for request, num_tokens in self._in_flight_partials.popleft():
             request.num_in_flight_tokens -= num_tokens
@@ -578,10 +606,7 @@ class Scheduler:
             if request.status is preempted:
                 if done:
                     self._remove_waiting(request)
-                    request.status = RequestStatus.FINISHED
-                    kvm.free(request)
-                    finished.append(request)
-                    self.finished_req_ids.append(request_id)
+                    self._finish(request, finished)
                 continue
             placeholders = request.num_output_placeholders
             if placeholders:
@@ -596,16 +621,34 @@ class Scheduler:
                     if processed // hash_block_size != (processed - num_tokens) // hash_block_size:
                         cache_blocks(request_id, request.block_hashes, processed)
             if done:
-                request.status = RequestStatus.FINISHED
-                kvm.free(request)
-                finished.append(request)
-                self.finished_req_ids.append(request_id)
+                self._finish(request, finished)
         if finished:
             done_ids = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done_ids]
             for request in finished:
                 del requests[request.request_id]
         return finished
+
+    def _finish(self, request: Request, finished: list[Request]) -> None:
+        """A request is done: the connector learns of it (its last chunks are stored with the
+        next schedule), then its blocks are freed at once; it is reported next schedule."""
+        request.status = RequestStatus.FINISHED
+        if self.connector is not None:
+            # vLLM drops what the request no longer reads (by the processed tokens) before it
+            # hands the table to the connector: those blocks reach the free queue first.
+            self.kv_cache_manager.coordinator.remove_skipped_blocks(
+                request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens))
+            self.connector.request_finished(request)
+            self.inflight_prefills.discard(request)
+            if self.defer_block_free and request.last_sched_seq > self.processed_step_seq:
+                # A batch in flight still writes its blocks: free them when it is applied.
+                self.deferred_frees.append((self.sched_step_seq, request))
+                finished.append(request)
+                self.finished_req_ids.append(request.request_id)
+                return
+        self.kv_cache_manager.free(request)
+        finished.append(request)
+        self.finished_req_ids.append(request.request_id)
 
     def _remove_waiting(self, request: Request) -> None:
         """Take one request out of the waiting queue, the others keeping their order."""

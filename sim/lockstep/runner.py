@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvtwin.sim.core.block_pool import BlockPool
 from kvtwin.sim.core.engine import EngineCore, Execution, OffloadTier, StepResult
+from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnectorMetadata
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
 from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
@@ -81,14 +82,16 @@ class LockstepResult:
 
 def offload_record(engine: EngineCore, result: StepResult, evicted_before: int) -> dict:
     """The ``offload`` part of a step's line: transfer jobs made and reported, and the tier."""
-    meta = result.output.kv_connector_metadata
+    # Asynchronous steps may only schedule (no report yet) or only apply (no schedule).
+    meta = result.output.kv_connector_metadata or OffloadingConnectorMetadata()
+    reported = result.transfers or KVConnectorOutput()
     manager = engine.offload.manager
     return {
         "loads": [[job.req_id, len(job.keys)] for job in meta.load_jobs.values()],
         "stores": [[job.req_id, len(job.keys)] for job in meta.store_jobs.values()],
         "evicted": manager.num_evicted_keys - evicted_before,
         "flushed": sorted(meta.jobs_to_flush),
-        "completed": sorted(result.transfers.completed_jobs),
+        "completed": sorted(reported.completed_jobs),
         "cpu_used_chunks": manager.num_used_chunks,
         "waiting_for_kv": sorted(r.request_id for r in engine.scheduler.kv_holding_waiting
                                  if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS),
@@ -110,6 +113,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
     offloading = engine.offload is not None
     # request id -> (loaded tokens, step the load was issued) of its pending admission.
     loads: dict[str, tuple[int, int]] = {}
+    updated_batches = 0  # async: batches applied so far
     model = ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
     records = {r.request_id: RequestRecord(r.request_id) for r in case.requests}
     pending = list(case.requests)
@@ -131,6 +135,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
                                   f"{rejection.detail})", spec.request_id)
             next_arrival += 1
         evicted_before = engine.offload.manager.num_evicted_keys if offloading else 0
+        batches_before = engine.scheduler.num_batches
         result = step_fn(model)
         out = result.output
         if offloading:
@@ -154,6 +159,13 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
         line = step_record(step, result, pool)
         if offloading:
             line["offload"] = offload_record(engine, result, evicted_before)
+            if is_async:
+                # Which batch this step scheduled and which it applied (batches are numbered
+                # in schedule order; None: none).
+                scheduled_now = engine.scheduler.num_batches > batches_before
+                line["offload"]["scheduled_batch"] = batches_before if scheduled_now else None
+                line["offload"]["updated_batch"] = updated_batches if result.updated is not None else None
+                updated_batches += result.updated is not None
         steps.append(line)
         if on_step is not None:
             on_step(step)

@@ -21,9 +21,8 @@ is built; ``OffloadConfig.resolve(plan)`` turns bytes into chunks the way vLLM's
   ``disk_latency_s + bytes / disk_bandwidth_bytes_per_s`` on one queue per replica.
 
 Each data-parallel replica (``engine.replicas``) has its own tiers of these sizes, as
-each vLLM instance has its own ``--kv-offloading-size``. Offloading is modelled with
-vLLM's synchronous scheduler only: a scenario that turns it on with
-``async_scheduling = true`` (vLLM's default) is refused with the setting to change.
+each vLLM instance has its own ``--kv-offloading-size``. Both schedulers offload: the
+synchronous one and vLLM's default asynchronous one (two batches in flight).
 ``cpu_bytes = 0`` (the default) is no offloading at all: the run is exactly the one
 without an ``[offload]`` table.
 """
@@ -80,12 +79,6 @@ class OffloadConfig:
     @property
     def enabled(self) -> bool:
         return self.cpu_bytes > 0
-
-    def check_engine(self, async_scheduling: bool, *, field: str = "engine.async_scheduling") -> None:
-        """Offloading runs with the synchronous scheduler only."""
-        if self.enabled and async_scheduling:
-            raise ConfigError(field, "false when [offload] cpu_bytes > 0: offloading is modelled with vLLM's "
-                                     "synchronous scheduler; set [engine] async_scheduling = false", True)
 
     def resolve(self, plan) -> ResolvedOffload | None:
         """Chunks and transfer rates for ``plan`` (None when offloading is off)."""

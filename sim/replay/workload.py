@@ -17,7 +17,7 @@ are known. A metrics step is one batch: it starts when the device starts it and 
 its device time; its admissions are stamped with the time it was scheduled. Batches that
 computed nothing leave no step row unless they preempted.
 
-With an offload tier (``EngineCore.offload``; synchronous scheduling only) the engine also
+With an offload tier (``EngineCore.offload``) the engine also
 steps while finished requests are still to be reported (their last chunks are stored in
 that step, as vLLM steps while ``has_finished_requests``). A step that schedules nothing
 because requests wait for transfers (a load from the tier, or a store or a disk promotion
@@ -214,6 +214,7 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
     def async_engine_process(replica: int):
         engine = engines[replica]
         executor = executors[replica]
+        offload = engine.offload is not None
         queue = engine.batch_queue
         size = engine.batch_queue_size
         # (scheduled at, device start, device end) of each batch in ``queue``, oldest first.
@@ -240,8 +241,25 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                         # Nothing could be scheduled and nothing runs: apply what is queued (it
                         # computed nothing) and wait for an arrival rather than spin (the
                         # waiting head cannot fit until something changes).
+                        reported = False
                         while queue:
-                            record(engine, replica, times.popleft(), engine.update_batch())
+                            result = engine.update_batch()
+                            record(engine, replica, times.popleft(), result)
+                            transfers = result.transfers
+                            reported |= transfers is not None and bool(transfers.completed_jobs
+                                                                       or transfers.finished_recving)
+                        if offload and engine.has_unfinished_requests():
+                            if reported:
+                                continue  # what finished may let a waiting request go
+                            due_s = next_offload_event_s(engine)
+                            if due_s is not None:
+                                # Requests wait for transfers: go on when the next one
+                                # finishes, or at an arrival.
+                                if due_s > env.now:
+                                    wakes[replica] = env.event()
+                                    yield env.any_of([wakes[replica], env.timeout(due_s - env.now)])
+                                    wakes[replica] = None
+                                continue
                         if state["arrivals_done"]:
                             return
                         yield from wait_for_arrival(replica)

@@ -183,7 +183,6 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     _check_keys(data, SECTIONS, "scenario")
     engine = engine_config_from_mapping(_table(data, "engine"))
     offload = offload_config_from_mapping(_table(data, "offload"))
-    offload.check_engine(engine.async_scheduling)
     slo_table = _table(data, "slo")
     _check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():

@@ -184,11 +184,6 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             # A scenario value (or default) the flags made inconsistent: both ways to set it.
             raise ConfigError(f"{OFFLOAD_FLAGS[err.field]} or [offload] {err.field}", err.expected,
                               err.got) from None
-    if overrides.offload or overrides.engine:
-        try:
-            offload.check_engine(engine.async_scheduling)
-        except ConfigError as err:
-            raise err.with_source(where) if where is not None else err from None
 
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
@@ -22,7 +21,7 @@ from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mappin
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay import sweep
 from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS
-from kvtwin.sim.replay.run import offload_tier, run_replay
+from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.parse import parse_scenario
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
@@ -104,17 +103,20 @@ def test_bad_offload_settings_are_errors_naming_the_key(table, field):
     assert err.value.field == field
 
 
-def test_offload_with_async_scheduling_is_refused_with_the_setting_to_change():
-    with pytest.raises(ConfigError, match="async_scheduling = false") as err:
-        parse_scenario({"engine": {}, "offload": {"cpu_bytes": GIB}}, base_dir=None)
-    assert err.value.field == "engine.async_scheduling"
-    parse_scenario({"engine": {"async_scheduling": False}, "offload": {"cpu_bytes": GIB}}, base_dir=None)
-    parse_scenario({"engine": {}, "offload": {"cpu_bytes": 0}}, base_dir=None)  # off: nothing to refuse
-    # The core refuses it too, whoever builds the engine.
+def test_offload_runs_with_vllms_default_asynchronous_scheduling(chat):
+    """Two batches in flight (vLLM's default) offload too: the tier catches reuse the GPU
+    lost, and a zero-byte tier is exactly the run without one."""
+    assert parse_scenario({"engine": {}, "offload": {"cpu_bytes": GIB}}, base_dir=None).offload.cpu_bytes == GIB
     async_plan = _plan(async_scheduling=True)
-    tier = offload_tier(OffloadConfig(cpu_bytes=GIB).resolve(async_plan), env=SimpleNamespace(now=0.0))
-    with pytest.raises(ValueError):
-        EngineCore(async_plan.require_fits(), async_plan.engine.scheduler, async_plan.engine.cache, tier)
+    assert async_plan.engine.async_scheduling
+    off = run_replay(async_plan, chat)
+    on = run_replay(async_plan, chat, offload=OffloadConfig(cpu_bytes=6 * GIB).resolve(async_plan))
+    s = _summary(on)
+    assert s["cpu_hit_tokens"] > 0 and s["hit_rate_total"] >= _first_admission_hit_rate(off)
+    assert s["completed"] == _summary(off)["completed"] == on.requests.num_rows
+    zero = run_replay(async_plan, chat, offload=OffloadConfig(cpu_bytes=0).resolve(async_plan))
+    for name in ("requests", "steps", "summary", "replicas"):
+        assert_tables_equal(getattr(off, name), getattr(zero, name), with_metadata=False)
 
 
 def test_cpu_chunks_are_worker_bytes_times_world_size_rounded_to_the_page():

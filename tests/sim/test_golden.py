@@ -28,7 +28,11 @@ PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mam
 # under the priority policy, the priority policy, chunked prefill off, multi-turn and big
 # batches (budget 8192, up to 29 requests and ~3k tokens per batch).
 ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba_align", "async_hybrid_priority",
-               "async_priority", "async_no_chunking", "async_multiturn", "async_big_batches"}
+               "async_priority", "async_no_chunking", "async_multiturn", "async_big_batches",
+               # vLLM's native CPU offloading under asynchronous scheduling (our own harness,
+               # scripts/oracle/gen_offload_golden.py).
+               "offload_async_full_lru", "offload_async_swa_arc", "offload_async_mamba_lru",
+               "offload_async_full_arc_slow"}
 
 def test_all_thirteen_public_golden_cases_are_listed():
     assert len(PUBLIC_CASES) == 13

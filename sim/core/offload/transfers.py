@@ -3,12 +3,12 @@
 Issue 13 ("Time"). vLLM's worker runs each job the connector hands it and reports it done
 in a later step's output; loads run while the engine goes on with other requests, stores
 consume bandwidth without blocking compute. A job the connector flushes (a block it reads
-was handed out again, or its request was preempted) is waited for before that step's
-forward pass, so it is reported in that step.
+was handed out again, or its request was preempted) is waited for before that batch's
+forward pass: it is due with that batch at the latest.
 
 * ``StepTransfers`` — the lockstep clock (and the golden cases' worker stand-in): a job
-  issued in step s is reported at the end of step ``s + load_steps`` (a load) or
-  ``s + store_steps`` (a store).
+  issued with batch k (a step, with synchronous scheduling) is reported with the results
+  of batch ``k + load_steps`` (a load) or ``k + store_steps`` (a store).
 * ``TimedTransfers`` — the SimPy clock: loads queue on the host-to-device link and stores
   on the device-to-host link, each first in, first out, at that link's bandwidth; a job is
   reported at the end of the first step that ends after it finished. The wait a flush
@@ -19,43 +19,48 @@ forward pass, so it is reported in that step.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable
 
 from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnectorMetadata
 
 
 class _Completions:
-    """Jobs in flight, by the time (or step) they finish."""
+    """Jobs in flight, by the time (or batch) they are due."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, str | None]] = []
-        self._done: set[int] = set()
+        self._due: dict[int, float] = {}  # job id -> when it is due (a flush can bring it forward)
 
     def add(self, due: float, job_id: int, load_req_id: str | None) -> None:
+        self._due[job_id] = due
         heapq.heappush(self._heap, (due, job_id, load_req_id))
 
-    def flush(self, job_ids, out: KVConnectorOutput) -> None:
-        """Report these jobs now; their heap entries are dropped when they come up."""
-        for _, job_id, req_id in sorted(e for e in self._heap if e[1] in job_ids and e[1] not in self._done):
-            self._done.add(job_id)
-            _report(job_id, req_id, out)
+    def flush(self, job_ids, due: float) -> None:
+        """The worker waits for these jobs: they are due by ``due`` at the latest."""
+        for _, job_id, req_id in [e for e in self._heap if e[1] in job_ids]:
+            if self._due.get(job_id, due) > due:
+                self._due[job_id] = due
+                heapq.heappush(self._heap, (due, job_id, req_id))
 
     def collect(self, until: float, out: KVConnectorOutput) -> None:
         heap = self._heap
+        due = self._due
         while heap and heap[0][0] <= until:
-            _, job_id, req_id = heapq.heappop(heap)
-            if job_id in self._done:
-                self._done.discard(job_id)  # flushed earlier
-                continue
+            when, job_id, req_id = heapq.heappop(heap)
+            if due.get(job_id) != when:
+                continue  # reported already, or brought forward by a flush
+            del due[job_id]
             _report(job_id, req_id, out)
 
     def next_due(self) -> float | None:
-        while self._heap and self._heap[0][1] in self._done:
-            self._done.discard(heapq.heappop(self._heap)[1])
-        return self._heap[0][0] if self._heap else None
+        heap = self._heap
+        while heap and self._due.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def __bool__(self) -> bool:
-        return self.next_due() is not None
+        return bool(self._due)
 
 
 def _report(job_id: int, req_id: str | None, out: KVConnectorOutput) -> None:
@@ -70,28 +75,33 @@ class StepTransfers:
             raise ValueError("transfer step counts must be >= 0")
         self.load_steps = load_steps
         self.store_steps = store_steps
-        self.step = 0
+        # Batches are numbered as they are scheduled (with synchronous scheduling a batch is
+        # a step); their results come back in the same order.
+        self.next_batch = 0
         self._jobs = _Completions()
-        self._flushed: KVConnectorOutput | None = None
+        # Batches scheduled and not yet finished, oldest first.
+        self._in_flight: deque[int] = deque()
 
     def submit(self, meta: OffloadingConnectorMetadata | None) -> None:
-        """The step's jobs, as the worker receives them before its forward pass."""
-        out = KVConnectorOutput()
+        """A batch's jobs, as the worker receives them before its forward pass."""
+        batch = self.next_batch
+        self.next_batch += 1
         if meta is not None:
             for job_id, job in meta.load_jobs.items():
-                self._jobs.add(self.step + self.load_steps, job_id, job.req_id)
+                self._jobs.add(batch + self.load_steps, job_id, job.req_id)
             for job_id in meta.store_jobs:
-                self._jobs.add(self.step + self.store_steps, job_id, None)
+                self._jobs.add(batch + self.store_steps, job_id, None)
             if meta.jobs_to_flush:
-                self._jobs.flush(meta.jobs_to_flush, out)
-        self._flushed = out
+                self._jobs.flush(meta.jobs_to_flush, batch)
+        self._in_flight.append(batch)
 
     def finish_step(self, duration_s: float = 0.0) -> KVConnectorOutput:
-        out = self._flushed or KVConnectorOutput()
-        self._flushed = None
-        self._jobs.collect(self.step, out)
+        """The oldest batch's report: every job due by this batch (a job a batch flushes is
+        due with that batch at the latest)."""
+        batch = self._in_flight.popleft()
+        out = KVConnectorOutput()
+        self._jobs.collect(batch, out)
         out.completed_jobs.sort()
-        self.step += 1
         return out
 
     def has_pending(self) -> bool:
@@ -108,8 +118,8 @@ class TimedTransfers:
         self._h2d_free_s = 0.0
         self._d2h_free_s = 0.0
         self._jobs = _Completions()
-        self._flushed: KVConnectorOutput | None = None
-        self._step_start_s = 0.0
+        # When each batch scheduled and not yet finished was scheduled, oldest first.
+        self._in_flight: deque[float] = deque()
         # Per load job id: seconds from issue to finish (metrics: the load wait).
         self.load_seconds: dict[int, float] = {}
         self.loaded_bytes = 0
@@ -117,8 +127,6 @@ class TimedTransfers:
 
     def submit(self, meta: OffloadingConnectorMetadata | None) -> None:
         now = self.clock_s()
-        self._step_start_s = now
-        out = KVConnectorOutput()
         if meta is not None:
             for job_id, job in meta.load_jobs.items():
                 num_bytes = len(job.keys) * self.bytes_per_key
@@ -134,13 +142,16 @@ class TimedTransfers:
                 self._jobs.add(done, job_id, None)
                 self.stored_bytes += num_bytes
             if meta.jobs_to_flush:
-                self._jobs.flush(meta.jobs_to_flush, out)
-        self._flushed = out
+                self._jobs.flush(meta.jobs_to_flush, now)
+        self._in_flight.append(now)
 
     def finish_step(self, duration_s: float) -> KVConnectorOutput:
-        out = self._flushed or KVConnectorOutput()
-        self._flushed = None
-        self._jobs.collect(self._step_start_s + duration_s, out)
+        """The oldest batch's report, at its end: ``duration_s`` after it was scheduled, or
+        now if it is applied later (asynchronous scheduling applies a batch when the device
+        finished it, which may have started it late)."""
+        start_s = self._in_flight.popleft()
+        out = KVConnectorOutput()
+        self._jobs.collect(max(self.clock_s(), start_s + duration_s), out)
         out.completed_jobs.sort()
         return out
 

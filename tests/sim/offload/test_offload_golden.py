@@ -19,45 +19,48 @@ CASES_DIR = Path(__file__).resolve().parents[2] / "golden" / "cases"
 OFFLOAD_CASES = sorted(p.name for p in CASES_DIR.glob("offload_*") if (p / "config.json").exists())
 
 
-def test_the_offload_cases_cover_full_swa_and_mamba_with_both_policies():
+def test_the_offload_cases_cover_full_swa_and_mamba_with_both_policies_and_both_schedulers():
     kinds = set()
     for name in OFFLOAD_CASES:
         case = load_case(CASES_DIR / name)
         groups = tuple(type(g.spec).__name__ for g in case.kv_cache_config.groups)
-        kinds.add((groups, case.offload.eviction_policy))
+        kinds.add((groups, case.offload.eviction_policy, case.scheduler_config.async_scheduling))
     for groups in (("FullAttentionSpec",), ("FullAttentionSpec", "SlidingWindowSpec"),
                    ("FullAttentionSpec", "MambaSpec")):
         for policy in ("lru", "arc"):
-            assert (groups, policy) in kinds
+            assert (groups, policy, False) in kinds
+        assert any((groups, policy, True) in kinds for policy in ("lru", "arc"))
 
 
 @pytest.mark.parametrize("name", OFFLOAD_CASES)
 def test_tables_kept_from_the_output_match_the_manager(name):
     case = load_case(CASES_DIR / name)
     engine = build_engine(case)
+    step = engine.step_async if case.scheduler_config.async_scheduling else engine.step
     mirror = BlockTableMirror(ScriptedModel({r.request_id: r.output_token_ids for r in case.requests}))
     expected = read_jsonl(CASES_DIR / name / "expected_steps.jsonl")
     pending = list(case.requests)
-    arrived = step = 0
+    arrived = index = 0
     loads = stores = 0
     while True:
-        while arrived < len(pending) and pending[arrived].arrival_step == step:
+        while arrived < len(pending) and pending[arrived].arrival_step == index:
             spec = pending[arrived]
             assert engine.add_request(Request(spec.request_id, TokenPrompt(spec.prompt_token_ids),
                                               len(spec.output_token_ids), arrival_time=float(arrived),
                                               priority=spec.priority))
             arrived += 1
-        result = engine.step(mirror)
+        result = step(mirror)
         mirror.check(engine, result)
         meta = result.output.kv_connector_metadata
-        loads += len(meta.load_jobs)
-        stores += len(meta.store_jobs)
-        line = step_record(step, result, engine.kv_cache_manager.block_pool)
+        if meta is not None:  # (an async step may only apply a batch)
+            loads += len(meta.load_jobs)
+            stores += len(meta.store_jobs)
+        line = step_record(index, result, engine.kv_cache_manager.block_pool)
         assert {k: line[k] for k in ("scheduled", "num_free_blocks", "num_cached_blocks")} == \
-            {k: expected[step][k] for k in ("scheduled", "num_free_blocks", "num_cached_blocks")}
-        step += 1
+            {k: expected[index][k] for k in ("scheduled", "num_free_blocks", "num_cached_blocks")}
+        index += 1
         if arrived == len(pending) and not engine.has_unfinished_requests() and not engine.has_pending_transfers() \
-                and not engine.scheduler.finished_req_ids:
+                and not engine.scheduler.finished_req_ids and not engine.batch_queue:
             break
-    assert step == len(expected)
+    assert index == len(expected)
     assert loads > 0 and stores > 0
