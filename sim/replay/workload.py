@@ -94,6 +94,12 @@ def next_offload_event_s(engine: EngineCore) -> float | None:
     return min(times) if times else None
 
 
+def _reported(result) -> bool:
+    """Whether the worker reported a transfer finished with this step's result."""
+    transfers = result.transfers
+    return transfers is not None and bool(transfers.completed_jobs or transfers.finished_recving)
+
+
 def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExecutor | Sequence[ModelExecutor],
                    arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
                    time_limit_s: float | None = None,
@@ -186,17 +192,7 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                 yield env.timeout(duration_s)
             elif not result.output.num_scheduled_tokens:
                 if offload and engine.has_unfinished_requests():
-                    transfers = result.transfers
-                    if transfers is not None and (transfers.completed_jobs or transfers.finished_recving):
-                        continue  # what finished may let a waiting request go: schedule again now
-                    due_s = next_offload_event_s(engine)
-                    if due_s is not None:
-                        # Waiting for a transfer (a load, or a store or promotion a lookup
-                        # waits on): step again when the next one finishes, or at an arrival.
-                        if due_s > env.now:
-                            wakes[replica] = env.event()
-                            yield env.any_of([wakes[replica], env.timeout(due_s - env.now)])
-                            wakes[replica] = None
+                    if (yield from wait_for_transfers(engine, replica, _reported(result))):
                         continue
                 # Nothing could be scheduled and no time passes: wait for an arrival
                 # rather than spin (the waiting head cannot fit until something changes).
@@ -205,6 +201,21 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                 wakes[replica] = env.event()
                 yield wakes[replica]
                 wakes[replica] = None
+
+    def wait_for_transfers(engine: EngineCore, replica: int, reported: bool):
+        """Requests wait for transfers and nothing could run: True to step again, now if the
+        worker just reported one finished (a waiting request may go), else once the next
+        one finishes or a request arrives; False if nothing is in flight."""
+        if reported:
+            return True
+        due_s = next_offload_event_s(engine)
+        if due_s is None:
+            return False
+        if due_s > env.now:
+            wakes[replica] = env.event()
+            yield env.any_of([wakes[replica], env.timeout(due_s - env.now)])
+            wakes[replica] = None
+        return True
 
     def wait_for_arrival(replica: int):
         wakes[replica] = env.event()
@@ -245,20 +256,9 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                         while queue:
                             result = engine.update_batch()
                             record(engine, replica, times.popleft(), result)
-                            transfers = result.transfers
-                            reported |= transfers is not None and bool(transfers.completed_jobs
-                                                                       or transfers.finished_recving)
+                            reported |= _reported(result)
                         if offload and engine.has_unfinished_requests():
-                            if reported:
-                                continue  # what finished may let a waiting request go
-                            due_s = next_offload_event_s(engine)
-                            if due_s is not None:
-                                # Requests wait for transfers: go on when the next one
-                                # finishes, or at an arrival.
-                                if due_s > env.now:
-                                    wakes[replica] = env.event()
-                                    yield env.any_of([wakes[replica], env.timeout(due_s - env.now)])
-                                    wakes[replica] = None
+                            if (yield from wait_for_transfers(engine, replica, reported)):
                                 continue
                         if state["arrivals_done"]:
                             return
