@@ -106,9 +106,6 @@ class Scheduler:
             # Requests still prefilling or loading: admitting an asynchronous load must
             # leave them the blocks they still need.
             self.inflight_prefills: set[Request] = set()
-            # (request, GPU hit tokens, loaded tokens, loaded tokens per tier) for every
-            # admission that loads from the tier, until a metrics recorder takes them.
-            self.external_hits: list[tuple[Request, int, int, dict[str, int]]] = []
             # Two batches in flight with a connector that loads into blocks (vLLM's
             # defer_block_free): a request's blocks go back to the pool only once every
             # non-empty batch holding it has been applied, and a running request still in
@@ -426,8 +423,10 @@ class Scheduler:
             request_id = request.request_id
             connector.update_state_after_alloc(request, kvm.get_blocks(request_id), num_external)
             if num_external:
-                self.external_hits.append((request, hit_tokens, num_external,
-                                           connector.get_external_cache_hit_sources(request, num_external)))
+                if out.external_hits is None:
+                    out.external_hits = []
+                out.external_hits.append((request, hit_tokens, num_external,
+                                          connector.get_external_cache_hit_sources(request, num_external)))
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 request.num_computed_tokens = num_computed

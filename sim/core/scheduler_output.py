@@ -108,6 +108,9 @@ class SchedulerOutput:
     # With an offload tier: the step's transfer jobs (an OffloadingConnectorMetadata)
     # for the worker; None without one.
     kv_connector_metadata: object | None = None
+    # With an offload tier, for metrics (the executor ignores it): per admission that loads
+    # from the tier, (request, GPU hit tokens, loaded tokens, loaded tokens per tier).
+    external_hits: list | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -139,9 +139,8 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
         result = step_fn(model)
         out = result.output
         if offloading:
-            for request, _, num_external, _ in engine.scheduler.external_hits:
+            for request, _, num_external, _ in out.external_hits or ():
                 loads[request.request_id] = (num_external, step)
-            engine.scheduler.external_hits.clear()
         for admission in out.scheduled_new_reqs:
             record = records[admission.req_id]
             if offloading:

@@ -189,7 +189,7 @@ class MetricsRecorder:
             scheduled_s = start_s
         loads = self._loads if self.offload is not None else None
         if loads is not None:
-            self._record_loads(engine, output, start_s)
+            self.loads_issued(engine, output, scheduled_s)
         for admission in output.scheduled_new_reqs:
             record = records[admission.req_id]
             hit_tokens = admission.hit_tokens
@@ -258,10 +258,10 @@ class MetricsRecorder:
 
     # -- offload tiers ----------------------------------------------------------------------
 
-    def _record_loads(self, engine, output, start_s: float) -> None:
-        """The loads this step's schedule issued (the scheduler's ``external_hits``), and
-        how long the worker takes for them."""
-        hits = engine.scheduler.external_hits
+    def loads_issued(self, engine, output, start_s: float) -> None:
+        """The loads a schedule issued at ``start_s`` (its ``external_hits``), and how long
+        the worker takes for them; also for a batch that computes nothing (no step row)."""
+        hits = output.external_hits
         if not hits:
             return
         loads = self._loads
@@ -283,7 +283,6 @@ class MetricsRecorder:
                 load.gpu_hit_tokens, load.cpu_hit_tokens, load.disk_hit_tokens = gpu_hit_tokens, cpu, disk
             load.pending_issue_s = start_s
             load.pending_gpu_hit_tokens = gpu_hit_tokens
-        hits.clear()
         seconds = getattr(engine.offload.transfers, "load_seconds", None)
         if seconds is None:
             return  # a step clock: no seconds

@@ -284,6 +284,8 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
             if on_progress is not None and clock.steps % progress_every == 0:
                 clock.now_s = start_s
                 on_progress(clock)
+        elif output.external_hits:
+            metrics.loads_issued(engine, output, batch_times[0])  # a batch that only starts loads
         clock.finished += len(result.finished)
         if router is not None:
             for request in result.finished:

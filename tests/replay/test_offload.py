@@ -114,6 +114,12 @@ def test_offload_runs_with_vllms_default_asynchronous_scheduling(chat):
     s = _summary(on)
     assert s["cpu_hit_tokens"] > 0 and s["hit_rate_total"] >= _first_admission_hit_rate(off)
     assert s["completed"] == _summary(off)["completed"] == on.requests.num_rows
+    # Each load is paired with its own batch's transfer (two batches in flight).
+    loaded = on.requests.column("cpu_hit_tokens").to_numpy() > 0
+    transfer = on.requests.column("load_transfer_s").to_numpy()
+    wait = on.requests.column("load_wait_s").to_numpy()
+    assert s["num_loads"] == loaded.sum() and np.isfinite(transfer[loaded]).all()
+    assert (transfer[loaded] <= wait[loaded] + 1e-12).all()
     zero = run_replay(async_plan, chat, offload=OffloadConfig(cpu_bytes=0).resolve(async_plan))
     for name in ("requests", "steps", "summary", "replicas"):
         assert_tables_equal(getattr(off, name), getattr(zero, name), with_metadata=False)
