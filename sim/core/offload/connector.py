@@ -24,7 +24,7 @@ worker does before that step's forward pass.
 
 Left out, as vLLM's defaults leave them off or our layouts never reach them: partial-tail
 (sub-chunk) hits and stores, synchronous loads within a step, EAGLE drafter groups,
-``max_load_tokens`` / ``max_offload_tokens``, prefix-cache retention intervals, decode
+``max_load_tokens`` / ``max_offload_tokens``, retention intervals other than vLLM's default 0, decode
 context parallelism, cache resets and KV events. Only prompt tokens are offloaded
 (vLLM's ``offload_prompt_only`` default).
 """
