@@ -58,7 +58,7 @@ class Request:
         # request waits until output from before its preemption has been delivered.
         self.num_in_flight_tokens = 0
         # With an offload connector and two batches in flight: the last non-empty batch that
-        # holds this request (its blocks are not freed before that batch is applied).
+        # holds this request (it is not preempted before that batch is applied).
         self.last_sched_seq = 0
 
     def is_finished(self) -> bool:

@@ -107,14 +107,15 @@ class Scheduler:
             # leave them the blocks they still need.
             self.inflight_prefills: set[Request] = set()
             # Two batches in flight with a connector that loads into blocks (vLLM's
-            # defer_block_free): a request's blocks go back to the pool only once every
-            # non-empty batch holding it has been applied, and a running request still in
-            # a batch in flight is not preempted. Non-empty batches are counted as they are
-            # scheduled and as they are applied.
+            # defer_block_free): a running request still in a batch in flight is not
+            # preempted, since its blocks would only come back once that batch has run.
+            # Non-empty batches are counted as they are scheduled and as they are applied.
+            # (vLLM also delays freeing a request that finishes while a later batch holds
+            # it; here a request finishes only at max_tokens or max_model_len, which the
+            # scheduler foresees and schedules no further, so that cannot happen.)
             self.defer_block_free = scheduler_config.async_scheduling
             self.sched_step_seq = 0
             self.processed_step_seq = 0
-            self.deferred_frees: deque[tuple[int, Request]] = deque()
             for manager in self.kv_cache_manager.coordinator.managers:
                 if isinstance(manager, MambaManager):
                     manager.boundary_state_offloads = []
@@ -576,11 +577,7 @@ class Scheduler:
         if not scheduled:
             return []
         if self.connector is not None and self.defer_block_free:
-            # Every write of this and earlier batches is done: deferred blocks may go back.
-            self.processed_step_seq += 1
-            frees = self.deferred_frees
-            while frees and frees[0][0] <= self.processed_step_seq:
-                self.kv_cache_manager.free(frees.popleft()[1])
+            self.processed_step_seq += 1  # this batch's writes are done
         # Partial prefill chunks sample nothing; their tokens leave the flight too.
         for request, num_tokens in self._in_flight_partials.popleft():
             request.num_in_flight_tokens -= num_tokens
@@ -639,12 +636,6 @@ class Scheduler:
                 request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens))
             self.connector.request_finished(request)
             self.inflight_prefills.discard(request)
-            if self.defer_block_free and request.last_sched_seq > self.processed_step_seq:
-                # A batch in flight still writes its blocks: free them when it is applied.
-                self.deferred_frees.append((self.sched_step_seq, request))
-                finished.append(request)
-                self.finished_req_ids.append(request.request_id)
-                return
         self.kv_cache_manager.free(request)
         finished.append(request)
         self.finished_req_ids.append(request.request_id)
