@@ -91,7 +91,7 @@ class KVCacheCoordinator:
         offload connector: ``(group id, block id, boundary tokens)``."""
         offloads: dict[str, list[tuple[int, int, int]]] = {}
         for m in self.managers:
-            pending = getattr(m, "boundary_state_offloads", None)
+            pending = m.boundary_state_offloads
             if pending:
                 for request_id, group_id, block_id, boundary in pending:
                     offloads.setdefault(request_id, []).append((group_id, block_id, boundary))

@@ -41,6 +41,10 @@ class SingleTypeKVCacheManager:
     key's presence marks a request that has been allocated at least once)."""
 
     has_noop_horizon = True
+    # (request id, group id, block id, boundary tokens) of states cached since the scheduler
+    # last took them, for an offload connector; only Mamba "align" groups offer them, and
+    # only when a connector listens (otherwise None).
+    boundary_state_offloads: list[tuple[str, int, int, int]] | None = None
 
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool,
                  hash_block_size: int, max_admission_blocks_per_request: int | None = None):
@@ -376,9 +380,6 @@ class MambaManager(SingleTypeKVCacheManager):
         # flight delayed), so skipped blocks are found by a scan from here, not by stopping
         # at the first null (vLLM's ``_num_retired_blocks``).
         self.num_retired_blocks: dict[str, int] = {}
-        # (request id, group id, block id, boundary tokens) of states cached since the
-        # scheduler last took them; None unless an offload connector listens.
-        self.boundary_state_offloads: list[tuple[str, int, int, int]] | None = None
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is needed.

@@ -86,11 +86,7 @@ def next_offload_event_s(engine: EngineCore) -> float | None:
     """When the next transfer of ``engine``'s offload tier finishes: a GPU↔CPU job, or a
     CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
     tier = engine.offload
-    times = [tier.transfers.next_completion_s()]
-    next_finish = getattr(getattr(tier.manager, "promotion", None), "next_finish_s", None)
-    if next_finish is not None:
-        times.append(next_finish())
-    times = [t for t in times if t is not None]
+    times = [t for t in (tier.transfers.next_completion_s(), tier.manager.next_finish_s()) if t is not None]
     return min(times) if times else None
 
 

@@ -190,9 +190,6 @@ class OffloadingConnector:
         # With GPU prefix caching a chunk being loaded for one request is not loaded again
         # for another: that one waits and then hits on the GPU.
         self._chunks_being_loaded: set | None = set() if enable_prefix_caching else None
-        # Per step, for metrics: keys in this step's load and store jobs.
-        self.step_loaded_keys = 0
-        self.step_stored_keys = 0
 
     # -- requests ------------------------------------------------------------------------
 
@@ -407,7 +404,6 @@ class OffloadingConnector:
         assert not state.transfer_jobs  # a load is only issued with nothing else in flight
         state.transfer_jobs.add(job_id)
         self._jobs[job_id] = TransferJobStatus(request.request_id, frozenset(keys_to_load), False)
-        self.step_loaded_keys += len(keys_to_load)
         if self._chunks_being_loaded is not None:
             self._chunks_being_loaded.update(keys_to_load)
 
@@ -493,7 +489,6 @@ class OffloadingConnector:
         job_id = self._new_job_id()
         state.transfer_jobs.add(job_id)
         self._jobs[job_id] = TransferJobStatus(state.req.request_id, frozenset(keys), True, deferred, fenced)
-        self.step_stored_keys += len(keys)
         return TransferJob(job_id, state.req.request_id, True, keys, block_ids)
 
     def _build_boundary_store_jobs(self, handoffs: dict[str, list[tuple[int, int, int]]]) -> dict[int, TransferJob]:
@@ -570,31 +565,13 @@ class OffloadingConnector:
                 num_chunks = self._storable_chunks(state, config, group_state, num_offloadable)
                 start_chunk = group_state.next_stored_chunk_idx
                 ranges.append((start_chunk, num_chunks))
-                if config.requires_cow_source or num_chunks <= start_chunk:
-                    continue
-                keys = group_state.offload_keys[start_chunk:num_chunks]
-                # A chunk's source is its last block; 0 is a skipped or stale entry.
-                last_ids = group_state.block_ids[start_chunk * per_chunk + per_chunk - 1:num_chunks * per_chunk:per_chunk]
-                mask = self._reachable_block_mask(config, start_chunk, num_chunks, boundaries)
-                for key_idx, (key, block_id) in enumerate(zip(keys, last_ids)):
-                    if block_id == 0:
-                        continue
-                    span = range(key_idx * per_chunk, (key_idx + 1) * per_chunk)
-                    if mask is not None and not any(mask[b] for b in span):
-                        continue
-                    first_block = (start_chunk + key_idx) * per_chunk
-                    if any(group_state.block_ids[first_block + b - key_idx * per_chunk] == 0
-                           and (mask is None or mask[b]) for b in span):
-                        continue  # a reachable null would leave part of the chunk unwritten
-                    new_keys.append(key)
-            if not new_keys:
-                self._advance_stored_idx(state, num_offloadable)
-                self._note_settled(state, num_offloadable)
-                continue
-            stored = self.manager.prepare_store(new_keys, state.req_context)
-            if stored is None:
+                if not config.requires_cow_source and num_chunks > start_chunk:
+                    new_keys += self._chunks_to_offer(config, group_state, start_chunk, num_chunks, boundaries)
+            stored = self.manager.prepare_store(new_keys, state.req_context) if new_keys else None
+            if new_keys and stored is None:
                 continue  # the tier is full of pinned chunks: try again next step
-            if not stored.keys_to_store:
+            if stored is None or not stored.keys_to_store:
+                # Nothing new: everything offered is in the tier or cannot be used.
                 self._advance_stored_idx(state, num_offloadable)
                 self._note_settled(state, num_offloadable)
                 continue
@@ -627,6 +604,25 @@ class OffloadingConnector:
                         self._current_batch_jobs_to_flush.add(job.job_id)
             jobs[job.job_id] = job
         return jobs
+
+    def _chunks_to_offer(self, config: GroupOffloadConfig, group_state: RequestGroupState, start_chunk: int,
+                         end_chunk: int, boundaries: tuple[int, ...]) -> list:
+        """The keys of chunks ``[start, end)`` worth storing: every block a later hit can
+        reach is real (0 is a skipped or stale entry), and so is the chunk's last block,
+        its source."""
+        per_chunk = self.blocks_per_chunk
+        mask = self._reachable_block_mask(config, start_chunk, end_chunk, boundaries)
+        keys = []
+        for idx, key in enumerate(group_state.offload_keys[start_chunk:end_chunk]):
+            first = (start_chunk + idx) * per_chunk
+            blocks = group_state.block_ids[first:first + per_chunk]
+            reachable = mask[idx * per_chunk:(idx + 1) * per_chunk] if mask is not None else [True] * per_chunk
+            if blocks[-1] == 0 or not any(reachable):
+                continue
+            if any(block_id == 0 and reach for block_id, reach in zip(blocks, reachable)):
+                continue  # a reachable null would leave part of the chunk unwritten
+            keys.append(key)
+        return keys
 
     def _note_settled(self, state: RequestOffloadState, num_offloadable: int) -> None:
         if all(gs.next_stored_chunk_idx >= num_offloadable // c.tokens_per_chunk

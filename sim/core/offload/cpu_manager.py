@@ -319,6 +319,10 @@ class CPUOffloadingManager:
     def has_pending_work(self) -> bool:
         return False
 
+    def next_finish_s(self) -> float | None:
+        """When the tier's own next transfer finishes on a timed clock: it has none."""
+        return None
+
     def reset_cache(self) -> None:
         """Drop every chunk, pinned or in flight; the caller guarantees that no
         completion of a job started before the reset arrives afterwards."""

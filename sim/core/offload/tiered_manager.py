@@ -633,6 +633,12 @@ class TieredOffloadingManager:
     def has_pending_work(self) -> bool:
         return bool(self._jobs) or bool(self._pending_promotions) or self.cpu.has_pending_work()
 
+    def next_finish_s(self) -> float | None:
+        """When the next CPU↔disk job finishes on a timed promotion clock (None: none, or
+        a step clock)."""
+        next_finish = getattr(self.promotion, "next_finish_s", None)
+        return next_finish() if next_finish is not None else None
+
     def reset_cache(self) -> None:
         """Finish every CPU↔disk transfer, keep the disk, reset the CPU tier."""
         self._flush_pending_promotions()

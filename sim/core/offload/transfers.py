@@ -110,7 +110,7 @@ class StepTransfers:
 
 class TimedTransfers:
     def __init__(self, clock_s: Callable[[], float], h2d_bytes_per_s: float, d2h_bytes_per_s: float,
-                 bytes_per_key: int, load_latency_s: Callable[[object], float] | None = None):
+                 bytes_per_key: int):
         self.clock_s = clock_s
         self.h2d_bytes_per_s = h2d_bytes_per_s
         self.d2h_bytes_per_s = d2h_bytes_per_s
