@@ -1,22 +1,34 @@
-"""Speed and memory of a full replay: the default scenario (Llama-3.1-8B on one H100) over
-the whole bundled Mooncake conversation trace (12,031 requests, mean prompt 12k tokens).
+"""Speed and memory of full replays, against the targets kvtwin holds itself to.
 
-Prints wall time, simulated requests per wall second, engine steps per second and peak
-RSS, and writes one parquet row to ``bench/out/bench_replay.parquet``. The replay's wall
-time is also given as a ratio to a fixed pure-Python loop timed in the same run
-(``bench/reference_loop.py``, before and after the replay): compare that ratio across
-changes, since the machines are shared and wall seconds drift.
+Each workload replays a whole bundled trace in a fresh process (so its peak RSS is its
+own) and is reported with its wall time, that time as a ratio to a fixed pure-Python loop
+timed in the same run (``reference_loop.py``, before and after: compare ratios across
+machines and changes, since these machines are shared and wall seconds drift), engine
+steps per second, peak RSS, and its target:
 
-    python bench/bench_replay.py [--scenario scenarios/default.toml] [--limit N]
+* ``mooncake``: the Mooncake conversation trace (12,031 requests) on one H100
+  (``scenarios/mooncake-llama8b-h100-overload.toml``, 118k steps): at most 10 s and 400 MiB;
+* ``azure-conv``: the Azure 2023 conversation trace (19,366 requests) with Llama-3.1-8B on
+  an A100 80GB: at most 5 s, i.e. at least 7x faster than Vidur's 37.3 s on the same trace
+  and machine kind (its plots off);
+* ``default``: what ``kvtwin replay`` runs with no arguments (two replicas behind a router,
+  2.2M steps): no target, reported so that its cost is seen.
+
+Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
+
+    python bench/bench_replay.py [--only NAME ...] [--scenario FILE [--gpu G] [--limit N]]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import resource
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,65 +36,118 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from kvtwin import __version__
+from kvtwin import CORE_BUILD, __version__
 from kvtwin.scenarios import SCENARIOS_DIR
-from kvtwin.sim.scenario.parse import load_scenario
-from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.run import run_replay
-from kvtwin.traces import transforms
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from reference_loop import reference_seconds  # noqa: E402  (a sibling script, not a package)
 
+VIDUR_AZURE_CONV_S = 37.3  # Vidur on the Azure conversation trace, same machine kind (issue 14)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    scenario: str
+    gpu: str | None = None
+    target_wall_s: float | None = None
+    target_rss_mib: float | None = None
+    compare_s: float | None = None  # another tool's time on the same work
+
+
+WORKLOADS = (
+    Workload("mooncake", "mooncake-llama8b-h100-overload.toml", target_wall_s=10.0, target_rss_mib=400.0),
+    Workload("azure-conv", "azure-conv-llama8b.toml", gpu="a100-80gb", target_wall_s=5.0,
+             compare_s=VIDUR_AZURE_CONV_S),
+    Workload("default", "default.toml"),
+)
+
+
+def measure_one(scenario: Path, gpu: str | None, limit: int | None) -> dict:
+    """Replay in this process; the figures as a dict (run by the parent in a child)."""
+    from kvtwin.sim.replay.run import run_replay
+    from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+
+    started = time.perf_counter()
+    resolved = resolve_scenario(scenario, Overrides(gpu=gpu, limit=limit))
+    planned = resolved.plan()
+    trace = resolved.require_workload().load()
+    loaded = time.perf_counter()
+    result = run_replay(planned, trace, efficiency=resolved.efficiency, slo=resolved.slo,
+                        time_limit_s=resolved.time_limit_s, offload=resolved.offload_for(planned))
+    finished = time.perf_counter()
+    summary = result.summary.to_pylist()[0]
+    return {"requests": trace.num_rows, "steps": result.steps.num_rows, "simulated_s": result.end_time_s,
+            "load_and_plan_s": loaded - started, "replay_wall_s": finished - loaded,
+            "total_wall_s": finished - started,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "prefix_cache_hit_rate": summary["prefix_cache_hit_rate"]}
+
+
+def _in_child(scenario: Path, gpu: str | None, limit: int | None) -> dict:
+    command = [sys.executable, __file__, "--child", str(scenario)]
+    if gpu:
+        command += ["--gpu", gpu]
+    if limit:
+        command += ["--limit", str(limit)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_replay: {scenario.name} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _verdict(value: float, target: float | None) -> str:
+    if target is None:
+        return ""
+    return f"{'met' if value <= target else 'MISSED'} (<= {target:g})"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", type=Path, default=SCENARIOS_DIR / "mooncake-llama8b-h100-overload.toml")
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--only", nargs="+", choices=[w.name for w in WORKLOADS], help="run only these workloads")
+    parser.add_argument("--scenario", type=Path, help="time this scenario instead of the workloads above")
+    parser.add_argument("--gpu", help="with --scenario: the GPU preset")
+    parser.add_argument("--limit", type=int, help="with --scenario: replay only the first N requests")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "bench_replay.parquet")
     args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure_one(args.child, args.gpu, args.limit)))
+        return
 
+    if args.scenario:
+        workloads = [Workload(args.scenario.stem, str(args.scenario.resolve()), gpu=args.gpu)]
+    else:
+        workloads = [w for w in WORKLOADS if not args.only or w.name in args.only]
     reference_before_s = reference_seconds()
-    started = time.perf_counter()
-    scenario = load_scenario(args.scenario)
-    trace = scenario.workload.load()
-    if args.limit:
-        trace = transforms.limit(trace, args.limit)
-    planned = plan(scenario.model, scenario.gpu, scenario.engine)
-    loaded = time.perf_counter()
-    result = run_replay(planned, trace, efficiency=scenario.efficiency,
-                        slo=scenario.slo)
-    finished = time.perf_counter()
+    measured = [(w, _in_child(SCENARIOS_DIR / w.scenario, w.gpu, args.limit if args.scenario else None))
+                for w in workloads]
     reference_s = min(reference_before_s, reference_seconds())
-    summary = result.summary.to_pylist()[0]
-    replay_s = finished - loaded
-    row = {
-        "scenario": args.scenario.name,
-        "requests": trace.num_rows,
-        "steps": result.steps.num_rows,
-        "simulated_s": result.end_time_s,
-        "load_and_plan_s": loaded - started,
-        "replay_wall_s": replay_s,
-        "total_wall_s": finished - started,
-        "reference_loop_s": reference_s,
-        "replay_vs_reference": replay_s / reference_s,
-        "requests_per_wall_s": trace.num_rows / replay_s,
-        "steps_per_wall_s": result.steps.num_rows / replay_s,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "prefix_cache_hit_rate": summary["prefix_cache_hit_rate"],
-        "num_evictions": summary["num_evictions"],
-    }
-    table = Table(title=f"kvtwin replay bench ({platform.python_implementation()} {platform.python_version()})")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in row.items():
-        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int)
-                      else str(value))
-    Console(width=120).print(table)
+
+    table = Table(title=f"kvtwin replay bench ({platform.python_implementation()} {platform.python_version()}, "
+                        f"{CORE_BUILD.describe()}, reference loop {reference_s:.3f} s)")
+    for column in ("workload", "requests", "steps", "replay wall s", "x reference", "steps/s", "peak RSS MiB",
+                   "wall target", "RSS target", "vs other tool"):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    rows = []
+    for w, m in measured:
+        row = {"workload": w.name, "scenario": Path(w.scenario).name, "gpu": w.gpu or "", **m,
+               "reference_loop_s": reference_s, "replay_vs_reference": m["replay_wall_s"] / reference_s,
+               "steps_per_wall_s": m["steps"] / m["replay_wall_s"],
+               "target_wall_s": w.target_wall_s, "target_rss_mib": w.target_rss_mib,
+               "speedup_vs_other": w.compare_s / m["replay_wall_s"] if w.compare_s else None,
+               "core": CORE_BUILD.describe()}
+        rows.append(row)
+        table.add_row(w.name, f"{m['requests']:,}", f"{m['steps']:,}", f"{m['replay_wall_s']:.2f}",
+                      f"{row['replay_vs_reference']:.1f}", f"{row['steps_per_wall_s']:,.0f}",
+                      f"{m['peak_rss_mib']:,.0f}", _verdict(m["replay_wall_s"], w.target_wall_s),
+                      _verdict(m["peak_rss_mib"], w.target_rss_mib),
+                      f"{row['speedup_vs_other']:.1f}x (Vidur {w.compare_s:g} s)" if w.compare_s else "")
+    Console(width=200).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    out = pa.Table.from_pylist([row]).replace_schema_metadata({"kvtwin_version": __version__,
-                                                               "machine": platform.machine()})
+    out = pa.Table.from_pylist(rows).replace_schema_metadata({"kvtwin_version": __version__,
+                                                             "machine": platform.machine()})
     tmp = args.out.with_name(args.out.name + ".tmp")
     pq.write_table(out, tmp)
     tmp.replace(args.out)

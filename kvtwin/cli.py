@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from kvtwin import __version__
+from kvtwin import CORE_BUILD, __version__
 from kvtwin.commands import capacity
 from kvtwin.commands import kernels
 from kvtwin.commands import presets
@@ -32,7 +32,7 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        print(f"kvtwin {__version__}")
+        print(f"kvtwin {__version__} ({CORE_BUILD.describe()})")
         raise typer.Exit()
 
 

@@ -20,7 +20,7 @@ in vLLM, without building a key object on every lookup.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from kvtwin.sim.core.hashing import hashes_in_range
+from kvtwin.sim.core.hashing import BlockHashes, hashes_in_range
 
 
 class KVCacheBlock:
@@ -57,7 +57,7 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
-        if block is self._tail:
+        if block is self._tail or block is None:
             raise ValueError("no free block to pop")
         self._unlink(block)
         return block
@@ -70,6 +70,7 @@ class FreeKVCacheBlockQueue:
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         tail = self._tail
         last = tail.prev_free
+        assert last is not None  # the sentinels are always linked
         count = 0
         for block in blocks:
             last.next_free = block
@@ -85,6 +86,7 @@ class FreeKVCacheBlockQueue:
         head = self._head
         for block in reversed(blocks):
             first = head.next_free
+            assert first is not None
             head.next_free = block
             block.prev_free = head
             block.next_free = first
@@ -92,8 +94,10 @@ class FreeKVCacheBlockQueue:
             self.num_free_blocks += 1
 
     def _unlink(self, block: KVCacheBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        prev_free, next_free = block.prev_free, block.next_free
+        assert prev_free is not None and next_free is not None
+        prev_free.next_free = next_free
+        next_free.prev_free = prev_free
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
@@ -101,7 +105,7 @@ class FreeKVCacheBlockQueue:
         """Front-to-back ids (for tests and debugging; O(n))."""
         ids = []
         block = self._head.next_free
-        while block is not self._tail:
+        while block is not self._tail and block is not None:
             ids.append(block.block_id)
             block = block.next_free
         return ids
@@ -118,11 +122,15 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         # group id → {hash: block, or {block_id: block} when several blocks share a key}
-        self.cached_block_hash_to_block: list[dict] = [{} for _ in range(num_groups)]
+        self.cached_block_hash_to_block: list[dict[object, KVCacheBlock | dict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_groups)]
         # Counters for the replay's per-step records: blocks in use per group, and cached
         # blocks evicted so far.
         self.num_used_by_group = [0] * num_groups
         self.num_evictions = 0
+        # Bumped whenever a block returns to the free queue: lets the KV cache manager know
+        # that a failed admission check would still fail (``KVCacheManager.still_blocked``).
+        self.free_generation = 0
 
     # -- lookups -------------------------------------------------------------------
 
@@ -133,7 +141,7 @@ class BlockPool:
             entry = self.cached_block_hash_to_block[gid].get(block_hash)
             if entry is None:
                 return None
-            found.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+            found.append(entry if isinstance(entry, KVCacheBlock) else next(iter(entry.values())))
         return found
 
     def get_num_free_blocks(self) -> int:
@@ -149,7 +157,7 @@ class BlockPool:
 
     # -- caching -------------------------------------------------------------------
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: Sequence, num_cached_blocks: int,
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: BlockHashes, num_cached_blocks: int,
                           num_full_blocks: int, group_id: int) -> None:
         """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a table under their hashes."""
         if num_cached_blocks >= num_full_blocks:
@@ -166,7 +174,7 @@ class BlockPool:
             entry = get(block_hash)
             if entry is None:
                 cache[block_hash] = block
-            elif type(entry) is KVCacheBlock:
+            elif isinstance(entry, KVCacheBlock):
                 cache[block_hash] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
@@ -198,9 +206,10 @@ class BlockPool:
         # ever computes passes through here once.
         head = queue._head
         block = head.next_free
-        blocks = []
+        blocks: list[KVCacheBlock] = []
         caches = self.cached_block_hash_to_block
         for _ in range(num_blocks):
+            assert block is not None  # num_blocks <= num_free_blocks, checked above
             blocks.append(block)
             following = block.next_free
             block.prev_free = block.next_free = None
@@ -218,6 +227,7 @@ class BlockPool:
             block.ref_cnt = 1
             block.owner_group = group_id
             block = following
+        assert block is not None
         head.next_free = block
         block.prev_free = head
         queue.num_free_blocks -= num_blocks
@@ -260,6 +270,8 @@ class BlockPool:
             self.free_block_queue.prepend_n(unhashed)
         if hashed:
             self.free_block_queue.append_n(hashed)
+        if unhashed or hashed:
+            self.free_generation += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible when no request holds a block."""

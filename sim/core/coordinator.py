@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from math import lcm
 
 from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
-from kvtwin.sim.core.hashing import CoarseBlockHashes
+from kvtwin.sim.core.hashing import BlockHashes, CoarseBlockHashes
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.managers import SingleTypeKVCacheManager, manager_class_for
 from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, cdiv
@@ -58,7 +58,7 @@ class KVCacheCoordinator:
 
     # -- hash views --------------------------------------------------------------------
 
-    def hashes_for(self, block_hashes: list, manager: SingleTypeKVCacheManager) -> Sequence:
+    def hashes_for(self, block_hashes: BlockHashes, manager: SingleTypeKVCacheManager) -> BlockHashes:
         factor = manager.hash_factor
         return block_hashes if factor == 1 else CoarseBlockHashes(block_hashes, factor)
 
@@ -112,7 +112,7 @@ class KVCacheCoordinator:
         tables since the last call, in the order made, or None if there were none; forgets them."""
         return self.replaced_block_ids.pop(request_id, None)
 
-    def cache_blocks(self, request_id: str, block_hashes: list, num_tokens: int) -> None:
+    def cache_blocks(self, request_id: str, block_hashes: BlockHashes, num_tokens: int) -> None:
         for m in self.managers:
             m.cache_blocks(self.hashes_for(block_hashes, m), request_id, num_tokens)
 
@@ -144,7 +144,7 @@ class KVCacheCoordinator:
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers))
 
-    def find_longest_cache_hit(self, block_hashes: list,
+    def find_longest_cache_hit(self, block_hashes: BlockHashes,
                                max_cache_hit_length: int) -> tuple[KVCacheBlocks, int, int]:
         raise NotImplementedError
 
@@ -177,8 +177,9 @@ class _AttentionGroup:
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
+                 enable_caching: bool):
+        super().__init__(kv_cache_config, max_model_len, max_in_flight_tokens, enable_caching)
         by_spec: dict = {}
         for gid, group in enumerate(self.kv_cache_config.groups):
             by_spec.setdefault(group.spec, []).append(gid)
@@ -231,6 +232,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
                              enable_caching: bool) -> KVCacheCoordinator:
+    cls: type[KVCacheCoordinator]
     if not enable_caching:
         cls = KVCacheCoordinatorNoPrefixCache
     elif len(kv_cache_config.groups) == 1:

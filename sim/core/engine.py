@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnector
+from kvtwin.sim.core.offload.transfers import StepTransfers, TimedTransfers
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -104,8 +105,8 @@ class OffloadTier:
     """An offload tier for an engine: the manager that holds the chunks (CPU, or CPU over
     disk) and the worker stand-in that decides when transfers finish (its clock)."""
 
-    manager: object
-    transfers: object  # StepTransfers or TimedTransfers
+    manager: Any  # a CPUOffloadingManager, or a TieredOffloadingManager over one (same interface)
+    transfers: StepTransfers | TimedTransfers
     blocks_per_chunk: int = 1
 
 
@@ -176,6 +177,7 @@ class EngineCore:
     def _step_with_offload(self, executor: ModelExecutor, output: SchedulerOutput) -> StepResult:
         """The worker gets the step's transfer jobs before the forward pass and reports
         the finished ones with its output; an empty step still reports them."""
+        assert self.offload is not None
         transfers = self.offload.transfers
         transfers.submit(output.kv_connector_metadata)
         execution = self._execute(executor, output)

@@ -183,9 +183,9 @@ class HashIdBlockHashes:
         return out
 
 
-def hashes_in_range(block_hashes: Sequence, start: int, stop: int) -> list:
+def hashes_in_range(block_hashes: BlockHashes, start: int, stop: int) -> list:
     """``list(block_hashes[start:stop])`` for every kind of block-hash sequence."""
-    if type(block_hashes) is list:
+    if isinstance(block_hashes, list):
         return block_hashes[start:stop]
     return block_hashes.range(start, stop)
 
@@ -230,7 +230,7 @@ class CoarseBlockHashes:
 
     __slots__ = ("fine", "factor")
 
-    def __init__(self, fine: Sequence, factor: int):
+    def __init__(self, fine: BlockHashes, factor: int):
         self.fine = fine
         self.factor = factor
 
@@ -246,3 +246,8 @@ class CoarseBlockHashes:
 
     def range(self, start: int, stop: int) -> list:
         return [self[i] for i in range(start, stop)]
+
+
+# A request's block hashes: a plain list, the lazy view of a trace's hash ids, or a coarser
+# view of either for a group with bigger blocks.
+BlockHashes = list | HashIdBlockHashes | CoarseBlockHashes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from kvtwin.sim.core.coordinator import get_kv_cache_coordinator
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
+from kvtwin.sim.core.managers import FullAttentionManager
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import KVCacheConfig
 
@@ -39,6 +40,14 @@ class KVCacheManager:
         # request id → token count up to which allocating for a running request changes
         # nothing (the decode fast path; the scheduler may consult it before calling).
         self.noop_horizon: dict[str, int] = {}
+        # The waiting head whose whole-sequence admission check failed at its last try, and
+        # what that check depended on (``still_blocked``); one full-attention group only.
+        managers = self.coordinator.managers
+        self.remembers_blocked_head = len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
+        self._blocked_head: Request | None = None
+        self._blocked_free_generation = -1
+        self._blocked_with_running = False
+        self._blocked_next_hash: object | None = None  # None: the hit cannot grow
 
     @property
     def usage(self) -> float:
@@ -131,6 +140,48 @@ class KVCacheManager:
         if fast:
             self.noop_horizon[request_id] = coordinator.noop_horizon(request_id)
         return new_blocks
+
+    # -- the blocked head of the waiting queue ------------------------------------------
+
+    def remember_blocked(self, request: Request, hit_tokens: int, has_scheduled_reqs: bool) -> None:
+        """``request`` (no tokens computed, its hit ``hit_tokens``) just failed
+        ``allocate_slots(..., full_sequence_must_fit=True)``."""
+        if not self.remembers_blocked_head:
+            return
+        self._blocked_head = request
+        self._blocked_free_generation = self.block_pool.free_generation
+        self._blocked_with_running = has_scheduled_reqs
+        self._blocked_next_hash = None
+        if self.enable_caching:
+            manager = self.coordinator.managers[0]
+            hashes = self.coordinator.hashes_for(request.block_hashes, manager)
+            next_block = hit_tokens // manager.block_size
+            if next_block < min((request.num_tokens - 1) // manager.block_size, len(hashes)):
+                self._blocked_next_hash = hashes[next_block]
+
+    def still_blocked(self, request: Request, has_scheduled_reqs: bool) -> bool:
+        """Whether ``request``, remembered as blocked, would fail its whole-sequence check
+        again now: known without the prefix lookup, which the waiting head would otherwise
+        repeat at every step while it waits for room.
+
+        The check fails while the blocks it needs (the sequence's blocks past the hit, plus
+        hit blocks sitting evictable in the free queue) exceed the free blocks plus the
+        watermark. Suppose no block has returned to the free queue since the failure (the
+        pool's ``free_generation`` is unchanged), the watermark applies as it did, and the
+        hash just past the remembered hit of H blocks is still uncached, so the hit is now
+        some h <= H blocks. Every hit block that was evictable then and is not now (touched
+        by an admission, or evicted and its hash cached again in another block) left the
+        free queue, as did every block evicted from the hit; nothing came back. So the
+        blocks needed fell by no more than the free blocks did: the shortfall H - h of the
+        hit at most cancels the evictable blocks it held, and every evictable hit block lost
+        took a free block with it. The check still fails."""
+        if request is not self._blocked_head:
+            return False
+        if (self.block_pool.free_generation != self._blocked_free_generation
+                or has_scheduled_reqs != self._blocked_with_running):
+            return False
+        next_hash = self._blocked_next_hash
+        return next_hash is None or next_hash not in self.block_pool.cached_block_hash_to_block[0]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's blocks full within ``num_computed_tokens`` (after a load)."""

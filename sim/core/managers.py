@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
 
 NULL_BLOCK_ID = 0  # the pool's first block is the null block
-from kvtwin.sim.core.hashing import hashes_in_range
+from kvtwin.sim.core.hashing import BlockHashes, hashes_in_range
 from kvtwin.sim.core.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -54,6 +54,9 @@ class SingleTypeKVCacheManager:
         self.group_id = group_id
         self.enable_caching = enable_caching
         self.hash_factor = spec.block_size // hash_block_size
+        self.hash_block_size = hash_block_size
+        # The grid hits are aligned to; the coordinator sets its scheduler block size.
+        self.cache_hit_alignment_tokens = spec.block_size
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         self.null_block = block_pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -133,7 +136,7 @@ class SingleTypeKVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, block_hashes: Sequence, request_id: str, num_tokens: int) -> None:
+    def cache_blocks(self, block_hashes: BlockHashes, request_id: str, num_tokens: int) -> None:
         """Register blocks that are full once ``num_tokens`` tokens are computed."""
         num_cached = self.num_cached_block.get(request_id, 0)
         num_full = min(num_tokens, len(block_hashes) * self.block_size) // self.block_size
@@ -233,7 +236,7 @@ class SingleTypeKVCacheManager:
     # -- prefix hits -----------------------------------------------------------------
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence, max_length: int, group_ids: Sequence[int],
+    def find_longest_cache_hit(cls, block_hashes: BlockHashes, max_length: int, group_ids: Sequence[int],
                                block_pool: BlockPool, spec: KVCacheSpec,
                                alignment_tokens: int) -> tuple[list[list[KVCacheBlock]], int]:
         raise NotImplementedError
@@ -279,6 +282,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
+    spec: SlidingWindowSpec
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # The next token attends the last `window` tokens including itself.
         return max(0, num_computed_tokens - self.spec.sliding_window + 1)
@@ -323,6 +328,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    spec: ChunkedLocalAttentionSpec
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         chunk = self.spec.attention_chunk_size
         return num_computed_tokens // chunk * chunk
@@ -358,9 +365,12 @@ class MambaManager(SingleTypeKVCacheManager):
 
     has_noop_horizon = False
 
+    spec: MambaSpec
+
     def __init__(self, spec: MambaSpec, block_pool: BlockPool, group_id: int, enable_caching: bool,
-                 hash_block_size: int, *args, **kwargs):
-        super().__init__(spec, block_pool, group_id, enable_caching, hash_block_size, *args, **kwargs)
+                 hash_block_size: int, max_admission_blocks_per_request: int | None = None):
+        super().__init__(spec, block_pool, group_id, enable_caching, hash_block_size,
+                         max_admission_blocks_per_request)
         self.align = spec.mamba_cache_mode == "align"
         self.num_speculative_blocks = spec.num_speculative_blocks
         self.last_state_block_idx: dict[str, int] = {}
@@ -369,9 +379,6 @@ class MambaManager(SingleTypeKVCacheManager):
         # request scheduled in the same step.
         self.cached_blocks_this_step: set = set()
         self.has_prefill_checkpoint_blocks = spec.has_prefill_checkpoint_blocks
-        self.hash_block_size = hash_block_size
-        # The grid hits are aligned to; the coordinator sets its scheduler block size.
-        self.cache_hit_alignment_tokens = spec.block_size
         # Requests whose last (non-admission) count reserved a checkpoint block, which the
         # allocation that follows keeps real (vLLM's ``_checkpoints``).
         self.checkpoints: set[str] = set()

@@ -85,6 +85,11 @@ class Request:
             hasher.extend(self.block_hashes, self.prompt, self.output_token_ids, self.num_tokens)
             self._next_hash_tokens = (len(self.block_hashes) + 1) * hasher.hash_block_size
 
+    def __hash__(self) -> int:
+        # Identity, as for any object; spelled out because a compiled class that defines a
+        # comparison loses the default.
+        return id(self)
+
     def __lt__(self, other: "Request") -> bool:
         # The priority queue's order: lower priority value first, then earlier arrival.
         if self.priority != other.priority:

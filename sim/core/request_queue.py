@@ -43,7 +43,9 @@ class PriorityRequestQueue:
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, request)
 
-    prepend = add
+    def prepend(self, request: Request) -> None:
+        # Put back, it takes its place by priority again.
+        heapq.heappush(self._heap, request)
 
     def peek(self) -> Request:
         return self._heap[0]

@@ -77,6 +77,8 @@ class Scheduler:
         # previous one's tokens are known, and updated in schedule order.
         self.async_scheduling = scheduler_config.async_scheduling
         self.num_batches = 0  # schedule() calls so far (async; a counter for clocks and tests)
+        # Waiting-head prefix lookups skipped as certain to fail again (``KVCacheManager.still_blocked``).
+        self.num_head_lookups_skipped = 0
         # Per batch in flight that schedules tokens, oldest first: its (request, tokens) that
         # sample nothing (partial prefill chunks), whose tokens leave the flight at its update.
         self._in_flight_partials: deque[list[tuple[Request, int]]] = deque()
@@ -305,6 +307,9 @@ class Scheduler:
         # Async: preempted requests whose output from before the preemption is still in
         # flight, set aside for this step (vLLM resumes them only once it is delivered).
         skipped: list[Request] = []
+        # A head that failed the whole-sequence check may be known to fail it again without
+        # a new prefix lookup (``KVCacheManager.still_blocked``; one full-attention group).
+        remember_blocked = cfg.scheduler_reserve_full_isl and kvm.remembers_blocked_head
         while len(self.waiting) and token_budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -313,7 +318,11 @@ class Scheduler:
                 # Preempted while a batch with it was in flight (async; 0 when synchronous).
                 skipped.append(self.waiting.pop())
                 continue
-            if request.num_computed_tokens == 0:
+            fresh = request.num_computed_tokens == 0
+            if fresh and remember_blocked and kvm.still_blocked(request, bool(self.running)):
+                self.num_head_lookups_skipped += 1
+                break  # the same failure as at its last try, without the lookup
+            if fresh:
                 hit_blocks, hit_tokens, request.shared_prefix_boundary = kvm.get_computed_blocks(request)
             else:
                 hit_blocks, hit_tokens = kvm.empty_blocks, 0
@@ -325,6 +334,8 @@ class Scheduler:
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                                             has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
+                if fresh and remember_blocked:
+                    kvm.remember_blocked(request, hit_tokens, bool(self.running))
                 break
             self.waiting.pop()
             self._admit(out, request, num_computed, num_new, hit_tokens)
@@ -375,6 +386,7 @@ class Scheduler:
         cfg = self.config
         kvm = self.kv_cache_manager
         connector = self.connector
+        assert connector is not None
         holding, waiting = self.kv_holding_waiting, self.waiting
         skipped_holding: list[Request] = []
         skipped_waiting: list[Request] = []
@@ -461,6 +473,7 @@ class Scheduler:
         reads the computed counts from before the step, as vLLM's does), then advance the
         computed counts as the synchronous path does."""
         offloads = self.kv_cache_manager.coordinator.take_boundary_state_offloads() if self.mamba_block_size else None
+        assert self.connector is not None
         out.kv_connector_metadata = self.connector.build_connector_meta(out, offloads)
         requests = self.requests
         if self.defer_block_free and out.num_scheduled_tokens:
@@ -477,6 +490,7 @@ class Scheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The worker's report: finished transfers; requests whose load landed may run."""
+        assert self.connector is not None
         self.connector.update_connector_output(connector_output)
         for request_id in connector_output.finished_recving:
             self.finished_recving_kv_req_ids.add(request_id)

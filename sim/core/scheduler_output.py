@@ -49,9 +49,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from kvtwin.sim.core.hashing import PromptSource
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
+
+if TYPE_CHECKING:  # the connector module imports this one
+    from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +111,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # finished at the end of the previous step
     # With an offload tier: the step's transfer jobs (an OffloadingConnectorMetadata)
     # for the worker; None without one.
-    kv_connector_metadata: object | None = None
+    kv_connector_metadata: OffloadingConnectorMetadata | None = None
     # With an offload tier, for metrics (the executor ignores it): per admission that loads
     # from the tier, (request, GPU hit tokens, loaded tokens, loaded tokens per tier).
     external_hits: list | None = None

@@ -31,7 +31,7 @@ from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
-from kvtwin.sim.core.spec import KVCacheSpec
+from kvtwin.sim.core.spec import AttentionSpec, KVCacheSpec, MambaSpec
 
 _MXFP4_BYTES_PER_PARAM = 4.25 / 8
 
@@ -145,7 +145,8 @@ class CostModel:
         counts: dict[KVCacheSpec, int] = {}
         for spec in specs.values():
             # Padding a page to a unified size changes no byte a step reads.
-            key = dataclasses.replace(spec, page_size_padded=None) if hasattr(spec, "page_size_padded") else spec
+            key = (dataclasses.replace(spec, page_size_padded=None) if isinstance(spec, (AttentionSpec, MambaSpec))
+                   else spec)
             counts[key] = counts.get(key, 0) + 1
         return tuple(LayerClass(spec, n, q_heads * spec.attention_width_per_head, spec.kv_bytes_per_token,
                                 spec.state_bytes) for spec, n in counts.items())

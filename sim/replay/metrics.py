@@ -14,10 +14,12 @@ import json
 import math
 from array import array
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from mypy_extensions import mypyc_attr
 
 from kvtwin.sim.core.engine import Rejection, StepResult
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -124,6 +126,7 @@ def offload_counters(tier) -> dict[str, int]:
     return out
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a test's recorder extends it
 class MetricsRecorder:
     """Collects per-request and per-step records as the engine steps.
 
@@ -139,7 +142,10 @@ class MetricsRecorder:
         self.order: list[_RequestRecord] = []
         self.itl_by_replica = [array("d") for _ in range(num_replicas)]
         self.itl_s = self.itl_by_replica[0]
-        self.steps: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+        # One typed array per column (8 bytes a value, not a Python object): a replay of a
+        # million steps keeps its step table in tens of MiB. The per-group usage is kept
+        # flat, ``num_groups`` values a step.
+        self.steps: dict[str, array] = {name: array(code) for name, (code, _) in STEP_COLUMNS.items()}
         self.step_replica = array("i")
         self._evictions_before = [0] * num_replicas
         # With offload tiers (a ``ResolvedOffload``): per request, what its admissions hit
@@ -148,7 +154,7 @@ class MetricsRecorder:
         if offload is not None:
             self._offload_columns = offload_step_columns(offload.has_disk)
             for name in self._offload_columns:
-                self.steps[name] = []
+                self.steps[name] = array("q")
             self._offload_before: list[dict[str, int]] = [dict.fromkeys(self._offload_columns, 0)
                                                           for _ in range(num_replicas)]
             self._loads: dict[str, _OffloadRecord] = {}
@@ -200,6 +206,7 @@ class MetricsRecorder:
                 record.first_scheduled_s = scheduled_s
                 record.hit_tokens = hit_tokens
             record.hit_tokens_total += hit_tokens
+            assert record.request is not None  # held until the request is done
             record.queried_tokens += record.request.num_tokens
         prefill_tokens = decode_tokens = 0
         for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
@@ -243,7 +250,7 @@ class MetricsRecorder:
         steps["num_free_blocks"].append(pool.get_num_free_blocks())
         steps["num_cached_blocks"].append(pool.num_cached_blocks())
         steps["kv_cache_usage"].append(pool.get_usage())
-        steps["kv_cache_usage_by_group"].append([n / usable for n in pool.num_used_by_group])
+        steps["kv_cache_usage_by_group"].extend([n / usable for n in pool.num_used_by_group])
         steps["num_evictions"].append(pool.num_evictions - self._evictions_before[replica])
         self._evictions_before[replica] = pool.num_evictions
         self.step_replica.append(replica)
@@ -313,6 +320,7 @@ class MetricsRecorder:
         """Requests still queued or running when the run stopped keep that status."""
         for record in self.order:
             if record.status in ("waiting", "running"):
+                assert record.request is not None
                 status = record.request.status
                 record.status = "running" if status is RequestStatus.RUNNING else "waiting"
             record.snapshot()
@@ -369,39 +377,46 @@ class MetricsRecorder:
 
     def steps_table(self) -> pa.Table:
         columns = {}
-        for name, kind in STEP_COLUMNS.items():
-            values = self.steps[name]
-            columns[name] = pa.array(values, type=kind)
+        for name, (code, kind) in STEP_COLUMNS.items():
+            values = np.frombuffer(self.steps[name], dtype=_NUMPY_TYPES[code]) if len(self.steps[name]) else []
+            if name == "kv_cache_usage_by_group":
+                offsets = np.arange(0, len(values) + 1, self.num_groups, dtype=np.int32)
+                columns[name] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.float64()))
+            else:
+                columns[name] = pa.array(values, type=kind)
         columns["replica"] = pa.array(np.frombuffer(self.step_replica, dtype=np.int32) if len(self.step_replica)
                                       else np.zeros(0, np.int32), pa.int32())
         if self.offload is not None:
             for name in self._offload_columns:
-                columns[name] = pa.array(self.steps[name], type=pa.int64())
+                values = self.steps[name]
+                columns[name] = pa.array(np.frombuffer(values, dtype=np.int64) if len(values) else [], type=pa.int64())
         return pa.table(columns)
 
 
-STEP_COLUMNS: dict[str, pa.DataType] = {
-    "step": pa.int64(),
-    "time_s": pa.float64(),
-    "duration_s": pa.float64(),
-    "num_running": pa.int32(),
-    "num_waiting": pa.int32(),
-    "num_scheduled_reqs": pa.int32(),
-    "prefill_tokens": pa.int64(),
-    "decode_tokens": pa.int64(),
-    "num_admitted": pa.int32(),
-    "num_preempted": pa.int32(),
-    "num_finished": pa.int32(),
-    "num_free_blocks": pa.int64(),
-    "num_cached_blocks": pa.int64(),
-    "kv_cache_usage": pa.float64(),
-    "kv_cache_usage_by_group": pa.list_(pa.float64()),
-    "num_evictions": pa.int64(),
-    "compute_s": pa.float64(),
-    "memory_s": pa.float64(),
-    "communication_s": pa.float64(),
-    "overhead_s": pa.float64(),
+# Step column -> (the ``array`` type code it is recorded in, its type in steps.parquet).
+STEP_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
+    "step": ("q", pa.int64()),
+    "time_s": ("d", pa.float64()),
+    "duration_s": ("d", pa.float64()),
+    "num_running": ("i", pa.int32()),
+    "num_waiting": ("i", pa.int32()),
+    "num_scheduled_reqs": ("i", pa.int32()),
+    "prefill_tokens": ("q", pa.int64()),
+    "decode_tokens": ("q", pa.int64()),
+    "num_admitted": ("i", pa.int32()),
+    "num_preempted": ("i", pa.int32()),
+    "num_finished": ("i", pa.int32()),
+    "num_free_blocks": ("q", pa.int64()),
+    "num_cached_blocks": ("q", pa.int64()),
+    "kv_cache_usage": ("d", pa.float64()),
+    "kv_cache_usage_by_group": ("d", pa.list_(pa.float64())),  # num_groups values a step
+    "num_evictions": ("q", pa.int64()),
+    "compute_s": ("d", pa.float64()),
+    "memory_s": ("d", pa.float64()),
+    "communication_s": ("d", pa.float64()),
+    "overhead_s": ("d", pa.float64()),
 }
+_NUMPY_TYPES = {"q": np.int64, "i": np.int32, "d": np.float64}
 
 
 def _stats(values: np.ndarray, prefix: str, scale: float = 1000.0) -> dict[str, float]:
@@ -482,7 +497,7 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     busy_s = float(step_durations.sum())
     queries = int(requests.column("prefix_cache_queries").to_numpy().sum())
     hits = int(requests.column("prefix_cache_hits").to_numpy().sum())
-    row: dict[str, object] = {
+    row: dict[str, Any] = {
         "duration_s": duration_s,
         "num_requests": requests.num_rows,
         "completed": int(done.sum()),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import simpy
@@ -33,6 +34,9 @@ from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.workload import ReplayClock, run_simulation
+
+if TYPE_CHECKING:  # imported where used: a replay without offloading never loads them
+    from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 
 
 def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
@@ -113,7 +117,7 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
     gives each replica its offload tiers (module docstring)."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
-    executors = list(executor) if isinstance(executor, (list, tuple)) else [executor]
+    executors: list[ModelExecutor] = list(executor) if isinstance(executor, Sequence) else [executor]
     if offload is None:
         engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache) for _ in executors]
     else:
@@ -145,13 +149,14 @@ def offload_tier(offload: ResolvedOffload, env: simpy.Environment) -> OffloadTie
     def now_s() -> float:
         return env.now
 
-    manager = CPUOffloadingManager(offload.num_cpu_chunks, offload.policy)
+    cpu = CPUOffloadingManager(offload.num_cpu_chunks, offload.policy)
+    manager: CPUOffloadingManager | TieredOffloadingManager = cpu
     if offload.has_disk:
         from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager, TimedPromotions
 
         config = offload.config
         promotions = TimedPromotions(config.disk_bandwidth_bytes_per_s, config.disk_latency_s, now_s)
-        manager = TieredOffloadingManager(manager, offload.num_disk_chunks, offload.policy, promotions,
+        manager = TieredOffloadingManager(cpu, offload.num_disk_chunks, offload.policy, promotions,
                                           chunk_bytes=offload.kv_bytes_per_chunk)
     transfers = TimedTransfers(now_s, offload.h2d_bytes_per_s, offload.d2h_bytes_per_s, offload.bytes_per_key)
     return OffloadTier(manager, transfers, blocks_per_chunk=BLOCKS_PER_CHUNK)

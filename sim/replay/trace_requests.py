@@ -8,6 +8,8 @@ request a prompt of unique content, so nothing is shared that the trace did not 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pyarrow as pa
 
 from kvtwin.traces import schema as col
@@ -16,7 +18,9 @@ from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.workload import Arrival
 
 
-def arrivals_from_trace(table: pa.Table) -> list[Arrival]:
+def arrivals_from_trace(table: pa.Table) -> Iterator[Arrival]:
+    """The trace's requests in row (arrival) order, made one at a time as the replay
+    takes them, so that a long trace never holds all its requests at once."""
     columns = set(table.column_names)
     n = table.num_rows
 
@@ -32,7 +36,6 @@ def arrivals_from_trace(table: pa.Table) -> list[Arrival]:
     hashes = column(col.BLOCK_HASHES)
     hash_tokens = column(col.HASH_BLOCK_TOKENS)
     token_ids = column(col.PROMPT_TOKEN_IDS)
-    arrivals = []
     for i in range(n):
         if token_ids[i] is not None:
             prompt = TokenPrompt(token_ids[i])
@@ -41,5 +44,4 @@ def arrivals_from_trace(table: pa.Table) -> list[Arrival]:
         else:
             prompt = HashIdPrompt((), 1, prompts[i], unique_id=i)
         request = Request(ids[i], prompt, outputs[i], arrival_time=times[i], priority=priorities[i] or 0)
-        arrivals.append(Arrival(times[i], request, sessions[i]))
-    return arrivals
+        yield Arrival(times[i], request, sessions[i])

@@ -44,6 +44,7 @@ import simpy
 from simpy.events import URGENT, Event
 
 from kvtwin.sim.core.engine import EngineCore, ModelExecutor
+from kvtwin.sim.core.offload.transfers import TimedTransfers
 from kvtwin.sim.replay.metrics import MetricsRecorder
 from kvtwin.sim.replay.router import Router
 from kvtwin.sim.core.request import Request
@@ -86,6 +87,7 @@ def next_offload_event_s(engine: EngineCore) -> float | None:
     """When the next transfer of ``engine``'s offload tier finishes: a GPU↔CPU job, or a
     CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
     tier = engine.offload
+    assert tier is not None and isinstance(tier.transfers, TimedTransfers)  # the SimPy clock's kind
     times = [t for t in (tier.transfers.next_completion_s(), tier.manager.next_finish_s()) if t is not None]
     return min(times) if times else None
 
@@ -111,7 +113,7 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
     wall-clock pacing). Returns the simulated time at which the run ended.
     """
     engines = [engine] if isinstance(engine, EngineCore) else list(engine)
-    executors = list(executor) if isinstance(executor, (list, tuple)) else [executor]
+    executors: list[ModelExecutor] = list(executor) if isinstance(executor, Sequence) else [executor]
     if len(executors) != len(engines):
         raise ValueError(f"{len(engines)} engines but {len(executors)} executors")
     num_replicas = len(engines)
@@ -121,12 +123,13 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
         router = None
     env = env if env is not None else simpy.Environment()
     clock = ReplayClock()
-    # Consumed as they arrive, so a finished request is not kept alive by this list.
-    pending = deque(arrivals)
+    # Taken one at a time as they arrive: a request exists from its arrival on, and a
+    # finished one is not kept alive by a list of them all (pass an iterator, not a list).
+    pending = iter(arrivals)
     del arrivals
     # Per replica: the event its engine process sleeps on while idle.
     wakes: list[Event | None] = [None] * num_replicas
-    state = {"arrivals_done": not pending}
+    state = {"arrivals_done": False}
 
     def wake_replica(replica: int) -> None:
         wake = wakes[replica]
@@ -134,8 +137,7 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
             wake.succeed()
 
     def arrival_process():
-        while pending:
-            arrival = pending.popleft()
+        for arrival in pending:
             delay = arrival.arrival_s - env.now
             if delay > 0:
                 yield _UrgentTimeout(env, delay)

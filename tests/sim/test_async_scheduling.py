@@ -187,7 +187,7 @@ def test_simpy_overlaps_scheduling_with_the_batch_in_flight():
     assert (a["a"].first_token_s, a["a"].finish_s) == (1.0, 3.0)
     steps = overlapped.steps
     # One row per batch, back to back on the device, each lasting its device time.
-    assert steps["time_s"] == [0.0, 1.0, 2.0, 3.0] and steps["duration_s"] == [1.0] * 4
+    assert list(steps["time_s"]) == [0.0, 1.0, 2.0, 3.0] and list(steps["duration_s"]) == [1.0] * 4
     assert async_end == 4.0 and sync_end == 3.0
 
 

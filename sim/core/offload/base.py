@@ -23,7 +23,7 @@ from typing import TypeVar
 # hash; so the tie is decided by the group index alone, and the tuple order agrees with
 # vLLM's byte order (more generally, for equal-length big-endian hashes byte order is
 # integer order, which the recorded golden sequences check).
-OffloadKey = tuple
+OffloadKey = tuple[object, int]  # (block hash, group index)
 
 _T = TypeVar("_T")
 

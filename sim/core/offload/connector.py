@@ -59,6 +59,7 @@ class GroupOffloadConfig:
             # The lookup rounds its right edge up to a chunk; the allocation keeps the
             # window ending at the hit, which may reach one chunk further left.
             right_padding = -num_tokens % self.tokens_per_chunk
+            assert window is not None  # a sliding-window group has one
             window = max(window, cdiv(self.spec.sliding_window - 1 + right_padding, self.tokens_per_chunk))
         return window
 
@@ -171,7 +172,7 @@ class OffloadingConnector:
             self.alignment_tokens = None
         full = [i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is None]
         windowed = sorted((i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is not None),
-                          key=lambda i: configs[i].sliding_window_size_in_chunks, reverse=True)
+                          key=lambda i: configs[i].sliding_window_size_in_chunks or 0, reverse=True)
         self._full_attention_groups = tuple(full)
         self._sliding_window_groups = tuple(windowed)
         self._lookup_groups = self._full_attention_groups + self._sliding_window_groups

@@ -30,7 +30,7 @@ from kvtwin.sim.core.offload.base import (
     RequestOffloadingContext,
     offload_key_group,
 )
-from kvtwin.sim.core.offload.policies import ChunkStatus, make_policy, sort_by_position
+from kvtwin.sim.core.offload.policies import CachePolicy, ChunkStatus, make_policy, sort_by_position
 
 
 class _RequestCacheAccess:
@@ -105,7 +105,7 @@ class CPUOffloadingManager:
         return len(self._free_list) + self.num_chunks - self._num_allocated_chunks
 
     @property
-    def policy(self):
+    def policy(self) -> CachePolicy:
         return self._policy
 
     # --- chunk pool ---------------------------------------------------------------

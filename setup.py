@@ -1,0 +1,140 @@
+"""Build hook: compile the simulator's hot modules with mypyc, from the same Python source.
+
+Everything else about the package lives in ``pyproject.toml``. The Python files stay the
+source of truth and are installed either way; the compiled extension modules sit beside
+them and Python imports an extension before a source file of the same name.
+
+* The build needs mypy (a build requirement) and a working C compiler. Without either,
+  or with ``KVTWIN_PURE_PYTHON=1`` set, it installs the interpreted modules and prints one
+  notice. ``kvtwin version`` says which core a machine runs.
+* The repository maps ``kvtwin.sim`` onto the top-level ``sim/`` folder, while mypyc names a
+  module after the folders above it. So the compiled files are first copied into a staging
+  tree laid out as the installed package (``build/mypyc-src/kvtwin/sim/...``).
+* A manifest of the compiled sources' SHA-256 is written beside the shared library.
+  ``kvtwin._native`` reads it at import and falls back to the interpreted modules when a
+  source has changed since the build (an editable install edited in place), so a stale
+  extension never runs in place of the code on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+STAGE = ROOT / "build" / "mypyc-src"
+MANIFEST_NAME = "native_manifest.json"  # read by kvtwin/_native.py
+
+# The modules worth compiling: the KV core and scheduler (every step runs through them)
+# and the replay's per-step loop. Package ``__init__`` files stay interpreted.
+COMPILED_PACKAGES = {"sim/core": "kvtwin/sim/core", "sim/core/offload": "kvtwin/sim/core/offload",
+                     "sim/replay": "kvtwin/sim/replay"}
+# Validation and config modules run once per run; compiling them buys nothing.
+INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
+               "calibration.py", "reuse_curve.py", "sweep.py", "trace_requests.py", "router.py",
+               # Compiled, SimPy's generator processes crash the garbage collector (mypy 2.4.1).
+               "workload.py"}
+COMPILED_EXTRA: dict[str, str] = {}
+
+
+def _notice(message: str) -> None:
+    print(f"kvtwin: notice: {message}", file=sys.stderr)
+
+
+def _compiled_sources() -> dict[str, Path]:
+    """Installed module path (``kvtwin/sim/core/block_pool.py``) → source file."""
+    sources: dict[str, Path] = {}
+    for folder, target in COMPILED_PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.name not in INTERPRETED:
+                sources[f"{target}/{path.name}"] = path
+    for source, target in COMPILED_EXTRA.items():
+        sources[target] = ROOT / source
+    return sources
+
+
+def _compiler_works() -> bool:
+    from setuptools._distutils import ccompiler, sysconfig
+    from setuptools._distutils.errors import CCompilerError, DistutilsError
+
+    compiler = ccompiler.new_compiler()
+    sysconfig.customize_compiler(compiler)
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.c"
+        probe.write_text("#include <Python.h>\nint kvtwin_probe(void) { return 0; }\n")
+        try:
+            compiler.compile([str(probe)], output_dir=tmp, include_dirs=[sysconfig.get_python_inc()])
+        except (CCompilerError, DistutilsError, OSError):
+            return False
+    return True
+
+
+def _stage(sources: dict[str, Path]) -> list[str]:
+    """Copy the compiled packages into a tree shaped like the installed package (every
+    module of them, so the compiled ones see the types of those left interpreted);
+    returns the staged paths of the modules to compile."""
+    shutil.rmtree(STAGE, ignore_errors=True)
+    for folder, target in COMPILED_PACKAGES.items():
+        (STAGE / target).mkdir(parents=True, exist_ok=True)
+        for path in (ROOT / folder).glob("*.py"):
+            shutil.copyfile(path, STAGE / target / path.name)
+    for target in sources:
+        for parent in Path(target).parents:
+            if str(parent) != ".":
+                (STAGE / parent / "__init__.py").touch(exist_ok=True)
+    for source, target in COMPILED_EXTRA.items():
+        shutil.copyfile(ROOT / source, STAGE / target)
+    return sorted(sources)
+
+
+def _native_extensions() -> list:
+    if os.environ.get("KVTWIN_PURE_PYTHON", "") not in ("", "0"):
+        _notice("KVTWIN_PURE_PYTHON is set; installing the interpreted core")
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        _notice("mypy is not installed in the build environment; installing the interpreted core")
+        return []
+    if not _compiler_works():
+        _notice("no working C compiler; installing the interpreted core (replays run about 2x slower)")
+        return []
+    staged = _stage(_compiled_sources())
+    cwd = os.getcwd()
+    os.chdir(STAGE)  # mypyc derives module names from paths relative to here
+    try:
+        # Third-party packages are typed as Any whatever the build environment has
+        # installed (--no-site-packages), so every environment compiles the same code.
+        return mypycify(staged + ["--ignore-missing-imports", "--follow-imports=silent", "--no-site-packages",
+                                  "--disable-error-code=annotation-unchecked"],
+                        opt_level="3", debug_level="0", group_name="kvtwin.sim.native",
+                        target_dir=str(ROOT / "build" / "mypyc-c"))
+    finally:
+        os.chdir(cwd)
+
+
+class BuildNative(build_ext):
+    """``build_ext`` that also writes the source manifest beside the shared library."""
+
+    def run(self) -> None:
+        super().run()
+        if not self.extensions:
+            return
+        manifest = {target: hashlib.sha256(source.read_bytes()).hexdigest()
+                    for target, source in _compiled_sources().items()}
+        build_py = self.get_finalized_command("build_py")
+        package_dir = Path(build_py.get_package_dir("kvtwin.sim")) if self.inplace else \
+            Path(self.build_lib) / "kvtwin" / "sim"
+        package_dir.mkdir(parents=True, exist_ok=True)
+        (package_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+setup(ext_modules=_native_extensions(), cmdclass={"build_ext": BuildNative})
