@@ -101,7 +101,7 @@ class LayerClass:
     state_bytes: int = 0  # per layer per request (recurrent)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: one is made every step, and a compiled frozen dataclass sets each field through object.__setattr__
 class StepCost:
     total_s: float
     compute_s: float

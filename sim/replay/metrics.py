@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +24,7 @@ from mypy_extensions import mypyc_attr
 
 from kvtwin.sim.core.engine import Rejection, StepResult
 from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.replay.cost_model import StepCost
 from kvtwin.traces.expand import table_block_ids
 from kvtwin.traces.schema import hash_block_tokens_of
 from kvtwin.traces.stats import DEFAULT_BLOCK_TOKENS, prefix_reuse
@@ -126,6 +128,46 @@ def offload_counters(tier) -> dict[str, int]:
     return out
 
 
+_BUFFER_BLOCK: Final = 1 << 16  # values a Float64Buffer collects before storing them
+
+
+class Float64Buffer:
+    """Doubles recorded one or a few at a time, 8 bytes each once stored. The newest wait
+    in a list (the cheapest append there is) and move into a typed array a block at a time,
+    converted by numpy: an ``array("d")`` append parses its argument on every call."""
+
+    __slots__ = ("_stored", "_newest")
+
+    def __init__(self) -> None:
+        self._stored = array("d")
+        self._newest: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._stored) + len(self._newest)
+
+    def append(self, value: float) -> None:
+        newest = self._newest
+        newest.append(value)
+        if len(newest) >= _BUFFER_BLOCK:
+            self._store()
+
+    def extend(self, values: Iterable[float]) -> None:
+        newest = self._newest
+        newest.extend(values)
+        if len(newest) >= _BUFFER_BLOCK:
+            self._store()
+
+    def _store(self) -> None:
+        self._stored.frombytes(np.asarray(self._newest, dtype=np.float64).tobytes())
+        self._newest.clear()
+
+    def to_array(self) -> array:
+        """Everything recorded, in order (the buffer keeps recording after this)."""
+        if self._newest:
+            self._store()
+        return self._stored
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)  # a test's recorder extends it
 class MetricsRecorder:
     """Collects per-request and per-step records as the engine steps.
@@ -140,12 +182,13 @@ class MetricsRecorder:
         self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
         self.order: list[_RequestRecord] = []
-        self.itl_by_replica = [array("d") for _ in range(num_replicas)]
-        self.itl_s = self.itl_by_replica[0]
-        # One typed array per column (8 bytes a value, not a Python object): a replay of a
-        # million steps keeps its step table in tens of MiB. The per-group usage is kept
-        # flat, ``num_groups`` values a step.
-        self.steps: dict[str, array] = {name: array(code) for name, (code, _) in STEP_COLUMNS.items()}
+        self._itl = [Float64Buffer() for _ in range(num_replicas)]
+        # The step table as doubles, a row of ``step_width`` values a step in
+        # ``STEP_COLUMNS`` order (the step index aside; the per-group usage takes
+        # ``num_groups`` values; then any offload columns): 8 bytes a value instead of a
+        # Python object. Counts are exact in a double (below 2**53).
+        self._step_values = Float64Buffer()
+        self.step_width = len(STEP_COLUMNS) - 2 + num_groups
         self.step_replica = array("i")
         self._evictions_before = [0] * num_replicas
         # With offload tiers (a ``ResolvedOffload``): per request, what its admissions hit
@@ -153,19 +196,27 @@ class MetricsRecorder:
         self.offload = offload
         if offload is not None:
             self._offload_columns = offload_step_columns(offload.has_disk)
-            for name in self._offload_columns:
-                self.steps[name] = array("q")
+            self.step_width += len(self._offload_columns)
             self._offload_before: list[dict[str, int]] = [dict.fromkeys(self._offload_columns, 0)
                                                           for _ in range(num_replicas)]
             self._loads: dict[str, _OffloadRecord] = {}
+
+    @property
+    def itl_by_replica(self) -> list[array]:
+        """Each replica's inter-token latencies, in the order they were observed."""
+        return [itl.to_array() for itl in self._itl]
+
+    @property
+    def itl_s(self) -> array:
+        return self._itl[0].to_array()
 
     def all_itl_s(self) -> array:
         """Every replica's inter-token latencies (replica order)."""
         if self.num_replicas == 1:
             return self.itl_s
         out = array("d")
-        for itl in self.itl_by_replica:
-            out.extend(itl)
+        for itl in self._itl:
+            out.extend(itl.to_array())
         return out
 
     # -- requests --------------------------------------------------------------------------
@@ -218,7 +269,7 @@ class MetricsRecorder:
                 decode_tokens += 1
             else:
                 prefill_tokens += num_new
-        itl_s = self.itl_by_replica[replica]
+        itl_s = self._itl[replica]
         for request_id in result.execution.sampled:
             record = records[request_id]
             if math.isnan(record.first_token_s):
@@ -235,32 +286,27 @@ class MetricsRecorder:
 
         pool = engine.kv_cache_manager.block_pool
         usable = pool.num_gpu_blocks - 1
-        steps = self.steps
-        steps["step"].append(len(steps["step"]))
-        steps["time_s"].append(start_s)
-        steps["duration_s"].append(end_s - start_s)
-        steps["num_running"].append(len(engine.scheduler.running))
-        steps["num_waiting"].append(len(engine.scheduler.waiting))
-        steps["num_scheduled_reqs"].append(len(output.num_scheduled_tokens))
-        steps["prefill_tokens"].append(prefill_tokens)
-        steps["decode_tokens"].append(decode_tokens)
-        steps["num_admitted"].append(len(output.scheduled_new_reqs))
-        steps["num_preempted"].append(len(output.preempted))
-        steps["num_finished"].append(len(result.finished))
-        steps["num_free_blocks"].append(pool.get_num_free_blocks())
-        steps["num_cached_blocks"].append(pool.num_cached_blocks())
-        steps["kv_cache_usage"].append(pool.get_usage())
-        steps["kv_cache_usage_by_group"].extend([n / usable for n in pool.num_used_by_group])
-        steps["num_evictions"].append(pool.num_evictions - self._evictions_before[replica])
+        row = self._step_values
+        # In STEP_COLUMNS order.
+        row.extend((start_s, end_s - start_s, len(engine.scheduler.running), len(engine.scheduler.waiting),
+                    len(output.num_scheduled_tokens), prefill_tokens, decode_tokens, len(output.scheduled_new_reqs),
+                    len(output.preempted), len(result.finished), pool.get_num_free_blocks(),
+                    pool.num_cached_blocks(), pool.get_usage()))
+        row.extend([n / usable for n in pool.num_used_by_group])
+        cost = result.execution.cost
+        if not isinstance(cost, StepCost):  # an executor without a breakdown
+            row.extend((pool.num_evictions - self._evictions_before[replica], math.nan, math.nan, math.nan, math.nan))
+        else:
+            row.extend((pool.num_evictions - self._evictions_before[replica], cost.compute_s, cost.memory_s,
+                        cost.communication_s, cost.overhead_s))
         self._evictions_before[replica] = pool.num_evictions
         self.step_replica.append(replica)
-        cost = result.execution.cost
-        for name in ("compute_s", "memory_s", "communication_s", "overhead_s"):
-            steps[name].append(getattr(cost, name) if cost is not None else math.nan)
         if loads is not None:
             before = self._offload_before[replica]
-            for name, value in offload_counters(engine.offload).items():
-                steps[name].append(value if name in _OFFLOAD_GAUGES else value - before[name])
+            counters = offload_counters(engine.offload)
+            for name in self._offload_columns:
+                value = counters[name]
+                row.append(value if name in _OFFLOAD_GAUGES else value - before[name])
                 before[name] = value
 
     # -- offload tiers ----------------------------------------------------------------------
@@ -376,47 +422,55 @@ class MetricsRecorder:
         return table
 
     def steps_table(self) -> pa.Table:
-        columns = {}
-        for name, (code, kind) in STEP_COLUMNS.items():
-            values = np.frombuffer(self.steps[name], dtype=_NUMPY_TYPES[code]) if len(self.steps[name]) else []
+        values = self._step_values.to_array()
+        rows = (np.frombuffer(values, dtype=np.float64) if len(values) else np.zeros(0)).reshape(-1, self.step_width)
+        columns = {"step": pa.array(np.arange(len(rows), dtype=np.int64), pa.int64())}
+        at = 0
+        for name, (numpy_type, kind) in STEP_COLUMNS.items():
+            if name == "step":
+                continue
             if name == "kv_cache_usage_by_group":
-                offsets = np.arange(0, len(values) + 1, self.num_groups, dtype=np.int32)
-                columns[name] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.float64()))
-            else:
-                columns[name] = pa.array(values, type=kind)
+                groups = self.num_groups
+                offsets = np.arange(0, len(rows) * groups + 1, groups, dtype=np.int32)
+                columns[name] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()),
+                                                         pa.array(rows[:, at:at + groups].ravel(), pa.float64()))
+                at += groups
+                continue
+            columns[name] = pa.array(np.ascontiguousarray(rows[:, at]).astype(numpy_type), type=kind)
+            at += 1
         columns["replica"] = pa.array(np.frombuffer(self.step_replica, dtype=np.int32) if len(self.step_replica)
                                       else np.zeros(0, np.int32), pa.int32())
         if self.offload is not None:
             for name in self._offload_columns:
-                values = self.steps[name]
-                columns[name] = pa.array(np.frombuffer(values, dtype=np.int64) if len(values) else [], type=pa.int64())
+                columns[name] = pa.array(np.ascontiguousarray(rows[:, at]).astype(np.int64), pa.int64())
+                at += 1
         return pa.table(columns)
 
 
-# Step column -> (the ``array`` type code it is recorded in, its type in steps.parquet).
-STEP_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
-    "step": ("q", pa.int64()),
-    "time_s": ("d", pa.float64()),
-    "duration_s": ("d", pa.float64()),
-    "num_running": ("i", pa.int32()),
-    "num_waiting": ("i", pa.int32()),
-    "num_scheduled_reqs": ("i", pa.int32()),
-    "prefill_tokens": ("q", pa.int64()),
-    "decode_tokens": ("q", pa.int64()),
-    "num_admitted": ("i", pa.int32()),
-    "num_preempted": ("i", pa.int32()),
-    "num_finished": ("i", pa.int32()),
-    "num_free_blocks": ("q", pa.int64()),
-    "num_cached_blocks": ("q", pa.int64()),
-    "kv_cache_usage": ("d", pa.float64()),
-    "kv_cache_usage_by_group": ("d", pa.list_(pa.float64())),  # num_groups values a step
-    "num_evictions": ("q", pa.int64()),
-    "compute_s": ("d", pa.float64()),
-    "memory_s": ("d", pa.float64()),
-    "communication_s": ("d", pa.float64()),
-    "overhead_s": ("d", pa.float64()),
+# Step column -> (its numpy type, its type in steps.parquet), in the order
+# ``MetricsRecorder.step`` records a row.
+STEP_COLUMNS: dict[str, tuple[type, pa.DataType]] = {
+    "step": (np.int64, pa.int64()),
+    "time_s": (np.float64, pa.float64()),
+    "duration_s": (np.float64, pa.float64()),
+    "num_running": (np.int32, pa.int32()),
+    "num_waiting": (np.int32, pa.int32()),
+    "num_scheduled_reqs": (np.int32, pa.int32()),
+    "prefill_tokens": (np.int64, pa.int64()),
+    "decode_tokens": (np.int64, pa.int64()),
+    "num_admitted": (np.int32, pa.int32()),
+    "num_preempted": (np.int32, pa.int32()),
+    "num_finished": (np.int32, pa.int32()),
+    "num_free_blocks": (np.int64, pa.int64()),
+    "num_cached_blocks": (np.int64, pa.int64()),
+    "kv_cache_usage": (np.float64, pa.float64()),
+    "kv_cache_usage_by_group": (np.float64, pa.list_(pa.float64())),  # num_groups values a step
+    "num_evictions": (np.int64, pa.int64()),
+    "compute_s": (np.float64, pa.float64()),
+    "memory_s": (np.float64, pa.float64()),
+    "communication_s": (np.float64, pa.float64()),
+    "overhead_s": (np.float64, pa.float64()),
 }
-_NUMPY_TYPES = {"q": np.int64, "i": np.int32, "d": np.float64}
 
 
 def _stats(values: np.ndarray, prefix: str, scale: float = 1000.0) -> dict[str, float]:

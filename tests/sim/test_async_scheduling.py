@@ -185,9 +185,10 @@ def test_simpy_overlaps_scheduling_with_the_batch_in_flight():
     # 1 (scheduled at 0 while batch 0 ran): b's first token comes at 3.
     assert (a["b"].first_scheduled_s, a["b"].first_token_s) == (1.0, 3.0)
     assert (a["a"].first_token_s, a["a"].finish_s) == (1.0, 3.0)
-    steps = overlapped.steps
+    steps = overlapped.steps_table()
     # One row per batch, back to back on the device, each lasting its device time.
-    assert list(steps["time_s"]) == [0.0, 1.0, 2.0, 3.0] and list(steps["duration_s"]) == [1.0] * 4
+    assert steps.column("time_s").to_pylist() == [0.0, 1.0, 2.0, 3.0]
+    assert steps.column("duration_s").to_pylist() == [1.0] * 4
     assert async_end == 4.0 and sync_end == 3.0
 
 
