@@ -101,7 +101,8 @@ class HashIdPrompt:
         if covered < num_tokens and unique_id is None:
             raise ConfigError("hash_ids", f"enough ids to cover {num_tokens} prompt tokens at {hash_block_tokens} "
                               f"tokens each, or a unique_id for the uncovered rest", len(hash_ids))
-        self.hash_ids = hash_ids
+        # A list, whatever sequence came in: the hot path indexes it for every block.
+        self.hash_ids: list[int] = hash_ids if isinstance(hash_ids, list) else list(hash_ids)
         self.hash_block_tokens = hash_block_tokens
         self.num_tokens = num_tokens
         self.covered_tokens = covered
