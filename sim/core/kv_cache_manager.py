@@ -19,7 +19,7 @@ from kvtwin.sim.core.coordinator import get_kv_cache_coordinator
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.managers import FullAttentionManager
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.spec import KVCacheConfig
+from kvtwin.sim.core.spec import KVCacheConfig, cdiv
 
 
 class KVCacheManager:
@@ -43,7 +43,11 @@ class KVCacheManager:
         # The waiting head whose whole-sequence admission check failed at its last try, and
         # what that check depended on (``still_blocked``); one full-attention group only.
         managers = self.coordinator.managers
-        self.remembers_blocked_head = len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
+        # The one full-attention group of the most common layout, or None: running requests
+        # then take a path without the loops over groups (``_allocate_running_full``).
+        self.single_full_manager = (managers[0] if len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
+                                    else None)
+        self.remembers_blocked_head = self.single_full_manager is not None
         self._blocked_head: Request | None = None
         self._blocked_free_generation = -1
         self._blocked_with_running = False
@@ -96,6 +100,8 @@ class KVCacheManager:
                     request.request_id, max(0, computed - request.num_in_flight_tokens), min(end, self.max_model_len),
                     end, min(end, request.num_tokens)):
                 return self.empty_blocks
+            if self.single_full_manager is not None and not num_external_computed_tokens and not delay_cache_blocks:
+                return self._allocate_running_full(request, num_new_tokens, reserved_blocks)
         hit_blocks = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks
         coordinator = self.coordinator
         free_blocks = self.block_pool.get_num_free_blocks
@@ -140,6 +146,28 @@ class KVCacheManager:
         if fast:
             self.noop_horizon[request_id] = coordinator.noop_horizon(request_id)
         return new_blocks
+
+    def _allocate_running_full(self, request: Request, num_new_tokens: int, reserved_blocks: int) -> KVCacheBlocks | None:
+        """``allocate_slots`` for a running request when the layout is one full-attention
+        group: the general path's steps in its order, less what cannot apply (full
+        attention skips no tokens, a running request adopts no hit and pays no watermark,
+        its table ends where its blocks end)."""
+        manager = self.single_full_manager
+        assert manager is not None
+        request_id = request.request_id
+        total_computed = min(request.num_computed_tokens, self.max_model_len)
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model, self.max_model_len)
+        table = manager.req_to_blocks.get(request_id)
+        needed = max(cdiv(num_tokens_need_slot, manager.block_size) - (len(table) if table is not None else 0), 0)
+        if needed > self.block_pool.get_num_free_blocks() - reserved_blocks:
+            return None
+        new = manager.allocate_new_blocks(request_id, num_tokens_need_slot, num_tokens_main_model)
+        if self.enable_caching:
+            manager.cache_blocks(self.coordinator.hashes_for(request.block_hashes, manager), request_id,
+                                 min(num_tokens_main_model, request.num_tokens))
+        self.noop_horizon[request_id] = manager.noop_horizon(request_id)
+        return KVCacheBlocks((new,)) if new else self.empty_blocks
 
     # -- the blocked head of the waiting queue ------------------------------------------
 
