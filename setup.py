@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 from setuptools import setup
@@ -62,17 +63,17 @@ def _compiled_sources() -> dict[str, Path]:
 
 
 def _compiler_works() -> bool:
+    """Whether a C file that includes Python.h compiles here (a compiler and the headers)."""
     from setuptools._distutils import ccompiler, sysconfig
-    from setuptools._distutils.errors import CCompilerError, DistutilsError
 
-    compiler = ccompiler.new_compiler()
-    sysconfig.customize_compiler(compiler)
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.c"
         probe.write_text("#include <Python.h>\nint kvtwin_probe(void) { return 0; }\n")
         try:
+            compiler = ccompiler.new_compiler()
+            sysconfig.customize_compiler(compiler)
             compiler.compile([str(probe)], output_dir=tmp, include_dirs=[sysconfig.get_python_inc()])
-        except (CCompilerError, DistutilsError, OSError):
+        except Exception:  # whichever distutils raises it: no working compiler either way
             return False
     return True
 
@@ -125,16 +126,34 @@ class BuildNative(build_ext):
     """``build_ext`` that also writes the source manifest beside the shared library."""
 
     def run(self) -> None:
+        package_dir = self._sim_package_dir()
+        self._remove_stale_extensions(package_dir)
         super().run()
         if not self.extensions:
             return
         manifest = {target: hashlib.sha256(source.read_bytes()).hexdigest()
                     for target, source in _compiled_sources().items()}
-        build_py = self.get_finalized_command("build_py")
-        package_dir = Path(build_py.get_package_dir("kvtwin.sim")) if self.inplace else \
-            Path(self.build_lib) / "kvtwin" / "sim"
         package_dir.mkdir(parents=True, exist_ok=True)
         (package_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
+    def _sim_package_dir(self) -> Path:
+        if self.inplace:
+            return Path(self.get_finalized_command("build_py").get_package_dir("kvtwin.sim"))
+        return Path(self.build_lib) / "kvtwin" / "sim"
 
-setup(ext_modules=_native_extensions(), cmdclass={"build_ext": BuildNative})
+    def _remove_stale_extensions(self, package_dir: Path) -> None:
+        """Extensions an earlier build left that this one does not make (a module taken off
+        the list): a wheel must not ship them, nor an editable install keep them."""
+        wanted = {ext.name for ext in self.extensions}
+        suffixes = tuple(EXTENSION_SUFFIXES)
+        for path in package_dir.rglob("*") if package_dir.is_dir() else ():
+            if path.name.endswith(suffixes):
+                module = path.relative_to(package_dir).with_name(path.name.split(".", 1)[0])
+                if "kvtwin.sim." + ".".join(module.parts) not in wanted:
+                    path.unlink()
+
+
+# pip runs this file for its metadata hooks too; compile (and say so) only when building.
+_BUILDING = bool({"bdist_wheel", "editable_wheel", "build_ext", "build", "install", "develop"} & set(sys.argv[1:]))
+
+setup(ext_modules=_native_extensions() if _BUILDING else [], cmdclass={"build_ext": BuildNative})
