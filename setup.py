@@ -38,12 +38,11 @@ MANIFEST_NAME = "native_manifest.json"  # read by kvtwin/_native.py
 # and the replay's per-step loop. Package ``__init__`` files stay interpreted.
 COMPILED_PACKAGES = {"sim/core": "kvtwin/sim/core", "sim/core/offload": "kvtwin/sim/core/offload",
                      "sim/replay": "kvtwin/sim/replay"}
-# Validation and config modules run once per run; compiling them buys nothing.
+# Off the per-step path (validation, config, sweeps, calibration): compiling them buys nothing.
 INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                "calibration.py", "reuse_curve.py", "sweep.py", "trace_requests.py", "router.py",
                # Compiled, SimPy's generator processes crash the garbage collector (mypy 2.4.1).
                "workload.py"}
-COMPILED_EXTRA: dict[str, str] = {}
 
 
 def _notice(message: str) -> None:
@@ -57,8 +56,6 @@ def _compiled_sources() -> dict[str, Path]:
         for path in sorted((ROOT / folder).glob("*.py")):
             if path.name not in INTERPRETED:
                 sources[f"{target}/{path.name}"] = path
-    for source, target in COMPILED_EXTRA.items():
-        sources[target] = ROOT / source
     return sources
 
 
@@ -91,8 +88,6 @@ def _stage(sources: dict[str, Path]) -> list[str]:
         for parent in Path(target).parents:
             if str(parent) != ".":
                 (STAGE / parent / "__init__.py").touch(exist_ok=True)
-    for source, target in COMPILED_EXTRA.items():
-        shutil.copyfile(ROOT / source, STAGE / target)
     return sorted(sources)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import simpy
@@ -34,9 +33,6 @@ from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.workload import ReplayClock, run_simulation
-
-if TYPE_CHECKING:  # imported where used: a replay without offloading never loads them
-    from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 
 
 def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
@@ -150,7 +146,7 @@ def offload_tier(offload: ResolvedOffload, env: simpy.Environment) -> OffloadTie
         return env.now
 
     cpu = CPUOffloadingManager(offload.num_cpu_chunks, offload.policy)
-    manager: CPUOffloadingManager | TieredOffloadingManager = cpu
+    manager: object = cpu  # or the tiered manager over it (the same interface)
     if offload.has_disk:
         from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager, TimedPromotions
 

@@ -28,8 +28,7 @@ from kvtwin.sim.replay.workload import run_simulation
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import bundled_path
 from kvtwin.traces.load import load_trace
-from kvtwin.traces.synth import synthesize
-from kvtwin.traces.synth_spec import parse_spec
+from tests.replay.chat_workload import chat_trace, llama_plan
 from tests.tables import assert_tables_equal
 
 NEW_REQUEST_COLUMNS = ("replica",)
@@ -38,26 +37,11 @@ NEW_SUMMARY_COLUMNS = ("num_replicas", "router", "load_imbalance")
 SLO_ = SLO(ttft_s=2.0, tpot_s=0.1)
 NUM_REPLICAS = 4
 
-# Multi-turn chat, most of each prompt the session's history: what routing can keep together.
-CHAT = {"kind": "chat", "seed": 3, "num_requests": 400, "block_tokens": 16,
-        "arrival": {"process": "poisson", "rate_per_s": 1.0},
-        "shared_prefix": {"count": 4, "tokens": 800, "zipf_s": 1.0},
-        "turns": {"dist": "zipf", "s": 1.2, "max": 12},
-        "user_tokens": {"dist": "lognormal", "mean": 300, "sigma": 0.5},
-        "output_tokens": {"dist": "lognormal", "mean": 100, "sigma": 0.5},
-        "turn_gap_s": {"dist": "exponential", "mean": 10}, "max_prompt_tokens": 12000}
-# 3 GiB of KV cache per replica (~24k tokens of Llama-3.1-8B): sessions compete for it.
-KV_BYTES = 3 * 2**30
-
-
-def _plan(**engine):
-    settings = {"max_model_len": 16896, "kv_cache_memory_bytes": KV_BYTES, **engine}
-    return plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings))
 
 
 @pytest.fixture(scope="module")
 def chat():
-    return synthesize(parse_spec(CHAT))
+    return chat_trace(400)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +51,7 @@ def mooncake_head():
 
 @pytest.fixture(scope="module")
 def cluster_runs(chat):
-    return {router: run_replay(_plan(replicas=NUM_REPLICAS, router=router), chat, slo=SLO_)
+    return {router: run_replay(llama_plan(replicas=NUM_REPLICAS, router=router), chat, slo=SLO_)
             for router in ROUTER_NAMES}
 
 
@@ -175,7 +159,7 @@ def test_least_loaded_balances(cluster_runs):
 
 
 def test_least_loaded_picks_the_fewest_outstanding_tokens_lowest_index_on_ties():
-    p = _plan()
+    p = llama_plan()
     kv = p.require_fits()
     engines = [EngineCore(kv, p.engine.scheduler, p.engine.cache) for _ in range(3)]
     router = LeastLoadedRouter(engines)
@@ -206,7 +190,7 @@ def test_prefix_aware_beats_round_robin_on_prefix_hits(cluster_runs):
 def test_prefix_aware_reads_each_replicas_cached_blocks():
     """The router's score is the prefix cached on each replica, from its pool's hash map,
     with the engine's own hashes (hash-id prompts and token prompts)."""
-    p = _plan(async_scheduling=False)
+    p = llama_plan(async_scheduling=False)
     kv = p.require_fits()
     engines = [EngineCore(kv, p.engine.scheduler, p.engine.cache) for _ in range(2)]
     router = PrefixAwareRouter(engines)
@@ -231,7 +215,7 @@ def test_prefix_aware_reads_each_replicas_cached_blocks():
 
 def test_router_registry_matches_the_config_names():
     assert tuple(ROUTERS) == ROUTER_NAMES
-    p = _plan()
+    p = llama_plan()
     kv = p.require_fits()
     engines = [EngineCore(kv, p.engine.scheduler, p.engine.cache)]
     for name in ROUTER_NAMES:
@@ -239,7 +223,7 @@ def test_router_registry_matches_the_config_names():
 
 
 def test_cluster_replay_is_deterministic(chat):
-    p = _plan(replicas=3, router="prefix_aware")
+    p = llama_plan(replicas=3, router="prefix_aware")
     first, second = run_replay(p, chat), run_replay(p, chat)
     for name in ("requests", "steps", "summary", "replicas"):
         assert_tables_equal(getattr(first, name), getattr(second, name))

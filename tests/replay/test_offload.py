@@ -14,38 +14,26 @@ import numpy as np
 import pytest
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
-from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
-from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay import sweep
 from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.parse import parse_scenario
-from kvtwin.traces.synth import synthesize
-from kvtwin.traces.synth_spec import parse_spec
+from tests.replay.chat_workload import chat_trace, llama_plan
 from tests.tables import assert_tables_equal
 
 GIB = 2**30
-CHAT = {"kind": "chat", "seed": 3, "num_requests": 150, "block_tokens": 16,
-        "arrival": {"process": "poisson", "rate_per_s": 1.0},
-        "shared_prefix": {"count": 4, "tokens": 800, "zipf_s": 1.0},
-        "turns": {"dist": "zipf", "s": 1.2, "max": 12},
-        "user_tokens": {"dist": "lognormal", "mean": 300, "sigma": 0.5},
-        "output_tokens": {"dist": "lognormal", "mean": 100, "sigma": 0.5},
-        "turn_gap_s": {"dist": "exponential", "mean": 10}, "max_prompt_tokens": 12000}
 OFFLOAD_REQUEST_COLUMNS = ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "load_wait_s", "load_transfer_s")
 
 
 def _plan(**engine):
-    settings = {"max_model_len": 16896, "kv_cache_memory_bytes": 3 * GIB, "async_scheduling": False, **engine}
-    return plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings))
+    return llama_plan(**{"async_scheduling": False, **engine})
 
 
 @pytest.fixture(scope="module")
 def chat():
-    return synthesize(parse_spec(CHAT))
+    return chat_trace(150)
 
 
 @pytest.fixture(scope="module")
