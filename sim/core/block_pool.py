@@ -163,7 +163,6 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         cache = self.cached_block_hash_to_block[group_id]
-        get = cache.get
         hashes = hashes_in_range(block_hashes, num_cached_blocks, num_full_blocks)
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         for block, block_hash in zip(new_blocks, hashes):
@@ -171,7 +170,7 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             block.group_id = group_id
-            entry = get(block_hash)
+            entry = cache.get(block_hash)
             if entry is None:
                 cache[block_hash] = block
             elif isinstance(entry, KVCacheBlock):

@@ -39,6 +39,12 @@ class Execution:
     duration_s: float = 0.0
     cost: object | None = None  # the executor's breakdown of duration_s, if it has one
 
+    # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
+    def __init__(self, sampled: dict[str, list[int]], duration_s: float = 0.0, cost: object | None = None):
+        self.sampled = sampled
+        self.duration_s = duration_s
+        self.cost = cost
+
 
 class ModelExecutor(Protocol):
     """Runs one scheduled batch from the scheduler output alone.
@@ -83,6 +89,14 @@ class StepResult:
     # With an offload tier: what the worker reported finished in this step.
     transfers: KVConnectorOutput | None = None
 
+    def __init__(self, output: SchedulerOutput, finished: list[Request], execution: Execution,
+                 updated: SchedulerOutput | None = None, transfers: KVConnectorOutput | None = None):
+        self.output = output
+        self.finished = finished
+        self.execution = execution
+        self.updated = updated
+        self.transfers = transfers
+
 
 @dataclass
 class Batch:
@@ -90,6 +104,10 @@ class Batch:
 
     output: SchedulerOutput
     execution: Execution
+
+    def __init__(self, output: SchedulerOutput, execution: Execution):
+        self.output = output
+        self.execution = execution
 
     @property
     def executed(self) -> bool:

@@ -175,8 +175,10 @@ class HashIdBlockHashes:
         fast_stop = min(stop, self._fast_blocks)
         if len(memo) < fast_stop:
             ids, ids_tokens, bs = self._ids, self._ids_tokens, self.block_size
-            memo += [hash((ids[(end - 1) // ids_tokens], end))
-                     for end in range((len(memo) + 1) * bs, fast_stop * bs + 1, bs)]
+            # A counted loop (compiled, a C loop; a stepped range is iterated generically).
+            for index in range(len(memo), fast_stop):
+                end = (index + 1) * bs
+                memo.append(hash((ids[(end - 1) // ids_tokens], end)))
         if stop <= fast_stop:
             return memo[start:stop]
         out = memo[start:fast_stop] if start < fast_stop else []

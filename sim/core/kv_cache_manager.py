@@ -104,7 +104,7 @@ class KVCacheManager:
                 return self._allocate_running_full(request, num_new_tokens, reserved_blocks)
         hit_blocks = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks
         coordinator = self.coordinator
-        free_blocks = self.block_pool.get_num_free_blocks
+        pool = self.block_pool
         request_id = request.request_id
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
@@ -117,7 +117,7 @@ class KVCacheManager:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             needed = coordinator.get_num_blocks_to_allocate(request_id, full_num_tokens, hit_blocks, total_computed,
                                                             full_num_tokens, apply_admission_cap=True)
-            if needed + watermark_blocks > free_blocks():
+            if needed + watermark_blocks > pool.get_num_free_blocks():
                 return None
 
         num_tokens_main_model = total_computed + num_new_tokens
@@ -130,7 +130,7 @@ class KVCacheManager:
         needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hit_blocks,
                                                         num_local_computed + num_external_computed_tokens,
                                                         num_tokens_main_model)
-        if needed + watermark_blocks > free_blocks() - reserved_blocks:
+        if needed + watermark_blocks > pool.get_num_free_blocks() - reserved_blocks:
             return None
 
         if hit_blocks is not self.empty_blocks or num_external_computed_tokens:

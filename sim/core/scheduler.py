@@ -260,7 +260,7 @@ class Scheduler:
         """The asynchronous advance: as the synchronous one, and a request that samples
         holds a placeholder until this batch's update; partial chunks' tokens stay in flight."""
         requests = self.requests
-        note_computed = out.num_computed_tokens.append
+        noted_computed = out.num_computed_tokens
         sampling = out.num_output_tokens
         scheduled = out.num_scheduled_tokens
         self.num_batches += 1
@@ -270,7 +270,7 @@ class Scheduler:
         for request_id, num_tokens in scheduled.items():
             request = requests[request_id]
             computed = request.num_computed_tokens
-            note_computed(computed)
+            noted_computed.append(computed)
             computed += num_tokens
             request.num_computed_tokens = computed
             request.num_in_flight_tokens += num_tokens
@@ -289,12 +289,12 @@ class Scheduler:
         """The synchronous advance: each scheduled request's computed count moves past this
         step's tokens; a request whose tokens are then all computed samples."""
         requests = self.requests
-        note_computed = out.num_computed_tokens.append
+        noted_computed = out.num_computed_tokens
         sampling = out.num_output_tokens
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = requests[request_id]
             computed = request.num_computed_tokens
-            note_computed(computed)
+            noted_computed.append(computed)
             computed += num_tokens
             request.num_computed_tokens = computed
             # A partial prefill chunk (or part of a recompute) samples nothing.
@@ -600,7 +600,7 @@ class Scheduler:
         kvm = self.kv_cache_manager
         caching = kvm.enable_caching
         hash_block_size = kvm.coordinator.hash_block_size  # every group's block size is a multiple
-        cache_blocks = kvm.coordinator.cache_blocks
+        coordinator = kvm.coordinator
         preempted = RequestStatus.PREEMPTED
         for request_id, tokens in sampled.items():
             # Never finished already: a request whose last token is in flight is not
@@ -629,7 +629,7 @@ class Scheduler:
                     # request; every group's blocks end on hash-block boundaries.
                     processed = request.num_computed_tokens
                     if processed // hash_block_size != (processed - num_tokens) // hash_block_size:
-                        cache_blocks(request_id, request.block_hashes, processed)
+                        coordinator.cache_blocks(request_id, request.block_hashes, processed)
             if done:
                 self._finish(request, finished)
         if finished:

@@ -90,6 +90,15 @@ class CachedRequestData:
     replaced_block_ids: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     _new_block_ids: dict[str, tuple[list[int], ...]] | None = None
 
+    # Spelled out (one is made every step): a compiled dataclass keeps the generated
+    # __init__, which runs as Python. None stands for a fresh empty container.
+    def __init__(self, new_blocks: dict[str, KVCacheBlocks] | None = None,
+                 replaced_block_ids: dict[str, list[tuple[int, int, int]]] | None = None,
+                 _new_block_ids: dict[str, tuple[list[int], ...]] | None = None):
+        self.new_blocks = {} if new_blocks is None else new_blocks
+        self.replaced_block_ids = {} if replaced_block_ids is None else replaced_block_ids
+        self._new_block_ids = _new_block_ids
+
     @property
     def new_block_ids(self) -> dict[str, tuple[list[int], ...]]:
         """Request id -> block ids appended per group (made on first read)."""
@@ -115,6 +124,23 @@ class SchedulerOutput:
     # With an offload tier, for metrics (the executor ignores it): per admission that loads
     # from the tier, (request, GPU hit tokens, loaded tokens, loaded tokens per tier).
     external_hits: list | None = None
+
+    # Spelled out, as CachedRequestData's; None stands for a fresh empty container.
+    def __init__(self, num_scheduled_tokens: dict[str, int] | None = None, num_computed_tokens: list[int] | None = None,
+                 num_output_tokens: dict[str, int] | None = None,
+                 scheduled_new_reqs: list[NewRequestData] | None = None,
+                 scheduled_cached_reqs: CachedRequestData | None = None, preempted: list[str] | None = None,
+                 finished_req_ids: list[str] | None = None,
+                 kv_connector_metadata: OffloadingConnectorMetadata | None = None, external_hits: list | None = None):
+        self.num_scheduled_tokens = {} if num_scheduled_tokens is None else num_scheduled_tokens
+        self.num_computed_tokens = [] if num_computed_tokens is None else num_computed_tokens
+        self.num_output_tokens = {} if num_output_tokens is None else num_output_tokens
+        self.scheduled_new_reqs = [] if scheduled_new_reqs is None else scheduled_new_reqs
+        self.scheduled_cached_reqs = CachedRequestData() if scheduled_cached_reqs is None else scheduled_cached_reqs
+        self.preempted = [] if preempted is None else preempted
+        self.finished_req_ids = [] if finished_req_ids is None else finished_req_ids
+        self.kv_connector_metadata = kv_connector_metadata
+        self.external_hits = external_hits
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -31,7 +31,7 @@ from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
-from kvtwin.sim.core.spec import AttentionSpec, KVCacheSpec, MambaSpec
+from kvtwin.sim.core.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
 
 _MXFP4_BYTES_PER_PARAM = 4.25 / 8
 
@@ -116,6 +116,22 @@ class StepCost:
     attention_flops: float
     num_requests: int  # decodes + prefill items: what the per-request overhead multiplies
 
+    # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
+    def __init__(self, total_s: float, compute_s: float, memory_s: float, communication_s: float,
+                 overhead_s: float, flops: float, weight_bytes: float, kv_bytes: float, linear_flops: float,
+                 attention_flops: float, num_requests: int):
+        self.total_s = total_s
+        self.compute_s = compute_s
+        self.memory_s = memory_s
+        self.communication_s = communication_s
+        self.overhead_s = overhead_s
+        self.flops = flops
+        self.weight_bytes = weight_bytes
+        self.kv_bytes = kv_bytes
+        self.linear_flops = linear_flops
+        self.attention_flops = attention_flops
+        self.num_requests = num_requests
+
 
 class CostModel:
     """Predicts the seconds one engine step takes on one TP group of ``gpu``."""
@@ -196,6 +212,32 @@ class CostModel:
                 kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
                              + 2 * lc.state_bytes * num_decodes) * lc.num_layers
                 attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
+        return self._step_cost(num_tokens, kv_bytes, attention_flops, len(decode_ends) + len(prefill_items))
+
+    @property
+    def decodes_cost_by_context_sum(self) -> bool:
+        """Whether a decode-only step's cost depends on its contexts only through their sum
+        (every layer attends its whole context): ``decode_step_cost`` then applies."""
+        return all(type(lc.spec).decode_attended_keys is FullAttentionSpec.decode_attended_keys
+                   and isinstance(lc.spec, FullAttentionSpec)
+                   and lc.spec.sliding_window is None and lc.spec.attention_chunk_size is None
+                   for lc in self.layer_classes)
+
+    def decode_step_cost(self, num_decodes: int, context_ends_sum: int) -> StepCost:
+        """``split_step_cost`` of ``num_decodes`` decodes whose context ends sum to
+        ``context_ends_sum``, and no prefill, in O(1) (decode windows, ``sim/core/decode_window.py``).
+        Only where ``decodes_cost_by_context_sum``; the same float operations in the same
+        order as ``split_step_cost``, so the seconds are the same to the last bit."""
+        kv_bytes = 0.0
+        attention_flops = 0.0
+        for lc in self.layer_classes:
+            attended = context_ends_sum
+            kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
+                         + 2 * lc.state_bytes * num_decodes) * lc.num_layers
+            attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
+        return self._step_cost(num_decodes, kv_bytes, attention_flops, num_decodes)
+
+    def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, num_requests: int) -> StepCost:
         eff = self.eff
         linear_flops = self.linear_flops_per_token * num_tokens
         compute_s = (linear_flops / (self.flops_per_s * eff.matmul_flops_fraction)
@@ -208,7 +250,6 @@ class CostModel:
             bandwidth = self.gpu.interconnect_bytes_per_s * eff.interconnect_fraction
             per_layer = (allreduce_bytes / bandwidth if bandwidth else 0.0) + eff.allreduce_latency_s
             communication_s = 2 * self.num_layers * per_layer
-        num_requests = len(decode_ends) + len(prefill_items)
         overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * num_requests
         gpu_s = max(compute_s, memory_s) + communication_s
         total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s

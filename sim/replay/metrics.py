@@ -284,16 +284,51 @@ class MetricsRecorder:
             record.status = "finished"
             record.snapshot()
 
+        self._step_row(engine, start_s, end_s, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
+                       len(output.scheduled_new_reqs), len(output.preempted), len(result.finished),
+                       result.execution.cost, replica)
+
+    def decode_window_step(self, engine, start_s: float, end_s: float, num_decodes: int, cost: StepCost,
+                           itl_s: float, finished: list[Request], num_window_steps: int, replica: int = 0) -> None:
+        """Record a batch of a decode window (``sim/core/decode_window.py``): ``num_decodes``
+        running requests decoded one token each, all sampling at ``end_s`` and last at
+        ``end_s - itl_s``; ``finished`` sampled their last token, after ``num_window_steps``
+        window batches in all (this one included). The others' records catch up in
+        ``close_decode_window``."""
+        self._itl[replica].extend([itl_s] * num_decodes)
+        records = self.records
+        for request in finished:
+            record = records[request.request_id]
+            record.scheduled_tokens += num_window_steps
+            record.last_token_s = end_s
+            record.finish_s = end_s
+            record.status = "finished"
+            record.snapshot()
+        self._step_row(engine, start_s, end_s, num_decodes, 0, num_decodes, 0, 0, len(finished), cost, replica)
+
+    def close_decode_window(self, request_ids: list[str], num_steps: int, last_token_s: float) -> None:
+        """The records of a window's requests after ``num_steps`` window batches were
+        recorded, the last of them at ``last_token_s``."""
+        if not num_steps:
+            return
+        records = self.records
+        for request_id in request_ids:
+            record = records[request_id]
+            record.scheduled_tokens += num_steps
+            record.last_token_s = last_token_s
+
+    def _step_row(self, engine, start_s: float, end_s: float, num_scheduled: int, prefill_tokens: int,
+                  decode_tokens: int, num_new: int, num_preempted: int, num_finished: int, cost: object,
+                  replica: int) -> None:
+        """The step table's row for a batch, with the pool as it is after the batch's update."""
         pool = engine.kv_cache_manager.block_pool
         usable = pool.num_gpu_blocks - 1
         row = self._step_values
         # In STEP_COLUMNS order.
         row.extend((start_s, end_s - start_s, len(engine.scheduler.running), len(engine.scheduler.waiting),
-                    len(output.num_scheduled_tokens), prefill_tokens, decode_tokens, len(output.scheduled_new_reqs),
-                    len(output.preempted), len(result.finished), pool.get_num_free_blocks(),
-                    pool.num_cached_blocks(), pool.get_usage()))
+                    num_scheduled, prefill_tokens, decode_tokens, num_new, num_preempted, num_finished,
+                    pool.get_num_free_blocks(), pool.num_cached_blocks(), pool.get_usage()))
         row.extend([n / usable for n in pool.num_used_by_group])
-        cost = result.execution.cost
         if not isinstance(cost, StepCost):  # an executor without a breakdown
             row.extend((pool.num_evictions - self._evictions_before[replica], math.nan, math.nan, math.nan, math.nan))
         else:
@@ -301,7 +336,7 @@ class MetricsRecorder:
                         cost.communication_s, cost.overhead_s))
         self._evictions_before[replica] = pool.num_evictions
         self.step_replica.append(replica)
-        if loads is not None:
+        if self.offload is not None:
             before = self._offload_before[replica]
             counters = offload_counters(engine.offload)
             for name in self._offload_columns:

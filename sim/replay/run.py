@@ -70,6 +70,23 @@ class CostModelExecutor:
             sampled[request_id] = [base + num_output_tokens]
         return Execution(sampled, cost.total_s, cost)
 
+    # -- decode windows (``sim/core/decode_window.py``, driven by ``workload.py``) --------
+
+    @property
+    def supports_decode_windows(self) -> bool:
+        """Whether a decode window may stand in for executing its batches: their seconds
+        have a closed form (``decode_step_cost``) and their tokens are ``token_bases``."""
+        return self.cost_model.decodes_cost_by_context_sum
+
+    def decode_step_cost(self, num_decodes: int, context_ends_sum: int) -> StepCost:
+        """What ``execute`` predicts for a batch of ``num_decodes`` decodes alone."""
+        return self.cost_model.decode_step_cost(num_decodes, context_ends_sum)
+
+    def token_bases(self, request_ids: list[str]) -> list[int | None]:
+        """Each request's token base: its output ``k`` is sampled as ``base + k``."""
+        bases = self._token_base
+        return [bases.get(request_id) for request_id in request_ids]
+
 
 @dataclass
 class ReplayResult:
@@ -84,13 +101,14 @@ class ReplayResult:
 def run_replay(plan: Plan, trace: pa.Table, *, efficiency: Efficiency = Efficiency(), slo: SLO = SLO(),
                time_limit_s: float | None = None,
                on_progress: Callable[[ReplayClock], None] | None = None,
-               offload: ResolvedOffload | None = None) -> ReplayResult:
+               offload: ResolvedOffload | None = None, decode_windows: bool = True) -> ReplayResult:
     """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
     cost model and executor per replica of ``plan.engine.replicas``, each with the offload
     tiers ``offload`` sizes (None: none)."""
     executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(plan.engine.replicas)]
     return run_with_executor(plan, trace, executors if len(executors) > 1 else executors[0], slo=slo,
-                             time_limit_s=time_limit_s, on_progress=on_progress, offload=offload)
+                             time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
+                             decode_windows=decode_windows)
 
 
 def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostModel:
@@ -102,7 +120,7 @@ def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostMo
 def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Sequence[ModelExecutor], *,
                       slo: SLO = SLO(), time_limit_s: float | None = None, env: simpy.Environment | None = None,
                       on_progress: Callable[[ReplayClock], None] | None = None,
-                      offload: ResolvedOffload | None = None) -> ReplayResult:
+                      offload: ResolvedOffload | None = None, decode_windows: bool = True) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what ``executor``
     says (predicted, measured on a device, or replayed from a recording); ``env`` is the
     SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real time).
@@ -110,7 +128,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
     ``executor`` is one executor, or a list of one per replica: the run has as many
     replicas as executors given (a single executor: one replica, whatever
     ``plan.engine.replicas`` says), behind the router ``plan.engine.router``. ``offload``
-    gives each replica its offload tiers (module docstring)."""
+    gives each replica its offload tiers (module docstring). ``decode_windows`` False
+    turns decode windows off (``workload.py``; the results are the same, only slower)."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
     executors: list[ModelExecutor] = list(executor) if isinstance(executor, Sequence) else [executor]
@@ -124,7 +143,7 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload)
     end_s = run_simulation(engines[0] if len(engines) == 1 else engines, executors[0] if len(engines) == 1 else
                            executors, arrivals_from_trace(trace), metrics, time_limit_s=time_limit_s,
-                           on_progress=on_progress, env=env, router=router)
+                           on_progress=on_progress, env=env, router=router, decode_windows=decode_windows)
     requests = metrics.requests_table()
     steps = metrics.steps_table()
     facts = offload.describe() if offload is not None else None
@@ -162,6 +181,10 @@ class RecordedClockExecutor(CostModelExecutor):
     """The simulator on another run's clock: step ``i`` lasts the ``i``-th recorded duration
     (e.g. a device run's measured ones), tokens as the cost-model executor makes them. Steps
     past the recording (the runs diverged) take the cost model's prediction."""
+
+    @property
+    def supports_decode_windows(self) -> bool:
+        return False  # every step takes its own recorded duration
 
     def __init__(self, cost_model: CostModel, durations_s: list[float]):
         super().__init__(cost_model)

@@ -17,6 +17,20 @@ are known. A metrics step is one batch: it starts when the device starts it and 
 its device time; its admissions are stamped with the time it was scheduled. Batches that
 computed nothing leave no step row unless they preempted.
 
+Decode windows (``decode_windows``, on by default; ``sim/core/decode_window.py``): when
+the one batch in flight only decodes, the asynchronous process goes on with window
+batches, which the scheduler does not visit request by request. Each is priced by the
+executor's closed form (``decode_step_cost``), waited for and recorded like any batch;
+requests that sample their last token finish through the scheduler's own update. The
+window ends (its batch in flight becoming a real one) when its waiting pass admits, when
+a batch's allocations might not fit the free blocks, when every request's last token is
+in flight, or before a batch the time limit could cut off. Arrivals need no end: they
+only join the waiting queue, which each window batch offers its budget to; with
+replicas, each engine process runs its own windows, and the router (which reads the
+pools, never a request's counters) is told of finishes as they are recorded. Engines
+without offload tiers and executors that ``supports_decode_windows`` get windows; what
+they record is byte for byte what the batches one by one record.
+
 With an offload tier (``EngineCore.offload``) the engine also
 steps while finished requests are still to be reported (their last chunks are stored in
 that step, as vLLM steps while ``has_finished_requests``). A step that schedules nothing
@@ -43,7 +57,8 @@ from dataclasses import dataclass
 import simpy
 from simpy.events import URGENT, Event
 
-from kvtwin.sim.core.engine import EngineCore, ModelExecutor
+from kvtwin.sim.core.decode_window import open_decode_window
+from kvtwin.sim.core.engine import Batch, EngineCore, ModelExecutor
 from kvtwin.sim.core.offload.transfers import TimedTransfers
 from kvtwin.sim.replay.metrics import MetricsRecorder
 from kvtwin.sim.replay.router import Router
@@ -81,6 +96,8 @@ class ReplayClock:
     finished: int = 0
     # Refused at arrival: done as far as progress goes (finished + rejected of the total).
     rejected: int = 0
+    # Of ``steps``, those recorded inside decode windows (``sim/core/decode_window.py``).
+    decode_window_steps: int = 0
 
 
 def next_offload_event_s(engine: EngineCore) -> float | None:
@@ -102,7 +119,8 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                    arrivals: Iterable[Arrival], metrics: MetricsRecorder, *,
                    time_limit_s: float | None = None,
                    on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000,
-                   env: simpy.Environment | None = None, router: Router | None = None) -> float:
+                   env: simpy.Environment | None = None, router: Router | None = None,
+                   decode_windows: bool = True) -> float:
     """Replay ``arrivals`` (sorted by time) until every request is done or the time limit.
 
     ``engine`` is one engine or a list of data-parallel replicas, ``executor`` its
@@ -110,7 +128,9 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
     replica of each arrival, and each replica runs its own engine process in the same
     environment. With one replica the router is not consulted. ``env`` is the clock
     (default a fresh ``simpy.Environment``; a ``simpy.rt.RealtimeEnvironment`` for
-    wall-clock pacing). Returns the simulated time at which the run ended.
+    wall-clock pacing). ``decode_windows`` False schedules every batch one by one (the
+    results are the same; module docstring). Returns the simulated time at which the run
+    ended.
     """
     engines = [engine] if isinstance(engine, EngineCore) else list(engine)
     executors: list[ModelExecutor] = list(executor) if isinstance(executor, Sequence) else [executor]
@@ -229,14 +249,97 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
         # (scheduled at, device start, device end) of each batch in ``queue``, oldest first.
         times: deque[tuple[float, float, float]] = deque()
         device_free_s = 0.0
+        windows = decode_windows and not offload and size == 2 and getattr(executor, "supports_decode_windows", False)
+
+        def decode_window():
+            """Run a decode window (``sim/core/decode_window.py``) if one opens on the batch
+            in flight; True if it left a batch just scheduled behind the one in flight (the
+            window's last batch admitted a request), so the next thing is to wait."""
+            nonlocal device_free_s
+            in_flight = queue[0]
+            scheduler = engine.scheduler
+            running = scheduler.running
+            window = open_decode_window(scheduler, in_flight.output, in_flight.execution.sampled,
+                                        executor.token_bases([r.request_id for r in running]))
+            if window is None:
+                return False
+            # The window batch in flight: its cost and size, recorded when it is applied.
+            in_flight_cost = None
+            in_flight_size = 0
+            last_end_s = 0.0
+            j = 0
+            while True:
+                if time_limit_s is not None and times[0][2] >= time_limit_s:
+                    break  # the run may stop before its predecessor is applied: no state may be implicit
+                num_decodes = window.next_batch(j)
+                if not num_decodes:
+                    break
+                if num_decodes < 0:  # it admitted: a real batch, after the window's last
+                    if j:
+                        close_window(window, j, window.previous_new_blocks, window.previous_reported, last_end_s)
+                    output = window.complete(j, window.admitted)
+                    batch = Batch(output, executor.execute(output))
+                    queue.append(batch)
+                    now = env.now
+                    start_s = max(now, device_free_s)
+                    device_free_s = start_s + batch.execution.duration_s
+                    times.append((now, start_s, device_free_s))
+                    return True
+                cost = executor.decode_step_cost(num_decodes, window.context_ends_sum(j))
+                now = env.now
+                start_s = max(now, device_free_s)
+                device_free_s = start_s + cost.total_s
+                times.append((now, start_s, device_free_s))
+                batch_times = times.popleft()
+                if batch_times[2] > env.now:
+                    yield env.timeout(batch_times[2] - env.now)
+                if j == 0:
+                    window.begin_real_update()
+                    result = engine.update_batch()
+                    window.end_real_update()
+                    record(engine, replica, batch_times, result)
+                else:
+                    scheduled_s, start_s, end_s = batch_times
+                    finished = window.finish(j)
+                    metrics.decode_window_step(engine, start_s, end_s, in_flight_size, in_flight_cost,
+                                               end_s - last_end_s, finished, j, replica)
+                    clock.steps += 1
+                    clock.decode_window_steps += 1
+                    clock.finished += len(finished)
+                    if router is not None:
+                        for request in finished:
+                            router.release(replica, request)
+                    if on_progress is not None and clock.steps % progress_every == 0:
+                        clock.now_s = start_s
+                        on_progress(clock)
+                in_flight_cost = cost
+                in_flight_size = num_decodes
+                last_end_s = batch_times[2]
+                j += 1
+            if j:
+                close_window(window, j, window.new_blocks, window.reported, last_end_s)
+            return False
+
+        def close_window(window, j: int, new_blocks, reported, last_end_s: float) -> None:
+            """End ``window`` at its state ``j``: its batch in flight queued as a real one."""
+            output = window.close(j, new_blocks, reported)
+            execution = executor.execute(output)
+            queue.append(Batch(output, execution))
+            metrics.close_decode_window(window.alive_request_ids(), j - 1, last_end_s)
+
         while True:
             if not engine.has_requests() and not queue:
                 if state["arrivals_done"]:
                     return
                 yield from wait_for_arrival(replica)
                 continue
+            scheduled = False
+            if windows and len(queue) == 1 and engine.has_requests():
+                # (Returns at once unless the batch in flight opens a window; after one, the
+                # batch in flight is its last and the next is scheduled here as usual.)
+                scheduled = yield from decode_window()
             now = env.now
-            if engine.has_requests():
+            if not scheduled and engine.has_requests():
                 batch = engine.schedule_batch(executor)
                 if batch.executed:
                     start_s = max(now, device_free_s)

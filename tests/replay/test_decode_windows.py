@@ -1,0 +1,184 @@
+"""Decode windows (``sim/core/decode_window.py``) change no decision and no record.
+
+A replay with windows and one without must write the same bytes: every table, on the
+bundled traces and on random chat workloads that overload a small KV cache (admissions
+from inside a window, finishes, preemptions, prefix hits, a time limit that cuts a run
+short, both scheduling policies, replicas behind a router). Each comparison also checks that windows ran, so it
+cannot pass by never opening one. The closed-form decode cost a window prices its
+batches with is checked against the cost model's general form, to the bit.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import astuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtwin.scenarios import SCENARIOS_DIR
+from kvtwin.sim.core.decode_window import open_decode_window
+from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.plan import plan
+from kvtwin.sim.replay.run import CostModelExecutor, RecordedClockExecutor, plan_cost_model, run_replay, \
+    run_with_executor
+from kvtwin.sim.replay.workload import ReplayClock
+from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from kvtwin.traces.synth import synthesize
+from kvtwin.traces.synth_spec import parse_spec
+
+from .chat_workload import chat_trace, llama_plan
+
+
+def _bytes(table: pa.Table | None) -> bytes:
+    sink = io.BytesIO()
+    if table is not None:
+        pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def _replay(run, **kwargs) -> tuple[dict[str, bytes], ReplayClock]:
+    """``run(**kwargs, on_progress=...)``'s tables as parquet bytes, and its final clock."""
+    clocks: list[ReplayClock] = []
+    result = run(**kwargs, on_progress=clocks.append)
+    tables = {name: _bytes(getattr(result, name)) for name in ("requests", "steps", "summary", "replicas")}
+    return tables, clocks[-1]
+
+
+def _assert_same_with_and_without_windows(run, min_window_share: float, **kwargs) -> ReplayClock:
+    windowed, clock = _replay(run, decode_windows=True, **kwargs)
+    stepwise, stepwise_clock = _replay(run, decode_windows=False, **kwargs)
+    for name in windowed:
+        assert windowed[name] == stepwise[name], f"{name} differs with decode windows"
+    assert stepwise_clock.decode_window_steps == 0
+    assert clock.steps == stepwise_clock.steps
+    assert clock.decode_window_steps >= min_window_share * clock.steps, (clock.decode_window_steps, clock.steps)
+    return clock
+
+
+@pytest.mark.parametrize(("scenario", "gpu", "limit"), [
+    ("mooncake-llama8b-h100-overload.toml", None, 1500),
+    ("azure-conv-llama8b.toml", "a100-80gb", 1500),
+    ("default.toml", None, 1500),  # two replicas behind a router: windows in both
+])
+def test_bundled_traces_replay_the_same_with_decode_windows(scenario, gpu, limit):
+    resolved = resolve_scenario(SCENARIOS_DIR / scenario, Overrides(gpu=gpu, limit=limit))
+    planned = resolved.plan()
+    trace = resolved.require_workload().load()
+    # Most of these replays' batches only decode: most steps run inside windows.
+    _assert_same_with_and_without_windows(run_replay, 0.5, plan=planned, trace=trace, efficiency=resolved.efficiency,
+                                          slo=resolved.slo)
+
+
+def _overload_trace(seed: int, rate_per_s: float, num_requests: int) -> pa.Table:
+    return synthesize(parse_spec({
+        "kind": "chat", "seed": seed, "num_requests": num_requests, "block_tokens": 16,
+        "arrival": {"process": "poisson", "rate_per_s": rate_per_s},
+        "shared_prefix": {"count": 3, "tokens": 400, "zipf_s": 1.0},
+        "turns": {"dist": "zipf", "s": 1.2, "max": 6},
+        "user_tokens": {"dist": "lognormal", "mean": 200, "sigma": 0.6},
+        "output_tokens": {"dist": "lognormal", "mean": 120, "sigma": 0.8},
+        "turn_gap_s": {"dist": "exponential", "mean": 5}, "max_prompt_tokens": 3000}))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), rate_per_s=st.sampled_from([2.0, 8.0, 30.0]),
+       kv_gib=st.sampled_from([0.6, 1.0, 3.0]), max_num_seqs=st.sampled_from([8, 64]),
+       policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(), cut=st.booleans())
+def test_random_overloads_replay_the_same_with_decode_windows(seed, rate_per_s, kv_gib, max_num_seqs, policy,
+                                                             caching, cut):
+    planned = llama_plan(kv_cache_memory_bytes=int(kv_gib * 2**30), max_num_seqs=max_num_seqs,
+                         scheduling_policy=policy, enable_prefix_caching=caching, max_model_len=4096)
+    trace = _overload_trace(seed, rate_per_s, 120)
+    time_limit_s = None
+    if cut:  # stop halfway through: whatever a window holds must be written out by then
+        full = run_replay(planned, trace, decode_windows=False)
+        time_limit_s = full.end_time_s / 2
+    _assert_same_with_and_without_windows(run_replay, 0.05, plan=planned, trace=trace, time_limit_s=time_limit_s)
+
+
+def test_windows_survive_preemption_pressure():
+    """A cache of a few thousand tokens under a burst: windows open between preemptions,
+    end where an allocation might not fit, and the run is the same."""
+    planned = llama_plan(kv_cache_memory_bytes=int(0.6 * 2**30), max_num_seqs=64, max_model_len=4096)
+    trace = _overload_trace(11, 30.0, 200)
+    result = run_replay(planned, trace)
+    assert sum(result.steps.column("num_preempted").to_pylist()) > 0
+    _assert_same_with_and_without_windows(run_replay, 0.05, plan=planned, trace=trace)
+
+
+def test_no_window_without_a_closed_form_clock():
+    """A recorded clock times every batch itself: it never gets a window."""
+    planned = llama_plan()
+    trace = chat_trace(60)
+    recorded = RecordedClockExecutor(plan_cost_model(planned), [0.01] * 50)
+    assert not recorded.supports_decode_windows
+    _, clock = _replay(run_with_executor, plan=planned, trace=trace, executor=recorded)
+    assert clock.decode_window_steps == 0
+
+
+def test_no_window_for_a_sliding_window_model():
+    """Gemma 3's sliding-window layers make a hybrid layout: the scheduler runs alone."""
+    resolved = resolve_scenario(SCENARIOS_DIR / "replay-gemma3-27b.toml", Overrides(limit=40))
+    planned = resolved.plan()
+    _, clock = _replay(run_replay, plan=planned, trace=resolved.require_workload().load())
+    assert clock.steps > 0 and clock.decode_window_steps == 0
+
+
+def test_a_synchronous_scheduler_gets_no_window():
+    planned = llama_plan(async_scheduling=False)
+    _, clock = _replay(run_replay, plan=planned, trace=chat_trace(40))
+    assert clock.steps > 0 and clock.decode_window_steps == 0
+
+
+def test_a_window_opens_only_on_a_decode_only_batch():
+    """The batch in flight must decode every running request, one token each."""
+    planned = llama_plan()
+    engine = EngineCore(planned.require_fits(), planned.engine.scheduler, planned.engine.cache)
+    executor = CostModelExecutor(plan_cost_model(planned))
+    trace = chat_trace(4)
+    from kvtwin.sim.replay.trace_requests import arrivals_from_trace
+    for arrival in arrivals_from_trace(trace):
+        engine.add_request(arrival.request)
+    scheduler = engine.scheduler
+    opened = []
+    for _ in range(400):
+        if len(engine.batch_queue) == 1:
+            batch = engine.batch_queue[0]
+            window = open_decode_window(scheduler, batch.output, batch.execution.sampled,
+                                        executor.token_bases([r.request_id for r in scheduler.running]))
+            decode_only = (len(batch.output.num_scheduled_tokens) == len(scheduler.running)
+                           and set(batch.output.num_scheduled_tokens.values()) == {1})
+            if window is not None:
+                assert decode_only
+            opened.append(window is not None)
+        if not engine.has_requests() and not engine.batch_queue:
+            break
+        engine.step_async(executor)
+    assert any(opened) and not all(opened)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ends=st.lists(st.integers(1, 200_000), min_size=1, max_size=300), tp=st.sampled_from([1, 2]),
+       model=st.sampled_from(["llama-3.1-8b", "qwen3-32b", "deepseek-v3"]))
+def test_the_closed_form_decode_cost_is_the_general_one_to_the_bit(ends, tp, model):
+    planned = plan(get_model(model), get_gpu("h100"),
+                   EngineConfig(max_model_len=32768, tensor_parallel_size=tp, kv_cache_memory_bytes=2**33))
+    executor = CostModelExecutor(plan_cost_model(planned))
+    assert executor.supports_decode_windows
+    general = executor.cost_model.split_step_cost(ends, [])
+    closed = executor.decode_step_cost(len(ends), sum(ends))
+    assert astuple(closed) == astuple(general)
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "gemma-3-12b"])
+def test_windowed_layers_have_no_closed_form(model):
+    """Their decodes attend a window, not the whole context: the sum does not price them."""
+    planned = plan(get_model(model), get_gpu("h100"), EngineConfig(max_model_len=32768, kv_cache_memory_bytes=2**33))
+    assert not CostModelExecutor(plan_cost_model(planned)).supports_decode_windows
