@@ -15,8 +15,11 @@ steps per second, peak RSS, and its target:
   2.2M steps): no target, reported so that its cost is seen.
 
 Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
+``--no-decode-windows`` times the replays with every batch scheduled one by one (the same
+results; ``sim/core/decode_window.py``), for before/after figures.
 
     python bench/bench_replay.py [--only NAME ...] [--scenario FILE [--gpu G] [--limit N]]
+                                 [--no-decode-windows]
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ WORKLOADS = (
 )
 
 
-def measure_one(scenario: Path, gpu: str | None, limit: int | None) -> dict:
+def measure_one(scenario: Path, gpu: str | None, limit: int | None, decode_windows: bool = True) -> dict:
     """Replay in this process; the figures as a dict (run by the parent in a child)."""
     from kvtwin.sim.replay.run import run_replay
     from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
@@ -75,7 +78,8 @@ def measure_one(scenario: Path, gpu: str | None, limit: int | None) -> dict:
     trace = resolved.require_workload().load()
     loaded = time.perf_counter()
     result = run_replay(planned, trace, efficiency=resolved.efficiency, slo=resolved.slo,
-                        time_limit_s=resolved.time_limit_s, offload=resolved.offload_for(planned))
+                        time_limit_s=resolved.time_limit_s, offload=resolved.offload_for(planned),
+                        decode_windows=decode_windows)
     finished = time.perf_counter()
     summary = result.summary.to_pylist()[0]
     return {"requests": trace.num_rows, "steps": result.steps.num_rows, "simulated_s": result.end_time_s,
@@ -85,8 +89,10 @@ def measure_one(scenario: Path, gpu: str | None, limit: int | None) -> dict:
             "prefix_cache_hit_rate": summary["prefix_cache_hit_rate"]}
 
 
-def _in_child(scenario: Path, gpu: str | None, limit: int | None) -> dict:
+def _in_child(scenario: Path, gpu: str | None, limit: int | None, decode_windows: bool) -> dict:
     command = [sys.executable, __file__, "--child", str(scenario)]
+    if not decode_windows:
+        command.append("--no-decode-windows")
     if gpu:
         command += ["--gpu", gpu]
     if limit:
@@ -109,11 +115,13 @@ def main() -> None:
     parser.add_argument("--scenario", type=Path, help="time this scenario instead of the workloads above")
     parser.add_argument("--gpu", help="with --scenario: the GPU preset")
     parser.add_argument("--limit", type=int, help="with --scenario: replay only the first N requests")
+    parser.add_argument("--no-decode-windows", action="store_true",
+                        help="schedule every batch one by one (the same results, for before/after timings)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "bench_replay.parquet")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_one(args.child, args.gpu, args.limit)))
+        print(json.dumps(measure_one(args.child, args.gpu, args.limit, not args.no_decode_windows)))
         return
 
     if args.scenario:
@@ -121,12 +129,14 @@ def main() -> None:
     else:
         workloads = [w for w in WORKLOADS if not args.only or w.name in args.only]
     reference_before_s = reference_seconds()
-    measured = [(w, _in_child(SCENARIOS_DIR / w.scenario, w.gpu, args.limit if args.scenario else None))
+    measured = [(w, _in_child(SCENARIOS_DIR / w.scenario, w.gpu, args.limit if args.scenario else None,
+                              not args.no_decode_windows))
                 for w in workloads]
     reference_s = min(reference_before_s, reference_seconds())
 
     table = Table(title=f"kvtwin replay bench ({platform.python_implementation()} {platform.python_version()}, "
-                        f"{CORE_BUILD.describe()}, reference loop {reference_s:.3f} s)")
+                        f"{CORE_BUILD.describe()}, {'no ' if args.no_decode_windows else ''}decode windows, "
+                        f"reference loop {reference_s:.3f} s)")
     for column in ("workload", "requests", "steps", "replay wall s", "x reference", "steps/s", "peak RSS MiB",
                    "wall target", "RSS target", "vs other tool"):
         table.add_column(column, justify="left" if column == "workload" else "right")
@@ -137,7 +147,7 @@ def main() -> None:
                "steps_per_wall_s": m["steps"] / m["replay_wall_s"],
                "target_wall_s": w.target_wall_s, "target_rss_mib": w.target_rss_mib,
                "speedup_vs_other": w.compare_s / m["replay_wall_s"] if w.compare_s else None,
-               "core": CORE_BUILD.describe()}
+               "core": CORE_BUILD.describe(), "decode_windows": not args.no_decode_windows}
         rows.append(row)
         table.add_row(w.name, f"{m['requests']:,}", f"{m['steps']:,}", f"{m['replay_wall_s']:.2f}",
                       f"{row['replay_vs_reference']:.1f}", f"{row['steps_per_wall_s']:,.0f}",

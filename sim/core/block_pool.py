@@ -170,10 +170,11 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             block.group_id = group_id
-            entry = cache.get(block_hash)
-            if entry is None:
-                cache[block_hash] = block
-            elif isinstance(entry, KVCacheBlock):
+            # One probe of a dict that holds every cached block (setdefault, not get then set).
+            entry = cache.setdefault(block_hash, block)
+            if entry is block:
+                continue
+            if isinstance(entry, KVCacheBlock):
                 cache[block_hash] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
@@ -215,13 +216,15 @@ class BlockPool:
             block_hash = block.block_hash
             if block_hash is not None:
                 cache = caches[block.group_id]
-                if cache.get(block_hash) is block:
-                    # The common eviction (the key's only block), inlined.
-                    del cache[block_hash]
+                # The common eviction (the key's only block), inlined, in one probe.
+                entry = cache.pop(block_hash, None)
+                if entry is block:
                     self.num_evictions += 1
                     block.block_hash = None
                     block.group_id = -1
                 else:
+                    if entry is not None:
+                        cache[block_hash] = entry  # (several blocks share the key: put it back)
                     self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
             block.owner_group = group_id

@@ -13,11 +13,14 @@ in such a batch is still done, by the same calls, in the same order:
   horizon is crossed: a block to add or to cache) gets ``allocate_slots(request, 1)``, in
   running order, after its fields are brought to the batch's state;
 * the waiting queue is offered the rest of the budget through the scheduler's own
-  ``_schedule_waiting`` (usually one comparison: the blocked-head memo); an admission
-  makes the batch a real one, finished by the scheduler's own advance (``complete``);
-* a request whose last token a batch samples is applied through the scheduler's own
-  update when that batch is (``finish``): it caches what that token completed and is
-  freed, in running order.
+  ``_schedule_waiting`` (usually one comparison: the blocked-head memo). Admissions whose
+  chunk ends their prefill are advanced by the scheduler and join the window (``_absorb``):
+  they decode from the next batch on. One whose chunk does not (a long prompt) makes the
+  batch a real one, finished by the scheduler's own advance (``complete``), and ends the
+  window;
+* a request whose last token a batch samples, and a batch's admissions, are applied
+  through the scheduler's own update when that batch is (``apply``): they cache what
+  their token completed and the finished are freed, in running order.
 
 Only asynchronous scheduling with two batches in flight (vLLM's default), one
 full-attention KV cache group and no offload connector are windowed; elsewhere the
@@ -26,13 +29,14 @@ with the cost model's closed form, waits for it, records it, and ends the window
 its state must become explicit.
 
 Why a window batch is the batch ``schedule()`` would make. A window opens when the one
-batch in flight, ``X``, schedules exactly the running requests, one token each, all
-sampling, and each request has one placeholder and one token in flight (it decodes). Let
+batch in flight, ``X``, schedules exactly the running requests and all of them sample in
+it (a decode, or the chunk that ends a prefill), so each has one placeholder and only
+``X``'s tokens in flight, and applying ``X`` leaves each decoding. Let
 a request have ``c0`` computed tokens then and ``n0`` outputs; decoding, ``c0 = P + n0``
 for its prompt of ``P``, and ``P + max_tokens <= max_model_len`` (longer ones are
 rejected at arrival), so only ``max_tokens`` ends it. Call *state* ``j``: ``c0 + j``
 computed tokens, ``n0 + j`` outputs (the executor's tokens ``base + index``), one
-placeholder, one token in flight. Suppose window batches ``V_0 .. V_{j-1}`` were
+placeholder, one token in flight (from state 1 on; at 0, ``X``'s). Suppose window batches ``V_0 .. V_{j-1}`` were
 scheduled, ``X, V_0 .. V_{j-2}`` applied, and every request still running is at state
 ``j``. In ``schedule()`` for ``V_j`` a request asks for ``num_tokens + placeholders -
 computed = 1`` token while ``c0 + j + 1 < P + max_tokens``, i.e. while ``j <= last_batch
@@ -42,9 +46,13 @@ token is never clipped (budget: the window needs all running requests to fit it;
 allocation is skipped exactly while ``c0 + j + 1 <= horizon``, which is when the window
 skips it too (``allocations_in``); otherwise ``allocate_slots`` runs on its real state
 ``j``. Each needs at most one block, so when the free blocks cover the batch's callers
-(the clock checks before the batch) none fails and nobody is preempted; so the waiting
-pass follows, with the same budget, eligible count and pool. The advance takes each
-scheduled request to ``c0 + j + 1`` computed tokens, two placeholders and two in flight.
+(checked before the batch) none fails and nobody is preempted; so the waiting pass
+follows, with the same budget, eligible count and pool. An admission it makes is the
+scheduler's own, and so is its advance; one whose chunk samples is at the state its
+member formula gives from the batch after (``c0 = computed - j - 1`` once that batch's
+advance, which the window applies with the admission's update, is counted). The advance
+takes each scheduled request to ``c0 + j + 1`` computed tokens, two placeholders and two
+in flight.
 Applying ``V_{j-1}`` then gives each of its requests output ``n0 + j + 1``; one that
 still has a batch in flight (``V_j``) caches nothing (only the update that leaves no
 token in flight does) and does not finish, and it is at state ``j + 1``; one that
@@ -67,43 +75,68 @@ from kvtwin.sim.core.scheduler_output import SchedulerOutput
 MIN_WINDOW_STEPS = 2
 
 
+# A window batch (``next_batch``): scheduled in the window, or not (the window ends before
+# it), or made real (its waiting pass admitted what the window cannot take).
+WINDOW_BATCH = 1
+END = 0
+REAL_BATCH = -1
+
+
 class DecodeWindow:
     """A decode window over the running requests of ``scheduler`` (module docstring).
 
-    ``token_bases[i]`` is the executor's token base of running request ``i``: its output
-    ``k`` is the token ``base + k``. Batch ``V_j`` is the ``j``-th window batch; the batch
-    ``X`` in flight when the window opens is applied for real (``begin_real_update`` and
-    ``end_real_update`` around the clock's ``update_batch``)."""
+    Members are indexed in running order: those decoding when it opens, then those its
+    batches admit or finish prefilling. Member ``i`` decodes in window batches
+    ``first_batch[i]`` to ``last_batch[i]`` (it samples its last token in the latter); at
+    state ``j`` it has ``c0[i] + j`` computed tokens; its output ``k`` is the token
+    ``token_bases[i] + k``. At most one request, last in running order, is still
+    prefilling (``prefilling``): its chunks are scheduled, advanced and applied by the
+    scheduler's own code, as the *real part* of a batch (``parts``) with the batch's
+    admissions. The batch ``X`` in flight when the window opens is applied for real
+    (``begin_real_update`` and ``end_real_update`` around the clock's ``update_batch``)."""
 
-    def __init__(self, scheduler: Scheduler, token_bases: list[int], last_batches: list[int]):
+    def __init__(self, scheduler: Scheduler, members: list[Request], token_bases: list[int],
+                 last_batches: list[int], prefilling: Request | None):
         self.scheduler = scheduler
         self.kvm = scheduler.kv_cache_manager
-        self.requests: list[Request] = list(scheduler.running)
+        # Running members by index (a finished one is dropped: a long window would keep
+        # every request it ever held in memory).
+        self.requests: dict[int, Request] = dict(enumerate(members))
+        self.num_original = len(members)
         self.token_bases = token_bases
-        # The last window batch each request is in (it samples its last token there).
+        self.first_batch = [0] * self.num_original
         self.last_batch = last_batches
-        self.c0 = [r.num_computed_tokens for r in self.requests]
-        # The requests in the batch being scheduled, and the sum of their c0.
-        self.num_active = len(self.requests)
+        self.c0 = [r.num_computed_tokens for r in members]
+        self.prefilling = prefilling
+        # The members in the batch being scheduled, and the sum of their c0.
+        self.num_active = self.num_original
         self.c0_sum_active = sum(self.c0)
-        self.alive = [True] * self.num_active
-        # Running indices by the last window batch they are in.
+        # Members by the window batch they first decode in, and by the last one.
+        self._first_in: dict[int, list[int]] = {}
         self._last_in: dict[int, list[int]] = {}
         for i, last in enumerate(last_batches):
             self._last_in.setdefault(last, []).append(i)
         # Those whose last batch is the one the current iteration applies (they finish then).
         self.finishing: list[int] = []
         self._batch = -1
-        # The window state each request's fields hold (0 at the start; 1 once X is applied).
-        self.synced = [0] * self.num_active
-        # (window batch, running index) of each request's next allocation, in batch then
-        # running order: the order the scheduler's running pass calls them in.
+        # The window state each member's fields hold (0 at the start; 1 once X is applied).
+        self.synced = [0] * self.num_original
+        # (window batch, member) of each member's next allocation, in batch then running
+        # order: the order the scheduler's running pass calls them in.
         horizon = self.kvm.noop_horizon
         events: list[tuple[int, int]] = []
-        for i, request in enumerate(self.requests):
+        for i, request in enumerate(members):
             events.append((max(horizon.get(request.request_id, -1) - self.c0[i], 0), i))
         heapq.heapify(events)
         self._events = events
+        # Per window batch with a real part (a prefill chunk, admissions): that part as an
+        # output the scheduler advanced, the tokens it samples, and the members it made;
+        # dropped once the batch is applied.
+        self.parts: dict[int, SchedulerOutput] = {}
+        self.part_sampled: dict[int, dict[str, list[int]]] = {}
+        self.part_members: dict[int, dict[str, int]] = {}
+        # The prefill chunk of the batch being scheduled (0: none).
+        self.prefill_chunk = 0
         # Of the last window batch and of the one before it: the blocks appended, and the
         # finished requests the batch reported (what a real output of it carries).
         self.new_blocks: dict[str, KVCacheBlocks] = {}
@@ -114,11 +147,14 @@ class DecodeWindow:
         self.admitted: SchedulerOutput | None = None  # see next_batch
 
     def batch_size(self, j: int) -> int:
-        """How many requests ``V_j`` decodes: those whose last batch is not behind it (the
-        ones whose last batch was ``V_{j-1}`` are skipped, as their last token is in flight,
-        and finish when it is applied: ``finishing``). Call once per ``j``, in order."""
+        """How many members ``V_j`` decodes: those from ``first_batch`` to ``last_batch``
+        (one whose last batch was ``V_{j-1}`` is skipped, its last token in flight, and
+        finishes when that batch is applied: ``finishing``). Once per ``j``, in order."""
         if j != self._batch:
             self._batch = j
+            for i in self._first_in.pop(j, []):
+                self.num_active += 1
+                self.c0_sum_active += self.c0[i]
             self.finishing = self._last_in.pop(j - 1, [])
             for i in self.finishing:
                 self.num_active -= 1
@@ -126,11 +162,84 @@ class DecodeWindow:
         return self.num_active
 
     def context_ends_sum(self, j: int) -> int:
-        """The sum of the context lengths ``V_j``'s decodes end at (the cost model's input)."""
+        """The sum of the context lengths ``V_j``'s member decodes end at."""
         return self.c0_sum_active + self.num_active * (j + 1)
 
+    def part_cost_terms(self, j: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """What ``V_j``'s real part adds to its cost: (decodes, the sum of their context
+        ends, prefill chunks as (new tokens, computed before)), as ``step_cost`` splits them."""
+        part = self.parts.get(j)
+        if part is None:
+            return 0, 0, []
+        num_decodes = 0
+        ends_sum = 0
+        prefill_items: list[tuple[int, int]] = []
+        for num_new, computed in zip(part.num_scheduled_tokens.values(), part.num_computed_tokens):
+            if num_new == 1:
+                num_decodes += 1
+                ends_sum += computed + 1
+            else:
+                prefill_items.append((num_new, computed))
+        return num_decodes, ends_sum, prefill_items
+
+    def next_batch(self, j: int) -> int:
+        """Schedule ``V_j`` if it is a window batch (``WINDOW_BATCH``: ``num_active``
+        member decodes, and its real part in ``parts[j]`` if it has one); ``END`` if the
+        window ends before it (nobody left, or its allocations might not fit the free
+        blocks: a real batch decides whether to preempt); ``REAL_BATCH`` if its waiting
+        pass admitted what the window cannot take (``admitted``: see ``complete``)."""
+        num_decodes = self.batch_size(j)
+        prefilling = self.prefilling
+        if not num_decodes and prefilling is None:
+            return END
+        due = self.allocations_in(j)
+        needed = len(due)
+        chunk = self.prefill_chunk = self._next_chunk() if prefilling is not None else 0
+        if chunk:
+            assert prefilling is not None
+            computed = prefilling.num_computed_tokens
+            if computed + chunk > self.kvm.noop_horizon.get(prefilling.request_id, -1):
+                needed += self.kvm.coordinator.get_num_blocks_to_allocate(
+                    prefilling.request_id, min(computed + chunk, self.scheduler.config.max_model_len),
+                    self.kvm.empty_blocks, computed, computed + chunk)
+        if needed > self.kvm.block_pool.get_num_free_blocks():
+            return END
+        admitted = self.schedule(j, due, chunk)
+        if admitted is not None:
+            self.admitted = admitted
+            return REAL_BATCH
+        return WINDOW_BATCH
+
+    def _long_prefill(self) -> int:
+        """``schedule()``'s long-prefill threshold for the batch being scheduled."""
+        scheduler = self.scheduler
+        cfg = scheduler.config
+        num_eligible = len(scheduler.running) + len(scheduler.waiting)
+        long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
+            long_prefill = max(long_prefill, cfg.max_num_batched_tokens // num_eligible)
+        return long_prefill
+
+    def _next_chunk(self) -> int:
+        """The prefilling request's chunk in the running pass: what it lacks, clipped as
+        ``schedule()`` clips it; the members before it took one token each."""
+        request = self.prefilling
+        assert request is not None
+        cfg = self.scheduler.config
+        computed = request.num_computed_tokens
+        num_new = request.num_tokens - computed
+        long_prefill = self._long_prefill()
+        if 0 < long_prefill < num_new:
+            num_new = long_prefill
+        budget = cfg.max_num_batched_tokens - self.num_active
+        if num_new > budget:
+            num_new = budget
+        if num_new > cfg.max_model_len - computed - 1:
+            num_new = cfg.max_model_len - computed - 1
+        return max(num_new, 0)
+
     def allocations_in(self, j: int) -> list[int]:
-        """The running indices whose allocation ``V_j`` calls, in order; taken off the queue."""
+        """The members whose allocation ``V_j`` calls, in order; taken off the queue."""
         events = self._events
         last_batch = self.last_batch
         due: list[int] = []
@@ -140,27 +249,11 @@ class DecodeWindow:
                 due.append(i)
         return due
 
-    def next_batch(self, j: int) -> int:
-        """Schedule ``V_j`` if it is a window batch: the number of requests it decodes;
-        0 if the window ends before it (nobody left to decode, or its allocations might
-        not fit the free blocks: a real batch decides whether to preempt); -1 if its
-        waiting pass admitted a request (``admitted``: finish it with ``complete``)."""
-        num_decodes = self.batch_size(j)
-        if not num_decodes:
-            return 0
-        due = self.allocations_in(j)
-        if len(due) > self.kvm.block_pool.get_num_free_blocks():
-            return 0
-        admitted = self.schedule(j, due)
-        if admitted is not None:
-            self.admitted = admitted
-            return -1
-        return num_decodes
-
-    def schedule(self, j: int, due: list[int]) -> SchedulerOutput | None:
-        """Schedule window batch ``V_j``, whose allocations ``due`` (``allocations_in(j)``)
-        fit the free blocks. Returns None, or the scratch output of the waiting pass if it
-        admitted a request: ``V_j`` is then no window batch (see ``complete``)."""
+    def schedule(self, j: int, due: list[int], chunk: int) -> SchedulerOutput | None:
+        """Schedule window batch ``V_j``: the allocations of ``due`` (``allocations_in(j)``)
+        and of the prefilling request's ``chunk``, which fit the free blocks, then the
+        waiting pass. Returns None, or the waiting pass's scratch output if it admitted
+        what the window cannot take (``complete`` makes the batch real)."""
         scheduler = self.scheduler
         kvm = self.kvm
         self.previous_reported = self.reported
@@ -168,69 +261,174 @@ class DecodeWindow:
         kvm.new_step_starts()
         self.previous_new_blocks = self.new_blocks
         self.new_blocks = {}
+        empty = kvm.empty_blocks
+        horizon = kvm.noop_horizon
         if due:
-            horizon = kvm.noop_horizon
-            empty = kvm.empty_blocks
             c0 = self.c0
             for i in due:
                 request = self.requests[i]
                 self._sync(i, j)
-                new_blocks = kvm.allocate_slots(request, 1)
-                if new_blocks is None:
-                    raise AssertionError(f"decode window: allocation for {request.request_id} failed in a batch "
-                                         f"whose allocations were counted against the free blocks")
-                if new_blocks is not empty:
-                    self.new_blocks[request.request_id] = new_blocks
+                self._allocate(request, 1)
                 next_batch = max(horizon.get(request.request_id, -1) - c0[i], j + 1)
                 heapq.heappush(self._events, (next_batch, i))
+        prefilling = self.prefilling
+        if chunk:
+            assert prefilling is not None
+            if prefilling.num_computed_tokens + chunk > horizon.get(prefilling.request_id, -1):
+                self._allocate(prefilling, chunk)
+        admitted: SchedulerOutput | None = None
         waiting = scheduler.waiting
         if len(waiting):
-            cfg = scheduler.config
-            num_eligible = len(scheduler.running) + len(waiting)
-            long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
-            token_budget = cfg.max_num_batched_tokens - self.num_active
-            if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
-                long_prefill = max(long_prefill, cfg.max_num_batched_tokens // num_eligible)
             scratch = self._scratch
-            scheduler._schedule_waiting(scratch, token_budget, long_prefill)
+            scheduler._schedule_waiting(scratch, scheduler.config.max_num_batched_tokens - self.num_active - chunk,
+                                        self._long_prefill())
             if scratch.num_scheduled_tokens:
-                return scratch
-        # The advance of a window batch (its entry of partial chunks, none, is queued by
-        # ``close`` for the one window batch still in flight then).
-        scheduler.num_batches += 1
+                admitted = scratch
+                self._scratch = SchedulerOutput()
+        if not chunk and admitted is None:
+            # The advance of a window batch (its entry of partial chunks, none, is queued
+            # by ``close`` for the one window batch still in flight then).
+            scheduler.num_batches += 1
+            return None
+        part_tokens: dict[str, int] = {}
+        if chunk:
+            assert prefilling is not None
+            part_tokens[prefilling.request_id] = chunk
+        if admitted is not None:
+            part_tokens.update(admitted.num_scheduled_tokens)
+        if not self._can_take(part_tokens):
+            assert admitted is not None  # a lone chunk always can
+            return admitted
+        part = SchedulerOutput(num_scheduled_tokens=part_tokens,
+                               scheduled_new_reqs=admitted.scheduled_new_reqs if admitted is not None else [])
+        scheduler._advance_computed_async(part)
+        self._take(j, part)
         return None
+
+    def _allocate(self, request: Request, num_new: int) -> None:
+        new_blocks = self.kvm.allocate_slots(request, num_new)
+        if new_blocks is None:
+            raise AssertionError(f"decode window: allocation for {request.request_id} failed in a batch "
+                                 f"whose allocations were counted against the free blocks")
+        if new_blocks is not self.kvm.empty_blocks:
+            self.new_blocks[request.request_id] = new_blocks
+
+    def _can_take(self, part_tokens: dict[str, int]) -> bool:
+        """Whether the window can carry a real part: every request in it but the last
+        ends its prefill with it (and samples); the last may be a partial chunk, and is
+        then the one prefilling request, last in running order."""
+        requests = self.scheduler.requests
+        last = len(part_tokens) - 1
+        for k, (request_id, num_new) in enumerate(part_tokens.items()):
+            request = requests[request_id]
+            if request.num_computed_tokens + num_new != request.num_tokens and k != last:
+                return False
+        return True
+
+    def _take(self, j: int, part: SchedulerOutput) -> None:
+        """``V_j``'s real part, advanced by the scheduler: each request it ends the prefill
+        of decodes in the window from ``V_{j+1}`` on; a partial chunk stays prefilling."""
+        self.parts[j] = part
+        members = self.part_members[j] = {}
+        requests = self.scheduler.requests
+        horizon = self.kvm.noop_horizon
+        self.prefilling = None
+        for request_id in part.num_scheduled_tokens:
+            request = requests[request_id]
+            if request_id not in part.num_output_tokens:
+                self.prefilling = request  # its chunk samples nothing: more follow
+                continue
+            i = len(self.c0)
+            members[request_id] = i
+            self.requests[i] = request
+            # Applied with V_{j+1} scheduled, it is at state j + 2: one more computed
+            # token than now, one more output.
+            c0 = request.num_computed_tokens - j - 1
+            last = request.max_tokens - len(request.output_token_ids) + j - 1
+            self.c0.append(c0)
+            self.first_batch.append(j + 1)
+            self.last_batch.append(last)
+            self.synced.append(j + 2)
+            self.token_bases.append(-1)  # ``note_part_tokens``
+            if last >= j + 1:  # else its first token is its last: it finishes when V_j is applied
+                self._first_in.setdefault(j + 1, []).append(i)
+                self._last_in.setdefault(last, []).append(i)
+                heapq.heappush(self._events, (max(horizon.get(request_id, -1) - c0, j + 1), i))
+
+    def part_sampling_ids(self, j: int) -> list[str]:
+        return list(self.part_members[j])
+
+    def note_part_tokens(self, j: int, sampled: dict[str, list[int]], token_bases: list[int | None]) -> None:
+        """The executor's tokens for ``V_j``'s real part, and the token bases of the
+        members it made (``part_sampling_ids`` order)."""
+        self.part_sampled[j] = sampled
+        for i, base in zip(self.part_members[j].values(), token_bases):
+            assert base is not None  # sampled just now
+            self.token_bases[i] = base
 
     def begin_real_update(self) -> None:
         """Before ``X`` is applied for real, with ``V_0`` scheduled: ``V_0``'s advance."""
-        for request in self.requests:
+        for i in range(self.num_original):
+            request = self.requests[i]
             request.num_computed_tokens += 1
             request.num_in_flight_tokens += 1
             request.num_output_placeholders += 1
 
     def end_real_update(self) -> None:
-        """``X`` was applied: every request is at state 1."""
-        self.synced = [1] * len(self.requests)
+        """``X`` was applied: every original member is at state 1."""
+        for i in range(self.num_original):
+            self.synced[i] = 1
 
-    def finish(self, j: int) -> list[Request]:
-        """Apply ``V_{j-1}`` (``j >= 1``) to the requests it samples the last token of
-        (``finishing``), through the scheduler's own update: they cache what their last
-        token completed and are freed, in running order. Returns them (finished)."""
+    def apply(self, j: int) -> tuple[list[Request], dict[str, int], SchedulerOutput | None,
+                                     dict[str, list[int]] | None]:
+        """Apply ``V_{j-1}`` (``j >= 1``) where it does more than count: members that
+        sampled their last token (``finishing``) and the batch's real part go through the
+        scheduler's own update, in running order (they cache what their token completed;
+        the finished are freed; a partial chunk's tokens leave the flight). Returns the
+        finished, the window steps of each finished member, and the real part's output
+        and tokens (None: it had none)."""
         finishing = self.finishing
-        if not finishing:
-            return []
+        part = self.parts.pop(j - 1, None)
+        part_sampled = self.part_sampled.pop(j - 1, None)
+        steps: dict[str, int] = {}
+        if not finishing and part is None:
+            return [], steps, None, None
         out = SchedulerOutput()
+        scheduled = out.num_scheduled_tokens
         sampled: dict[str, list[int]] = {}
         for i in finishing:
             self._sync(i, j)
             request = self.requests[i]
-            out.num_scheduled_tokens[request.request_id] = 1
+            scheduled[request.request_id] = 1
             sampled[request.request_id] = [self.token_bases[i] + len(request.output_token_ids)]
-            self.alive[i] = False
-        self.scheduler._in_flight_partials.append([])  # what the update takes: no partial chunk
-        return self.scheduler.update_from_output(out, sampled)
+            steps[request.request_id] = self.window_steps(i, j)
+            del self.requests[i]
+        if part is not None:
+            assert part_sampled is not None
+            members = self.part_members.pop(j - 1)
+            scheduled.update(part.num_scheduled_tokens)
+            for request_id, i in members.items():
+                if self.last_batch[i] >= j:
+                    # In V_j too: that batch's advance, which the window left implicit.
+                    request = self.requests[i]
+                    request.num_computed_tokens += 1
+                    request.num_in_flight_tokens += 1
+                    request.num_output_placeholders += 1
+                else:
+                    del self.requests[i]  # its first token was its last
+            sampled.update(part_sampled)
+        else:
+            # What the update takes first: this batch's partial chunks, none (a later
+            # batch's real part may already be queued behind).
+            self.scheduler._in_flight_partials.appendleft([])
+        return self.scheduler.update_from_output(out, sampled), steps, part, part_sampled
+
+    def window_steps(self, i: int, j: int) -> int:
+        """Of member ``i``'s batches, those applied in window steps up to ``V_{j-1}``."""
+        return max(0, j - self.first_batch[i])
 
     def _sync(self, i: int, j: int) -> None:
-        """Write state ``j`` into request ``i``: its computed tokens and outputs."""
+        """Write state ``j`` into member ``i``: its computed tokens and outputs."""
         behind = j - self.synced[i]
         if behind <= 0:
             return
@@ -240,45 +438,58 @@ class DecodeWindow:
         request.append_output_token_ids(list(range(first, first + behind)))
         self.synced[i] = j
 
-    def alive_request_ids(self) -> list[str]:
-        return [r.request_id for r, alive in zip(self.requests, self.alive) if alive]
-
     def close(self, j: int, new_blocks: dict[str, KVCacheBlocks], reported: list[str]) -> SchedulerOutput:
         """End the window at state ``j`` (``j >= 1``: ``V_{j-1}`` in flight, appending
-        ``new_blocks`` and reporting ``reported`` finished): every request still running
+        ``new_blocks`` and reporting ``reported`` finished): every member still running
         gets state ``j``, and ``V_{j-1}`` becomes the output ``schedule()`` would have made
-        of it, for the clock to execute and queue."""
+        of it (its member decodes, then its real part), for the clock to execute and queue."""
         out = SchedulerOutput()
         scheduled = out.num_scheduled_tokens
         computed = out.num_computed_tokens
         sampling = out.num_output_tokens
-        for i, request in enumerate(self.requests):
-            if not self.alive[i]:
+        last = j - 1
+        for i, request in self.requests.items():
+            if not self.first_batch[i] <= last <= self.last_batch[i]:
                 continue
             self._sync(i, j)
             request_id = request.request_id
             scheduled[request_id] = 1
-            computed.append(self.c0[i] + j - 1)
+            computed.append(self.c0[i] + last)
             sampling[request_id] = len(request.output_token_ids)
+        part = self.parts.pop(last, None)
+        if part is not None:
+            scheduled.update(part.num_scheduled_tokens)
+            computed.extend(part.num_computed_tokens)
+            sampling.update(part.num_output_tokens)
+            out.scheduled_new_reqs = part.scheduled_new_reqs
+        else:
+            self.scheduler._in_flight_partials.append([])  # the batch's partial chunks: none
         out.scheduled_cached_reqs.new_blocks = new_blocks
         out.finished_req_ids = reported
-        self.scheduler._in_flight_partials.append([])  # the batch's partial chunks: none
         return out
 
+    def members_to_record(self, j: int) -> list[tuple[str, int]]:
+        """At ``close(j)``: each running member's request id and its window steps."""
+        return [(request.request_id, self.window_steps(i, j - 1)) for i, request in self.requests.items()
+                if self.window_steps(i, j - 1)]
+
     def complete(self, j: int, scratch: SchedulerOutput) -> SchedulerOutput:
-        """``V_j``'s waiting pass admitted (``scratch``): the batch as ``schedule()`` makes
-        it, its running requests (at state ``j``, after ``close(j, ...)`` for ``j >= 1``)
-        first, advanced by the scheduler."""
+        """``V_j``'s waiting pass admitted (``scratch``) what the window cannot take: the
+        batch as ``schedule()`` makes it, its member decodes (at state ``j``, after
+        ``close(j, ...)`` for ``j >= 1``), then the prefilling request's chunk, then the
+        admissions, advanced by the scheduler."""
         out = SchedulerOutput()
         scheduled = out.num_scheduled_tokens
-        for i, request in enumerate(self.requests):
-            if self.alive[i] and self.last_batch[i] >= j:
+        for i, request in self.requests.items():
+            if self.first_batch[i] <= j <= self.last_batch[i]:
                 scheduled[request.request_id] = 1
+        if self.prefill_chunk:
+            assert self.prefilling is not None
+            scheduled[self.prefilling.request_id] = self.prefill_chunk
         scheduled.update(scratch.num_scheduled_tokens)
         out.scheduled_new_reqs = scratch.scheduled_new_reqs
         out.scheduled_cached_reqs.new_blocks = self.new_blocks
         out.finished_req_ids = self.reported
-        self._scratch = SchedulerOutput()
         self.scheduler._advance_computed_async(out)
         return out
 
@@ -286,9 +497,9 @@ class DecodeWindow:
 def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled: dict[str, list[int]],
                        token_bases: list[int | None]) -> DecodeWindow | None:
     """A window over ``scheduler.running``, if the batch ``in_flight`` (the only one, its
-    tokens ``sampled``) is the decode-only batch that opens one and some request decodes
+    tokens ``sampled``) is the batch that opens one and some request decodes
     ``MIN_WINDOW_STEPS`` batches more; else None. ``token_bases``: the executor's base per
-    running request (None: its tokens are not ``base + index``)."""
+    running request (None: it has sampled nothing, or its tokens are not ``base + index``)."""
     kvm = scheduler.kv_cache_manager
     if (not scheduler.async_scheduling or scheduler.connector is not None or kvm.single_full_manager is None
             or scheduler.finished_req_ids):
@@ -296,18 +507,29 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
     running = scheduler.running
     n = len(running)
     scheduled = in_flight.num_scheduled_tokens
-    if (n == 0 or len(scheduled) != n or len(in_flight.num_output_tokens) != n or len(sampled) != n
-            or in_flight.preempted or n > scheduler.config.max_num_batched_tokens):
+    if (n == 0 or len(scheduled) != n or len(sampled) != len(in_flight.num_output_tokens) or in_flight.preempted
+            or n > scheduler.config.max_num_batched_tokens):
         return None
     max_model_len = scheduler.config.max_model_len
     longest = -1
+    members: list[Request] = []
     bases: list[int] = []
     last_batches: list[int] = []
-    for (request_id, num_tokens), request, base in zip(scheduled.items(), running, token_bases):
-        if (num_tokens != 1 or request_id != request.request_id or base is None
-                or request.status is not RequestStatus.RUNNING or request.num_output_placeholders != 1
-                or request.num_in_flight_tokens != 1 or request.num_computed_tokens != request.num_tokens
+    prefilling: Request | None = None
+    for k, ((request_id, num_tokens), request, base) in enumerate(zip(scheduled.items(), running, token_bases)):
+        if (request_id != request.request_id or request.status is not RequestStatus.RUNNING
+                or request.num_in_flight_tokens != num_tokens
                 or request.num_prompt_tokens + request.max_tokens > max_model_len):
+            return None
+        if request_id not in in_flight.num_output_tokens:
+            # A partial prefill chunk: only the last request may be left prefilling.
+            if k != n - 1 or request.num_output_placeholders or request.num_computed_tokens >= request.num_tokens:
+                return None
+            prefilling = request
+            continue
+        # It samples in X (a decode, or the chunk that ends its prefill) and then decodes:
+        # every token it has computed, one placeholder, only X's tokens in flight.
+        if base is None or request.num_output_placeholders != 1 or request.num_computed_tokens != request.num_tokens:
             return None
         outputs = request.output_token_ids
         n0 = len(outputs)
@@ -319,8 +541,9 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
             return None
         if last > longest:
             longest = last
+        members.append(request)
         bases.append(base)
         last_batches.append(last)
     if longest < MIN_WINDOW_STEPS:
         return None
-    return DecodeWindow(scheduler, bases, last_batches)
+    return DecodeWindow(scheduler, members, bases, last_batches, prefilling)

@@ -191,7 +191,20 @@ class CostModel:
         """Seconds of one step: decodes (one new token each) given by the context length
         after the step, prefill chunks as (new tokens, tokens computed before). Decodes are
         most requests of most steps, so their terms are sums over contexts."""
-        num_tokens = len(decode_ends)
+        num_tokens, kv_bytes, attention_flops = self._prefill_terms(prefill_items)
+        num_tokens += len(decode_ends)
+        if decode_ends:
+            num_decodes = len(decode_ends)
+            for lc in self.layer_classes:
+                attended = lc.spec.decode_attended_keys(decode_ends)
+                kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
+                             + 2 * lc.state_bytes * num_decodes) * lc.num_layers
+                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
+        return self._step_cost(num_tokens, kv_bytes, attention_flops, len(decode_ends) + len(prefill_items))
+
+    def _prefill_terms(self, prefill_items: list[tuple[int, int]]) -> tuple[int, float, float]:
+        """(tokens, KV bytes, attention FLOPs) of a step's prefill chunks."""
+        num_tokens = 0
         kv_bytes = 0.0
         attention_flops = 0.0
         layer_classes = self.layer_classes
@@ -205,37 +218,33 @@ class CostModel:
                 kv_bytes += ((spec.kv_tokens_read(before, new) + new) * lc.kv_bytes_per_token
                              + 2 * lc.state_bytes) * lc.num_layers
                 attention_flops += 2.0 * lc.attention_width * lc.num_layers * spec.attended_keys(before, end)
-        if decode_ends:
-            num_decodes = len(decode_ends)
-            for lc in layer_classes:
-                attended = lc.spec.decode_attended_keys(decode_ends)
-                kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
-                             + 2 * lc.state_bytes * num_decodes) * lc.num_layers
-                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
-        return self._step_cost(num_tokens, kv_bytes, attention_flops, len(decode_ends) + len(prefill_items))
+        return num_tokens, kv_bytes, attention_flops
 
     @property
     def decodes_cost_by_context_sum(self) -> bool:
-        """Whether a decode-only step's cost depends on its contexts only through their sum
+        """Whether a step's decodes cost depends on their contexts only through their sum
         (every layer attends its whole context): ``decode_step_cost`` then applies."""
         return all(type(lc.spec).decode_attended_keys is FullAttentionSpec.decode_attended_keys
                    and isinstance(lc.spec, FullAttentionSpec)
                    and lc.spec.sliding_window is None and lc.spec.attention_chunk_size is None
                    for lc in self.layer_classes)
 
-    def decode_step_cost(self, num_decodes: int, context_ends_sum: int) -> StepCost:
+    def decode_step_cost(self, num_decodes: int, context_ends_sum: int,
+                         prefill_items: list[tuple[int, int]] | None = None) -> StepCost:
         """``split_step_cost`` of ``num_decodes`` decodes whose context ends sum to
-        ``context_ends_sum``, and no prefill, in O(1) (decode windows, ``sim/core/decode_window.py``).
-        Only where ``decodes_cost_by_context_sum``; the same float operations in the same
-        order as ``split_step_cost``, so the seconds are the same to the last bit."""
-        kv_bytes = 0.0
-        attention_flops = 0.0
-        for lc in self.layer_classes:
-            attended = context_ends_sum
-            kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
-                         + 2 * lc.state_bytes * num_decodes) * lc.num_layers
-            attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
-        return self._step_cost(num_decodes, kv_bytes, attention_flops, num_decodes)
+        ``context_ends_sum`` (and ``prefill_items``), without the list of ends: decode
+        windows (``sim/core/decode_window.py``). Only where ``decodes_cost_by_context_sum``;
+        the same float operations in the same order, so the same seconds to the last bit."""
+        num_tokens, kv_bytes, attention_flops = self._prefill_terms(prefill_items or [])
+        num_tokens += num_decodes
+        if num_decodes:
+            for lc in self.layer_classes:
+                attended = context_ends_sum
+                kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
+                             + 2 * lc.state_bytes * num_decodes) * lc.num_layers
+                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
+        return self._step_cost(num_tokens, kv_bytes, attention_flops,
+                               num_decodes + (len(prefill_items) if prefill_items else 0))
 
     def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, num_requests: int) -> StepCost:
         eff = self.eff

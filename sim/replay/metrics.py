@@ -241,12 +241,21 @@ class MetricsRecorder:
         was scheduled, if earlier (async scheduling: while the previous batch ran);
         admissions take it."""
         output = result.output
-        records = self.records
         if scheduled_s is None:
             scheduled_s = start_s
-        loads = self._loads if self.offload is not None else None
-        if loads is not None:
+        if self.offload is not None:
             self.loads_issued(engine, output, scheduled_s)
+        self._admissions(output, scheduled_s)
+        prefill_tokens, decode_tokens = self._scheduled(output)
+        self._sampled(result.execution.sampled, end_s, self._itl[replica])
+        self._finished(result.finished, end_s)
+        self._step_row(engine, start_s, end_s, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
+                       len(output.scheduled_new_reqs), len(output.preempted), len(result.finished),
+                       result.execution.cost, replica)
+
+    def _admissions(self, output, scheduled_s: float) -> None:
+        records = self.records
+        loads = self._loads if self.offload is not None else None
         for admission in output.scheduled_new_reqs:
             record = records[admission.req_id]
             hit_tokens = admission.hit_tokens
@@ -259,6 +268,10 @@ class MetricsRecorder:
             record.hit_tokens_total += hit_tokens
             assert record.request is not None  # held until the request is done
             record.queried_tokens += record.request.num_tokens
+
+    def _scheduled(self, output) -> tuple[int, int]:
+        """Count the batch's tokens into its requests' records: (prefill, decode) tokens."""
+        records = self.records
         prefill_tokens = decode_tokens = 0
         for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
             record = records[request_id]
@@ -269,8 +282,11 @@ class MetricsRecorder:
                 decode_tokens += 1
             else:
                 prefill_tokens += num_new
-        itl_s = self._itl[replica]
-        for request_id in result.execution.sampled:
+        return prefill_tokens, decode_tokens
+
+    def _sampled(self, sampled: dict[str, list[int]], end_s: float, itl_s: Float64Buffer) -> None:
+        records = self.records
+        for request_id in sampled:
             record = records[request_id]
             if math.isnan(record.first_token_s):
                 record.first_token_s = end_s
@@ -278,41 +294,54 @@ class MetricsRecorder:
             else:
                 itl_s.append(end_s - record.last_token_s)
             record.last_token_s = end_s
-        for request in result.finished:
-            record = records[request.request_id]
-            record.finish_s = end_s
-            record.status = "finished"
-            record.snapshot()
 
-        self._step_row(engine, start_s, end_s, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
-                       len(output.scheduled_new_reqs), len(output.preempted), len(result.finished),
-                       result.execution.cost, replica)
-
-    def decode_window_step(self, engine, start_s: float, end_s: float, num_decodes: int, cost: StepCost,
-                           itl_s: float, finished: list[Request], num_window_steps: int, replica: int = 0) -> None:
-        """Record a batch of a decode window (``sim/core/decode_window.py``): ``num_decodes``
-        running requests decoded one token each, all sampling at ``end_s`` and last at
-        ``end_s - itl_s``; ``finished`` sampled their last token, after ``num_window_steps``
-        window batches in all (this one included). The others' records catch up in
-        ``close_decode_window``."""
-        self._itl[replica].extend([itl_s] * num_decodes)
+    def _finished(self, finished: list[Request], end_s: float) -> None:
         records = self.records
         for request in finished:
             record = records[request.request_id]
-            record.scheduled_tokens += num_window_steps
-            record.last_token_s = end_s
             record.finish_s = end_s
             record.status = "finished"
             record.snapshot()
-        self._step_row(engine, start_s, end_s, num_decodes, 0, num_decodes, 0, 0, len(finished), cost, replica)
 
-    def close_decode_window(self, request_ids: list[str], num_steps: int, last_token_s: float) -> None:
-        """The records of a window's requests after ``num_steps`` window batches were
-        recorded, the last of them at ``last_token_s``."""
-        if not num_steps:
-            return
+    def decode_window_step(self, engine, start_s: float, end_s: float, num_decodes: int, cost: StepCost,
+                           itl_s: float, finished: list[Request], window_steps: dict[str, int],
+                           join=None, join_sampled: dict[str, list[int]] | None = None,
+                           scheduled_s: float = 0.0, replica: int = 0) -> None:
+        """Record a batch of a decode window (``sim/core/decode_window.py``): ``num_decodes``
+        members decoded one token each, all sampling at ``end_s`` and last at ``end_s -
+        itl_s``; ``join`` (an output, scheduled at ``scheduled_s``) holds the batch's
+        admissions, which sampled ``join_sampled``. ``finished`` sampled their last token,
+        a member after ``window_steps`` window batches. Members' records catch up on the
+        others in ``close_decode_window``."""
+        itl = self._itl[replica]
+        num_scheduled = decode_tokens = num_decodes
+        prefill_tokens = num_new = 0
+        if join is not None:
+            self._admissions(join, scheduled_s)
+            join_prefill, join_decode = self._scheduled(join)
+            prefill_tokens += join_prefill
+            decode_tokens += join_decode
+            num_scheduled += len(join.num_scheduled_tokens)
+            num_new = len(join.scheduled_new_reqs)
+        itl.extend([itl_s] * num_decodes)
+        if join_sampled is not None:
+            self._sampled(join_sampled, end_s, itl)
         records = self.records
-        for request_id in request_ids:
+        for request in finished:
+            steps = window_steps.get(request.request_id, 0)
+            if steps:
+                record = records[request.request_id]
+                record.scheduled_tokens += steps
+                record.last_token_s = end_s
+        self._finished(finished, end_s)
+        self._step_row(engine, start_s, end_s, num_scheduled, prefill_tokens, decode_tokens, num_new, 0, len(finished),
+                       cost, replica)
+
+    def close_decode_window(self, members: list[tuple[str, int]], last_token_s: float) -> None:
+        """The records of a window's running members after their window batches (request
+        id, how many) were recorded, the last of them at ``last_token_s``."""
+        records = self.records
+        for request_id, num_steps in members:
             record = records[request_id]
             record.scheduled_tokens += num_steps
             record.last_token_s = last_token_s

@@ -61,6 +61,10 @@ class CostModelExecutor:
         if not output.num_scheduled_tokens:
             return Execution({}, 0.0)
         cost = step_cost(self.cost_model, output)
+        return Execution(self.sample(output), cost.total_s, cost)
+
+    def sample(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        """The token each request of ``output.num_output_tokens`` samples."""
         sampled = {}
         bases = self._token_base
         for request_id, num_output_tokens in output.num_output_tokens.items():
@@ -68,7 +72,7 @@ class CostModelExecutor:
             if base is None:
                 base = bases[request_id] = (len(bases) + 1) << 24
             sampled[request_id] = [base + num_output_tokens]
-        return Execution(sampled, cost.total_s, cost)
+        return sampled
 
     # -- decode windows (``sim/core/decode_window.py``, driven by ``workload.py``) --------
 
@@ -78,9 +82,10 @@ class CostModelExecutor:
         have a closed form (``decode_step_cost``) and their tokens are ``token_bases``."""
         return self.cost_model.decodes_cost_by_context_sum
 
-    def decode_step_cost(self, num_decodes: int, context_ends_sum: int) -> StepCost:
-        """What ``execute`` predicts for a batch of ``num_decodes`` decodes alone."""
-        return self.cost_model.decode_step_cost(num_decodes, context_ends_sum)
+    def decode_step_cost(self, num_decodes: int, context_ends_sum: int,
+                         prefill_items: list[tuple[int, int]] | None = None) -> StepCost:
+        """What ``execute`` predicts for a batch of ``num_decodes`` decodes (and ``prefill_items``)."""
+        return self.cost_model.decode_step_cost(num_decodes, context_ends_sum, prefill_items)
 
     def token_bases(self, request_ids: list[str]) -> list[int | None]:
         """Each request's token base: its output ``k`` is sampled as ``base + k``."""

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import simpy
 from simpy.events import URGENT, Event
 
-from kvtwin.sim.core.decode_window import open_decode_window
+from kvtwin.sim.core.decode_window import END, REAL_BATCH, open_decode_window
 from kvtwin.sim.core.engine import Batch, EngineCore, ModelExecutor
 from kvtwin.sim.core.offload.transfers import TimedTransfers
 from kvtwin.sim.replay.metrics import MetricsRecorder
@@ -254,29 +254,30 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
         def decode_window():
             """Run a decode window (``sim/core/decode_window.py``) if one opens on the batch
             in flight; True if it left a batch just scheduled behind the one in flight (the
-            window's last batch admitted a request), so the next thing is to wait."""
+            window's last batch admitted what it could not take), so the next thing is to
+            wait."""
             nonlocal device_free_s
             in_flight = queue[0]
             scheduler = engine.scheduler
-            running = scheduler.running
             window = open_decode_window(scheduler, in_flight.output, in_flight.execution.sampled,
-                                        executor.token_bases([r.request_id for r in running]))
+                                        executor.token_bases([r.request_id for r in scheduler.running]))
             if window is None:
                 return False
-            # The window batch in flight: its cost and size, recorded when it is applied.
-            in_flight_cost = None
+            # The window batch in flight: its member decodes and cost, recorded when applied.
             in_flight_size = 0
+            in_flight_cost = None
             last_end_s = 0.0
             j = 0
             while True:
                 if time_limit_s is not None and times[0][2] >= time_limit_s:
                     break  # the run may stop before its predecessor is applied: no state may be implicit
-                num_decodes = window.next_batch(j)
-                if not num_decodes:
+                status = window.next_batch(j)
+                if status == END:
                     break
-                if num_decodes < 0:  # it admitted: a real batch, after the window's last
+                if status == REAL_BATCH:  # it admitted what the window cannot take
                     if j:
-                        close_window(window, j, window.previous_new_blocks, window.previous_reported, last_end_s)
+                        close_window(window, j, window.previous_new_blocks, window.previous_reported, last_end_s,
+                                     in_flight_cost)
                     output = window.complete(j, window.admitted)
                     batch = Batch(output, executor.execute(output))
                     queue.append(batch)
@@ -285,7 +286,16 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                     device_free_s = start_s + batch.execution.duration_s
                     times.append((now, start_s, device_free_s))
                     return True
-                cost = executor.decode_step_cost(num_decodes, window.context_ends_sum(j))
+                num_decodes = window.num_active
+                part = window.parts.get(j)
+                if part is None:
+                    cost = executor.decode_step_cost(num_decodes, window.context_ends_sum(j))
+                else:  # a prefill chunk and admissions, which the scheduler advanced
+                    window.note_part_tokens(j, executor.sample(part),
+                                            executor.token_bases(window.part_sampling_ids(j)))
+                    part_decodes, part_ends_sum, prefill_items = window.part_cost_terms(j)
+                    cost = executor.decode_step_cost(num_decodes + part_decodes,
+                                                     window.context_ends_sum(j) + part_ends_sum, prefill_items)
                 now = env.now
                 start_s = max(now, device_free_s)
                 device_free_s = start_s + cost.total_s
@@ -300,9 +310,10 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                     record(engine, replica, batch_times, result)
                 else:
                     scheduled_s, start_s, end_s = batch_times
-                    finished = window.finish(j)
+                    finished, window_steps, applied_part, part_sampled = window.apply(j)
                     metrics.decode_window_step(engine, start_s, end_s, in_flight_size, in_flight_cost,
-                                               end_s - last_end_s, finished, j, replica)
+                                               end_s - last_end_s, finished, window_steps, applied_part,
+                                               part_sampled, scheduled_s, replica)
                     clock.steps += 1
                     clock.decode_window_steps += 1
                     clock.finished += len(finished)
@@ -312,20 +323,22 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                     if on_progress is not None and clock.steps % progress_every == 0:
                         clock.now_s = start_s
                         on_progress(clock)
-                in_flight_cost = cost
                 in_flight_size = num_decodes
+                in_flight_cost = cost
                 last_end_s = batch_times[2]
                 j += 1
             if j:
-                close_window(window, j, window.new_blocks, window.reported, last_end_s)
+                close_window(window, j, window.new_blocks, window.reported, last_end_s, in_flight_cost)
             return False
 
-        def close_window(window, j: int, new_blocks, reported, last_end_s: float) -> None:
-            """End ``window`` at its state ``j``: its batch in flight queued as a real one."""
+        def close_window(window, j: int, new_blocks, reported, last_end_s: float, cost) -> None:
+            """End ``window`` at its state ``j``: its batch in flight queued as a real one
+            (which costs what the window priced it at)."""
             output = window.close(j, new_blocks, reported)
             execution = executor.execute(output)
+            assert execution.duration_s == cost.total_s, "a window batch priced apart from its real output"
             queue.append(Batch(output, execution))
-            metrics.close_decode_window(window.alive_request_ids(), j - 1, last_end_s)
+            metrics.close_decode_window(window.members_to_record(j), last_end_s)
 
         while True:
             if not engine.has_requests() and not queue:
