@@ -1,26 +1,29 @@
-"""Decode windows: runs of decode-only batches scheduled without visiting every request
-at every step (issue 14, step 5).
+"""Decode windows: runs of batches scheduled without visiting every request at every step
+(issue 14, step 5).
 
 Most batches of a busy replay only decode: each running request gets one token and
-nobody is admitted or preempted. Scheduled one by one (``Scheduler.schedule`` and
+nobody is preempted. Scheduled one by one (``Scheduler.schedule`` and
 ``update_from_output``), such a batch costs a dozen dictionary operations per request,
-nearly all of them counting. In a window the counting is implicit: ``j`` batches into the
-window every request is at a state known in closed form, and a request's fields are
-brought to it only when something reads them. What the scheduler's own passes would do
-in such a batch is still done, by the same calls, in the same order:
+nearly all of them counting. In a window the counting is implicit: ``j`` batches in, each
+decoding member is at a state known in closed form, and its fields are brought to it only
+when something reads them. What the scheduler's own passes would do beyond counting is
+still done, by the same calls, in the same order:
 
-* a running request whose allocation can change something (the KV cache manager's no-op
-  horizon is crossed: a block to add or to cache) gets ``allocate_slots(request, 1)``, in
-  running order, after its fields are brought to the batch's state;
+* a member whose allocation can change something (the KV cache manager's no-op horizon
+  is crossed: a block to add or to cache) gets ``allocate_slots(request, 1)``, in running
+  order, after its fields are brought to the batch's state;
+* the one request still prefilling, if any (it is last in running order), gets its chunk
+  as the running pass would clip it, and its allocation;
 * the waiting queue is offered the rest of the budget through the scheduler's own
-  ``_schedule_waiting`` (usually one comparison: the blocked-head memo). Admissions whose
-  chunk ends their prefill are advanced by the scheduler and join the window (``_absorb``):
-  they decode from the next batch on. One whose chunk does not (a long prompt) makes the
-  batch a real one, finished by the scheduler's own advance (``complete``), and ends the
-  window;
-* a request whose last token a batch samples, and a batch's admissions, are applied
-  through the scheduler's own update when that batch is (``apply``): they cache what
-  their token completed and the finished are freed, in running order.
+  ``_schedule_waiting`` (usually one comparison: the blocked-head memo);
+* the prefill chunk and the admissions, the batch's *real part*, are advanced by the
+  scheduler's ``_advance_computed_async``. Each request whose chunk ends its prefill
+  becomes a decoding member from the next batch on; a partial chunk leaves its request
+  prefilling (``_take``). A second partial chunk behind the first makes the batch a real
+  one, finished by the scheduler (``complete``), and ends the window;
+* members that sample their last token and the real part are applied through the
+  scheduler's own update when their batch is (``apply``): they cache what their token
+  completed, the finished are freed, a partial chunk's tokens leave the flight.
 
 Only asynchronous scheduling with two batches in flight (vLLM's default), one
 full-attention KV cache group and no offload connector are windowed; elsewhere the
@@ -29,37 +32,42 @@ with the cost model's closed form, waits for it, records it, and ends the window
 its state must become explicit.
 
 Why a window batch is the batch ``schedule()`` would make. A window opens when the one
-batch in flight, ``X``, schedules exactly the running requests and all of them sample in
-it (a decode, or the chunk that ends a prefill), so each has one placeholder and only
-``X``'s tokens in flight, and applying ``X`` leaves each decoding. Let
-a request have ``c0`` computed tokens then and ``n0`` outputs; decoding, ``c0 = P + n0``
-for its prompt of ``P``, and ``P + max_tokens <= max_model_len`` (longer ones are
-rejected at arrival), so only ``max_tokens`` ends it. Call *state* ``j``: ``c0 + j``
-computed tokens, ``n0 + j`` outputs (the executor's tokens ``base + index``), one
-placeholder, one token in flight (from state 1 on; at 0, ``X``'s). Suppose window batches ``V_0 .. V_{j-1}`` were
-scheduled, ``X, V_0 .. V_{j-2}`` applied, and every request still running is at state
-``j``. In ``schedule()`` for ``V_j`` a request asks for ``num_tokens + placeholders -
-computed = 1`` token while ``c0 + j + 1 < P + max_tokens``, i.e. while ``j <= last_batch
-= max_tokens - n0 - 2``; past that its last token is in flight and it is skipped. One
-token is never clipped (budget: the window needs all running requests to fit it;
-``max_model_len``: above; no ``long_prefill`` or Mamba clip applies to one token). Its
-allocation is skipped exactly while ``c0 + j + 1 <= horizon``, which is when the window
-skips it too (``allocations_in``); otherwise ``allocate_slots`` runs on its real state
-``j``. Each needs at most one block, so when the free blocks cover the batch's callers
-(checked before the batch) none fails and nobody is preempted; so the waiting pass
-follows, with the same budget, eligible count and pool. An admission it makes is the
-scheduler's own, and so is its advance; one whose chunk samples is at the state its
-member formula gives from the batch after (``c0 = computed - j - 1`` once that batch's
-advance, which the window applies with the admission's update, is counted). The advance
-takes each scheduled request to ``c0 + j + 1`` computed tokens, two placeholders and two
-in flight.
-Applying ``V_{j-1}`` then gives each of its requests output ``n0 + j + 1``; one that
-still has a batch in flight (``V_j``) caches nothing (only the update that leaves no
-token in flight does) and does not finish, and it is at state ``j + 1``; one that
-sampled its last token (``last_batch = j - 1``) is applied for real and finishes. By
-induction every window batch is the batch ``schedule()`` makes, and ``close`` writes
-state ``j`` into every request still running and turns the batch in flight into the
-``SchedulerOutput`` ``schedule()`` would have made of it, for the clock to queue.
+batch in flight, ``X``, schedules exactly the running requests and every one samples in
+it (a decode, or the chunk that ends a prefill) but perhaps the last, which may be left
+prefilling. Let a member have ``c0`` computed tokens then and ``n0`` outputs; decoding,
+``c0 = P + n0`` for its prompt of ``P``, and ``P + max_tokens <= max_model_len`` (longer
+ones are rejected at arrival), so only ``max_tokens`` ends it. Call *state* ``j``: ``c0 +
+j`` computed tokens, ``n0 + j`` outputs (the executor's tokens ``base + index``), one
+placeholder, one token in flight (from state 1 on; at 0, ``X``'s). Suppose window batches
+``V_0 .. V_{j-1}`` were scheduled, ``X, V_0 .. V_{j-2}`` applied, and every member still
+running is at state ``j``.
+
+In ``schedule()`` for ``V_j`` a member asks for ``num_tokens + placeholders - computed =
+1`` token while ``c0 + j + 1 < P + max_tokens``, i.e. while ``j <= last_batch = max_tokens -
+n0 - 2``; past that its last token is in flight and it is skipped. One token is never
+clipped: the budget holds every member (an admission needs budget left, so members never
+outnumber it), ``max_model_len`` is above, and no ``long_prefill`` or Mamba clip applies to
+one token. Its allocation is skipped exactly while ``c0 + j + 1 <= horizon``, which is when
+the window skips it too (``allocations_in``); otherwise ``allocate_slots`` runs on its real
+state ``j``. The prefilling request, after every member, gets what it lacks clipped by the
+long-prefill threshold, the budget the members left and ``max_model_len``, as the running
+pass clips it. Each member needs at most one block and the prefilling request's need is
+counted exactly, so when the free blocks cover them (checked before the batch) no
+allocation fails and nobody is preempted; the waiting pass follows with the same budget,
+eligible count and pool. The real part's advance is the scheduler's own; a request whose
+chunk samples is then at the state its member formula gives from ``V_{j+1}`` on (``c0 =
+computed - j - 1``, once ``V_{j+1}``'s advance, which the window applies with that
+request's update, is counted). The advance takes each member to ``c0 + j + 1`` computed
+tokens, two placeholders and two in flight.
+
+Applying ``V_{j-1}`` gives each of its members output ``n0 + j + 1``. One that still has
+a batch in flight (``V_j``) caches nothing (only the update that leaves no token in flight
+does) and does not finish: it is at state ``j + 1``. One that sampled its last token
+(``last_batch = j - 1``), and the real part, go through the scheduler's update, in running
+order; the partial chunks' tokens leave the flight in the batches' order. By induction
+every window batch is the batch ``schedule()`` makes; ``close`` writes state ``j`` into
+every member still running and turns the batch in flight into the ``SchedulerOutput``
+``schedule()`` would have made of it, for the clock to queue.
 """
 
 from __future__ import annotations
@@ -71,9 +79,8 @@ from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler import Scheduler
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 
-# Fewer steps than this before some request must leave: not worth opening.
+# A window opens only if some member decodes at least this many batches more.
 MIN_WINDOW_STEPS = 2
-
 
 # A window batch (``next_batch``): scheduled in the window, or not (the window ends before
 # it), or made real (its waiting pass admitted what the window cannot take).

@@ -18,18 +18,19 @@ its device time; its admissions are stamped with the time it was scheduled. Batc
 computed nothing leave no step row unless they preempted.
 
 Decode windows (``decode_windows``, on by default; ``sim/core/decode_window.py``): when
-the one batch in flight only decodes, the asynchronous process goes on with window
-batches, which the scheduler does not visit request by request. Each is priced by the
-executor's closed form (``decode_step_cost``), waited for and recorded like any batch;
-requests that sample their last token finish through the scheduler's own update. The
-window ends (its batch in flight becoming a real one) when its waiting pass admits, when
-a batch's allocations might not fit the free blocks, when every request's last token is
-in flight, or before a batch the time limit could cut off. Arrivals need no end: they
-only join the waiting queue, which each window batch offers its budget to; with
-replicas, each engine process runs its own windows, and the router (which reads the
-pools, never a request's counters) is told of finishes as they are recorded. Engines
-without offload tiers and executors that ``supports_decode_windows`` get windows; what
-they record is byte for byte what the batches one by one record.
+every running request samples in the one batch in flight (one may be left prefilling),
+the asynchronous process goes on with window batches, which the scheduler does not visit
+request by request. Each is priced by the executor's closed form (``decode_step_cost``,
+its prefill chunks included), waited for and recorded like any batch; admissions, the
+prefilling request's chunks and finishes go through the scheduler's own code. The window
+ends (its batch in flight becoming a real one) when its waiting pass leaves a second
+partial prefill behind the first, when a batch's allocations might not fit the free
+blocks, when nobody is left to schedule, or before a batch the time limit could cut off.
+Arrivals need no end: they only join the waiting queue, which each window batch offers
+its budget to. With replicas, each engine process runs its own windows, and the router
+(which reads the pools, never a request's counters) is told of finishes as they are
+recorded. Engines without offload tiers and executors that ``supports_decode_windows``
+get windows; what they record is byte for byte what the batches one by one record.
 
 With an offload tier (``EngineCore.offload``) the engine also
 steps while finished requests are still to be reported (their last chunks are stored in
