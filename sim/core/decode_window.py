@@ -217,33 +217,16 @@ class DecodeWindow:
             return REAL_BATCH
         return WINDOW_BATCH
 
-    def _long_prefill(self) -> int:
-        """``schedule()``'s long-prefill threshold for the batch being scheduled."""
-        scheduler = self.scheduler
-        cfg = scheduler.config
-        num_eligible = len(scheduler.running) + len(scheduler.waiting)
-        long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
-        if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
-            long_prefill = max(long_prefill, cfg.max_num_batched_tokens // num_eligible)
-        return long_prefill
-
     def _next_chunk(self) -> int:
         """The prefilling request's chunk in the running pass: what it lacks, clipped as
-        ``schedule()`` clips it; the members before it took one token each."""
+        ``schedule()`` clips it, in the budget the members before it left (one token each)."""
         request = self.prefilling
         assert request is not None
-        cfg = self.scheduler.config
+        scheduler = self.scheduler
         computed = request.num_computed_tokens
-        num_new = request.num_tokens - computed
-        long_prefill = self._long_prefill()
-        if 0 < long_prefill < num_new:
-            num_new = long_prefill
-        budget = cfg.max_num_batched_tokens - self.num_active
-        if num_new > budget:
-            num_new = budget
-        if num_new > cfg.max_model_len - computed - 1:
-            num_new = cfg.max_model_len - computed - 1
-        return max(num_new, 0)
+        budget = scheduler.config.max_num_batched_tokens - self.num_active
+        return max(scheduler.clip_running_chunk(request.num_tokens - computed, computed, budget,
+                                                scheduler.long_prefill_threshold()), 0)
 
     def allocations_in(self, j: int) -> list[int]:
         """The members whose allocation ``V_j`` calls, in order; taken off the queue."""
@@ -268,7 +251,6 @@ class DecodeWindow:
         kvm.new_step_starts()
         self.previous_new_blocks = self.new_blocks
         self.new_blocks = {}
-        empty = kvm.empty_blocks
         horizon = kvm.noop_horizon
         if due:
             c0 = self.c0
@@ -288,7 +270,7 @@ class DecodeWindow:
         if len(waiting):
             scratch = self._scratch
             scheduler._schedule_waiting(scratch, scheduler.config.max_num_batched_tokens - self.num_active - chunk,
-                                        self._long_prefill())
+                                        scheduler.long_prefill_threshold())
             if scratch.num_scheduled_tokens:
                 admitted = scratch
                 self._scratch = SchedulerOutput()
@@ -376,10 +358,7 @@ class DecodeWindow:
     def begin_real_update(self) -> None:
         """Before ``X`` is applied for real, with ``V_0`` scheduled: ``V_0``'s advance."""
         for i in range(self.num_original):
-            request = self.requests[i]
-            request.num_computed_tokens += 1
-            request.num_in_flight_tokens += 1
-            request.num_output_placeholders += 1
+            _advance_one_decode(self.requests[i])
 
     def end_real_update(self) -> None:
         """``X`` was applied: every original member is at state 1."""
@@ -416,11 +395,7 @@ class DecodeWindow:
             scheduled.update(part.num_scheduled_tokens)
             for request_id, i in members.items():
                 if self.last_batch[i] >= j:
-                    # In V_j too: that batch's advance, which the window left implicit.
-                    request = self.requests[i]
-                    request.num_computed_tokens += 1
-                    request.num_in_flight_tokens += 1
-                    request.num_output_placeholders += 1
+                    _advance_one_decode(self.requests[i])  # it is in V_j too
                 else:
                     del self.requests[i]  # its first token was its last
             sampled.update(part_sampled)
@@ -477,8 +452,8 @@ class DecodeWindow:
 
     def members_to_record(self, j: int) -> list[tuple[str, int]]:
         """At ``close(j)``: each running member's request id and its window steps."""
-        return [(request.request_id, self.window_steps(i, j - 1)) for i, request in self.requests.items()
-                if self.window_steps(i, j - 1)]
+        steps = [(request.request_id, self.window_steps(i, j - 1)) for i, request in self.requests.items()]
+        return [(request_id, num_steps) for request_id, num_steps in steps if num_steps]
 
     def complete(self, j: int, scratch: SchedulerOutput) -> SchedulerOutput:
         """``V_j``'s waiting pass admitted (``scratch``) what the window cannot take: the
@@ -499,6 +474,14 @@ class DecodeWindow:
         out.finished_req_ids = self.reported
         self.scheduler._advance_computed_async(out)
         return out
+
+
+def _advance_one_decode(request: Request) -> None:
+    """The advance of one decode in the batch after the one about to be applied, which
+    the window leaves implicit but that update reads (its tokens still in flight)."""
+    request.num_computed_tokens += 1
+    request.num_in_flight_tokens += 1
+    request.num_output_placeholders += 1
 
 
 def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled: dict[str, list[int]],

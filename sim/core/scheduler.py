@@ -150,16 +150,8 @@ class Scheduler:
         empty_blocks = kvm.empty_blocks
         replaced_log = kvm.replaced_block_ids
         token_budget = cfg.max_num_batched_tokens
-        # The threshold keeps one long prefill from starving others; alone, it has nobody
-        # to starve and may use the whole budget.
-        num_eligible = len(self.running) + len(self.waiting)
-        if self.connector is not None:
-            num_eligible += len(self.kv_holding_waiting)
-        long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
-        if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
-            long_prefill = max(long_prefill, token_budget // num_eligible)
+        long_prefill = self.long_prefill_threshold()
         is_priority = cfg.scheduling_policy == "priority"
-        max_model_len = cfg.max_model_len
         mamba_split = self.mamba_block_size > 0
         horizon = kvm.noop_horizon
         async_ = self.async_scheduling
@@ -179,12 +171,7 @@ class Scheduler:
                     continue
                 # The tokens being sampled in flight count as tokens it has.
                 num_new += placeholders
-            if 0 < long_prefill < num_new:
-                num_new = long_prefill
-            if num_new > token_budget:
-                num_new = token_budget
-            if num_new > max_model_len - computed - 1:
-                num_new = max_model_len - computed - 1
+            num_new = self.clip_running_chunk(num_new, computed, token_budget, long_prefill)
             if mamba_split:
                 num_new = self._mamba_block_aligned_split(request, num_new, 0)
             if num_new <= 0:
@@ -255,6 +242,30 @@ class Scheduler:
             return out
         self._advance_computed(out)
         return out
+
+    def long_prefill_threshold(self) -> int:
+        """This step's cap on one prefill chunk (0: none). It keeps one long prefill from
+        starving others; alone, a request has nobody to starve and may use the whole budget."""
+        cfg = self.config
+        num_eligible = len(self.running) + len(self.waiting)
+        if self.connector is not None:
+            num_eligible += len(self.kv_holding_waiting)
+        long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
+            long_prefill = max(long_prefill, cfg.max_num_batched_tokens // num_eligible)
+        return long_prefill
+
+    def clip_running_chunk(self, num_new: int, computed: int, token_budget: int, long_prefill: int) -> int:
+        """The running pass's clip of what a running request lacks (before any Mamba
+        alignment): the long-prefill threshold, the budget left, ``max_model_len``."""
+        if 0 < long_prefill < num_new:
+            num_new = long_prefill
+        if num_new > token_budget:
+            num_new = token_budget
+        max_model_len = self.config.max_model_len
+        if num_new > max_model_len - computed - 1:
+            num_new = max_model_len - computed - 1
+        return num_new
 
     def _advance_computed_async(self, out: SchedulerOutput) -> None:
         """The asynchronous advance: as the synchronous one, and a request that samples

@@ -133,6 +133,16 @@ class StepCost:
         self.num_requests = num_requests
 
 
+def _add_decodes(lc: LayerClass, attended: int, num_decodes: int, kv_bytes: float,
+                 attention_flops: float) -> tuple[float, float]:
+    """``kv_bytes`` and ``attention_flops`` plus what ``num_decodes`` decodes attending
+    ``attended`` keys in all cost in the layers of ``lc`` (they read those keys, write their
+    token, and read and write a recurrent state once each)."""
+    kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token + 2 * lc.state_bytes * num_decodes) * lc.num_layers
+    attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
+    return kv_bytes, attention_flops
+
+
 class CostModel:
     """Predicts the seconds one engine step takes on one TP group of ``gpu``."""
 
@@ -192,15 +202,12 @@ class CostModel:
         after the step, prefill chunks as (new tokens, tokens computed before). Decodes are
         most requests of most steps, so their terms are sums over contexts."""
         num_tokens, kv_bytes, attention_flops = self._prefill_terms(prefill_items)
-        num_tokens += len(decode_ends)
-        if decode_ends:
-            num_decodes = len(decode_ends)
+        num_decodes = len(decode_ends)
+        if num_decodes:
             for lc in self.layer_classes:
-                attended = lc.spec.decode_attended_keys(decode_ends)
-                kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
-                             + 2 * lc.state_bytes * num_decodes) * lc.num_layers
-                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
-        return self._step_cost(num_tokens, kv_bytes, attention_flops, len(decode_ends) + len(prefill_items))
+                kv_bytes, attention_flops = _add_decodes(lc, lc.spec.decode_attended_keys(decode_ends), num_decodes,
+                                                         kv_bytes, attention_flops)
+        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, num_decodes + len(prefill_items))
 
     def _prefill_terms(self, prefill_items: list[tuple[int, int]]) -> tuple[int, float, float]:
         """(tokens, KV bytes, attention FLOPs) of a step's prefill chunks."""
@@ -236,14 +243,10 @@ class CostModel:
         windows (``sim/core/decode_window.py``). Only where ``decodes_cost_by_context_sum``;
         the same float operations in the same order, so the same seconds to the last bit."""
         num_tokens, kv_bytes, attention_flops = self._prefill_terms(prefill_items or [])
-        num_tokens += num_decodes
         if num_decodes:
             for lc in self.layer_classes:
-                attended = context_ends_sum
-                kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token
-                             + 2 * lc.state_bytes * num_decodes) * lc.num_layers
-                attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
-        return self._step_cost(num_tokens, kv_bytes, attention_flops,
+                kv_bytes, attention_flops = _add_decodes(lc, context_ends_sum, num_decodes, kv_bytes, attention_flops)
+        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops,
                                num_decodes + (len(prefill_items) if prefill_items else 0))
 
     def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, num_requests: int) -> StepCost:

@@ -250,6 +250,14 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
         # (scheduled at, device start, device end) of each batch in ``queue``, oldest first.
         times: deque[tuple[float, float, float]] = deque()
         device_free_s = 0.0
+
+        def launch(duration_s: float) -> None:
+            """A batch scheduled now runs on the device once the batches before it have."""
+            nonlocal device_free_s
+            now = env.now
+            start_s = max(now, device_free_s)
+            device_free_s = start_s + duration_s
+            times.append((now, start_s, device_free_s))
         windows = decode_windows and not offload and size == 2 and getattr(executor, "supports_decode_windows", False)
 
         def decode_window():
@@ -257,7 +265,6 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
             in flight; True if it left a batch just scheduled behind the one in flight (the
             window's last batch admitted what it could not take), so the next thing is to
             wait."""
-            nonlocal device_free_s
             in_flight = queue[0]
             scheduler = engine.scheduler
             window = open_decode_window(scheduler, in_flight.output, in_flight.execution.sampled,
@@ -282,10 +289,7 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                     output = window.complete(j, window.admitted)
                     batch = Batch(output, executor.execute(output))
                     queue.append(batch)
-                    now = env.now
-                    start_s = max(now, device_free_s)
-                    device_free_s = start_s + batch.execution.duration_s
-                    times.append((now, start_s, device_free_s))
+                    launch(batch.execution.duration_s)
                     return True
                 num_decodes = window.num_active
                 part = window.parts.get(j)
@@ -297,10 +301,7 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
                     part_decodes, part_ends_sum, prefill_items = window.part_cost_terms(j)
                     cost = executor.decode_step_cost(num_decodes + part_decodes,
                                                      window.context_ends_sum(j) + part_ends_sum, prefill_items)
-                now = env.now
-                start_s = max(now, device_free_s)
-                device_free_s = start_s + cost.total_s
-                times.append((now, start_s, device_free_s))
+                launch(cost.total_s)
                 batch_times = times.popleft()
                 if batch_times[2] > env.now:
                     yield env.timeout(batch_times[2] - env.now)
@@ -356,9 +357,7 @@ def run_simulation(engine: EngineCore | Sequence[EngineCore], executor: ModelExe
             if not scheduled and engine.has_requests():
                 batch = engine.schedule_batch(executor)
                 if batch.executed:
-                    start_s = max(now, device_free_s)
-                    device_free_s = start_s + batch.execution.duration_s
-                    times.append((now, start_s, device_free_s))
+                    launch(batch.execution.duration_s)
                 else:
                     # Nothing to run: done as soon as the batches before it are (queue order).
                     done_s = max(now, device_free_s)
