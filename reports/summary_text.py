@@ -66,8 +66,12 @@ def replicas_line(row: dict, replicas) -> str | None:
 
 
 def prefix_line(row: dict) -> str:
-    """The hit rate next to what an infinite cache could have hit on the same requests."""
+    """The hit rate next to what an infinite cache could have hit on the same requests.
+    With offload tiers it is every tier's hits (GPU prefix caching may be off, and then
+    each hit is a load), with the GPU's part named."""
     hit = format_percent(row["prefix_cache_hit_rate"])
+    if row.get("hit_rate_total") is not None:
+        hit = f"{format_percent(row['hit_rate_total'])} (GPU {format_percent(row['hit_rate_gpu'])})"
     bound = row.get("prefix_reuse_upper_bound")
     if missing(bound):
         return f"{hit} (no bound: no content identity)"

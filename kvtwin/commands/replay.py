@@ -183,7 +183,8 @@ def print_summary(row: dict, title: str) -> None:
         ("request throughput (req/s)", _fmt(row["request_throughput"], 3)),
         ("output / all tokens per s",
          f"{_fmt(row['output_throughput'])} / {_fmt(row['total_token_throughput'])}"),
-        ("prefix cache hit rate (tokens)", words.prefix_line(row)),
+        ("prefix cache hit rate (tokens)" if row.get("hit_rate_total") is None
+         else "prefix hits, all tiers (tokens)", words.prefix_line(row)),
         ("preemptions / recomputed tokens", f"{row['num_preemptions']:,} / {row['recomputed_tokens']:,}"),
         ("evicted cached blocks", _fmt(row["num_evictions"])),
         ("KV cache usage peak / mean", f"{words.format_percent(row['kv_cache_usage_peak'])} / "

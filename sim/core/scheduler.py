@@ -66,8 +66,10 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config, scheduler_config.max_model_len, scheduler_config.max_in_flight_tokens,
             enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark)
+        # vLLM's engine hashes a request's blocks for the prefix cache and for a KV
+        # connector alike: with caching off, an offload tier still stores and finds prefixes.
         self.hasher = (BlockHasher(get_hash_fn(cache_config.prefix_caching_hash_algo), kv_cache_config.hash_block_size)
-                       if cache_config.enable_prefix_caching else None)
+                       if cache_config.enable_prefix_caching or connector is not None else None)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
@@ -85,9 +87,9 @@ class Scheduler:
         mamba_align = [g.spec for g in kv_cache_config.groups
                        if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align"]
         # Align mode caches a Mamba state only where a prefill chunk ends, so chunks must
-        # end on block boundaries.
-        self.mamba_block_size = mamba_align[0].block_size if mamba_align and cache_config.enable_prefix_caching \
-            else 0
+        # end on block boundaries. vLLM's scheduler cuts them in align mode whether prefix
+        # caching is on or not (its engine config would switch the mode to "none" first).
+        self.mamba_block_size = mamba_align[0].block_size if mamba_align else 0
         # Unless every Mamba group's kernel can also leave the state at the prompt's last
         # cacheable boundary from inside the final chunk (a prefill checkpoint): then that
         # chunk need not stop there. vLLM takes the first Mamba group's alignment.

@@ -226,9 +226,26 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+_SET_FIELDS = ("preempted", "finished")  # request ids whose order in a step carries no meaning
+
+
+class _Absent:
+    """A field one side lacks: unequal to everything, None included."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()
+
+
 def compare_results(expected_requests: list[dict], expected_steps: list[dict], actual_requests: list[dict],
                     actual_steps: list[dict], limit: int = 10) -> list[str]:
-    """Field-by-field differences (maps as maps, preempted/finished as sets); empty if equal."""
+    """Field-by-field differences; empty if equal. Every field either side has is compared,
+    so a field the runner forgets to write, or writes when vLLM has none, is a difference:
+    admissions one by one (hit, external tokens, load step), and per step the offload record
+    one field at a time (loads, stores, evictions, flushes, completions, resident chunks,
+    requests waiting for their KV, the batches of an asynchronous step)."""
     diffs: list[str] = []
     exp_req = {r["request_id"]: r for r in expected_requests}
     act_req = {r["request_id"]: r for r in actual_requests}
@@ -237,27 +254,53 @@ def compare_results(expected_requests: list[dict], expected_steps: list[dict], a
             diffs.append(f"request {rid}: present in only one of expected/actual")
     for rid, exp in exp_req.items():
         act = act_req.get(rid)
-        if act is None:
-            continue
-        for key in ("admissions", "num_preemptions", "first_scheduled_step", "finish_step"):
-            if exp.get(key) != act.get(key):
-                diffs.append(f"request {rid}: {key} expected {exp.get(key)!r}, got {act.get(key)!r}")
+        if act is not None:
+            diffs.extend(_request_diffs(rid, exp, act))
     if len(expected_steps) != len(actual_steps):
         diffs.append(f"steps: expected {len(expected_steps)}, got {len(actual_steps)}")
     for exp, act in zip(expected_steps, actual_steps):
-        step = exp["step"]
-        for key in ("scheduled", "num_free_blocks", "num_cached_blocks"):
-            if exp[key] != act[key]:
-                diffs.append(f"step {step}: {key} expected {exp[key]!r}, got {act[key]!r}")
-        for key in ("preempted", "finished"):
-            if set(exp[key]) != set(act[key]):
-                diffs.append(f"step {step}: {key} expected {sorted(exp[key])}, got {sorted(act[key])}")
-        for key, value in exp.get("offload", {}).items():
-            got = act.get("offload", {}).get(key)
-            if value != got:
-                diffs.append(f"step {step}: offload.{key} expected {value!r}, got {got!r}")
+        diffs.extend(_step_diffs(exp, act))
     diffs.sort(key=_diff_order)
     return diffs[:limit] if limit else diffs
+
+
+def _request_diffs(rid: str, exp: dict, act: dict) -> list[str]:
+    diffs = []
+    for key in sorted((exp.keys() | act.keys()) - {"request_id", "admissions"}):
+        if exp.get(key, ABSENT) != act.get(key, ABSENT):
+            diffs.append(f"request {rid}: {key} expected {exp.get(key, ABSENT)!r}, got {act.get(key, ABSENT)!r}")
+    exp_adm, act_adm = exp.get("admissions"), act.get("admissions")
+    if not isinstance(exp_adm, list) or not isinstance(act_adm, list) or len(exp_adm) != len(act_adm):
+        if exp_adm != act_adm:
+            diffs.append(f"request {rid}: admissions expected {exp_adm!r}, got {act_adm!r}")
+        return diffs
+    for index, (e, a) in enumerate(zip(exp_adm, act_adm)):
+        diffs.extend(f"request {rid}: admissions[{index}].{key} expected {e.get(key, ABSENT)!r}, "
+                     f"got {a.get(key, ABSENT)!r}"
+                     for key in sorted(e.keys() | a.keys()) if e.get(key, ABSENT) != a.get(key, ABSENT))
+    return diffs
+
+
+def _step_diffs(exp: dict, act: dict) -> list[str]:
+    step = exp["step"]
+    diffs = []
+    for key in sorted((exp.keys() | act.keys()) - {"offload"}):
+        e, a = exp.get(key, ABSENT), act.get(key, ABSENT)
+        if key in _SET_FIELDS and isinstance(e, list) and isinstance(a, list):
+            if set(e) != set(a):
+                diffs.append(f"step {step}: {key} expected {sorted(e)}, got {sorted(a)}")
+        elif e != a:
+            diffs.append(f"step {step}: {key} expected {e!r}, got {a!r}")
+    exp_off, act_off = exp.get("offload", ABSENT), act.get("offload", ABSENT)
+    if not isinstance(exp_off, dict) or not isinstance(act_off, dict):
+        if exp_off != act_off:
+            diffs.append(f"step {step}: offload expected {exp_off!r}, got {act_off!r}")
+    else:
+        diffs.extend(f"step {step}: offload.{key} expected {exp_off.get(key, ABSENT)!r}, "
+                     f"got {act_off.get(key, ABSENT)!r}"
+                     for key in sorted(exp_off.keys() | act_off.keys())
+                     if exp_off.get(key, ABSENT) != act_off.get(key, ABSENT))
+    return diffs
 
 
 def _diff_order(message: str) -> tuple[int, int, str]:

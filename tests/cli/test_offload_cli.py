@@ -126,6 +126,24 @@ def test_offload_with_vllms_default_asynchronous_scheduling(tmp_path):
     assert summary["offload_cpu_bytes"] == CPU_BYTES and summary["cpu_hit_tokens"] > 0
 
 
+def test_replay_with_prefix_caching_off_serves_reuse_from_the_cpu_tier(tmp_path):
+    res = _replay(_scenario(tmp_path), "--out", tmp_path / "run", "--no-prefix-caching",
+                  "--offload-cpu-bytes", CPU_BYTES)
+    assert res.exit_code == 0, res.output
+    summary = pq.read_table(tmp_path / "run" / "summary.parquet").to_pylist()[0]
+    assert summary["gpu_hit_tokens"] == 0 and summary["cpu_hit_tokens"] > 0
+    assert summary["kv_offload_store_bytes"] > 0
+    total = f"{summary['hit_rate_total'] * 100:.1f} % (GPU 0.0 %) of "
+    assert any("prefix hits, all tiers" in line and total in line for line in res.output.splitlines()), res.output
+
+
+def test_offload_of_a_hybrid_mamba_model_needs_prefix_caching(tmp_path):
+    res = _replay(_scenario(tmp_path), "--out", tmp_path / "run", "--model", "nemotron-h-8b",
+                  "--no-prefix-caching", "--offload-cpu-bytes", CPU_BYTES)
+    _one_error_line(res, "--offload-cpu-bytes", "with prefix caching off")
+    assert not (tmp_path / "run").exists()
+
+
 def test_capacity_sweeps_the_cpu_tier(tmp_path):
     path = _scenario(tmp_path)
     res = CliRunner().invoke(app, ["capacity", str(path), "--sweep", f"offload.cpu_bytes=0,{CPU_BYTES}", "--jobs", "1",

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
+from kvtwin.sim.planner.models import get_model
+from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
 from kvtwin.sim.replay import sweep
 from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS
@@ -187,6 +190,39 @@ def test_offload_columns_add_up(runs, llama):
     assert steps.column("offload_cpu_used_chunks").to_numpy().max() <= 3072
     assert set(OFFLOAD_SUMMARY_COLUMNS) <= set(on.summary.column_names)
     assert "offload_disk_loaded_keys" not in steps.column_names  # no disk tier, no disk columns
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_with_gpu_prefix_caching_off_every_hit_is_a_cpu_load(chat, async_scheduling):
+    """vLLM hashes blocks for a connector even with prefix caching off: the CPU tier still
+    stores every prompt's full blocks and serves the reuse, and no hit comes from the GPU."""
+    nocache = _plan(enable_prefix_caching=False, async_scheduling=async_scheduling)
+    assert not nocache.engine.enable_prefix_caching
+    config = OffloadConfig(cpu_bytes=6 * GIB).resolve(nocache)
+    on = run_replay(nocache, chat, offload=config)
+    s = _summary(on)
+    r = on.requests
+    gpu, cpu = r.column("gpu_hit_tokens").to_numpy(), r.column("cpu_hit_tokens").to_numpy()
+    assert not gpu.any() and s["gpu_hit_tokens"] == 0 and s["hit_rate_gpu"] == 0
+    assert s["prefix_cache_hits"] == 0 and not r.column("prefix_hit_tokens").to_numpy().any()
+    assert s["cpu_hit_tokens"] == cpu.sum() > 0 and s["hit_rate_cpu"] > 0.05
+    assert s["hit_rate_total"] == s["hit_rate_cpu"]
+    assert s["kv_offload_store_bytes"] == s["offload_cpu_stored_keys"] * config.bytes_per_key > 0
+    assert s["num_loads"] == (cpu > 0).sum()
+    assert s["completed"] == r.num_rows
+    # Without the tier the same run hits nothing at all.
+    assert _summary(run_replay(nocache, chat))["prefix_cache_hits"] == 0
+
+
+def test_a_hybrid_mamba_model_offloads_only_with_prefix_caching_on():
+    """Outside align mode vLLM's offloading config asserts on a Mamba hybrid."""
+    hybrid = plan(get_model("nemotron-h-8b"), get_gpu("h100"),
+                  EngineConfig(max_model_len=16384, enable_prefix_caching=False))
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig(cpu_bytes=GIB).resolve(hybrid)
+    assert err.value.field == "offload.cpu_bytes" and "prefix caching off" in str(err.value)
+    cached = plan(get_model("nemotron-h-8b"), get_gpu("h100"), EngineConfig(max_model_len=16384))
+    assert OffloadConfig(cpu_bytes=GIB).resolve(cached).num_cpu_chunks > 0
 
 
 def test_cpu_bytes_zero_is_exactly_the_run_without_offload(runs, chat, llama):

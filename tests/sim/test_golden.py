@@ -19,7 +19,7 @@ CASES = sorted(p.name for p in CASES_DIR.iterdir() if (p / "config.json").exists
 # directory may hold more (cases generated with the oracle for further rules).
 PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mamba_align", "multiturn",
                 "no_chunking", "priority", "swa128", "three_groups", "hybrid_priority", "mamba_checkpoint",
-                "async_pressure"}
+                "async_pressure", "offload_nocache_lru"}
 
 
 # Asynchronous scheduling (vLLM's default AsyncScheduler, two batches in flight), produced
@@ -32,10 +32,13 @@ ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba
                # vLLM's native CPU offloading under asynchronous scheduling (our own harness,
                # scripts/oracle/gen_offload_golden.py).
                "offload_async_full_lru", "offload_async_swa_arc", "offload_async_mamba_lru",
-               "offload_async_full_arc_slow"}
+               "offload_async_full_arc_slow",
+               # Prefix caching off: Mamba align mode still cuts chunks, a connector still
+               # hashes blocks (../shared/oracle and scripts/oracle on configs with caching off).
+               "async_mamba_align_nocache", "offload_nocache_async_full_lru", "offload_nocache_async_mamba_lru"}
 
-def test_all_thirteen_public_golden_cases_are_listed():
-    assert len(PUBLIC_CASES) == 13
+def test_all_fourteen_public_golden_cases_are_listed():
+    assert len(PUBLIC_CASES) == 14
 
 
 def test_every_public_golden_case_is_present():
@@ -100,3 +103,78 @@ def test_lockstep_command_exits_1_on_mismatch(tmp_path):
     res = CliRunner().invoke(app, ["lockstep", str(case_dir), "--out", str(tmp_path / "out")])
     assert res.exit_code == 1
     assert "step 5: num_cached_blocks expected" in res.output
+
+
+def _tampered_case(tmp_path, name: str, tamper) -> Path:
+    """A copy of golden case ``name`` whose expected files ``tamper(requests, steps)`` edited."""
+    import json
+    src, case_dir = CASES_DIR / name, tmp_path / name
+    case_dir.mkdir()
+    for file in ("config.json", "requests.jsonl"):
+        (case_dir / file).write_text((src / file).read_text())
+    requests = read_jsonl(src / "expected_requests.jsonl")
+    steps = read_jsonl(src / "expected_steps.jsonl")
+    tamper(requests, steps)
+    for file, rows in (("expected_requests.jsonl", requests), ("expected_steps.jsonl", steps)):
+        (case_dir / file).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return case_dir
+
+
+def _first_step_with(steps: list[dict], field: str) -> dict:
+    """The first step whose offload record has a non-empty ``field`` (or step 0)."""
+    return next((s for s in steps if s["offload"].get(field)), steps[0])
+
+
+def _bump(value):
+    if isinstance(value, list):
+        return value + [["bogus", 1]]
+    return (value or 0) + 1
+
+
+# Each offload field the harness records; scheduled_batch and updated_batch only in async cases.
+OFFLOAD_STEP_FIELDS = [("offload_full_lru", f) for f in
+                       ("loads", "stores", "evicted", "flushed", "completed", "cpu_used_chunks", "waiting_for_kv")] + \
+                      [("offload_async_full_lru", f) for f in ("scheduled_batch", "updated_batch", "stores", "loads")]
+
+
+@pytest.mark.parametrize("name, field", OFFLOAD_STEP_FIELDS)
+def test_lockstep_verdict_compares_every_offload_step_field(tmp_path, name, field):
+    def tamper(requests, steps):
+        step = _first_step_with(steps, field)
+        assert field in step["offload"]
+        step["offload"][field] = _bump(step["offload"][field])
+        tamper.step = step["step"]
+
+    case_dir = _tampered_case(tmp_path, name, tamper)
+    res = CliRunner().invoke(app, ["lockstep", str(case_dir), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1, res.output
+    assert f"step {tamper.step}: offload.{field} expected" in res.output
+
+
+@pytest.mark.parametrize("field", ["external_tokens", "load_step", "hit_tokens", "step"])
+def test_lockstep_verdict_compares_every_admission_field(tmp_path, field):
+    def tamper(requests, steps):
+        index, request = next((i, r) for i, r in enumerate(requests) if r["admissions"][0]["external_tokens"])
+        request["admissions"][0][field] = _bump(request["admissions"][0][field])
+        tamper.request_id = request["request_id"]
+
+    case_dir = _tampered_case(tmp_path, "offload_full_lru", tamper)
+    res = CliRunner().invoke(app, ["lockstep", str(case_dir), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1, res.output
+    assert f"request {tamper.request_id}: admissions[0].{field} expected" in res.output
+
+
+def test_a_field_on_one_side_only_is_a_difference():
+    case_dir = CASES_DIR / "offload_full_lru"
+    expected_requests = read_jsonl(case_dir / "expected_requests.jsonl")
+    expected_steps = read_jsonl(case_dir / "expected_steps.jsonl")
+    result = run_case(load_case(case_dir))
+    assert compare_results(expected_requests, expected_steps, result.requests, result.steps) == []
+    del expected_steps[4]["offload"]["evicted"]
+    del expected_requests[2]["admissions"][0]["load_step"]
+    del expected_steps[6]["offload"]
+    diffs = compare_results(expected_requests, expected_steps, result.requests, result.steps, limit=0)
+    assert any(d.startswith("step 4: offload.evicted expected (absent)") for d in diffs)
+    assert any(d.startswith("step 6: offload expected (absent)") for d in diffs)
+    assert any(f"request {expected_requests[2]['request_id']}: admissions[0].load_step expected (absent)" in d
+               for d in diffs)
