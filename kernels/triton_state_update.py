@@ -26,6 +26,14 @@ MAX_CONV_WIDTH = 4
 
 
 @triton.jit
+def _masked_by(mask, flag):
+    """``mask & flag`` for a vector ``mask`` and a scalar ``flag``, both int1. Written as a
+    comparison because Triton 3.9's interpreter widens a broadcast int1 scalar to int32,
+    and a load or store then refuses the combined mask; compiled code is the same."""
+    return mask & ((mask.to(tl.int32) * 0 + flag.to(tl.int32)) != 0)
+
+
+@triton.jit
 def _history_row(history_ptr, seq_offset, stride_h_r, channels, mask, row: tl.constexpr, W: tl.constexpr):
     """Input ``4 - row`` tokens back (row 1..3 of the padded 4-tap window); zeros for taps
     the real width ``W`` does not have."""
@@ -92,9 +100,9 @@ def state_update_kernel(
     # conv history of that state is the launcher's snapshot, row `seq`.
     has_init = computed > 0
     src = tl.load(table_row + (tl.maximum(computed, 1) - 1) // block_size).to(tl.int64)
-    km = k_ok & has_init
+    km = _masked_by(k_ok, has_init)
     owns_qk = v_slice == 0
-    vm = v_ok & has_init
+    vm = _masked_by(v_ok, has_init)
     q_r1 = _history_row(history_ptr, seq * stride_h_s, stride_h_r, q_ch, km, 1, W)
     q_r2 = _history_row(history_ptr, seq * stride_h_s, stride_h_r, q_ch, km, 2, W)
     q_r3 = _history_row(history_ptr, seq * stride_h_s, stride_h_r, q_ch, km, 3, W)
@@ -106,7 +114,7 @@ def state_update_kernel(
     v_r3 = _history_row(history_ptr, seq * stride_h_s, stride_h_r, v_ch, vm, 3, W)
     state_offsets = head * stride_ss_h + kk[:, None] * stride_ss_k + vv[None, :]
     state_mask = k_ok[:, None] & v_ok[None, :]
-    state = tl.load(ssm_ptr + src * stride_ss_b + state_offsets, mask=state_mask & has_init,
+    state = tl.load(ssm_ptr + src * stride_ss_b + state_offsets, mask=_masked_by(state_mask, has_init),
                     other=0.0).to(tl.float32)
 
     wq0 = _tap(weight_ptr, stride_w_c, q_ch, k_ok, 0, W)
@@ -147,10 +155,10 @@ def state_update_kernel(
         dst = tl.load(table_row + (done - 1) // block_size).to(tl.int64)
         save = ((done % block_size == 0) | (done == seq_len)) & (dst != 0)
         tl.store(ssm_ptr + dst * stride_ss_b + state_offsets, state.to(ssm_ptr.dtype.element_ty),
-                 mask=state_mask & save)
-        _save_history(conv_ptr, dst, stride_cs_b, stride_cs_r, q_ch, k_ok & save & owns_qk, q_r1, q_r2, q_r3, W)
-        _save_history(conv_ptr, dst, stride_cs_b, stride_cs_r, k_ch, k_ok & save & owns_qk, k_r1, k_r2, k_r3, W)
-        _save_history(conv_ptr, dst, stride_cs_b, stride_cs_r, v_ch, v_ok & save, v_r1, v_r2, v_r3, W)
+                 mask=_masked_by(state_mask, save))
+        _save_history(conv_ptr, dst, stride_cs_b, stride_cs_r, q_ch, _masked_by(k_ok, save & owns_qk), q_r1, q_r2, q_r3, W)
+        _save_history(conv_ptr, dst, stride_cs_b, stride_cs_r, k_ch, _masked_by(k_ok, save & owns_qk), k_r1, k_r2, k_r3, W)
+        _save_history(conv_ptr, dst, stride_cs_b, stride_cs_r, v_ch, _masked_by(v_ok, save), v_r1, v_r2, v_r3, W)
 
 
 def value_block(key_dim: int, value_dim: int, interpreted: bool) -> int:
