@@ -30,14 +30,26 @@ def test_wall_clock_waits_for_arrivals_in_real_time(tmp_path):
     assert times == sorted(times) and times[-1] >= last_arrival_s * 0.9
 
 
-def test_measured_clock_runs_ahead_of_real_time(tmp_path):
+def test_measured_clock_never_paces_arrivals(tmp_path, monkeypatch):
+    """The measured clock is simulated time: it never builds a real-time environment nor
+    sleeps, yet its clock covers every arrival gap. (How far ahead of real time it runs
+    is measured in ``bench/bench_wall_clocks.py``, not asserted: a loaded machine is slow.)"""
+    import simpy.rt
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the measured clock paced in real time")
+
+    monkeypatch.setattr(simpy.rt, "RealtimeEnvironment", refuse)
+    monkeypatch.setattr(time, "sleep", refuse)
     resolved = scenario("swa", tmp_path, pool=2.0, num_requests=5, rate=0.5, seed=1)
     trace = resolved.workload.load()
     last_arrival_s = pc.max(trace.column(col.ARRIVAL_TIME_S)).as_py()
-    started = time.perf_counter()
+    assert last_arrival_s > 2.0  # gaps a paced run would have to wait out
     run = run_executor(resolved.plan(), trace, ExecutorOptions(clock="measured"))
-    assert time.perf_counter() - started < last_arrival_s  # simulated gaps cost no wall time
+    assert run.result.summary.to_pylist()[0]["completed"] == 5
     assert run.result.end_time_s >= last_arrival_s
+    times = run.result.steps.column("time_s").to_pylist()
+    assert times == sorted(times) and times[-1] >= max(trace.column(col.ARRIVAL_TIME_S).to_pylist()[:-1])
 
 
 @pytest.mark.parametrize("kind", ["full", "swa", "mla", "three"])

