@@ -127,7 +127,7 @@ def test_cpu_chunks_are_worker_bytes_times_world_size_rounded_to_the_page():
     assert resolved.bytes_per_key / resolved.h2d_bytes_per_s == tp2.bytes_per_block / 50e9
     # An unaligned block is rounded up to the 4096-byte page; MLA with TP keeps one copy.
     fake = SimpleNamespace(engine=SimpleNamespace(tensor_parallel_size=4), bytes_per_block=1000,
-                           model=SimpleNamespace(uses_mla=False, name="m"), gpu=get_gpu("a100"))
+                           model=SimpleNamespace(uses_mla=False, name="m", layer_kinds=("full",)), gpu=get_gpu("a100"))
     assert OffloadConfig(cpu_bytes=40960).resolve(fake).chunk_bytes == 4096
     assert OffloadConfig(cpu_bytes=40960).resolve(fake).num_cpu_chunks == 10
     fake.model.uses_mla = True

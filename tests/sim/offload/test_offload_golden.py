@@ -63,4 +63,6 @@ def test_tables_kept_from_the_output_match_the_manager(name):
                 and not engine.scheduler.finished_req_ids and not engine.batch_queue:
             break
     assert index == len(expected)
-    assert loads > 0 and stores > 0
+    # A Mamba hybrid with prefix caching off stores but never loads (vLLM: no hit there).
+    no_hits = "mamba" in name and not case.cache_config.enable_prefix_caching
+    assert stores > 0 and (loads == 0 if no_hits else loads > 0)
