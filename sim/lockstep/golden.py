@@ -265,41 +265,37 @@ def compare_results(expected_requests: list[dict], expected_steps: list[dict], a
 
 
 def _request_diffs(rid: str, exp: dict, act: dict) -> list[str]:
-    diffs = []
-    for key in sorted((exp.keys() | act.keys()) - {"request_id", "admissions"}):
-        if exp.get(key, ABSENT) != act.get(key, ABSENT):
-            diffs.append(f"request {rid}: {key} expected {exp.get(key, ABSENT)!r}, got {act.get(key, ABSENT)!r}")
-    exp_adm, act_adm = exp.get("admissions"), act.get("admissions")
+    diffs = _field_diffs(f"request {rid}: ", exp, act, skip={"request_id", "admissions"})
+    exp_adm, act_adm = exp.get("admissions", ABSENT), act.get("admissions", ABSENT)
     if not isinstance(exp_adm, list) or not isinstance(act_adm, list) or len(exp_adm) != len(act_adm):
         if exp_adm != act_adm:
             diffs.append(f"request {rid}: admissions expected {exp_adm!r}, got {act_adm!r}")
         return diffs
     for index, (e, a) in enumerate(zip(exp_adm, act_adm)):
-        diffs.extend(f"request {rid}: admissions[{index}].{key} expected {e.get(key, ABSENT)!r}, "
-                     f"got {a.get(key, ABSENT)!r}"
-                     for key in sorted(e.keys() | a.keys()) if e.get(key, ABSENT) != a.get(key, ABSENT))
+        diffs.extend(_field_diffs(f"request {rid}: admissions[{index}].", e, a))
     return diffs
 
 
 def _step_diffs(exp: dict, act: dict) -> list[str]:
-    step = exp["step"]
+    where = f"step {exp['step']}: "
+    diffs = _field_diffs(where, exp, act, skip={"offload"})
+    exp_off, act_off = exp.get("offload", ABSENT), act.get("offload", ABSENT)
+    if isinstance(exp_off, dict) and isinstance(act_off, dict):
+        diffs.extend(_field_diffs(where + "offload.", exp_off, act_off))
+    elif exp_off != act_off:
+        diffs.append(f"{where}offload expected {exp_off!r}, got {act_off!r}")
+    return diffs
+
+
+def _field_diffs(where: str, exp: dict, act: dict, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """One message per field of either side (bar ``skip``) whose values differ."""
     diffs = []
-    for key in sorted((exp.keys() | act.keys()) - {"offload"}):
+    for key in sorted((exp.keys() | act.keys()) - skip):
         e, a = exp.get(key, ABSENT), act.get(key, ABSENT)
         if key in _SET_FIELDS and isinstance(e, list) and isinstance(a, list):
-            if set(e) != set(a):
-                diffs.append(f"step {step}: {key} expected {sorted(e)}, got {sorted(a)}")
-        elif e != a:
-            diffs.append(f"step {step}: {key} expected {e!r}, got {a!r}")
-    exp_off, act_off = exp.get("offload", ABSENT), act.get("offload", ABSENT)
-    if not isinstance(exp_off, dict) or not isinstance(act_off, dict):
-        if exp_off != act_off:
-            diffs.append(f"step {step}: offload expected {exp_off!r}, got {act_off!r}")
-    else:
-        diffs.extend(f"step {step}: offload.{key} expected {exp_off.get(key, ABSENT)!r}, "
-                     f"got {act_off.get(key, ABSENT)!r}"
-                     for key in sorted(exp_off.keys() | act_off.keys())
-                     if exp_off.get(key, ABSENT) != act_off.get(key, ABSENT))
+            e, a = sorted(e), sorted(a)
+        if e != a:
+            diffs.append(f"{where}{key} expected {e!r}, got {a!r}")
     return diffs
 
 
