@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from kvtwin import CORE_BUILD, __version__
+from kvtwin.commands import calibrate
 from kvtwin.commands import capacity
 from kvtwin.commands import kernels
 from kvtwin.commands import presets
@@ -52,6 +53,7 @@ app.command("plan")(plan.plan)
 app.command("replay")(replay.replay)
 app.command("capacity")(capacity.capacity)
 app.command("validate")(validate.validate)
+app.command("calibrate")(calibrate.calibrate)
 app.command("report")(report.report)
 app.add_typer(trace_app, name="trace")
 guard_all(app)

@@ -287,6 +287,17 @@ def _summary_row(summary) -> dict:
     return dict(summary)
 
 
+def _clock_text(s: dict) -> str:
+    """The calibration and the band on each p99 (summary.parquet's band columns)."""
+    name = s.get("calibration")
+    if missing(name):
+        return "-"
+    bands = [f"{label} {format_duration_ms(s[f'p99_{key}_ms_low'])}-{format_duration_ms(s[f'p99_{key}_ms_high'])}"
+             for label, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2el"))
+             if not missing(s.get(f"p99_{key}_ms_low"))]
+    return f"{name}" + (f"; p99 band: {', '.join(bands)}" if bands else "")
+
+
 def _replay_metrics(s: dict) -> list[tuple[str, str]]:
     def ms(name):
         return " / ".join(format_duration_ms(s.get(f"{stat}_{name}_ms")) for stat in ("mean", "median", "p90", "p99"))
@@ -302,6 +313,7 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
             ("TPOT mean / p50 / p90 / p99", ms("tpot")),
             ("ITL mean / p50 / p90 / p99", ms("itl")),
             ("E2E latency mean / p50 / p90 / p99", ms("e2el")),
+            ("clock calibration", _clock_text(s)),
             ("queue delay mean / p50 / p90 / p99", ms("queue_delay")),
             ("prefix cache hit rate (tokens)", format_percent(s.get("prefix_cache_hit_rate"))),
             ("infinite-cache bound (trace)", format_percent(s.get("prefix_reuse_upper_bound"))),
@@ -406,9 +418,15 @@ def _replay_plots(requests: pa.Table, steps: pa.Table, s: dict, plan: dict | Non
               for name, col in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))]
     slo = {"TTFT": s.get("slo_ttft_ms"), "TPOT": s.get("slo_tpot_ms")}
     slo = {k: float(v) for k, v in slo.items() if not missing(v)}
-    out.append(_figure(plots.latency_cdfs(series, slo),
+    band = {name: float(s[column]) for name, column in (("TTFT", "error_ttft"), ("TPOT", "error_tpot"),
+                                                        ("E2E latency", "error_e2el"))
+            if not missing(s.get(column))}
+    clock = (f" Shaded: the band the clock's calibration ({s.get('calibration')}) implies from its held-out "
+             "error." if band else " The clock is uncalibrated: no error band." if s.get("calibration") ==
+             "uncalibrated" else "")
+    out.append(_figure(plots.latency_cdfs(series, slo, band),
                        "Cumulative distributions of TTFT, TPOT and end-to-end latency over finished requests "
-                       "(dashed: the scenario's SLO).", "latency CDFs"))
+                       "(dashed: the scenario's SLO)." + clock, "latency CDFs"))
 
     req_replica = _replica_ids(requests)
     if req_replica is not None:

@@ -129,8 +129,10 @@ def preemptions_over_time(t: np.ndarray, counts: np.ndarray, bin_s: float) -> by
     return _png(fig)
 
 
-def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float] | None = None) -> bytes:
-    """One CDF panel per (name, sorted values in ms); a dashed line at each name's SLO."""
+def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float] | None = None,
+                 band: dict[str, float] | None = None) -> bytes:
+    """One CDF panel per (name, sorted values in ms); a dashed line at each name's SLO, and
+    a shaded band where ``band`` gives the name's relative error (values x (1 -/+ error))."""
     fig, axes = _figure(len(series))
     for ax, (name, values) in zip(axes, series):
         values = np.asarray(values, dtype=float)
@@ -138,12 +140,17 @@ def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float]
             _empty(ax)
         else:
             y = np.linspace(0, 1, len(values)) if len(values) > 1 else np.ones(1)
+            error = (band or {}).get(name)
+            if error is not None and np.isfinite(error):
+                ax.fill_betweenx(y * 100, values * (1 - error), values * (1 + error), color=COLORS[0], alpha=0.18,
+                                 linewidth=0, label=f"±{error:.0%} held-out error")
             ax.plot(values, y * 100, color=COLORS[0], linewidth=1.4)
             if values[0] > 0 and values[-1] / values[0] > 100:
                 ax.set_xscale("log")
             bound = (slo or {}).get(name)
             if bound is not None and np.isfinite(bound):
                 ax.axvline(bound, color=COLORS[3], linestyle="--", linewidth=1, label="SLO")
+            if ax.get_legend_handles_labels()[0]:
                 ax.legend(loc="lower right", fontsize=8)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylim(0, 100)

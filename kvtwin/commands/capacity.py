@@ -181,6 +181,10 @@ def print_points(table, axes, find_max_rate: bool) -> None:
                     ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
         if table.column("replicas_needed_target_rate").null_count < table.num_rows:
             figures.append(("replicas @target", "replicas_needed_target_rate"))
+        if table.column("max_request_rate_pessimistic").null_count < table.num_rows:
+            # The pessimistic edge: every step slower by the calibration's held-out error.
+            figures += [("step err", "step_error"), ("max req/s (slow edge)", "max_request_rate_pessimistic"),
+                        ("replicas (slow edge)", "replicas_needed_trace_rate_pessimistic")]
     for name in names:
         shown.add_column(name, no_wrap=True)
     for title, _ in figures:
@@ -191,7 +195,7 @@ def print_points(table, axes, find_max_rate: bool) -> None:
             value = row[column]
             if column.endswith("_ms"):
                 cells.append(words.format_duration_ms(value) if value is not None else "-")
-            elif column in ("slo_attainment", "prefix_cache_hit_rate") or column.startswith("hit_rate_"):
+            elif column in ("slo_attainment", "prefix_cache_hit_rate", "step_error") or column.startswith("hit_rate_"):
                 cells.append(words.format_percent(value) if value is not None else "-")
             else:
                 cells.append(_cell(value))

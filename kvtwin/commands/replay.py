@@ -24,6 +24,7 @@ from kvtwin.reports import summary_text as words
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_run
+from kvtwin.sim.replay.calibration_data import band_lines, with_band
 from kvtwin.sim.replay.run import run_replay
 
 
@@ -83,6 +84,7 @@ def replay(
             result = run_replay(planned, table, efficiency=resolved.efficiency, slo=resolved.slo,
                                 time_limit_s=resolved.time_limit_s, on_progress=on_progress, offload=offload)
         wall_s = time.perf_counter() - started
+        result.summary = with_band(result.summary, resolved.calibration)
         metadata = run_metadata(path, overrides.given())
         plan_json = planned.to_json()
         text_files = None
@@ -102,6 +104,8 @@ def replay(
             deployment = f"{planned.engine.replicas} replicas of {deployment}"
         print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
         print(words.plan_line(planned) + (" per replica" if planned.engine.replicas > 1 else ""))
+        for line in band_lines(summary, resolved.calibration, chosen_gpu.name, chosen_model.name):
+            print(line)
         for line in (words.replicas_line(summary, result.replicas), words.offload_line(summary),
                      words.rejections_line(summary),
                      words.not_arrived_line(summary),

@@ -229,6 +229,7 @@ def hf_config_to_mapping(raw: dict[str, Any], *, source: str = "config.json") ->
     total, active = estimate_params(out, tie_embeddings=bool(f.get("tie_word_embeddings", False)),
                                     moe_period=moe_period, moe_offset=moe_offset)
     out["params_total"], out["params_active"] = total, active
+    out["tie_word_embeddings"] = bool(f.get("tie_word_embeddings", False))
     return out
 
 

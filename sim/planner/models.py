@@ -272,6 +272,8 @@ class ModelPreset:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     vocab_size: int = 0
+    # One matrix for the input embedding and the LM head (params_total counts it once).
+    tie_word_embeddings: bool = False
     max_position_embeddings: int
     params_total: float
     params_active: float | None = None
@@ -301,6 +303,8 @@ class ModelPreset:
                 f"a non-empty string of the letters {''.join(LAYER_KINDS)}", self.layer_pattern)
         require(any(LAYER_KINDS[c] for c in self.layer_pattern), "layer_pattern",
                 "at least one layer with a cache", self.layer_pattern)
+        require(isinstance(self.tie_word_embeddings, bool), "tie_word_embeddings", "true or false",
+                self.tie_word_embeddings)
         require(self.weight_format in WEIGHT_FORMATS, "weight_format", f"one of {', '.join(WEIGHT_FORMATS)}",
                 self.weight_format)
         dtype_bytes(self.dtype, field="dtype")
@@ -352,6 +356,19 @@ class ModelPreset:
         return "chunked_local" not in self.layer_kinds
 
     # -- weights and compute -------------------------------------------------------------
+
+    @property
+    def lm_head_params(self) -> float:
+        """Parameters of the LM head (vocabulary x hidden); 0 when the vocabulary is unknown."""
+        return float(self.vocab_size * self.hidden_size)
+
+    @property
+    def body_params_active(self) -> float:
+        """Active parameters every token goes through: without the embedding table (a
+        lookup, no FLOPs) and the LM head (only sampling positions; the cost model charges
+        it apart)."""
+        matrices = 1 if self.tie_word_embeddings else 2
+        return max(float(self.params_active) - matrices * self.lm_head_params, 0.0)
 
     @property
     def routed_expert_params(self) -> float:

@@ -7,15 +7,17 @@ five of them — ``matmul_flops_fraction``, ``attention_flops_fraction``,
 ``hbm_bandwidth_fraction``, ``step_overhead_s``, ``per_request_overhead_s`` — reports
 which ones the measurements actually determine and how well the fitted model predicts
 the steps, per batch kind, and writes a calibration file that ``load_calibration`` reads.
-``interconnect_fraction`` and ``allreduce_latency_s`` are not fitted: each sample's
-``communication_s`` is taken as it is.
+``interconnect_fraction``, ``allreduce_latency_s``, the all-reduce curves, the fixed GPU
+times and ``matmul_half_tokens`` are not fitted: each sample's ``communication_s`` and
+``serial_s`` (element-wise and fixed GPU seconds) are taken as they are, and the GEMM
+seconds keep the base's size curve.
 
 The step time is piecewise linear in x = (1/matmul, 1/attention, 1/hbm, step overhead,
 per-request overhead):
 
-    compute_s = linear_flops/P * x1 + attention_flops/P * x2
+    compute_s = gemm_s_at_peak * x1 + attention_flops/P * x2
     memory_s  = (weight_bytes + kv_bytes)/BW * x3
-    gpu_s     = max(compute_s, memory_s) + communication_s
+    gpu_s     = max(compute_s, memory_s) + serial_s + communication_s
     overhead_s = x4 + x5 * num_requests
     total_s   = max(gpu_s, overhead_s) (async) or gpu_s + overhead_s (sync)
 
@@ -37,7 +39,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvtwin.sim.replay.cost_model import Efficiency, StepCost
+from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS, Efficiency, StepCost, gemm_s
 
 # Fitted columns, in the order of x above. The order also decides which of two
 # collinear columns the fit keeps (the earlier one).
@@ -88,11 +90,13 @@ def predict_s(cost: StepCost, efficiency: Efficiency, *, flops_per_s: float, byt
     Written exactly as ``CostModel.split_step_cost`` writes it, so that both agree to the
     last bit for the same efficiency; ``bytes_per_s`` is the raw HBM peak.
     """
-    compute_s = (cost.linear_flops / (flops_per_s * efficiency.matmul_flops_fraction)
-                 + cost.attention_flops / (flops_per_s * efficiency.attention_flops_fraction))
-    memory_s = (cost.weight_bytes + cost.kv_bytes) / (bytes_per_s * efficiency.hbm_bandwidth_fraction)
+    compute_s = (gemm_s(efficiency, flops_per_s, cost.body_flops, cost.num_tokens, cost.head_flops,
+                        cost.num_requests)
+                 + cost.attention_work / (flops_per_s * efficiency.attention_flops_fraction))
+    hbm_bytes_per_s = bytes_per_s * efficiency.hbm_bandwidth_fraction
+    memory_s = (cost.weight_bytes + cost.kv_bytes) / hbm_bytes_per_s
     overhead_s = efficiency.step_overhead_s + efficiency.per_request_overhead_s * cost.num_requests
-    gpu_s = max(compute_s, memory_s) + cost.communication_s
+    gpu_s = max(compute_s, memory_s) + cost.elementwise_bytes / hbm_bytes_per_s + cost.extra_gpu_s + cost.communication_s
     return max(gpu_s, overhead_s) if async_scheduling else gpu_s + overhead_s
 
 
@@ -125,9 +129,10 @@ class _Terms:
     """The samples' raw terms as arrays, in seconds at the datasheet peaks."""
 
     linear_s: np.ndarray  # linear_flops / P
-    attention_s: np.ndarray  # attention_flops / P
+    attention_s: np.ndarray  # attention_work / P
     memory_s: np.ndarray  # (weight_bytes + kv_bytes) / BW
-    communication_s: np.ndarray
+    elementwise_s: np.ndarray  # elementwise_bytes / BW: serial, scaled by 1/hbm like memory_s
+    given_s: np.ndarray  # communication and fixed GPU seconds, as the cost model gave them
     num_requests: np.ndarray
     measured_s: np.ndarray
 
@@ -138,17 +143,22 @@ class _Terms:
 
     def total_s(self, x: np.ndarray, async_scheduling: bool) -> np.ndarray:
         compute_s, memory_s, overhead_s = self.parts(x)
-        gpu_s = np.maximum(compute_s, memory_s) + self.communication_s
+        gpu_s = np.maximum(compute_s, memory_s) + self.elementwise_s * x[2] + self.given_s
         return np.maximum(gpu_s, overhead_s) if async_scheduling else gpu_s + overhead_s
 
 
-def _terms(samples: Sequence[StepSample], flops_per_s: float, bytes_per_s: float) -> _Terms:
+def _terms(samples: Sequence[StepSample], flops_per_s: float, bytes_per_s: float, base: Efficiency) -> _Terms:
     costs = [s.cost for s in samples]
+    # GEMM seconds at a fraction of 1 with base's size curve: the fit scales them by
+    # 1/matmul_flops_fraction and keeps matmul_half_tokens.
+    at_peak = replace(base, matmul_flops_fraction=1.0)
     return _Terms(
-        linear_s=np.array([c.linear_flops for c in costs], dtype=float) / flops_per_s,
-        attention_s=np.array([c.attention_flops for c in costs], dtype=float) / flops_per_s,
+        linear_s=np.array([gemm_s(at_peak, flops_per_s, c.body_flops, c.num_tokens, c.head_flops, c.num_requests)
+                           for c in costs], dtype=float),
+        attention_s=np.array([c.attention_work for c in costs], dtype=float) / flops_per_s,
         memory_s=np.array([c.weight_bytes + c.kv_bytes for c in costs], dtype=float) / bytes_per_s,
-        communication_s=np.array([c.communication_s for c in costs], dtype=float),
+        elementwise_s=np.array([c.elementwise_bytes for c in costs], dtype=float) / bytes_per_s,
+        given_s=np.array([c.communication_s + c.extra_gpu_s for c in costs], dtype=float),
         num_requests=np.array([c.num_requests for c in costs], dtype=float),
         measured_s=np.array([s.measured_s for s in samples], dtype=float),
     )
@@ -159,7 +169,7 @@ def _branches(terms: _Terms, x: np.ndarray, async_scheduling: bool) -> tuple[np.
     the CPU overhead) the step's bound. Ties go to the first; either gives the same time."""
     compute_s, memory_s, overhead_s = terms.parts(x)
     compute_bound = compute_s >= memory_s
-    gpu_bound = np.maximum(compute_s, memory_s) + terms.communication_s >= overhead_s
+    gpu_bound = np.maximum(compute_s, memory_s) + terms.elementwise_s * x[2] + terms.given_s >= overhead_s
     if not async_scheduling:
         gpu_bound = np.ones_like(gpu_bound)
     return compute_bound, gpu_bound
@@ -174,13 +184,14 @@ def _design(terms: _Terms, compute_bound: np.ndarray, gpu_bound: np.ndarray,
     on_gpu = gpu_bound.astype(float)
     a[:, 0] = terms.linear_s * compute_bound * on_gpu
     a[:, 1] = terms.attention_s * compute_bound * on_gpu
-    a[:, 2] = terms.memory_s * ~compute_bound * on_gpu
+    # Element-wise traffic streams from HBM whatever bounds the GEMMs.
+    a[:, 2] = (terms.memory_s * ~compute_bound + terms.elementwise_s) * on_gpu
     # Synchronous: the overhead always adds. Asynchronous: it is the step only where it
     # outlasts the GPU.
     on_cpu = (~gpu_bound).astype(float) if async_scheduling else np.ones(n)
     a[:, 3] = on_cpu
     a[:, 4] = terms.num_requests * on_cpu
-    target = terms.measured_s - terms.communication_s * on_gpu
+    target = terms.measured_s - terms.given_s * on_gpu
     return a / terms.measured_s[:, None], target / terms.measured_s
 
 
@@ -269,7 +280,7 @@ def fit_efficiency(samples: Sequence[StepSample], *, flops_per_s: float, bytes_p
         raise ValueError("every sample's measured_s must be a positive, finite number of seconds")
     if not (flops_per_s > 0 and bytes_per_s > 0):
         raise ValueError(f"peaks must be positive, got flops_per_s={flops_per_s}, bytes_per_s={bytes_per_s}")
-    terms = _terms(samples, flops_per_s, bytes_per_s)
+    terms = _terms(samples, flops_per_s, bytes_per_s, base)
     base_x = np.array([1.0 / base.matmul_flops_fraction, 1.0 / base.attention_flops_fraction,
                        1.0 / base.hbm_bandwidth_fraction, base.step_overhead_s, base.per_request_overhead_s])
     candidates = list(range(len(_COLUMNS))) if fit_overhead else [0, 1, 2]
@@ -362,8 +373,12 @@ def _comment(line: str) -> str:
     return "# " + "".join(ch if ch == "\t" or ord(ch) >= 0x20 and ch != "\x7f" else " " for ch in line)
 
 
-def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iterable[str] = ()) -> str:
-    """The calibration TOML ``write_calibration`` writes, as text."""
+def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iterable[str] = (),
+                     label: str | None = None, errors: dict[str, float] | None = None,
+                     sources: Sequence[dict[str, str]] = ()) -> str:
+    """The calibration TOML ``write_calibration`` writes, as text: ``label``, the
+    ``[cost_model]`` factors, the held-out ``errors`` (``[error]``: kind -> p90 absolute
+    relative error, as ``calibration_data`` reads them) and the ``sources`` measured."""
     if isinstance(fit_or_efficiency, Fit):
         fit, efficiency = fit_or_efficiency, fit_or_efficiency.efficiency
     else:
@@ -378,18 +393,42 @@ def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iter
         header += [f"note: {note}" for note in fit.notes]
     for line in comment_lines:
         header += str(line).splitlines() or [""]
-    text = "\n".join(_comment(line) for line in header) + "\n\n[cost_model]\n"
-    text += "".join(f"{f.name} = {_toml_float(getattr(efficiency, f.name))}\n" for f in fields(Efficiency))
+    text = "\n".join(_comment(line) for line in header) + "\n\n"
+    if label:
+        text += f"label = {_toml_string(label)}\n\n"
+    text += "[cost_model]\n"
+    text += "".join(f"{name} = {_toml_float(getattr(efficiency, name))}\n" for name in SCALAR_EFFICIENCY_FIELDS)
+    if not efficiency.allreduce:
+        text += "allreduce = []\n"  # written, so that no base's curves leak into a load
+    for curve in efficiency.allreduce:
+        text += (f"\n[[cost_model.allreduce]]\ntensor_parallel_size = {curve.tensor_parallel_size}\n"
+                 f"message_bytes = [{', '.join(_toml_float(b) for b in curve.message_bytes)}]\n"
+                 f"seconds = [{', '.join(_toml_float(t) for t in curve.seconds)}]\n")
+    finite = {kind: value for kind, value in (errors or {}).items() if math.isfinite(value)}
+    if finite:
+        text += "\n[error]  # p90 absolute relative error on a held-out fold\n"
+        text += "".join(f"{kind} = {_toml_float(value)}\n" for kind, value in finite.items())
+    for source in sources:
+        text += "\n[[source]]\n" + "".join(f"{key} = {_toml_string(str(value))}\n" for key, value in source.items())
     return text
 
 
+def _toml_string(value: str) -> str:
+    # A TOML basic string: JSON's escapes are TOML's for every character JSON escapes.
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
+
+
 def write_calibration(path: Path | str, fit_or_efficiency: Fit | Efficiency, *,
-                      comment_lines: Iterable[str] = ()) -> Path:
+                      comment_lines: Iterable[str] = (), label: str | None = None,
+                      errors: dict[str, float] | None = None, sources: Sequence[dict[str, str]] = ()) -> Path:
     """Write a calibration TOML (``[cost_model]``, every Efficiency field) that
     ``load_calibration`` reads back to the same Efficiency. The file is replaced whole or
     not at all. Returns the path written."""
     path = Path(path)
-    text = calibration_text(fit_or_efficiency, comment_lines=comment_lines)
+    text = calibration_text(fit_or_efficiency, comment_lines=comment_lines, label=label, errors=errors,
+                            sources=sources)
 
     # A temporary file in the same directory, so that os.replace is a rename on one
     # file system; os.open with 0o666 lets the umask decide the mode, as for any file.
@@ -405,3 +444,29 @@ def write_calibration(path: Path | str, fit_or_efficiency: Fit | Efficiency, *,
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+# A step's raw cost terms as columns (kvtwin validate's steps.parquet carries them, so
+# that `kvtwin calibrate --steps` can refit without the batches): StepCost field -> column.
+STEP_TERM_COLUMNS = {"num_tokens": "cost_num_tokens", "num_requests": "cost_num_requests",
+                     "body_flops": "cost_body_flops", "head_flops": "cost_head_flops",
+                     "attention_flops": "cost_attention_flops", "attention_work": "cost_attention_work",
+                     "weight_bytes": "cost_weight_bytes",
+                     "kv_bytes": "cost_kv_bytes", "elementwise_bytes": "cost_elementwise_bytes",
+                     "communication_s": "cost_communication_s", "extra_gpu_s": "cost_extra_gpu_s"}
+
+
+def step_terms(cost: StepCost | None) -> dict[str, float]:
+    """``STEP_TERM_COLUMNS`` of one step (NaN for a step without a prediction)."""
+    return {column: (float(getattr(cost, name)) if cost is not None else math.nan)
+            for name, column in STEP_TERM_COLUMNS.items()}
+
+
+def step_cost_from_terms(terms: dict[str, float]) -> StepCost:
+    """The raw terms of a step back as a ``StepCost`` (times zero: a fit reads only terms)."""
+    get = {name: terms[column] for name, column in STEP_TERM_COLUMNS.items()}
+    linear = get["body_flops"] + get["head_flops"]
+    return StepCost(0.0, 0.0, 0.0, get["communication_s"], 0.0, linear + get["attention_flops"], get["weight_bytes"],
+                    get["kv_bytes"], linear, get["attention_flops"], int(get["num_requests"]),
+                    int(get["num_tokens"]), get["body_flops"], get["head_flops"], get["elementwise_bytes"],
+                    get["extra_gpu_s"], get["attention_work"])

@@ -8,20 +8,31 @@ through the model once. Per GPU of the tensor-parallel group it
 * reads each sequence's KV once per layer: full attention and MLA their whole context,
   sliding-window layers at most the window, chunked-local layers the current chunk,
   recurrent layers their state (read and written), and writes the new tokens' KV,
-* does 2 FLOPs per active parameter per token, plus QK^T and PV over what each query
-  token attends (closed forms for causal, windowed and chunked masks),
-* all-reduces the activations twice per layer when TP > 1,
+* does 2 FLOPs per body parameter per token, plus QK^T and PV over what each query
+  token attends (closed forms for causal, windowed and chunked masks), and runs the LM
+  head only at the positions that sample: one per scheduled request, as vLLM's model
+  runner computes logits only at each request's last scheduled token,
+* runs GEMMs at an efficiency that grows with the tokens of the step (a GEMM of a few
+  rows cannot fill the tensor cores): ``fraction * n / (n + half_tokens)``,
+* moves the activations through the element-wise kernels between the GEMMs (fused
+  residual add and RMSNorm twice, SiLU-and-mul, rotary), which stream from HBM and do
+  not overlap the GEMMs,
+* pays a fixed GPU time per layer and per step (launch gaps, small kernels, sampling),
+* all-reduces the activations twice per layer when TP > 1, from a measured curve of
+  seconds against message size for that TP degree when the calibration has one,
 * and pays a CPU overhead per step and per scheduled request.
 
-GPU time is ``max(compute, memory) + communication``. With synchronous scheduling the CPU
-overhead adds to it; with asynchronous scheduling (vLLM's default) the next step is
-prepared while this one runs, so the step takes the longer of the two. Efficiency
-factors scale the datasheet peaks; a calibration file (fitted from kvtwin.executor
-measurements) overrides them.
+GPU time is ``max(compute, memory) + element-wise + fixed + communication``. With
+synchronous scheduling the CPU overhead adds to it; with asynchronous scheduling (vLLM's
+default) the next step is prepared while this one runs, so the step takes the longer of
+the two. Efficiency factors scale the datasheet peaks; a calibration file (bundled per GPU
+in ``sim/replay/data/calibration``, fitted by ``kvtwin calibrate`` or ``kvtwin validate``)
+sets them.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import tomllib
 from dataclasses import dataclass, fields, replace
@@ -37,30 +48,136 @@ _MXFP4_BYTES_PER_PARAM = 4.25 / 8
 
 
 @dataclass(frozen=True)
-class Efficiency:
-    """Fractions of datasheet peaks a real step achieves, and fixed CPU costs.
+class AllReduceCurve:
+    """Measured seconds of one all-reduce against its message size, for one TP degree.
 
-    The defaults are a starting point for a vLLM-like engine with CUDA graphs; fit them
-    from measurements (``kvtwin validate``) for predictions you can trust.
+    Between two measured sizes the time is interpolated linearly; below the smallest it
+    is the smallest's time (the latency floor), above the largest it grows at the last
+    segment's rate (the bandwidth the largest messages reach).
     """
 
-    matmul_flops_fraction: float = 0.6
+    tensor_parallel_size: int
+    message_bytes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
+                and self.tensor_parallel_size >= 2, "cost_model.allreduce.tensor_parallel_size",
+                "an integer TP degree of at least 2", self.tensor_parallel_size)
+        sizes, times = self.message_bytes, self.seconds
+        require(isinstance(sizes, tuple) and isinstance(times, tuple) and len(sizes) == len(times) >= 1,
+                "cost_model.allreduce.message_bytes", "as many message sizes as seconds (at least one)", sizes)
+        for name, values in (("message_bytes", sizes), ("seconds", times)):
+            for value in values:
+                require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                        f"cost_model.allreduce.{name}", "non-negative numbers", value)
+        require(all(a < b for a, b in zip(sizes, sizes[1:])), "cost_model.allreduce.message_bytes",
+                "strictly increasing message sizes", sizes)
+
+    def seconds_for(self, message_bytes: float) -> float:
+        sizes, times = self.message_bytes, self.seconds
+        if message_bytes <= sizes[0] or len(sizes) == 1:
+            return times[0] if message_bytes <= sizes[0] else times[0] * message_bytes / sizes[0]
+        i = bisect.bisect_left(sizes, message_bytes)
+        if i == len(sizes):
+            i -= 1
+        lo_b, hi_b, lo_t, hi_t = sizes[i - 1], sizes[i], times[i - 1], times[i]
+        return lo_t + (hi_t - lo_t) * (message_bytes - lo_b) / (hi_b - lo_b)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of datasheet peaks a real step achieves, fixed GPU and CPU costs, and
+    the all-reduce curves.
+
+    The defaults are a starting point for a vLLM-like engine with CUDA graphs; the
+    bundled calibration of a GPU (``sim/replay/data/calibration``) or one fitted from
+    your own server (``kvtwin calibrate``) replaces them.
+    """
+
+    matmul_flops_fraction: float = 0.6  # of bf16 peak, for GEMMs of many rows
+    # Rows (tokens in the step) at which a GEMM reaches half of matmul_flops_fraction; 0:
+    # the fraction holds at every size.
+    matmul_half_tokens: float = 0.0
     attention_flops_fraction: float = 0.45
+    # Query tokens of a prefill chunk at which its attention reaches half of
+    # attention_flops_fraction; 0: every chunk at the full fraction.
+    attention_half_query_tokens: float = 0.0
     hbm_bandwidth_fraction: float = 0.8
     interconnect_fraction: float = 0.7
     allreduce_latency_s: float = 8e-6
-    step_overhead_s: float = 1.5e-3
-    per_request_overhead_s: float = 15e-6
+    layer_fixed_s: float = 0.0  # GPU time per layer per step: launch gaps, small kernels
+    # GPU time of one decode's attention per query head and layer, beyond its KV read (the
+    # paged kernel's per-sequence work: it dominates large batches of short contexts).
+    decode_attention_s_per_head: float = 0.0
+    step_gpu_fixed_s: float = 0.0  # GPU time per step outside the layers: embedding, sampling
+    step_overhead_s: float = 1.5e-3  # CPU
+    per_request_overhead_s: float = 15e-6  # CPU
+    # Between the server and a client that measures (HTTP, detokenising, streaming): added
+    # to the client-side TTFT and E2E columns only; the server-side ones are vLLM's own.
+    client_overhead_s: float = 0.0
+    # Measured all-reduce curves by TP degree; a TP degree without one uses
+    # interconnect_fraction and allreduce_latency_s.
+    allreduce: tuple[AllReduceCurve, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_fraction"):
-                require(isinstance(value, (int, float)) and 0 < value <= 1, f"cost_model.{f.name}",
-                        "a fraction in (0, 1]", value)
+            if f.name == "allreduce":
+                require(isinstance(value, tuple) and all(isinstance(c, AllReduceCurve) for c in value),
+                        "cost_model.allreduce", "a list of all-reduce curves", value)
+                degrees = [c.tensor_parallel_size for c in value]
+                require(len(set(degrees)) == len(degrees), "cost_model.allreduce",
+                        "one curve per tensor_parallel_size", degrees)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"cost_model.{f.name}", "a number", value)
+            elif f.name.endswith("_fraction"):
+                require(0 < value <= 1, f"cost_model.{f.name}", "a fraction in (0, 1]", value)
+            elif f.name.endswith("_tokens"):
+                require(value >= 0, f"cost_model.{f.name}", "a non-negative number of tokens", value)
             else:
-                require(isinstance(value, (int, float)) and value >= 0, f"cost_model.{f.name}",
-                        "a non-negative number of seconds", value)
+                require(value >= 0, f"cost_model.{f.name}", "a non-negative number of seconds", value)
+
+    def allreduce_curve(self, tensor_parallel_size: int) -> AllReduceCurve | None:
+        for curve in self.allreduce:
+            if curve.tensor_parallel_size == tensor_parallel_size:
+                return curve
+        return None
+
+    def gemm_fraction(self, rows: int) -> float:
+        """The fraction of peak FLOP/s a GEMM of ``rows`` rows (tokens) reaches."""
+        half = self.matmul_half_tokens
+        return self.matmul_flops_fraction if not half else self.matmul_flops_fraction * rows / (rows + half)
+
+
+# The Efficiency fields that are plain numbers: what a scenario's [cost_model] table, a
+# sweep axis and a flag may set one at a time.
+SCALAR_EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency) if f.name != "allreduce")
+
+
+def _allreduce_curves(entry: object, where: str) -> tuple[AllReduceCurve, ...]:
+    if not isinstance(entry, list):
+        raise ConfigError(f"{where}.allreduce", "a list of tables (tensor_parallel_size, message_bytes, seconds)",
+                          entry)
+    curves = []
+    for i, table in enumerate(entry):
+        field = f"{where}.allreduce[{i}]"
+        if not isinstance(table, dict):
+            raise ConfigError(field, "a table (tensor_parallel_size, message_bytes, seconds)", table)
+        reject_unknown_keys(table, {"tensor_parallel_size", "message_bytes", "seconds"}, where=field,
+                            expected="tensor_parallel_size, message_bytes, seconds")
+        for key in ("tensor_parallel_size", "message_bytes", "seconds"):
+            if key not in table:
+                raise ConfigError(f"{field}.{key}", "present")
+        for key in ("message_bytes", "seconds"):
+            if not isinstance(table[key], list):
+                raise ConfigError(f"{field}.{key}", "a list of numbers", table[key])
+        try:
+            curves.append(AllReduceCurve(table["tensor_parallel_size"], tuple(table["message_bytes"]),
+                                         tuple(table["seconds"])))
+        except ConfigError as err:
+            raise ConfigError(err.field.replace("cost_model.allreduce", field, 1), err.expected, err.got) from None
+    return tuple(curves)
 
 
 def efficiency_from_mapping(entry: dict, *, where: str = "cost_model", base: Efficiency = Efficiency()) -> Efficiency:
@@ -68,6 +185,14 @@ def efficiency_from_mapping(entry: dict, *, where: str = "cost_model", base: Eff
     if not isinstance(entry, dict):
         raise ConfigError(where, "a table of efficiency factors", entry)
     reject_unknown_keys(entry, allowed, where=where, expected=f"one of {', '.join(sorted(allowed))}")
+    entry = dict(entry)
+    for key, value in entry.items():
+        # Checked here, not only in __post_init__: the compiled dataclass turns a bool into
+        # a float on its way into a float field.
+        if key != "allreduce" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{where}.{key}", "a number", value)
+    if "allreduce" in entry:
+        entry["allreduce"] = _allreduce_curves(entry["allreduce"], where)
     try:
         return replace(base, **entry)
     except ConfigError as err:
@@ -104,22 +229,30 @@ class LayerClass:
 @dataclass  # not frozen: one is made every step, and a compiled frozen dataclass sets each field through object.__setattr__
 class StepCost:
     total_s: float
-    compute_s: float
-    memory_s: float
+    compute_s: float  # GEMMs and attention at their efficiencies
+    memory_s: float  # weights and KV from HBM
     communication_s: float
-    overhead_s: float
+    overhead_s: float  # CPU
     flops: float  # linear_flops + attention_flops
     weight_bytes: float
     kv_bytes: float
     # The raw terms a calibration refits the efficiency factors from (calibration.py).
-    linear_flops: float
+    linear_flops: float  # every GEMM, the LM head included
     attention_flops: float
-    num_requests: int  # decodes + prefill items: what the per-request overhead multiplies
+    num_requests: int  # decodes + prefill items: what the per-request overhead multiplies, and the sampling positions
+    num_tokens: int
+    body_flops: float  # linear_flops = body_flops + head_flops
+    head_flops: float  # the LM head's: one row per sampling position
+    elementwise_bytes: float  # HBM traffic of the element-wise kernels: serial, overlaps nothing
+    extra_gpu_s: float  # GPU time the roofline does not see: kernel floors, decode attention's per-head work
+    attention_work: float  # attention_flops with short prefill chunks weighed up: what compute_s charges
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
     def __init__(self, total_s: float, compute_s: float, memory_s: float, communication_s: float,
                  overhead_s: float, flops: float, weight_bytes: float, kv_bytes: float, linear_flops: float,
-                 attention_flops: float, num_requests: int):
+                 attention_flops: float, num_requests: int, num_tokens: int = 0, body_flops: float = 0.0,
+                 head_flops: float = 0.0, elementwise_bytes: float = 0.0, extra_gpu_s: float = 0.0,
+                 attention_work: float = 0.0):
         self.total_s = total_s
         self.compute_s = compute_s
         self.memory_s = memory_s
@@ -131,16 +264,33 @@ class StepCost:
         self.linear_flops = linear_flops
         self.attention_flops = attention_flops
         self.num_requests = num_requests
+        self.num_tokens = num_tokens
+        self.body_flops = body_flops
+        self.head_flops = head_flops
+        self.elementwise_bytes = elementwise_bytes
+        self.extra_gpu_s = extra_gpu_s
+        self.attention_work = attention_work
+
+
+def gemm_s(eff: Efficiency, flops_per_s: float, body_flops: float, num_tokens: int, head_flops: float,
+           num_requests: int) -> float:
+    """Seconds of a step's GEMMs: the body's have a row per token, the LM head's a row
+    per sampling position. The one formula the cost model and the calibration fit share."""
+    seconds = body_flops / (flops_per_s * eff.gemm_fraction(num_tokens)) if body_flops else 0.0
+    if head_flops:
+        seconds += head_flops / (flops_per_s * eff.gemm_fraction(num_requests))
+    return seconds
 
 
 def _add_decodes(lc: LayerClass, attended: int, num_decodes: int, kv_bytes: float,
-                 attention_flops: float) -> tuple[float, float]:
-    """``kv_bytes`` and ``attention_flops`` plus what ``num_decodes`` decodes attending
-    ``attended`` keys in all cost in the layers of ``lc`` (they read those keys, write their
-    token, and read and write a recurrent state once each)."""
+                 attention_flops: float, attention_work: float) -> tuple[float, float, float]:
+    """``kv_bytes``, ``attention_flops`` and ``attention_work`` plus what ``num_decodes``
+    decodes attending ``attended`` keys in all cost in the layers of ``lc`` (they read those
+    keys, write their token, and read and write a recurrent state once each). A decode's
+    attention is charged at the plain fraction: its kernel splits the keys, not the queries."""
     kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token + 2 * lc.state_bytes * num_decodes) * lc.num_layers
-    attention_flops += 2.0 * lc.attention_width * lc.num_layers * attended
-    return kv_bytes, attention_flops
+    flops = 2.0 * lc.attention_width * lc.num_layers * attended
+    return kv_bytes, attention_flops + flops, attention_work + flops
 
 
 class CostModel:
@@ -159,11 +309,34 @@ class CostModel:
         self.layer_classes = self._layer_classes(model, layer_specs, tensor_parallel_size)
         self.weight_bytes = float(weights_bytes_per_gpu(model, tp=tensor_parallel_size))
         self.expert_bytes, self.moe_layers = self._experts(model, tensor_parallel_size)
-        self.linear_flops_per_token = 2.0 * float(model.params_active) / tensor_parallel_size
+        self.linear_flops_per_token = 2.0 * model.body_params_active / tensor_parallel_size
+        self.head_flops_per_sample = 2.0 * model.lm_head_params / tensor_parallel_size
         self.activation_bytes_per_token = model.hidden_size * 2
         self.num_layers = model.num_layers
         self.flops_per_s = gpu.bf16_flops
         self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.hbm_bandwidth_fraction
+        self.elementwise_bytes_per_token = self._elementwise_bytes_per_token(model, tensor_parallel_size)
+        self.fixed_gpu_s = model.num_layers * efficiency.layer_fixed_s + efficiency.step_gpu_fixed_s
+        # A decode's attention work beyond its KV read: per query head and attention layer.
+        self.decode_head_s = efficiency.decode_attention_s_per_head * sum(
+            lc.num_layers * max(1, model.num_attention_heads // tensor_parallel_size)
+            for lc in self.layer_classes if lc.attention_width)
+        self.allreduce_curve = efficiency.allreduce_curve(tensor_parallel_size)
+
+    @staticmethod
+    def _elementwise_bytes_per_token(model: ModelPreset, tp: int) -> float:
+        """HBM bytes one token moves through the element-wise kernels of all layers, per
+        GPU: two fused residual-add + RMSNorms (read x and the residual, write both, on the
+        whole hidden vector: every TP rank holds it), SiLU-and-mul on the MLP's inner
+        width (read two halves, write one; sharded), rotary on q and k (read and write;
+        sharded). Activations are 16-bit."""
+        hidden = model.hidden_size
+        inner = model.intermediate_size or (model.num_experts_per_token * model.moe_intermediate_size
+                                             + model.shared_expert_intermediate_size)
+        per_layer = 2 * 4 * hidden + 3 * inner / tp
+        attention_layers = sum(1 for k in model.layer_letters if k in "FSCA")
+        rotary = 2 * (model.num_attention_heads + model.num_kv_heads) * model.head_dim / tp
+        return 2.0 * (model.num_layers * per_layer + attention_layers * rotary)
 
     @staticmethod
     def _layer_classes(model: ModelPreset, specs: dict[str, KVCacheSpec], tp: int) -> tuple[LayerClass, ...]:
@@ -201,31 +374,41 @@ class CostModel:
         """Seconds of one step: decodes (one new token each) given by the context length
         after the step, prefill chunks as (new tokens, tokens computed before). Decodes are
         most requests of most steps, so their terms are sums over contexts."""
-        num_tokens, kv_bytes, attention_flops = self._prefill_terms(prefill_items)
+        num_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(prefill_items)
         num_decodes = len(decode_ends)
         if num_decodes:
             for lc in self.layer_classes:
-                kv_bytes, attention_flops = _add_decodes(lc, lc.spec.decode_attended_keys(decode_ends), num_decodes,
-                                                         kv_bytes, attention_flops)
-        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, num_decodes + len(prefill_items))
+                kv_bytes, attention_flops, attention_work = _add_decodes(
+                    lc, lc.spec.decode_attended_keys(decode_ends), num_decodes, kv_bytes, attention_flops,
+                    attention_work)
+        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, attention_work,
+                               num_decodes + len(prefill_items), num_decodes)
 
-    def _prefill_terms(self, prefill_items: list[tuple[int, int]]) -> tuple[int, float, float]:
-        """(tokens, KV bytes, attention FLOPs) of a step's prefill chunks."""
+    def _prefill_terms(self, prefill_items: list[tuple[int, int]]) -> tuple[int, float, float, float]:
+        """(tokens, KV bytes, attention FLOPs, attention work) of a step's prefill chunks.
+        The work is the FLOPs at the rate of a long chunk: a chunk of few query tokens
+        fills fewer of the kernel's query tiles, so its FLOPs count ``(new + half) / new``
+        times (``attention_half_query_tokens``)."""
         num_tokens = 0
         kv_bytes = 0.0
         attention_flops = 0.0
+        attention_work = 0.0
+        half = self.eff.attention_half_query_tokens
         layer_classes = self.layer_classes
         for new, before in prefill_items:
             num_tokens += new
             end = before + new
+            chunk_flops = 0.0
             for lc in layer_classes:
                 spec = lc.spec
                 # A chunk reads what its queries attend and writes its new tokens; a
                 # recurrent layer reads and writes its state once.
                 kv_bytes += ((spec.kv_tokens_read(before, new) + new) * lc.kv_bytes_per_token
                              + 2 * lc.state_bytes) * lc.num_layers
-                attention_flops += 2.0 * lc.attention_width * lc.num_layers * spec.attended_keys(before, end)
-        return num_tokens, kv_bytes, attention_flops
+                chunk_flops += 2.0 * lc.attention_width * lc.num_layers * spec.attended_keys(before, end)
+            attention_flops += chunk_flops
+            attention_work += chunk_flops * (new + half) / new if half else chunk_flops
+        return num_tokens, kv_bytes, attention_flops, attention_work
 
     @property
     def decodes_cost_by_context_sum(self) -> bool:
@@ -242,29 +425,41 @@ class CostModel:
         ``context_ends_sum`` (and ``prefill_items``), without the list of ends: decode
         windows (``sim/core/decode_window.py``). Only where ``decodes_cost_by_context_sum``;
         the same float operations in the same order, so the same seconds to the last bit."""
-        num_tokens, kv_bytes, attention_flops = self._prefill_terms(prefill_items or [])
+        num_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(prefill_items or [])
         if num_decodes:
             for lc in self.layer_classes:
-                kv_bytes, attention_flops = _add_decodes(lc, context_ends_sum, num_decodes, kv_bytes, attention_flops)
-        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops,
-                               num_decodes + (len(prefill_items) if prefill_items else 0))
+                kv_bytes, attention_flops, attention_work = _add_decodes(lc, context_ends_sum, num_decodes, kv_bytes,
+                                                                         attention_flops, attention_work)
+        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, attention_work,
+                               num_decodes + (len(prefill_items) if prefill_items else 0), num_decodes)
 
-    def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, num_requests: int) -> StepCost:
+    def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, attention_work: float,
+                   num_requests: int, num_decodes: int) -> StepCost:
         eff = self.eff
-        linear_flops = self.linear_flops_per_token * num_tokens
-        compute_s = (linear_flops / (self.flops_per_s * eff.matmul_flops_fraction)
-                     + attention_flops / (self.flops_per_s * eff.attention_flops_fraction))
+        body_flops = self.linear_flops_per_token * num_tokens
+        head_flops = self.head_flops_per_sample * num_requests
+        compute_s = (gemm_s(eff, self.flops_per_s, body_flops, num_tokens, head_flops, num_requests)
+                     + attention_work / (self.flops_per_s * eff.attention_flops_fraction))
         weight_bytes = self._weight_bytes_read(num_tokens)
         memory_s = (weight_bytes + kv_bytes) / self.bytes_per_s
+        elementwise_bytes = num_tokens * self.elementwise_bytes_per_token
         communication_s = 0.0
         if self.tp > 1:
-            allreduce_bytes = num_tokens * self.activation_bytes_per_token * 2 * (self.tp - 1) / self.tp
-            bandwidth = self.gpu.interconnect_bytes_per_s * eff.interconnect_fraction
-            per_layer = (allreduce_bytes / bandwidth if bandwidth else 0.0) + eff.allreduce_latency_s
+            message_bytes = num_tokens * self.activation_bytes_per_token
+            curve = self.allreduce_curve
+            if curve is not None:
+                per_layer = curve.seconds_for(message_bytes)
+            else:
+                bandwidth = self.gpu.interconnect_bytes_per_s * eff.interconnect_fraction
+                bus_bytes = message_bytes * 2 * (self.tp - 1) / self.tp
+                per_layer = (bus_bytes / bandwidth if bandwidth else 0.0) + eff.allreduce_latency_s
             communication_s = 2 * self.num_layers * per_layer
         overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * num_requests
-        gpu_s = max(compute_s, memory_s) + communication_s
+        extra_gpu_s = self.fixed_gpu_s + self.decode_head_s * num_decodes if num_decodes else self.fixed_gpu_s
+        gpu_s = max(compute_s, memory_s) + elementwise_bytes / self.bytes_per_s + extra_gpu_s + communication_s
         total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s
+        linear_flops = body_flops + head_flops
         return StepCost(total_s, compute_s, memory_s, communication_s, overhead_s,
                         linear_flops + attention_flops, weight_bytes, kv_bytes,
-                        linear_flops, attention_flops, num_requests)
+                        linear_flops, attention_flops, num_requests, num_tokens, body_flops, head_flops,
+                        elementwise_bytes, extra_gpu_s, attention_work)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import simpy
 
+from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.cost_model import CostModel, Efficiency, StepCost
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, OffloadTier
 from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize, summarize_replicas
@@ -111,9 +112,12 @@ def run_replay(plan: Plan, trace: pa.Table, *, efficiency: Efficiency = Efficien
     cost model and executor per replica of ``plan.engine.replicas``, each with the offload
     tiers ``offload`` sizes (None: none)."""
     executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(plan.engine.replicas)]
-    return run_with_executor(plan, trace, executors if len(executors) > 1 else executors[0], slo=slo,
-                             time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
-                             decode_windows=decode_windows)
+    result = run_with_executor(plan, trace, executors if len(executors) > 1 else executors[0], slo=slo,
+                               time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
+                               decode_windows=decode_windows)
+    result.requests, result.summary = with_client_side(result.requests, result.summary,
+                                                       efficiency.client_overhead_s)
+    return result
 
 
 def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostModel:

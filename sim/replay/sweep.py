@@ -81,7 +81,8 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.offload import OffloadConfig
-from kvtwin.sim.replay.cost_model import Efficiency
+from kvtwin.sim.replay.calibration_data import pessimistic, step_error
+from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS
 from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS, SLO, MetricsRecorder, summarize
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.parse import TRANSFORM_KEYS, Workload, scenario_from_data
@@ -103,6 +104,13 @@ MAX_RATE_COLUMNS: dict[str, pa.DataType] = {
     "replicas_needed_target_rate": pa.int64(),
     "cost_per_hour": pa.float64(),
     "cost_per_million_tokens": pa.float64(),
+    # The same search with every step slower by the calibration's held-out step error
+    # (calibration_data.pessimistic); null for an uncalibrated clock.
+    "step_error": pa.float64(),
+    "max_rate_scale_pessimistic": pa.float64(),
+    "max_request_rate_pessimistic": pa.float64(),
+    "replicas_needed_trace_rate_pessimistic": pa.int64(),
+    "replicas_needed_target_rate_pessimistic": pa.int64(),
 }
 _ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
@@ -151,7 +159,7 @@ def _section_fields() -> dict[str, dict[str, tuple[str, bool]]]:
         "model": {"preset": ("str", False)},
         "workload": {k: (v, False) for k, v in _WORKLOAD_KINDS.items()},
         "slo": {"ttft_s": ("float", False), "tpot_s": ("float", False)},
-        "cost_model": {k: ("float", False) for k in _fields_of(Efficiency)},
+        "cost_model": {k: ("float", False) for k in SCALAR_EFFICIENCY_FIELDS},
         "offload": _fields_of(OffloadConfig),
     }
 
@@ -418,6 +426,13 @@ def _source(workload: Workload) -> pa.Table:
     return table
 
 
+def replicas_for(rate: float | None, per_replica: float) -> int | None:
+    """Replicas that serve ``rate`` when one serves ``per_replica`` (None: either unknown)."""
+    if rate is None or not math.isfinite(rate) or not (per_replica > 0 and math.isfinite(per_replica)):
+        return None
+    return max(1, math.ceil(rate / per_replica - 1e-9))
+
+
 def run_point(task: PointTask) -> dict:
     """Run one point; never raises for bad input: a failure is the row's ``error``."""
     row: dict = {"point": task.index, "status": "ok", "error": None, "summary": None}
@@ -430,11 +445,11 @@ def run_point(task: PointTask) -> dict:
         offload = resolved.offload_for(planned)
         source = _source(workload)
 
-        def replay(scale: float | None):
+        def replay(scale: float | None, efficiency=resolved.efficiency):
             w = workload if scale is None else dataclasses.replace(
                 workload, transforms={**workload.transforms, "rate_scale": scale})
             trace = w.cut(source)
-            result = run_replay(planned, trace, efficiency=resolved.efficiency, slo=resolved.slo,
+            result = run_replay(planned, trace, efficiency=efficiency, slo=resolved.slo,
                                 time_limit_s=resolved.time_limit_s, offload=offload)
             return result.summary.to_pylist()[0], trace
 
@@ -464,13 +479,9 @@ def run_point(task: PointTask) -> dict:
             row["summary"] = summary
             rate = request_rate(trace)
             per_replica = rate / replicas
-            extra.update(max_rate_scale=found.lo, max_request_rate=rate, max_request_rate_per_replica=per_replica)
-            if per_replica > 0 and math.isfinite(per_replica):
-                if math.isfinite(trace_rate):
-                    extra["replicas_needed_trace_rate"] = max(1, math.ceil(trace_rate / per_replica - 1e-9))
-                if search.target_rate is not None:
-                    extra["replicas_needed_target_rate"] = max(1, math.ceil(search.target_rate / per_replica
-                                                                            - 1e-9))
+            extra.update(max_rate_scale=found.lo, max_request_rate=rate, max_request_rate_per_replica=per_replica,
+                         replicas_needed_trace_rate=replicas_for(trace_rate, per_replica),
+                         replicas_needed_target_rate=replicas_for(search.target_rate, per_replica))
             if price is not None:
                 extra["cost_per_hour"] = price * gpus
                 throughput = summary["total_token_throughput"]
@@ -478,6 +489,23 @@ def run_point(task: PointTask) -> dict:
                     extra["cost_per_million_tokens"] = price * gpus / (throughput * 3600) * 1e6
         if found.lo is None and price is not None:
             extra["cost_per_hour"] = price * gpus
+        error = step_error(resolved.calibration) if resolved.calibration is not None else None
+        if error is not None:
+            slowed = pessimistic(resolved.efficiency, error)
+            slow_runs: dict[float, tuple[dict, pa.Table]] = {}
+
+            def holds_slowed(scale: float) -> bool:
+                slow_runs[scale] = replay(scale, slowed)
+                return slo_holds(slow_runs[scale][0], resolved.slo, search.goodput)
+
+            edge = bracket_and_bisect(holds_slowed, start, search.tolerance, search.max_replays)
+            extra["step_error"] = error
+            if edge.lo is not None:
+                rate = request_rate(slow_runs[edge.lo][1])
+                extra.update(max_rate_scale_pessimistic=edge.lo, max_request_rate_pessimistic=rate,
+                             replicas_needed_trace_rate_pessimistic=replicas_for(trace_rate, rate / replicas),
+                             replicas_needed_target_rate_pessimistic=replicas_for(search.target_rate,
+                                                                                  rate / replicas))
         row.update(extra)
         return row
     except (ConfigError, TraceError) as err:

@@ -14,11 +14,12 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import pyarrow as pa
 
-from kvtwin.sim.replay.cost_model import Efficiency, efficiency_from_mapping, load_calibration
+from kvtwin.sim.replay.calibration_data import Calibration, read_calibration
+from kvtwin.sim.replay.cost_model import Efficiency, efficiency_from_mapping
 from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys
 from kvtwin.sim.planner.engine_config import EngineConfig, engine_config_from_mapping
 from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
@@ -82,6 +83,10 @@ class Scenario:
     workload: Workload | None = None
     slo: SLO = SLO()
     efficiency: Efficiency = Efficiency()
+    # The file [cost_model] calibration names (None: the GPU's bundled one, chosen when
+    # the GPU is known), and the scenario's own [cost_model] keys that go on top of it.
+    calibration: Calibration | None = None
+    cost_overrides: Mapping[str, object] = field(default_factory=dict)
     time_limit_s: float | None = None
     offload: OffloadConfig = OffloadConfig()
 
@@ -190,11 +195,14 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
             raise ConfigError(f"slo.{key}", "a positive number of seconds", value)
     cost_table = dict(_table(data, "cost_model"))
     calibration = cost_table.pop("calibration", None)
-    efficiency = Efficiency()
+    named = None
     if calibration is not None:
+        if not isinstance(calibration, str):
+            raise ConfigError("cost_model.calibration", "a path to a calibration file", calibration)
         path = Path(calibration)
-        efficiency = load_calibration(path if path.is_absolute() else base_dir / path)
-    efficiency = efficiency_from_mapping(cost_table, base=efficiency)
+        named = read_calibration(path if path.is_absolute() else base_dir / path)
+    # Checked now, so that a bad key names the scenario file.
+    efficiency = efficiency_from_mapping(cost_table, base=named.efficiency if named else Efficiency())
     run_table = _table(data, "run")
     _check_keys(run_table, RUN_KEYS, "run")
     time_limit = run_table.get("time_limit_s")
@@ -205,7 +213,8 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         model=model_from_table(data["model"], base_dir) if "model" in data else None,
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
         engine=engine, workload=_workload(_table(data, "workload"), base_dir),
-        slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload)
+        slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload,
+        calibration=named, cost_overrides=cost_table)
 
 
 def load_scenario_data(path: Path) -> dict:

@@ -31,6 +31,7 @@ from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
+from kvtwin.sim.replay.calibration_data import Calibration, bundled_calibration, uncalibrated
 from kvtwin.sim.replay.cost_model import Efficiency
 from kvtwin.sim.replay.metrics import SLO
 from kvtwin.sim.scenario.parse import (Scenario, Workload, check_time_limit, check_transform, load_scenario,
@@ -99,6 +100,8 @@ class ResolvedScenario:
     time_limit_s: float | None
     overrides: Overrides
     offload: OffloadConfig = OffloadConfig()
+    # Where ``efficiency`` came from and its held-out error (the band on every answer).
+    calibration: Calibration | None = None
 
     @property
     def where(self) -> str | None:
@@ -186,6 +189,25 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
                               err.got) from None
 
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
+    calibration = choose_calibration(scenario, model, gpu, where)
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
-                            workload=workload, slo=scenario.slo, efficiency=scenario.efficiency,
-                            time_limit_s=time_limit_s, overrides=overrides, offload=offload)
+                            workload=workload, slo=scenario.slo, efficiency=calibration.efficiency,
+                            time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration)
+
+
+def choose_calibration(scenario: Scenario, model: ModelPreset, gpu: GPUSpec, where: str | None) -> Calibration:
+    """The file the scenario names; else the bundled one of an unchanged GPU preset; else
+    the default factors, marked uncalibrated. The scenario's [cost_model] keys go on top."""
+    if scenario.calibration is not None:
+        return scenario.calibration.with_overrides(dict(scenario.cost_overrides))
+    try:
+        preset = get_gpu(gpu.name, field="hardware.gpu")
+    except ConfigError:
+        preset = None
+    bundled = bundled_calibration(gpu.name, model.name) if preset == gpu else None
+    if bundled is None:
+        return uncalibrated(scenario.efficiency)
+    try:
+        return bundled.with_overrides(dict(scenario.cost_overrides))
+    except ConfigError as err:
+        raise (err if err.source or where is None else err.with_source(where)) from None

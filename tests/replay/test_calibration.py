@@ -13,7 +13,7 @@ from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.calibration import (Fit, StepSample, ape_by_kind, batch_kind, fit_efficiency, predict_s,
                                            write_calibration)
-from kvtwin.sim.replay.cost_model import CostModel, Efficiency, load_calibration
+from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency, load_calibration
 
 # Far enough from the defaults that a fit which does not move would fail.
 TRUE = Efficiency(matmul_flops_fraction=0.42, attention_flops_fraction=0.31, hbm_bandwidth_fraction=0.66,
@@ -153,6 +153,18 @@ def test_write_calibration_round_trips_through_load_calibration(tmp_path):
     assert load_calibration(path, base=TRUE) == eff  # every field written, nothing from base
     assert "# measured on a test\n# second line\n" in text
     assert [p.name for p in tmp_path.iterdir()] == ["cal.toml"]  # no temporary file left
+
+
+def test_all_reduce_curves_round_trip_and_interpolate(tmp_path):
+    curve = AllReduceCurve(4, (1024.0, 1048576.0, 16777216.0), (6e-6, 10e-6, 70e-6))
+    eff = Efficiency(matmul_half_tokens=96.0, layer_fixed_s=3e-5, step_gpu_fixed_s=2e-4, allreduce=(curve,))
+    path = write_calibration(tmp_path / "cal.toml", eff)
+    assert load_calibration(path, base=TRUE) == eff
+    assert load_calibration(write_calibration(tmp_path / "none.toml", TRUE), base=eff).allreduce == ()
+    assert curve.seconds_for(10) == 6e-6  # the latency floor
+    assert curve.seconds_for((1048576 + 16777216) / 2) == pytest.approx(40e-6, rel=1e-12)
+    # Past the last point, at the last segment's rate: 60 us per 15 MiB.
+    assert curve.seconds_for(16777216 + 15728640) == pytest.approx(130e-6, rel=1e-12)
 
 
 def test_write_calibration_from_a_fit_records_it_in_comments(tmp_path):

@@ -314,3 +314,26 @@ def test_points_and_values():
     assert data == {"engine": {"block_size": 32}, "workload": {"kind": "x", "rate_scale": 2.0}}
     with pytest.raises(ConfigError, match="each key swept once"):
         sweep.parse_sweeps(["engine.block_size=16", "engine.block_size=32"])
+
+
+def test_the_pessimistic_edge_searches_again_with_every_step_slower(constant, tmp_path):
+    # The constant workload's steps cost 10 ms; a calibration whose held-out step error is
+    # 25% makes them 12.5 ms at the pessimistic edge: 80 requests/s, rate scale 8.
+    (tmp_path / "cal.toml").write_text('label = "test"\n[cost_model]\n[error]\nprefill_step = 0.1\n'
+                                       'decode_step = 0.25\n')
+    scenario = tmp_path / "calibrated.toml"
+    scenario.write_text(CONSTANT.replace("[cost_model]\n", '[cost_model]\ncalibration = "cal.toml"\n'))
+    out = tmp_path / "cap"
+    result = _invoke(scenario, "--find-max-rate", "--rate-tolerance", 0.02, "--target-rate", 250, "--out", out)
+    assert result.exit_code == 0, result.output
+    row = pq.read_table(out / "capacity.parquet").to_pylist()[0]
+    assert row["step_error"] == 0.25
+    assert THRESHOLD_SCALE * 0.98 <= row["max_rate_scale"] <= THRESHOLD_SCALE * 1.003
+    assert 8.0 * 0.98 <= row["max_rate_scale_pessimistic"] <= 8.0 * 1.003
+    assert row["max_request_rate_pessimistic"] == pytest.approx(10.0 * row["max_rate_scale_pessimistic"], rel=1e-4)
+    assert row["replicas_needed_target_rate_pessimistic"] == math.ceil(250 / row["max_request_rate_pessimistic"])
+    assert "slow edge" in result.output
+    # Uncalibrated (the plain scenario): no edge, and the columns say so with nulls.
+    plain = tmp_path / "plain"
+    assert _invoke(constant, "--find-max-rate", "--out", plain, "-q").exit_code == 0
+    assert pq.read_table(plain / "capacity.parquet").to_pylist()[0]["max_rate_scale_pessimistic"] is None

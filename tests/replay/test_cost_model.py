@@ -3,7 +3,7 @@
 import pytest
 
 from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from kvtwin.sim.replay.cost_model import CostModel, Efficiency, efficiency_from_mapping, load_calibration
+from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency, efficiency_from_mapping, load_calibration
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
@@ -91,6 +91,63 @@ def test_sliding_window_layers_read_at_most_their_window():
     assert growth == pytest.approx(10000 * full_layers.kv_bytes_per_token * full_layers.num_layers)
 
 
+def serial_s(cost, gpu="h100", eff=Efficiency()):
+    """The GPU seconds outside the roofline's max: element-wise traffic and fixed time."""
+    return cost.elementwise_bytes / (get_gpu(gpu).hbm_bandwidth_bytes_per_s * eff.hbm_bandwidth_fraction) \
+        + cost.extra_gpu_s
+
+
+def test_the_lm_head_runs_only_where_a_request_samples():
+    cm = model_for("llama-3.1-8b")
+    model = cm.model
+    head = 2.0 * 128256 * 4096
+    one_prefill = step_cost(cm, [(8192, 0)])
+    assert one_prefill.head_flops == head  # one sampling position, not 8192
+    assert one_prefill.body_flops == 2.0 * (model.params_active - 2 * 128256 * 4096) * 8192
+    assert one_prefill.linear_flops == one_prefill.body_flops + one_prefill.head_flops
+    # Two decodes and a partial prefill chunk: three positions (vLLM computes logits at
+    # every scheduled request's last token, and drops the partial prefill's sample).
+    assert cm.split_step_cost([100, 200], [(512, 0)]).head_flops == 3 * head
+    # A model whose embedding is its LM head subtracts that matrix once.
+    tied = model_for("gemma-3-12b").model
+    assert tied.body_params_active == tied.params_active - tied.vocab_size * tied.hidden_size
+
+
+def test_gemm_efficiency_grows_with_the_tokens_of_a_step():
+    curve = Efficiency(matmul_flops_fraction=0.8, matmul_half_tokens=128.0)
+    assert curve.gemm_fraction(128) == 0.4
+    assert curve.gemm_fraction(3 * 128) == pytest.approx(0.6, rel=1e-15)
+    cm = model_for("llama-3.1-8b", eff=curve)
+    cost = step_cost(cm, [(128, 0)])
+    peak = get_gpu("h100").bf16_flops
+    assert cost.compute_s == pytest.approx(cost.body_flops / (peak * 0.4) + cost.head_flops / (peak * 0.8 / 129)
+                                           + cost.attention_flops / (peak * 0.45), rel=1e-12)
+
+
+def test_fixed_gpu_time_and_element_wise_traffic_add_to_the_gpu_time():
+    fixed = Efficiency(layer_fixed_s=30e-6, step_gpu_fixed_s=0.5e-3, step_overhead_s=0.0, per_request_overhead_s=0.0)
+    plain = step_cost(model_for("llama-3.1-8b", eff=Efficiency(step_overhead_s=0.0, per_request_overhead_s=0.0)),
+                      [(1, 100)] * 8)
+    slower = step_cost(model_for("llama-3.1-8b", eff=fixed), [(1, 100)] * 8)
+    assert slower.extra_gpu_s == pytest.approx(32 * 30e-6 + 0.5e-3, rel=1e-15)
+    assert slower.total_s - plain.total_s == pytest.approx(32 * 30e-6 + 0.5e-3, rel=1e-9)
+    # Per token and layer: two fused add+RMSNorms (4 hidden vectors each), SiLU-and-mul
+    # (3 x 14336), rotary on 32 + 8 heads of 128 (read and write); 2 bytes each.
+    per_token = 2.0 * (32 * (8 * 4096 + 3 * 14336) + 32 * 2 * (32 + 8) * 128)
+    assert slower.elementwise_bytes == 8 * per_token
+    assert plain.total_s == pytest.approx(max(plain.compute_s, plain.memory_s) + serial_s(plain), rel=1e-12)
+
+
+def test_a_measured_all_reduce_curve_replaces_the_link_model():
+    curve = AllReduceCurve(4, (65536.0, 67108864.0), (10e-6, 240e-6))
+    cm = model_for("llama-3.1-70b", tp=4, eff=Efficiency(allreduce=(curve,)))
+    cost = step_cost(cm, [(4096, 0)])
+    message_bytes = 4096 * 8192 * 2
+    assert cost.communication_s == pytest.approx(2 * 80 * curve.seconds_for(message_bytes), rel=1e-15)
+    # TP 2 has no curve here: the link model.
+    assert model_for("llama-3.1-70b", tp=2, eff=Efficiency(allreduce=(curve,))).allreduce_curve is None
+
+
 def test_tensor_parallelism_splits_compute_and_adds_communication():
     items = [(4096, 0)]
     one, four = model_for("llama-3.1-70b", tp=1), model_for("llama-3.1-70b", tp=4)
@@ -107,15 +164,16 @@ def test_tensor_parallelism_splits_compute_and_adds_communication():
         + eff.allreduce_latency_s
     assert split.communication_s == pytest.approx(2 * 80 * per_allreduce_s, rel=1e-12)
     assert single.communication_s == 0
-    assert split.total_s == pytest.approx(max(max(split.compute_s, split.memory_s) + split.communication_s,
-                                              split.overhead_s), rel=1e-12)
+    assert split.total_s == pytest.approx(max(max(split.compute_s, split.memory_s) + serial_s(split)
+                                              + split.communication_s, split.overhead_s), rel=1e-12)
 
 
 def test_async_scheduling_overlaps_cpu_overhead():
     sync = step_cost(model_for("llama-3.1-8b", async_scheduling=False), [(1, 100)])
     overlapped = step_cost(model_for("llama-3.1-8b", async_scheduling=True), [(1, 100)])
-    assert sync.total_s == pytest.approx(max(sync.compute_s, sync.memory_s) + sync.overhead_s)
-    assert overlapped.total_s == pytest.approx(max(max(sync.compute_s, sync.memory_s), sync.overhead_s))
+    assert sync.total_s == pytest.approx(max(sync.compute_s, sync.memory_s) + serial_s(sync) + sync.overhead_s)
+    assert overlapped.total_s == pytest.approx(max(max(sync.compute_s, sync.memory_s) + serial_s(sync),
+                                                   sync.overhead_s))
 
 
 def test_moe_reads_only_the_experts_the_tokens_touch():

@@ -28,6 +28,8 @@ from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
+from kvtwin.sim.replay.calibration_data import bundled_calibration
+from kvtwin.sim.replay.cost_model import Efficiency
 from kvtwin.sim.replay.run import CostModelExecutor, RecordedClockExecutor, plan_cost_model, run_replay, \
     run_with_executor
 from kvtwin.sim.replay.workload import ReplayClock
@@ -173,14 +175,17 @@ def test_a_window_opens_only_where_every_running_request_decodes_next():
 
 @settings(max_examples=200, deadline=None)
 @given(ends=st.lists(st.integers(1, 200_000), min_size=1, max_size=300), tp=st.sampled_from([1, 2]),
-       model=st.sampled_from(["llama-3.1-8b", "qwen3-32b", "deepseek-v3"]))
-def test_the_closed_form_decode_cost_is_the_general_one_to_the_bit(ends, tp, model):
+       model=st.sampled_from(["llama-3.1-8b", "qwen3-32b", "deepseek-v3"]), calibrated=st.booleans(),
+       prefills=st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 20_000)), max_size=2))
+def test_the_closed_form_decode_cost_is_the_general_one_to_the_bit(ends, tp, model, calibrated, prefills):
     planned = plan(get_model(model), get_gpu("h100"),
                    EngineConfig(max_model_len=32768, tensor_parallel_size=tp, kv_cache_memory_bytes=2**33))
-    executor = CostModelExecutor(plan_cost_model(planned))
+    # The bundled calibration has every term on: fixed times, size curves, all-reduce curves.
+    efficiency = bundled_calibration("h100", model).efficiency if calibrated else Efficiency()
+    executor = CostModelExecutor(plan_cost_model(planned, efficiency))
     assert executor.supports_decode_windows
-    general = executor.cost_model.split_step_cost(ends, [])
-    closed = executor.decode_step_cost(len(ends), sum(ends))
+    general = executor.cost_model.split_step_cost(ends, prefills)
+    closed = executor.decode_step_cost(len(ends), sum(ends), prefills)
     assert astuple(closed) == astuple(general)
 
 
