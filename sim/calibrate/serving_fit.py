@@ -8,12 +8,17 @@ moves three knobs until the replay's latencies match the measured ones:
 * ``prefill_scale`` divides the GEMM and attention efficiency fractions (prefill is
   compute-bound: this moves TTFT and the prefill part of a mixed step);
 * ``decode_scale`` divides the HBM fraction and multiplies the fixed GPU times (decode is
-  bound by weights, KV and launch gaps: this moves TPOT);
+  bound by weights, KV and launch gaps: this moves TPOT). A fraction stops at 1, so a
+  server faster than the base's HBM allows shows up as fixed times below the base's;
 * ``client_overhead_s`` adds to the client-side TTFT and E2E (`vllm bench serve` times
   around HTTP; vLLM's own histograms do not, so a scrape leaves it at 0).
 
-The objective is the mean squared log error over the fitted fold; a pattern search walks
-it, each evaluation a replay. The error is then reported on a fold the fit never saw:
+The objective is the mean squared log error over the fitted fold. A pattern search walks
+the two scales, each evaluation a replay; the overhead changes no step, so each replay
+gets its best overhead by a one-dimensional search on its output. The search is local,
+and a replay's latencies are not smooth in the clock (a slightly faster step reorders a
+few prefills that arrive together), so the fit is good to about a percent on the scales.
+The error is then reported on a fold the fit never saw:
 with several runs, the last run; with one, every other request (bench serve) or the
 quantiles not fitted (a scrape).
 """
@@ -55,6 +60,7 @@ class Knobs:
             hbm_bandwidth_fraction=min(1.0, base.hbm_bandwidth_fraction / self.decode_scale),
             layer_fixed_s=base.layer_fixed_s * self.decode_scale,
             step_gpu_fixed_s=base.step_gpu_fixed_s * self.decode_scale,
+            decode_attention_s_per_head=base.decode_attention_s_per_head * self.decode_scale,
             client_overhead_s=self.client_overhead_s)
 
 
@@ -263,10 +269,7 @@ class _ReplayWithItl:
 def _replay_with_itl(plan: Plan, trace: pa.Table, efficiency: Efficiency) -> _ReplayWithItl:
     """A replay's requests and every inter-token gap (the scrape's ITL histogram counts
     gaps, not per-request means)."""
-    result = run_replay(plan, trace, efficiency=efficiency)
-    summary = result.summary.to_pylist()[0]
-    del summary  # the gaps themselves are not in the summary: rebuild them from the requests
-    requests = result.requests
+    requests = run_replay(plan, trace, efficiency=efficiency).requests
     done = requests.column("status").to_numpy(zero_copy_only=False) == "finished"
     tpot = requests.column("tpot_s").to_numpy(zero_copy_only=False).astype(float)[done]
     generated = requests.column("generated_tokens").to_numpy(zero_copy_only=False)[done]
