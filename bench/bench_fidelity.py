@@ -42,8 +42,7 @@ from kvtwin.sim.planner.models import get_model  # noqa: E402
 from kvtwin.sim.planner.plan import plan  # noqa: E402
 from kvtwin.sim.replay.calibration_data import bundled_calibration  # noqa: E402
 from kvtwin.sim.replay.cost_model import Efficiency  # noqa: E402
-from kvtwin.sim.replay.kernel_fit import (attention_model_s, fit_attention, fit_decode_attention,  # noqa: E402
-                                          fit_gemm, gemm_model_s, relative_errors)
+from kvtwin.sim.replay.kernel_fit import gemm_model_s, relative_errors  # noqa: E402
 from kvtwin.sim.replay.run import run_replay  # noqa: E402
 from kvtwin.traces import schema as col  # noqa: E402
 
@@ -54,55 +53,31 @@ CATEGORIES = ("prefill step", "decode step", "TTFT", "TPOT", "E2E")
 
 
 def kernel_points(gpu: str) -> list[dict]:
-    """Held-out kernel errors of one measurement GPU, before (default factors) and after
-    (refitted without the fold)."""
+    """Held-out kernel predictions of one measurement GPU (``fit_bundled``'s folds), with
+    what the default factors predict for the same kernels ("before")."""
     preset = get_gpu(fit_bundled.PRESETS[gpu][0])
     peak_flops, peak_bytes = preset.bf16_flops, preset.hbm_bandwidth_bytes_per_s
     default = Efficiency()
-    out = []
-
-    gemm = fit_bundled.rows(fit_bundled.MEASUREMENTS / f"gemm_{gpu}.csv")
-    m, n, k, t = (np.array([r[c] for r in gemm]) for c in ("m", "n", "k", "latency_s"))
-    shapes = {shape: i for i, shape in enumerate(sorted(set(zip(n, k))))}
-    folds = np.array([shapes[s] % 3 for s in zip(n, k)])
-    before = gemm_model_s(m, n, k, peak_flops, peak_bytes, default.matmul_flops_fraction, 0.0,
-                          default.hbm_bandwidth_fraction)
-    after = np.zeros(len(t))
-    for fold in range(3):
-        held = folds == fold
-        fit = fit_gemm(m[~held], n[~held], k[~held], t[~held], flops_per_s=peak_flops, bytes_per_s=peak_bytes)
-        after[held] = fit.predict_s(m[held], n[held], k[held], peak_flops, peak_bytes)
-    for i in range(len(t)):
-        if m[i] >= 512 or m[i] <= 256:
-            out.append({"category": "prefill step" if m[i] >= 512 else "decode step", "gpu": gpu, "source": gemm[i]["source"],
-                        "point": f"gemm m={int(m[i])} n={int(n[i])} k={int(k[i])}", "measured_s": t[i],
-                        "before_s": before[i], "after_s": after[i]})
-
+    gemm, gemm_kernels = fit_bundled.fit_gemms(gpu, peak_flops, peak_bytes)
+    _, prefill_kernels, _, decode_kernels = fit_bundled.fit_attention_rows(gpu, peak_flops, peak_bytes,
+                                                                           gemm.hbm_bandwidth_fraction)
+    gemm_rows = fit_bundled.rows(fit_bundled.MEASUREMENTS / f"gemm_{gpu}.csv")
+    m, n, k = (np.array([r[c] for r in gemm_rows]) for c in ("m", "n", "k"))
     attention = fit_bundled.rows(fit_bundled.MEASUREMENTS / f"attention_{gpu}.csv")
-    hbm = fit_gemm(m, n, k, t, flops_per_s=peak_flops, bytes_per_s=peak_bytes).hbm_bandwidth_fraction
-    achieved = peak_bytes * hbm
-    for phase, category in (("context", "prefill step"), ("generation", "decode step")):
-        data = [r for r in attention if r["phase"] == phase]
-        flops, kv, q, at = fit_bundled.attention_terms(data)
-        work = np.array([r["batch"] * r["num_heads"] for r in data])
-        folds = np.arange(len(at)) % 3
-        before = np.maximum(flops / (peak_flops * default.attention_flops_fraction),
-                            kv / (peak_bytes * default.hbm_bandwidth_fraction))
-        after = np.zeros(len(at))
-        for fold in range(3):
-            held = folds == fold
-            if phase == "context":
-                fit = fit_attention(flops[~held], kv[~held], q[~held], at[~held], flops_per_s=peak_flops,
-                                    bytes_per_s=achieved)
-                after[held] = fit.predict_s(flops[held], kv[held], q[held], peak_flops, achieved)
-            else:
-                fit = fit_decode_attention(kv[~held], work[~held], at[~held], bytes_per_s=achieved)
-                after[held] = fit.predict_s(kv[held], work[held], achieved)
-        for i, r in enumerate(data):
-            out.append({"category": category, "gpu": gpu, "source": r["source"],
-                        "point": f"{phase} attention batch={int(r['batch'])} q={int(r['q_len'])} "
-                                 f"past={int(r['past_len'])} heads={int(r['num_heads'])}/{int(r['num_kv_heads'])}",
-                        "measured_s": at[i], "before_s": before[i], "after_s": after[i]})
+    before = {"gemm": gemm_model_s(m, n, k, peak_flops, peak_bytes, default.matmul_flops_fraction, 0.0,
+                                   default.hbm_bandwidth_fraction)}
+    for phase in ("context", "generation"):
+        flops, kv, _, _ = fit_bundled.attention_terms([r for r in attention if r["phase"] == phase])
+        before[phase] = np.maximum(flops / (peak_flops * default.attention_flops_fraction),
+                                   kv / (peak_bytes * default.hbm_bandwidth_fraction))
+    out = []
+    for kernels, default_s in ((gemm_kernels, before["gemm"]), (prefill_kernels, before["context"]),
+                               (decode_kernels, before["generation"])):
+        for i, category in enumerate(kernels.categories):
+            if category:
+                out.append({"category": category, "gpu": gpu, "source": kernels.sources[i], "point": kernels.names[i],
+                            "measured_s": float(kernels.measured_s[i]), "before_s": float(default_s[i]),
+                            "after_s": float(kernels.held_out_s[i])})
     return out
 
 

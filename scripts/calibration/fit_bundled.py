@@ -36,6 +36,7 @@ import math
 import sys
 import tomllib
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,8 @@ import numpy as np
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.replay.calibration import write_calibration
 from kvtwin.sim.replay.cost_model import AllReduceCurve, Efficiency
-from kvtwin.sim.replay.kernel_fit import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm, interpolate_s, layer_fixed_s,
-                                          relative_errors)
+from kvtwin.sim.replay.kernel_fit import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm,
+                                          holdout_predictions, interpolate_s, layer_fixed_s, relative_errors)
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "sim" / "replay" / "data"
@@ -69,7 +70,24 @@ def _is_number(text: str) -> bool:
         return False
 
 
+@dataclass
+class KernelSet:
+    """Measured kernels of one kind and what a fit predicts for each, held out: every row
+    predicted by a fit that did not see its fold."""
+
+    names: list[str]
+    sources: list[str]
+    categories: list[str]  # "prefill step", "decode step" or "" (neither)
+    measured_s: np.ndarray
+    held_out_s: np.ndarray
+
+    def errors(self, category: str) -> np.ndarray:
+        chosen = np.array([c == category for c in self.categories])
+        return relative_errors(self.held_out_s[chosen], self.measured_s[chosen])
+
+
 def fit_gemms(gpu: str, peak_flops: float, peak_bytes: float):
+    """The GEMM fit on every row, and the rows held out a third of the (n, k) shapes at a time."""
     data = rows(MEASUREMENTS / f"gemm_{gpu}.csv")
     m, n, k, t = (np.array([r[c] for r in data]) for c in ("m", "n", "k", "latency_s"))
     shapes = {shape: i for i, shape in enumerate(sorted(set(zip(n, k))))}
@@ -78,14 +96,12 @@ def fit_gemms(gpu: str, peak_flops: float, peak_bytes: float):
     def fit(mask):
         return fit_gemm(m[mask], n[mask], k[mask], t[mask], flops_per_s=peak_flops, bytes_per_s=peak_bytes)
 
-    held_errors = np.zeros(len(t))
-    for fold in range(3):
-        held = folds == fold
-        model = fit(~held)
-        held_errors[held] = relative_errors(model.predict_s(m[held], n[held], k[held], peak_flops, peak_bytes),
-                                            t[held])
-    whole = fit(np.ones(len(t), dtype=bool))
-    return whole, {"prefill": held_errors[m >= 512], "decode": held_errors[m <= 256], "all": held_errors}, len(t)
+    held = holdout_predictions(fit, lambda model, mask: model.predict_s(m[mask], n[mask], k[mask], peak_flops,
+                                                                        peak_bytes), folds)
+    categories = ["prefill step" if rows_ >= 512 else "decode step" if rows_ <= 256 else "" for rows_ in m]
+    kernels = KernelSet([f"gemm m={int(a)} n={int(b)} k={int(c)}" for a, b, c in zip(m, n, k)],
+                        [r["source"] for r in data], categories, t, held)
+    return fit(np.ones(len(t), dtype=bool)), kernels
 
 
 def attention_terms(data: list[dict]):
@@ -98,36 +114,42 @@ def attention_terms(data: list[dict]):
     return flops, kv_bytes, q, t
 
 
+def _attention_names(data: list[dict]) -> list[str]:
+    return [f"{r['phase']} attention batch={int(r['batch'])} q={int(r['q_len'])} past={int(r['past_len'])} "
+            f"heads={int(r['num_heads'])}/{int(r['num_kv_heads'])}" for r in data]
+
+
 def fit_attention_rows(gpu: str, peak_flops: float, peak_bytes: float, hbm_fraction: float):
+    """Prefill attention (fraction, chunk curve, floor) and decode attention (per-head time,
+    with the KV read at the GEMMs' HBM fraction), each on every row and held out by thirds."""
     data = rows(MEASUREMENTS / f"attention_{gpu}.csv")
     context = [r for r in data if r["phase"] == "context"]
     generation = [r for r in data if r["phase"] == "generation"]
-    flops, kv_bytes, q, t = attention_terms(context)
     achieved = peak_bytes * hbm_fraction
+
+    flops, kv_bytes, q, t = attention_terms(context)
 
     def fit(mask):
         return fit_attention(flops[mask], kv_bytes[mask], q[mask], t[mask], flops_per_s=peak_flops,
                              bytes_per_s=achieved)
 
-    folds = np.arange(len(t)) % 3
-    errors = []
-    for fold in range(3):
-        held = folds == fold
-        errors.append(relative_errors(fit(~held).predict_s(flops[held], kv_bytes[held], q[held], peak_flops,
-                                                           achieved), t[held]))
-    whole = fit(np.ones(len(t), dtype=bool))
-    # Decode attention: its floor, the KV read at the GEMMs' HBM fraction, and a time per
-    # (sequence, query head); held out a third of the rows at a time.
+    held = holdout_predictions(fit, lambda model, mask: model.predict_s(flops[mask], kv_bytes[mask], q[mask],
+                                                                        peak_flops, achieved),
+                               np.arange(len(t)) % 3)
+    prefill = KernelSet(_attention_names(context), [r["source"] for r in context], ["prefill step"] * len(t), t, held)
+
     _, g_bytes, _, g_t = attention_terms(generation)
     g_work = np.array([r["batch"] * r["num_heads"] for r in generation])
-    g_folds = np.arange(len(g_t)) % 3
-    g_errors = []
-    for fold in range(3):
-        held = g_folds == fold
-        model = fit_decode_attention(g_bytes[~held], g_work[~held], g_t[~held], bytes_per_s=achieved)
-        g_errors.append(relative_errors(model.predict_s(g_bytes[held], g_work[held], achieved), g_t[held]))
-    decode = fit_decode_attention(g_bytes, g_work, g_t, bytes_per_s=achieved)
-    return whole, np.concatenate(errors), decode, np.concatenate(g_errors)
+
+    def fit_decode(mask):
+        return fit_decode_attention(g_bytes[mask], g_work[mask], g_t[mask], bytes_per_s=achieved)
+
+    g_held = holdout_predictions(fit_decode, lambda model, mask: model.predict_s(g_bytes[mask], g_work[mask],
+                                                                                 achieved), np.arange(len(g_t)) % 3)
+    decode = KernelSet(_attention_names(generation), [r["source"] for r in generation],
+                       ["decode step"] * len(g_t), g_t, g_held)
+    everything = np.ones(len(t), dtype=bool)
+    return fit(everything), prefill, fit_decode(np.ones(len(g_t), dtype=bool)), decode
 
 
 def fit_allreduce(gpu: str):
@@ -166,8 +188,8 @@ def p90(values: np.ndarray) -> float:
 def calibrate(gpu: str, write: bool) -> list[str]:
     preset = get_gpu(PRESETS[gpu][0])
     peak_flops, peak_bytes = preset.bf16_flops, preset.hbm_bandwidth_bytes_per_s
-    gemm, gemm_errors, gemm_count = fit_gemms(gpu, peak_flops, peak_bytes)
-    attention, context_errors, decode_attention, generation_errors = fit_attention_rows(
+    gemm, gemm_kernels = fit_gemms(gpu, peak_flops, peak_bytes)
+    attention, prefill_kernels, decode_attention, decode_kernels = fit_attention_rows(
         gpu, peak_flops, peak_bytes, gemm.hbm_bandwidth_fraction)
     curves, allreduce_errors = fit_allreduce(gpu)
     fixed_s = layer_fixed_s(gemm.launch_s, attention.launch_s)
@@ -179,13 +201,16 @@ def calibrate(gpu: str, write: bool) -> list[str]:
                             decode_attention_s_per_head=float(f"{decode_attention.seconds_per_head:.4g}"),
                             layer_fixed_s=round(fixed_s, 9), step_gpu_fixed_s=round(STEP_KERNELS * gemm.launch_s, 9),
                             allreduce=curves)
-    prefill = np.concatenate([gemm_errors["prefill"], context_errors])
-    decode = np.concatenate([gemm_errors["decode"], generation_errors])
+    gemm_errors = relative_errors(gemm_kernels.held_out_s, gemm_kernels.measured_s)
+    context_errors = prefill_kernels.errors("prefill step")
+    generation_errors = decode_kernels.errors("decode step")
+    prefill = np.concatenate([gemm_kernels.errors("prefill step"), context_errors])
+    decode = np.concatenate([gemm_kernels.errors("decode step"), generation_errors])
     errors = {"prefill_step": round(p90(prefill), 4), "decode_step": round(p90(decode), 4)}
     lines = [
         f"{gpu}: GEMM f={gemm.matmul_flops_fraction:.3f} half={gemm.matmul_half_tokens:.0f} tokens "
-        f"hbm={gemm.hbm_bandwidth_fraction:.3f} floor={gemm.launch_s * 1e6:.2f} us ({gemm_count} GEMMs; held-out "
-        f"median {np.median(gemm_errors['all']):.1%}, p90 {p90(gemm_errors['all']):.1%})",
+        f"hbm={gemm.hbm_bandwidth_fraction:.3f} floor={gemm.launch_s * 1e6:.2f} us ({len(gemm_errors)} GEMMs; held-out "
+        f"median {np.median(gemm_errors):.1%}, p90 {p90(gemm_errors):.1%})",
         f"{gpu}: prefill attention fraction {attention.attention_flops_fraction:.3f}, half at "
         f"{attention.attention_half_query_tokens:.0f} query tokens, floor {attention.launch_s * 1e6:.2f} us "
         f"(held-out median {np.median(context_errors):.1%}, p90 {p90(context_errors):.1%})",
