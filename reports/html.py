@@ -681,6 +681,11 @@ def _capacity_metrics(frame: pd.DataFrame) -> list[tuple[str, str]]:
                                ("max_request_rate_per_replica", "max", "highest rate per replica (req/s)"),
                                ("replicas_needed_trace_rate", "min", "fewest replicas for the trace's rate"),
                                ("replicas_needed_target_rate", "min", "fewest replicas for the target rate"),
+                               # The same with every step slower by the calibration's held-out error.
+                               ("max_request_rate_pessimistic", "max",
+                                "highest sustainable request rate, pessimistic edge (req/s)"),
+                               ("replicas_needed_trace_rate_pessimistic", "min",
+                                "fewest replicas for the trace's rate, pessimistic edge"),
                                ("cost_per_million_tokens", "min", "lowest cost per million tokens"),
                                ("slo_attainment", "max", "best SLO attainment"),
                                ("prefix_cache_hit_rate", "max", "best prefix cache hit rate")):

@@ -33,6 +33,10 @@ python -m venv "$scratch/wheel-venv"
 "$scratch/wheel-venv/bin/python" -m pip install --quiet "$scratch"/wheel/kvtwin-*.whl
 (cd "$scratch" && "$scratch/wheel-venv/bin/kvtwin" replay --limit 200 --quiet --out "$scratch/run" >/dev/null)
 test -f "$scratch/run/summary.parquet"
+# The bundled calibrations are package data too: the default scenario's GPU gets its own.
+"$scratch/wheel-venv/bin/python" -c "import pyarrow.parquet as pq, sys; \
+label = pq.read_table(sys.argv[1]).column('calibration')[0].as_py(); \
+sys.exit(0 if label.startswith('bundled b200') else f'the wheel replayed on {label!r}')" "$scratch/run/summary.parquet"
 "$scratch/wheel-venv/bin/kvtwin" --version | grep -q "core: compiled"
 # Without a C compiler the build falls back to the interpreted core, with one notice.
 CC=false python -m pip wheel -v --no-deps -w "$scratch/wheel-nocc" . > "$scratch/wheel.log" 2>&1
