@@ -149,11 +149,14 @@ def allreduce_points(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> 
 def interpolate_s(sizes: Sequence[float], times: Sequence[float], query: np.ndarray) -> np.ndarray:
     """The all-reduce curve's rule (``AllReduceCurve.seconds_for``) over an array."""
     sizes_a, times_a = np.asarray(sizes, float), np.asarray(times, float)
+    query = np.asarray(query, float)
     out = np.interp(query, sizes_a, times_a)
+    above = query > sizes_a[-1]
     if len(sizes_a) > 1:
         slope = (times_a[-1] - times_a[-2]) / (sizes_a[-1] - sizes_a[-2])
-        above = query > sizes_a[-1]
         out[above] = times_a[-1] + slope * (query[above] - sizes_a[-1])
+    else:  # one point: proportional above it
+        out[above] = times_a[0] * query[above] / sizes_a[0]
     return out
 
 

@@ -54,6 +54,9 @@ def test_allreduce_points_take_the_fastest_and_never_decrease():
     query = np.array([512.0, 3072.0, 16384.0])
     curve = AllReduceCurve(2, sizes, times)
     assert list(interpolate_s(sizes, times, query)) == pytest.approx([curve.seconds_for(q) for q in query], rel=1e-12)
+    one = AllReduceCurve(2, (1024.0,), (5e-6,))
+    assert list(interpolate_s((1024.0,), (5e-6,), query)) == pytest.approx([one.seconds_for(q) for q in query],
+                                                                           rel=1e-12)
 
 
 def test_layer_fixed_time_is_every_kernel_floor_of_a_layer():
