@@ -1,5 +1,5 @@
 """A scenario file merged with command-line overrides: the one set of rules every command
-that plans or runs the engine shares (plan, replay, and the coming capacity and validate).
+that plans or runs the engine shares (plan, replay, capacity, validate, calibrate).
 
 Precedence, field by field: a flag wins over the scenario, which wins over vLLM's defaults.
 
@@ -11,7 +11,9 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
 * ``--time-limit-s`` wins over ``[run] time_limit_s``;
 * offload: the scenario's ``[offload]`` table, then each ``--offload-*`` flag given
   (``--offload-cpu-bytes``, ``--offload-policy``, ``--offload-disk-bytes``,
-  ``--offload-disk-bandwidth``); offloading with ``async_scheduling`` on is refused.
+  ``--offload-disk-bandwidth``);
+* cost model: the file ``[cost_model] calibration`` names, else the GPU preset's bundled
+  calibration, else the defaults (uncalibrated); the table's other keys go on top.
 
 Every flag is checked here, before any trace is read or any step simulated, and refused with
 the flag's name.
