@@ -20,6 +20,7 @@ import torch
 from kvtwin.executor.inputs import BatchInputs
 from kvtwin.executor.run import ExecutorOptions, build_executor
 from kvtwin.executor.runner import DeviceExecutor
+from kvtwin.executor.verdicts import Verdict
 from kvtwin.kernels.layout import slot_mapping
 from kvtwin.sim.core.spec import MambaSpec, cdiv
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
@@ -76,7 +77,6 @@ def profile_step(executor: DeviceExecutor, num_tokens: int, num_reqs: int) -> to
 
 def check_memory(out, resolved: ResolvedScenario, options: ExecutorOptions) -> None:
     """Check 3 on a CUDA device; adds rows and a verdict to ``out`` (a ``Validation``)."""
-    from kvtwin.executor.validate import Verdict  # validate imports this module only when it runs check 3
 
     name = "memory"
     props = torch.cuda.get_device_properties(0)

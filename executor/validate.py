@@ -30,7 +30,7 @@ import dataclasses
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +39,8 @@ import torch
 
 from kvtwin.executor.run import ExecutorOptions, ExecutorRun, run_executor, torch_dtype
 from kvtwin.executor.runner import Faults
+# Re-exported: the command and the tests read the checks' names and columns from here.
+from kvtwin.executor.verdicts import CHECKS, VALIDATION_COLUMNS, Validation, Verdict  # noqa: F401
 from kvtwin.sim.core.engine import Execution, ModelExecutor
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.planner.plan import Plan, plan as make_plan
@@ -53,54 +55,6 @@ from kvtwin.traces import schema as col
 LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 E2E_TPOT_GOAL = 0.05
 
-VALIDATION_COLUMNS: dict[str, pa.DataType] = {
-    "check": pa.string(),
-    "item": pa.string(),  # a request id, a batch kind, a memory term, or "all"
-    "metric": pa.string(),
-    "expected": pa.float64(),  # the prediction (or the reference run)
-    "observed": pa.float64(),  # the device's value
-    "error": pa.float64(),  # observed - expected, or the relative error where the metric says so
-    "passed": pa.bool_(),  # null: informational
-    "detail": pa.string(),
-}
-
-CHECKS = ("prefix_hits_are_real", "predicted_hits_are_executed", "memory", "step_latency")
-
-
-@dataclass
-class Verdict:
-    check: str
-    status: str  # "pass", "fail", "skipped", "info"
-    line: str
-
-    @property
-    def failed(self) -> bool:
-        return self.status == "fail"
-
-
-@dataclass
-class Validation:
-    verdicts: list[Verdict] = field(default_factory=list)
-    rows: list[dict] = field(default_factory=list)
-    calibration_toml: str | None = None
-    executor_steps: pa.Table | None = None
-
-    @property
-    def failed(self) -> bool:
-        return any(v.failed for v in self.verdicts)
-
-    def row(self, check: str, item: str, metric: str, expected=None, observed=None, error=None, passed=None,
-            detail: str = "") -> None:
-        self.rows.append(dict(check=check, item=item, metric=metric, expected=_num(expected),
-                              observed=_num(observed), error=_num(error), passed=passed, detail=detail))
-
-    def table(self) -> pa.Table:
-        return pa.table({name: pa.array([r[name] for r in self.rows], type=kind)
-                         for name, kind in VALIDATION_COLUMNS.items()})
-
-
-def _num(value) -> float | None:
-    return None if value is None else float(value)
 
 
 class PreemptionLog:
@@ -382,9 +336,9 @@ def check_step_latency(out: Validation, plan: Plan, trace: pa.Table, efficiency:
                     None, f"{entry['count']} steps")
             out.row(name, entry["kind"], f"step_ape_p90: {label}", None, entry["p90_ape"], entry["p90_ape"], None,
                     f"{entry['count']} steps")
-    for field in SCALAR_EFFICIENCY_FIELDS:
-        out.row(name, "calibration", field, getattr(efficiency, field), getattr(fit.efficiency, field), None, None,
-                "fitted" if field in fit.identified else "kept")
+    for factor in SCALAR_EFFICIENCY_FIELDS:
+        out.row(name, "calibration", factor, getattr(efficiency, factor), getattr(fit.efficiency, factor), None, None,
+                "fitted" if factor in fit.identified else "kept")
     comment = (f"kvtwin validate: {len(samples)} steps of {train.num_rows} requests on {options.executor.device} "
                f"({'scaled model' if options.executor.is_scaled else 'real size'})")
     # The held-out part: the executor's truth and the calibrated simulator's prediction.
