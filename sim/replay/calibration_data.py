@@ -1,7 +1,7 @@
 """Calibration files: the cost model's factors, where they came from, and how far to trust them.
 
-A calibration file is TOML. ``[cost_model]`` holds ``Efficiency`` fields (what
-``cost_model.load_calibration`` reads); a file may also carry
+A calibration file is TOML. ``[cost_model]`` holds ``Efficiency`` fields; a file may
+also carry
 
 * ``[error]``: the fit's absolute relative error on a fold it was not fitted on, as
   fractions, per kind of answer: ``prefill_step``, ``decode_step``, ``ttft``, ``tpot``,
@@ -70,8 +70,9 @@ def uncalibrated(efficiency: Efficiency = Efficiency()) -> Calibration:
     return Calibration(efficiency, "uncalibrated")
 
 
-def read_calibration(path: Path | str, *, label: str | None = None) -> Calibration:
-    """A calibration file, checked; every error is one ``ConfigError`` naming the file."""
+def read_calibration(path: Path | str, *, label: str | None = None, base: Efficiency = Efficiency()) -> Calibration:
+    """A calibration file, checked; every error is one ``ConfigError`` naming the file.
+    Factors the file does not set are ``base``'s."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -82,24 +83,25 @@ def read_calibration(path: Path | str, *, label: str | None = None) -> Calibrati
     except tomllib.TOMLDecodeError as err:
         raise ConfigError("calibration", f"valid TOML ({err})", source=str(path)) from None
     try:
-        return _calibration_from_data(data, path, label)
+        return _calibration_from_data(data, path, label, base)
     except ConfigError as err:
         raise (err if err.source else err.with_source(str(path))) from None
 
 
-def _calibration_from_data(data: dict, path: Path, label: str | None) -> Calibration:
+def _calibration_from_data(data: dict, path: Path, label: str | None, base: Efficiency) -> Calibration:
     # Older files (kvtwin validate's) may hold the factors at the top level.
     entry = data["cost_model"] if "cost_model" in data else \
         {k: v for k, v in data.items() if k not in ("error", "source", "label")}
-    efficiency = efficiency_from_mapping(entry)
+    efficiency = efficiency_from_mapping(entry, base=base)
     errors = data.get("error", {})
     if not isinstance(errors, dict):
         raise ConfigError("error", "a table of held-out errors (fractions)", errors)
     for kind, value in errors.items():
         if kind not in ERROR_KINDS:
             raise ConfigError(f"error.{kind}", f"one of {', '.join(ERROR_KINDS)}", kind)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < 1):
-            raise ConfigError(f"error.{kind}", "a fraction in [0, 1)", value)
+        # Above 1 is possible: a prediction twice the measurement is 100% off.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+            raise ConfigError(f"error.{kind}", "a non-negative relative error (0.1 is 10%)", value)
     sources = data.get("source", [])
     if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
         raise ConfigError("source", "a list of [[source]] tables", sources)
@@ -146,10 +148,11 @@ def uncalibrated_line(gpu_name: str, model_name: str) -> str:
 
 
 def band(value: float, error: float | None) -> tuple[float, float]:
-    """The interval a figure lies in given a relative error: value x (1 -/+ error)."""
+    """The interval a figure lies in given a relative error: value x (1 -/+ error), no
+    lower than 0."""
     if error is None or value is None or (isinstance(value, float) and math.isnan(value)):
         return (math.nan, math.nan)
-    return (value * (1.0 - error), value * (1.0 + error))
+    return (max(0.0, value * (1.0 - error)), value * (1.0 + error))
 
 
 def band_columns(row: dict, calibration: Calibration) -> dict:

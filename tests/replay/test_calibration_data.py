@@ -67,7 +67,7 @@ def test_a_calibration_file_reads_back_whole(tmp_path):
 
 
 @pytest.mark.parametrize("edit, field", [
-    (("ttft = 0.1", "ttft = 1.5"), "error.ttft"),
+    (("ttft = 0.1", "ttft = -0.5"), "error.ttft"),
     (("ttft = 0.1", 'ttft = "small"'), "error.ttft"),
     (("ttft = 0.1", "latency = 0.1"), "error.latency"),
     (("matmul_flops_fraction = 0.8", "matmul_flops_fraction = 1.8"), "cost_model.matmul_flops_fraction"),
@@ -136,6 +136,9 @@ def test_band_columns_follow_the_held_out_error(tmp_path):
     assert (band["p99_ttft_ms_low"], band["p99_ttft_ms_high"]) == pytest.approx((180.0, 220.0))
     assert (band["p99_tpot_ms_low"], band["p99_tpot_ms_high"]) == pytest.approx((48.0, 52.0))
     assert band["error_ttft"] == 0.1
+    # An error over 100% (a prediction twice the measurement) leaves the band at 0 below.
+    wide = band_columns(row, Calibration(cal.efficiency, "wide", "w.toml", {"ttft": 1.3}))
+    assert (wide["p99_ttft_ms_low"], wide["p99_ttft_ms_high"]) == pytest.approx((0.0, 460.0))
     none = band_columns(row, uncalibrated())
     assert none["calibration"] == "uncalibrated" and math.isnan(none["p99_ttft_ms_low"])
     assert band_lines(row, uncalibrated(), "l40s", "llama-3.1-8b")[0].startswith(
