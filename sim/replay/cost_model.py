@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import tomllib
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 from kvtwin.sim.planner.hardware import GPUSpec
@@ -197,21 +195,6 @@ def efficiency_from_mapping(entry: dict, *, where: str = "cost_model", base: Eff
         return replace(base, **entry)
     except ConfigError as err:
         raise ConfigError(err.field.replace("cost_model", where, 1), err.expected, err.got) from None
-
-
-def load_calibration(path: Path, base: Efficiency = Efficiency()) -> Efficiency:
-    """A calibration TOML: efficiency keys at the top level or under ``[cost_model]``."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError("calibration", "an existing TOML file", str(path)) from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError("calibration", f"valid TOML ({err})", source=str(path)) from None
-    entry = data.get("cost_model", data)
-    try:
-        return efficiency_from_mapping(entry, base=base)
-    except ConfigError as err:
-        raise err.with_source(str(path)) from None
 
 
 @dataclass(frozen=True)

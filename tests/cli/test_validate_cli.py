@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 import kvtwin.executor.validate as validate_module  # noqa: E402
 from kvtwin.cli import app  # noqa: E402
 from kvtwin.executor.runner import Faults  # noqa: E402
-from kvtwin.sim.replay.cost_model import load_calibration  # noqa: E402
+from kvtwin.sim.replay.calibration_data import read_calibration  # noqa: E402
 
 # Llama-3.1-8B pages are 2 MiB: 128 MiB of KV cache is a 64-block pool, small enough that
 # sixteen chat requests evict each other's prefixes.
@@ -70,7 +70,7 @@ def test_validate_writes_the_directory_and_a_verdict_per_check(scenario, tmp_pat
     table = pq.read_table(out / "validation.parquet")
     assert table.column_names == list(validate_module.VALIDATION_COLUMNS)
     assert set(table.column("check").to_pylist()) == set(validate_module.CHECKS)
-    load_calibration(out / "calibration.toml")  # kvtwin replay accepts it
+    read_calibration(out / "calibration.toml")  # kvtwin replay accepts it
     steps = pq.read_table(out / "steps.parquet")
     assert steps.num_rows > 0 and min(steps.column("measured_s").to_pylist()) > 0
     # A validation directory is replaced whole by the next validation.

@@ -7,7 +7,7 @@ five-group sliding + full + Mamba layout — under asynchronous and synchronous 
 on workloads whose prefix hits, evictions and preemptions are asserted to have happened
 (a pass on a run that never reused, evicted or resumed anything would prove little).
 Check 3 (memory) is skipped on a CPU; check 4 (step latency) is informational and writes
-a calibration that ``load_calibration`` reads.
+a calibration that ``read_calibration`` reads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import pytest
 
 from kvtwin.executor.shapes import MIXER_LATENT, MIXER_STATE
 from kvtwin.executor.validate import CHECKS, VALIDATION_COLUMNS, ValidateOptions
-from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS, Efficiency, load_calibration
+from kvtwin.sim.replay.calibration_data import read_calibration
+from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS, Efficiency
 from kvtwin.sim.replay.run import run_replay
 from tests.executor.toys import scenario, validate_with_runs
 
@@ -109,11 +110,11 @@ def test_all_four_checks_on_cpu_rows_and_calibration(tmp_path):
     assert {r["metric"] for r in latency if r["item"] == "held_out"} == {
         "ttft_s_median_ape", "tpot_s_median_ape", "e2el_s_median_ape"}
 
-    # calibration.toml: what load_calibration reads is the fit the rows report.
+    # calibration.toml: what read_calibration reads is the fit the rows report.
     assert validation.calibration_toml
     path = tmp_path / "calibration.toml"
     path.write_text(validation.calibration_toml)
-    loaded = load_calibration(path)
+    loaded = read_calibration(path).efficiency
     fitted = {r["metric"]: r["observed"] for r in latency if r["item"] == "calibration"}
     assert fitted.keys() == set(SCALAR_EFFICIENCY_FIELDS)
     assert {name: getattr(loaded, name) for name in fitted} == pytest.approx(fitted, rel=1e-12)

@@ -1,5 +1,5 @@
 """The calibration fit: it recovers known efficiency factors from steps the cost model
-itself timed, says what it cannot determine, and writes a file load_calibration reads."""
+itself timed, says what it cannot determine, and writes a file read_calibration reads."""
 
 import tomllib
 from dataclasses import fields
@@ -13,7 +13,8 @@ from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.calibration import (Fit, StepSample, ape_by_kind, batch_kind, fit_efficiency, predict_s,
                                            write_calibration)
-from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency, load_calibration
+from kvtwin.sim.replay.calibration_data import read_calibration
+from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency
 
 # Far enough from the defaults that a fit which does not move would fail.
 TRUE = Efficiency(matmul_flops_fraction=0.42, attention_flops_fraction=0.31, hbm_bandwidth_fraction=0.66,
@@ -138,7 +139,7 @@ def test_predict_s_agrees_with_the_cost_model(model, tp, async_scheduling):
         assert cost.num_requests == len(decodes) + len(prefills)
 
 
-def test_write_calibration_round_trips_through_load_calibration(tmp_path):
+def test_write_calibration_round_trips_through_read_calibration(tmp_path):
     eff = Efficiency(matmul_flops_fraction=1 / 3, attention_flops_fraction=0.1 + 0.2, hbm_bandwidth_fraction=1.0,
                      interconnect_fraction=0.7, allreduce_latency_s=0, step_overhead_s=9.000000000000001e-4,
                      per_request_overhead_s=2.2e-05)
@@ -149,8 +150,8 @@ def test_write_calibration_round_trips_through_load_calibration(tmp_path):
     data = tomllib.loads(text)
     assert set(data) == {"cost_model"}
     assert set(data["cost_model"]) == {f.name for f in fields(Efficiency)}
-    assert load_calibration(path) == eff
-    assert load_calibration(path, base=TRUE) == eff  # every field written, nothing from base
+    assert read_calibration(path).efficiency == eff
+    assert read_calibration(path, base=TRUE).efficiency == eff  # every field written, nothing from base
     assert "# measured on a test\n# second line\n" in text
     assert [p.name for p in tmp_path.iterdir()] == ["cal.toml"]  # no temporary file left
 
@@ -159,8 +160,8 @@ def test_all_reduce_curves_round_trip_and_interpolate(tmp_path):
     curve = AllReduceCurve(4, (1024.0, 1048576.0, 16777216.0), (6e-6, 10e-6, 70e-6))
     eff = Efficiency(matmul_half_tokens=96.0, layer_fixed_s=3e-5, step_gpu_fixed_s=2e-4, allreduce=(curve,))
     path = write_calibration(tmp_path / "cal.toml", eff)
-    assert load_calibration(path, base=TRUE) == eff
-    assert load_calibration(write_calibration(tmp_path / "none.toml", TRUE), base=eff).allreduce == ()
+    assert read_calibration(path, base=TRUE).efficiency == eff
+    assert read_calibration(write_calibration(tmp_path / "none.toml", TRUE), base=eff).efficiency.allreduce == ()
     assert curve.seconds_for(10) == 6e-6  # the latency floor
     assert curve.seconds_for((1048576 + 16777216) / 2) == pytest.approx(40e-6, rel=1e-12)
     # Past the last point, at the last segment's rate: 60 us per 15 MiB.
@@ -173,7 +174,7 @@ def test_write_calibration_from_a_fit_records_it_in_comments(tmp_path):
     fit = fit_efficiency(measured_samples(truth, current, batches(np.random.default_rng(2), n=40)), **peaks(current))
     assert isinstance(fit, Fit)
     path = write_calibration(tmp_path / "fit.toml", fit)
-    assert load_calibration(path) == fit.efficiency
+    assert read_calibration(path).efficiency == fit.efficiency
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
     assert any("identified: matmul_flops_fraction" in line for line in header)
     cost = current.split_step_cost([100, 200], [(512, 0)])

@@ -3,7 +3,8 @@
 import pytest
 
 from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency, efficiency_from_mapping, load_calibration
+from kvtwin.sim.replay.calibration_data import read_calibration
+from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency, efficiency_from_mapping
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
@@ -208,12 +209,12 @@ def test_efficiency_factors_scale_the_terms():
 def test_calibration_file_overrides_and_rejects_unknown_keys(tmp_path):
     good = tmp_path / "cal.toml"
     good.write_text("[cost_model]\nhbm_bandwidth_fraction = 0.5\nstep_overhead_s = 0.004\n")
-    eff = load_calibration(good)
+    eff = read_calibration(good).efficiency
     assert eff.hbm_bandwidth_fraction == 0.5 and eff.step_overhead_s == 0.004
     bad = tmp_path / "bad.toml"
     bad.write_text("hbm_bandwith_fraction = 0.5\n")
     with pytest.raises(ConfigError, match="hbm_bandwith_fraction"):
-        load_calibration(bad)
+        read_calibration(bad)
     with pytest.raises(ConfigError, match="fraction in"):
         efficiency_from_mapping({"matmul_flops_fraction": 1.5})
 
