@@ -73,7 +73,11 @@ every member still running and turns the batch in flight into the ``SchedulerOut
 from __future__ import annotations
 
 import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from kvtwin.sim.core.engine import Batch, EngineCore, Execution, ModelExecutor, StepResult
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler import Scheduler
@@ -537,3 +541,162 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
     if longest < MIN_WINDOW_STEPS:
         return None
     return DecodeWindow(scheduler, members, bases, last_batches, prefilling)
+
+
+class WindowPricing(Protocol):
+    """An executor whose window batches need not run: a closed form prices a batch of
+    decodes (with a real part's prefill chunks), and its tokens are ``base + index``."""
+
+    def execute(self, output: SchedulerOutput) -> Execution:
+        ...
+
+    def decode_step_cost(self, num_decodes: int, context_ends_sum: int,
+                         prefill_items: list[tuple[int, int]] | None = None) -> Any:
+        """The cost (its ``total_s`` the seconds) ``execute`` predicts for such a batch."""
+        ...
+
+    def sample(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        ...
+
+    def token_bases(self, request_ids: list[str]) -> list[int | None]:
+        ...
+
+
+@dataclass
+class Launch:
+    """A batch just scheduled, as the clock needs it: how long it runs on the device,
+    whether it computes anything (a batch that does not takes no time), whether it
+    preempted, and, when scheduling it closed a decode window, the window's running
+    members and their window steps (their records catch up at the last window batch)."""
+
+    duration_s: float
+    executed: bool
+    preempted: bool
+    closed_window: list[tuple[str, int]] | None = None
+
+    def __init__(self, duration_s: float, executed: bool, preempted: bool,
+                 closed_window: list[tuple[str, int]] | None = None):
+        self.duration_s = duration_s
+        self.executed = executed
+        self.preempted = preempted
+        self.closed_window = closed_window
+
+
+class WindowedBatchQueue:
+    """An asynchronous engine's batches in flight, decode windows included.
+
+    The clock asks ``schedule`` for the next batch and ``update`` for the oldest one's
+    results, the same way whether a window is open or not. ``schedule`` opens a window on
+    the one batch in flight when it can (``open_decode_window``), goes on with it while
+    the clock allows (``window_allowed``: the time limit cannot cut the window's batch in
+    flight short), and otherwise schedules through the engine. Closing a window turns its
+    batch in flight into the real output ``schedule()`` would have made (``close``),
+    priced as the window priced it. ``update`` applies the oldest batch: a real one
+    through the engine (the window's advance around it while a window opens on it), a
+    window batch through ``DecodeWindow.apply``. ``pricing`` None: no windows, every batch
+    goes through the engine."""
+
+    def __init__(self, engine: EngineCore, executor: ModelExecutor, pricing: WindowPricing | None):
+        self.engine = engine
+        self.executor = executor
+        self.pricing = pricing
+        self.window: DecodeWindow | None = None
+        # The next window batch to schedule (``V_index``).
+        self.index = 0
+        # Size (member decodes) and cost of each window batch in flight, oldest first.
+        self.window_batches: deque[tuple[int, Any]] = deque()
+
+    @property
+    def in_flight(self) -> int:
+        """Batches scheduled and not yet applied."""
+        return len(self.engine.batch_queue) + len(self.window_batches)
+
+    def any_executed(self) -> bool:
+        """Whether a batch in flight computes something (window batches always do)."""
+        return bool(self.window_batches) or any(batch.executed for batch in self.engine.batch_queue)
+
+    def schedule(self, window_allowed: bool) -> Launch:
+        """Schedule the next batch: a window batch if a window is open (or opens now) and
+        goes on, else a real one (after closing the window, if one was open)."""
+        window = self.window
+        if window is None and window_allowed and self.pricing is not None and len(self.engine.batch_queue) == 1:
+            window = self.window = self._open()
+            self.index = 0
+        if window is None:
+            return self._schedule_real(None)
+        index = self.index
+        status = window.next_batch(index) if window_allowed else END
+        if status == WINDOW_BATCH:
+            return self._schedule_window_batch(window, index)
+        closed = None
+        if status == REAL_BATCH:  # its waiting pass admitted what the window cannot take
+            if index:
+                closed = self._close(window, window.previous_new_blocks, window.previous_reported)
+            self.window = None
+            output = window.complete(index, window.admitted)
+            batch = Batch(output, self.executor.execute(output))
+            self.engine.batch_queue.append(batch)
+            return Launch(batch.execution.duration_s, True, bool(output.preempted), closed)
+        if index:
+            closed = self._close(window, window.new_blocks, window.reported)
+        self.window = None
+        return self._schedule_real(closed)
+
+    def _open(self) -> DecodeWindow | None:
+        assert self.pricing is not None
+        in_flight = self.engine.batch_queue[0]
+        scheduler = self.engine.scheduler
+        return open_decode_window(scheduler, in_flight.output, in_flight.execution.sampled,
+                                  self.pricing.token_bases([r.request_id for r in scheduler.running]))
+
+    def _schedule_real(self, closed: list[tuple[str, int]] | None) -> Launch:
+        batch = self.engine.schedule_batch(self.executor)
+        return Launch(batch.execution.duration_s, batch.executed, bool(batch.output.preempted), closed)
+
+    def _schedule_window_batch(self, window: DecodeWindow, index: int) -> Launch:
+        """Price window batch ``V_index`` in closed form (its real part's tokens sampled)."""
+        pricing = self.pricing
+        assert pricing is not None
+        num_decodes = window.num_active
+        part = window.parts.get(index)
+        if part is None:
+            cost = pricing.decode_step_cost(num_decodes, window.context_ends_sum(index))
+        else:  # a prefill chunk and admissions, which the scheduler advanced
+            window.note_part_tokens(index, pricing.sample(part),
+                                    pricing.token_bases(window.part_sampling_ids(index)))
+            part_decodes, part_ends_sum, prefill_items = window.part_cost_terms(index)
+            cost = pricing.decode_step_cost(num_decodes + part_decodes,
+                                            window.context_ends_sum(index) + part_ends_sum, prefill_items)
+        self.window_batches.append((num_decodes, cost))
+        return Launch(cost.total_s, True, False)
+
+    def _close(self, window: DecodeWindow, new_blocks: dict[str, KVCacheBlocks],
+               reported: list[str]) -> list[tuple[str, int]]:
+        """End ``window`` at ``index``: its batch in flight queued as the real output it is
+        (which costs what the window priced it at); returns the members to record."""
+        index = self.index
+        output = window.close(index, new_blocks, reported)
+        execution = self.executor.execute(output)
+        _, cost = self.window_batches.pop()
+        assert execution.duration_s == cost.total_s, "a window batch priced apart from its real output"
+        assert not self.window_batches
+        self.engine.batch_queue.append(Batch(output, execution))
+        return window.members_to_record(index)
+
+    def update(self) -> StepResult:
+        """Apply the oldest batch in flight."""
+        window = self.window
+        if window is None:
+            return self.engine.update_batch()
+        index = self.index
+        self.index = index + 1
+        if index == 0:  # the batch the window opened on: a real one
+            window.begin_real_update()
+            result = self.engine.update_batch()
+            window.end_real_update()
+            return result
+        num_decodes, cost = self.window_batches.popleft()
+        finished, window_steps, part, part_sampled = window.apply(index)
+        return StepResult(part if part is not None else SchedulerOutput(), finished,
+                          Execution(part_sampled if part_sampled is not None else {}, cost.total_s, cost),
+                          window_decodes=num_decodes, window_steps=window_steps, window_part=part is not None)

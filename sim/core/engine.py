@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.engine_stats import EngineStats, offload_tier_counters, pool_stats
 from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnector
 from kvtwin.sim.core.offload.transfers import StepTransfers, TimedTransfers
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -88,14 +89,25 @@ class StepResult:
     updated: SchedulerOutput | None = None
     # With an offload tier: what the worker reported finished in this step.
     transfers: KVConnectorOutput | None = None
+    # A decode-window batch (``decode_window.py``): its member decodes, which ``output``
+    # leaves implicit (``output`` holds its real part, if ``window_part``), and the window
+    # steps of each member it finished. ``window_decodes`` is None for a real batch.
+    window_decodes: int | None = None
+    window_steps: dict[str, int] | None = None
+    window_part: bool = False
 
     def __init__(self, output: SchedulerOutput, finished: list[Request], execution: Execution,
-                 updated: SchedulerOutput | None = None, transfers: KVConnectorOutput | None = None):
+                 updated: SchedulerOutput | None = None, transfers: KVConnectorOutput | None = None,
+                 window_decodes: int | None = None, window_steps: dict[str, int] | None = None,
+                 window_part: bool = False):
         self.output = output
         self.finished = finished
         self.execution = execution
         self.updated = updated
         self.transfers = transfers
+        self.window_decodes = window_decodes
+        self.window_steps = window_steps
+        self.window_part = window_part
 
 
 @dataclass
@@ -256,3 +268,17 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def make_stats(self) -> EngineStats:
+        """The queues and the pool as they are now, and the offload tier's counters (vLLM's
+        ``Scheduler.make_stats``): what a step row records, without reading the scheduler."""
+        scheduler = self.scheduler
+        offload = self.offload
+        counters = None
+        load_seconds = None
+        if offload is not None:
+            counters = offload_tier_counters(offload.manager, offload.transfers)
+            if isinstance(offload.transfers, TimedTransfers):  # a step clock's take no seconds
+                load_seconds = offload.transfers.load_seconds
+        return pool_stats(self.kv_cache_manager.block_pool, len(scheduler.running), len(scheduler.waiting), counters,
+                          load_seconds)

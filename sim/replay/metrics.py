@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from mypy_extensions import mypyc_attr
 
 from kvtwin.sim.core.engine import Rejection, StepResult
+from kvtwin.sim.core.engine_stats import EngineStats
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.replay.cost_model import StepCost
 from kvtwin.traces.expand import table_block_ids
@@ -168,6 +169,17 @@ class Float64Buffer:
         return self._stored
 
 
+@dataclass
+class BatchTimes:
+    """When a batch was scheduled, when the device ran it, and when the batch applied
+    before it on the same replica ended (its tokens' previous sampling instant)."""
+
+    scheduled_s: float
+    start_s: float
+    end_s: float
+    previous_end_s: float = 0.0
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)  # a test's recorder extends it
 class MetricsRecorder:
     """Collects per-request and per-step records as the engine steps.
@@ -234,22 +246,35 @@ class MetricsRecorder:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def step(self, engine, result: StepResult, start_s: float, end_s: float,
-             scheduled_s: float | None = None, replica: int = 0) -> None:
-        """Record one executed batch: ``result.output`` ran from ``start_s`` to ``end_s`` on
-        ``replica`` and its results were applied at ``end_s``. ``scheduled_s`` is when it
-        was scheduled, if earlier (async scheduling: while the previous batch ran);
-        admissions take it."""
+    def on_batch_applied(self, result: StepResult, stats: EngineStats, times: BatchTimes, replica: int = 0,
+                         synchronous: bool = False) -> bool:
+        """Record a batch whose results were just applied: ``result`` ran on ``replica`` as
+        ``times`` says, and left the engine as ``stats`` says. A batch of a decode window
+        records its implicit decodes; a real one its output. An asynchronous batch that
+        computed and preempted nothing leaves no step row (it may still have started loads);
+        a synchronous step always does. Returns whether it wrote a step row."""
+        if result.window_decodes is not None:
+            self._window_batch(result, stats, times, replica)
+            return True
         output = result.output
-        if scheduled_s is None:
-            scheduled_s = start_s
+        if synchronous or output.num_scheduled_tokens or output.preempted:
+            self._batch(result, stats, times, replica)
+            return True
+        if output.external_hits:
+            self.loads_issued(output, times.scheduled_s, stats.load_seconds)  # a batch that only starts loads
+        return False
+
+    def _batch(self, result: StepResult, stats: EngineStats, times: BatchTimes, replica: int) -> None:
+        """A real batch's records: admissions stamped when it was scheduled, tokens when it ended."""
+        output = result.output
+        scheduled_s = times.scheduled_s
         if self.offload is not None:
-            self.loads_issued(engine, output, scheduled_s)
+            self.loads_issued(output, scheduled_s, stats.load_seconds)
         self._admissions(output, scheduled_s)
         prefill_tokens, decode_tokens = self._scheduled(output)
-        self._sampled(result.execution.sampled, end_s, self._itl[replica])
-        self._finished(result.finished, end_s)
-        self._step_row(engine, start_s, end_s, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
+        self._sampled(result.execution.sampled, times.end_s, self._itl[replica])
+        self._finished(result.finished, times.end_s)
+        self._step_row(stats, times, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
                        len(output.scheduled_new_reqs), len(output.preempted), len(result.finished),
                        result.execution.cost, replica)
 
@@ -303,30 +328,33 @@ class MetricsRecorder:
             record.status = "finished"
             record.snapshot()
 
-    def decode_window_step(self, engine, start_s: float, end_s: float, num_decodes: int, cost: StepCost,
-                           itl_s: float, finished: list[Request], window_steps: dict[str, int],
-                           join=None, join_sampled: dict[str, list[int]] | None = None,
-                           scheduled_s: float = 0.0, replica: int = 0) -> None:
-        """Record a batch of a decode window (``sim/core/decode_window.py``): ``num_decodes``
-        members decoded one token each, all sampling at ``end_s`` and last at ``end_s -
-        itl_s``; ``join`` (an output, scheduled at ``scheduled_s``) holds the batch's
-        admissions, which sampled ``join_sampled``. ``finished`` sampled their last token,
-        a member after ``window_steps`` window batches. Members' records catch up on the
-        others in ``close_decode_window``."""
+    def _window_batch(self, result: StepResult, stats: EngineStats, times: BatchTimes, replica: int) -> None:
+        """A batch of a decode window (``sim/core/decode_window.py``): its member decodes,
+        one token each, all sampling at the batch's end and last at the previous batch's
+        end; its real part (``output``, if ``window_part``) holds its admissions and a
+        prefill chunk. Finished members catch up on their window steps here, the others in
+        ``close_decode_window``."""
+        end_s = times.end_s
         itl = self._itl[replica]
+        num_decodes = result.window_decodes
+        assert num_decodes is not None
         num_scheduled = decode_tokens = num_decodes
         prefill_tokens = num_new = 0
-        if join is not None:
-            self._admissions(join, scheduled_s)
-            join_prefill, join_decode = self._scheduled(join)
-            prefill_tokens += join_prefill
-            decode_tokens += join_decode
-            num_scheduled += len(join.num_scheduled_tokens)
-            num_new = len(join.scheduled_new_reqs)
-        itl.extend([itl_s] * num_decodes)
-        if join_sampled is not None:
-            self._sampled(join_sampled, end_s, itl)
+        if result.window_part:
+            part = result.output
+            self._admissions(part, times.scheduled_s)
+            part_prefill, part_decode = self._scheduled(part)
+            prefill_tokens += part_prefill
+            decode_tokens += part_decode
+            num_scheduled += len(part.num_scheduled_tokens)
+            num_new = len(part.scheduled_new_reqs)
+        itl.extend([end_s - times.previous_end_s] * num_decodes)
+        if result.window_part:
+            self._sampled(result.execution.sampled, end_s, itl)
         records = self.records
+        window_steps = result.window_steps
+        assert window_steps is not None
+        finished = result.finished
         for request in finished:
             steps = window_steps.get(request.request_id, 0)
             if steps:
@@ -334,8 +362,8 @@ class MetricsRecorder:
                 record.scheduled_tokens += steps
                 record.last_token_s = end_s
         self._finished(finished, end_s)
-        self._step_row(engine, start_s, end_s, num_scheduled, prefill_tokens, decode_tokens, num_new, 0, len(finished),
-                       cost, replica)
+        self._step_row(stats, times, num_scheduled, prefill_tokens, decode_tokens, num_new, 0, len(finished),
+                       result.execution.cost, replica)
 
     def close_decode_window(self, members: list[tuple[str, int]], last_token_s: float) -> None:
         """The records of a window's running members after their window batches (request
@@ -346,28 +374,28 @@ class MetricsRecorder:
             record.scheduled_tokens += num_steps
             record.last_token_s = last_token_s
 
-    def _step_row(self, engine, start_s: float, end_s: float, num_scheduled: int, prefill_tokens: int,
+    def _step_row(self, stats: EngineStats, times: BatchTimes, num_scheduled: int, prefill_tokens: int,
                   decode_tokens: int, num_new: int, num_preempted: int, num_finished: int, cost: object,
                   replica: int) -> None:
-        """The step table's row for a batch, with the pool as it is after the batch's update."""
-        pool = engine.kv_cache_manager.block_pool
-        usable = pool.num_gpu_blocks - 1
+        """The step table's row for a batch, with the engine as it is after the batch's update."""
         row = self._step_values
+        start_s = times.start_s
         # In STEP_COLUMNS order.
-        row.extend((start_s, end_s - start_s, len(engine.scheduler.running), len(engine.scheduler.waiting),
+        row.extend((start_s, times.end_s - start_s, stats.num_running_reqs, stats.num_waiting_reqs,
                     num_scheduled, prefill_tokens, decode_tokens, num_new, num_preempted, num_finished,
-                    pool.get_num_free_blocks(), pool.num_cached_blocks(), pool.get_usage()))
-        row.extend([n / usable for n in pool.num_used_by_group])
+                    stats.num_free_blocks, stats.num_cached_blocks, stats.kv_cache_usage))
+        row.extend(stats.kv_cache_usage_by_group)
+        evictions = stats.num_evictions - self._evictions_before[replica]
+        self._evictions_before[replica] = stats.num_evictions
         if not isinstance(cost, StepCost):  # an executor without a breakdown
-            row.extend((pool.num_evictions - self._evictions_before[replica], math.nan, math.nan, math.nan, math.nan))
+            row.extend((evictions, math.nan, math.nan, math.nan, math.nan))
         else:
-            row.extend((pool.num_evictions - self._evictions_before[replica], cost.compute_s, cost.memory_s,
-                        cost.communication_s, cost.overhead_s))
-        self._evictions_before[replica] = pool.num_evictions
+            row.extend((evictions, cost.compute_s, cost.memory_s, cost.communication_s, cost.overhead_s))
         self.step_replica.append(replica)
         if self.offload is not None:
             before = self._offload_before[replica]
-            counters = offload_counters(engine.offload)
+            counters = stats.offload_counters
+            assert counters is not None
             for name in self._offload_columns:
                 value = counters[name]
                 row.append(value if name in _OFFLOAD_GAUGES else value - before[name])
@@ -375,9 +403,10 @@ class MetricsRecorder:
 
     # -- offload tiers ----------------------------------------------------------------------
 
-    def loads_issued(self, engine, output, start_s: float) -> None:
+    def loads_issued(self, output, start_s: float, load_seconds: dict[int, float] | None) -> None:
         """The loads a schedule issued at ``start_s`` (its ``external_hits``), and how long
-        the worker takes for them; also for a batch that computes nothing (no step row)."""
+        the worker takes for them (``load_seconds`` by job; None on a step clock); also for
+        a batch that computes nothing (no step row)."""
         hits = output.external_hits
         if not hits:
             return
@@ -400,13 +429,12 @@ class MetricsRecorder:
                 load.gpu_hit_tokens, load.cpu_hit_tokens, load.disk_hit_tokens = gpu_hit_tokens, cpu, disk
             load.pending_issue_s = start_s
             load.pending_gpu_hit_tokens = gpu_hit_tokens
-        seconds = getattr(engine.offload.transfers, "load_seconds", None)
-        if seconds is None:
+        if load_seconds is None:
             return  # a step clock: no seconds
         for job_id, job in jobs.items():
             load = loads.get(job.req_id)
             if load is not None and math.isnan(load.load_transfer_s):
-                load.load_transfer_s = seconds.get(job_id, math.nan)
+                load.load_transfer_s = load_seconds.get(job_id, math.nan)
 
     def _offload_admission(self, request_id: str, hit_tokens: int, scheduled_s: float, first: bool) -> int:
         """A request scheduled: after its load, its GPU hit is the one found when the load

@@ -1,7 +1,7 @@
 """Routers: which data-parallel replica serves an arriving request (``engine.router``).
 
 ``engine.replicas = N`` runs N engines behind one router in the same SimPy environment
-(``workload.run_simulation``). A router sees only what a real one in front of vLLM
+(``sim/replay/clock``). A router sees only what a real one in front of vLLM
 replicas sees:
 
 * per replica its *outstanding tokens*: the router's own count of the work it sent there
@@ -97,6 +97,24 @@ class Router:
     def least_loaded(self) -> int:
         outstanding = self.outstanding
         return outstanding.index(min(outstanding))  # index() finds the lowest on a tie
+
+
+class SingleReplicaRouter(Router):
+    """The router of a run with one replica: everything goes there, and nothing needs
+    counting (no choice ever reads the outstanding tokens)."""
+
+    name = "single"
+
+    def __init__(self) -> None:
+        self.num_replicas = 1
+        self.outstanding = [0]
+        self.routed = [0]
+
+    def route(self, request: Request, session_id: str | None = None) -> int:
+        return 0
+
+    def release(self, replica: int, request: Request) -> None:
+        pass
 
 
 class RoundRobinRouter(Router):
@@ -219,6 +237,10 @@ ROUTERS: dict[str, type[Router]] = {cls.name: cls for cls in (
 
 
 def make_router(name: str, engines: Sequence[EngineCore]) -> Router:
+    """The router ``name`` in front of ``engines``; with one engine, the single-replica
+    router whatever the name (a one-replica run is exactly the single-engine replay)."""
+    if len(engines) == 1:
+        return SingleReplicaRouter()
     try:
         cls = ROUTERS[name]
     except KeyError:

@@ -26,6 +26,7 @@ import simpy
 
 from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.cost_model import CostModel, Efficiency, StepCost
+from kvtwin.sim.core.decode_window import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, OffloadTier
 from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize, summarize_replicas
 from kvtwin.sim.replay.router import make_router
@@ -33,7 +34,9 @@ from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
-from kvtwin.sim.replay.workload import ReplayClock, run_simulation
+from kvtwin.sim.replay.clock.cluster import run_simulation
+from kvtwin.sim.replay.clock.progress import ReplayClock
+from kvtwin.sim.replay.clock.replica import Replica
 
 
 def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
@@ -75,10 +78,9 @@ class CostModelExecutor:
             sampled[request_id] = [base + num_output_tokens]
         return sampled
 
-    # -- decode windows (``sim/core/decode_window.py``, driven by ``workload.py``) --------
+    # -- decode windows (``sim/core/decode_window.py``: ``WindowPricing``) ----------------
 
-    @property
-    def supports_decode_windows(self) -> bool:
+    def prices_decode_windows(self) -> bool:
         """Whether a decode window may stand in for executing its batches: their seconds
         have a closed form (``decode_step_cost``) and their tokens are ``token_bases``."""
         return self.cost_model.decodes_cost_by_context_sum
@@ -92,6 +94,14 @@ class CostModelExecutor:
         """Each request's token base: its output ``k`` is sampled as ``base + k``."""
         bases = self._token_base
         return [bases.get(request_id) for request_id in request_ids]
+
+
+def window_pricing(executor: ModelExecutor) -> WindowPricing | None:
+    """``executor`` where it prices decode windows in closed form; None for any other
+    (a device's, a recording's): their batches are scheduled one by one."""
+    if isinstance(executor, CostModelExecutor) and executor.prices_decode_windows():
+        return executor
+    return None
 
 
 @dataclass
@@ -138,7 +148,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
     replicas as executors given (a single executor: one replica, whatever
     ``plan.engine.replicas`` says), behind the router ``plan.engine.router``. ``offload``
     gives each replica its offload tiers (module docstring). ``decode_windows`` False
-    turns decode windows off (``workload.py``; the results are the same, only slower)."""
+    turns decode windows off (``sim/core/decode_window.py``; the results are the same, only
+    slower)."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
     executors: list[ModelExecutor] = list(executor) if isinstance(executor, Sequence) else [executor]
@@ -150,9 +161,10 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
                    for _ in executors]
     router = make_router(eng.router, engines)
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload)
-    end_s = run_simulation(engines[0] if len(engines) == 1 else engines, executors[0] if len(engines) == 1 else
-                           executors, arrivals_from_trace(trace), metrics, time_limit_s=time_limit_s,
-                           on_progress=on_progress, env=env, router=router, decode_windows=decode_windows)
+    replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
+                for engine, executor in zip(engines, executors)]
+    end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=router, time_limit_s=time_limit_s,
+                           on_progress=on_progress, env=env)
     requests = metrics.requests_table()
     steps = metrics.steps_table()
     facts = offload.describe() if offload is not None else None
@@ -191,8 +203,7 @@ class RecordedClockExecutor(CostModelExecutor):
     (e.g. a device run's measured ones), tokens as the cost-model executor makes them. Steps
     past the recording (the runs diverged) take the cost model's prediction."""
 
-    @property
-    def supports_decode_windows(self) -> bool:
+    def prices_decode_windows(self) -> bool:
         return False  # every step takes its own recorded duration
 
     def __init__(self, cost_model: CostModel, durations_s: list[float]):

@@ -15,7 +15,7 @@ import pyarrow as pa
 from kvtwin.traces import schema as col
 from kvtwin.sim.core.hashing import HashIdPrompt, TokenPrompt
 from kvtwin.sim.core.request import Request
-from kvtwin.sim.replay.workload import Arrival
+from kvtwin.sim.replay.clock.arrivals import Arrival
 
 
 def arrivals_from_trace(table: pa.Table) -> Iterator[Arrival]:

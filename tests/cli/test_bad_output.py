@@ -18,7 +18,7 @@ import kvtwin.commands.replay as replay_command
 import kvtwin.reports.run_dir as run_dir
 from kvtwin.cli import app
 from kvtwin.reports.run_dir import write_run
-from kvtwin.sim.replay.workload import ReplayClock
+from kvtwin.sim.replay.clock.progress import ReplayClock
 
 REPO = Path(__file__).parents[2]
 SMALL = str(REPO / "scenarios" / "azure-conv-llama8b.toml")

@@ -24,7 +24,8 @@ from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize
 from kvtwin.sim.replay.router import ROUTERS, LeastLoadedRouter, PrefixAwareRouter, make_router
 from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_replay
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
-from kvtwin.sim.replay.workload import run_simulation
+from kvtwin.sim.replay.clock.cluster import run_simulation
+from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import bundled_path
 from kvtwin.traces.load import load_trace
@@ -63,7 +64,8 @@ def _single_engine_replay(p, trace):
     kv = p.require_fits()
     engine = EngineCore(kv, p.engine.scheduler, p.engine.cache)
     metrics = MetricsRecorder(len(kv.groups))
-    end_s = run_simulation(engine, CostModelExecutor(plan_cost_model(p)), arrivals_from_trace(trace), metrics)
+    end_s = run_simulation([Replica(engine, CostModelExecutor(plan_cost_model(p)))], arrivals_from_trace(trace),
+                           metrics)
     requests, steps = metrics.requests_table(), metrics.steps_table()
     return requests, steps, summarize(requests, steps, metrics.itl_s, SLO_, end_s, trace=trace)
 
@@ -217,9 +219,11 @@ def test_router_registry_matches_the_config_names():
     assert tuple(ROUTERS) == ROUTER_NAMES
     p = llama_plan()
     kv = p.require_fits()
-    engines = [EngineCore(kv, p.engine.scheduler, p.engine.cache)]
+    engines = [EngineCore(kv, p.engine.scheduler, p.engine.cache) for _ in range(2)]
     for name in ROUTER_NAMES:
         assert make_router(name, engines).name == name
+    # One replica needs no choice, whatever the name.
+    assert make_router("prefix_aware", engines[:1]).name == "single"
 
 
 def test_cluster_replay_is_deterministic(chat):

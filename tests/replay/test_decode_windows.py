@@ -32,7 +32,7 @@ from kvtwin.sim.replay.calibration_data import bundled_calibration
 from kvtwin.sim.replay.cost_model import Efficiency
 from kvtwin.sim.replay.run import CostModelExecutor, RecordedClockExecutor, plan_cost_model, run_replay, \
     run_with_executor
-from kvtwin.sim.replay.workload import ReplayClock
+from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
@@ -125,7 +125,7 @@ def test_no_window_without_a_closed_form_clock():
     planned = llama_plan()
     trace = chat_trace(60)
     recorded = RecordedClockExecutor(plan_cost_model(planned), [0.01] * 50)
-    assert not recorded.supports_decode_windows
+    assert not recorded.prices_decode_windows()
     _, clock = _replay(run_with_executor, plan=planned, trace=trace, executor=recorded)
     assert clock.decode_window_steps == 0
 
@@ -183,7 +183,7 @@ def test_the_closed_form_decode_cost_is_the_general_one_to_the_bit(ends, tp, mod
     # The bundled calibration has every term on: fixed times, size curves, all-reduce curves.
     efficiency = bundled_calibration("h100", model).efficiency if calibrated else Efficiency()
     executor = CostModelExecutor(plan_cost_model(planned, efficiency))
-    assert executor.supports_decode_windows
+    assert executor.prices_decode_windows()
     general = executor.cost_model.split_step_cost(ends, prefills)
     closed = executor.decode_step_cost(len(ends), sum(ends), prefills)
     assert astuple(closed) == astuple(general)
@@ -193,4 +193,4 @@ def test_the_closed_form_decode_cost_is_the_general_one_to_the_bit(ends, tp, mod
 def test_windowed_layers_have_no_closed_form(model):
     """Their decodes attend a window, not the whole context: the sum does not price them."""
     planned = plan(get_model(model), get_gpu("h100"), EngineConfig(max_model_len=32768, kv_cache_memory_bytes=2**33))
-    assert not CostModelExecutor(plan_cost_model(planned)).supports_decode_windows
+    assert not CostModelExecutor(plan_cost_model(planned)).prices_decode_windows()

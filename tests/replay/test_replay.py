@@ -19,7 +19,9 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.core.request import Request
-from kvtwin.sim.replay.workload import Arrival, run_simulation
+from kvtwin.sim.replay.clock.arrivals import Arrival
+from kvtwin.sim.replay.clock.cluster import run_simulation
+from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import bundled_path
 from kvtwin.traces.load import load_trace
@@ -156,12 +158,13 @@ def test_simpy_clock_makes_the_lockstep_clocks_decisions(name):
     pool = engine.kv_cache_manager.block_pool
 
     class Recorder(MetricsRecorder):
-        def step(self, eng, result, start_s, end_s):
-            super().step(eng, result, start_s, end_s)
+        def on_batch_applied(self, result, stats, times, replica=0, synchronous=False):
+            wrote_row = super().on_batch_applied(result, stats, times, replica, synchronous)
             recorded.append(step_record(0, result, pool))
+            return wrote_row
 
-    run_simulation(engine, _OneSecondModel({r.request_id: r.output_token_ids for r in case.requests}), arrivals,
-                   Recorder(len(case.kv_cache_config.groups)))
+    run_simulation([Replica(engine, _OneSecondModel({r.request_id: r.output_token_ids for r in case.requests}))],
+                   arrivals, Recorder(len(case.kv_cache_config.groups)))
     strip = [{k: v for k, v in s.items() if k != "step"} for s in lockstep]
     assert [{k: v for k, v in s.items() if k != "step"} for s in recorded if s["scheduled"]] == strip
 
@@ -267,16 +270,18 @@ def test_simpy_clock_makes_the_lockstep_clocks_decisions_with_async_scheduling(n
     recorded = []
 
     class Recorder(MetricsRecorder):
-        def step(self, eng, result, start_s, end_s, scheduled_s=None):
-            super().step(eng, result, start_s, end_s, scheduled_s)
+        def on_batch_applied(self, result, stats, times, replica=0, synchronous=False):
+            if not super().on_batch_applied(result, stats, times, replica, synchronous):
+                return False
             out = result.output
             recorded.append((dict(out.num_scheduled_tokens), list(out.preempted),
                              sorted(r.request_id for r in result.finished), pool.get_num_free_blocks(),
                              pool.num_cached_blocks()))
+            return True
 
     metrics = Recorder(len(case.kv_cache_config.groups))
-    run_simulation(engine, _OneSecondModel({r.request_id: r.output_token_ids for r in case.requests}), arrivals,
-                   metrics)
+    run_simulation([Replica(engine, _OneSecondModel({r.request_id: r.output_token_ids for r in case.requests}))],
+                   arrivals, metrics)
     assert len(recorded) == len(records)
     assert recorded == records
     steps = metrics.steps_table()

@@ -19,7 +19,9 @@ from kvtwin.sim.core.request import RequestStatus
 from kvtwin.sim.lockstep.golden import load_case, read_jsonl
 from kvtwin.sim.lockstep.runner import run_case
 from kvtwin.sim.replay.metrics import MetricsRecorder
-from kvtwin.sim.replay.workload import Arrival, run_simulation
+from kvtwin.sim.replay.clock.arrivals import Arrival
+from kvtwin.sim.replay.clock.cluster import run_simulation
+from kvtwin.sim.replay.clock.replica import Replica
 
 from .builders import EchoModel, engine, full, new_request, tokens
 
@@ -170,7 +172,7 @@ def _replay(async_scheduling: bool):
     arrivals = [Arrival(0.0, new_request("a", tokens(0, 20), max_tokens=3)),
                 Arrival(0.5, new_request("b", tokens(1000, 20), max_tokens=2))]
     metrics = MetricsRecorder(1)
-    end = run_simulation(eng, _OneSecond(), arrivals, metrics)
+    end = run_simulation([Replica(eng, _OneSecond())], arrivals, metrics)
     return metrics, end
 
 

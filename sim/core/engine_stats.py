@@ -1,0 +1,73 @@
+"""The engine's figures after a batch is applied: what a step row needs, read in one place.
+
+vLLM's scheduler hands its logger a ``SchedulerStats`` from ``make_stats`` (queue lengths,
+KV usage, prefix-cache counters) so the logger never walks the scheduler. ``EngineStats``
+is that snapshot here: the replay's recorder writes a step row from it and from the batch
+record alone, and never reads the pool or the queues itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtwin.sim.core.block_pool import BlockPool
+
+
+@dataclass
+class EngineStats:
+    """Queues and pool after a batch's update (gauges), and cumulative counters."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    kv_cache_usage: float
+    # Each KV cache group's share of the usable pool (the blocks it holds), by group id.
+    kv_cache_usage_by_group: list[float]
+    # Cumulative over the run: cached blocks evicted to make room.
+    num_evictions: int
+    # With an offload tier: its cumulative counters and gauges by step column name
+    # (``offload_tier_counters``); None without one.
+    offload_counters: dict[str, int] | None = None
+    # With a timed offload tier: each load job's seconds on the link, by job id (the
+    # worker's own table, not a copy); None on a step clock or without a tier.
+    load_seconds: dict[int, float] | None = None
+
+    # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
+    def __init__(self, num_running_reqs: int, num_waiting_reqs: int, num_free_blocks: int, num_cached_blocks: int,
+                 kv_cache_usage: float, kv_cache_usage_by_group: list[float], num_evictions: int,
+                 offload_counters: dict[str, int] | None = None, load_seconds: dict[int, float] | None = None):
+        self.num_running_reqs = num_running_reqs
+        self.num_waiting_reqs = num_waiting_reqs
+        self.num_free_blocks = num_free_blocks
+        self.num_cached_blocks = num_cached_blocks
+        self.kv_cache_usage = kv_cache_usage
+        self.kv_cache_usage_by_group = kv_cache_usage_by_group
+        self.num_evictions = num_evictions
+        self.offload_counters = offload_counters
+        self.load_seconds = load_seconds
+
+
+def pool_stats(pool: BlockPool, num_running_reqs: int, num_waiting_reqs: int,
+               offload_counters: dict[str, int] | None, load_seconds: dict[int, float] | None) -> EngineStats:
+    """A snapshot of ``pool`` and the queue lengths."""
+    usable = pool.num_gpu_blocks - 1  # the null block is never handed out
+    return EngineStats(num_running_reqs, num_waiting_reqs, pool.get_num_free_blocks(), pool.num_cached_blocks(),
+                       pool.get_usage(), [n / usable for n in pool.num_used_by_group], pool.num_evictions,
+                       offload_counters, load_seconds)
+
+
+def offload_tier_counters(manager, transfers) -> dict[str, int]:
+    """An offload tier's cumulative counters (gauges as they are), by step column: the CPU
+    tier's, the disk tier's when the manager has one, and the bytes moved over PCIe."""
+    out = {"offload_cpu_loaded_keys": manager.num_loaded_keys, "offload_cpu_stored_keys": manager.num_stored_keys,
+           "offload_cpu_evicted_keys": manager.num_evicted_keys, "offload_cpu_used_chunks": manager.num_used_chunks}
+    # Only the manager over a disk tier counts disk chunks (the CPU manager has none).
+    if getattr(manager, "disk_num_chunks", 0):
+        out.update({"offload_disk_loaded_keys": manager.disk_loaded_keys,
+                    "offload_disk_stored_keys": manager.disk_stored_keys,
+                    "offload_disk_evicted_keys": manager.disk_evicted_keys,
+                    "offload_disk_used_chunks": manager.num_disk_used_chunks})
+    out["offload_load_bytes"] = transfers.loaded_bytes
+    out["offload_store_bytes"] = transfers.stored_bytes
+    return out

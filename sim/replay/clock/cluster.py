@@ -1,0 +1,137 @@
+"""Replicas behind a router in one SimPy environment, and the run that drives them.
+
+A ``Cluster`` always holds a list of replicas and a router; one replica has the
+single-replica router, so a one-replica run is exactly the single-engine replay and no
+process asks how many replicas there are. The arrival process asks the router for each
+arrival's replica; each replica runs its own engine process and sleeps on its own event
+while idle; the router is told when a routed request finishes or is rejected.
+
+Every applied batch reaches the recorder through ``applied``: the engine's record of the
+batch, its times, and the engine's figures after it (``EngineCore.make_stats``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import simpy
+
+from kvtwin.sim.core.engine import StepResult
+from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
+from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
+from kvtwin.sim.replay.clock.progress import ReplayClock
+from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.clock.timeline import DeviceTimeline
+from kvtwin.sim.replay.metrics import BatchTimes, MetricsRecorder
+from kvtwin.sim.replay.router import Router, SingleReplicaRouter
+
+
+class Cluster:
+    def __init__(self, env: simpy.Environment, replicas: Sequence[Replica], router: Router,
+                 recorder: MetricsRecorder, *, time_limit_s: float | None = None,
+                 on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000):
+        if router.num_replicas != len(replicas):
+            raise ValueError(f"{len(replicas)} replicas behind a router of {router.num_replicas}")
+        self.env = env
+        self.replicas = list(replicas)
+        for index, replica in enumerate(self.replicas):
+            replica.index = index
+        self.router = router
+        self.recorder = recorder
+        self.time_limit_s = time_limit_s
+        self.on_progress = on_progress
+        self.progress_every = progress_every
+        self.progress = ReplayClock()
+        self.arrivals_done = False
+
+    # -- what the processes report ----------------------------------------------------------
+
+    def arrive(self, arrival: Arrival) -> None:
+        request = arrival.request
+        index = self.router.route(request, arrival.session_id)
+        self.recorder.arrived(request, arrival.arrival_s, arrival.session_id, index)
+        replica = self.replicas[index]
+        engine = replica.engine
+        if not engine.add_request(request):
+            self.recorder.rejected(request, engine.rejected[-1])
+            self.progress.rejected += 1
+            self.router.release(index, request)
+        self.progress.arrived += 1
+        replica.wake()
+
+    def applied(self, replica: Replica, result: StepResult, times: BatchTimes, synchronous: bool = False) -> None:
+        """``replica`` applied a batch's results at ``times.end_s``."""
+        progress = self.progress
+        if self.recorder.on_batch_applied(result, replica.engine.make_stats(), times, replica.index, synchronous):
+            progress.steps += 1
+            if result.window_decodes is not None:
+                progress.decode_window_steps += 1
+            if self.on_progress is not None and progress.steps % self.progress_every == 0:
+                progress.now_s = times.start_s
+                self.on_progress(progress)
+        progress.finished += len(result.finished)
+        for request in result.finished:
+            self.router.release(replica.index, request)
+
+    def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
+        """A decode window closed: its running members' records catch up on their window
+        batches, the last of which ended when the replica's last applied batch did."""
+        self.recorder.close_decode_window(members, replica.timeline.last_applied_end_s)
+
+    # -- what the processes ask -------------------------------------------------------------
+
+    def window_allowed(self, timeline: DeviceTimeline) -> bool:
+        """Whether a decode window may go on: the time limit cannot cut the batch in flight
+        short (a run may stop before that batch is applied: no state may be implicit)."""
+        limit = self.time_limit_s
+        return limit is None or (bool(timeline.in_flight) and timeline.oldest_end_s < limit)
+
+    def wait_for_transfers(self, replica: Replica, reported: bool):
+        """Requests wait for transfers and nothing could run: True to step again, now if the
+        worker just reported one finished (a waiting request may go), else once the next one
+        finishes or a request arrives; False if nothing is in flight."""
+        if reported:
+            return True
+        due_s = replica.next_offload_event_s()
+        if due_s is None:
+            return False
+        env = self.env
+        if due_s > env.now:
+            yield env.any_of([replica.sleep(env), env.timeout(due_s - env.now)])
+        return True
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def run(self, arrivals: Iterable[Arrival]) -> float:
+        """Replay ``arrivals`` (sorted by time) until every request is done or the time
+        limit; returns the simulated time at which the run ended."""
+        env = self.env
+        env.process(arrival_process(self, iter(arrivals)))
+        dones = [env.process(self._engine_process(replica)) for replica in self.replicas]
+        done = dones[0] if len(dones) == 1 else env.all_of(dones)
+        limit = self.time_limit_s
+        env.run(until=done if limit is None else env.any_of([done, env.timeout(limit)]))
+        self.progress.now_s = env.now
+        if self.on_progress is not None:
+            self.on_progress(self.progress)
+        self.recorder.finish_unfinished()
+        return env.now
+
+    def _engine_process(self, replica: Replica):
+        if replica.engine.scheduler.config.async_scheduling:
+            return async_engine_process(self, replica)
+        return sync_engine_process(self, replica)
+
+
+def run_simulation(replicas: Sequence[Replica], arrivals: Iterable[Arrival], recorder: MetricsRecorder, *,
+                   router: Router | None = None, time_limit_s: float | None = None,
+                   on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000,
+                   env: simpy.Environment | None = None) -> float:
+    """Replay ``arrivals`` on ``replicas`` behind ``router`` (a single replica may leave it
+    out). ``env`` is the clock: a fresh ``simpy.Environment`` by default, a
+    ``simpy.rt.RealtimeEnvironment`` for wall-clock pacing. Returns the simulated time at
+    which the run ended."""
+    router = router if router is not None else SingleReplicaRouter()
+    cluster = Cluster(env if env is not None else simpy.Environment(), replicas, router, recorder,
+                      time_limit_s=time_limit_s, on_progress=on_progress, progress_every=progress_every)
+    return cluster.run(arrivals)

@@ -1,0 +1,123 @@
+"""The two engine processes of a replica: synchronous steps, or vLLM's batch queue.
+
+``sync_engine_process``: each step schedules, runs for what the executor predicts, and is
+applied at its end; an idle replica sleeps until an arrival.
+
+``async_engine_process`` (``async_scheduling``, vLLM's default): batch N+1 is scheduled as
+soon as batch N is handed to the device, so scheduling takes no simulated time (the cost
+model folds the CPU overlap into a batch's duration: ``max(gpu, overhead)``). The device
+runs batches one after another (``DeviceTimeline``); the engine waits for the oldest
+batch's end, applies its results and schedules the next one at that instant, before the
+newer batch's results are known. A metrics step is one batch: it starts when the device
+starts it and lasts its device time; its admissions are stamped with the time it was
+scheduled. Batches that computed nothing leave no step row unless they preempted.
+
+Decode windows (``sim/core/decode_window.py``) need nothing here: the replica's
+``WindowedBatchQueue`` hands out window batches and real ones alike. The clock's one part
+in them is ``window_allowed``: a window goes on only while the time limit cannot cut its
+batch in flight short, so a run stopped by the limit holds no implicit state.
+
+With an offload tier the engine also steps while finished requests are still to be
+reported (their last chunks are stored in that step, as vLLM steps while
+``has_finished_requests``). A step that schedules nothing because requests wait for
+transfers steps again at once if the worker reported a transfer finished in it, and
+otherwise sleeps until the next transfer finishes or a request arrives, whichever is first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.metrics import BatchTimes
+
+if TYPE_CHECKING:
+    from kvtwin.sim.replay.clock.cluster import Cluster
+
+
+def sync_engine_process(cluster: Cluster, replica: Replica):
+    env = cluster.env
+    engine = replica.engine
+    executor = replica.executor
+    offload = engine.offload is not None
+    while True:
+        # With an offload tier a step also reports finished requests (their last stores).
+        if not (engine.has_requests() if offload else engine.has_unfinished_requests()):
+            if cluster.arrivals_done:
+                return
+            yield replica.sleep(env)
+            continue
+        start_s = env.now
+        result = engine.step(executor)
+        duration_s = result.execution.duration_s
+        cluster.applied(replica, result, BatchTimes(start_s, start_s, start_s + duration_s), synchronous=True)
+        if duration_s > 0:
+            yield env.timeout(duration_s)
+        elif not result.output.num_scheduled_tokens:
+            if offload and engine.has_unfinished_requests():
+                if (yield from cluster.wait_for_transfers(replica, _reported(result))):
+                    continue
+            # Nothing could be scheduled and no time passes: wait for an arrival rather
+            # than spin (the waiting head cannot fit until something changes).
+            if cluster.arrivals_done:
+                return
+            yield replica.sleep(env)
+
+
+def async_engine_process(cluster: Cluster, replica: Replica):
+    env = cluster.env
+    engine = replica.engine
+    batches = replica.batches
+    timeline = replica.timeline
+    size = engine.batch_queue_size
+    while True:
+        if not engine.has_requests() and not batches.in_flight:
+            if cluster.arrivals_done:
+                return
+            yield replica.sleep(env)
+            continue
+        if engine.has_requests():
+            now = env.now
+            launch = batches.schedule(cluster.window_allowed(timeline))
+            if launch.closed_window is not None:
+                cluster.window_closed(replica, launch.closed_window)
+            if launch.executed:
+                timeline.launch(now, launch.duration_s)
+            else:
+                timeline.launch_empty(now)
+                if not launch.preempted and not batches.any_executed():
+                    # Nothing could be scheduled and nothing runs: apply what is queued (it
+                    # computed nothing) and wait rather than spin.
+                    if (yield from _idle(cluster, replica)):
+                        continue
+                    return
+            if batches.in_flight < size and (launch.executed or engine.has_requests()):
+                continue  # the queue has room: schedule the next batch at once
+        times = timeline.take_oldest()
+        if times.end_s > env.now:
+            yield env.timeout(times.end_s - env.now)
+        cluster.applied(replica, batches.update(), times)
+
+
+def _idle(cluster: Cluster, replica: Replica):
+    """Apply the batches queued (none computes anything), then wait for a transfer or an
+    arrival: True to go on, False when the replica is done."""
+    engine = replica.engine
+    reported = False
+    while replica.batches.in_flight:
+        result = replica.batches.update()
+        cluster.applied(replica, result, replica.timeline.take_oldest())
+        reported |= _reported(result)
+    if engine.offload is not None and engine.has_unfinished_requests():
+        if (yield from cluster.wait_for_transfers(replica, reported)):
+            return True
+    if cluster.arrivals_done:
+        return False
+    yield replica.sleep(cluster.env)
+    return True
+
+
+def _reported(result) -> bool:
+    """Whether the worker reported a transfer finished with this step's result."""
+    transfers = result.transfers
+    return transfers is not None and bool(transfers.completed_jobs or transfers.finished_recving)

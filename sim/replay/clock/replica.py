@@ -1,0 +1,49 @@
+"""One data-parallel replica on the SimPy clock: its engine, its executor, and its device.
+
+A replica sleeps on its own event while it has nothing to do; an arrival routed to it (or
+the end of arrivals) wakes it. With asynchronous scheduling its batches come from a
+``WindowedBatchQueue`` (decode windows where the executor can price them) and run on its
+``DeviceTimeline``.
+"""
+
+from __future__ import annotations
+
+import simpy
+from simpy.events import Event
+
+from kvtwin.sim.core.decode_window import WindowedBatchQueue, WindowPricing
+from kvtwin.sim.core.engine import EngineCore, ModelExecutor
+from kvtwin.sim.core.offload.transfers import TimedTransfers
+from kvtwin.sim.replay.clock.timeline import DeviceTimeline
+
+
+class Replica:
+    def __init__(self, engine: EngineCore, executor: ModelExecutor, window_pricing: WindowPricing | None = None):
+        """``window_pricing``: the executor itself where it prices decode windows in closed
+        form (None: every batch is scheduled one by one; the results are the same)."""
+        self.engine = engine
+        self.executor = executor
+        # Windows assume vLLM's two batches in flight (their proof counts on it).
+        pricing = window_pricing if engine.batch_queue_size == 2 else None
+        self.batches = WindowedBatchQueue(engine, executor, pricing)
+        self.timeline = DeviceTimeline()
+        self.index = 0  # its place in the cluster, set when the cluster is built
+        self._wake: Event | None = None
+
+    def sleep(self, env: simpy.Environment) -> Event:
+        """The event this replica waits on until something arrives for it."""
+        self._wake = env.event()
+        return self._wake
+
+    def wake(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.triggered:
+            wake.succeed()
+
+    def next_offload_event_s(self) -> float | None:
+        """When the next transfer of the engine's offload tier finishes: a GPU↔CPU job, or
+        a CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
+        tier = self.engine.offload
+        assert tier is not None and isinstance(tier.transfers, TimedTransfers)  # the SimPy clock's kind
+        times = [t for t in (tier.transfers.next_completion_s(), tier.manager.next_finish_s()) if t is not None]
+        return min(times) if times else None
