@@ -8,7 +8,7 @@ for decode steps the KV cache manager already knows change nothing, so the per-c
 averages the calls that do work; steps per second is the end-to-end figure (the fastest of
 ``--repeats`` runs, without the call timer, which runs once more on its own).
 
-With the oracle venv present (``../shared/oracle``), vLLM 0.33's own scheduler and KV cache
+With the oracle venv present (``scripts/oracle/README.md``), vLLM 0.33's own scheduler and KV cache
 manager replay the same golden cases in the same run (``scripts/oracle/time_vllm_cases.py``,
 start-up not timed) and the table gives each case's speed ratio and the whole loop's
 (target: kvtwin at least 4x faster). Offload cases need our connector harness and are not

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from reference_loop import reference_seconds  # noqa: E402  (a sibling script, not a package)
 
-VIDUR_AZURE_CONV_S = 37.3  # Vidur on the Azure conversation trace, same machine kind (issue 14)
+VIDUR_AZURE_CONV_S = 37.3  # Vidur on the Azure conversation trace, same machine kind
 
 
 @dataclass(frozen=True)

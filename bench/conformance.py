@@ -2,8 +2,8 @@
 scheduler produce their expected results, replay each through kvtwin's lockstep clock and
 print a match table.
 
-Not run in CI: it needs the vLLM oracle venv (``../shared/oracle/setup_venv.sh``, CPU
-only, about five minutes once). The oracle scripts there run vLLM's real ``Scheduler`` /
+Not run in CI: it needs the vLLM oracle venv (``scripts/oracle/README.md``, CPU only,
+about five minutes once). The oracle scripts (``--oracle-dir``) run vLLM's real ``Scheduler`` /
 ``AsyncScheduler`` on case directories; everything else (the workloads, the config grid,
 the comparison) is this script's.
 

@@ -1,1 +1,2 @@
-"""Run outputs: the run directory's parquet files and their documented schema (SCHEMA.md)."""
+"""Run outputs: the run directory's parquet files and their documented schema (SCHEMA.md),
+text summaries, plots and the HTML report."""

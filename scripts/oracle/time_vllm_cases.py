@@ -1,7 +1,7 @@
 """Time vLLM 0.33's own scheduler and KV cache manager on golden cases (for
 ``bench/bench_core.py``, which runs kvtwin on the same cases and reports the ratio).
 
-Runs under the oracle venv (``../shared/oracle/README.md``) and drives the oracle's
+Runs under the oracle venv (``scripts/oracle/README.md``) and drives the oracle's
 ``run_case`` (synchronous cases) and ``run_case_async`` (asynchronous ones), the very loops
 that produced the cases, so both sides do the same work: schedule, step the fake model,
 update, and record every step's line. Import and start-up are not timed; each case is run
@@ -9,7 +9,7 @@ update, and record every step's line. Import and start-up are not timed; each ca
 connector harness and are left out. Prints one JSON object: case name -> seconds.
 
     ~/.cache/kvtwin-oracle-venv/bin/python scripts/oracle/time_vllm_cases.py \
-        --oracle ../shared/oracle CASE_DIR...
+        --oracle ORACLE_DIR CASE_DIR...
 """
 
 from __future__ import annotations

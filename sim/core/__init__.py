@@ -4,6 +4,7 @@ One file per vLLM concept, named as vLLM names it: ``spec`` (KVCacheSpec and the
 ``hashing``, ``block_pool``, ``managers`` (single-type managers), ``coordinator``,
 ``kv_cache_blocks``, ``kv_cache_manager``, ``request``, ``request_queue``, ``scheduler``,
 ``scheduler_output`` (the whole contract with an executor), ``engine`` (the one step
-function every clock drives, and the ``ModelExecutor`` protocol), ``config`` and ``errors``. Nothing here knows which
-clock runs it; ``tests/test_layout.py`` enforces that it imports nothing else.
+function every clock drives, and the ``ModelExecutor`` protocol), ``decode_window``,
+``config`` and ``errors``; ``offload/`` holds the KV connector and the CPU and disk tiers.
+Nothing here knows which clock runs it; ``tests/test_layout.py`` enforces that it imports nothing else.
 """

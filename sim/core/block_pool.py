@@ -1,6 +1,6 @@
 """The one pool of KV blocks that every group draws from.
 
-Semantics section 2 (vLLM ``BlockPool``, ``FreeKVCacheBlockQueue``, ``BlockHashToBlockMap``).
+docs/semantics.md#block-pool (vLLM ``BlockPool``, ``FreeKVCacheBlockQueue``, ``BlockHashToBlockMap``).
 What matters for exactness, and what this module reproduces:
 
 * block 0 is the null block: popped first, never handed out, cached or freed;

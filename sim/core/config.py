@@ -1,4 +1,4 @@
-"""Engine settings the scheduler and KV cache manager run with (semantics section 6 defaults).
+"""Engine settings the scheduler and KV cache manager run with (docs/semantics.md#scheduler-defaults).
 
 The bottom of one chain: a scenario's ``[engine]`` table becomes the planner's
 ``EngineConfig`` (vLLM's option names, None for "vLLM's default"), which resolves against a

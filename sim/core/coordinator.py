@@ -1,6 +1,6 @@
 """KV cache coordinators: one set of managers over one shared pool, and the hybrid hit.
 
-Seed 000 ("the group ledger") and semantics section 4. Every coordinator owns the single
+docs/semantics.md#coordinators. Every coordinator owns the single
 ``BlockPool`` and one manager per group; most calls just loop over the managers in
 group order. They differ only in how a prefix hit is found:
 

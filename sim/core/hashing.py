@@ -1,6 +1,6 @@
 """Chained block hashes: the identity of a prefix, one hash per full block.
 
-Semantics section 1. Block ``i``'s hash is ``hash_fn((parent, identity_i, None))`` — vLLM's
+docs/semantics.md#block-hashing. Block ``i``'s hash is ``hash_fn((parent, identity_i, None))`` — vLLM's
 3-tuple with no extra keys (kvtwin models no LoRA, multimodal or cache-salt inputs) —
 where ``parent`` is block ``i-1``'s hash (``NONE_HASH`` for the first block), so two
 requests share block ``i``'s hash only when they share the whole prefix up to it. Only
@@ -228,7 +228,7 @@ class CoarseBlockHashes:
     """Block hashes of a group whose block is ``factor`` fine hash blocks long.
 
     The fine chain already covers the whole prefix, so coarse block ``i`` reuses fine hash
-    ``(i + 1) * factor - 1`` instead of hashing again (semantics 1, "Coarser groups").
+    ``(i + 1) * factor - 1`` instead of hashing again (docs/semantics.md#coarser-groups).
     """
 
     __slots__ = ("fine", "factor")

@@ -1,6 +1,6 @@
 """The scheduler's face of the KV cache: find hits, allocate slots, free (vLLM ``KVCacheManager``).
 
-Semantics section 5 and seed 002. ``allocate_slots`` follows vLLM's order step by step,
+docs/semantics.md#kv-cache-manager. ``allocate_slots`` follows vLLM's order step by step,
 because the order is observable: skipped blocks are released *before* the capacity check
 (even when the allocation then fails), free hit blocks count against capacity, waiting
 requests must fit their whole sequence, and blocks completed by this step's tokens are

@@ -1,6 +1,6 @@
 """Single-type managers: one per KV cache group, each owning that group's block tables.
 
-Semantics section 3 (vLLM ``single_type_kv_cache_manager.py``). A manager knows how its
+docs/semantics.md#single-type-managers (vLLM ``single_type_kv_cache_manager.py``). A manager knows how its
 attention type uses blocks: which prefix blocks a hit needs, which blocks a request may
 drop early (``get_num_skipped_tokens``), and how many blocks an allocation will take from
 the shared pool. The base class holds the bookkeeping every type shares.

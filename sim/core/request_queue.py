@@ -1,6 +1,6 @@
 """Waiting queues: FCFS (a deque) and priority (a heap on (priority, arrival time)).
 
-Semantics section 6: a preempted request goes back to the *front* of the FCFS queue; in the
+docs/semantics.md#preemption: a preempted request goes back to the *front* of the FCFS queue; in the
 priority queue "front" is simply its (priority, arrival) order.
 """
 

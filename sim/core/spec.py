@@ -1,7 +1,6 @@
 """KV cache specs: what one layer needs from the block pool, and the layout built from them.
 
-Seed 000 ("KVCacheSpec: the smallest description of one layer's cache") and semantics
-sections 3 and 7. A spec describes the physical shape of a layer's cache, never how
+docs/semantics.md#single-type-managers and #page-sizes-and-worst-case-per-request. A spec describes the physical shape of a layer's cache, never how
 attention is computed: block size, bytes per block (page), the worst case a request can
 hold, and for windowed kinds the admission cap that the scheduler's whole-sequence check
 and the planner's pool sizing share.

@@ -1,14 +1,14 @@
 """The step clock: run a golden case one engine step per tick with a scripted model.
 
-DESIGN.md's third clock. Step ``s`` adds the requests arriving at ``s`` (in file order),
+The step clock of docs/architecture.md#one-core-two-clocks. Step ``s`` adds the requests arriving at ``s`` (in file order),
 calls ``EngineCore.step`` (schedule, the scripted model samples each request's next
 ``output_token_ids`` entry once its prefill or recompute is complete, update), and
 records what happened. The run ends after the first step at whose end every request has
 arrived and finished. This is the exactness check: the same engine the replay and the
 executor drive, with nothing but the clock and the model swapped out.
 
-A case with ``async_scheduling`` is stepped by ``EngineCore.step_async`` (the golden
-README's "Asynchronous cases"): a step may only schedule, or schedule and apply the oldest
+A case with ``async_scheduling`` is stepped by ``EngineCore.step_async``
+(docs/semantics.md#asynchronous-scheduling): a step may only schedule, or schedule and apply the oldest
 batch; admissions are recorded at the step that scheduled them, finishes at the step whose
 update produced the last token, and the run also waits for the batches in flight.
 """

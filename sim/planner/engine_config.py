@@ -1,6 +1,6 @@
 """One set of vLLM engine knobs, and how vLLM 0.33 resolves them for a model and a GPU.
 
-Semantics section 7 (defaults) and section 6 (scheduler knobs). The chain is:
+docs/semantics.md#number-of-blocks (defaults) and #scheduler-defaults (scheduler knobs). The chain is:
 
     scenario [engine] / flags ─► EngineConfig ─resolve(model, gpu)─► ResolvedEngineConfig
                                                                       ├─ .scheduler: SchedulerConfig

@@ -1,6 +1,6 @@
 """Grouping layers into KV cache groups: one block table per group, one pool for all.
 
-Seed 000 ("分组：把层切成「同构的管理单元」") and semantics section 7. In the order vLLM
+docs/semantics.md#grouping-and-page-size. In the order vLLM
 0.33's ``get_kv_cache_groups`` tries them:
 
 1. Hybrid KV cache manager off: sliding-window and chunked-local layers are promoted to

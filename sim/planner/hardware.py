@@ -1,6 +1,6 @@
 """GPU presets and custom hardware: memory, bandwidth, FLOP/s, interconnect, host link.
 
-The planner (semantics section 7) starts from a GPU's memory; the cost model uses its
+The planner (docs/semantics.md#memory-budget) starts from a GPU's memory; the cost model uses its
 bandwidth and FLOP rates, and the KV offload tiers its PCIe host link (per direction). The
 figures live in ``sim/planner/data/gpus.toml`` with the vendor datasheets they come from. A scenario can name a preset, override some of its fields, or
 describe a whole GPU inline.

@@ -1,6 +1,6 @@
 """A local Hugging Face ``config.json`` -> a ``ModelPreset`` (no network).
 
-For the architectures of the built-in presets (models.md section 2) this reads the fields
+For the architectures of the built-in presets (``sim/planner/data/models.toml``) this reads the fields
 vLLM's model classes read to build their KV cache specs: the layer pattern (``layer_types``,
 ``sliding_window_pattern``, ``no_rope_layers``, ``attn_layer_period``,
 ``hybrid_override_pattern``, ``attn_type_list``, ``full_attention_interval``), the attention

@@ -1,4 +1,4 @@
-"""How many bytes the KV cache gets on one GPU (semantics section 7, first bullet).
+"""How many bytes the KV cache gets on one GPU (docs/semantics.md#memory-budget).
 
 vLLM measures it: ``ceil(total x gpu_memory_utilization)`` minus what a profiling forward
 pass at ``max_num_batched_tokens`` consumed (weights, non-torch memory, the transient

@@ -1,7 +1,7 @@
 """Model presets: the architecture facts the planner turns into one KV cache spec per layer.
 
-DESIGN.md "models.py". The built-in presets live in ``sim/planner/data/models.toml`` with the
-sources ``../shared/reference/models.md`` cites for every figure. A scenario can describe a
+The built-in presets live in ``sim/planner/data/models.toml``, each figure with the public
+source it was read from (its ``source`` field). A scenario can describe a
 model inline with the same fields (``model_from_mapping``) and ``sim/planner/hf_config.py`` reads a
 local Hugging Face ``config.json`` into the same form.
 
@@ -9,7 +9,7 @@ A preset holds *facts*, not specs: the spec of a layer also depends on engine se
 (block size, KV cache dtype, tensor parallelism, Mamba state dtypes), so ``sim/planner/plan.py``
 builds specs from a preset and an engine config. What a preset does compute itself is the
 per-GPU shape of its recurrent states (``RecurrentState.state_shapes``, following vLLM's
-``MambaStateShapeCalculator`` as restated in models.md section 1), its weight bytes and
+``MambaStateShapeCalculator``), its weight bytes and
 its FLOPs per token for the cost model.
 """
 
@@ -122,7 +122,7 @@ class Mamba2State(RecurrentState):
     """Granite-4.0-H, Nemotron-H: conv (d_conv-1, conv_dim/tp), ssm (heads/tp, head_dim, d_state).
 
     ``conv_dim = d_inner + 2 * groups * d_state``; when ``n_groups`` does not split over
-    the TP ranks vLLM replicates the groups up to ``tp`` first (models.md section 1).
+    the TP ranks vLLM replicates the groups up to ``tp`` first (``MambaStateShapeCalculator``).
     """
 
     kind: ClassVar[str] = "mamba2"
@@ -204,7 +204,7 @@ class LinearAttentionState(RecurrentState):
         return 4 * self.num_heads * self.head_dim
 
     def state_roles(self) -> tuple[str, ...]:
-        # vLLM keys the linear-attention state on mamba_cache_dtype (models.md 1).
+        # vLLM keys the linear-attention state on mamba_cache_dtype.
         return ("conv",)
 
     def state_shapes(self, *, hidden_size: int, tp: int) -> tuple[tuple[int, ...], ...]:

@@ -1,14 +1,14 @@
 """Page sizes: the attention block size of hybrid attention+state models, and page-size
 unification across layers.
 
-Seed 000 ("统一页大小") and semantics section 7. One block id is one page in every layer
+docs/semantics.md#grouping-and-page-size. One block id is one page in every layer
 of a group and every group aliases the same pool, so all layers must end up with the same
 page bytes:
 
 * ``hybrid_attention_block_size`` — a recurrent state's page does not depend on the block
   size, so vLLM raises the *attention* block size (in steps of the kernel's alignment)
   until one attention page holds a state, then pads the state page up to that attention
-  page (vLLM ``_align_hybrid_block_size``; models.md section 1 gives the older form).
+  page (vLLM ``_align_hybrid_block_size``; older releases padded differently).
 * ``unify_page_sizes`` — what remains unequal is fixed per layer against the largest page:
   a smaller page that divides it scales its block size by the ratio (no waste); a state
   page is padded; a non-dividing, non-MLA attention page is padded (read through a strided

@@ -1,6 +1,6 @@
 """The KV cache planner: model + GPU + engine config -> vLLM's layout and capacity.
 
-Seed 000 (spec -> grouping -> page size) and semantics section 7, as vLLM 0.33 does it:
+Spec -> grouping -> page size (docs/semantics.md#number-of-blocks), as vLLM 0.33 does it:
 
 1. ``EngineConfig.resolve`` (``engine_config.py``) fills vLLM's defaults (batching defaults by GPU memory, the
    hybrid manager default per model, async scheduling on, Mamba "align" mode when prefix

@@ -1,4 +1,4 @@
-"""Fit the cost model's efficiency factors to measured step times (issue "validate check 4").
+"""Fit the cost model's efficiency factors to measured step times (``kvtwin validate``'s step_latency check).
 
 The roofline in ``cost_model`` predicts a step from raw terms (FLOPs, bytes, requests)
 and seven ``Efficiency`` factors whose defaults are guesses. Given steps measured on a

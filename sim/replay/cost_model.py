@@ -1,6 +1,6 @@
 """Step duration from the batch: a roofline per GPU, term by term, per layer type.
 
-DESIGN.md "cost model". One engine step runs every scheduled request's new tokens
+docs/architecture.md#the-simulated-clock. One engine step runs every scheduled request's new tokens
 through the model once. Per GPU of the tensor-parallel group it
 
 * reads the weights once (MoE: only the experts the step's tokens are routed to, in

@@ -1,6 +1,7 @@
 """The planner's arithmetic on real presets, each figure derived by hand here from the
-published facts (../shared/reference/models.md section 2) and vLLM's rules (semantics
-section 7, seed 000). models.md sections 3-5 are used only as a cross-check."""
+published facts (each preset's ``source`` in ``sim/planner/data/models.toml``) and vLLM's
+rules (docs/semantics.md#number-of-blocks). Memory tables worked out from those facts
+beforehand are used only as a cross-check."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_gemma3_27b_sliding_layers_bounded_vs_full(length):
     steady_bytes = on.steady_state_blocks_per_request * on.bytes_per_block
     full_bytes = off.blocks_per_request * off.bytes_per_block
     assert full_bytes == 62 * 8192 * length  # 8192 bytes per token per layer
-    # models.md section 5 cross-check: 0.1920 at 32k, 0.1690 at 128k.
+    # Cross-check against the worked-out memory table: 0.1920 at 32k, 0.1690 at 128k.
     expected = {32768: 0.1920, 131072: 0.1690}[length]
     assert steady_bytes / full_bytes == pytest.approx(expected, abs=5e-5)
     if length == 32768:
@@ -128,7 +129,7 @@ def test_llama4_scout_chunked_local_groups():
     # Decode: the current chunk (plus the token in flight) per local group.
     steady_chunk = cdiv(8192 + 1, 16)
     assert on.steady_state_blocks_per_request == 8192 + 3 * steady_chunk
-    # models.md 5 cross-check ("current chunk full" worst case, 32k): 0.4375
+    # Cross-check against the worked-out memory table ("current chunk full" worst case, 32k): 0.4375
     at32 = run("llama-4-scout", max_model_len=32768, hybrid_kv_cache=True)
     ratio = at32.steady_state_blocks_per_request * at32.bytes_per_block / (48 * 2048 * page)
     assert ratio == pytest.approx(0.4375, abs=1e-3)
@@ -294,7 +295,7 @@ def test_group_counts_and_padding(model, groups, padding, block):
 
 
 def test_state_pages_match_models_md_table():
-    # models.md section 3 cross-check of the page unification table.
+    # Cross-check against the worked-out page unification table.
     granite = run("granite-4.0-h-small", gpu="a100-80gb", max_model_len=8192)
     assert granite.groups[0].spec.real_page_size_bytes == 3 * 8448 * 2 + 128 * 64 * 128 * 2 == 2_147_840
     assert granite.groups[0].spec.page_size_bytes == 528 * 4096 == 2_162_688

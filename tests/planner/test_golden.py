@@ -1,5 +1,5 @@
 """The four layouts vLLM 0.33's own planner produced (tests/planner/golden, copied from
-../shared/golden/planner): the documented command must reproduce each of them, field by
+the vLLM oracle's planner outputs): the documented command must reproduce each of them, field by
 field, for every max_model_len the file holds."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A local HF config.json gives the same per-layer specs as the built-in preset, for every
 architecture of the presets. The configs are written here with HF's field names from the
-facts of models.md section 2 (the same facts the presets hold)."""
+same published facts the presets hold (``sim/planner/data/models.toml``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.plan import build_layer_specs, plan
 
 COMMON = {"torch_dtype": "bfloat16"}
-NEMOTRON_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # models.md 2.13
+NEMOTRON_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # Nemotron-H 8B hybrid_override_pattern
 
 
 def _attn(m, **extra):

@@ -1,4 +1,4 @@
-"""Page-size unification and grouping rules on hand-built specs (seed 000, semantics 7)."""
+"""Page-size unification and grouping rules on hand-built specs (docs/semantics.md#grouping-and-page-size)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model and GPU presets: exact names, facts from models.md and the datasheets, settings
+"""Model and GPU presets: exact names, facts from the models' published configs and the datasheets, settings
 that are settings (KV and state dtypes), hardware-dependent kernel constraints."""
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ def test_capacity_table_has_offload_columns_when_a_point_offloads(runs):
     assert "hit_rate_total" not in plain.column_names
 
 
-# -- sanity on the bundled Mooncake trace (the proof) ------------------------------
+# -- sanity on the bundled Mooncake trace (a GPU cache too small for its reuse) -------
 
 @pytest.fixture(scope="module")
 def mooncake_small_gpu():

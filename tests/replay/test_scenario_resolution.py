@@ -108,7 +108,7 @@ def test_without_a_model_or_gpu_the_error_says_where_to_put_one(scenario, tmp_pa
     assert err.value.source == str(bare)
 
 
-# -- bad flags (issue "one house", section 5: one test per row) --------------------------
+# -- bad flags (one test per rejected flag value) -------------------------------------
 
 
 @pytest.mark.parametrize("flag, value, expected", [

@@ -1,6 +1,6 @@
 """A test-only model executor that rebuilds the block tables from the scheduler output alone.
 
-BLOCK-TABLE-MIRROR (``tests/INVARIANTS.md``): what a device executor will do, kept as
+BLOCK-TABLE-MIRROR (``docs/invariants.md``): what a device executor will do, kept as
 simple as possible so that it can be trusted. Per output, in the order
 ``scheduler_output.py`` prescribes: drop finished (previous step) and preempted requests;
 set a new or resumed request's tables to its ``block_ids``; for a running request apply

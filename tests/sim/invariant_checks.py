@@ -1,4 +1,4 @@
-"""Invariant checks over a live ``EngineCore`` (see ``tests/INVARIANTS.md``).
+"""Invariant checks over a live ``EngineCore`` (see ``docs/invariants.md``).
 
 ``check_invariants(engine)`` asserts everything that must hold *between* engine steps and
 needs nothing but the engine: the block pool (POOL-CONSERVE, POOL-REF, POOL-NULL,

@@ -1,4 +1,4 @@
-"""Semantics §2: the block pool, free-queue order, lazy eviction."""
+"""docs/semantics.md#block-pool: the block pool, free-queue order, lazy eviction."""
 
 import pytest
 

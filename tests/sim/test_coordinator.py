@@ -1,4 +1,4 @@
-"""Semantics §4: coordinator choice and the hybrid fixed-point hit."""
+"""docs/semantics.md#coordinators: coordinator choice and the hybrid fixed-point hit."""
 
 from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache, UnitaryKVCacheCoordinator
 from kvtwin.sim.core.spec import MambaSpec, SlidingWindowSpec

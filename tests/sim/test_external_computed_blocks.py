@@ -1,4 +1,4 @@
-"""Semantics section 4 (``allocate_new_computed_blocks``): a new request first holds every
+"""docs/semantics.md#coordinator-choice (``allocate_new_computed_blocks``): a new request first holds every
 group's prefix-hit blocks, and only then do the groups take fresh blocks for the tokens an
 offload connector supplies (vLLM issue #33775), so one group's allocation cannot evict
 another group's hit. Also: those fresh blocks stay uncached until the load lands."""

@@ -15,7 +15,7 @@ CASES_DIR = Path(__file__).parent.parent / "golden" / "cases"
 CASES = sorted(p.name for p in CASES_DIR.iterdir() if (p / "config.json").exists())
 
 
-# The cases published in ../shared/golden/cases (produced by vLLM 0.33.0 itself); the
+# The publicly released cases (produced by vLLM 0.33.0 itself); the
 # directory may hold more (cases generated with the oracle for further rules).
 PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mamba_align", "multiturn",
                 "no_chunking", "priority", "swa128", "three_groups", "hybrid_priority", "mamba_checkpoint",
@@ -23,7 +23,7 @@ PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mam
 
 
 # Asynchronous scheduling (vLLM's default AsyncScheduler, two batches in flight), produced
-# with ../shared/oracle/gen_golden_async.py: the public async_pressure plus full + sliding
+# with the vLLM oracle's asynchronous case generator: the public async_pressure plus full + sliding
 # window, full + chunked local, full + Mamba (align, no prefill checkpoints), a hybrid
 # under the priority policy, the priority policy, chunked prefill off, multi-turn and big
 # batches (budget 8192, up to 29 requests and ~3k tokens per batch).
@@ -34,7 +34,7 @@ ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba
                "offload_async_full_lru", "offload_async_swa_arc", "offload_async_mamba_lru",
                "offload_async_full_arc_slow",
                # Prefix caching off: Mamba align mode still cuts chunks, a connector still
-               # hashes blocks (../shared/oracle and scripts/oracle on configs with caching off).
+               # hashes blocks (the vLLM oracle and scripts/oracle on configs with caching off).
                "async_mamba_align_nocache", "offload_nocache_async_full_lru", "offload_nocache_async_mamba_lru"}
 
 def test_all_fourteen_public_golden_cases_are_listed():

@@ -1,4 +1,4 @@
-"""Semantics §1: chained block hashes."""
+"""docs/semantics.md#block-hashing: chained block hashes."""
 
 import hashlib
 import pickle

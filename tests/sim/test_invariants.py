@@ -6,7 +6,7 @@ attention group of block size 32 hashed at 16), a small pool (pressure and preem
 but every request fits on its own), random scheduler knobs, and a workload drawn from a
 tiny token alphabet with shared prefixes and resends so that prefix hits happen. The
 engine is stepped with a scripted model and ``check_invariants`` runs after every step.
-The invariants and the tests that check them are listed in ``tests/INVARIANTS.md``.
+The invariants and the tests that check them are listed in ``docs/invariants.md``.
 """
 
 from __future__ import annotations

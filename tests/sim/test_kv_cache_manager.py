@@ -1,4 +1,4 @@
-"""Semantics §5: get_computed_blocks and allocate_slots in vLLM's order."""
+"""docs/semantics.md#kv-cache-manager: get_computed_blocks and allocate_slots in vLLM's order."""
 
 import pytest
 

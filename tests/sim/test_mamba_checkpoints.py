@@ -1,4 +1,4 @@
-"""Mamba prefill checkpoints (vLLM 0.33; semantics §3 MambaManager, §6 the Mamba split).
+"""Mamba prefill checkpoints (vLLM 0.33; docs/semantics.md#mamba, the manager and the split).
 
 A Mamba group whose kernel can leave a state mid-prefill (``num_prefill_checkpoint_blocks``
 > 0 with a ``prefill_checkpoint_alignment``) keeps that state in one extra block, just

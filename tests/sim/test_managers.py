@@ -1,4 +1,4 @@
-"""Semantics §3 and §5: single-type managers as driven through allocate_slots."""
+"""docs/semantics.md#single-type-managers and #allocate-slots: single-type managers as driven through allocate_slots."""
 
 from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 

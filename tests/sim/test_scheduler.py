@@ -1,4 +1,4 @@
-"""Semantics §6: the v1 scheduler's decisions."""
+"""docs/semantics.md#scheduler: the v1 scheduler's decisions."""
 
 import pytest
 
@@ -182,7 +182,7 @@ def _self_preemption_run(policy: str):
 
 
 def test_priority_self_preemption_goes_on_with_the_next_running_request():
-    """Semantics section 6 (vLLM 0.33 scheduler.py, the ``new_blocks is None`` branch): the
+    """docs/semantics.md#running-requests (vLLM 0.33 scheduler.py, the ``new_blocks is None`` branch): the
     lowest-priority request that cannot grow preempts itself, and the pass continues."""
     order, out = _self_preemption_run("priority")
     assert order == ["A", "B", "C"] and out.preempted == ["B"]

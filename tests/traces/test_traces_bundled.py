@@ -1,7 +1,7 @@
 """The bundled traces: intact copies, and loaders reproduce the published statistics.
 
-Expected numbers are the ones published with the traces (shared/traces/README.md, copied into
-traces/data/ATTRIBUTION.md's sources), compared at the precision they were published with.
+Expected numbers are the ones published with the traces (by the sources named in
+traces/data/ATTRIBUTION.md), compared at the precision they were published with.
 """
 
 import numpy as np
