@@ -1,5 +1,4 @@
-"""Decode windows: runs of batches scheduled without visiting every request at every step
-(issue 14, step 5).
+"""Decode windows: runs of batches scheduled without visiting every request at every step.
 
 Most batches of a busy replay only decode: each running request gets one token and
 nobody is preempted. Scheduled one by one (``Scheduler.schedule`` and
@@ -27,9 +26,11 @@ still done, by the same calls, in the same order:
 
 Only asynchronous scheduling with two batches in flight (vLLM's default), one
 full-attention KV cache group and no offload connector are windowed; elsewhere the
-scheduler runs alone. The clock around it (``sim/replay/workload.py``) prices each batch
-with the cost model's closed form, waits for it, records it, and ends the window where
-its state must become explicit.
+scheduler runs alone. ``WindowedBatchQueue`` (at the end of this file) is what a clock
+sees: it hands out window batches and real ones alike, prices each window batch with the
+executor's closed form (``WindowPricing``), applies it when the clock says it ended, and
+ends the window where its state must become explicit (the clock's one say is whether the
+time limit could cut the batch in flight short).
 
 Why a window batch is the batch ``schedule()`` would make. A window opens when the one
 batch in flight, ``X``, schedules exactly the running requests and every one samples in
@@ -495,8 +496,10 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
     ``MIN_WINDOW_STEPS`` batches more; else None. ``token_bases``: the executor's base per
     running request (None: it has sampled nothing, or its tokens are not ``base + index``)."""
     kvm = scheduler.kv_cache_manager
-    if (not scheduler.async_scheduling or scheduler.connector is not None or kvm.single_full_manager is None
-            or scheduler.finished_req_ids):
+    # The proof counts on vLLM's two batches in flight, and on a pool only the scheduler's
+    # own passes change (no connector loading into it).
+    if (not scheduler.async_scheduling or scheduler.config.max_concurrent_batches != 2
+            or scheduler.connector is not None or kvm.single_full_manager is None or scheduler.finished_req_ids):
         return None
     running = scheduler.running
     n = len(running)

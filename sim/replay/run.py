@@ -28,7 +28,8 @@ from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.cost_model import CostModel, Efficiency, StepCost
 from kvtwin.sim.core.decode_window import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, OffloadTier
-from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize, summarize_replicas
+from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.summaries import SLO, summarize, summarize_replicas
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan

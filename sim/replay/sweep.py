@@ -83,7 +83,8 @@ from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.offload import OffloadConfig
 from kvtwin.sim.replay.calibration_data import pessimistic, step_error
 from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS
-from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS, SLO, MetricsRecorder, summarize
+from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, SLO, summarize
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.parse import TRANSFORM_KEYS, Workload, scenario_from_data
 from kvtwin.sim.scenario.resolve import resolve_scenario

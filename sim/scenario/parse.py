@@ -26,7 +26,7 @@ from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
-from kvtwin.sim.replay.metrics import SLO
+from kvtwin.sim.replay.summaries import SLO
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.errors import TraceError

@@ -35,7 +35,7 @@ from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
 from kvtwin.sim.replay.calibration_data import Calibration, bundled_calibration, uncalibrated
 from kvtwin.sim.replay.cost_model import Efficiency
-from kvtwin.sim.replay.metrics import SLO
+from kvtwin.sim.replay.summaries import SLO
 from kvtwin.sim.scenario.parse import (Scenario, Workload, check_time_limit, check_transform, load_scenario,
                                       scenario_from_data)
 from kvtwin.traces.bundled import resolve as resolve_trace

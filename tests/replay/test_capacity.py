@@ -19,7 +19,7 @@ from kvtwin.commands.capacity import capacity
 from kvtwin.scenarios import SCENARIOS_DIR
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.replay import sweep
-from kvtwin.sim.replay.metrics import SLO
+from kvtwin.sim.replay.summaries import SLO
 from kvtwin.sim.replay.reuse_curve import hit_curve, reuse_profile
 from kvtwin.sim.replay.sweep import CAPACITY_METADATA_KEY, MAX_RATE_COLUMNS, summary_schema
 from kvtwin.traces.expand import table_block_ids

@@ -20,7 +20,8 @@ from kvtwin.sim.planner.engine_config import ROUTER_NAMES, EngineConfig, engine_
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.metrics import SLO, MetricsRecorder, summarize
+from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.summaries import SLO, summarize
 from kvtwin.sim.replay.router import ROUTERS, LeastLoadedRouter, PrefixAwareRouter, make_router
 from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_replay
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace

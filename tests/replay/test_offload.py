@@ -20,7 +20,7 @@ from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
 from kvtwin.sim.replay import sweep
-from kvtwin.sim.replay.metrics import OFFLOAD_SUMMARY_COLUMNS
+from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.parse import parse_scenario
 from tests.replay.chat_workload import chat_trace, llama_plan

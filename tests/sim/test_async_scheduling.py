@@ -18,7 +18,7 @@ from kvtwin.sim.core.engine import Execution
 from kvtwin.sim.core.request import RequestStatus
 from kvtwin.sim.lockstep.golden import load_case, read_jsonl
 from kvtwin.sim.lockstep.runner import run_case
-from kvtwin.sim.replay.metrics import MetricsRecorder
+from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.clock.arrivals import Arrival
 from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.replica import Replica

@@ -22,7 +22,7 @@ from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.clock.timeline import DeviceTimeline
-from kvtwin.sim.replay.metrics import BatchTimes, MetricsRecorder
+from kvtwin.sim.replay.recorder import BatchTimes, MetricsRecorder
 from kvtwin.sim.replay.router import Router, SingleReplicaRouter
 
 

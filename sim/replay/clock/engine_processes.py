@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtwin.sim.replay.clock.replica import Replica
-from kvtwin.sim.replay.metrics import BatchTimes
+from kvtwin.sim.replay.recorder import BatchTimes
 
 if TYPE_CHECKING:
     from kvtwin.sim.replay.clock.cluster import Cluster

@@ -23,9 +23,7 @@ class Replica:
         form (None: every batch is scheduled one by one; the results are the same)."""
         self.engine = engine
         self.executor = executor
-        # Windows assume vLLM's two batches in flight (their proof counts on it).
-        pricing = window_pricing if engine.batch_queue_size == 2 else None
-        self.batches = WindowedBatchQueue(engine, executor, pricing)
+        self.batches = WindowedBatchQueue(engine, executor, window_pricing)
         self.timeline = DeviceTimeline()
         self.index = 0  # its place in the cluster, set when the cluster is built
         self._wake: Event | None = None

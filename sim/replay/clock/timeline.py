@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvtwin.sim.replay.metrics import BatchTimes
+from kvtwin.sim.replay.recorder import BatchTimes
 
 
 class DeviceTimeline:

@@ -1,0 +1,329 @@
+"""A replay's summaries: the run-level row (named as ``vllm bench serve`` names its
+figures), the offload figures, and one row per data-parallel replica.
+
+docs/architecture.md#outputs; column meanings are in ``reports/SCHEMA.md``. Everything is
+computed from the recorder's tables, never from the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtwin.traces.expand import table_block_ids
+from kvtwin.traces.schema import hash_block_tokens_of
+from kvtwin.traces.stats import DEFAULT_BLOCK_TOKENS, prefix_reuse
+
+
+@dataclass(frozen=True)
+class SLO:
+    """A request meets the SLO when its TTFT and TPOT are both within these bounds."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, ttft_s: float, tpot_s: float) -> bool:
+        return ((self.ttft_s is None or ttft_s <= self.ttft_s)
+                and (self.tpot_s is None or (math.isnan(tpot_s) or tpot_s <= self.tpot_s)))
+
+
+def _stats(values: np.ndarray, prefix: str, scale: float = 1000.0) -> dict[str, float]:
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return {f"mean_{prefix}": math.nan, f"median_{prefix}": math.nan, f"p90_{prefix}": math.nan,
+                f"p99_{prefix}": math.nan}
+    return {
+        f"mean_{prefix}": float(finite.mean() * scale),
+        f"median_{prefix}": float(np.percentile(finite, 50) * scale),
+        f"p90_{prefix}": float(np.percentile(finite, 90) * scale),
+        f"p99_{prefix}": float(np.percentile(finite, 99) * scale),
+    }
+
+
+# When a run counts as saturated (summary columns ``saturated``, ``saturation_reason``).
+# A minute in line before the first schedule is more than any interactive service hides.
+SATURATION_QUEUE_P90_S = 60.0
+# Fewer than half the requests within the SLO: the deployment does not hold it.
+SATURATION_SLO_ATTAINMENT = 0.5
+# The engine still busy long after the last arrival: requests queued faster than served.
+SATURATION_DRAIN_FACTOR = 1.5
+SATURATION_DRAIN_MIN_S = 60.0
+
+
+def _reuse_upper_bound(trace: pa.Table) -> float:
+    """The infinite-cache share of prompt tokens (``kvtwin trace info``), NaN without identity.
+
+    Measured at the trace's own hash block size, which costs a few milliseconds on the
+    Mooncake hour; finer blocks would cost seconds and move the bound by under 1%.
+    """
+    block_tokens = hash_block_tokens_of(trace) or DEFAULT_BLOCK_TOKENS
+    ids = table_block_ids(trace, block_tokens)
+    if ids is None:
+        return math.nan
+    return prefix_reuse(ids, trace.column("prompt_tokens").to_numpy(), block_tokens).token_fraction
+
+
+def _saturation(queue_p90_s: float, attainment: float, has_slo: bool, completed: int, duration_s: float,
+                last_arrival_s: float) -> list[str]:
+    reasons = []
+    if queue_p90_s > SATURATION_QUEUE_P90_S:
+        reasons.append("queueing")
+    if has_slo and attainment < SATURATION_SLO_ATTAINMENT:
+        reasons.append("slo")
+    if (completed and duration_s > SATURATION_DRAIN_FACTOR * max(last_arrival_s, 1.0)
+            and duration_s - last_arrival_s > SATURATION_DRAIN_MIN_S):
+        reasons.append("drain")
+    return reasons
+
+
+def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float, *,
+              trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin",
+              offload: dict | None = None) -> pa.Table:
+    """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms).
+
+    ``trace`` is the replayed trace: it gives the requests that never arrived (a time
+    limit) and the prefix-reuse upper bound of those that did. ``num_replicas`` and
+    ``router`` describe the cluster (figures are over all replicas); ``load_imbalance``
+    is computed from the requests' ``replica`` column (``load_imbalance``). With offload
+    tiers (the tables have their columns) the offload figures follow
+    (``OFFLOAD_SUMMARY_COLUMNS``); ``offload`` is the tiers' settings
+    (``ResolvedOffload.describe()``).
+    """
+    status = requests.column("status").to_numpy(zero_copy_only=False)
+    done = status == "finished"
+    ttft = requests.column("ttft_s").to_numpy()
+    tpot = requests.column("tpot_s").to_numpy()
+    row = _throughput_figures(requests, status, done, end_time_s)
+    row.update(_stats(ttft[done], "ttft_ms"))
+    row.update(_stats(tpot[done], "tpot_ms"))
+    row.update(_stats(np.frombuffer(itl_s, dtype=np.float64) if len(itl_s) else np.zeros(0), "itl_ms"))
+    row.update(_stats(requests.column("e2el_s").to_numpy()[done], "e2el_ms"))
+    row.update(_cache_and_step_figures(requests, steps))
+    met = np.array([slo.met(a, b) for a, b in zip(ttft[done], tpot[done])], dtype=bool)
+    row.update({
+        "slo_ttft_ms": slo.ttft_s * 1000 if slo.ttft_s is not None else math.nan,
+        "slo_tpot_ms": slo.tpot_s * 1000 if slo.tpot_s is not None else math.nan,
+        "slo_attainment": float(met.mean()) if met.size else math.nan,
+        "request_goodput": float(met.sum()) / end_time_s if end_time_s > 0 else math.nan,
+    })
+    arrival = requests.column("arrival_time_s").to_numpy()
+    scheduled = requests.column("first_scheduled_time_s").to_numpy()
+    # A request still waiting at the end has queued at least until then.
+    queue_s = np.where(np.isnan(scheduled), end_time_s - arrival, scheduled - arrival)[status != "rejected"]
+    row.update(_stats(queue_s, "queue_delay_ms"))
+    last_arrival_s = float(arrival.max()) if arrival.size else 0.0
+    row.update(_trace_figures(requests, trace, last_arrival_s, _saturation_of(row, slo, end_time_s, last_arrival_s)))
+    row.update({"num_replicas": num_replicas, "router": router,
+                "load_imbalance": load_imbalance(requests, num_replicas)})
+    if "cpu_hit_tokens" in requests.column_names:
+        row.update(offload_summary(requests, steps, offload))
+    return pa.Table.from_pylist([row])
+
+
+def _throughput_figures(requests: pa.Table, status: np.ndarray, done: np.ndarray, duration_s: float) -> dict:
+    """Request counts by outcome, and the finished requests' tokens per second."""
+    generated = requests.column("generated_tokens").to_numpy()
+    prompt = requests.column("prompt_tokens").to_numpy()
+    input_tokens = int(prompt[done].sum())
+    output_tokens = int(generated[done].sum())
+    row: dict[str, Any] = {
+        "duration_s": duration_s,
+        "num_requests": requests.num_rows,
+        "completed": int(done.sum()),
+        "rejected": int((status == "rejected").sum()),
+        "unfinished": int(((status == "waiting") | (status == "running")).sum()),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": done.sum() / duration_s if duration_s > 0 else math.nan,
+        "output_throughput": output_tokens / duration_s if duration_s > 0 else math.nan,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s if duration_s > 0 else math.nan,
+    }
+    return row
+
+
+def _cache_and_step_figures(requests: pa.Table, steps: pa.Table) -> dict:
+    """Prefix-cache totals, preemption and recompute, and the steps' tokens and KV usage."""
+    step_durations = steps.column("duration_s").to_numpy() if steps.num_rows else np.zeros(0)
+    usage = steps.column("kv_cache_usage").to_numpy() if steps.num_rows else np.zeros(0)
+    busy_s = float(step_durations.sum())
+    queries = int(requests.column("prefix_cache_queries").to_numpy().sum())
+    hits = int(requests.column("prefix_cache_hits").to_numpy().sum())
+    return {
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else math.nan,
+        "num_preemptions": int(requests.column("num_preemptions").to_numpy().sum()),
+        "recomputed_tokens": int(requests.column("recomputed_tokens").to_numpy().sum()),
+        "num_evictions": int(steps.column("num_evictions").to_numpy().sum()) if steps.num_rows else 0,
+        "num_steps": steps.num_rows,
+        "prefill_tokens": int(steps.column("prefill_tokens").to_numpy().sum()) if steps.num_rows else 0,
+        "decode_tokens": int(steps.column("decode_tokens").to_numpy().sum()) if steps.num_rows else 0,
+        "busy_time_s": busy_s,
+        "kv_cache_usage_peak": float(usage.max()) if usage.size else 0.0,
+        # Time-weighted: a step's usage holds for its duration.
+        "kv_cache_usage_mean": float((usage * step_durations).sum() / busy_s) if busy_s > 0 else 0.0,
+    }
+
+
+def _saturation_of(row: dict, slo: SLO, duration_s: float, last_arrival_s: float) -> list[str]:
+    has_slo = slo.ttft_s is not None or slo.tpot_s is not None
+    queue_p90_s = row["p90_queue_delay_ms"] / 1000 if not math.isnan(row["p90_queue_delay_ms"]) else 0.0
+    return _saturation(queue_p90_s, row["slo_attainment"], has_slo, row["completed"], duration_s, last_arrival_s)
+
+
+def _trace_figures(requests: pa.Table, trace: pa.Table | None, last_arrival_s: float,
+                   saturation: list[str]) -> dict:
+    """What of the trace arrived, its reuse bound, the rejections by reason, saturation."""
+    trace_rows = trace.num_rows if trace is not None else requests.num_rows
+    reasons = requests.column("reject_reason").drop_null()
+    by_reason = pc.value_counts(reasons.cast(pa.string())).to_pylist() if len(reasons) else []
+    return {
+        "last_arrival_s": last_arrival_s,
+        "num_trace_requests": trace_rows,
+        "not_arrived": max(trace_rows - requests.num_rows, 0),
+        # Arrivals follow the trace's row order, so the rows that arrived are its first rows.
+        "prefix_reuse_upper_bound": _reuse_upper_bound(trace.slice(0, requests.num_rows))
+        if trace is not None else math.nan,
+        "rejected_by_reason": json.dumps({d["values"]: d["counts"] for d in sorted(by_reason,
+                                                                                  key=lambda d: d["values"])}),
+        "saturated": bool(saturation),
+        "saturation_reason": ",".join(saturation),
+    }
+
+
+# The summary's offload columns (only in runs with offload tiers), in order.
+OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
+    "offload_policy": pa.string(),
+    "offload_cpu_bytes": pa.int64(),
+    "offload_cpu_chunks": pa.int64(),
+    "offload_chunk_bytes": pa.int64(),
+    "offload_disk_bytes": pa.int64(),
+    "offload_disk_chunks": pa.int64(),
+    "gpu_hit_tokens": pa.int64(),
+    "cpu_hit_tokens": pa.int64(),
+    "disk_hit_tokens": pa.int64(),
+    "hit_rate_gpu": pa.float64(),
+    "hit_rate_cpu": pa.float64(),
+    "hit_rate_disk": pa.float64(),
+    "hit_rate_total": pa.float64(),
+    "num_loads": pa.int64(),
+    "mean_load_wait_ms": pa.float64(),
+    "median_load_wait_ms": pa.float64(),
+    "p90_load_wait_ms": pa.float64(),
+    "p99_load_wait_ms": pa.float64(),
+    "mean_load_transfer_ms": pa.float64(),
+    "median_load_transfer_ms": pa.float64(),
+    "p90_load_transfer_ms": pa.float64(),
+    "p99_load_transfer_ms": pa.float64(),
+    "kv_offload_load_bytes": pa.int64(),
+    "kv_offload_store_bytes": pa.int64(),
+    "offload_cpu_loaded_keys": pa.int64(),
+    "offload_cpu_stored_keys": pa.int64(),
+    "offload_cpu_evicted_keys": pa.int64(),
+    "offload_disk_loaded_keys": pa.int64(),
+    "offload_disk_stored_keys": pa.int64(),
+    "offload_disk_evicted_keys": pa.int64(),
+}
+
+
+def offload_summary(requests: pa.Table, steps: pa.Table, offload: dict | None = None) -> dict:
+    """The offload figures of a run (``OFFLOAD_SUMMARY_COLUMNS``): hits per tier at first
+    admission over the prompt tokens of the requests admitted, the loads' waits, the
+    tiers' traffic (sums of the step columns; a disk column is 0 without a disk tier)."""
+    row: dict[str, object] = {name: None for name in OFFLOAD_SUMMARY_COLUMNS}
+    row.update(offload or {})
+    status = requests.column("status").to_numpy(zero_copy_only=False)
+    admitted = ~np.isnan(requests.column("first_scheduled_time_s").to_numpy()) & (status != "rejected")
+    prompt = int(requests.column("prompt_tokens").to_numpy()[admitted].sum())
+    total = 0
+    for tier in ("gpu", "cpu", "disk"):
+        hits = int(requests.column(f"{tier}_hit_tokens").to_numpy()[admitted].sum())
+        total += hits
+        row[f"{tier}_hit_tokens"] = hits
+        row[f"hit_rate_{tier}"] = hits / prompt if prompt else math.nan
+    row["hit_rate_total"] = total / prompt if prompt else math.nan
+    wait = requests.column("load_wait_s").to_numpy()
+    row["num_loads"] = int(np.isfinite(wait).sum())
+    row.update(_stats(wait, "load_wait_ms"))
+    row.update(_stats(requests.column("load_transfer_s").to_numpy(), "load_transfer_ms"))
+    names = steps.column_names
+
+    def total_of(column: str) -> int:
+        return int(steps.column(column).to_numpy().sum()) if column in names and steps.num_rows else 0
+
+    row["kv_offload_load_bytes"] = total_of("offload_load_bytes")
+    row["kv_offload_store_bytes"] = total_of("offload_store_bytes")
+    for tier in ("cpu", "disk"):
+        for what in ("loaded", "stored", "evicted"):
+            row[f"offload_{tier}_{what}_keys"] = total_of(f"offload_{tier}_{what}_keys")
+    return row
+
+
+def routed_counts(requests: pa.Table, num_replicas: int) -> np.ndarray:
+    """Requests routed to each replica (every arrival, rejected ones included)."""
+    if "replica" not in requests.column_names or requests.num_rows == 0:
+        counts = np.zeros(num_replicas, dtype=np.int64)
+        counts[0] = requests.num_rows
+        return counts
+    return np.bincount(requests.column("replica").to_numpy(), minlength=num_replicas)[:num_replicas]
+
+
+def load_imbalance(requests: pa.Table, num_replicas: int) -> float:
+    """Max over replicas of the requests routed there, over the mean (1.0 = even, N = all
+    on one of N replicas); NaN when nothing arrived."""
+    counts = routed_counts(requests, num_replicas)
+    mean = counts.mean() if counts.size else 0.0
+    return float(counts.max() / mean) if mean > 0 else math.nan
+
+
+# Cluster-level columns of ``summarize`` that a per-replica row does not repeat.
+_CLUSTER_ONLY = ("num_replicas", "router", "load_imbalance")
+
+
+def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list[array], slo: SLO,
+                       end_time_s: float, *, trace: pa.Table | None = None,
+                       cluster_summary: pa.Table | None = None, offload: dict | None = None) -> pa.Table:
+    """One row per replica: ``replica``, then ``summarize``'s figures over that replica's
+    requests, steps and inter-token latencies (the cluster-only ``num_replicas``,
+    ``router`` and ``load_imbalance`` left out), then ``load_ratio`` (requests routed
+    there over the mean). Durations and rates use the cluster's ``end_time_s``; a
+    replica's trace is the rows routed to it (so ``prefix_reuse_upper_bound`` is the
+    reuse available within its own stream, and ``not_arrived`` is 0). With one replica
+    the row is ``cluster_summary``'s, if given (the same figures, not computed twice)."""
+    num_replicas = len(itl_by_replica)
+    if num_replicas == 1 and cluster_summary is not None:
+        row = cluster_summary.to_pylist()[0]
+        row["not_arrived"] = 0
+        row["num_trace_requests"] = requests.num_rows
+        for name in _CLUSTER_ONLY:
+            del row[name]
+        table = pa.Table.from_pylist([{"replica": 0, **row, "load_ratio": 1.0 if requests.num_rows else math.nan}])
+        return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))
+    counts = routed_counts(requests, num_replicas)
+    mean = counts.mean() if counts.size else 0.0
+    replica_of_request = (requests.column("replica").to_numpy() if "replica" in requests.column_names
+                          else np.zeros(requests.num_rows, np.int32))
+    replica_of_step = (steps.column("replica").to_numpy() if "replica" in steps.column_names
+                       else np.zeros(steps.num_rows, np.int32))
+    arrived = trace.slice(0, requests.num_rows) if trace is not None else None
+    rows = []
+    for replica in range(num_replicas):
+        mine = np.flatnonzero(replica_of_request == replica)
+        sub_requests = requests.take(mine)
+        sub_steps = steps.take(np.flatnonzero(replica_of_step == replica))
+        sub_trace = arrived.take(mine) if arrived is not None else None
+        row = summarize(sub_requests, sub_steps, itl_by_replica[replica], slo, end_time_s,
+                        trace=sub_trace, offload=offload).to_pylist()[0]
+        for name in _CLUSTER_ONLY:
+            del row[name]
+        rows.append({"replica": replica, **row,
+                     "load_ratio": float(counts[replica] / mean) if mean > 0 else math.nan})
+    table = pa.Table.from_pylist(rows)
+    return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))
