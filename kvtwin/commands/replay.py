@@ -81,7 +81,7 @@ def replay(
         started = time.perf_counter()
         seen["replaying"] = True
         with _progress(table.num_rows, quiet, started, seen) as on_progress:
-            result = run_replay(planned, table, efficiency=resolved.efficiency, slo=resolved.slo,
+            result = run_replay(planned, table, deployment=resolved.deployment, efficiency=resolved.efficiency, slo=resolved.slo,
                                 time_limit_s=resolved.time_limit_s, on_progress=on_progress, offload=offload)
         wall_s = time.perf_counter() - started
         result.summary = with_band(result.summary, resolved.calibration)
@@ -100,10 +100,10 @@ def replay(
     with interrupt_note(lambda: f"interrupted while printing the summary; {out} was written whole"):
         summary = result.summary.to_pylist()[0]
         deployment = f"{planned.engine.tensor_parallel_size}x {chosen_gpu.name}"
-        if planned.engine.replicas > 1:
-            deployment = f"{planned.engine.replicas} replicas of {deployment}"
+        if resolved.deployment.replicas > 1:
+            deployment = f"{resolved.deployment.replicas} replicas of {deployment}"
         print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
-        print(words.plan_line(planned) + (" per replica" if planned.engine.replicas > 1 else ""))
+        print(words.plan_line(planned) + (" per replica" if resolved.deployment.replicas > 1 else ""))
         for line in band_lines(summary, resolved.calibration, chosen_gpu.name, chosen_model.name):
             print(line)
         for line in (words.replicas_line(summary, result.replicas), words.offload_line(summary),

@@ -37,7 +37,7 @@ from kvtwin.sim.calibrate.bench_serve import BenchServeResult
 from kvtwin.sim.calibrate.prometheus import Histogram, ServerMetrics
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.plan import Plan
-from kvtwin.sim.replay.cost_model import Efficiency
+from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.traces import schema as col
 

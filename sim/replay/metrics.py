@@ -14,7 +14,6 @@ import json
 import math
 from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -25,21 +24,10 @@ from mypy_extensions import mypyc_attr
 from kvtwin.sim.core.engine import Rejection, StepResult
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.replay.cost_model import StepCost
+from kvtwin.sim.scenario.slo import SLO
 from kvtwin.traces.expand import table_block_ids
 from kvtwin.traces.schema import hash_block_tokens_of
 from kvtwin.traces.stats import DEFAULT_BLOCK_TOKENS, prefix_reuse
-
-
-@dataclass(frozen=True)
-class SLO:
-    """A request meets the SLO when its TTFT and TPOT are both within these bounds."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-
-    def met(self, ttft_s: float, tpot_s: float) -> bool:
-        return ((self.ttft_s is None or ttft_s <= self.ttft_s)
-                and (self.tpot_s is None or (math.isnan(tpot_s) or tpot_s <= self.tpot_s)))
 
 
 class _RequestRecord:

@@ -18,15 +18,16 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from kvtwin.sim.replay.calibration_data import Calibration, read_calibration
-from kvtwin.sim.replay.cost_model import Efficiency, efficiency_from_mapping
 from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys
-from kvtwin.sim.planner.engine_config import EngineConfig, engine_config_from_mapping
+from kvtwin.sim.planner.engine_config import ENGINE_KEYS, EngineConfig, engine_config_from_mapping
 from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
-from kvtwin.sim.replay.metrics import SLO
+from kvtwin.sim.scenario.calibration_file import Calibration, read_calibration
+from kvtwin.sim.scenario.deployment import DEPLOYMENT_KEYS, Deployment
+from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
+from kvtwin.sim.scenario.slo import SLO
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.errors import TraceError
@@ -80,6 +81,7 @@ class Scenario:
     model: ModelPreset | None = None
     gpu: GPUSpec | None = None
     engine: EngineConfig = EngineConfig()
+    deployment: Deployment = Deployment()
     workload: Workload | None = None
     slo: SLO = SLO()
     efficiency: Efficiency = Efficiency()
@@ -184,9 +186,21 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
                       "(a synthetic workload)")
 
 
+def engine_and_deployment(table: dict) -> tuple[EngineConfig, Deployment]:
+    """``[engine]``: the engine's knobs and, beside them, the deployment's (replicas, router)."""
+    allowed = ENGINE_KEYS + DEPLOYMENT_KEYS
+    reject_unknown_keys(table, allowed, where="engine", expected=f"an engine setting ({', '.join(sorted(allowed))})")
+    engine = engine_config_from_mapping({k: v for k, v in table.items() if k not in DEPLOYMENT_KEYS})
+    try:
+        deployment = Deployment(**{k: v for k, v in table.items() if k in DEPLOYMENT_KEYS})
+    except ConfigError as err:
+        raise ConfigError(f"engine.{err.field}", err.expected, err.got) from None
+    return engine, deployment
+
+
 def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     _check_keys(data, SECTIONS, "scenario")
-    engine = engine_config_from_mapping(_table(data, "engine"))
+    engine, deployment = engine_and_deployment(_table(data, "engine"))
     offload = offload_config_from_mapping(_table(data, "offload"))
     slo_table = _table(data, "slo")
     _check_keys(slo_table, SLO_KEYS, "slo")
@@ -212,7 +226,7 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         description=str(data.get("description", "")),
         model=model_from_table(data["model"], base_dir) if "model" in data else None,
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
-        engine=engine, workload=_workload(_table(data, "workload"), base_dir),
+        engine=engine, deployment=deployment, workload=_workload(_table(data, "workload"), base_dir),
         slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload,
         calibration=named, cost_overrides=cost_table)
 

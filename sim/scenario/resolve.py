@@ -33,9 +33,10 @@ from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
-from kvtwin.sim.replay.calibration_data import Calibration, bundled_calibration, uncalibrated
-from kvtwin.sim.replay.cost_model import Efficiency
-from kvtwin.sim.replay.metrics import SLO
+from kvtwin.sim.scenario.calibration_file import Calibration, bundled_calibration, uncalibrated
+from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.parse import (Scenario, Workload, check_time_limit, check_transform, load_scenario,
                                       scenario_from_data)
 from kvtwin.traces.bundled import resolve as resolve_trace
@@ -96,6 +97,7 @@ class ResolvedScenario:
     model: ModelPreset
     gpu: GPUSpec
     engine: EngineConfig
+    deployment: Deployment
     workload: Workload | None
     slo: SLO
     efficiency: Efficiency
@@ -193,7 +195,7 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     calibration = choose_calibration(scenario, model, gpu, where)
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
-                            workload=workload, slo=scenario.slo, efficiency=calibration.efficiency,
+                            deployment=scenario.deployment, workload=workload, slo=scenario.slo, efficiency=calibration.efficiency,
                             time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration)
 
 

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from kvtwin.cli import app
 from kvtwin.sim.calibrate.serving_fit import Knobs
 from kvtwin.sim.replay.calibration import STEP_TERM_COLUMNS, batch_kind, step_terms
-from kvtwin.sim.replay.calibration_data import read_calibration
+from kvtwin.sim.scenario.calibration_file import read_calibration
 from kvtwin.sim.replay.run import plan_cost_model, run_replay
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.traces import schema as col

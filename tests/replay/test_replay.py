@@ -13,7 +13,8 @@ from kvtwin.sim.lockstep.golden import load_case
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.lockstep.runner import run_case, step_record
-from kvtwin.sim.replay.metrics import SLO, MetricsRecorder
+from kvtwin.sim.replay.metrics import MetricsRecorder
+from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.plan import plan
