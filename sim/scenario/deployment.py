@@ -14,7 +14,6 @@ from kvtwin.sim.core.config import is_int
 
 # The routers the replay has (``kvtwin.sim.replay.router`` maps each name to its class).
 ROUTER_NAMES = ("round_robin", "least_loaded", "session_affinity", "prefix_aware")
-DEPLOYMENT_KEYS = ("replicas", "router")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
 from kvtwin.sim.scenario.calibration_file import Calibration, read_calibration
-from kvtwin.sim.scenario.deployment import DEPLOYMENT_KEYS, Deployment
+from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
+from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
@@ -37,8 +38,8 @@ from kvtwin.traces.synth_spec import parse_spec
 
 SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload")
 TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
-SLO_KEYS = ("ttft_s", "tpot_s")
-RUN_KEYS = ("time_limit_s",)
+SLO_KEYS = tuple(section_knobs("slo"))
+RUN_KEYS = tuple(section_knobs("run"))
 
 
 @dataclass(frozen=True)
@@ -93,31 +94,12 @@ class Scenario:
     offload: OffloadConfig = OffloadConfig()
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# transform key -> (accepts, what is expected); shared by the scenario and the CLI flags.
-TRANSFORM_RULES = {
-    "start_s": (lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
-    "end_s": (lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
-    "limit": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive number of requests"),
-    "rate_scale": (lambda v: _is_number(v) and v > 0, "a positive factor (2 = twice as fast)"),
-    "sample_sessions": (lambda v: _is_number(v) and 0 < v <= 1, "a fraction of sessions in (0, 1]"),
-    "sample_seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer seed"),
-}
-TRANSFORM_KEYS = tuple(TRANSFORM_RULES)
-
-
 def check_transform(key: str, value: object, where: str) -> None:
-    accepts, expected = TRANSFORM_RULES[key]
-    if not accepts(value):
-        raise ConfigError(where, expected, value)
+    knob(f"workload.{key}").check(value, where)
 
 
 def check_time_limit(value: object, where: str) -> None:
-    if not (_is_number(value) and value > 0):
-        raise ConfigError(where, "a positive number of simulated seconds", value)
+    knob("run.time_limit_s").check(value, where)
 
 
 def _table(data: dict, name: str) -> dict:
@@ -188,11 +170,11 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
 
 def engine_and_deployment(table: dict) -> tuple[EngineConfig, Deployment]:
     """``[engine]``: the engine's knobs and, beside them, the deployment's (replicas, router)."""
-    allowed = ENGINE_KEYS + DEPLOYMENT_KEYS
+    allowed = ENGINE_KEYS + DEPLOYMENT_FIELDS
     reject_unknown_keys(table, allowed, where="engine", expected=f"an engine setting ({', '.join(sorted(allowed))})")
-    engine = engine_config_from_mapping({k: v for k, v in table.items() if k not in DEPLOYMENT_KEYS})
+    engine = engine_config_from_mapping({k: v for k, v in table.items() if k not in DEPLOYMENT_FIELDS})
     try:
-        deployment = Deployment(**{k: v for k, v in table.items() if k in DEPLOYMENT_KEYS})
+        deployment = Deployment(**{k: v for k, v in table.items() if k in DEPLOYMENT_FIELDS})
     except ConfigError as err:
         raise ConfigError(f"engine.{err.field}", err.expected, err.got) from None
     return engine, deployment
@@ -205,8 +187,7 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     slo_table = _table(data, "slo")
     _check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():
-        if not (isinstance(value, (int, float)) and value > 0):
-            raise ConfigError(f"slo.{key}", "a positive number of seconds", value)
+        knob(f"slo.{key}").check(value, f"slo.{key}")
     cost_table = dict(_table(data, "cost_model"))
     calibration = cost_table.pop("calibration", None)
     named = None

@@ -28,7 +28,6 @@ before anything runs: a bad key or value is one ``ConfigError`` naming ``--sweep
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -36,74 +35,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.planner.engine_config import EngineConfig
-from kvtwin.sim.planner.hardware import GPUSpec
-from kvtwin.sim.planner.offload import OffloadConfig
-from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS
-from kvtwin.sim.scenario.parse import TRANSFORM_KEYS, scenario_from_data
+from kvtwin.sim.scenario.knobs import Knob, knob, section_knobs
+from kvtwin.sim.scenario.parse import scenario_from_data
 
 FLAG = "--sweep"
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
 
-@dataclass(frozen=True)
-class SweepKey:
-    key: str  # as given: "engine.max_num_seqs"
-    section: str  # "engine"
-    name: str  # "max_num_seqs"
-    kind: str  # int, float, bool, str
-    optional: bool = False  # "none" allowed (back to the default)
+# The scenario tables a sweep may vary (``[run]`` is the command's, not a point's).
+SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload")
 
 
-def _kind_of(annotation: object) -> tuple[str, bool]:
-    text = str(annotation)
-    optional = "None" in text
-    for kind in ("bool", "int", "float", "str"):
-        if kind in text:
-            return kind, optional
-    return "str", optional
-
-
-def _fields_of(cls) -> dict[str, tuple[str, bool]]:
-    return {f.name: _kind_of(f.type) for f in dataclasses.fields(cls)}
-
-
-_WORKLOAD_KINDS = {"start_s": "float", "end_s": "float", "limit": "int", "rate_scale": "float",
-                   "sample_sessions": "float", "sample_seed": "int"}
-assert set(_WORKLOAD_KINDS) == set(TRANSFORM_KEYS)
-
-
-def _section_fields() -> dict[str, dict[str, tuple[str, bool]]]:
-    hardware = {k: v for k, v in _fields_of(GPUSpec).items() if k != "name"}
-    hardware["gpu"] = ("str", False)
-    return {
-        "engine": _fields_of(EngineConfig),
-        "hardware": hardware,
-        "model": {"preset": ("str", False)},
-        "workload": {k: (v, False) for k, v in _WORKLOAD_KINDS.items()},
-        "slo": {"ttft_s": ("float", False), "tpot_s": ("float", False)},
-        "cost_model": {k: ("float", False) for k in SCALAR_EFFICIENCY_FIELDS},
-        "offload": _fields_of(OffloadConfig),
-    }
-
-
-def sweep_key(key: str) -> SweepKey:
-    """The sweep axis ``key`` names, or a ``ConfigError`` listing what may be swept."""
-    sections = _section_fields()
+def sweep_key(key: str) -> Knob:
+    """The setting sweep axis ``key`` names, or a ``ConfigError`` listing what may be swept."""
     section, _, name = key.partition(".")
-    if section not in sections or not name:
+    if section not in SWEPT_SECTIONS or not name:
         raise ConfigError(FLAG, "KEY=V1,V2,... with KEY one of engine.<field>, hardware.gpu, model.preset, "
                                 "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, cost_model.<field>, "
                                 "offload.<field>",
                           key)
-    fields = sections[section]
+    fields = section_knobs(section)
     if name not in fields:
         raise ConfigError(f"{FLAG} {key}", f"a field of [{section}] to sweep ({', '.join(sorted(fields))})", name)
-    kind, optional = fields[name]
-    return SweepKey(key, section, name, kind, optional)
+    return fields[name]
 
 
-def parse_value(axis: SweepKey, raw: str) -> object:
+def parse_value(axis: Knob, raw: str) -> object:
     """``raw`` as the axis's type; ``None`` for ``none`` on an optional field."""
     text = raw.strip()
     where = f"{FLAG} {axis.key}"
@@ -134,7 +91,7 @@ def parse_value(axis: SweepKey, raw: str) -> object:
 
 @dataclass(frozen=True)
 class Axis:
-    key: SweepKey
+    key: Knob
     values: tuple
 
 
@@ -202,8 +159,7 @@ def with_limit(data: dict, limit: int | None) -> dict:
     ``workload.limit`` still wins)."""
     if limit is None:
         return data
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
-        raise ConfigError("--limit", "a positive number of requests", limit)
+    knob("workload.limit").check(limit, "--limit")
     return apply_values(data, {"workload.limit": limit})
 
 

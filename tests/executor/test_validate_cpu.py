@@ -120,5 +120,5 @@ def test_all_four_checks_on_cpu_rows_and_calibration(tmp_path):
     assert {name: getattr(loaded, name) for name in fitted} == pytest.approx(fitted, rel=1e-12)
     assert loaded != Efficiency()  # something was fitted
     # ... and a replay runs with it.
-    replayed = run_replay(resolved.plan(), resolved.workload.load(), efficiency=loaded)
+    replayed = run_replay(resolved.plan(), resolved.workload.load(), deployment=resolved.deployment, efficiency=loaded)
     assert replayed.requests.num_rows == resolved.workload.load().num_rows
