@@ -13,19 +13,17 @@ it, so a new setting is one field on its config type plus, for a flag, one line 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtwin.sim.core.config import is_int, is_number
-from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.offload import OffloadConfig
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS
+from kvtwin.sim.scenario import validators
 from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.validators import Rule
 
-Rule = tuple[Callable[[object], bool], str]  # (accepts, what is expected)
 
 
 @dataclass(frozen=True)
@@ -54,21 +52,19 @@ class Knob:
         return self.flag.removeprefix("--").replace("-", "_") if self.flag else self.name
 
     def check(self, value: object, where: str) -> None:
-        if self.rule is not None and not self.rule[0](value):
-            raise ConfigError(where, self.rule[1], value)
+        if self.rule is not None:
+            validators.check(self.rule, value, where)
 
 
-# The cuts of a workload and the run's limit: plain values the scenario layer checks itself.
+# The cuts of a workload, in the order they apply: plain values the scenario layer checks itself.
 _CUT_RULES: dict[str, tuple[str, Rule]] = {
-    "start_s": ("float", (lambda v: is_number(v) and v >= 0, "a non-negative number of seconds")),
-    "end_s": ("float", (lambda v: is_number(v) and v > 0, "a positive number of seconds")),
-    "limit": ("int", (lambda v: is_int(v) and v > 0, "a positive number of requests")),
-    "rate_scale": ("float", (lambda v: is_number(v) and v > 0, "a positive factor (2 = twice as fast)")),
-    "sample_sessions": ("float", (lambda v: is_number(v) and 0 < v <= 1, "a fraction of sessions in (0, 1]")),
-    "sample_seed": ("int", (is_int, "an integer seed")),
+    "start_s": ("float", validators.NON_NEGATIVE_SECONDS),
+    "end_s": ("float", validators.POSITIVE_SECONDS),
+    "limit": ("int", validators.POSITIVE_REQUESTS),
+    "rate_scale": ("float", validators.POSITIVE_FACTOR),
+    "sample_sessions": ("float", validators.FRACTION_OF_SESSIONS),
+    "sample_seed": ("int", validators.INTEGER_SEED),
 }
-_TIME_LIMIT: Rule = (lambda v: is_number(v) and v > 0, "a positive number of simulated seconds")
-_SLO_BOUND: Rule = (lambda v: is_number(v) and v > 0, "a positive number of seconds")
 
 # key -> (flags, help): the settings a command line may set.
 FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -113,10 +109,10 @@ def _fields(section: str, cls, skip: tuple[str, ...] = ()) -> list[Knob]:
 
 def _declared() -> list[Knob]:
     knobs = _fields("engine", EngineConfig) + _fields("engine", Deployment) + _fields("offload", OffloadConfig)
-    knobs += [Knob("slo", f.name, "float", rule=_SLO_BOUND) for f in dataclasses.fields(SLO)]
+    knobs += [Knob("slo", f.name, "float", rule=validators.POSITIVE_SECONDS) for f in dataclasses.fields(SLO)]
     knobs += [Knob("cost_model", name, "float") for name in SCALAR_EFFICIENCY_FIELDS]
     knobs += [Knob("workload", name, kind, rule=rule) for name, (kind, rule) in _CUT_RULES.items()]
-    knobs.append(Knob("run", "time_limit_s", "float", rule=_TIME_LIMIT))
+    knobs.append(Knob("run", "time_limit_s", "float", rule=validators.POSITIVE_SIMULATED_SECONDS))
     knobs += _fields("hardware", GPUSpec, skip=("name",)) + [Knob("hardware", "gpu", "str"),
                                                               Knob("model", "preset", "str")]
     out = {}
@@ -130,7 +126,6 @@ KNOBS: dict[str, Knob] = {k.key: k for k in _declared()}
 assert set(FLAGS) <= set(KNOBS), set(FLAGS) - set(KNOBS)
 
 DEPLOYMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Deployment))
-# The cuts of a workload, in the order they apply.
 TRANSFORM_KEYS = tuple(_CUT_RULES)
 
 

@@ -29,6 +29,7 @@ from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
 from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
 from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.validators import check_keys, fields_under, table_of
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.errors import TraceError
@@ -102,17 +103,6 @@ def check_time_limit(value: object, where: str) -> None:
     knob("run.time_limit_s").check(value, where)
 
 
-def _table(data: dict, name: str) -> dict:
-    value = data.get(name, {})
-    if not isinstance(value, dict):
-        raise ConfigError(name, "a table", value)
-    return value
-
-
-def _check_keys(table: dict, allowed: tuple[str, ...], where: str) -> None:
-    reject_unknown_keys(table, allowed, where=where, expected=f"one of {', '.join(allowed)}")
-
-
 def model_from_table(table: dict[str, Any], base_dir: Path) -> ModelPreset:
     """``[model]``: ``preset = NAME`` or ``hf_config = PATH`` (either with field
     overrides), or a whole inline description."""
@@ -148,7 +138,7 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
     for key, value in transform.items():
         check_transform(key, value, f"workload.{key}")
     if "trace" in table:
-        _check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
+        check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
         skip_bad = table.get("skip_bad", False)
         if not isinstance(skip_bad, bool):
             raise ConfigError("workload.skip_bad", "true or false", skip_bad)
@@ -173,22 +163,20 @@ def engine_and_deployment(table: dict) -> tuple[EngineConfig, Deployment]:
     allowed = ENGINE_KEYS + DEPLOYMENT_FIELDS
     reject_unknown_keys(table, allowed, where="engine", expected=f"an engine setting ({', '.join(sorted(allowed))})")
     engine = engine_config_from_mapping({k: v for k, v in table.items() if k not in DEPLOYMENT_FIELDS})
-    try:
+    with fields_under("engine"):
         deployment = Deployment(**{k: v for k, v in table.items() if k in DEPLOYMENT_FIELDS})
-    except ConfigError as err:
-        raise ConfigError(f"engine.{err.field}", err.expected, err.got) from None
     return engine, deployment
 
 
 def parse_scenario(data: dict, base_dir: Path) -> Scenario:
-    _check_keys(data, SECTIONS, "scenario")
-    engine, deployment = engine_and_deployment(_table(data, "engine"))
-    offload = offload_config_from_mapping(_table(data, "offload"))
-    slo_table = _table(data, "slo")
-    _check_keys(slo_table, SLO_KEYS, "slo")
+    check_keys(data, SECTIONS, "scenario")
+    engine, deployment = engine_and_deployment(table_of(data, "engine"))
+    offload = offload_config_from_mapping(table_of(data, "offload"))
+    slo_table = table_of(data, "slo")
+    check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():
         knob(f"slo.{key}").check(value, f"slo.{key}")
-    cost_table = dict(_table(data, "cost_model"))
+    cost_table = dict(table_of(data, "cost_model"))
     calibration = cost_table.pop("calibration", None)
     named = None
     if calibration is not None:
@@ -198,8 +186,8 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         named = read_calibration(path if path.is_absolute() else base_dir / path)
     # Checked now, so that a bad key names the scenario file.
     efficiency = efficiency_from_mapping(cost_table, base=named.efficiency if named else Efficiency())
-    run_table = _table(data, "run")
-    _check_keys(run_table, RUN_KEYS, "run")
+    run_table = table_of(data, "run")
+    check_keys(run_table, RUN_KEYS, "run")
     time_limit = run_table.get("time_limit_s")
     if time_limit is not None:
         check_time_limit(time_limit, "run.time_limit_s")
@@ -207,7 +195,7 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         description=str(data.get("description", "")),
         model=model_from_table(data["model"], base_dir) if "model" in data else None,
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
-        engine=engine, deployment=deployment, workload=_workload(_table(data, "workload"), base_dir),
+        engine=engine, deployment=deployment, workload=_workload(table_of(data, "workload"), base_dir),
         slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload,
         calibration=named, cost_overrides=cost_table)
 
