@@ -40,9 +40,11 @@ COMPILED_PACKAGES = {"sim/core": "kvtwin/sim/core", "sim/core/offload": "kvtwin/
                      "sim/replay": "kvtwin/sim/replay"}
 # Off the per-step path (validation, config, sweeps, calibration): compiling them buys nothing.
 INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
-               "calibration.py", "calibration_data.py", "client_side.py", "kernel_fit.py", "reuse_curve.py", "sweep.py", "trace_requests.py", "router.py",
-               # Compiled, SimPy's generator processes crash the garbage collector (mypy 2.4.1).
-               "workload.py"}
+               "calibration.py", "calibration_data.py", "client_side.py", "kernel_fit.py", "reuse_curve.py",
+               "rate_search.py", "capacity_points.py", "capacity_sweep.py", "capacity_table.py", "sweep_backends.py",
+               "summaries.py", "trace_requests.py", "router.py"}
+# The SimPy clock (``sim/replay/clock``) is not listed in COMPILED_PACKAGES: compiled,
+# SimPy's generator processes crash the garbage collector (mypy 2.4.1).
 
 
 def _notice(message: str) -> None:

@@ -29,7 +29,10 @@ from rich.table import Table
 
 from kvtwin import __version__
 from kvtwin.scenarios import DEFAULT_SCENARIO
-from kvtwin.sim.replay import sweep
+from kvtwin.sim.replay.capacity_points import PointTask
+from kvtwin.sim.replay.capacity_table import capacity_table
+from kvtwin.sim.replay.sweep_backends import run_points
+from kvtwin.sim.scenario.sweep_keys import apply_values, check_axes, parse_sweeps, sweep_points, with_limit
 from kvtwin.sim.replay.reuse_curve import reuse_profile
 from kvtwin.sim.scenario.parse import load_scenario_data
 from kvtwin.sim.scenario.resolve import resolve_scenario
@@ -52,19 +55,19 @@ def main() -> None:
     args = parser.parse_args()
 
     reference_before_s = reference_seconds()
-    data = sweep.with_limit(load_scenario_data(args.scenario), args.limit)
-    axes = sweep.parse_sweeps(["engine.kv_cache_memory_bytes=" + ",".join(str(g << 30) for g in SIZES_GIB)])
-    sweep.check_axes(args.scenario, data, axes)
-    points = sweep.sweep_points(axes)
-    tasks = [sweep.PointTask(p.index, str(args.scenario), sweep.apply_values(data, p.values)) for p in points]
+    data = with_limit(load_scenario_data(args.scenario), args.limit)
+    axes = parse_sweeps(["engine.kv_cache_memory_bytes=" + ",".join(str(g << 30) for g in SIZES_GIB)])
+    check_axes(args.scenario, data, axes)
+    points = sweep_points(axes)
+    tasks = [PointTask(p.index, str(args.scenario), apply_values(data, p.values)) for p in points]
 
     timings = {}
     tables = {}
     for jobs in (1, args.jobs):
         started = time.perf_counter()
-        rows = sweep.run_points(tasks, jobs=jobs)
+        rows = run_points(tasks, jobs=jobs)
         timings[jobs] = time.perf_counter() - started
-        tables[jobs] = (rows, sweep.capacity_table(rows, points, axes))
+        tables[jobs] = (rows, capacity_table(rows, points, axes))
     identical = tables[1][1].equals(tables[args.jobs][1])
 
     base = resolve_scenario(args.scenario, data=data)

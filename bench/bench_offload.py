@@ -50,7 +50,8 @@ def measure_replay(limit: int, policy: str | None, reference_s: float) -> dict:
     config = scenario.offload if policy is None else dataclasses.replace(scenario.offload, policy=policy)
     offload = None if policy is None else config.resolve(planned)
     start = time.perf_counter()
-    result = run_replay(planned, trace, efficiency=scenario.efficiency, slo=scenario.slo, offload=offload)
+    result = run_replay(planned, trace, deployment=scenario.deployment, efficiency=scenario.efficiency,
+                        slo=scenario.slo, offload=offload)
     wall_s = time.perf_counter() - start
     summary = result.summary.to_pylist()[0]
     prompt = sum(result.requests.column("prompt_tokens").to_pylist())

@@ -77,8 +77,8 @@ def measure_one(scenario: Path, gpu: str | None, limit: int | None, decode_windo
     planned = resolved.plan()
     trace = resolved.require_workload().load()
     loaded = time.perf_counter()
-    result = run_replay(planned, trace, efficiency=resolved.efficiency, slo=resolved.slo,
-                        time_limit_s=resolved.time_limit_s, offload=resolved.offload_for(planned),
+    result = run_replay(planned, trace, deployment=resolved.deployment, efficiency=resolved.efficiency,
+                        slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=resolved.offload_for(planned),
                         decode_windows=decode_windows)
     finished = time.perf_counter()
     summary = result.summary.to_pylist()[0]

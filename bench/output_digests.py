@@ -62,8 +62,8 @@ def replay_digests(quick: bool) -> list[dict]:
         started = time.perf_counter()
         resolved = resolve_scenario(SCENARIOS_DIR / scenario, Overrides(limit=2000 if quick else None, **flags))
         planned = resolved.plan()
-        result = run_replay(planned, resolved.require_workload().load(), efficiency=resolved.efficiency,
-                            slo=resolved.slo, time_limit_s=resolved.time_limit_s,
+        result = run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
+                            efficiency=resolved.efficiency, slo=resolved.slo, time_limit_s=resolved.time_limit_s,
                             offload=resolved.offload_for(planned))
         wall_s = time.perf_counter() - started
         for table_name in ("steps", "requests", "summary", "replicas"):

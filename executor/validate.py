@@ -46,7 +46,7 @@ from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.planner.plan import Plan, plan as make_plan
 from kvtwin.sim.replay.calibration import (STEP_TERM_COLUMNS, StepSample, ape_by_kind, batch_kind, calibration_text,
                                            fit_efficiency, step_terms)
-from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS, Efficiency
+from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
 from kvtwin.sim.replay.run import CostModelExecutor, RecordedClockExecutor, plan_cost_model, run_with_executor
 from kvtwin.sim.scenario.resolve import ResolvedScenario
 from kvtwin.traces import schema as col

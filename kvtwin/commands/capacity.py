@@ -2,7 +2,7 @@
 
 Parses the flags, checks them all before the first replay (the sweep keys and each value
 through the scenario rules, the out directory, the backend), runs the points
-(``kvtwin.sim.replay.sweep``), prints one row per point and writes ``capacity.parquet``
+(``kvtwin.sim.replay.capacity_sweep``), prints one row per point and writes ``capacity.parquet``
 (and ``hit_curve.parquet`` with ``--hit-curve``, ``kvtwin.sim.replay.reuse_curve``) into
 the capacity directory, whole.
 """
@@ -24,12 +24,10 @@ from kvtwin.reports import summary_text as words
 from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay import sweep
-from kvtwin.sim.replay.reuse_curve import reuse_profile
-from kvtwin.sim.scenario.parse import load_scenario_data
-from kvtwin.sim.scenario.resolve import resolve_scenario
-
-BACKENDS = ("process", "ray")
+from kvtwin.sim.replay.capacity_sweep import hit_curve as make_hit_curve, prepare_sweep
+from kvtwin.sim.replay.capacity_table import capacity_table
+from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
+from kvtwin.sim.replay.sweep_backends import BACKENDS, default_jobs, import_ray, run_points
 
 
 def capacity(
@@ -44,12 +42,12 @@ def capacity(
                                        help="Per point, search the largest workload.rate_scale that holds the SLO."),
     target_rate: Optional[float] = typer.Option(None, "--target-rate",
                                                 help="Requests/s to size replicas for (with --find-max-rate)."),
-    rate_tolerance: float = typer.Option(sweep.DEFAULT_RATE_TOLERANCE, "--rate-tolerance",
+    rate_tolerance: float = typer.Option(DEFAULT_RATE_TOLERANCE, "--rate-tolerance",
                                          help="Relative tolerance of the rate search."),
     goodput: Optional[float] = typer.Option(None, "--goodput",
                                             help="SLO holds when this fraction of requests meets it "
                                                  "(default: p99 TTFT and p99 TPOT within the SLO)."),
-    max_replays: int = typer.Option(sweep.DEFAULT_MAX_REPLAYS, "--max-replays",
+    max_replays: int = typer.Option(DEFAULT_MAX_REPLAYS, "--max-replays",
                                     help="Most replays per point in the rate search."),
     hit_curve: bool = typer.Option(False, "--hit-curve",
                                    help="Also write hit_curve.parquet: LRU hit rate against KV cache size."),
@@ -66,65 +64,31 @@ def capacity(
     with user_errors(), interrupt_note(lambda: f"interrupted; nothing written, "
                                                f"{out} {'left as it was' if out_existed else 'not created'}"):
         check_out_dir(out)
-        if backend not in BACKENDS:
-            raise ConfigError("--backend", "process or ray", backend)
-        if jobs is not None and jobs < 1:
-            raise ConfigError("--jobs", "a positive number of points at once", jobs)
-        if ray_address is not None and backend != "ray":
-            raise ConfigError("--ray-address", "--backend ray with it", ray_address)
-        search = None
-        if find_max_rate:
-            search = sweep.RateSearch(tolerance=rate_tolerance, goodput=goodput, max_replays=max_replays,
-                                      target_rate=target_rate)
-            search.check()
-        elif target_rate is not None or goodput is not None:
-            raise ConfigError("--target-rate" if target_rate is not None else "--goodput", "--find-max-rate with it",
-                              target_rate if target_rate is not None else goodput)
+        _check_backend(backend, jobs, ray_address)
+        search = _rate_search(find_max_rate, target_rate, rate_tolerance, goodput, max_replays)
         if backend == "ray":
-            sweep.import_ray()
+            import_ray()  # before any work: say now that it is missing
         path = scenario_path or DEFAULT_SCENARIO
-        data = sweep.with_limit(load_scenario_data(path), limit)
-        axes = sweep.parse_sweeps(sweeps)
-        base = resolve_scenario(path, data=data)  # the scenario itself, checked whole
-        base.require_workload()
-        if search is not None and base.slo.ttft_s is None and base.slo.tpot_s is None \
-                and not any(a.key.section == "slo" for a in axes):
-            raise ConfigError("--find-max-rate", "a scenario with an [slo] table (ttft_s, tpot_s)", source=base.where)
-        sweep.check_axes(path, data, axes)
-        points = sweep.sweep_points(axes)
-        tasks = [sweep.PointTask(p.index, str(path), sweep.apply_values(data, p.values), search) for p in points]
-        workers = jobs if jobs is not None else sweep.default_jobs(len(tasks))
+        sweep = prepare_sweep(path, sweeps, limit=limit, search=search)
+        workers = jobs if jobs is not None else default_jobs(len(sweep.tasks))
         started = time.perf_counter()
-        with _progress(len(tasks), quiet, started) as on_done:
-            rows = sweep.run_points(tasks, jobs=workers, backend=backend, ray_address=ray_address, on_done=on_done)
-        table = sweep.capacity_table(rows, points, axes, find_max_rate=search is not None)
+        with _progress(len(sweep.tasks), quiet, started) as on_done:
+            rows = run_points(sweep.tasks, jobs=workers, backend=backend, ray_address=ray_address, on_done=on_done)
+        table = capacity_table(rows, sweep.points, sweep.axes, find_max_rate=search is not None)
         tables = {"capacity": table}
         comparison = []
         if hit_curve:
-            planned = base.plan()
-            kv_config = planned.require_fits()
-            block_size = min(g.spec.block_size for g in kv_config.groups)
-            profile = reuse_profile(base.require_workload().load(), block_size)
-            exact = {r["kv_cache_blocks"]: r["summary"]["prefix_cache_hit_rate"] for r in rows
-                     if r["status"] == "ok" and "kv_cache_blocks" in r}
-            tables["hit_curve"] = profile.table(sorted(exact) or None)
-            comparison = [(blocks, float(profile.hit_rate(blocks)), hit) for blocks, hit in sorted(exact.items())]
+            tables["hit_curve"], comparison = make_hit_curve(sweep.base, rows)
         wall_s = time.perf_counter() - started
         given = {"sweep": list(sweeps), "find_max_rate": find_max_rate, "limit": limit}
         if search is not None:
             given.update(rate_tolerance=rate_tolerance, goodput=goodput, max_replays=max_replays,
                          target_rate=target_rate)
         metadata = run_metadata(path, given)
-        text_files = None
-        if not no_report:
-            # Rendered from the tables in memory and written in the same directory swap.
-            from kvtwin.reports.html import render_capacity_report
-
-            plan_json = base.plan().to_json() if base.plan().fits else None
-            text_files = {"report.html": render_capacity_report(table, tables.get("hit_curve"), metadata, plan_json)}
+        text_files = None if no_report else {"report.html": _report(table, tables.get("hit_curve"), metadata, sweep)}
         paths = write_dir(out, tables=tables, text_files=text_files, run_metadata=metadata)
     with interrupt_note(lambda: f"interrupted while printing; {out} was written whole"):
-        print_points(table, axes, search is not None)
+        print_points(table, sweep.axes, search is not None)
         for blocks, predicted, hit in comparison:
             print(f"hit curve at {blocks:,} blocks: {words.format_percent(predicted)} "
                   f"(replay: {words.format_percent(hit)})")
@@ -133,6 +97,34 @@ def capacity(
               f"{', '.join(p.name for p in paths)} to {out}")
 
 
+def _check_backend(backend: str, jobs: int | None, ray_address: str | None) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError("--backend", "process or ray", backend)
+    if jobs is not None and jobs < 1:
+        raise ConfigError("--jobs", "a positive number of points at once", jobs)
+    if ray_address is not None and backend != "ray":
+        raise ConfigError("--ray-address", "--backend ray with it", ray_address)
+
+
+def _rate_search(find_max_rate: bool, target_rate: float | None, tolerance: float, goodput: float | None,
+                 max_replays: int) -> RateSearch | None:
+    """The ``--find-max-rate`` settings, checked (None: no search, and none of its flags)."""
+    if not find_max_rate:
+        if target_rate is not None or goodput is not None:
+            raise ConfigError("--target-rate" if target_rate is not None else "--goodput", "--find-max-rate with it",
+                              target_rate if target_rate is not None else goodput)
+        return None
+    search = RateSearch(tolerance=tolerance, goodput=goodput, max_replays=max_replays, target_rate=target_rate)
+    search.check()
+    return search
+
+
+def _report(table, hit_table, metadata: dict, sweep) -> str:
+    """``report.html``, rendered from the tables in memory and written in the same directory swap."""
+    from kvtwin.reports.html import render_capacity_report
+
+    planned = sweep.base.plan()
+    return render_capacity_report(table, hit_table, metadata, planned.to_json() if planned.fits else None)
 
 
 @contextlib.contextmanager

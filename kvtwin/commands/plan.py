@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from kvtwin.console import user_errors
+from kvtwin.knob_options import knob_flags
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
 from kvtwin.sim.planner.hardware import GIB
@@ -86,6 +87,35 @@ def render_plan(p: Plan) -> str:
                      f"({_n(p.steady_state_blocks_per_request)} blocks per request); running requests limited to "
                      f"{_n(j['concurrency_limit'])} (max_num_seqs {_n(eng.max_num_seqs)})")
     lines.append("")
+    lines += _memory_lines(p, j)
+    w = j["waste"]
+    if w["bytes_per_request"]:
+        lines.append("")
+        lines.append("Waste (per request of max_model_len)")
+        lines.append(f"  padding layers        {_n(w['padding_layer_bytes_per_request'])} bytes")
+        lines.append(f"  padded pages          {_n(w['page_padding_bytes_per_request'])} bytes")
+        lines.append(f"  share of the request  {w['fraction_of_request'] * 100:.2f}%")
+        for text in w["vllm_padding_warnings"]:
+            lines.append(f"  vLLM: {text}")
+    if not p.fits:
+        lines.append("")
+        lines.append(f"DOES NOT FIT: one request of {_n(eng.max_model_len)} tokens needs {_gib(p.needed_bytes)} of KV "
+                     f"cache; {_gib(max(0, p.memory.kv_cache_bytes - p.bytes_per_block))} is available "
+                     f"(short by {_gib(p.shortfall_bytes)}). vLLM would refuse to start.")
+        for s in p.suggestions:
+            extra = f" (max concurrency {s['max_concurrency']:,.2f}x)" if "max_concurrency" in s else ""
+            lines.append(f"  would fit: {s['change']} = {s['value']}{extra}")
+        if not p.suggestions:
+            lines.append("  nothing simple fits: try a smaller model or a larger GPU")
+    for text in p.warnings:
+        lines.append(f"warning: {text}")
+    return "\n".join(lines)
+
+
+def _memory_lines(p: Plan, j: dict) -> list[str]:
+    """The memory section: where a GPU's bytes go, down to the KV cache."""
+    eng = p.engine
+    lines: list[str] = []
     m = p.memory
     lines.append(f"Memory per GPU ({p.gpu.description or p.gpu.name}: {_gib(m.total_bytes)})")
     if m.kv_cache_source == "kv_cache_memory_bytes":
@@ -101,28 +131,7 @@ def render_plan(p: Plan) -> str:
         lines.append(f"  = KV cache            {_gib(m.kv_cache_bytes)}")
     lines.append(f"  in blocks             {_gib(j['memory']['kv_cache_used_bytes'])} "
                  f"({_n(j['memory']['kv_cache_unused_bytes'])} bytes left over)")
-    w = j["waste"]
-    if w["bytes_per_request"]:
-        lines.append("")
-        lines.append("Waste (per request of max_model_len)")
-        lines.append(f"  padding layers        {_n(w['padding_layer_bytes_per_request'])} bytes")
-        lines.append(f"  padded pages          {_n(w['page_padding_bytes_per_request'])} bytes")
-        lines.append(f"  share of the request  {w['fraction_of_request'] * 100:.2f}%")
-        for text in w["vllm_padding_warnings"]:
-            lines.append(f"  vLLM: {text}")
-    if not p.fits:
-        lines.append("")
-        lines.append(f"DOES NOT FIT: one request of {_n(eng.max_model_len)} tokens needs {_gib(p.needed_bytes)} of KV "
-                     f"cache; {_gib(max(0, m.kv_cache_bytes - p.bytes_per_block))} is available "
-                     f"(short by {_gib(p.shortfall_bytes)}). vLLM would refuse to start.")
-        for s in p.suggestions:
-            extra = f" (max concurrency {s['max_concurrency']:,.2f}x)" if "max_concurrency" in s else ""
-            lines.append(f"  would fit: {s['change']} = {s['value']}{extra}")
-        if not p.suggestions:
-            lines.append("  nothing simple fits: try a smaller model or a larger GPU")
-    for text in p.warnings:
-        lines.append(f"warning: {text}")
-    return "\n".join(lines)
+    return lines
 
 
 def _bytes_per_request(p: Plan) -> int:
@@ -165,6 +174,11 @@ def render_compare(comparison: HybridComparison) -> str:
 # --------------------------------------------------------------------------------------
 
 
+@knob_flags("engine.tensor_parallel_size", "engine.max_model_len", "engine.max_num_batched_tokens",
+            "engine.max_num_seqs", "engine.block_size", "engine.kv_cache_dtype", "engine.gpu_memory_utilization",
+            "engine.kv_cache_memory_bytes", "engine.hybrid_kv_cache", "engine.async_scheduling",
+            "engine.enable_prefix_caching", "engine.mamba_cache_mode", "engine.mamba_cache_dtype",
+            "engine.mamba_ssm_cache_dtype")
 def plan(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
@@ -172,39 +186,14 @@ def plan(
                                                                       "[engine] (scenarios/README.md)."),
     hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="A local Hugging Face config.json (or its "
                                                                        "directory) instead of a preset."),
-    tp: Optional[int] = typer.Option(None, "--tp", "--tensor-parallel-size", help="Tensor-parallel GPUs."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Longest request (tokens)."),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens",
-                                                         help="Token budget per step."),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Most running requests."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per block (default 16)."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype", help="auto, bfloat16, fp8, ..."),
-    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization",
-                                                           help="Fraction of GPU memory vLLM may use (0.92)."),
-    kv_cache_memory_bytes: Optional[int] = typer.Option(None, "--kv-cache-memory-bytes",
-                                                        help="KV cache bytes per GPU; skips the memory estimate."),
-    hybrid_kv_cache: Optional[bool] = typer.Option(None, "--hybrid-kv-cache/--no-hybrid-kv-cache",
-                                                   help="Hybrid KV cache manager (default: vLLM's per model)."),
-    async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling",
-                                                    help="Two batches in flight (vLLM default on)."),
-    enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching",
-                                                         help="Prefix caching (default on)."),
-    mamba_cache_mode: Optional[str] = typer.Option(None, "--mamba-cache-mode", help="none or align."),
-    mamba_cache_dtype: Optional[str] = typer.Option(None, "--mamba-cache-dtype", help="Conv state dtype."),
-    mamba_ssm_cache_dtype: Optional[str] = typer.Option(None, "--mamba-ssm-cache-dtype", help="SSM state dtype."),
+    knobs: Optional[dict] = None,
     compare_hybrid: bool = typer.Option(False, "--compare-hybrid", help="Show hybrid manager on vs off."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """What fits: KV cache groups, blocks, tokens, concurrency and memory, as vLLM 0.33 plans them."""
     with user_errors():
-        flags = dict(tensor_parallel_size=tp, max_model_len=max_model_len,
-                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=block_size,
-                     kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
-                     kv_cache_memory_bytes=kv_cache_memory_bytes, hybrid_kv_cache=hybrid_kv_cache,
-                     async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
-                     mamba_cache_mode=mamba_cache_mode, mamba_cache_dtype=mamba_cache_dtype,
-                     mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
-        resolved = resolve_scenario(scenario, Overrides(model=model, hf_config=hf_config, gpu=gpu, engine=flags))
+        overrides = Overrides.from_knobs(knobs or {}, model=model, hf_config=hf_config, gpu=gpu)
+        resolved = resolve_scenario(scenario, overrides)
         chosen_model, chosen_gpu, engine = resolved.model, resolved.gpu, resolved.engine
         if compare_hybrid:
             comparison = compare_hybrid_layouts(chosen_model, chosen_gpu, engine)

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
+from kvtwin.knob_options import knob_flags
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
 from kvtwin.reports import summary_text as words
 from kvtwin.scenarios import DEFAULT_SCENARIO
@@ -28,30 +29,16 @@ from kvtwin.sim.replay.calibration_data import band_lines, with_band
 from kvtwin.sim.replay.run import run_replay
 
 
+@knob_flags("engine.tensor_parallel_size", "workload.rate_scale", "workload.limit", "engine.max_model_len",
+            "engine.enable_prefix_caching", "run.time_limit_s", "offload.cpu_bytes", "offload.policy",
+            "offload.disk_bytes", "offload.disk_bandwidth_bytes_per_s", "offload.disk_latency_s")
 def replay(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
                                                    help="Scenario file (default: scenarios/default.toml)."),
     trace: Optional[str] = typer.Option(None, "--trace", help="Replay this trace instead (a file or bundled:NAME)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel GPUs."),
-    rate_scale: Optional[float] = typer.Option(None, "--rate-scale",
-                                               help="Multiply the arrival rate (2 = twice as fast)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Longest request (tokens)."),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
-                                                  help="Override the scenario's prefix caching."),
-    time_limit_s: Optional[float] = typer.Option(None, "--time-limit-s", help="Stop at this simulated time."),
-    offload_cpu_bytes: Optional[int] = typer.Option(None, "--offload-cpu-bytes",
-                                                    help="Host memory for the CPU KV offload tier, bytes "
-                                                         "(0 = off)."),
-    offload_policy: Optional[str] = typer.Option(None, "--offload-policy", help="CPU/disk tier policy: lru or arc."),
-    offload_disk_bytes: Optional[int] = typer.Option(None, "--offload-disk-bytes",
-                                                     help="Disk tier below the CPU tier, bytes (0 = none)."),
-    offload_disk_bandwidth: Optional[float] = typer.Option(None, "--offload-disk-bandwidth",
-                                                           help="Disk tier bandwidth, bytes/s."),
-    offload_disk_latency: Optional[float] = typer.Option(None, "--offload-disk-latency",
-                                                         help="Disk tier latency per job, seconds (default 0.0001)."),
+    knobs: Optional[dict] = None,
     out: Path = typer.Option(Path("runs/replay"), "--out", "-o", help="Run directory to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the run directory."),
@@ -62,15 +49,7 @@ def replay(
         # Before anything slow: a bad --out must not cost a whole simulation.
         check_out_dir(out)
         path = scenario_path or DEFAULT_SCENARIO
-        overrides = Overrides(model=model, gpu=gpu, trace=trace, rate_scale=rate_scale, limit=limit,
-                              time_limit_s=time_limit_s,
-                              engine={"tensor_parallel_size": tp, "max_model_len": max_model_len,
-                                      "enable_prefix_caching": prefix_caching},
-                              offload={k: v for k, v in (("cpu_bytes", offload_cpu_bytes), ("policy", offload_policy),
-                                                         ("disk_bytes", offload_disk_bytes),
-                                                         ("disk_bandwidth_bytes_per_s", offload_disk_bandwidth),
-                                                         ("disk_latency_s", offload_disk_latency))
-                                       if v is not None})
+        overrides = Overrides.from_knobs(knobs or {}, model=model, gpu=gpu, trace=trace)
         resolved = resolve_scenario(path, overrides)
         chosen_model, chosen_gpu = resolved.model, resolved.gpu
         workload = resolved.require_workload()
@@ -81,8 +60,9 @@ def replay(
         started = time.perf_counter()
         seen["replaying"] = True
         with _progress(table.num_rows, quiet, started, seen) as on_progress:
-            result = run_replay(planned, table, efficiency=resolved.efficiency, slo=resolved.slo,
-                                time_limit_s=resolved.time_limit_s, on_progress=on_progress, offload=offload)
+            result = run_replay(planned, table, deployment=resolved.deployment, efficiency=resolved.efficiency,
+                                slo=resolved.slo, time_limit_s=resolved.time_limit_s, on_progress=on_progress,
+                                offload=offload)
         wall_s = time.perf_counter() - started
         result.summary = with_band(result.summary, resolved.calibration)
         metadata = run_metadata(path, overrides.given())
@@ -100,10 +80,10 @@ def replay(
     with interrupt_note(lambda: f"interrupted while printing the summary; {out} was written whole"):
         summary = result.summary.to_pylist()[0]
         deployment = f"{planned.engine.tensor_parallel_size}x {chosen_gpu.name}"
-        if planned.engine.replicas > 1:
-            deployment = f"{planned.engine.replicas} replicas of {deployment}"
+        if resolved.deployment.replicas > 1:
+            deployment = f"{resolved.deployment.replicas} replicas of {deployment}"
         print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
-        print(words.plan_line(planned) + (" per replica" if planned.engine.replicas > 1 else ""))
+        print(words.plan_line(planned) + (" per replica" if resolved.deployment.replicas > 1 else ""))
         for line in band_lines(summary, resolved.calibration, chosen_gpu.name, chosen_model.name):
             print(line)
         for line in (words.replicas_line(summary, result.replicas), words.offload_line(summary),

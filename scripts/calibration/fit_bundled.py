@@ -43,7 +43,7 @@ import numpy as np
 
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.replay.calibration import write_calibration
-from kvtwin.sim.replay.cost_model import AllReduceCurve, Efficiency
+from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
 from kvtwin.sim.replay.kernel_fit import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm,
                                           holdout_predictions, interpolate_s, layer_fixed_s, relative_errors)
 

@@ -45,9 +45,11 @@ class CalibrationJob:
                             bytes_per_s=resolved.gpu.hbm_bandwidth_bytes_per_s,
                             async_scheduling=resolved.engine.async_scheduling, base=base)
         elif self.kind == "scrape":
-            fit = fit_scrape(planned, self.trace, self.metrics, base, on_replay=on_replay)
+            fit = fit_scrape(planned, self.trace, self.metrics, base, deployment=resolved.deployment,
+                             on_replay=on_replay)
         else:
-            fit = fit_bench_serve(planned, measured_requests(self.bench, self.trace), base, on_replay=on_replay)
+            fit = fit_bench_serve(planned, measured_requests(self.bench, self.trace), base,
+                                  deployment=resolved.deployment, on_replay=on_replay)
         return CalibrationResult(self, fit)
 
 

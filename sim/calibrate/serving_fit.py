@@ -37,7 +37,8 @@ from kvtwin.sim.calibrate.bench_serve import BenchServeResult
 from kvtwin.sim.calibrate.prometheus import Histogram, ServerMetrics
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.plan import Plan
-from kvtwin.sim.replay.cost_model import Efficiency
+from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.traces import schema as col
 
@@ -171,6 +172,7 @@ def _request_errors(simulated: pa.Table, measured: MeasuredRequests, mask: np.nd
 
 
 def fit_bench_serve(plan: Plan, measured: MeasuredRequests, base: Efficiency, *,
+                    deployment: Deployment = Deployment(),
                     on_replay: Callable[[int, float], None] | None = None) -> ServingFit:
     """Fit the three knobs to the benchmark's TTFT and TPOT, and report the held-out error."""
     runs = np.unique(measured.run)
@@ -190,7 +192,7 @@ def fit_bench_serve(plan: Plan, measured: MeasuredRequests, base: Efficiency, *,
     def evaluate(knobs: Knobs):
         # The client's overhead changes no step: one replay per (prefill, decode), and the
         # best overhead for it by a search along that one axis.
-        requests = run_replay(plan, measured.trace, efficiency=knobs.apply(base)).requests
+        requests = run_replay(plan, measured.trace, deployment=deployment, efficiency=knobs.apply(base)).requests
         overhead_s = _best_overhead_s(lambda o: loss_at(requests, o), float(np.nanmin(measured.ttft_s)))
         return loss_at(requests, overhead_s), (requests, overhead_s)
 
@@ -221,6 +223,7 @@ def _best_overhead_s(loss: Callable[[float], float], upper_s: float) -> float:
 
 
 def fit_scrape(plan: Plan, trace: pa.Table, metrics: ServerMetrics, base: Efficiency, *,
+               deployment: Deployment = Deployment(),
                on_replay: Callable[[int, float], None] | None = None) -> ServingFit:
     """Fit the prefill and decode knobs to the scrape's TTFT and ITL quantiles (the server's
     own, so no client overhead), replaying ``trace``: the load the scrape measured.
@@ -247,7 +250,7 @@ def fit_scrape(plan: Plan, trace: pa.Table, metrics: ServerMetrics, base: Effici
         return out
 
     def evaluate(knobs: Knobs):
-        result = _replay_with_itl(plan, trace, knobs.apply(base))
+        result = _replay_with_itl(plan, trace, knobs.apply(base), deployment)
         e = errors(result, ("ttft", "tpot"), FIT_QUANTILES)
         logs = np.concatenate([np.log1p(v) for v in e.values()])
         return (float(np.mean(logs ** 2)) if logs.size else math.inf), result
@@ -266,10 +269,11 @@ class _ReplayWithItl:
     itl_s: np.ndarray
 
 
-def _replay_with_itl(plan: Plan, trace: pa.Table, efficiency: Efficiency) -> _ReplayWithItl:
+def _replay_with_itl(plan: Plan, trace: pa.Table, efficiency: Efficiency,
+                     deployment: Deployment = Deployment()) -> _ReplayWithItl:
     """A replay's requests and every inter-token gap (the scrape's ITL histogram counts
     gaps, not per-request means)."""
-    requests = run_replay(plan, trace, efficiency=efficiency).requests
+    requests = run_replay(plan, trace, deployment=deployment, efficiency=efficiency).requests
     done = requests.column("status").to_numpy(zero_copy_only=False) == "finished"
     tpot = requests.column("tpot_s").to_numpy(zero_copy_only=False).astype(float)[done]
     generated = requests.column("generated_tokens").to_numpy(zero_copy_only=False)[done]

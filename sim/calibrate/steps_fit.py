@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.replay.calibration import (STEP_TERM_COLUMNS, Fit, StepSample, ape_by_kind, batch_kind,
                                            fit_efficiency, step_cost_from_terms)
-from kvtwin.sim.replay.cost_model import Efficiency
+from kvtwin.sim.scenario.efficiency import Efficiency
 
 _REQUIRED = ("decode_tokens", "prefill_tokens", "measured_s", *STEP_TERM_COLUMNS.values())
 

@@ -36,9 +36,6 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAMBA_DTYPES = ("auto", "float32", "bfloat16", "bf16", "float16", "fp16")
 MAMBA_CACHE_MODES = ("none", "align")
-# The replay's routers in front of data-parallel replicas (each one's home is
-# ``kvtwin.sim.replay.router.ROUTERS``; the planner may not import the replay).
-ROUTER_NAMES = ("round_robin", "least_loaded", "session_affinity", "prefix_aware")
 
 
 def _positive(value: object, name: str, what: str = "a positive integer") -> None:
@@ -75,15 +72,8 @@ class EngineConfig:
     activation_peak_bytes: int | None = None
     cuda_graph_bytes: int | None = None
     non_torch_bytes: int | None = None
-    # Data parallelism in the replay: this many identical engines behind one router.
-    replicas: int = 1
-    router: str = "round_robin"
-
     def __post_init__(self) -> None:
         _positive(self.tensor_parallel_size, "tensor_parallel_size")
-        _positive(self.replicas, "replicas")
-        require(isinstance(self.router, str) and self.router in ROUTER_NAMES, "router",
-                f"one of {', '.join(ROUTER_NAMES)}", self.router)
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
                      "kv_cache_memory_bytes"):
             value = getattr(self, name)
@@ -143,8 +133,7 @@ class EngineConfig:
             hybrid_kv_cache_is_default=hybrid == model.default_hybrid_kv_cache,
             mamba_cache_mode=mamba_cache_mode, **_mamba_dtypes(model, self),
             activation_peak_bytes=self.activation_peak_bytes, cuda_graph_bytes=self.cuda_graph_bytes,
-            non_torch_bytes=self.non_torch_bytes, scheduler=scheduler, cache=cache, replicas=self.replicas,
-            router=self.router)
+            non_torch_bytes=self.non_torch_bytes, scheduler=scheduler, cache=cache)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,9 +158,6 @@ class ResolvedEngineConfig:
     non_torch_bytes: int | None
     scheduler: SchedulerConfig
     cache: CacheConfig
-    # Data-parallel replicas of this engine in the replay, and the router in front of them.
-    replicas: int = 1
-    router: str = "round_robin"
 
     # The scheduler's sizes are read everywhere in the planner; they live on ``scheduler``.
     @property

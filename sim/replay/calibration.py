@@ -6,7 +6,7 @@ real engine, each with the cost model's breakdown of the same batch, this module
 five of them — ``matmul_flops_fraction``, ``attention_flops_fraction``,
 ``hbm_bandwidth_fraction``, ``step_overhead_s``, ``per_request_overhead_s`` — reports
 which ones the measurements actually determine and how well the fitted model predicts
-the steps, per batch kind, and writes a calibration file that ``calibration_data.read_calibration`` reads.
+the steps, per batch kind, and writes a calibration file that ``kvtwin.sim.scenario.calibration_file.read_calibration`` reads.
 ``interconnect_fraction``, ``allreduce_latency_s``, the all-reduce curves, the fixed GPU
 times and ``matmul_half_tokens`` are not fitted: each sample's ``communication_s`` and
 ``serial_s`` (element-wise and fixed GPU seconds) are taken as they are, and the GEMM
@@ -39,7 +39,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS, Efficiency, StepCost, gemm_s
+from kvtwin.sim.replay.cost_model import StepCost, gemm_s
+from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
 
 # Fitted columns, in the order of x above. The order also decides which of two
 # collinear columns the fit keeps (the earlier one).
@@ -424,7 +425,7 @@ def write_calibration(path: Path | str, fit_or_efficiency: Fit | Efficiency, *,
                       comment_lines: Iterable[str] = (), label: str | None = None,
                       errors: dict[str, float] | None = None, sources: Sequence[dict[str, str]] = ()) -> Path:
     """Write a calibration TOML (``[cost_model]``, every Efficiency field) that
-    ``calibration_data.read_calibration`` reads back to the same Efficiency. The file is replaced whole or
+    ``kvtwin.sim.scenario.calibration_file.read_calibration`` reads back to the same Efficiency. The file is replaced whole or
     not at all. Returns the path written."""
     path = Path(path)
     text = calibration_text(fit_or_efficiency, comment_lines=comment_lines, label=label, errors=errors,

@@ -1,4 +1,4 @@
-"""Routers: which data-parallel replica serves an arriving request (``engine.router``).
+"""Routers: which data-parallel replica serves an arriving request (``Deployment.router``).
 
 ``engine.replicas = N`` runs N engines behind one router in the same SimPy environment
 (``sim/replay/clock``). A router sees only what a real one in front of vLLM
@@ -15,8 +15,7 @@ replicas sees:
 
 Every router breaks ties towards the lowest replica index, so a run is deterministic.
 
-Routers by name (``ROUTERS``; the names are also listed, for config validation, in
-``kvtwin.sim.planner.engine_config.ROUTER_NAMES``):
+Routers by name (``ROUTERS``, keyed by the scenario's ``ROUTER_NAMES``):
 
 ``round_robin``
     Arrival ``i`` goes to replica ``i mod N`` (rejected arrivals count).
@@ -56,6 +55,7 @@ from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.hashing import HashIdPrompt
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.spec import FullAttentionSpec
+from kvtwin.sim.scenario.deployment import ROUTER_NAMES
 
 PREFILL_WEIGHT = 1.0
 LOAD_WEIGHT = 1.0
@@ -73,7 +73,6 @@ class Router:
     ``release`` is called when a routed request finishes or is rejected.
     """
 
-    name = ""
 
     def __init__(self, engines: Sequence[EngineCore]):
         if not engines:
@@ -103,8 +102,6 @@ class SingleReplicaRouter(Router):
     """The router of a run with one replica: everything goes there, and nothing needs
     counting (no choice ever reads the outstanding tokens)."""
 
-    name = "single"
-
     def __init__(self) -> None:
         self.num_replicas = 1
         self.outstanding = [0]
@@ -118,7 +115,7 @@ class SingleReplicaRouter(Router):
 
 
 class RoundRobinRouter(Router):
-    name = "round_robin"
+    """``round_robin`` (module docstring)."""
 
     def __init__(self, engines: Sequence[EngineCore]):
         super().__init__(engines)
@@ -131,14 +128,14 @@ class RoundRobinRouter(Router):
 
 
 class LeastLoadedRouter(Router):
-    name = "least_loaded"
+    """``least_loaded`` (module docstring)."""
 
     def choose(self, request: Request, session_id: str | None) -> int:
         return self.least_loaded()
 
 
 class SessionAffinityRouter(Router):
-    name = "session_affinity"
+    """``session_affinity`` (module docstring)."""
 
     def __init__(self, engines: Sequence[EngineCore]):
         super().__init__(engines)
@@ -162,7 +159,7 @@ def _reference_group(engine: EngineCore) -> int:
 
 
 class PrefixAwareRouter(Router):
-    name = "prefix_aware"
+    """``prefix_aware`` (module docstring)."""
 
     def __init__(self, engines: Sequence[EngineCore], *, prefill_weight: float = PREFILL_WEIGHT,
                  load_weight: float = LOAD_WEIGHT):
@@ -232,17 +229,16 @@ class PrefixAwareRouter(Router):
         return costs.index(min(costs))
 
 
-ROUTERS: dict[str, type[Router]] = {cls.name: cls for cls in (
-    RoundRobinRouter, LeastLoadedRouter, SessionAffinityRouter, PrefixAwareRouter)}
+# Each router the scenario may name, in ``ROUTER_NAMES``'s order (the names' one home).
+ROUTERS: dict[str, type[Router]] = dict(zip(ROUTER_NAMES, (
+    RoundRobinRouter, LeastLoadedRouter, SessionAffinityRouter, PrefixAwareRouter), strict=True))
 
 
 def make_router(name: str, engines: Sequence[EngineCore]) -> Router:
     """The router ``name`` in front of ``engines``; with one engine, the single-replica
     router whatever the name (a one-replica run is exactly the single-engine replay)."""
-    if len(engines) == 1:
-        return SingleReplicaRouter()
     try:
         cls = ROUTERS[name]
     except KeyError:
         raise ValueError(f"unknown router {name!r}: one of {', '.join(ROUTERS)}") from None
-    return cls(engines)
+    return SingleReplicaRouter() if len(engines) == 1 else cls(engines)

@@ -4,8 +4,8 @@ Puts the pieces together: the plan's ``KVCacheConfig`` and its resolved engine c
 (the scheduler and cache configs) build the ``EngineCore``; the trace's rows become
 requests arriving at their times; the cost model predicts each step's duration and
 samples synthetic output tokens; the metrics recorder turns what happened into the three
-tables of a run directory. ``engine.replicas = N`` builds N engines, each with its own
-executor and cost-model clock, behind the router ``engine.router`` (``router.py``);
+tables of a run directory. A ``Deployment`` of N replicas builds N engines, each with its
+own executor and cost-model clock, behind its router (``router.py``);
 ``ReplayResult.replicas`` is then the per-replica summary.
 
 With an offload tier (``offload``, a ``ResolvedOffload`` from the scenario's ``[offload]``
@@ -25,11 +25,11 @@ import pyarrow as pa
 import simpy
 
 from kvtwin.sim.replay.client_side import with_client_side
-from kvtwin.sim.replay.cost_model import CostModel, Efficiency, StepCost
+from kvtwin.sim.replay.cost_model import CostModel, StepCost
 from kvtwin.sim.core.decode_window import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, OffloadTier
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.summaries import SLO, summarize, summarize_replicas
+from kvtwin.sim.replay.summaries import summarize, summarize_replicas
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan
@@ -38,6 +38,9 @@ from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.scenario.slo import SLO
 
 
 def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
@@ -115,15 +118,15 @@ class ReplayResult:
     replicas: pa.Table | None = None
 
 
-def run_replay(plan: Plan, trace: pa.Table, *, efficiency: Efficiency = Efficiency(), slo: SLO = SLO(),
-               time_limit_s: float | None = None,
+def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployment(),
+               efficiency: Efficiency = Efficiency(), slo: SLO = SLO(), time_limit_s: float | None = None,
                on_progress: Callable[[ReplayClock], None] | None = None,
                offload: ResolvedOffload | None = None, decode_windows: bool = True) -> ReplayResult:
     """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
-    cost model and executor per replica of ``plan.engine.replicas``, each with the offload
-    tiers ``offload`` sizes (None: none)."""
-    executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(plan.engine.replicas)]
-    result = run_with_executor(plan, trace, executors if len(executors) > 1 else executors[0], slo=slo,
+    cost model and executor per replica of ``deployment``, each with the offload tiers
+    ``offload`` sizes (None: none)."""
+    executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(deployment.replicas)]
+    result = run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
                                time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
                                decode_windows=decode_windows)
     result.requests, result.summary = with_client_side(result.requests, result.summary,
@@ -138,7 +141,7 @@ def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostMo
 
 
 def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Sequence[ModelExecutor], *,
-                      slo: SLO = SLO(), time_limit_s: float | None = None, env: simpy.Environment | None = None,
+                      router: str = Deployment.router, slo: SLO = SLO(), time_limit_s: float | None = None, env: simpy.Environment | None = None,
                       on_progress: Callable[[ReplayClock], None] | None = None,
                       offload: ResolvedOffload | None = None, decode_windows: bool = True) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what ``executor``
@@ -146,8 +149,7 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
     SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real time).
 
     ``executor`` is one executor, or a list of one per replica: the run has as many
-    replicas as executors given (a single executor: one replica, whatever
-    ``plan.engine.replicas`` says), behind the router ``plan.engine.router``. ``offload``
+    replicas as executors given, behind the router named ``router`` (``Deployment.router``). ``offload``
     gives each replica its offload tiers (module docstring). ``decode_windows`` False
     turns decode windows off (``sim/core/decode_window.py``; the results are the same, only
     slower)."""
@@ -160,20 +162,20 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
         env = env if env is not None else simpy.Environment()
         engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, offload_tier(offload, env))
                    for _ in executors]
-    router = make_router(eng.router, engines)
+    routing = make_router(router, engines)
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload)
     replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
                 for engine, executor in zip(engines, executors)]
-    end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=router, time_limit_s=time_limit_s,
+    end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=routing, time_limit_s=time_limit_s,
                            on_progress=on_progress, env=env)
     requests = metrics.requests_table()
     steps = metrics.steps_table()
     facts = offload.describe() if offload is not None else None
     summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace, num_replicas=len(engines),
-                        router=eng.router, offload=facts)
-    replicas = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
-                                  cluster_summary=summary, offload=facts)
-    return ReplayResult(requests, steps, summary, end_s, replicas)
+                        router=router, offload=facts)
+    per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
+                                     cluster_summary=summary, offload=facts)
+    return ReplayResult(requests, steps, summary, end_s, per_replica)
 
 
 def offload_tier(offload: ResolvedOffload, env: simpy.Environment) -> OffloadTier:

@@ -10,28 +10,16 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtwin.sim.scenario.slo import SLO
 from kvtwin.traces.expand import table_block_ids
 from kvtwin.traces.schema import hash_block_tokens_of
 from kvtwin.traces.stats import DEFAULT_BLOCK_TOKENS, prefix_reuse
-
-
-@dataclass(frozen=True)
-class SLO:
-    """A request meets the SLO when its TTFT and TPOT are both within these bounds."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-
-    def met(self, ttft_s: float, tpot_s: float) -> bool:
-        return ((self.ttft_s is None or ttft_s <= self.ttft_s)
-                and (self.tpot_s is None or (math.isnan(tpot_s) or tpot_s <= self.tpot_s)))
 
 
 def _stats(values: np.ndarray, prefix: str, scale: float = 1000.0) -> dict[str, float]:

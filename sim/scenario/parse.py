@@ -18,15 +18,18 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from kvtwin.sim.replay.calibration_data import Calibration, read_calibration
-from kvtwin.sim.replay.cost_model import Efficiency, efficiency_from_mapping
 from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys
-from kvtwin.sim.planner.engine_config import EngineConfig, engine_config_from_mapping
+from kvtwin.sim.planner.engine_config import ENGINE_KEYS, EngineConfig, engine_config_from_mapping
 from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
-from kvtwin.sim.replay.summaries import SLO
+from kvtwin.sim.scenario.calibration_file import Calibration, read_calibration
+from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
+from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
+from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.validators import check_keys, fields_under, table_of
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.errors import TraceError
@@ -36,8 +39,8 @@ from kvtwin.traces.synth_spec import parse_spec
 
 SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload")
 TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
-SLO_KEYS = ("ttft_s", "tpot_s")
-RUN_KEYS = ("time_limit_s",)
+SLO_KEYS = tuple(section_knobs("slo"))
+RUN_KEYS = tuple(section_knobs("run"))
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Scenario:
     model: ModelPreset | None = None
     gpu: GPUSpec | None = None
     engine: EngineConfig = EngineConfig()
+    deployment: Deployment = Deployment()
     workload: Workload | None = None
     slo: SLO = SLO()
     efficiency: Efficiency = Efficiency()
@@ -91,42 +95,12 @@ class Scenario:
     offload: OffloadConfig = OffloadConfig()
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# transform key -> (accepts, what is expected); shared by the scenario and the CLI flags.
-TRANSFORM_RULES = {
-    "start_s": (lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
-    "end_s": (lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
-    "limit": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive number of requests"),
-    "rate_scale": (lambda v: _is_number(v) and v > 0, "a positive factor (2 = twice as fast)"),
-    "sample_sessions": (lambda v: _is_number(v) and 0 < v <= 1, "a fraction of sessions in (0, 1]"),
-    "sample_seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer seed"),
-}
-TRANSFORM_KEYS = tuple(TRANSFORM_RULES)
-
-
 def check_transform(key: str, value: object, where: str) -> None:
-    accepts, expected = TRANSFORM_RULES[key]
-    if not accepts(value):
-        raise ConfigError(where, expected, value)
+    knob(f"workload.{key}").check(value, where)
 
 
 def check_time_limit(value: object, where: str) -> None:
-    if not (_is_number(value) and value > 0):
-        raise ConfigError(where, "a positive number of simulated seconds", value)
-
-
-def _table(data: dict, name: str) -> dict:
-    value = data.get(name, {})
-    if not isinstance(value, dict):
-        raise ConfigError(name, "a table", value)
-    return value
-
-
-def _check_keys(table: dict, allowed: tuple[str, ...], where: str) -> None:
-    reject_unknown_keys(table, allowed, where=where, expected=f"one of {', '.join(allowed)}")
+    knob("run.time_limit_s").check(value, where)
 
 
 def model_from_table(table: dict[str, Any], base_dir: Path) -> ModelPreset:
@@ -164,7 +138,7 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
     for key, value in transform.items():
         check_transform(key, value, f"workload.{key}")
     if "trace" in table:
-        _check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
+        check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
         skip_bad = table.get("skip_bad", False)
         if not isinstance(skip_bad, bool):
             raise ConfigError("workload.skip_bad", "true or false", skip_bad)
@@ -184,16 +158,25 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
                       "(a synthetic workload)")
 
 
+def engine_and_deployment(table: dict) -> tuple[EngineConfig, Deployment]:
+    """``[engine]``: the engine's knobs and, beside them, the deployment's (replicas, router)."""
+    allowed = ENGINE_KEYS + DEPLOYMENT_FIELDS
+    reject_unknown_keys(table, allowed, where="engine", expected=f"an engine setting ({', '.join(sorted(allowed))})")
+    engine = engine_config_from_mapping({k: v for k, v in table.items() if k not in DEPLOYMENT_FIELDS})
+    with fields_under("engine"):
+        deployment = Deployment(**{k: v for k, v in table.items() if k in DEPLOYMENT_FIELDS})
+    return engine, deployment
+
+
 def parse_scenario(data: dict, base_dir: Path) -> Scenario:
-    _check_keys(data, SECTIONS, "scenario")
-    engine = engine_config_from_mapping(_table(data, "engine"))
-    offload = offload_config_from_mapping(_table(data, "offload"))
-    slo_table = _table(data, "slo")
-    _check_keys(slo_table, SLO_KEYS, "slo")
+    check_keys(data, SECTIONS, "scenario")
+    engine, deployment = engine_and_deployment(table_of(data, "engine"))
+    offload = offload_config_from_mapping(table_of(data, "offload"))
+    slo_table = table_of(data, "slo")
+    check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():
-        if not (isinstance(value, (int, float)) and value > 0):
-            raise ConfigError(f"slo.{key}", "a positive number of seconds", value)
-    cost_table = dict(_table(data, "cost_model"))
+        knob(f"slo.{key}").check(value, f"slo.{key}")
+    cost_table = dict(table_of(data, "cost_model"))
     calibration = cost_table.pop("calibration", None)
     named = None
     if calibration is not None:
@@ -203,8 +186,8 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         named = read_calibration(path if path.is_absolute() else base_dir / path)
     # Checked now, so that a bad key names the scenario file.
     efficiency = efficiency_from_mapping(cost_table, base=named.efficiency if named else Efficiency())
-    run_table = _table(data, "run")
-    _check_keys(run_table, RUN_KEYS, "run")
+    run_table = table_of(data, "run")
+    check_keys(run_table, RUN_KEYS, "run")
     time_limit = run_table.get("time_limit_s")
     if time_limit is not None:
         check_time_limit(time_limit, "run.time_limit_s")
@@ -212,7 +195,7 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         description=str(data.get("description", "")),
         model=model_from_table(data["model"], base_dir) if "model" in data else None,
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
-        engine=engine, workload=_workload(_table(data, "workload"), base_dir),
+        engine=engine, deployment=deployment, workload=_workload(table_of(data, "workload"), base_dir),
         slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload,
         calibration=named, cost_overrides=cost_table)
 

@@ -33,25 +33,13 @@ from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
-from kvtwin.sim.replay.calibration_data import Calibration, bundled_calibration, uncalibrated
-from kvtwin.sim.replay.cost_model import Efficiency
-from kvtwin.sim.replay.summaries import SLO
-from kvtwin.sim.scenario.parse import (Scenario, Workload, check_time_limit, check_transform, load_scenario,
-                                      scenario_from_data)
+from kvtwin.sim.scenario.calibration_file import Calibration, bundled_calibration, uncalibrated
+from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.knobs import flag_for, knob
+from kvtwin.sim.scenario.parse import Scenario, Workload, load_scenario, scenario_from_data
 from kvtwin.traces.bundled import resolve as resolve_trace
-
-# Engine fields whose flag is not simply ``--field-name``.
-_ENGINE_FLAGS = {"tensor_parallel_size": "--tp"}
-# Offload fields and their flags (``--offload-`` + the field, but for the bandwidth).
-OFFLOAD_FLAGS = {"cpu_bytes": "--offload-cpu-bytes", "policy": "--offload-policy",
-                 "disk_bytes": "--offload-disk-bytes", "disk_bandwidth_bytes_per_s": "--offload-disk-bandwidth",
-                 "disk_latency_s": "--offload-disk-latency"}
-
-
-def engine_flag(field_name: str) -> str:
-    """The command-line spelling of an engine setting, for error messages."""
-    return _ENGINE_FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
-
 
 @dataclass(frozen=True)
 class Overrides:
@@ -67,16 +55,24 @@ class Overrides:
     time_limit_s: float | None = None
     offload: Mapping[str, object] = field(default_factory=dict)  # OffloadConfig field -> value
 
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, object], **sources: object) -> Overrides:
+        """The overrides of a command's knob flags (``section.name`` -> value, None: not
+        given) beside its source flags (``model``, ``gpu``, ``trace``, ...)."""
+        engine = {k.removeprefix("engine."): v for k, v in knobs.items() if k.startswith("engine.")}
+        offload = {k.removeprefix("offload."): v for k, v in knobs.items() if k.startswith("offload.")}
+        return cls(**sources, engine=engine, offload={k: v for k, v in offload.items() if v is not None},
+                   rate_scale=knobs.get("workload.rate_scale"), limit=knobs.get("workload.limit"),
+                   time_limit_s=knobs.get("run.time_limit_s"))
+
     def check(self) -> None:
         """Refuse a bad flag value by the flag's name (nothing has been read yet)."""
         if self.model is not None and self.hf_config is not None:
             raise ConfigError("--model", "either --model or --hf-config, not both")
-        if self.rate_scale is not None:
-            check_transform("rate_scale", self.rate_scale, "--rate-scale")
-        if self.limit is not None:
-            check_transform("limit", self.limit, "--limit")
-        if self.time_limit_s is not None:
-            check_time_limit(self.time_limit_s, "--time-limit-s")
+        for key, value in (("workload.rate_scale", self.rate_scale), ("workload.limit", self.limit),
+                           ("run.time_limit_s", self.time_limit_s)):
+            if value is not None:
+                knob(key).check(value, knob(key).flag or key)
 
     def given(self) -> dict:
         """The flags that were given, for a run's metadata."""
@@ -96,6 +92,7 @@ class ResolvedScenario:
     model: ModelPreset
     gpu: GPUSpec
     engine: EngineConfig
+    deployment: Deployment
     workload: Workload | None
     slo: SLO
     efficiency: Efficiency
@@ -119,7 +116,7 @@ class ResolvedScenario:
         except ConfigError as err:
             name = err.field.removeprefix("offload.")
             if self.overrides.offload.get(name) is not None:
-                raise ConfigError(OFFLOAD_FLAGS[name], err.expected, err.got) from None
+                raise ConfigError(flag_for("offload", name), err.expected, err.got) from None
             raise err if err.source or self.where is None else err.with_source(self.where) from None
 
     def require_workload(self) -> Workload:
@@ -163,7 +160,7 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
         try:
             engine = dataclasses.replace(engine, **{name: value})
         except ConfigError as err:
-            raise ConfigError(engine_flag(name), err.expected, err.got) from None
+            raise ConfigError(flag_for("engine", name), err.expected, err.got) from None
 
     workload = scenario.workload
     if overrides.trace is not None:
@@ -185,15 +182,16 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             offload = dataclasses.replace(offload, **given)
         except ConfigError as err:
             if err.field in given:
-                raise ConfigError(OFFLOAD_FLAGS[err.field], err.expected, err.got) from None
+                raise ConfigError(flag_for("offload", err.field), err.expected, err.got) from None
             # A scenario value (or default) the flags made inconsistent: both ways to set it.
-            raise ConfigError(f"{OFFLOAD_FLAGS[err.field]} or [offload] {err.field}", err.expected,
+            raise ConfigError(f"{flag_for('offload', err.field)} or [offload] {err.field}", err.expected,
                               err.got) from None
 
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     calibration = choose_calibration(scenario, model, gpu, where)
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
-                            workload=workload, slo=scenario.slo, efficiency=calibration.efficiency,
+                            deployment=scenario.deployment, workload=workload, slo=scenario.slo,
+                            efficiency=calibration.efficiency,
                             time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration)
 
 

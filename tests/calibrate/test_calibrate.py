@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from kvtwin.cli import app
 from kvtwin.sim.calibrate.serving_fit import Knobs
 from kvtwin.sim.replay.calibration import STEP_TERM_COLUMNS, batch_kind, step_terms
-from kvtwin.sim.replay.calibration_data import read_calibration
+from kvtwin.sim.scenario.calibration_file import read_calibration
 from kvtwin.sim.replay.run import plan_cost_model, run_replay
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.traces import schema as col
@@ -90,7 +90,8 @@ def test_calibrate_from_bench_serve_recovers_the_knobs(setup, tmp_path):
     runs = []
     for seed in (1, 2):
         trace = trace_table(seed=seed)
-        truth = run_replay(resolved.plan(), trace, efficiency=TRUTH.apply(base)).requests
+        truth = run_replay(resolved.plan(), trace, deployment=resolved.deployment,
+                           efficiency=TRUTH.apply(base)).requests
         path = tmp_path / f"run{seed}.json"
         path.write_text(json.dumps(bench_result(truth, trace, TRUTH.client_overhead_s)))
         runs.append(path)
@@ -120,7 +121,8 @@ def test_calibrate_from_a_scrape_fits_the_server_quantiles(setup, tmp_path):
     trace = trace_table(n=60, seed=3)
     trace_path = tmp_path / "load.parquet"
     pq.write_table(trace, trace_path)
-    truth = run_replay(resolved.plan(), trace, efficiency=Knobs(1.2, 1.25).apply(resolved.efficiency))
+    truth = run_replay(resolved.plan(), trace, deployment=resolved.deployment,
+                       efficiency=Knobs(1.2, 1.25).apply(resolved.efficiency))
     done = truth.requests.filter(pa.compute.equal(truth.requests.column("status"), "finished"))
     gaps = np.repeat(done.column("tpot_s").to_numpy(), done.column("generated_tokens").to_numpy() - 1)
     observations = {"vllm:time_to_first_token_seconds": done.column("ttft_s").to_pylist(),

@@ -20,8 +20,8 @@ import pytest
 
 from kvtwin.executor.shapes import MIXER_LATENT, MIXER_STATE
 from kvtwin.executor.validate import CHECKS, VALIDATION_COLUMNS, ValidateOptions
-from kvtwin.sim.replay.calibration_data import read_calibration
-from kvtwin.sim.replay.cost_model import SCALAR_EFFICIENCY_FIELDS, Efficiency
+from kvtwin.sim.scenario.calibration_file import read_calibration
+from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
 from kvtwin.sim.replay.run import run_replay
 from tests.executor.toys import scenario, validate_with_runs
 
@@ -120,5 +120,5 @@ def test_all_four_checks_on_cpu_rows_and_calibration(tmp_path):
     assert {name: getattr(loaded, name) for name in fitted} == pytest.approx(fitted, rel=1e-12)
     assert loaded != Efficiency()  # something was fitted
     # ... and a replay runs with it.
-    replayed = run_replay(resolved.plan(), resolved.workload.load(), efficiency=loaded)
+    replayed = run_replay(resolved.plan(), resolved.workload.load(), deployment=resolved.deployment, efficiency=loaded)
     assert replayed.requests.num_rows == resolved.workload.load().num_rows

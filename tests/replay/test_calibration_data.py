@@ -14,10 +14,11 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay import calibration_data
-from kvtwin.sim.replay.calibration_data import (Calibration, band_columns, band_lines, pessimistic, read_calibration,
-                                                step_error, uncalibrated)
-from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency
+from kvtwin.sim.scenario import calibration_file
+from kvtwin.sim.replay.calibration_data import band_columns, band_lines, pessimistic, step_error
+from kvtwin.sim.scenario.calibration_file import Calibration, read_calibration, uncalibrated
+from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 
 CALIBRATION = """\
@@ -100,7 +101,7 @@ def test_a_scenario_gets_the_named_file_else_the_gpu_bundled_one_else_none(tmp_p
     folder = tmp_path / "bundled"
     folder.mkdir()
     write(folder, CALIBRATION.replace('label = "test fit"', 'label = "bundled h100"'), "h100.toml")
-    monkeypatch.setattr(calibration_data, "_bundled_dir", lambda: folder)
+    monkeypatch.setattr(calibration_file, "_bundled_dir", lambda: folder)
 
     bundled = resolve_scenario(write(tmp_path, scenario_text(), "s.toml"))
     assert bundled.calibration.label == "bundled h100"

@@ -18,10 +18,12 @@ from typer.testing import CliRunner
 from kvtwin.commands.capacity import capacity
 from kvtwin.scenarios import SCENARIOS_DIR
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay import sweep
-from kvtwin.sim.replay.summaries import SLO
+from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
+from kvtwin.sim.replay.capacity_table import CAPACITY_METADATA_KEY, summary_schema
+from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, bracket_and_bisect, slo_holds
+from kvtwin.sim.scenario.sweep_keys import apply_values, parse_sweeps, sweep_points
+from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.replay.reuse_curve import hit_curve, reuse_profile
-from kvtwin.sim.replay.sweep import CAPACITY_METADATA_KEY, MAX_RATE_COLUMNS, summary_schema
 from kvtwin.traces.expand import table_block_ids
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
@@ -146,7 +148,7 @@ def test_bisection_finds_the_analytic_saturation_rate(constant, tmp_path):
     assert row["p99_ttft_ms"] <= 15.0
     import json
     search = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]
-    assert search["converged"] and len(search["tried"]) <= sweep.DEFAULT_MAX_REPLAYS
+    assert search["converged"] and len(search["tried"]) <= DEFAULT_MAX_REPLAYS
     holding = [x for x, ok in search["tried"] if ok]
     failing = [x for x, ok in search["tried"] if not ok]
     assert max(holding) == lo and min(failing) / lo - 1 <= tolerance
@@ -155,20 +157,20 @@ def test_bisection_finds_the_analytic_saturation_rate(constant, tmp_path):
 
 def test_bracket_and_bisect_on_a_known_predicate():
     for threshold in (0.013, 3.7, 40.0):
-        found = sweep.bracket_and_bisect(lambda x, t=threshold: x <= t, 1.0, tolerance=0.01, max_replays=40)
+        found = bracket_and_bisect(lambda x, t=threshold: x <= t, 1.0, tolerance=0.01, max_replays=40)
         assert found.converged and found.lo <= threshold < found.hi and found.hi / found.lo - 1 <= 0.01
-    never = sweep.bracket_and_bisect(lambda x: False, 1.0, max_replays=40)
+    never = bracket_and_bisect(lambda x: False, 1.0, max_replays=40)
     assert never.lo is None and not never.converged
 
 
 def test_slo_criterion():
     base = {"completed": 10, "unfinished": 0, "p99_ttft_ms": 900.0, "p99_tpot_ms": 40.0, "slo_attainment": 0.9}
     slo = SLO(ttft_s=1.0, tpot_s=0.05)
-    assert sweep.slo_holds(base, slo)
-    assert not sweep.slo_holds({**base, "p99_tpot_ms": 51.0}, slo)
-    assert not sweep.slo_holds({**base, "unfinished": 1}, slo)
-    assert sweep.slo_holds({**base, "p99_tpot_ms": 99.0}, slo, goodput=0.9)
-    assert not sweep.slo_holds({**base, "unfinished": 2}, slo, goodput=0.9)
+    assert slo_holds(base, slo)
+    assert not slo_holds({**base, "p99_tpot_ms": 51.0}, slo)
+    assert not slo_holds({**base, "unfinished": 1}, slo)
+    assert slo_holds({**base, "p99_tpot_ms": 99.0}, slo, goodput=0.9)
+    assert not slo_holds({**base, "unfinished": 2}, slo, goodput=0.9)
 
 
 def _exact_lru_hit_rate(trace, block_size: int, capacity_blocks: int, include_outputs: bool) -> float:
@@ -306,14 +308,14 @@ def test_a_failed_point_is_recorded_and_the_others_go_on(constant, tmp_path):
 
 
 def test_points_and_values():
-    axes = sweep.parse_sweeps(["engine.block_size=16,32", "workload.rate_scale=0.5,1,2", "engine.max_model_len=none"])
-    points = sweep.sweep_points(axes)
+    axes = parse_sweeps(["engine.block_size=16,32", "workload.rate_scale=0.5,1,2", "engine.max_model_len=none"])
+    points = sweep_points(axes)
     assert len(points) == 6 and [p.index for p in points] == list(range(6))
     assert points[1].values == {"engine.block_size": 16, "workload.rate_scale": 1.0, "engine.max_model_len": None}
-    data = sweep.apply_values({"engine": {"max_model_len": 4096}, "workload": {"kind": "x"}}, points[5].values)
+    data = apply_values({"engine": {"max_model_len": 4096}, "workload": {"kind": "x"}}, points[5].values)
     assert data == {"engine": {"block_size": 32}, "workload": {"kind": "x", "rate_scale": 2.0}}
     with pytest.raises(ConfigError, match="each key swept once"):
-        sweep.parse_sweeps(["engine.block_size=16", "engine.block_size=32"])
+        parse_sweeps(["engine.block_size=16", "engine.block_size=32"])
 
 
 def test_the_pessimistic_edge_searches_again_with_every_step_slower(constant, tmp_path):

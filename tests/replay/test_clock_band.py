@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
-from kvtwin.sim.replay.calibration_data import bundled_calibration
+from kvtwin.sim.scenario.calibration_file import bundled_calibration
 
 SCENARIO = """\
 [model]

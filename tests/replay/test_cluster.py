@@ -16,13 +16,16 @@ from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import HashIdPrompt, TokenPrompt
 from kvtwin.sim.core.request import Request
-from kvtwin.sim.planner.engine_config import ROUTER_NAMES, EngineConfig, engine_config_from_mapping
+from kvtwin.sim.planner.engine_config import EngineConfig
+from kvtwin.sim.scenario.deployment import ROUTER_NAMES, Deployment
+from kvtwin.sim.scenario.parse import engine_and_deployment
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.summaries import SLO, summarize
-from kvtwin.sim.replay.router import ROUTERS, LeastLoadedRouter, PrefixAwareRouter, make_router
+from kvtwin.sim.replay.summaries import summarize
+from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.replay.router import ROUTERS, SingleReplicaRouter, LeastLoadedRouter, PrefixAwareRouter, make_router
 from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_replay
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.clock.cluster import run_simulation
@@ -53,7 +56,7 @@ def mooncake_head():
 
 @pytest.fixture(scope="module")
 def cluster_runs(chat):
-    return {router: run_replay(llama_plan(replicas=NUM_REPLICAS, router=router), chat, slo=SLO_)
+    return {router: run_replay(llama_plan(), chat, deployment=Deployment(NUM_REPLICAS, router), slo=SLO_)
             for router in ROUTER_NAMES}
 
 
@@ -79,8 +82,8 @@ def test_one_replica_with_any_router_is_todays_replay(mooncake_head, async_sched
     reference = _single_engine_replay(plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings)),
                                       mooncake_head)
     for router in ROUTER_NAMES:
-        p = plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings, router=router))
-        result = run_replay(p, mooncake_head, slo=SLO_)
+        p = plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(**settings))
+        result = run_replay(p, mooncake_head, deployment=Deployment(router=router), slo=SLO_)
         assert_tables_equal(result.requests.drop(list(NEW_REQUEST_COLUMNS)),
                             reference[0].drop(list(NEW_REQUEST_COLUMNS)))
         assert_tables_equal(result.steps.drop(list(NEW_STEP_COLUMNS)), reference[1].drop(list(NEW_STEP_COLUMNS)))
@@ -222,14 +225,14 @@ def test_router_registry_matches_the_config_names():
     kv = p.require_fits()
     engines = [EngineCore(kv, p.engine.scheduler, p.engine.cache) for _ in range(2)]
     for name in ROUTER_NAMES:
-        assert make_router(name, engines).name == name
+        assert type(make_router(name, engines)) is ROUTERS[name]
     # One replica needs no choice, whatever the name.
-    assert make_router("prefix_aware", engines[:1]).name == "single"
+    assert type(make_router("prefix_aware", engines[:1])) is SingleReplicaRouter
 
 
 def test_cluster_replay_is_deterministic(chat):
-    p = llama_plan(replicas=3, router="prefix_aware")
-    first, second = run_replay(p, chat), run_replay(p, chat)
+    p, deployment = llama_plan(), Deployment(3, "prefix_aware")
+    first, second = run_replay(p, chat, deployment=deployment), run_replay(p, chat, deployment=deployment)
     for name in ("requests", "steps", "summary", "replicas"):
         assert_tables_equal(getattr(first, name), getattr(second, name))
     assert first.end_time_s == second.end_time_s
@@ -240,16 +243,16 @@ def test_cluster_replay_is_deterministic(chat):
                                         ("router", "Round_Robin")])
 def test_bad_replicas_or_router_is_one_config_error_naming_the_field(key, value):
     with pytest.raises(ConfigError) as err:
-        engine_config_from_mapping({key: value})
+        engine_and_deployment({key: value})
     assert err.value.field == f"engine.{key}"
     assert str(err.value).startswith(f"engine.{key}: expected ")
     with pytest.raises(ConfigError) as err:
-        EngineConfig(**{key: value})
+        Deployment(**{key: value})
     assert err.value.field == key
 
 
 def test_replicas_and_router_flow_from_the_engine_table():
-    config = engine_config_from_mapping({"replicas": 3, "router": "session_affinity"})
-    resolved = config.resolve(get_model("llama-3.1-8b"), get_gpu("h100"))
-    assert (resolved.replicas, resolved.router) == (3, "session_affinity")
-    assert (EngineConfig().replicas, EngineConfig().router) == (1, "round_robin")
+    engine, deployment = engine_and_deployment({"replicas": 3, "router": "session_affinity", "max_num_seqs": 8})
+    assert (deployment.replicas, deployment.router) == (3, "session_affinity")
+    assert engine == EngineConfig(max_num_seqs=8)
+    assert (Deployment().replicas, Deployment().router) == (1, "round_robin")

@@ -3,8 +3,9 @@
 import pytest
 
 from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from kvtwin.sim.replay.calibration_data import read_calibration
-from kvtwin.sim.replay.cost_model import AllReduceCurve, CostModel, Efficiency, efficiency_from_mapping
+from kvtwin.sim.scenario.calibration_file import read_calibration
+from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency, efficiency_from_mapping
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvtwin.sim.replay.cost_model import AllReduceCurve
+from kvtwin.sim.scenario.efficiency import AllReduceCurve
 from kvtwin.sim.replay.kernel_fit import (allreduce_points, attention_model_s, fit_attention, fit_decode_attention,
                                           fit_gemm, gemm_model_s, holdout_predictions, interpolate_s, layer_fixed_s,
                                           relative_errors)

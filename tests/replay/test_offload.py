@@ -19,9 +19,11 @@ from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
-from kvtwin.sim.replay import sweep
+from kvtwin.sim.replay.capacity_table import capacity_table
+from kvtwin.sim.scenario.sweep_keys import apply_values, parse_sweeps, sweep_key, sweep_points
 from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS
 from kvtwin.sim.replay.run import run_replay
+from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.parse import parse_scenario
 from tests.replay.chat_workload import chat_trace, llama_plan
 from tests.tables import assert_tables_equal
@@ -139,12 +141,12 @@ def test_cpu_chunks_are_worker_bytes_times_world_size_rounded_to_the_page():
 
 
 def test_offload_cpu_bytes_is_a_sweep_key():
-    axis = sweep.parse_sweeps(["offload.cpu_bytes=0,8000000000"])[0]
+    axis = parse_sweeps(["offload.cpu_bytes=0,8000000000"])[0]
     assert axis.key.kind == "int" and axis.values == (0, 8_000_000_000)
-    assert sweep.apply_values({"engine": {}}, {"offload.cpu_bytes": 5})["offload"] == {"cpu_bytes": 5}
-    assert sweep.sweep_key("offload.policy").kind == "str"
+    assert apply_values({"engine": {}}, {"offload.cpu_bytes": 5})["offload"] == {"cpu_bytes": 5}
+    assert sweep_key("offload.policy").kind == "str"
     with pytest.raises(ConfigError, match="cpu_bytes"):
-        sweep.sweep_key("offload.cpu_gib")
+        sweep_key("offload.cpu_gib")
 
 
 # -- the replay ---------------------------------------------------------------------------
@@ -259,8 +261,9 @@ def test_arc_keeps_more_of_a_small_tier_than_lru(runs):
 
 
 def test_replicas_each_have_their_own_tier(chat):
-    two = _plan(replicas=2, router="round_robin")
-    result = run_replay(two, chat, offload=OffloadConfig(cpu_bytes=4 * GIB).resolve(two))
+    two = _plan()
+    result = run_replay(two, chat, deployment=Deployment(2, "round_robin"),
+                        offload=OffloadConfig(cpu_bytes=4 * GIB).resolve(two))
     per = result.replicas.to_pylist()
     s = _summary(result)
     assert [row["offload_cpu_chunks"] for row in per] == [2048, 2048]
@@ -269,14 +272,14 @@ def test_replicas_each_have_their_own_tier(chat):
 
 
 def test_capacity_table_has_offload_columns_when_a_point_offloads(runs):
-    axes = sweep.parse_sweeps(["offload.cpu_bytes=0,6442450944"])
-    points = sweep.sweep_points(axes)
+    axes = parse_sweeps(["offload.cpu_bytes=0,6442450944"])
+    points = sweep_points(axes)
     rows = [{"point": 0, "status": "ok", "error": None, "summary": _summary(runs())},
             {"point": 1, "status": "ok", "error": None, "summary": _summary(runs(cpu_gib=6))}]
-    table = sweep.capacity_table(rows, points, axes)
+    table = capacity_table(rows, points, axes)
     assert table.column("hit_rate_total").to_pylist()[0] is None
     assert table.column("hit_rate_total").to_pylist()[1] > 0.7
-    plain = sweep.capacity_table(rows[:1], points[:1], axes)
+    plain = capacity_table(rows[:1], points[:1], axes)
     assert "hit_rate_total" not in plain.column_names
 
 

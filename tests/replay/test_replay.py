@@ -14,7 +14,7 @@ from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.lockstep.runner import run_case, step_record
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.summaries import SLO
+from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.plan import plan

@@ -21,7 +21,7 @@ def test_default_scenario_is_two_llama_replicas_on_two_b200s_each_with_mooncake(
     assert s.model.name == "llama-3.1-8b" and s.gpu.name == "b200"
     assert s.workload.trace.name == "mooncake_conversation_trace.jsonl"
     assert s.engine.tensor_parallel_size == 2
-    assert (s.engine.replicas, s.engine.router) == (2, "prefix_aware")
+    assert (s.deployment.replicas, s.deployment.router) == (2, "prefix_aware")
     assert "rate_scale" not in s.workload.transforms  # the trace at its recorded rate
     assert (s.slo.ttft_s, s.slo.tpot_s) == (2.0, 0.1)
 

@@ -1,0 +1,202 @@
+"""One point of a capacity sweep, run: its replay, and with a rate search the rate and cost
+columns of ``capacity.parquet``.
+
+A point is plain data (``PointTask``: the scenario's TOML mapping with the point applied),
+so any backend (``sweep_backends``) can ship it to a worker; ``run_point`` never raises for
+bad input, a failure is the row's ``error``.
+
+Derived columns of a rate search (``rate_search``): ``max_request_rate`` (requests/s of the
+trace at ``lo``: (n - 1) over the span of arrivals), ``max_request_rate_per_replica``
+(divided by the point's replicas), ``replicas_needed_trace_rate`` (ceil of the point's own
+trace rate over the per-replica rate), ``replicas_needed_target_rate`` (the same for
+``target_rate``), ``cost_per_hour`` (the GPU's ``price_per_hour`` times
+``tensor_parallel_size x replicas`` GPUs of the point's deployment) and
+``cost_per_million_tokens`` (that cost over the summary's ``total_token_throughput`` at
+``lo``). Where no scale holds, ``max_rate_scale`` and the figures derived from it are null
+and the summary is the last replay's; otherwise the summary columns are those of the replay
+at ``lo``. The ``*_pessimistic`` columns repeat the search with every step slower by the
+calibration's held-out step error (``calibration_data.pessimistic``); null for an
+uncalibrated clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.offload import ResolvedOffload
+from kvtwin.sim.planner.plan import Plan
+from kvtwin.sim.replay.calibration_data import pessimistic, step_error
+from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, replicas_for, request_rate, \
+    slo_holds
+from kvtwin.sim.replay.run import run_replay
+from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.scenario.parse import Workload
+from kvtwin.sim.scenario.resolve import ResolvedScenario, resolve_scenario
+from kvtwin.traces.errors import TraceError
+
+# The columns a rate search adds to a point's row, and their types.
+MAX_RATE_COLUMNS: dict[str, pa.DataType] = {
+    "max_rate_scale": pa.float64(),
+    "max_request_rate": pa.float64(),
+    "max_request_rate_per_replica": pa.float64(),
+    "replicas_needed_trace_rate": pa.int64(),
+    "replicas_needed_target_rate": pa.int64(),
+    "cost_per_hour": pa.float64(),
+    "cost_per_million_tokens": pa.float64(),
+    "step_error": pa.float64(),
+    "max_rate_scale_pessimistic": pa.float64(),
+    "max_request_rate_pessimistic": pa.float64(),
+    "replicas_needed_trace_rate_pessimistic": pa.int64(),
+    "replicas_needed_target_rate_pessimistic": pa.int64(),
+}
+
+
+@dataclass(frozen=True)
+class PointTask:
+    """One point, as shipped to a worker (plain data: picklable for any backend)."""
+
+    index: int
+    scenario_path: str
+    data: dict  # the scenario's TOML mapping with the point applied
+    search: RateSearch | None = None
+
+
+class SourceCache:
+    """Sources read in this process, by what they are: a worker running many points (or many
+    rates of one point) reads the trace once. Holds a few; a new one past that starts over."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self.tables: dict[str, pa.Table] = {}
+
+    def get(self, workload: Workload) -> pa.Table:
+        key = repr((str(workload.trace), workload.load_options,
+                    json.dumps(workload.synth, sort_keys=True, default=str), str(workload.base_dir)))
+        table = self.tables.get(key)
+        if table is None:
+            if len(self.tables) >= self.size:
+                self.tables.clear()
+            table = self.tables[key] = workload.load_source()
+        return table
+
+
+# One per worker process: each point of that worker reuses its reads.
+_SOURCES = SourceCache()
+
+
+class PointReplays:
+    """Replays of one planned point at any rate scale, from its loaded source."""
+
+    def __init__(self, resolved: ResolvedScenario, planned: Plan, offload: ResolvedOffload | None, source: pa.Table):
+        self.resolved = resolved
+        self.planned = planned
+        self.offload = offload
+        self.workload = resolved.require_workload()
+        self.source = source
+
+    def replay(self, scale: float | None, efficiency: Efficiency | None = None) -> tuple[dict, pa.Table]:
+        """The summary row and the cut trace of one replay (``scale`` None: the workload's own)."""
+        workload = self.workload if scale is None else dataclasses.replace(
+            self.workload, transforms={**self.workload.transforms, "rate_scale": scale})
+        trace = workload.cut(self.source)
+        resolved = self.resolved
+        result = run_replay(self.planned, trace, deployment=resolved.deployment,
+                            efficiency=efficiency if efficiency is not None else resolved.efficiency,
+                            slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=self.offload)
+        return result.summary.to_pylist()[0], trace
+
+
+class SLOProbe:
+    """``holds(scale)`` for the rate search: replays at ``scale`` and remembers each run."""
+
+    def __init__(self, replays: PointReplays, goodput: float | None, efficiency: Efficiency | None = None):
+        self.replays = replays
+        self.goodput = goodput
+        self.efficiency = efficiency
+        self.runs: dict[float, tuple[dict, pa.Table]] = {}
+
+    def __call__(self, scale: float) -> bool:
+        self.runs[scale] = self.replays.replay(scale, self.efficiency)
+        return slo_holds(self.runs[scale][0], self.replays.resolved.slo, self.goodput)
+
+
+def run_point(task: PointTask) -> dict:
+    """Run one point; never raises for bad input: a failure is the row's ``error``."""
+    try:
+        return _point_row(task)
+    except (ConfigError, TraceError) as err:
+        return {"point": task.index, "status": "failed", "error": str(err), "summary": None}
+    except Exception as err:  # a sweep of hours must not die on one point: say what broke
+        return {"point": task.index, "status": "failed", "error": f"{type(err).__name__}: {err}", "summary": None}
+
+
+def _point_row(task: PointTask) -> dict:
+    row: dict = {"point": task.index, "status": "ok", "error": None, "summary": None}
+    resolved = resolve_scenario(Path(task.scenario_path), data=task.data)
+    workload = resolved.require_workload()
+    planned = resolved.plan()
+    kv_config = planned.require_fits()
+    row["kv_cache_blocks"] = kv_config.num_blocks - 1  # less the null block
+    replays = PointReplays(resolved, planned, resolved.offload_for(planned), _SOURCES.get(workload))
+    if task.search is None:
+        row["summary"] = replays.replay(None)[0]
+        return row
+    row.update(_searched_columns(replays, task.search))
+    return row
+
+
+def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:
+    """The row's summary, search record and ``MAX_RATE_COLUMNS`` for one point."""
+    resolved = replays.resolved
+    start = float(replays.workload.transforms.get("rate_scale", 1.0))
+    probe = SLOProbe(replays, search.goodput)
+    found = bracket_and_bisect(probe, start, search.tolerance, search.max_replays)
+    out: dict = dict.fromkeys(MAX_RATE_COLUMNS)
+    out["search"] = {"start_rate_scale": start, "converged": found.converged,
+                     "tried": [[x, ok] for x, ok in found.history]}
+    trace_rate = request_rate(probe.runs[start][1])
+    replicas = resolved.deployment.replicas
+    price = resolved.gpu.price_per_hour
+    gpus = resolved.engine.tensor_parallel_size * replicas
+    if price is not None:
+        out["cost_per_hour"] = price * gpus
+    if found.lo is None:
+        out["summary"] = probe.runs[found.history[-1][0]][0]
+    else:
+        summary, trace = probe.runs[found.lo]
+        out["summary"] = summary
+        rate = request_rate(trace)
+        per_replica = rate / replicas
+        out.update(max_rate_scale=found.lo, max_request_rate=rate, max_request_rate_per_replica=per_replica,
+                   replicas_needed_trace_rate=replicas_for(trace_rate, per_replica),
+                   replicas_needed_target_rate=replicas_for(search.target_rate, per_replica))
+        throughput = summary["total_token_throughput"]
+        if price is not None and throughput and math.isfinite(throughput) and throughput > 0:
+            out["cost_per_million_tokens"] = price * gpus / (throughput * 3600) * 1e6
+    out.update(_pessimistic_columns(replays, search, start, trace_rate))
+    return out
+
+
+def _pessimistic_columns(replays: PointReplays, search: RateSearch, start: float, trace_rate: float) -> dict:
+    """The same search with every step slower by the calibration's held-out step error."""
+    resolved = replays.resolved
+    error = step_error(resolved.calibration) if resolved.calibration is not None else None
+    if error is None:
+        return {}
+    probe = SLOProbe(replays, search.goodput, pessimistic(resolved.efficiency, error))
+    edge: SearchResult = bracket_and_bisect(probe, start, search.tolerance, search.max_replays)
+    out: dict = {"step_error": error}
+    if edge.lo is not None:
+        rate = request_rate(probe.runs[edge.lo][1])
+        per_replica = rate / resolved.deployment.replicas
+        out.update(max_rate_scale_pessimistic=edge.lo, max_request_rate_pessimistic=rate,
+                   replicas_needed_trace_rate_pessimistic=replicas_for(trace_rate, per_replica),
+                   replicas_needed_target_rate_pessimistic=replicas_for(search.target_rate, per_replica))
+    return out

@@ -1,0 +1,78 @@
+"""``capacity.parquet``: one row per sweep point (point, status, error, one column per sweep
+key, the replay's summary columns, and with a rate search the rate and cost columns of
+``capacity_points``). Each point's search (scale, holds) is kept in the schema metadata
+under ``kvtwin.capacity``."""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
+from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, summarize
+from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.sweep_keys import Axis, Point
+
+CAPACITY_METADATA_KEY = b"kvtwin.capacity"
+# A sweep key's column type, by the kind of its field.
+ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
+
+
+class _SummarySchema:
+    """The columns of ``summary.parquet`` (from an empty run, so failed points get typed
+    nulls), made once per process."""
+
+    schema: pa.Schema | None = None
+
+    @classmethod
+    def get(cls) -> pa.Schema:
+        if cls.schema is None:
+            recorder = MetricsRecorder(1)
+            cls.schema = summarize(recorder.requests_table(), recorder.steps_table(), array("d"), SLO(), 0.0).schema
+        return cls.schema
+
+
+def summary_schema() -> pa.Schema:
+    return _SummarySchema.get()
+
+
+def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence[Axis], *,
+                   find_max_rate: bool = False) -> pa.Table:
+    """``capacity.parquet``: point, status, error, one column per sweep key, the summary
+    columns, and with ``find_max_rate`` the rate and cost columns (module docstring)."""
+    by_point = {p.index: p for p in points}
+    rows = sorted(rows, key=lambda r: r["point"])
+    columns: dict[str, pa.Array] = {
+        "point": pa.array([r["point"] for r in rows], pa.int64()),
+        "status": pa.array([r["status"] for r in rows], pa.string()),
+        "error": pa.array([r["error"] for r in rows], pa.string()),
+    }
+    for axis in axes:
+        columns[axis.key.key] = pa.array([by_point[r["point"]].values[axis.key.key] for r in rows],
+                                         ARROW_TYPES[axis.key.kind])
+    for field in summary_schema():
+        if field.name in columns:
+            continue
+        values = [(r["summary"] or {}).get(field.name) if r["summary"] is not None else None for r in rows]
+        columns[field.name] = pa.array(values, field.type)
+    # The offload columns, when a point ran with offloading (null in the points without).
+    if any(r["summary"] is not None and "hit_rate_total" in r["summary"] for r in rows):
+        for name, kind in OFFLOAD_SUMMARY_COLUMNS.items():
+            if name in columns:
+                continue
+            values = [(r["summary"] or {}).get(name) for r in rows]
+            columns[name] = pa.array(values, kind)
+    if find_max_rate:
+        for name, kind in MAX_RATE_COLUMNS.items():
+            values = [r.get(name) if r["status"] == "ok" else None for r in rows]
+            columns[name] = pa.array([None if isinstance(v, float) and math.isnan(v) else v for v in values], kind)
+    table = pa.table(columns)
+    searches = {str(r["point"]): r["search"] for r in rows if r.get("search") is not None}
+    if searches:
+        table = table.replace_schema_metadata({CAPACITY_METADATA_KEY: json.dumps(searches, sort_keys=True).encode()})
+    return table

@@ -1,0 +1,143 @@
+"""The largest arrival rate a deployment holds: the SLO criterion and the rate search of
+``kvtwin capacity --find-max-rate``.
+
+The SLO *holds* for a replay when at least one request completed and
+
+* without ``goodput``: the p99 TTFT of completed requests is at most ``slo.ttft_s`` and their
+  p99 TPOT at most ``slo.tpot_s`` (each where set), and no request was left unfinished (by a
+  ``time_limit_s``);
+* with ``goodput = G``: at least the fraction G of the requests that were admitted
+  (completed or unfinished) completed within both bounds (``slo_attainment`` counted over
+  them, unfinished ones as misses).
+
+Rejected requests (refused at admission, e.g. longer than ``max_model_len``) do not depend on
+the rate and are left out of both. The search assumes the SLO holds below some rate and fails
+above it. It replays the point at its own rate scale (1 unless the scenario or the sweep sets
+``workload.rate_scale``), doubles the scale while the SLO holds (or halves it while it fails)
+until a failing and a holding scale bracket the threshold, then bisects (geometric midpoint)
+until ``hi / lo - 1 <= tolerance`` (default 0.05) or ``max_replays`` replays were spent.
+The answer is ``lo``, the largest scale seen to hold: it is within ``tolerance`` below the
+threshold when the search converged. Where no scale down to 1/1024 of the start holds (or
+the replays ran out first), there is no answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.scenario.slo import SLO
+
+DEFAULT_RATE_TOLERANCE = 0.05
+DEFAULT_MAX_REPLAYS = 24
+# Halving below this fraction of the starting scale gives up: nothing holds.
+MIN_SCALE_FRACTION = 1.0 / 1024
+
+
+@dataclass(frozen=True)
+class RateSearch:
+    """``--find-max-rate`` settings (module docstring)."""
+
+    tolerance: float = DEFAULT_RATE_TOLERANCE
+    goodput: float | None = None
+    max_replays: int = DEFAULT_MAX_REPLAYS
+    target_rate: float | None = None
+
+    def check(self) -> None:
+        if not (isinstance(self.tolerance, (int, float)) and 0 < self.tolerance < 1):
+            raise ConfigError("--rate-tolerance", "a relative tolerance in (0, 1)", self.tolerance)
+        if self.goodput is not None and not (isinstance(self.goodput, (int, float)) and 0 < self.goodput <= 1):
+            raise ConfigError("--goodput", "a fraction of requests in (0, 1]", self.goodput)
+        if not (isinstance(self.max_replays, int) and self.max_replays >= 2):
+            raise ConfigError("--max-replays", "at least 2 replays", self.max_replays)
+        if self.target_rate is not None and not (isinstance(self.target_rate, (int, float))
+                                                 and self.target_rate > 0):
+            raise ConfigError("--target-rate", "a positive rate in requests per second", self.target_rate)
+
+
+def slo_holds(summary: dict, slo: SLO, goodput: float | None = None) -> bool:
+    """Whether a replay's summary meets the SLO criterion of the module docstring."""
+    completed = summary["completed"]
+    if completed == 0:
+        return False
+    if goodput is not None:
+        met = summary["slo_attainment"] * completed
+        admitted = completed + summary["unfinished"]
+        return met >= goodput * admitted - 1e-9
+    if summary["unfinished"]:
+        return False
+    ttft, tpot = summary["p99_ttft_ms"], summary["p99_tpot_ms"]
+    return ((slo.ttft_s is None or ttft <= slo.ttft_s * 1000)
+            and (slo.tpot_s is None or math.isnan(tpot) or tpot <= slo.tpot_s * 1000))
+
+
+@dataclass
+class SearchResult:
+    lo: float | None  # the largest scale seen to hold
+    hi: float | None  # the smallest scale seen to fail
+    history: list  # (scale, holds) in the order tried
+    converged: bool
+
+
+def bracket_and_bisect(holds: Callable[[float], bool], start: float, tolerance: float = DEFAULT_RATE_TOLERANCE,
+                       max_replays: int = DEFAULT_MAX_REPLAYS) -> SearchResult:
+    """The largest ``x`` with ``holds(x)`` for a monotone predicate (true below a threshold),
+    within ``tolerance`` relative, starting from ``start`` (module docstring)."""
+    history: list = []
+
+    def test(x: float) -> bool:
+        ok = bool(holds(x))
+        history.append((x, ok))
+        return ok
+
+    lo = hi = None
+    x = start
+    if test(x):
+        lo = x
+        while len(history) < max_replays:
+            x *= 2
+            if test(x):
+                lo = x
+            else:
+                hi = x
+                break
+    else:
+        hi = x
+        while len(history) < max_replays and x / 2 >= start * MIN_SCALE_FRACTION:
+            x /= 2
+            if test(x):
+                lo = x
+                break
+            hi = x
+    if lo is None or hi is None:
+        return SearchResult(lo, hi, history, False)
+    while hi / lo - 1 > tolerance and len(history) < max_replays:
+        mid = math.sqrt(lo * hi)
+        if test(mid):
+            lo = mid
+        else:
+            hi = mid
+    return SearchResult(lo, hi, history, hi / lo - 1 <= tolerance)
+
+
+def request_rate(trace: pa.Table) -> float:
+    """Requests per second of a trace: (n - 1) over the span of its arrivals."""
+    n = trace.num_rows
+    if n < 2:
+        return math.nan
+    arrivals = trace.column("arrival_time_s").to_numpy()
+    span = float(arrivals.max() - arrivals.min())
+    return (n - 1) / span if span > 0 else math.nan
+
+
+
+
+def replicas_for(rate: float | None, per_replica: float) -> int | None:
+    """Replicas that serve ``rate`` when one serves ``per_replica`` (None: either unknown)."""
+    if rate is None or not math.isfinite(rate) or not (per_replica > 0 and math.isfinite(per_replica)):
+        return None
+    return max(1, math.ceil(rate / per_replica - 1e-9))

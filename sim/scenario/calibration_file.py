@@ -1,0 +1,144 @@
+"""Calibration files: the cost model's factors, where they came from, and how far to trust them.
+
+A calibration file is TOML. ``[cost_model]`` holds ``Efficiency`` fields; a file may
+also carry
+
+* ``[error]``: the fit's absolute relative error on a fold it was not fitted on, as
+  fractions, per kind of answer: ``prefill_step``, ``decode_step``, ``ttft``, ``tpot``,
+  ``e2e``. The replay and capacity commands turn these into the band around their answers
+  (``kvtwin.sim.replay.calibration_data``);
+* ``[[source]]``: each measurement set the fit used (repository, path, commit, licence,
+  engine version);
+* ``label``: one line naming the fit.
+
+kvtwin ships one file per GPU preset it has public measurements for, in
+``sim/replay/data/calibration/<gpu>.toml`` (and ``<gpu>.<model>.toml`` where a model
+needs its own). A scenario that names no calibration gets its GPU's bundled file; a
+GPU/model pair without one runs on the default factors and says so.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
+
+# The bundled files are package data of the replay's data folder, read as resources (no
+# replay module is imported).
+BUNDLED_PACKAGE = "kvtwin.sim.replay.data"
+# The kinds of answer a fit's held-out error is given for, and what each bands.
+ERROR_KINDS = ("prefill_step", "decode_step", "ttft", "tpot", "e2e")
+# A summary latency figure -> the error kinds that bound it, most specific first.
+BANDED_FIGURES = {"ttft_ms": ("ttft", "prefill_step"), "tpot_ms": ("tpot", "decode_step"),
+                  "itl_ms": ("tpot", "decode_step"), "e2el_ms": ("e2e", "tpot", "decode_step")}
+_SOURCE_KEYS = ("repository", "path", "commit", "licence", "engine", "gpu", "notes")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A cost-model calibration: the factors and, when known, their held-out error."""
+
+    efficiency: Efficiency
+    label: str  # "bundled h100 (aiconfigurator vLLM kernels, ...)", a path, or "uncalibrated"
+    path: str | None = None
+    errors: dict[str, float] = field(default_factory=dict)  # kind -> held-out |relative error|
+    sources: tuple[dict[str, str], ...] = ()
+
+    @property
+    def calibrated(self) -> bool:
+        return self.path is not None
+
+    def error_for(self, figure: str) -> float | None:
+        """The relative half-width of the band around a summary figure (``ttft_ms``...), or
+        None when the calibration states no error for it."""
+        for kind in BANDED_FIGURES.get(figure, ()):
+            if kind in self.errors:
+                return self.errors[kind]
+        return None
+
+    def with_overrides(self, entry: dict, *, where: str = "cost_model") -> Calibration:
+        """The same calibration with a scenario's own ``[cost_model]`` keys on top."""
+        if not entry:
+            return self
+        return Calibration(efficiency_from_mapping(entry, where=where, base=self.efficiency), self.label, self.path,
+                           self.errors, self.sources)
+
+
+def uncalibrated(efficiency: Efficiency = Efficiency()) -> Calibration:
+    return Calibration(efficiency, "uncalibrated")
+
+
+def read_calibration(path: Path | str, *, label: str | None = None, base: Efficiency = Efficiency()) -> Calibration:
+    """A calibration file, checked; every error is one ``ConfigError`` naming the file.
+    Factors the file does not set are ``base``'s."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("calibration", "an existing TOML file", str(path)) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError("calibration", f"a readable TOML file ({err})", str(path)) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("calibration", f"valid TOML ({err})", source=str(path)) from None
+    try:
+        return _calibration_from_data(data, path, label, base)
+    except ConfigError as err:
+        raise (err if err.source else err.with_source(str(path))) from None
+
+
+def _calibration_from_data(data: dict, path: Path, label: str | None, base: Efficiency) -> Calibration:
+    # Older files (kvtwin validate's) may hold the factors at the top level.
+    entry = data["cost_model"] if "cost_model" in data else \
+        {k: v for k, v in data.items() if k not in ("error", "source", "label")}
+    efficiency = efficiency_from_mapping(entry, base=base)
+    errors = data.get("error", {})
+    if not isinstance(errors, dict):
+        raise ConfigError("error", "a table of held-out errors (fractions)", errors)
+    for kind, value in errors.items():
+        if kind not in ERROR_KINDS:
+            raise ConfigError(f"error.{kind}", f"one of {', '.join(ERROR_KINDS)}", kind)
+        # Above 1 is possible: a prediction twice the measurement is 100% off.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+            raise ConfigError(f"error.{kind}", "a non-negative relative error (0.1 is 10%)", value)
+    sources = data.get("source", [])
+    if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
+        raise ConfigError("source", "a list of [[source]] tables", sources)
+    for i, source in enumerate(sources):
+        for key, value in source.items():
+            if key not in _SOURCE_KEYS or not isinstance(value, str):
+                raise ConfigError(f"source[{i}].{key}", f"a string, one of {', '.join(_SOURCE_KEYS)}", value)
+    file_label = data.get("label", "")
+    if not isinstance(file_label, str):
+        raise ConfigError("label", "a string", file_label)
+    return Calibration(efficiency, label or file_label or str(path), str(path),
+                       {k: float(v) for k, v in errors.items()}, tuple(dict(s) for s in sources))
+
+
+def _bundled_dir():
+    return resources.files(BUNDLED_PACKAGE).joinpath("calibration")
+
+
+def bundled_calibration_path(gpu_name: str, model_name: str) -> Path | None:
+    """The bundled file for this pair: ``<gpu>.<model>.toml`` before ``<gpu>.toml``."""
+    folder = _bundled_dir()
+    for name in (f"{gpu_name}.{model_name}.toml", f"{gpu_name}.toml"):
+        candidate = folder.joinpath(name)
+        if candidate.is_file():
+            return Path(str(candidate))
+    return None
+
+
+def bundled_calibration(gpu_name: str, model_name: str) -> Calibration | None:
+    path = bundled_calibration_path(gpu_name, model_name)
+    return read_calibration(path) if path is not None else None
+
+
+def bundled_gpus() -> tuple[str, ...]:
+    """GPU presets with a bundled calibration."""
+    return tuple(sorted(p.name.removesuffix(".toml") for p in _bundled_dir().iterdir()
+                        if p.name.endswith(".toml") and p.name.count(".") == 1))

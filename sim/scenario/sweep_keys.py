@@ -1,0 +1,177 @@
+"""Sweep axes over a scenario: the ``--sweep KEY=V1,V2,...`` grammar, the keys that may be
+swept, and a point applied to the scenario's TOML mapping.
+
+A sweep is one or more axes; its points are the cartesian product of the axes (the first
+axis varies slowest), numbered from 0 in that order. KEY is a dotted scenario path:
+
+* ``engine.<field>`` — any ``EngineConfig`` field (``engine.max_num_seqs``,
+  ``engine.kv_cache_memory_bytes``, ...) and the deployment's ``engine.replicas`` and
+  ``engine.router``; ``none`` resets an optional field to vLLM's default;
+* ``hardware.gpu`` — a GPU preset (field overrides in the scenario's ``[hardware]`` table,
+  such as ``price_per_hour``, stay; an inline GPU is replaced by the preset), or
+  ``hardware.<field>`` for one GPU field;
+* ``model.preset`` — a model preset (the scenario's ``[model]`` table is replaced by it);
+* ``workload.rate_scale``, ``workload.limit`` (and the other cuts: ``start_s``, ``end_s``,
+  ``sample_sessions``, ``sample_seed``);
+* ``slo.ttft_s``, ``slo.tpot_s``; ``cost_model.<field>`` (``Efficiency``);
+* ``offload.<field>`` — the offload tiers (``offload.cpu_bytes``, ``offload.policy``,
+  ``offload.disk_bytes``, ...; ``OffloadConfig``): ``offload.cpu_bytes=0,...`` puts the
+  run without offloading next to the sized tiers.
+
+Values are parsed as the field's type (integers, numbers, ``true``/``false``, strings). A
+point is applied by editing the scenario file's TOML mapping at the dotted key and reading
+the result through the normal scenario path (``resolve_scenario(..., data=...)``), so every
+value meets the same checks as in a scenario file. Each value is checked that way on its own
+before anything runs: a bad key or value is one ``ConfigError`` naming ``--sweep KEY``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.scenario.knobs import Knob, knob, section_knobs
+from kvtwin.sim.scenario.parse import scenario_from_data
+
+FLAG = "--sweep"
+_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+# The scenario tables a sweep may vary (``[run]`` is the command's, not a point's).
+SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload")
+
+
+def sweep_key(key: str) -> Knob:
+    """The setting sweep axis ``key`` names, or a ``ConfigError`` listing what may be swept."""
+    section, _, name = key.partition(".")
+    if section not in SWEPT_SECTIONS or not name:
+        raise ConfigError(FLAG, "KEY=V1,V2,... with KEY one of engine.<field>, hardware.gpu, model.preset, "
+                                "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, cost_model.<field>, "
+                                "offload.<field>",
+                          key)
+    fields = section_knobs(section)
+    if name not in fields:
+        raise ConfigError(f"{FLAG} {key}", f"a field of [{section}] to sweep ({', '.join(sorted(fields))})", name)
+    return fields[name]
+
+
+def parse_value(axis: Knob, raw: str) -> object:
+    """``raw`` as the axis's type; ``None`` for ``none`` on an optional field."""
+    text = raw.strip()
+    where = f"{FLAG} {axis.key}"
+    if axis.optional and text.lower() == "none":
+        return None
+    expected = _EXPECTED[axis.kind] + (" (or none for the default)" if axis.optional else "")
+    if axis.kind == "bool":
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        raise ConfigError(where, expected, raw)
+    if axis.kind == "int":
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            raise ConfigError(where, expected, raw) from None
+    if axis.kind == "float":
+        try:
+            value = float(text.replace("_", ""))
+        except ValueError:
+            raise ConfigError(where, expected, raw) from None
+        if not math.isfinite(value):
+            raise ConfigError(where, "a finite number", raw)
+        return value
+    if not text:
+        raise ConfigError(where, expected, raw)
+    return text
+
+
+@dataclass(frozen=True)
+class Axis:
+    key: Knob
+    values: tuple
+
+
+def parse_sweeps(specs: Sequence[str]) -> list[Axis]:
+    """``--sweep KEY=V1,V2,...`` flags (repeatable) as axes, in the order given."""
+    axes: list[Axis] = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep:
+            raise ConfigError(FLAG, "KEY=V1,V2,...", spec)
+        axis = sweep_key(key.strip())
+        if any(a.key.key == axis.key for a in axes):
+            raise ConfigError(f"{FLAG} {axis.key}", "each key swept once (list all its values in one flag)", spec)
+        raw = [v for v in values.split(",")]
+        if not values.strip() or any(not v.strip() for v in raw):
+            raise ConfigError(f"{FLAG} {axis.key}", "a comma-separated list of values", values)
+        parsed = tuple(parse_value(axis, v) for v in raw)
+        if len(set(parsed)) != len(parsed):
+            raise ConfigError(f"{FLAG} {axis.key}", "distinct values", values)
+        axes.append(Axis(axis, parsed))
+    return axes
+
+
+@dataclass(frozen=True)
+class Point:
+    index: int
+    values: dict  # sweep key -> value
+
+
+def sweep_points(axes: Sequence[Axis]) -> list[Point]:
+    """The cartesian product of the axes, first axis slowest; no axis gives one point."""
+    combos = itertools.product(*(a.values for a in axes))
+    return [Point(i, {a.key.key: v for a, v in zip(axes, combo)}) for i, combo in enumerate(combos)]
+
+
+def apply_values(data: dict, values: dict) -> dict:
+    """A copy of a scenario's TOML mapping with each dotted key set (``sweep_key`` rules)."""
+    out = copy.deepcopy(data)
+    for key, value in values.items():
+        axis = sweep_key(key)
+        if axis.section == "hardware" and axis.name == "gpu":
+            table = out.get("hardware")
+            if isinstance(table, dict) and ("gpu" in table or not table):
+                table["gpu"] = value
+            else:
+                out["hardware"] = {"gpu": value}
+            continue
+        if axis.section == "model":
+            out["model"] = {"preset": value}
+            continue
+        if axis.section == "workload" and not isinstance(out.get("workload"), dict):
+            raise ConfigError(f"{FLAG} {key}", "a scenario with a [workload] table")
+        table = out.setdefault(axis.section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(axis.section, "a table", table)
+        if value is None:
+            table.pop(axis.name, None)
+        else:
+            table[axis.name] = value
+    return out
+
+
+def with_limit(data: dict, limit: int | None) -> dict:
+    """``--limit N``: the scenario's ``[workload] limit`` for every point (a swept
+    ``workload.limit`` still wins)."""
+    if limit is None:
+        return data
+    knob("workload.limit").check(limit, "--limit")
+    return apply_values(data, {"workload.limit": limit})
+
+
+def check_axes(path: Path, data: dict, axes: Sequence[Axis]) -> None:
+    """Read the scenario with each swept value alone, so a value the scenario rules refuse is
+    a flag error now, not a failed point later."""
+    for axis in axes:
+        for value in axis.values:
+            try:
+                scenario_from_data(apply_values(data, {axis.key.key: value}), path)
+            except ConfigError as err:
+                if err.field.startswith(FLAG):
+                    raise
+                raise ConfigError(f"{FLAG} {axis.key.key}", err.expected,
+                                  value if value is not None else "none") from None
