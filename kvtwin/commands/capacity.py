@@ -118,7 +118,7 @@ def capacity(
         text_files = None
         if not no_report:
             # Rendered from the tables in memory and written in the same directory swap.
-            from kvtwin.reports.html import render_capacity_report
+            from kvtwin.reports.capacity_report import render_capacity_report
 
             plan_json = base.plan().to_json() if base.plan().fits else None
             text_files = {"report.html": render_capacity_report(table, tables.get("hit_curve"), metadata, plan_json)}
