@@ -186,4 +186,10 @@ def _remove_extensions_beside_sources() -> None:
 # pip runs this file for its metadata hooks too; compile (and say so) only when building.
 _BUILDING = bool({"bdist_wheel", "editable_wheel", "build_ext", "build", "install", "develop"} & set(sys.argv[1:]))
 
-setup(ext_modules=_native_extensions() if _BUILDING else [], cmdclass={"build_ext": BuildNative})
+_EXTENSIONS = _native_extensions() if _BUILDING else []
+if not _EXTENSIONS and "editable_wheel" in sys.argv[1:]:
+    # An interpreted editable install: no build_ext runs to clear an earlier compiled build,
+    # which kvtwin._native would otherwise still load.
+    shutil.rmtree(NATIVE, ignore_errors=True)
+    _remove_extensions_beside_sources()
+setup(ext_modules=_EXTENSIONS, cmdclass={"build_ext": BuildNative})
