@@ -1,8 +1,7 @@
 """Build hook: compile the simulator's hot modules with mypyc, from the same Python source.
 
 Everything else about the package lives in ``pyproject.toml``. The Python files stay the
-source of truth and are installed either way; the compiled extension modules sit beside
-them and Python imports an extension before a source file of the same name.
+source of truth and are installed either way.
 
 * The build needs mypy (a build requirement) and a working C compiler. Without either,
   or with ``KVTWIN_PURE_PYTHON=1`` set, it installs the interpreted modules and prints one
@@ -10,6 +9,16 @@ them and Python imports an extension before a source file of the same name.
 * The repository maps ``kvtwin.sim`` onto the top-level ``sim/`` folder, while mypyc names a
   module after the folders above it. So the compiled files are first copied into a staging
   tree laid out as the installed package (``build/mypyc-src/kvtwin/sim/...``).
+* Where the extension modules go:
+
+  - a wheel (``pip wheel .``, ``pip install .``) carries them inside the package, beside
+    the sources, where Python imports an extension before a source file of the same name;
+  - an editable install (``pip install -e .``) builds them out of the source tree, into
+    ``build/native/kvtwin/sim/...`` (ignored by git), so a checkout never holds ``.so``
+    files beside its sources. ``kvtwin._native`` loads them from there, mypyc's group
+    library (``kvtwin.sim.native__mypyc``) included. Extensions an older build left beside
+    the sources are removed.
+
 * A manifest of the compiled sources' SHA-256 is written beside the shared library.
   ``kvtwin._native`` reads it at import and falls back to the interpreted modules when a
   source has changed since the build (an editable install edited in place), so a stale
@@ -32,6 +41,9 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 STAGE = ROOT / "build" / "mypyc-src"
+# An editable install's extensions, laid out as the installed package; kvtwin/_native.py
+# (CHECKOUT_BUILD_DIR) looks for them here.
+NATIVE = ROOT / "build" / "native"
 MANIFEST_NAME = "native_manifest.json"  # read by kvtwin/_native.py
 
 # The modules worth compiling: the KV core and scheduler (every step runs through them)
@@ -120,10 +132,14 @@ def _native_extensions() -> list:
 
 
 class BuildNative(build_ext):
-    """``build_ext`` that also writes the source manifest beside the shared library."""
+    """``build_ext`` that also writes the source manifest beside the shared library, and
+    puts an editable install's extensions under ``build/native`` instead of beside the
+    sources."""
 
     def run(self) -> None:
         package_dir = self._sim_package_dir()
+        if self.inplace:
+            _remove_extensions_beside_sources()
         self._remove_stale_extensions(package_dir)
         super().run()
         if not self.extensions:
@@ -133,24 +149,49 @@ class BuildNative(build_ext):
         package_dir.mkdir(parents=True, exist_ok=True)
         (package_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
+    def _get_inplace_equivalent(self, build_py, ext) -> tuple[str, str]:
+        """Where ``--inplace`` (an editable install) copies an extension: under
+        ``build/native``, never into the package folder (setuptools' choice)."""
+        _, regular_file = super()._get_inplace_equivalent(build_py, ext)
+        target = NATIVE / self.get_ext_filename(self.get_ext_fullname(ext.name))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return str(target), regular_file
+
     def _sim_package_dir(self) -> Path:
         if self.inplace:
-            return Path(self.get_finalized_command("build_py").get_package_dir("kvtwin.sim"))
+            return NATIVE / "kvtwin" / "sim"
         return Path(self.build_lib) / "kvtwin" / "sim"
 
     def _remove_stale_extensions(self, package_dir: Path) -> None:
         """Extensions an earlier build left that this one does not make (a module taken off
         the list): a wheel must not ship them, nor an editable install keep them."""
         wanted = {ext.name for ext in self.extensions}
-        suffixes = tuple(EXTENSION_SUFFIXES)
-        for path in package_dir.rglob("*") if package_dir.is_dir() else ():
-            if path.name.endswith(suffixes):
-                module = path.relative_to(package_dir).with_name(path.name.split(".", 1)[0])
-                if "kvtwin.sim." + ".".join(module.parts) not in wanted:
-                    path.unlink()
+        for path in _extensions_under(package_dir):
+            module = path.relative_to(package_dir).with_name(path.name.split(".", 1)[0])
+            if "kvtwin.sim." + ".".join(module.parts) not in wanted:
+                path.unlink()
+
+
+def _extensions_under(folder: Path) -> list[Path]:
+    suffixes = tuple(EXTENSION_SUFFIXES)
+    return [path for path in folder.rglob("*") if path.name.endswith(suffixes)] if folder.is_dir() else []
+
+
+def _remove_extensions_beside_sources() -> None:
+    """An editable build from before ``build/native`` left its extensions and manifest in
+    the source folders, where they would shadow the sources: remove them."""
+    for path in _extensions_under(ROOT / "sim"):
+        path.unlink()
+    (ROOT / "sim" / MANIFEST_NAME).unlink(missing_ok=True)
 
 
 # pip runs this file for its metadata hooks too; compile (and say so) only when building.
 _BUILDING = bool({"bdist_wheel", "editable_wheel", "build_ext", "build", "install", "develop"} & set(sys.argv[1:]))
 
-setup(ext_modules=_native_extensions() if _BUILDING else [], cmdclass={"build_ext": BuildNative})
+_EXTENSIONS = _native_extensions() if _BUILDING else []
+if not _EXTENSIONS and "editable_wheel" in sys.argv[1:]:
+    # An interpreted editable install: no build_ext runs to clear an earlier compiled build,
+    # which kvtwin._native would otherwise still load.
+    shutil.rmtree(NATIVE, ignore_errors=True)
+    _remove_extensions_beside_sources()
+setup(ext_modules=_EXTENSIONS, cmdclass={"build_ext": BuildNative})

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))  # tests.* for the toy scenario and the synthetic 
 sys.path.insert(0, str(ROOT / "bench"))
 
 from reference_loop import reference_seconds  # noqa: E402
-from kvtwin.executor.run import ExecutorOptions, run_executor  # noqa: E402
-from kvtwin.reports.html import render_replay_report  # noqa: E402
+from kvtwin.executor.device_replay import ExecutorOptions, run_executor  # noqa: E402
+from kvtwin.reports.replay_report import render_replay_report  # noqa: E402
 from kvtwin.traces import schema as col  # noqa: E402
 from tests.executor.toys import scenario  # noqa: E402
 from tests.reports.test_report import _synthetic_replay  # noqa: E402

@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
+from kvtwin.executor.device_executor import DeviceExecutor
+from kvtwin.executor.device_replay import ExecutorOptions, build_executor
 from kvtwin.executor.inputs import BatchInputs
-from kvtwin.executor.run import ExecutorOptions, build_executor
-from kvtwin.executor.runner import DeviceExecutor
 from kvtwin.executor.verdicts import Verdict
 from kvtwin.kernels.layout import slot_mapping
 from kvtwin.sim.core.spec import MambaSpec, cdiv

@@ -37,8 +37,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from kvtwin.executor.run import ExecutorOptions, ExecutorRun, run_executor, torch_dtype
-from kvtwin.executor.runner import Faults
+from kvtwin.executor.device_executor import Faults
+from kvtwin.executor.device_replay import ExecutorOptions, ExecutorRun, run_executor, torch_dtype
 # Re-exported: the command and the tests read the checks' names and columns from here.
 from kvtwin.executor.verdicts import CHECKS, VALIDATION_COLUMNS, Validation, Verdict  # noqa: F401
 from kvtwin.sim.core.engine import Execution, ModelExecutor

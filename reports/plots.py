@@ -5,7 +5,7 @@ global figure manager, no backend switch, nothing that changes how other code in
 process plots. The output is deterministic: a fixed size and dpi, and no ``Software``
 entry in the PNG metadata, so the same data gives the same bytes.
 
-The functions take plain arrays (already binned or downsampled by ``reports.html``): a
+The functions take plain arrays (already binned or downsampled by ``reports.binning``): a
 plot never sees a million-row table.
 """
 

@@ -15,19 +15,25 @@ TRITON_NEWEST="3.9.0"
 TRITON_OLDEST="3.6.0"
 
 python -m pip install --quiet --upgrade pip
-# Builds the compiled core (mypyc; setup.py) in place: the tests below run it first.
+# Builds the compiled core (mypyc; setup.py) into build/native, outside the source folders
+# (kvtwin._native loads it from there): the tests below run it first.
 python -m pip install --quiet -e ".[test,cluster]"
 python -m pip install --quiet torch==2.13.0 "triton==$TRITON_NEWEST"
 if ! kvtwin --version | grep -q "core: compiled"; then
     echo "kvtwin: the compiled core did not build here (a C compiler is needed): $(kvtwin --version)"
     exit 1
 fi
+if [ -n "$(find sim kvtwin -name '*.so' -print -quit)" ]; then
+    echo "kvtwin: the editable build left compiled modules beside the sources: $(find sim kvtwin -name '*.so')"
+    exit 1
+fi
 
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
-# A regular (non-editable) install must work too: build the wheel, install it into a
-# fresh venv and run the default replay from another working directory, so nothing may
-# depend on the checkout (scenarios, bundled traces and presets are package data).
+# A regular (non-editable) install must work too: build the wheel (its compiled modules
+# inside the package, beside the sources there), install it into a fresh venv and run the
+# default replay from another working directory, so nothing may depend on the checkout
+# (scenarios, bundled traces and presets are package data).
 python -m pip wheel --quiet --no-deps -w "$scratch/wheel" . 2>/dev/null
 python -m venv "$scratch/wheel-venv"
 "$scratch/wheel-venv/bin/python" -m pip install --quiet "$scratch"/wheel/kvtwin-*.whl

@@ -121,7 +121,7 @@ def _rate_search(find_max_rate: bool, target_rate: float | None, tolerance: floa
 
 def _report(table, hit_table, metadata: dict, sweep) -> str:
     """``report.html``, rendered from the tables in memory and written in the same directory swap."""
-    from kvtwin.reports.html import render_capacity_report
+    from kvtwin.reports.capacity_report import render_capacity_report
 
     planned = sweep.base.plan()
     return render_capacity_report(table, hit_table, metadata, planned.to_json() if planned.fits else None)

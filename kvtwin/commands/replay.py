@@ -70,7 +70,7 @@ def replay(
         text_files = None
         if not no_report:
             # Rendered from the tables in memory and written in the same directory swap.
-            from kvtwin.reports.html import render_replay_report
+            from kvtwin.reports.replay_report import render_replay_report
 
             text_files = {"report.html": render_replay_report(result.requests, result.steps, result.summary,
                                                               plan_json, metadata)}

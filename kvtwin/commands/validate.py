@@ -67,7 +67,7 @@ def validate(
         planned = resolved.plan()
         planned.require_fits()
         _require_torch()
-        from kvtwin.executor.run import ExecutorOptions, check_pool_fits, require_device
+        from kvtwin.executor.device_replay import ExecutorOptions, check_pool_fits, require_device
         from kvtwin.executor.validate import ValidateOptions
         from kvtwin.executor.validate import validate as run_validation
 

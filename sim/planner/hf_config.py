@@ -15,6 +15,8 @@ override them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,22 @@ def _quant_method(raw: dict) -> str | None:
     return qc.get("quant_method") if isinstance(qc, dict) else None
 
 
+@dataclass(frozen=True)
+class _Config:
+    """What each family's reader needs of one config.json: the raw mapping (for the
+    quantization block), its text fields, the architecture, and the layer pattern its
+    ``layer_types`` list spells (None without one)."""
+
+    raw: dict[str, Any]
+    f: _Fields
+    arch: str
+    pattern: str | None
+
+    @property
+    def source(self) -> str:
+        return self.f.source
+
+
 def hf_config_to_mapping(raw: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
     """The ``ModelPreset`` fields of a HF config (without a name)."""
     if not isinstance(raw, dict):
@@ -98,128 +116,10 @@ def hf_config_to_mapping(raw: dict[str, Any], *, source: str = "config.json") ->
         raise ConfigError("architectures", f"one of {', '.join(supported_architectures())}", arch, source=source)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     f = _Fields(text, source)
-
-    layers = f.int("num_hidden_layers")
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    out: dict[str, Any] = {
-        "architecture": arch,
-        "hf_id": raw.get("_name_or_path", ""),
-        "source": f"local config.json: {source}",
-        "num_layers": layers,
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_kv_heads": f.int("num_key_value_heads", heads),
-        "head_dim": f.int("head_dim", hidden // heads),
-        "intermediate_size": f.get("intermediate_size", 0),
-        "vocab_size": f.get("vocab_size", 0),
-        "max_position_embeddings": f.int("max_position_embeddings"),
-        "dtype": _dtype(f),
-    }
+    out = _common_fields(raw, f, arch)
     layer_types = f.get("layer_types")
     pattern = _letters_from_layer_types(layer_types, f) if isinstance(layer_types, list) else None
-
-    if family == "dense":
-        window = f.get("sliding_window")
-        uses_window = window is not None and (arch != "Qwen3ForCausalLM" and arch != "Qwen2ForCausalLM"
-                                              or bool(f.get("use_sliding_window", False)))
-        out["layer_pattern"] = pattern or ("S" if uses_window else "F")
-        if "S" in out["layer_pattern"]:
-            out["sliding_window"] = window
-    elif family == "gemma3":
-        every = f.int("sliding_window_pattern", 6)
-        out["layer_pattern"] = pattern or "".join("F" if (i + 1) % every == 0 else "S" for i in range(layers))
-        out["sliding_window"] = f.int("sliding_window")
-    elif family == "gpt_oss":
-        out["layer_pattern"] = pattern or "SF"
-        out["sliding_window"] = f.int("sliding_window")
-        out["num_experts"] = f.int("num_local_experts")
-        out["num_experts_per_token"] = f.get("num_experts_per_tok", f.get("experts_per_token", 4))
-        out["moe_intermediate_size"] = f.int("intermediate_size")
-        out["intermediate_size"] = 0
-        if _quant_method(raw) == "mxfp4":
-            out["weight_format"] = "mxfp4_moe"
-    elif family == "llama4":
-        chunk = f.get("attention_chunk_size")
-        no_rope = f.get("no_rope_layers")
-        if not isinstance(no_rope, list) or not no_rope:
-            interval = f.int("no_rope_layer_interval", 4)
-            no_rope = [0 if (i + 1) % interval == 0 else 1 for i in range(layers)]
-        # 1 = RoPE layer: chunked-local when the model has a chunk size; 0 = global NoPE layer.
-        out["layer_pattern"] = "".join("C" if use_rope and chunk else "F" for use_rope in no_rope)
-        if chunk:
-            out["attention_chunk_size"] = chunk
-        out["num_experts"] = f.int("num_local_experts")
-        out["num_experts_per_token"] = f.get("num_experts_per_tok", 1)
-        out["moe_intermediate_size"] = f.int("intermediate_size")
-        out["shared_expert_intermediate_size"] = f.get("intermediate_size", 0)
-        out["intermediate_size"] = 0
-    elif family == "deepseek":
-        out["layer_pattern"] = "A"
-        out["kv_lora_rank"] = f.int("kv_lora_rank")
-        out["qk_rope_head_dim"] = f.int("qk_rope_head_dim")
-        out["q_lora_rank"] = f.get("q_lora_rank")
-        out["head_dim"] = f.int("qk_nope_head_dim") + out["qk_rope_head_dim"]
-        out["head_dim_v"] = f.int("v_head_dim")
-        out["first_dense_layers"] = f.get("first_k_dense_replace", 0)
-        out["num_experts"] = f.get("n_routed_experts", 0)
-        out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-        out["moe_intermediate_size"] = f.get("moe_intermediate_size", 0)
-        out["shared_expert_intermediate_size"] = f.get("n_shared_experts", 0) * out["moe_intermediate_size"]
-        if _quant_method(raw) == "fp8":
-            out["weight_format"] = "fp8"
-    elif family == "qwen3_next":
-        interval = f.int("full_attention_interval", 4)
-        out["layer_pattern"] = pattern or "".join("F" if (i + 1) % interval == 0 else "M" for i in range(layers))
-        out["state"] = {"kind": "gated_deltanet", "conv_kernel": f.int("linear_conv_kernel_dim"),
-                        "num_k_heads": f.int("linear_num_key_heads"), "num_v_heads": f.int("linear_num_value_heads"),
-                        "head_k_dim": f.int("linear_key_head_dim"), "head_v_dim": f.int("linear_value_head_dim")}
-        out["num_experts"] = f.get("num_experts", 0)
-        out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-        out["moe_intermediate_size"] = f.get("moe_intermediate_size", 0)
-        out["shared_expert_intermediate_size"] = f.get("shared_expert_intermediate_size", 0)
-        out["intermediate_size"] = 0
-    elif family == "jamba":
-        period, offset = f.int("attn_layer_period", 8), f.int("attn_layer_offset", 4)
-        out["layer_pattern"] = "".join("F" if i % period == offset else "M" for i in range(layers))
-        out["state"] = {"kind": "mamba1", "d_state": f.int("mamba_d_state"), "d_conv": f.int("mamba_d_conv"),
-                        "expand": f.int("mamba_expand")}
-        out["num_experts"] = f.get("num_experts", 0)
-        out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-        out["moe_intermediate_size"] = f.get("intermediate_size", 0)
-    elif family == "granite_hybrid":
-        if pattern is None:
-            raise ConfigError("layer_types", "a list of mamba/attention per layer", source=source)
-        out["layer_pattern"] = pattern
-        out["state"] = {"kind": "mamba2", "d_state": f.int("mamba_d_state"), "d_conv": f.int("mamba_d_conv"),
-                        "num_heads": f.int("mamba_n_heads"), "head_dim": f.int("mamba_d_head"),
-                        "n_groups": f.int("mamba_n_groups", 1)}
-        out["num_experts"] = f.get("num_local_experts", 0)
-        out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-        out["moe_intermediate_size"] = f.get("intermediate_size", 0)
-        out["shared_expert_intermediate_size"] = f.get("shared_intermediate_size", 0)
-        out["intermediate_size"] = 0
-    elif family == "nemotron_h":
-        override = f.get("hybrid_override_pattern")
-        if not isinstance(override, str) or len(override) != layers:
-            raise ConfigError("hybrid_override_pattern", f"a string of {layers} layer letters (M, *, -)", override,
-                              source=source)
-        out["layer_pattern"] = override.replace("*", "F").replace("E", "-")
-        out["state"] = {"kind": "mamba2", "d_state": f.int("ssm_state_size"), "d_conv": f.int("conv_kernel"),
-                        "num_heads": f.int("mamba_num_heads"), "head_dim": f.int("mamba_head_dim"),
-                        "n_groups": f.int("n_groups", 1)}
-        out["mamba_ssm_cache_dtype"] = f.get("mamba_ssm_cache_dtype", "float32")
-    elif family == "minimax":
-        types = f.get("attn_type_list")
-        if not isinstance(types, list) or len(types) != layers:
-            raise ConfigError("attn_type_list", f"a list of {layers} entries (1 softmax, 0 lightning)", types,
-                              source=source)
-        out["layer_pattern"] = "".join("F" if t == 1 else "M" for t in types)
-        out["state"] = {"kind": "linear_attention", "num_heads": heads, "head_dim": out["head_dim"]}
-        out["num_experts"] = f.get("num_local_experts", 0)
-        out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-        out["moe_intermediate_size"] = f.get("intermediate_size", 0)
-        out["intermediate_size"] = 0
+    _FAMILY_READERS[family](_Config(raw, f, arch, pattern), out)
 
     if "M" in out["layer_pattern"] and "state" not in out:
         raise ConfigError("architectures", "an architecture whose recurrent layers kvtwin knows", arch, source=source)
@@ -231,6 +131,171 @@ def hf_config_to_mapping(raw: dict[str, Any], *, source: str = "config.json") ->
     out["params_total"], out["params_active"] = total, active
     out["tie_word_embeddings"] = bool(f.get("tie_word_embeddings", False))
     return out
+
+
+def _common_fields(raw: dict[str, Any], f: _Fields, arch: str) -> dict[str, Any]:
+    """The attention shape and sizes every family reads the same way."""
+    layers = f.int("num_hidden_layers")
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    return {
+        "architecture": arch,
+        "hf_id": raw.get("_name_or_path", ""),
+        "source": f"local config.json: {f.source}",
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_kv_heads": f.int("num_key_value_heads", heads),
+        "head_dim": f.int("head_dim", hidden // heads),
+        "intermediate_size": f.get("intermediate_size", 0),
+        "vocab_size": f.get("vocab_size", 0),
+        "max_position_embeddings": f.int("max_position_embeddings"),
+        "dtype": _dtype(f),
+    }
+
+
+# One reader per family: each adds the layer pattern and the family's own fields to the
+# common ones, in place (the mapping's key order is what the presets print).
+
+def _read_dense(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    window = f.get("sliding_window")
+    uses_window = window is not None and (c.arch != "Qwen3ForCausalLM" and c.arch != "Qwen2ForCausalLM"
+                                          or bool(f.get("use_sliding_window", False)))
+    out["layer_pattern"] = c.pattern or ("S" if uses_window else "F")
+    if "S" in out["layer_pattern"]:
+        out["sliding_window"] = window
+
+
+def _read_gemma3(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    every = f.int("sliding_window_pattern", 6)
+    out["layer_pattern"] = c.pattern or "".join("F" if (i + 1) % every == 0 else "S" for i in range(out["num_layers"]))
+    out["sliding_window"] = f.int("sliding_window")
+
+
+def _read_gpt_oss(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    out["layer_pattern"] = c.pattern or "SF"
+    out["sliding_window"] = f.int("sliding_window")
+    out["num_experts"] = f.int("num_local_experts")
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", f.get("experts_per_token", 4))
+    out["moe_intermediate_size"] = f.int("intermediate_size")
+    out["intermediate_size"] = 0
+    if _quant_method(c.raw) == "mxfp4":
+        out["weight_format"] = "mxfp4_moe"
+
+
+def _read_llama4(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    chunk = f.get("attention_chunk_size")
+    no_rope = f.get("no_rope_layers")
+    if not isinstance(no_rope, list) or not no_rope:
+        interval = f.int("no_rope_layer_interval", 4)
+        no_rope = [0 if (i + 1) % interval == 0 else 1 for i in range(out["num_layers"])]
+    # 1 = RoPE layer: chunked-local when the model has a chunk size; 0 = global NoPE layer.
+    out["layer_pattern"] = "".join("C" if use_rope and chunk else "F" for use_rope in no_rope)
+    if chunk:
+        out["attention_chunk_size"] = chunk
+    out["num_experts"] = f.int("num_local_experts")
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", 1)
+    out["moe_intermediate_size"] = f.int("intermediate_size")
+    out["shared_expert_intermediate_size"] = f.get("intermediate_size", 0)
+    out["intermediate_size"] = 0
+
+
+def _read_deepseek(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    out["layer_pattern"] = "A"
+    out["kv_lora_rank"] = f.int("kv_lora_rank")
+    out["qk_rope_head_dim"] = f.int("qk_rope_head_dim")
+    out["q_lora_rank"] = f.get("q_lora_rank")
+    out["head_dim"] = f.int("qk_nope_head_dim") + out["qk_rope_head_dim"]
+    out["head_dim_v"] = f.int("v_head_dim")
+    out["first_dense_layers"] = f.get("first_k_dense_replace", 0)
+    out["num_experts"] = f.get("n_routed_experts", 0)
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
+    out["moe_intermediate_size"] = f.get("moe_intermediate_size", 0)
+    out["shared_expert_intermediate_size"] = f.get("n_shared_experts", 0) * out["moe_intermediate_size"]
+    if _quant_method(c.raw) == "fp8":
+        out["weight_format"] = "fp8"
+
+
+def _read_qwen3_next(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    interval = f.int("full_attention_interval", 4)
+    out["layer_pattern"] = c.pattern or "".join("F" if (i + 1) % interval == 0 else "M"
+                                                for i in range(out["num_layers"]))
+    out["state"] = {"kind": "gated_deltanet", "conv_kernel": f.int("linear_conv_kernel_dim"),
+                    "num_k_heads": f.int("linear_num_key_heads"), "num_v_heads": f.int("linear_num_value_heads"),
+                    "head_k_dim": f.int("linear_key_head_dim"), "head_v_dim": f.int("linear_value_head_dim")}
+    out["num_experts"] = f.get("num_experts", 0)
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
+    out["moe_intermediate_size"] = f.get("moe_intermediate_size", 0)
+    out["shared_expert_intermediate_size"] = f.get("shared_expert_intermediate_size", 0)
+    out["intermediate_size"] = 0
+
+
+def _read_jamba(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    period, offset = f.int("attn_layer_period", 8), f.int("attn_layer_offset", 4)
+    out["layer_pattern"] = "".join("F" if i % period == offset else "M" for i in range(out["num_layers"]))
+    out["state"] = {"kind": "mamba1", "d_state": f.int("mamba_d_state"), "d_conv": f.int("mamba_d_conv"),
+                    "expand": f.int("mamba_expand")}
+    out["num_experts"] = f.get("num_experts", 0)
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
+    out["moe_intermediate_size"] = f.get("intermediate_size", 0)
+
+
+def _read_granite_hybrid(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    if c.pattern is None:
+        raise ConfigError("layer_types", "a list of mamba/attention per layer", source=c.source)
+    out["layer_pattern"] = c.pattern
+    out["state"] = {"kind": "mamba2", "d_state": f.int("mamba_d_state"), "d_conv": f.int("mamba_d_conv"),
+                    "num_heads": f.int("mamba_n_heads"), "head_dim": f.int("mamba_d_head"),
+                    "n_groups": f.int("mamba_n_groups", 1)}
+    out["num_experts"] = f.get("num_local_experts", 0)
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
+    out["moe_intermediate_size"] = f.get("intermediate_size", 0)
+    out["shared_expert_intermediate_size"] = f.get("shared_intermediate_size", 0)
+    out["intermediate_size"] = 0
+
+
+def _read_nemotron_h(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    layers = out["num_layers"]
+    override = f.get("hybrid_override_pattern")
+    if not isinstance(override, str) or len(override) != layers:
+        raise ConfigError("hybrid_override_pattern", f"a string of {layers} layer letters (M, *, -)", override,
+                          source=c.source)
+    out["layer_pattern"] = override.replace("*", "F").replace("E", "-")
+    out["state"] = {"kind": "mamba2", "d_state": f.int("ssm_state_size"), "d_conv": f.int("conv_kernel"),
+                    "num_heads": f.int("mamba_num_heads"), "head_dim": f.int("mamba_head_dim"),
+                    "n_groups": f.int("n_groups", 1)}
+    out["mamba_ssm_cache_dtype"] = f.get("mamba_ssm_cache_dtype", "float32")
+
+
+def _read_minimax(c: _Config, out: dict[str, Any]) -> None:
+    f = c.f
+    layers = out["num_layers"]
+    types = f.get("attn_type_list")
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError("attn_type_list", f"a list of {layers} entries (1 softmax, 0 lightning)", types,
+                          source=c.source)
+    out["layer_pattern"] = "".join("F" if t == 1 else "M" for t in types)
+    out["state"] = {"kind": "linear_attention", "num_heads": out["num_attention_heads"], "head_dim": out["head_dim"]}
+    out["num_experts"] = f.get("num_local_experts", 0)
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
+    out["moe_intermediate_size"] = f.get("intermediate_size", 0)
+    out["intermediate_size"] = 0
+
+
+_FAMILY_READERS: dict[str, Callable[[_Config, dict[str, Any]], None]] = {
+    "dense": _read_dense, "gemma3": _read_gemma3, "gpt_oss": _read_gpt_oss, "llama4": _read_llama4,
+    "deepseek": _read_deepseek, "qwen3_next": _read_qwen3_next, "jamba": _read_jamba,
+    "granite_hybrid": _read_granite_hybrid, "nemotron_h": _read_nemotron_h, "minimax": _read_minimax,
+}
 
 
 def estimate_params(m: dict[str, Any], *, tie_embeddings: bool, moe_period: int = 1,

@@ -44,6 +44,7 @@ report of the bundled traces, ``bench/bench_capacity.py``):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 import numpy as np
@@ -107,16 +108,37 @@ class ReuseProfile:
         })
 
 
-def reuse_profile(trace: pa.Table, block_size: int, *, include_outputs: bool = True) -> ReuseProfile:
-    """One LRU stack-distance pass over ``trace`` (rows in arrival order) at ``block_size``."""
+@dataclass(frozen=True)
+class _TraceBlocks:
+    """The trace as the pass reads it: every row's identified blocks (dense small-int ids,
+    flat, with row offsets) and its sizes in blocks."""
+
+    per_unit: int  # blocks per identified unit
+    offsets: list[int]  # row r's ids are dense[offsets[r]:offsets[r + 1]]
+    dense: list[int]
+    prompt_blocks: list[int]  # full blocks of each prompt
+    total_blocks: list[int]  # full blocks of prompt and output together
+    cap_blocks: list[int]  # the most blocks a lookup can hit (the last prompt token is computed)
+    prompt_tokens: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompt_blocks)
+
+    def weights(self, r: int) -> list[int]:
+        """Blocks each of row ``r``'s identified units holds (the last one may be partial)."""
+        full, per_unit = self.prompt_blocks[r], self.per_unit
+        return [max(min(full, (k + 1) * per_unit) - k * per_unit, 0)
+                for k in range(self.offsets[r + 1] - self.offsets[r])]
+
+
+def _trace_blocks(trace: pa.Table, block_size: int) -> _TraceBlocks:
     unit = _unit(trace, block_size)
-    per_unit = unit // block_size
     prompt = trace.column("prompt_tokens").to_numpy().astype(np.int64)
     outputs = trace.column("output_tokens").to_numpy().astype(np.int64)
     ids_list = table_block_ids(trace, unit)
-    num_rows = trace.num_rows
     if ids_list is None:
-        offsets = np.zeros(num_rows + 1, dtype=np.int64)
+        offsets = np.zeros(trace.num_rows + 1, dtype=np.int64)
         flat = np.zeros(0, dtype=np.uint64)
     else:
         if isinstance(ids_list, pa.ChunkedArray):
@@ -126,86 +148,103 @@ def reuse_profile(trace: pa.Table, block_size: int, *, include_outputs: bool = T
         flat = pc.list_flatten(ids_list).to_numpy(zero_copy_only=False).astype(np.uint64)
     # Dense ids: the Fenwick loop works on small ints.
     _, dense = np.unique(flat, return_inverse=True) if flat.size else (None, np.zeros(0, dtype=np.int64))
-    dense = dense.astype(np.int64).tolist()
-    prompt_blocks = prompt // block_size
-    total_blocks = np.maximum(prompt + outputs - 1, 0) // block_size
-    cap_blocks = np.maximum(prompt - 1, 0) // block_size
+    return _TraceBlocks(per_unit=unit // block_size, offsets=offsets.tolist(), dense=dense.astype(np.int64).tolist(),
+                        prompt_blocks=(prompt // block_size).tolist(),
+                        total_blocks=(np.maximum(prompt + outputs - 1, 0) // block_size).tolist(),
+                        cap_blocks=(np.maximum(prompt - 1, 0) // block_size).tolist(),
+                        prompt_tokens=int(prompt.sum()))
 
-    size = len(dense) + num_rows + 1
-    tree = [0] * (size + 1)
-    last_pos = {}
-    last_weight = {}
-    mass = 0
-    pos = 1
-    thresholds: list[float] = []
-    increments: list[int] = []
-    inf = math.inf
-    offsets_l = offsets.tolist()
-    prompt_blocks_l = prompt_blocks.tolist()
-    total_l = total_blocks.tolist()
-    cap_l = cap_blocks.tolist()
 
-    def prefix(i: int) -> int:
-        s = 0
+class _LruStack:
+    """The LRU stack of blocks, each weighted by the blocks it stands for. A block is still
+    cached at a capacity of at least the weight touched since its last touch, its own
+    included; a Fenwick tree over stack positions sums that weight in log time."""
+
+    def __init__(self, positions: int):
+        self.size = positions
+        self.tree = [0] * (positions + 1)
+        self.last_pos: dict[int, int] = {}
+        self.last_weight: dict[int, int] = {}
+        self.mass = 0  # weight on the stack
+        self.pos = 1  # the next free position
+
+    def _prefix(self, i: int) -> int:
+        tree, s = self.tree, 0
         while i > 0:
             s += tree[i]
             i -= i & -i
         return s
 
-    def add(i: int, delta: int) -> None:
+    def _add(self, i: int, delta: int) -> None:
+        tree, size = self.tree, self.size
         while i <= size:
             tree[i] += delta
             i += i & -i
+        self.mass += delta
 
-    for r in range(num_rows):
-        start, end = offsets_l[r], offsets_l[r + 1]
-        full = prompt_blocks_l[r]
-        cap = cap_l[r]
-        # Lookup: every block against the cache as the request found it.
-        reach = 0.0
-        hit = 0
-        weights = []
-        for j in range(start, end):
-            k = j - start
-            w = min(full, (k + 1) * per_unit) - k * per_unit
-            w = w if w > 0 else 0
-            weights.append(w)
-            if hit >= cap:
-                continue
-            x = dense[j]
-            p = last_pos.get(x)
-            need = inf if p is None else mass - prefix(p) + last_weight[x]
-            if need > reach:
-                reach = need
-            if reach == inf:
-                hit = cap  # nothing further hits at any capacity
-                continue
-            gain = min(hit + w, cap) - hit
-            if gain > 0:
-                thresholds.append(reach)
-                increments.append(gain)
-                hit += gain
-        # Touch: output blocks first (evicted first), then the prompt's, last to first.
-        identified = sum(weights)
-        pollution = total_l[r] - identified if include_outputs else 0
-        if pollution > 0:
-            add(pos, pollution)
-            mass += pollution
-            pos += 1
-        for j in range(end - 1, start - 1, -1):
-            x = dense[j]
-            w = weights[j - start]
-            p = last_pos.get(x)
-            if p is not None:
-                add(p, -last_weight[x])
-                mass -= last_weight[x]
-            add(pos, w)
-            mass += w
-            last_pos[x] = pos
-            last_weight[x] = w
-            pos += 1
+    def capacity_to_hit(self, block: int) -> float:
+        p = self.last_pos.get(block)
+        return math.inf if p is None else self.mass - self._prefix(p) + self.last_weight[block]
+
+    def push(self, weight: int) -> None:
+        """Weight no later lookup finds (output blocks): it only pushes others down."""
+        self._add(self.pos, weight)
+        self.pos += 1
+
+    def touch(self, block: int, weight: int) -> None:
+        p = self.last_pos.get(block)
+        if p is not None:
+            self._add(p, -self.last_weight[block])
+        self._add(self.pos, weight)
+        self.last_pos[block] = self.pos
+        self.last_weight[block] = weight
+        self.pos += 1
+
+
+def reuse_profile(trace: pa.Table, block_size: int, *, include_outputs: bool = True) -> ReuseProfile:
+    """One LRU stack-distance pass over ``trace`` (rows in arrival order) at ``block_size``."""
+    blocks = _trace_blocks(trace, block_size)
+    stack = _LruStack(len(blocks.dense) + blocks.num_rows + 1)
+    thresholds: list[float] = []
+    increments: list[int] = []
+    for r in range(blocks.num_rows):
+        weights = blocks.weights(r)
+        _lookup(stack, blocks, r, weights, thresholds, increments)
+        _touch(stack, blocks, r, weights, include_outputs)
     return ReuseProfile(np.array(thresholds, dtype=np.float64), np.array(increments, dtype=np.int64),
-                        int(prompt.sum()), block_size, max(int(mass), 1), len(dense))
+                        blocks.prompt_tokens, block_size, max(int(stack.mass), 1), len(blocks.dense))
+
+
+def _lookup(stack: _LruStack, blocks: _TraceBlocks, r: int, weights: list[int],
+            thresholds: list[float], increments: list[int]) -> None:
+    """Row ``r``'s blocks against the cache as the request found it: the capacity each
+    further hit needs (a prefix hits only as far as every block before it does)."""
+    start, cap = blocks.offsets[r], blocks.cap_blocks[r]
+    dense, capacity_to_hit = blocks.dense, stack.capacity_to_hit  # bound once: the pass's inner loop
+    reach = 0.0
+    hit = 0
+    for k, w in enumerate(weights):
+        if hit >= cap:
+            break
+        reach = max(reach, capacity_to_hit(dense[start + k]))
+        if reach == math.inf:
+            break  # nothing further hits at any capacity
+        gain = min(hit + w, cap) - hit
+        if gain > 0:
+            thresholds.append(reach)
+            increments.append(gain)
+            hit += gain
+
+
+def _touch(stack: _LruStack, blocks: _TraceBlocks, r: int, weights: list[int], include_outputs: bool) -> None:
+    """Row ``r`` into the cache: output blocks first (evicted first), then the prompt's,
+    last to first."""
+    pollution = blocks.total_blocks[r] - sum(weights) if include_outputs else 0
+    if pollution > 0:
+        stack.push(pollution)
+    start, dense, touch = blocks.offsets[r], blocks.dense, stack.touch
+    for k in range(len(weights) - 1, -1, -1):
+        touch(dense[start + k], weights[k])
 
 
 def hit_curve(trace: pa.Table, block_size: int, capacities: Sequence[int] | None = None, *,

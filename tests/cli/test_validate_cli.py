@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 import kvtwin.executor.validate as validate_module  # noqa: E402
 from kvtwin.cli import app  # noqa: E402
-from kvtwin.executor.runner import Faults  # noqa: E402
+from kvtwin.executor.device_executor import Faults  # noqa: E402
 from kvtwin.sim.scenario.calibration_file import read_calibration  # noqa: E402
 
 # Llama-3.1-8B pages are 2 MiB: 128 MiB of KV cache is a 64-block pool, small enough that
@@ -131,7 +131,7 @@ def test_an_output_path_that_is_a_file_is_refused_first(scenario, tmp_path, monk
 
 def test_a_pool_too_big_for_a_cpu_names_the_knob(tmp_path, monkeypatch):
     monkeypatch.setattr(validate_module, "validate", lambda *a, **k: pytest.fail("validation ran"))
-    monkeypatch.setattr("kvtwin.executor.run.MAX_CPU_POOL_BYTES", 1 << 16)
+    monkeypatch.setattr("kvtwin.executor.device_replay.MAX_CPU_POOL_BYTES", 1 << 16)
     path = tmp_path / "big.toml"
     path.write_text(SCENARIO)
     result = _invoke(path, "--out", tmp_path / "run")

@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 import pytest
 
 from kvtwin.executor.memory import profile_inputs, profile_step
-from kvtwin.executor.run import ExecutorOptions, build_executor, run_executor
+from kvtwin.executor.device_replay import ExecutorOptions, build_executor, run_executor
 from kvtwin.traces import schema as col
 from tests.executor.toys import scenario
 

@@ -10,7 +10,7 @@ import torch
 
 from kvtwin.executor.audit import BlockAudit
 from kvtwin.executor.block_tables import NULL_BLOCK, BlockTables, StateCopy
-from kvtwin.executor.run import ExecutorOptions, build_executor
+from kvtwin.executor.device_replay import ExecutorOptions, build_executor
 from kvtwin.executor.shapes import MIXER_ATTENTION, MIXER_STATE, pool_page_bytes
 from kvtwin.executor.tokens import TOKEN_ID_BITS, RequestTokens, output_token_id, prompt_token_ids
 from kvtwin.sim.core.block_pool import KVCacheBlock

@@ -1,6 +1,6 @@
 """Check 1 catches a broken executor and names the block that broke it.
 
-Each test-only fault (``runner.Faults``) breaks one rule the way a buggy executor or pool
+Each test-only fault (``device_executor.Faults``) breaks one rule the way a buggy executor or pool
 would: ``corrupt_table`` puts a wrong block in a prefix hit's table, ``stale_block`` hands
 out a block without rewriting it, ``drop_state_copy`` skips a recurrent-state copy. Check 1
 must fail, and its verdict line and the faulted request's row must name (from the block
@@ -16,8 +16,8 @@ import re
 import pytest
 import torch
 
-from kvtwin.executor.run import ExecutorOptions, run_executor
-from kvtwin.executor.runner import Faults
+from kvtwin.executor.device_executor import Faults
+from kvtwin.executor.device_replay import ExecutorOptions, run_executor
 from kvtwin.executor.validate import LOGIT_TOLERANCE, ValidateOptions
 from tests.executor.toys import scenario, validate_with_runs
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-from kvtwin.executor.run import ExecutorOptions
+from kvtwin.executor.device_replay import ExecutorOptions
 from kvtwin.executor.validate import ValidateOptions
 from tests.executor.toys import scenario, validate_with_runs
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtwin import CORE_BUILD
-from kvtwin._native import ENV_SWITCH, MANIFEST_NAME, choose_build
+from kvtwin._native import CHECKOUT_BUILD_DIR, ENV_SWITCH, MANIFEST_NAME, choose_build
 
 REPO = Path(__file__).parents[2]
 
@@ -111,3 +111,78 @@ def test_an_extension_the_last_build_did_not_make_is_stale(tmp_path):
     (sim / "replay" / "workload.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")  # from an older build
     choice = choose_build(sim, {})
     assert not choice.build.compiled and "kvtwin.sim.replay.workload" in choice.notice
+
+
+# A checkout (editable install): the extensions live in build/native, never beside the sources.
+
+def _fake_checkout(tmp_path: Path, sources: dict[str, str], compiled: list[str]) -> tuple[Path, Path]:
+    """A checkout's ``sim`` folder with these sources, and its build folder holding
+    extensions for ``compiled``, mypyc's group library and a manifest of the sources now."""
+    sim = tmp_path / "sim"
+    build = tmp_path / CHECKOUT_BUILD_DIR / "kvtwin" / "sim"
+    for relative, text in sources.items():
+        (sim / relative).parent.mkdir(parents=True, exist_ok=True)
+        (sim / relative).write_text(text)
+    for relative in compiled:
+        (build / relative).parent.mkdir(parents=True, exist_ok=True)
+        (build / relative.replace(".py", ".cpython-311-x86_64-linux-gnu.so")).write_bytes(b"")
+    (build / "native__mypyc.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    manifest = {f"kvtwin/sim/{r}": hashlib.sha256((sim / r).read_bytes()).hexdigest() for r in compiled}
+    (build / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return sim, build
+
+
+def test_a_fresh_checkout_build_loads_from_the_build_folder(tmp_path):
+    sim, build = _fake_checkout(tmp_path, {"core/block_pool.py": "A = 1\n", "core/spec.py": "B = 2\n"},
+                                ["core/block_pool.py"])
+    choice = choose_build(sim, {}, build)
+    assert choice.build.compiled and choice.notice is None and not choice.from_source
+    assert dict(choice.from_build) == {
+        "kvtwin.sim.core.block_pool": build / "core" / "block_pool.cpython-311-x86_64-linux-gnu.so",
+        "kvtwin.sim.native__mypyc": build / "native__mypyc.cpython-311-x86_64-linux-gnu.so"}
+
+
+def test_a_checkout_source_edited_after_the_build_runs_as_source_with_one_notice(tmp_path):
+    sim, build = _fake_checkout(tmp_path, {"core/block_pool.py": "A = 1\n", "core/scheduler.py": "C = 3\n"},
+                                ["core/block_pool.py", "core/scheduler.py"])
+    (sim / "core" / "scheduler.py").write_text("C = 4\n")
+    choice = choose_build(sim, {}, build)
+    assert not choice.build.compiled and not choice.from_build and not choice.from_source
+    assert choice.notice.startswith("kvtwin: notice:") and "kvtwin.sim.core.scheduler" in choice.notice
+    assert "kvtwin.sim.core.block_pool" not in choice.notice
+
+
+def test_a_checkout_build_without_a_manifest_or_with_the_switch_runs_as_source(tmp_path):
+    sim, build = _fake_checkout(tmp_path, {"core/block_pool.py": "A = 1\n"}, ["core/block_pool.py"])
+    quiet = choose_build(sim, {ENV_SWITCH: "1"}, build)
+    assert not quiet.build.compiled and not quiet.from_build and quiet.notice is None
+    (build / MANIFEST_NAME).unlink()
+    choice = choose_build(sim, {}, build)
+    assert not choice.build.compiled and not choice.from_build and "no manifest" in choice.notice
+
+
+def test_extensions_beside_the_sources_win_over_a_build_folder(tmp_path):
+    """A wheel's layout; a build folder next to it is not consulted."""
+    sim, build = _fake_checkout(tmp_path, {"core/block_pool.py": "A = 1\n"}, ["core/block_pool.py"])
+    (sim / "core" / "block_pool.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (sim / MANIFEST_NAME).write_text((build / MANIFEST_NAME).read_text())
+    choice = choose_build(sim, {}, build)
+    assert choice.build.compiled and not choice.from_build
+
+
+def test_the_checkout_holds_no_extensions_beside_its_sources():
+    suffixes = (".so", ".pyd")
+    beside = [p for folder in ("sim", "kvtwin") for p in (REPO / folder).rglob("*") if p.name.endswith(suffixes)]
+    assert not beside and not (REPO / "sim" / MANIFEST_NAME).exists()
+
+
+@pytest.mark.skipif(not CORE_BUILD.compiled, reason=f"this run does not use the compiled core ({CORE_BUILD.reason})")
+def test_compiled_modules_and_the_group_library_load_from_outside_the_sources():
+    done = subprocess.run([sys.executable, "-c", "import sys, kvtwin.sim.core.block_pool as m; "
+                           "print(m.__file__); print(sys.modules['kvtwin.sim.native__mypyc'].__file__)"],
+                          capture_output=True, text=True, env={**os.environ, ENV_SWITCH: "0"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    module, group = map(Path, done.stdout.split())
+    assert module.name.startswith("block_pool.") and not module.name.endswith(".py")
+    assert group.name.startswith("native__mypyc.")
+    assert REPO / "sim" not in module.parents and REPO / "sim" not in group.parents

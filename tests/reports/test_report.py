@@ -20,8 +20,9 @@ from typer.testing import CliRunner
 
 from kvtwin.cli import app as kvtwin_app
 from kvtwin.commands.report import report as report_command
-from kvtwin.reports.html import (render_capacity_report, render_replay_report, render_report_dir,
-                                 write_report)
+from kvtwin.reports.capacity_report import render_capacity_report
+from kvtwin.reports.html import render_report_dir, write_report
+from kvtwin.reports.replay_report import render_replay_report
 from kvtwin.reports.run_dir import write_dir
 
 IMG = '<img src="data:image/png;base64,'

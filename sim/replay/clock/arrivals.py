@@ -7,17 +7,15 @@ order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import simpy
 from simpy.events import URGENT, Event
 
 from kvtwin.sim.core.request import Request
-
-if TYPE_CHECKING:
-    from kvtwin.sim.replay.clock.cluster import Cluster
+from kvtwin.sim.replay.clock.replica import Replica
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,18 @@ class UrgentTimeout(Event):
         env.schedule(self, URGENT, delay)
 
 
-def arrival_process(cluster: Cluster, arrivals: Iterator[Arrival]):
+class ArrivalSite(Protocol):
+    """Where arrivals go (a ``Cluster``): its clock, its replicas, and who takes each."""
+
+    env: simpy.Environment
+    replicas: Sequence[Replica]
+    arrivals_done: bool
+
+    def arrive(self, arrival: Arrival) -> None:
+        ...
+
+
+def arrival_process(cluster: ArrivalSite, arrivals: Iterator[Arrival]):
     """Add each arrival to the replica the router picks, then wake every replica once the
     arrivals are done (an idle one may then stop). ``arrivals`` is consumed one at a time:
     a request exists from its arrival on, and a finished one is not kept alive by a list

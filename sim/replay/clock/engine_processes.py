@@ -26,16 +26,36 @@ otherwise sleeps until the next transfer finishes or a request arrives, whicheve
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import simpy
+
+from kvtwin.sim.core.engine import StepResult
 from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.clock.timeline import DeviceTimeline
 from kvtwin.sim.replay.recorder import BatchTimes
 
-if TYPE_CHECKING:
-    from kvtwin.sim.replay.clock.cluster import Cluster
+
+class ClusterView(Protocol):
+    """What an engine process reports to and asks of the cluster it runs in."""
+
+    env: simpy.Environment
+    arrivals_done: bool
+
+    def applied(self, replica: Replica, result: StepResult, times: BatchTimes, synchronous: bool = False) -> None:
+        ...
+
+    def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
+        ...
+
+    def window_allowed(self, timeline: DeviceTimeline) -> bool:
+        ...
+
+    def wait_for_transfers(self, replica: Replica, reported: bool):
+        ...
 
 
-def sync_engine_process(cluster: Cluster, replica: Replica):
+def sync_engine_process(cluster: ClusterView, replica: Replica):
     env = cluster.env
     engine = replica.engine
     executor = replica.executor
@@ -64,7 +84,7 @@ def sync_engine_process(cluster: Cluster, replica: Replica):
             yield replica.sleep(env)
 
 
-def async_engine_process(cluster: Cluster, replica: Replica):
+def async_engine_process(cluster: ClusterView, replica: Replica):
     env = cluster.env
     engine = replica.engine
     batches = replica.batches
@@ -99,7 +119,7 @@ def async_engine_process(cluster: Cluster, replica: Replica):
         cluster.applied(replica, batches.update(), times)
 
 
-def _idle(cluster: Cluster, replica: Replica):
+def _idle(cluster: ClusterView, replica: Replica):
     """Apply the batches queued (none computes anything), then wait for a transfer or an
     arrival: True to go on, False when the replica is done."""
     engine = replica.engine

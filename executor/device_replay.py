@@ -18,7 +18,7 @@ import simpy
 import simpy.rt
 import torch
 
-from kvtwin.executor.runner import DeviceExecutor, ExecutorState, Faults
+from kvtwin.executor.device_executor import DeviceExecutor, ExecutorState, Faults
 from kvtwin.executor.shapes import ModelShape, model_shape, pool_page_bytes
 from kvtwin.kernels.backends import Backend, select_backend
 from kvtwin.sim.core.errors import ConfigError

@@ -1,0 +1,156 @@
+"""The replay report's plots: KV cache usage per group, the prefix cache hit rate, the
+queues and preemptions over time, the latency CDFs and, with several replicas, the load
+on each. Steps are binned first (``TIME_BINS`` bins over the run)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from kvtwin.reports import plots
+from kvtwin.reports.binning import (bin_index, cdf_values, column_array, combined_state, replica_ids, select_columns,
+                                    usage_matrix)
+from kvtwin.reports.html_page import figure
+from kvtwin.reports.summary_text import missing
+
+TIME_BINS = 400       # state over time (KV usage, queues, preemptions)
+HIT_RATE_BINS = 100   # per-request hit rate over time
+
+# The columns the plots read (the report reads no others of the two tables).
+STEP_COLUMNS = ("time_s", "duration_s", "num_running", "num_waiting", "num_preempted", "kv_cache_usage",
+                "kv_cache_usage_by_group", "replica")
+REQUEST_COLUMNS = ("status", "arrival_time_s", "first_scheduled_time_s", "prompt_tokens", "prefix_cache_hits",
+                   "prefix_cache_queries", "ttft_s", "tpot_s", "e2el_s", "replica")
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """The steps placed on the run's time bins."""
+
+    steps: pa.Table
+    t_end: float  # the run's end, seconds (at least the summary's duration)
+    has_steps: bool
+    nbins: int
+    bin_s: float
+    centers: np.ndarray  # the bins' middles (empty without steps)
+    idx: np.ndarray  # each step's bin
+    step_replica: np.ndarray | None  # each step's replica, with more than one
+
+    @classmethod
+    def of(cls, steps: pa.Table, duration_s: float) -> _Timeline:
+        t = column_array(steps, "time_s") if "time_s" in steps.column_names else np.zeros(0)
+        t_end = duration_s
+        if len(t):
+            t_end = max(t_end, float(np.nanmax(t + column_array(steps, "duration_s")))
+                        if "duration_s" in steps.column_names else float(np.nanmax(t)))
+        t_end = t_end if t_end > 0 else 1.0
+        nbins = TIME_BINS
+        bin_s = t_end / nbins
+        centers = (np.arange(nbins) + 0.5) * bin_s if len(t) else np.zeros(0)
+        return cls(steps, t_end, bool(len(t)), nbins, bin_s, centers, bin_index(t, t_end, nbins), replica_ids(steps))
+
+    def state(self, column: str, how: str) -> np.ndarray:
+        values = column_array(self.steps, column, np.int64).astype(float)
+        return combined_state(self.idx, values, self.nbins, self.step_replica, how)
+
+
+def replay_figures(requests: pa.Table, steps: pa.Table, s: dict, plan: dict | None) -> list[str]:
+    steps = select_columns(steps, STEP_COLUMNS)
+    requests = select_columns(requests, REQUEST_COLUMNS)
+    timeline = _Timeline.of(steps, float(s.get("duration_s") or 0.0))
+    out = [_usage_figure(timeline, plan), _hit_rate_figure(requests, timeline.t_end, s), *_queue_figures(timeline),
+           _latency_figure(requests, s)]
+    req_replica = replica_ids(requests)
+    if req_replica is not None:
+        out.append(_replica_load_figure(requests, req_replica))
+    return out
+
+
+def _group_labels(plan: dict | None, count: int) -> list[str]:
+    groups = ((plan or {}).get("hybrid_on", plan) or {}).get("groups") or []
+    labels = []
+    for i in range(count):
+        g = groups[i] if i < len(groups) else None
+        if g is None:
+            labels.append(f"group {i}" if count > 1 else "all groups")
+        else:
+            labels.append(f"group {g.get('group_id', i)}: {g.get('kind', '?')}, {g.get('num_layers', '?')} layers, "
+                          f"block {g.get('block_size', '?')}")
+    return labels
+
+
+def _usage_figure(tl: _Timeline, plan: dict | None) -> str:
+    usage, width = usage_matrix(tl.steps)
+    per_group = (np.column_stack([combined_state(tl.idx, usage[:, g], tl.nbins, tl.step_replica, "mean")
+                                  for g in range(width)]) if tl.has_steps else np.zeros((0, width)))
+    return figure(plots.kv_usage_by_group(tl.centers, per_group, _group_labels(plan, width)),
+                  f"KV cache usage by KV cache group over time, stacked: blocks in use over the usable blocks "
+                  f"(steps.parquet kv_cache_usage_by_group), mean per {tl.bin_s:,.3g} s bin"
+                  + (", averaged over replicas" if tl.step_replica is not None else "") + ".",
+                  "KV cache usage by group")
+
+
+def _hit_rate_figure(requests: pa.Table, t_end: float, s: dict) -> str:
+    sched = column_array(requests, "first_scheduled_time_s") if requests.num_rows else np.zeros(0)
+    seen = np.isfinite(sched)
+    hbins = HIT_RATE_BINS
+    h_idx = bin_index(sched[seen], t_end, hbins)
+    queries = np.bincount(h_idx, weights=column_array(requests, "prefix_cache_queries", np.int64)[seen],
+                          minlength=hbins)
+    hits = np.bincount(h_idx, weights=column_array(requests, "prefix_cache_hits", np.int64)[seen], minlength=hbins)
+    rate = np.full(hbins, np.nan)
+    np.divide(hits, queries, out=rate, where=queries > 0)
+    h_centers = (np.arange(hbins) + 0.5) * (t_end / hbins) if seen.any() else np.zeros(0)
+    return figure(plots.hit_rate_over_time(h_centers, rate if seen.any() else np.zeros(0),
+                                           s.get("prefix_cache_hit_rate"), s.get("prefix_reuse_upper_bound")),
+                  f"Prefix cache hit rate over time: prompt tokens found over tokens looked up, summed over the "
+                  f"requests first scheduled in each {t_end / hbins:,.3g} s bin (requests.parquet "
+                  f"prefix_cache_hits / prefix_cache_queries), with the whole run's rate and the trace's "
+                  f"infinite-cache bound.", "prefix cache hit rate over time")
+
+
+def _queue_figures(tl: _Timeline) -> list[str]:
+    if tl.has_steps:
+        running = tl.state("num_running", "sum")
+        waiting = tl.state("num_waiting", "sum")
+        preempted = np.bincount(tl.idx, weights=column_array(tl.steps, "num_preempted", np.int64), minlength=tl.nbins)
+    else:
+        running = waiting = preempted = np.zeros(0)
+    return [figure(plots.queues_over_time(tl.centers, running, waiting),
+                   f"Running and waiting requests after each step, mean per {tl.bin_s:,.3g} s bin"
+                   + (", summed over replicas" if tl.step_replica is not None else "") + ".",
+                   "running and waiting queues"),
+            figure(plots.preemptions_over_time(tl.centers, preempted, tl.bin_s),
+                   f"Preemptions (recompute) per {tl.bin_s:,.3g} s bin (steps.parquet num_preempted).",
+                   "preemptions over time")]
+
+
+def _latency_figure(requests: pa.Table, s: dict) -> str:
+    finished = (np.asarray(requests.column("status").to_pylist()) == "finished") if requests.num_rows else \
+        np.zeros(0, dtype=bool)
+    series = [(name, cdf_values(column_array(requests, col)[finished] * 1000) if requests.num_rows else np.zeros(0))
+              for name, col in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))]
+    slo = {"TTFT": s.get("slo_ttft_ms"), "TPOT": s.get("slo_tpot_ms")}
+    slo = {k: float(v) for k, v in slo.items() if not missing(v)}
+    band = {name: float(s[column]) for name, column in (("TTFT", "error_ttft"), ("TPOT", "error_tpot"),
+                                                        ("E2E latency", "error_e2el"))
+            if not missing(s.get(column))}
+    clock = (f" Shaded: the band the clock's calibration ({s.get('calibration')}) implies from its held-out "
+             "error." if band else " The clock is uncalibrated: no error band." if s.get("calibration") ==
+             "uncalibrated" else "")
+    return figure(plots.latency_cdfs(series, slo, band),
+                  "Cumulative distributions of TTFT, TPOT and end-to-end latency over finished requests "
+                  "(dashed: the scenario's SLO)." + clock, "latency CDFs")
+
+
+def _replica_load_figure(requests: pa.Table, req_replica: np.ndarray) -> str:
+    ids = np.unique(req_replica)
+    counts = np.array([(req_replica == r).sum() for r in ids])
+    tokens = (np.array([column_array(requests, "prompt_tokens", np.int64)[req_replica == r].sum() for r in ids])
+              if "prompt_tokens" in requests.column_names else None)
+    return figure(plots.replica_load([str(r) for r in ids], counts, tokens),
+                  f"Load per replica: requests routed to each of the {len(ids)} replicas"
+                  + (" and their prompt tokens" if tokens is not None else "") + ".",
+                  "per-replica load")

@@ -1,0 +1,99 @@
+"""The replay report: what ran, the plan, the key metrics of ``summary.parquet`` and the
+plots of the steps and requests (``reports.replay_plots``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+from kvtwin.reports.html_page import page
+from kvtwin.reports.html_tables import fmt_cell, kv_table
+from kvtwin.reports.replay_plots import replay_figures
+from kvtwin.reports.run_facts import header, plan_section, scenario_facts
+from kvtwin.reports.summary_text import format_bytes, format_duration_ms, format_duration_s, format_percent, missing
+
+REPLAY_FILES = ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json")
+
+
+def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dict, metadata: dict, *,
+                         sources: Sequence[str] = REPLAY_FILES) -> str:
+    """The replay report as one HTML string (tables as written to a run directory)."""
+    s = _summary_row(summary)
+    metadata = metadata or {}
+    extra = [("requests replayed", fmt_cell(s.get("num_requests")))]
+    if s.get("num_trace_requests") is not None:
+        extra.append(("trace requests (after the scenario's cuts)", fmt_cell(s.get("num_trace_requests"))))
+    sections = [header("replay", metadata, sources, extra), plan_section(plan),
+                "<h2>Key metrics</h2>" + kv_table(_replay_metrics(s), "meta"),
+                "<h2>Plots</h2>", *replay_figures(requests, steps, s, plan)]
+    return page(f"kvtwin replay report: {scenario_facts(metadata)[0]}", sections)
+
+
+def _summary_row(summary) -> dict:
+    if isinstance(summary, pa.Table):
+        rows = summary.to_pylist()
+        return rows[0] if rows else {}
+    return dict(summary)
+
+
+def _clock_text(s: dict) -> str:
+    """The calibration and the band on each p99 (summary.parquet's band columns)."""
+    name = s.get("calibration")
+    if missing(name):
+        return "-"
+    bands = [f"{label} {format_duration_ms(s[f'p99_{key}_ms_low'])}-{format_duration_ms(s[f'p99_{key}_ms_high'])}"
+             for label, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2el"))
+             if not missing(s.get(f"p99_{key}_ms_low"))]
+    return f"{name}" + (f"; p99 band: {', '.join(bands)}" if bands else "")
+
+
+def _ms(s: dict, name: str) -> str:
+    """Mean / p50 / p90 / p99 of one latency of the summary, in milliseconds."""
+    return " / ".join(format_duration_ms(s.get(f"{stat}_{name}_ms")) for stat in ("mean", "median", "p90", "p99"))
+
+
+def _replay_metrics(s: dict) -> list[tuple[str, str]]:
+    rows = [("requests: completed / rejected / unfinished",
+             f"{fmt_cell(s.get('completed'))} / {fmt_cell(s.get('rejected'))} / {fmt_cell(s.get('unfinished'))}"),
+            ("simulated duration", format_duration_s(s.get("duration_s"))),
+            ("request throughput (req/s)", fmt_cell(s.get("request_throughput"))),
+            ("output / all tokens per s",
+             f"{fmt_cell(s.get('output_throughput'))} / {fmt_cell(s.get('total_token_throughput'))}"),
+            ("TTFT mean / p50 / p90 / p99", _ms(s, "ttft")),
+            ("TPOT mean / p50 / p90 / p99", _ms(s, "tpot")),
+            ("ITL mean / p50 / p90 / p99", _ms(s, "itl")),
+            ("E2E latency mean / p50 / p90 / p99", _ms(s, "e2el")),
+            ("clock calibration", _clock_text(s)),
+            ("queue delay mean / p50 / p90 / p99", _ms(s, "queue_delay")),
+            ("prefix cache hit rate (tokens)", format_percent(s.get("prefix_cache_hit_rate"))),
+            ("infinite-cache bound (trace)", format_percent(s.get("prefix_reuse_upper_bound"))),
+            ("preemptions / recomputed tokens",
+             f"{fmt_cell(s.get('num_preemptions'))} / {fmt_cell(s.get('recomputed_tokens'))}"),
+            ("evicted cached blocks", fmt_cell(s.get("num_evictions"))),
+            ("KV cache usage peak / mean",
+             f"{format_percent(s.get('kv_cache_usage_peak'))} / {format_percent(s.get('kv_cache_usage_mean'))}")]
+    if any(not missing(s.get(k)) for k in ("slo_ttft_ms", "slo_tpot_ms")):
+        rows += [("SLO: TTFT / TPOT at most",
+                  f"{format_duration_ms(s.get('slo_ttft_ms'))} / {format_duration_ms(s.get('slo_tpot_ms'))}"),
+                 ("SLO attainment / goodput (req/s)",
+                  f"{format_percent(s.get('slo_attainment'))} / {fmt_cell(s.get('request_goodput'))}")]
+    if s.get("hit_rate_total") is not None:
+        rows += _offload_metrics(s)
+    if "saturated" in s:
+        rows.append(("saturated", ("yes: " + str(s.get("saturation_reason") or "")) if s.get("saturated") else "no"))
+    if s.get("rejected_by_reason") not in (None, "", "{}"):
+        rows.append(("rejected by reason", s["rejected_by_reason"]))
+    return rows
+
+
+def _offload_metrics(s: dict) -> list[tuple[str, str]]:
+    """Offload tiers: hits per tier, the loads, the traffic."""
+    return [("offload tiers (policy)", f"{format_bytes(s.get('offload_cpu_bytes'))} CPU"
+             + (f" + {format_bytes(s.get('offload_disk_bytes'))} disk" if s.get("offload_disk_chunks") else "")
+             + f" ({s.get('offload_policy')})"),
+            ("hit rate GPU / CPU / disk / total (prompt tokens)",
+             " / ".join(format_percent(s.get(f"hit_rate_{t}")) for t in ("gpu", "cpu", "disk", "total"))),
+            ("loads; wait mean / p50 / p90 / p99", f"{fmt_cell(s.get('num_loads'))}; {_ms(s, 'load_wait')}"),
+            ("KV loaded / stored over PCIe",
+             f"{format_bytes(s.get('kv_offload_load_bytes'))} / {format_bytes(s.get('kv_offload_store_bytes'))}")]

@@ -1,0 +1,87 @@
+"""The sections both reports open with: what was run (scenario, trace, overrides,
+versions, source files) and the plan it ran on (the engine's sizes and its KV cache
+groups)."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Sequence
+
+import pandas as pd
+
+from kvtwin import __version__
+from kvtwin.reports.html_page import escape
+from kvtwin.reports.html_tables import fmt_cell, frame_table, kv_table
+
+
+def scenario_facts(metadata: dict) -> tuple[str, str]:
+    """(description, trace) from the run metadata's scenario text and overrides."""
+    try:
+        scenario = tomllib.loads(metadata.get("scenario") or "")
+    except tomllib.TOMLDecodeError:
+        scenario = {}
+    overrides = metadata.get("overrides") or {}
+    description = scenario.get("description") or "(no description)"
+    workload = scenario.get("workload") if isinstance(scenario.get("workload"), dict) else {}
+    trace = overrides.get("trace") or workload.get("trace") or "(none named)"
+    return str(description), str(trace)
+
+
+def header(kind: str, metadata: dict, sources: Sequence[str], extra: Sequence[tuple[str, object]] = ()) -> str:
+    description, trace = scenario_facts(metadata)
+    overrides = metadata.get("overrides") or {}
+    rows = [("scenario", description),
+            ("scenario file", metadata.get("scenario_file") or "-"),
+            ("trace", trace),
+            ("command-line overrides", ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "none"),
+            ("kvtwin version (run)", metadata.get("kvtwin_version") or "-"),
+            ("kvtwin version (report)", __version__),
+            ("generated from", ", ".join(sources)),
+            *extra]
+    out = f"<h1>kvtwin {escape(kind)} report</h1><p class=\"note\">{escape(description)}</p>" + kv_table(rows)
+    if metadata.get("scenario"):
+        out += ("<details><summary>scenario file text</summary><pre>" + escape(metadata["scenario"]) + "</pre></details>")
+    return out
+
+
+def plan_section(plan: dict | None) -> str:
+    if not plan:
+        return "<h2>Plan</h2><p class=\"note\">no plan recorded</p>"
+    if "hybrid_on" in plan:  # a --compare-hybrid plan: the layout the run used is the hybrid one
+        plan = plan["hybrid_on"]
+
+    def get(key):
+        value = plan.get(key)
+        return "-" if value is None else value
+
+    rows = [("model", get("model")), ("GPU", get("gpu")), ("tensor parallel", get("tensor_parallel_size")),
+            ("max_model_len", fmt_cell(plan.get("max_model_len"))),
+            ("max_num_seqs / max_num_batched_tokens",
+             f"{fmt_cell(plan.get('max_num_seqs'))} / {fmt_cell(plan.get('max_num_batched_tokens'))}"),
+            ("KV cache dtype", get("kv_cache_dtype")),
+            ("prefix caching", fmt_cell(plan.get("enable_prefix_caching"))),
+            ("hybrid KV cache manager", fmt_cell(plan.get("hybrid_kv_cache_manager"))),
+            ("KV cache groups", fmt_cell(plan.get("num_groups"))),
+            ("num_blocks (incl. the null block)", fmt_cell(plan.get("num_blocks"))),
+            ("bytes per block", fmt_cell(plan.get("bytes_per_block"))),
+            ("KV cache tokens", fmt_cell(plan.get("kv_cache_tokens"))),
+            ("max concurrency (requests of max_model_len)", fmt_cell(plan.get("max_concurrency"))),
+            ("steady-state concurrency", fmt_cell(plan.get("steady_state_concurrency"))),
+            ("concurrency limit", fmt_cell(plan.get("concurrency_limit"))),
+            ("fits", fmt_cell(plan.get("fits")))]
+    out = "<h2>Plan</h2>" + kv_table([(k, v) for k, v in rows if str(v) not in ("-", "- / -")])
+    return out + _groups_table(plan.get("groups") or [])
+
+
+def _groups_table(groups: list[dict]) -> str:
+    if not groups:
+        return ""
+    skip = {"layer_indices", "layer_page_bytes"}
+    columns = ["group_id", "kind", "num_layers", "block_size"]
+    # Sorted: plan.json is written with sorted keys, the in-memory plan is not.
+    for g in groups:
+        columns += sorted(k for k, v in g.items() if k not in skip and k not in columns
+                          and not isinstance(v, (list, dict)))
+    columns = [c for c in columns if any(c in g for g in groups)]
+    frame = pd.DataFrame([{c: g.get(c) for c in columns} for g in groups], columns=columns)
+    return "<h3>KV cache groups</h3>" + frame_table(frame)
