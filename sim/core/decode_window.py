@@ -15,9 +15,9 @@ still done, by the same calls, in the same order:
 * the one request still prefilling, if any (it is last in running order), gets its chunk
   as the running pass would clip it, and its allocation;
 * the waiting queue is offered the rest of the budget through the scheduler's own
-  ``_schedule_waiting`` (usually one comparison: the blocked-head memo);
+  ``schedule_waiting`` (usually one comparison: the blocked-head memo);
 * the prefill chunk and the admissions, the batch's *real part*, are advanced by the
-  scheduler's ``_advance_computed_async``. Each request whose chunk ends its prefill
+  scheduler's ``advance_computed``. Each request whose chunk ends its prefill
   becomes a decoding member from the next batch on; a partial chunk leaves its request
   prefilling (``_take``). A second partial chunk behind the first makes the batch a real
   one, finished by the scheduler (``complete``), and ends the window;
@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import heapq
 
+from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler import Scheduler
@@ -102,7 +103,7 @@ class DecodeWindow:
     admissions. The batch ``X`` in flight when the window opens is applied for real
     (``begin_real_update`` and ``end_real_update`` around the clock's ``update_batch``)."""
 
-    def __init__(self, scheduler: Scheduler, members: list[Request], token_bases: list[int],
+    def __init__(self, scheduler: AsyncScheduler, members: list[Request], token_bases: list[int],
                  last_batches: list[int], prefilling: Request | None):
         self.scheduler = scheduler
         self.kvm = scheduler.kv_cache_manager
@@ -269,7 +270,7 @@ class DecodeWindow:
         waiting = scheduler.waiting
         if len(waiting):
             scratch = self._scratch
-            scheduler._schedule_waiting(scratch, scheduler.config.max_num_batched_tokens - self.num_active - chunk,
+            scheduler.schedule_waiting(scratch, scheduler.config.max_num_batched_tokens - self.num_active - chunk,
                                         scheduler.long_prefill_threshold())
             if scratch.num_scheduled_tokens:
                 admitted = scratch
@@ -290,7 +291,7 @@ class DecodeWindow:
             return admitted
         part = SchedulerOutput(num_scheduled_tokens=part_tokens,
                                scheduled_new_reqs=admitted.scheduled_new_reqs if admitted is not None else [])
-        scheduler._advance_computed_async(part)
+        scheduler.advance_computed(part)
         self._take(j, part)
         return None
 
@@ -402,7 +403,7 @@ class DecodeWindow:
         else:
             # What the update takes first: this batch's partial chunks, none (a later
             # batch's real part may already be queued behind).
-            self.scheduler._in_flight_partials.appendleft([])
+            self.scheduler.in_flight_partials.appendleft([])
         return self.scheduler.update_from_output(out, sampled), steps, part, part_sampled
 
     def window_steps(self, i: int, j: int) -> int:
@@ -445,7 +446,7 @@ class DecodeWindow:
             sampling.update(part.num_output_tokens)
             out.scheduled_new_reqs = part.scheduled_new_reqs
         else:
-            self.scheduler._in_flight_partials.append([])  # the batch's partial chunks: none
+            self.scheduler.in_flight_partials.append([])  # the batch's partial chunks: none
         out.scheduled_cached_reqs.new_blocks = new_blocks
         out.finished_req_ids = reported
         return out
@@ -472,7 +473,7 @@ class DecodeWindow:
         out.scheduled_new_reqs = scratch.scheduled_new_reqs
         out.scheduled_cached_reqs.new_blocks = self.new_blocks
         out.finished_req_ids = self.reported
-        self.scheduler._advance_computed_async(out)
+        self.scheduler.advance_computed(out)
         return out
 
 
@@ -491,7 +492,7 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
     ``MIN_WINDOW_STEPS`` batches more; else None. ``token_bases``: the executor's base per
     running request (None: it has sampled nothing, or its tokens are not ``base + index``)."""
     kvm = scheduler.kv_cache_manager
-    if (not scheduler.async_scheduling or scheduler.connector is not None or kvm.single_full_manager is None
+    if (not isinstance(scheduler, AsyncScheduler) or scheduler.connector is not None or kvm.single_full_manager is None
             or scheduler.finished_req_ids):
         return None
     running = scheduler.running
