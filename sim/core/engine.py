@@ -16,7 +16,7 @@ The synchronous ``step`` is unchanged and stays the only step for synchronous co
 
 An offload tier (``sim/core/offload/build.py`` builds it) reaches the engine built: its
 connector goes to the scheduler, its transfers are the engine's worker. Without one the
-worker is a ``NoTransferWorker``, so a step takes the same path either way.
+worker is the bare ``KVTransferWorker``, which does nothing, so a step takes the same path either way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Protocol
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
-from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker, NoTransferWorker
+from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.offload.build import OffloadTier
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
@@ -140,7 +140,7 @@ class EngineCore:
         self.scheduler = make_scheduler(kv_cache_config, scheduler_config, cache_config,
                                         offload.connector if offload is not None else None)
         # The worker side of the connector: submits each batch's jobs, reports what finished.
-        self.transfers: KVTransferWorker = offload.transfers if offload is not None else NoTransferWorker()
+        self.transfers: KVTransferWorker = offload.transfers if offload is not None else KVTransferWorker()
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.rejected: list[Rejection] = []
         # Async: batches scheduled and not yet updated, oldest first.

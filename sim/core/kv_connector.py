@@ -5,7 +5,7 @@ The scheduler talks to an external KV store (today the CPU/disk offload tier in
 connector API, and reads the worker's side only as a ``KVConnectorOutput``. It never
 imports a connector's implementation: an engine builds one and hands it in. The
 engine's side of the same seam is ``KVTransferWorker``, which runs the jobs a step's
-metadata describes and reports which finished; ``NoTransferWorker`` stands in for it
+metadata describes and reports which finished; the base class itself stands in for it
 when the engine has no connector, so an engine step needs no branch on offloading.
 
 The order and effects of the calls are those of docs/semantics.md#kv-connector.
@@ -71,21 +71,14 @@ class KVConnector(Protocol):
         ...
 
 
-class KVTransferWorker(Protocol):
+class KVTransferWorker:
     """The worker side of a connector, as an engine drives it: each batch's metadata
-    before its forward pass, and the report of what finished once the batch has run."""
+    before its forward pass, and the report of what finished once the batch has run.
 
-    def submit(self, meta: KVConnectorMetadata | None) -> None:
-        ...
-
-    def finish_step(self, duration_s: float) -> KVConnectorOutput | None:
-        ...
-
-
-class NoTransferWorker:
-    """The worker of an engine without a connector: nothing runs, nothing is reported
-    (``finish_step`` returns None, which the scheduler's ``update_connector_output`` and
-    a step's result read as "no connector")."""
+    This base class runs nothing and reports nothing (``finish_step`` returns None, which
+    the scheduler's ``update_connector_output`` and a step's result read as "no
+    connector"): it is the worker of an engine without one. The offload tier's clocks
+    subclass it (``sim/core/offload/transfers.py``), so an engine calls either natively."""
 
     def submit(self, meta: KVConnectorMetadata | None) -> None:
         pass

@@ -164,7 +164,7 @@ class Scheduler:
                 req_index += 1
                 continue
             new_blocks, req_index, token_budget = self._allocate_or_preempt(out, request, num_new, req_index,
-                                                                            token_budget)
+                                                                            token_budget, is_priority)
             if new_blocks is None:
                 if is_priority and request.status is RequestStatus.PREEMPTED:
                     # It was the lowest-priority running request and preempted itself.
@@ -186,21 +186,20 @@ class Scheduler:
         return token_budget
 
     def _allocate_or_preempt(self, out: SchedulerOutput, request: Request, num_new: int, req_index: int,
-                             token_budget: int) -> tuple[KVCacheBlocks | None, int, int]:
+                             token_budget: int, is_priority: bool) -> tuple[KVCacheBlocks | None, int, int]:
         """Allocate ``num_new`` slots for the running request at ``req_index``, preempting
         until they fit. Returns the new blocks (None: the request preempted itself, or the
         victim's blocks would only come back after a batch in flight), and the running
         index and budget as the preemptions left them."""
         kv_cache_manager = self.kv_cache_manager
+        new_blocks = kv_cache_manager.allocate_slots(request, num_new)
+        if new_blocks is not None:
+            return new_blocks, req_index, token_budget
         running = self.running
-        is_priority = self.config.scheduling_policy == "priority"
         state = self.connector_state
         scheduled = out.num_scheduled_tokens
         cached = out.scheduled_cached_reqs
         while True:
-            new_blocks = kv_cache_manager.allocate_slots(request, num_new)
-            if new_blocks is not None:
-                return new_blocks, req_index, token_budget
             victim = max(running, key=_preemption_rank) if is_priority else running[-1]
             if state.defer_block_free and victim.last_sched_seq > state.processed_step_seq:
                 return None, req_index, token_budget  # its blocks would not come back in time: wait
@@ -220,6 +219,9 @@ class Scheduler:
             out.preempted.append(victim.request_id)
             if victim is request:
                 return None, req_index, token_budget
+            new_blocks = kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, req_index, token_budget
 
     def long_prefill_threshold(self) -> int:
         """This step's cap on one prefill chunk (0: none). It keeps one long prefill from

@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, make_scheduler
-from kvtwin.sim.core.kv_connector import NoTransferWorker
+from kvtwin.sim.core.kv_connector import KVTransferWorker
 from kvtwin.sim.core.offload.build import DiskTierSpec, build_offload_tier
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
 from kvtwin.sim.core.offload.tiered_manager import StepPromotions, TieredOffloadingManager
@@ -34,7 +34,7 @@ def test_a_scheduler_without_a_connector_keeps_empty_connector_state():
 
 def test_an_engine_without_offload_steps_through_the_null_worker():
     engine = EngineCore(kv_config(full()), SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64))
-    assert isinstance(engine.transfers, NoTransferWorker)
+    assert type(engine.transfers) is KVTransferWorker  # the worker that does nothing
     engine.add_request(new_request("a", tokens(0, 20), max_tokens=2))
     results = [engine.step(EchoModel()) for _ in range(3)]
     assert all(r.transfers is None for r in results)

@@ -22,7 +22,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
-from kvtwin.sim.core.kv_connector import KVConnectorOutput
+from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.scheduler_output import KVConnectorMetadata
 
@@ -71,7 +71,7 @@ def _report(job_id: int, req_id: str | None, out: KVConnectorOutput) -> None:
         out.finished_recving.append(req_id)
 
 
-class StepTransfers:
+class StepTransfers(KVTransferWorker):
     def __init__(self, load_steps: int = 1, store_steps: int = 1):
         if load_steps < 0 or store_steps < 0:
             raise ValueError("transfer step counts must be >= 0")
@@ -110,7 +110,7 @@ class StepTransfers:
         return bool(self._jobs)
 
 
-class TimedTransfers:
+class TimedTransfers(KVTransferWorker):
     def __init__(self, clock_s: Callable[[], float], h2d_bytes_per_s: float, d2h_bytes_per_s: float,
                  bytes_per_key: int):
         self.clock_s = clock_s
