@@ -105,9 +105,7 @@ MODULES: dict[str, Path] = {_module_name(path): path for path in _package_files(
 PACKAGES = {module for module, path in MODULES.items() if path.name == "__init__.py"}
 # Arrows broken today and being mended on other branches; a case that passes again fails
 # here (strict), so each mark goes the moment its arrow holds.
-BEING_FIXED = {"kvtwin.sim.core.scheduler"}
-_FIXING = pytest.mark.xfail(strict=True, reason="being fixed on another branch")
-CASES = [pytest.param(path, module, id=module, marks=[_FIXING] if module in BEING_FIXED else [])
+CASES = [pytest.param(path, module, id=module)
          for module, path in MODULES.items()]
 
 
@@ -273,12 +271,9 @@ def test_no_import_cycles_between_modules() -> None:
 
 
 PACKAGE_GRAPH = _package_graph(_module_graph())
-# Package cycles being broken on other branches (replay → scenario one way).
-PACKAGES_BEING_FIXED: set[str] = set()
 
 
-@pytest.mark.parametrize("package", [
-    pytest.param(unit, marks=[_FIXING] if unit in PACKAGES_BEING_FIXED else []) for unit in sorted(PACKAGE_GRAPH)])
+@pytest.mark.parametrize("package", sorted(PACKAGE_GRAPH))
 def test_no_import_cycles_between_packages(package: str) -> None:
     cycles = [component for component in _CycleFinder(PACKAGE_GRAPH).cycles() if package in component]
     lines = []

@@ -2,10 +2,6 @@
 and no closure nests (a function defined inside a function that is itself defined inside a
 function). A long function or a nest of closures over shared state hides its decision
 points; small classes and methods name them.
-
-The allowlist below holds what predates the rule and is being taken apart. It must shrink
-to empty: an entry whose function now keeps the rule fails the test, so a fix cannot
-leave a stale entry behind.
 """
 
 from __future__ import annotations
@@ -23,14 +19,6 @@ _PACKAGE_DIRS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["se
 FOLDERS = (_PACKAGE_DIRS["kvtwin.sim"], _PACKAGE_DIRS["kvtwin"])
 MAX_LINES = 80
 MAX_DEPTH = 2  # a top-level function or method is depth 1, a def inside it depth 2
-
-# (file, qualified name) → why it is here. MUST SHRINK TO EMPTY: each entry is a function
-# over the limits today, being split on another branch; remove its line once it is.
-TOO_LONG = {
-    ("sim/core/scheduler.py", "Scheduler.schedule"): "the running pass, being split",
-}
-NESTED_TOO_DEEP: dict[tuple[str, str], str] = {}
-
 
 @dataclass(frozen=True)
 class Function:
@@ -71,23 +59,14 @@ FUNCTIONS = _all_functions()
 
 def test_no_function_over_the_line_limit() -> None:
     broken = [f"{f.file}: {f.name} is {f.lines} lines (limit {MAX_LINES})"
-              for f in FUNCTIONS if f.lines > MAX_LINES and f.key not in TOO_LONG]
+              for f in FUNCTIONS if f.lines > MAX_LINES]
     assert not broken, "\n".join(broken)
 
 
 def test_no_closure_nests() -> None:
     broken = [f"{f.file}: {f.name} is a def {f.depth} deep (limit {MAX_DEPTH})"
-              for f in FUNCTIONS if f.depth > MAX_DEPTH and f.key not in NESTED_TOO_DEEP]
+              for f in FUNCTIONS if f.depth > MAX_DEPTH]
     assert not broken, "\n".join(broken)
-
-
-def test_the_allowlists_hold_only_functions_still_over_the_limits() -> None:
-    by_key = {f.key: f for f in FUNCTIONS}
-    stale = [f"{file}: {name} is gone or within {MAX_LINES} lines: remove it from TOO_LONG"
-             for file, name in TOO_LONG if (file, name) not in by_key or by_key[file, name].lines <= MAX_LINES]
-    stale += [f"{file}: {name} is gone or nested at most {MAX_DEPTH} deep: remove it from NESTED_TOO_DEEP"
-              for file, name in NESTED_TOO_DEEP if (file, name) not in by_key or by_key[file, name].depth <= MAX_DEPTH]
-    assert not stale, "\n".join(stale)
 
 
 def test_the_measure_counts_lines_and_depth() -> None:

@@ -16,7 +16,6 @@ group order. They differ only in how a prefix hit is found:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from math import lcm
 
 from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock

@@ -14,9 +14,9 @@ still done, by the same calls, in the same order:
 * the one request still prefilling, if any (it is last in running order), gets its chunk
   as the running pass would clip it, and its allocation;
 * the waiting queue is offered the rest of the budget through the scheduler's own
-  ``_schedule_waiting`` (usually one comparison: the blocked-head memo);
+  ``schedule_waiting`` (usually one comparison: the blocked-head memo);
 * the prefill chunk and the admissions, the batch's *real part*, are advanced by the
-  scheduler's ``_advance_computed_async``. Each request whose chunk ends its prefill
+  scheduler's ``advance_computed``. Each request whose chunk ends its prefill
   becomes a decoding member from the next batch on; a partial chunk leaves its request
   prefilling (``_take``). A second partial chunk behind the first makes the batch a real
   one, finished by the scheduler (``complete``), and ends the window;
@@ -78,6 +78,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.engine import Batch, EngineCore, Execution, ModelExecutor, StepResult
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -107,7 +108,7 @@ class DecodeWindow:
     admissions. The batch ``X`` in flight when the window opens is applied for real
     (``begin_real_update`` and ``end_real_update`` around the clock's ``update_batch``)."""
 
-    def __init__(self, scheduler: Scheduler, members: list[Request], token_bases: list[int],
+    def __init__(self, scheduler: AsyncScheduler, members: list[Request], token_bases: list[int],
                  last_batches: list[int], prefilling: Request | None):
         self.scheduler = scheduler
         self.kvm = scheduler.kv_cache_manager
@@ -274,7 +275,7 @@ class DecodeWindow:
         waiting = scheduler.waiting
         if len(waiting):
             scratch = self._scratch
-            scheduler._schedule_waiting(scratch, scheduler.config.max_num_batched_tokens - self.num_active - chunk,
+            scheduler.schedule_waiting(scratch, scheduler.config.max_num_batched_tokens - self.num_active - chunk,
                                         scheduler.long_prefill_threshold())
             if scratch.num_scheduled_tokens:
                 admitted = scratch
@@ -295,7 +296,7 @@ class DecodeWindow:
             return admitted
         part = SchedulerOutput(num_scheduled_tokens=part_tokens,
                                scheduled_new_reqs=admitted.scheduled_new_reqs if admitted is not None else [])
-        scheduler._advance_computed_async(part)
+        scheduler.advance_computed(part)
         self._take(j, part)
         return None
 
@@ -407,7 +408,7 @@ class DecodeWindow:
         else:
             # What the update takes first: this batch's partial chunks, none (a later
             # batch's real part may already be queued behind).
-            self.scheduler._in_flight_partials.appendleft([])
+            self.scheduler.in_flight_partials.appendleft([])
         return self.scheduler.update_from_output(out, sampled), steps, part, part_sampled
 
     def window_steps(self, i: int, j: int) -> int:
@@ -450,7 +451,7 @@ class DecodeWindow:
             sampling.update(part.num_output_tokens)
             out.scheduled_new_reqs = part.scheduled_new_reqs
         else:
-            self.scheduler._in_flight_partials.append([])  # the batch's partial chunks: none
+            self.scheduler.in_flight_partials.append([])  # the batch's partial chunks: none
         out.scheduled_cached_reqs.new_blocks = new_blocks
         out.finished_req_ids = reported
         return out
@@ -477,7 +478,7 @@ class DecodeWindow:
         out.scheduled_new_reqs = scratch.scheduled_new_reqs
         out.scheduled_cached_reqs.new_blocks = self.new_blocks
         out.finished_req_ids = self.reported
-        self.scheduler._advance_computed_async(out)
+        self.scheduler.advance_computed(out)
         return out
 
 
@@ -498,7 +499,7 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
     kvm = scheduler.kv_cache_manager
     # The proof counts on vLLM's two batches in flight, and on a pool only the scheduler's
     # own passes change (no connector loading into it).
-    if (not scheduler.async_scheduling or scheduler.config.max_concurrent_batches != 2
+    if (not isinstance(scheduler, AsyncScheduler) or scheduler.config.max_concurrent_batches != 2
             or scheduler.connector is not None or kvm.single_full_manager is None or scheduler.finished_req_ids):
         return None
     running = scheduler.running

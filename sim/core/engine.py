@@ -13,18 +13,23 @@ if the queue has room and there is more to do; otherwise it applies the oldest b
 results. Its two halves, ``schedule_batch`` and ``update_batch``, let a clock put time
 between launching a batch and applying it (the SimPy replay waits for the batch's end).
 The synchronous ``step`` is unchanged and stays the only step for synchronous configs.
+
+An offload tier (``sim/core/offload/build.py`` builds it) reaches the engine built: its
+connector goes to the scheduler, its transfers are the engine's worker. Without one the
+worker is the bare ``KVTransferWorker``, which does nothing, so a step takes the same path either way.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine_stats import EngineStats, offload_tier_counters, pool_stats
-from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnector
-from kvtwin.sim.core.offload.transfers import StepTransfers, TimedTransfers
+from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
+from kvtwin.sim.core.offload.build import OffloadTier
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -130,26 +135,24 @@ class Batch:
 _IDLE = Execution({}, 0.0)
 
 
-@dataclass
-class OffloadTier:
-    """An offload tier for an engine: the manager that holds the chunks (CPU, or CPU over
-    disk) and the worker stand-in that decides when transfers finish (its clock)."""
-
-    manager: Any  # a CPUOffloadingManager, or a TieredOffloadingManager over one (same interface)
-    transfers: StepTransfers | TimedTransfers
-    blocks_per_chunk: int = 1
+def make_scheduler(kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
+                   cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None) -> Scheduler:
+    """The scheduler ``scheduler_config`` asks for: ``AsyncScheduler`` with asynchronous
+    scheduling, else ``Scheduler``."""
+    if scheduler_config.async_scheduling:
+        return AsyncScheduler(kv_cache_config, scheduler_config, cache_config, connector)
+    return Scheduler(kv_cache_config, scheduler_config, cache_config, connector)
 
 
 class EngineCore:
     def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig = CacheConfig(), offload: OffloadTier | None = None):
-        connector = None
-        if offload is not None:
-            connector = OffloadingConnector(kv_cache_config, offload.manager, cache_config.enable_prefix_caching,
-                                            offload.blocks_per_chunk)
+        # The offload tier (None: none), for clocks and metrics that read its counters.
         self.offload = offload
-        self.scheduler = Scheduler(kv_cache_config, scheduler_config, cache_config, connector)
-        self.connector = connector
+        self.scheduler = make_scheduler(kv_cache_config, scheduler_config, cache_config,
+                                        offload.connector if offload is not None else None)
+        # The worker side of the connector: submits each batch's jobs, reports what finished.
+        self.transfers: KVTransferWorker = offload.transfers if offload is not None else KVTransferWorker()
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.rejected: list[Rejection] = []
         # Async: batches scheduled and not yet updated, oldest first.
@@ -170,10 +173,11 @@ class EngineCore:
             return self._reject(request, "exceeds_max_model_len",
                                 f"prompt + output = {total_tokens} tokens exceeds max_model_len {max_model_len}")
         # vLLM would keep such a request at the head of the queue forever.
-        kvm = self.kv_cache_manager
-        needed = kvm.coordinator.get_num_blocks_to_allocate(request.request_id, total_tokens, kvm.empty_blocks, 0,
-                                                            total_tokens, apply_admission_cap=True)
-        usable = kvm.block_pool.num_gpu_blocks - 1
+        kv_cache_manager = self.kv_cache_manager
+        needed = kv_cache_manager.coordinator.get_num_blocks_to_allocate(
+            request.request_id, total_tokens, kv_cache_manager.empty_blocks, 0, total_tokens,
+            apply_admission_cap=True)
+        usable = kv_cache_manager.block_pool.num_gpu_blocks - 1
         if needed > usable:
             return self._reject(request, "exceeds_kv_pool", f"needs {needed} KV blocks, more than the pool's {usable}")
         self.scheduler.add_request(request)
@@ -195,20 +199,11 @@ class EngineCore:
         return _IDLE
 
     def step(self, executor: ModelExecutor) -> StepResult:
+        """One synchronous step. The worker gets the step's transfer jobs before the
+        forward pass and reports the finished ones with its output; an empty step still
+        reports them."""
         output = self.scheduler.schedule()
-        if self.offload is not None:
-            return self._step_with_offload(executor, output)
-        execution = self._execute(executor, output)
-        if not output.num_scheduled_tokens:
-            return StepResult(output, [], _IDLE)
-        finished = self.scheduler.update_from_output(output, execution.sampled)
-        return StepResult(output, finished, execution)
-
-    def _step_with_offload(self, executor: ModelExecutor, output: SchedulerOutput) -> StepResult:
-        """The worker gets the step's transfer jobs before the forward pass and reports
-        the finished ones with its output; an empty step still reports them."""
-        assert self.offload is not None
-        transfers = self.offload.transfers
+        transfers = self.transfers
         transfers.submit(output.kv_connector_metadata)
         execution = self._execute(executor, output)
         finished = self.scheduler.update_from_output(output, execution.sampled) if output.num_scheduled_tokens else []
@@ -218,7 +213,7 @@ class EngineCore:
 
     def has_pending_transfers(self) -> bool:
         """Transfer jobs still running (the engine keeps stepping until they finish)."""
-        return self.connector is not None and self.connector.has_pending_jobs()
+        return self.offload is not None and self.offload.connector.has_pending_jobs()
 
     # -- asynchronous scheduling: two batches in flight --------------------------------
 
@@ -229,23 +224,20 @@ class EngineCore:
     def schedule_batch(self, executor: ModelExecutor) -> Batch:
         """Schedule one batch, hand it to the executor (it runs while the next is scheduled)
         and queue it. An output with no tokens is queued too (vLLM updates it as well).
-        With an offload tier the worker gets the batch's transfer jobs with it."""
+        The worker gets the batch's transfer jobs with it."""
         output = self.scheduler.schedule()
-        if self.offload is not None:
-            self.offload.transfers.submit(output.kv_connector_metadata)
+        self.transfers.submit(output.kv_connector_metadata)
         batch = Batch(output, self._execute(executor, output))
         self.batch_queue.append(batch)
         return batch
 
     def update_batch(self) -> StepResult:
-        """Apply the oldest batch's sampled tokens (it has finished running), and with an
-        offload tier the transfers the worker reports finished with it."""
+        """Apply the oldest batch's sampled tokens (it has finished running), and the
+        transfers the worker reports finished with it."""
         batch = self.batch_queue.popleft()
         finished = self.scheduler.update_from_output(batch.output, batch.execution.sampled)
-        reported = None
-        if self.offload is not None:
-            reported = self.offload.transfers.finish_step(batch.execution.duration_s)
-            self.scheduler.update_connector_output(reported)
+        reported = self.transfers.finish_step(batch.execution.duration_s)
+        self.scheduler.update_connector_output(reported)
         return StepResult(batch.output, finished, batch.execution, batch.output, transfers=reported)
 
     def step_async(self, executor: ModelExecutor) -> StepResult:
@@ -278,7 +270,6 @@ class EngineCore:
         load_seconds = None
         if offload is not None:
             counters = offload_tier_counters(offload.manager, offload.transfers)
-            if isinstance(offload.transfers, TimedTransfers):  # a step clock's take no seconds
-                load_seconds = offload.transfers.load_seconds
+            load_seconds = offload.transfers.job_load_seconds()
         return pool_stats(self.kv_cache_manager.block_pool, len(scheduler.running), len(scheduler.waiting), counters,
                           load_seconds)

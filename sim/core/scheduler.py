@@ -1,7 +1,6 @@
-"""The v1 continuous-batching scheduler (vLLM ``v1/core/sched/scheduler.py`` and, with
-``async_scheduling``, ``async_scheduler.py``).
+"""The v1 continuous-batching scheduler (vLLM ``v1/core/sched/scheduler.py``).
 
-Semantics section 6. One ``schedule()`` call per engine step:
+One ``schedule()`` call per engine step (docs/semantics.md#scheduling):
 
 1. Running requests first, in running order, while token budget remains: each gets what
    it still lacks (the rest of its prefill, or one decode token), clipped by the budget,
@@ -23,32 +22,20 @@ and who samples. A running request's table changes are taken from the KV cache m
 right after its allocation succeeds; a request preempted later in the same step (priority
 policy) has them withdrawn, since its tables are dropped.
 
-Asynchronous scheduling (vLLM's default; ``EngineCore.step_async`` keeps two batches in
-flight) changes only what the scheduler counts, never the synchronous path:
-
-* a request that samples in a batch holds an *output placeholder* until that batch's
-  update: it counts as a token the request has, so the next batch schedules its decode
-  (``num_tokens + placeholders - computed``) and it samples output ``outputs +
-  placeholders``; a request whose batch in flight samples its last token is skipped;
-* tokens of batches in flight (``num_in_flight_tokens``) do not count as processed: windowed
-  and Mamba blocks are released by ``computed - in flight``;
-* the update resolves placeholders and caches the blocks a sampled token completed (they
-  could not be cached when the next batch was allocated), before freeing what finished;
-  finished requests reach the executor with the next schedule, one batch late;
-* a request preempted while a batch with it is in flight still gets that batch's token
-  (stale output, no placeholder), may finish from the waiting queue, and is not resumed
-  while such output is in flight (set aside for the step, keeping its place).
+Asynchronous scheduling is the subclass ``AsyncScheduler`` (``async_scheduler.py``); it
+changes how a batch's computed counts advance and how its update is applied.
+``make_scheduler`` (``engine.py``) picks the class from the config. A KV connector, if
+any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py``).
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
+from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
-from kvtwin.sim.core.managers import MambaManager
-from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnector
+from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput
+from kvtwin.sim.core.kv_connector_state import KVConnectorState
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -58,9 +45,14 @@ from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, get_mamba_prefill_ch
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
 
+def _preemption_rank(request: Request) -> tuple[int, float]:
+    """Under the priority policy the running request with the highest rank is preempted."""
+    return (request.priority, request.arrival_time)
+
+
 class Scheduler:
     def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig = CacheConfig(), connector: OffloadingConnector | None = None):
+                 cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None):
         self.config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
@@ -75,15 +67,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished in the last update_from_output; reported in the next output.
         self.finished_req_ids: list[str] = []
-        # Asynchronous scheduling (vLLM's AsyncScheduler): batches are scheduled before the
-        # previous one's tokens are known, and updated in schedule order.
-        self.async_scheduling = scheduler_config.async_scheduling
-        self.num_batches = 0  # schedule() calls so far (async; a counter for clocks and tests)
         # Waiting-head prefix lookups skipped as certain to fail again (``KVCacheManager.still_blocked``).
         self.num_head_lookups_skipped = 0
-        # Per batch in flight that schedules tokens, oldest first: its (request, tokens) that
-        # sample nothing (partial prefill chunks), whose tokens leave the flight at its update.
-        self._in_flight_partials: deque[list[tuple[Request, int]]] = deque()
         mamba_align = [g.spec for g in kv_cache_config.groups
                        if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align"]
         # Align mode caches a Mamba state only where a prefill chunk ends, so chunks must
@@ -99,30 +84,13 @@ class Scheduler:
         self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs \
             else None
         self.hash_block_size = kv_cache_config.hash_block_size
-        # An offload tier behind a KV connector (issue 13), or None: then nothing below
-        # that mentions the connector runs.
+        # A KV connector (an offload tier), or None: then no connector path below runs.
         self.connector = connector
+        # What the scheduler keeps for a connector; empty and off without one.
+        self.connector_state = KVConnectorState(scheduler_config.scheduling_policy, connector is not None,
+                                                scheduler_config.async_scheduling)
         if connector is not None:
-            # Requests that hold blocks while waiting (their KV is being loaded) queue
-            # apart and go first (vLLM's kv_holding_waiting).
-            self.kv_holding_waiting = create_request_queue(scheduler_config.scheduling_policy)
-            self.finished_recving_kv_req_ids: set[str] = set()
-            # Requests still prefilling or loading: admitting an asynchronous load must
-            # leave them the blocks they still need.
-            self.inflight_prefills: set[Request] = set()
-            # Two batches in flight with a connector that loads into blocks (vLLM's
-            # defer_block_free): a running request still in a batch in flight is not
-            # preempted, since its blocks would only come back once that batch has run.
-            # Non-empty batches are counted as they are scheduled and as they are applied.
-            # (vLLM also delays freeing a request that finishes while a later batch holds
-            # it; here a request finishes only at max_tokens or max_model_len, which the
-            # scheduler foresees and schedules no further, so that cannot happen.)
-            self.defer_block_free = scheduler_config.async_scheduling
-            self.sched_step_seq = 0
-            self.processed_step_seq = 0
-            for manager in self.kv_cache_manager.coordinator.managers:
-                if isinstance(manager, MambaManager):
-                    manager.boundary_state_offloads = []
+            self.connector_state.listen_for_boundary_states(self.kv_cache_manager)
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -135,38 +103,47 @@ class Scheduler:
             self.connector.on_new_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        if self.connector is not None and len(self.kv_holding_waiting):
-            return True
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or len(self.connector_state.kv_holding_waiting) > 0
 
     # -- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        kvm = self.kv_cache_manager
         out = SchedulerOutput()
         if self.finished_req_ids:
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
+        long_prefill = self.long_prefill_threshold()
+        self.kv_cache_manager.new_step_starts()
+        token_budget = self._schedule_running(out, self.config.max_num_batched_tokens, long_prefill)
+        if self.connector is not None:
+            if not out.preempted:
+                self._schedule_waiting_with_connector(out, token_budget, long_prefill)
+            return self._finish_schedule_with_connector(out)
+        if not out.preempted:
+            self.schedule_waiting(out, token_budget, long_prefill)
+        # Advance the computed counts optimistically (before the forward pass), noting for
+        # the executor where each request starts and which ones sample.
+        self.advance_computed(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> int:
+        """The running pass: schedule running requests in order into ``out`` (preempting
+        if the pool is short); returns the budget left."""
+        kv_cache_manager = self.kv_cache_manager
         scheduled = out.num_scheduled_tokens
         cached = out.scheduled_cached_reqs
-        empty_blocks = kvm.empty_blocks
-        replaced_log = kvm.replaced_block_ids
-        token_budget = cfg.max_num_batched_tokens
-        long_prefill = self.long_prefill_threshold()
-        is_priority = cfg.scheduling_policy == "priority"
+        empty_blocks = kv_cache_manager.empty_blocks
+        replaced_log = kv_cache_manager.replaced_block_ids
+        is_priority = self.config.scheduling_policy == "priority"
         mamba_split = self.mamba_block_size > 0
-        horizon = kvm.noop_horizon
-        async_ = self.async_scheduling
-        deferring = self.connector is not None and self.defer_block_free
-        kvm.new_step_starts()
-
+        horizon = kv_cache_manager.noop_horizon
+        running = self.running
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
             computed = request.num_computed_tokens
             num_new = request.num_tokens - computed
-            if async_ and request.num_output_placeholders:
-                placeholders = request.num_output_placeholders
+            placeholders = request.num_output_placeholders  # 0 unless scheduling asynchronously
+            if placeholders:
                 if computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
                     # The batch in flight samples its last token: no further step is needed.
                     req_index += 1
@@ -179,36 +156,15 @@ class Scheduler:
             if num_new <= 0:
                 req_index += 1
                 continue
-            if computed + num_new <= horizon.get(request.request_id, -1):
+            request_id = request.request_id
+            if computed + num_new <= horizon.get(request_id, -1):
                 # Most decode steps: the KV cache manager already knows nothing changes.
-                scheduled[request.request_id] = num_new
+                scheduled[request_id] = num_new
                 token_budget -= num_new
                 req_index += 1
                 continue
-            while True:
-                new_blocks = kvm.allocate_slots(request, num_new)
-                if new_blocks is not None:
-                    break
-                victim = (max(self.running, key=lambda r: (r.priority, r.arrival_time)) if is_priority
-                          else self.running[-1])
-                if deferring and victim.last_sched_seq > self.processed_step_seq:
-                    break  # its blocks would not come back before this allocation: wait
-                if is_priority:
-                    victim_index = self.running.index(victim)
-                    del self.running[victim_index]
-                    if victim_index < req_index:
-                        req_index -= 1
-                    if victim.request_id in scheduled:
-                        token_budget += scheduled.pop(victim.request_id)
-                        # Its tables are dropped: what changed in them is moot.
-                        cached.new_blocks.pop(victim.request_id, None)
-                        cached.replaced_block_ids.pop(victim.request_id, None)
-                else:
-                    self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim.request_id)
-                if victim is request:
-                    break
+            new_blocks, req_index, token_budget = self._allocate_or_preempt(out, request, num_new, req_index,
+                                                                            token_budget, is_priority)
             if new_blocks is None:
                 if is_priority and request.status is RequestStatus.PREEMPTED:
                     # It was the lowest-priority running request and preempted itself.
@@ -216,7 +172,6 @@ class Scheduler:
                     # ``self.running``, so ``req_index`` already points at the next one.
                     continue
                 break
-            request_id = request.request_id
             if new_blocks is not empty_blocks:
                 cached.new_blocks[request_id] = new_blocks
             if replaced_log:
@@ -228,30 +183,51 @@ class Scheduler:
             scheduled[request_id] = num_new
             token_budget -= num_new
             req_index += 1
+        return token_budget
 
-        if self.connector is not None:
-            if not out.preempted:
-                self._schedule_waiting_with_connector(out, token_budget, long_prefill)
-            return self._finish_schedule_with_connector(out)
-        if not out.preempted:
-            self._schedule_waiting(out, token_budget, long_prefill)
-
-        # Advance the computed counts optimistically (before the forward pass), noting for
-        # the executor where each request starts and which ones sample. Two loops, so the
-        # synchronous hot path pays nothing for placeholders and in-flight bookkeeping.
-        if async_:
-            self._advance_computed_async(out)
-            return out
-        self._advance_computed(out)
-        return out
+    def _allocate_or_preempt(self, out: SchedulerOutput, request: Request, num_new: int, req_index: int,
+                             token_budget: int, is_priority: bool) -> tuple[KVCacheBlocks | None, int, int]:
+        """Allocate ``num_new`` slots for the running request at ``req_index``, preempting
+        until they fit. Returns the new blocks (None: the request preempted itself, or the
+        victim's blocks would only come back after a batch in flight), and the running
+        index and budget as the preemptions left them."""
+        kv_cache_manager = self.kv_cache_manager
+        new_blocks = kv_cache_manager.allocate_slots(request, num_new)
+        if new_blocks is not None:
+            return new_blocks, req_index, token_budget
+        running = self.running
+        state = self.connector_state
+        scheduled = out.num_scheduled_tokens
+        cached = out.scheduled_cached_reqs
+        while True:
+            victim = max(running, key=_preemption_rank) if is_priority else running[-1]
+            if state.defer_block_free and victim.last_sched_seq > state.processed_step_seq:
+                return None, req_index, token_budget  # its blocks would not come back in time: wait
+            if is_priority:
+                victim_index = running.index(victim)
+                del running[victim_index]
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim.request_id in scheduled:
+                    token_budget += scheduled.pop(victim.request_id)
+                    # Its tables are dropped: what changed in them is moot.
+                    cached.new_blocks.pop(victim.request_id, None)
+                    cached.replaced_block_ids.pop(victim.request_id, None)
+            else:
+                running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return None, req_index, token_budget
+            new_blocks = kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, req_index, token_budget
 
     def long_prefill_threshold(self) -> int:
         """This step's cap on one prefill chunk (0: none). It keeps one long prefill from
         starving others; alone, a request has nobody to starve and may use the whole budget."""
         cfg = self.config
-        num_eligible = len(self.running) + len(self.waiting)
-        if self.connector is not None:
-            num_eligible += len(self.kv_holding_waiting)
+        num_eligible = len(self.running) + len(self.waiting) + len(self.connector_state.kv_holding_waiting)
         long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         if long_prefill > 0 and cfg.adaptive_long_prefill_threshold:
             long_prefill = max(long_prefill, cfg.max_num_batched_tokens // num_eligible)
@@ -269,38 +245,12 @@ class Scheduler:
             num_new = max_model_len - computed - 1
         return num_new
 
-    def _advance_computed_async(self, out: SchedulerOutput) -> None:
-        """The asynchronous advance: as the synchronous one, and a request that samples
-        holds a placeholder until this batch's update; partial chunks' tokens stay in flight."""
-        requests = self.requests
-        noted_computed = out.num_computed_tokens
-        sampling = out.num_output_tokens
-        scheduled = out.num_scheduled_tokens
-        self.num_batches += 1
-        partials: list[tuple[Request, int]] = []
-        if scheduled:  # (an empty batch has none; its update pops nothing)
-            self._in_flight_partials.append(partials)
-        for request_id, num_tokens in scheduled.items():
-            request = requests[request_id]
-            computed = request.num_computed_tokens
-            noted_computed.append(computed)
-            computed += num_tokens
-            request.num_computed_tokens = computed
-            request.num_in_flight_tokens += num_tokens
-            # Everything it has, the outputs still being sampled included, is computed:
-            # it samples one more, and holds a placeholder for it until this batch's
-            # update (a partial prefill chunk samples nothing).
-            placeholders = request.num_output_placeholders
-            have = request.num_tokens + placeholders
-            if computed >= have:
-                sampling[request_id] = have - request.num_prompt_tokens
-                request.num_output_placeholders = placeholders + 1
-            else:
-                partials.append((request, num_tokens))
-
-    def _advance_computed(self, out: SchedulerOutput) -> None:
-        """The synchronous advance: each scheduled request's computed count moves past this
-        step's tokens; a request whose tokens are then all computed samples."""
+    def advance_computed(self, out: SchedulerOutput) -> None:
+        """Advance the computed counts of everything ``out`` schedules, before the forward
+        pass: each request's count moves past its tokens, its count before the step is
+        appended to ``out.num_computed_tokens`` (in scheduled order) and a request whose
+        tokens are then all computed samples (``out.num_output_tokens``). Called once per
+        scheduled batch, after everything in it was scheduled."""
         requests = self.requests
         noted_computed = out.num_computed_tokens
         sampling = out.num_output_tokens
@@ -314,15 +264,22 @@ class Scheduler:
             if computed >= request.num_tokens:
                 sampling[request_id] = request.num_tokens - request.num_prompt_tokens
 
-    def _schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
+    def schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
+        """The waiting pass without a connector: admit waiting requests into ``out`` while
+        ``token_budget`` lasts and fewer than ``max_num_seqs`` run, each chunk clipped by
+        ``long_prefill`` (``long_prefill_threshold()``); the first that does not fit stops
+        it. A caller may rely on this: admitted requests are allocated, appended to
+        ``running`` and to ``out.num_scheduled_tokens`` / ``out.scheduled_new_reqs``, and
+        nothing is advanced (``advance_computed`` does that); nothing else in ``out``
+        changes; no request is preempted; a request set aside keeps its place in the queue."""
         cfg = self.config
-        kvm = self.kv_cache_manager
+        kv_cache_manager = self.kv_cache_manager
         # Async: preempted requests whose output from before the preemption is still in
         # flight, set aside for this step (vLLM resumes them only once it is delivered).
         skipped: list[Request] = []
         # A head that failed the whole-sequence check may be known to fail it again without
         # a new prefix lookup (``KVCacheManager.still_blocked``; one full-attention group).
-        remember_blocked = cfg.scheduler_reserve_full_isl and kvm.remembers_blocked_head
+        remember_blocked = cfg.scheduler_reserve_full_isl and kv_cache_manager.remembers_blocked_head
         while len(self.waiting) and token_budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -332,23 +289,23 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             fresh = request.num_computed_tokens == 0
-            if fresh and remember_blocked and kvm.still_blocked(request, bool(self.running)):
+            if fresh and remember_blocked and kv_cache_manager.still_blocked(request, bool(self.running)):
                 self.num_head_lookups_skipped += 1
                 break  # the same failure as at its last try, without the lookup
             if fresh:
-                hit_blocks, hit_tokens, request.shared_prefix_boundary = kvm.get_computed_blocks(request)
+                hit_blocks, hit_tokens, request.shared_prefix_boundary = kv_cache_manager.get_computed_blocks(request)
             else:
-                hit_blocks, hit_tokens = kvm.empty_blocks, 0
+                hit_blocks, hit_tokens = kv_cache_manager.empty_blocks, 0
             num_computed = request.num_computed_tokens + hit_tokens
             num_new = self._first_chunk(request, num_computed, hit_tokens, token_budget, long_prefill)
             if not num_new:
                 break
-            new_blocks = kvm.allocate_slots(request, num_new, hit_tokens, hit_blocks,
+            new_blocks = kv_cache_manager.allocate_slots(request, num_new, hit_tokens, hit_blocks,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                                             has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
                 if fresh and remember_blocked:
-                    kvm.remember_blocked(request, hit_tokens, bool(self.running))
+                    kv_cache_manager.remember_blocked(request, hit_tokens, bool(self.running))
                 break
             self.waiting.pop()
             self._admit(out, request, num_computed, num_new, hit_tokens)
@@ -373,20 +330,20 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int,
                hit_tokens: int) -> None:
         """Move a request (taken from its queue) to running; its whole table goes out."""
-        kvm = self.kv_cache_manager
+        kv_cache_manager = self.kv_cache_manager
         self.running.append(request)
         request_id = request.request_id
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
-        if kvm.replaced_block_ids:
-            kvm.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
+        if kv_cache_manager.replaced_block_ids:
+            kv_cache_manager.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
         out.scheduled_new_reqs.append(NewRequestData(
-            request_id, kvm.get_blocks(request_id), num_computed, request.num_prompt_tokens,
+            request_id, kv_cache_manager.get_blocks(request_id), num_computed, request.num_prompt_tokens,
             request.num_tokens, hit_tokens, resumed, request.prompt))
         out.num_scheduled_tokens[request_id] = num_new
 
-    # -- the waiting pass with an offload connector (vLLM's connector paths) ------------
+    # -- the waiting pass with a KV connector (vLLM's connector paths) -----------------
 
     def _schedule_waiting_with_connector(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
         """Admit waiting requests, asking the connector for hits beyond the GPU's.
@@ -397,10 +354,11 @@ class Scheduler:
         still running) is set aside and keeps its place; the first that does not fit in
         the pool stops admission, as without a connector."""
         cfg = self.config
-        kvm = self.kv_cache_manager
+        kv_cache_manager = self.kv_cache_manager
         connector = self.connector
         assert connector is not None
-        holding, waiting = self.kv_holding_waiting, self.waiting
+        state = self.connector_state
+        holding, waiting = state.kv_holding_waiting, self.waiting
         skipped_holding: list[Request] = []
         skipped_waiting: list[Request] = []
         while token_budget > 0:
@@ -409,7 +367,7 @@ class Scheduler:
                 break
             request = queue.peek()
             if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if request.request_id not in self.finished_recving_kv_req_ids:
+                if request.request_id not in state.finished_recving_kv_req_ids:
                     skipped_holding.append(queue.pop())
                     continue
                 self._finish_remote_load(request)
@@ -420,14 +378,14 @@ class Scheduler:
             num_external = 0
             load_async = False
             if request.num_computed_tokens == 0:
-                hit_blocks, hit_tokens, request.shared_prefix_boundary = kvm.get_computed_blocks(request)
+                hit_blocks, hit_tokens, request.shared_prefix_boundary = kv_cache_manager.get_computed_blocks(request)
                 external, load_async = connector.get_num_new_matched_tokens(request, hit_tokens)
                 if external is None:
                     (skipped_holding if self._holds_kv_blocks(request) else skipped_waiting).append(queue.pop())
                     continue
                 num_external = external
             else:
-                hit_blocks, hit_tokens = kvm.empty_blocks, 0
+                hit_blocks, hit_tokens = kv_cache_manager.empty_blocks, 0
             num_computed = request.num_computed_tokens + hit_tokens + num_external
             if load_async:
                 num_new = 0  # nothing runs until the KV has landed
@@ -438,8 +396,8 @@ class Scheduler:
                     break
             # A load holds its blocks with no progress and cannot be preempted here: admit
             # it only if the requests already prefilling keep what they still need.
-            reserved = sum(kvm.remaining_blocks(r) for r in self.inflight_prefills) if load_async else 0
-            new_blocks = kvm.allocate_slots(request, num_new, hit_tokens, hit_blocks,
+            reserved = sum(kv_cache_manager.remaining_blocks(r) for r in state.inflight_prefills) if load_async else 0
+            new_blocks = kv_cache_manager.allocate_slots(request, num_new, hit_tokens, hit_blocks,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                                             reserved_blocks=reserved, has_scheduled_reqs=bool(self.running),
                                             num_external_computed_tokens=num_external,
@@ -447,27 +405,32 @@ class Scheduler:
             if new_blocks is None:
                 break
             request_id = request.request_id
-            connector.update_state_after_alloc(request, kvm.get_blocks(request_id), num_external)
+            connector.update_state_after_alloc(request, kv_cache_manager.get_blocks(request_id), num_external)
             if num_external:
-                if out.external_hits is None:
-                    out.external_hits = []
-                out.external_hits.append((request, hit_tokens, num_external,
-                                          connector.get_external_cache_hit_sources(request, num_external)))
+                self._note_external_hit(out, request, hit_tokens, num_external)
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 request.num_computed_tokens = num_computed
-                self.inflight_prefills.add(request)
+                state.inflight_prefills.add(request)
                 skipped_holding.append(queue.pop())
                 continue
             queue.pop()
             self._admit(out, request, num_computed, num_new, hit_tokens)
             token_budget -= num_new
             if num_computed + num_new < request.num_tokens:
-                self.inflight_prefills.add(request)
+                state.inflight_prefills.add(request)
         for request in reversed(skipped_holding):
             holding.prepend(request)
         for request in reversed(skipped_waiting):
             waiting.prepend(request)
+
+    def _note_external_hit(self, out: SchedulerOutput, request: Request, hit_tokens: int, num_external: int) -> None:
+        """For metrics: an admission that loads ``num_external`` tokens past its GPU hit."""
+        assert self.connector is not None
+        if out.external_hits is None:
+            out.external_hits = []
+        out.external_hits.append((request, hit_tokens, num_external,
+                                  self.connector.get_external_cache_hit_sources(request, num_external)))
 
     @staticmethod
     def _holds_kv_blocks(request: Request) -> bool:
@@ -478,40 +441,39 @@ class Scheduler:
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         if request.num_computed_tokens == request.num_tokens:
             request.num_computed_tokens -= 1  # the last token is recomputed for its logits
-        self.finished_recving_kv_req_ids.remove(request.request_id)
+        self.connector_state.finished_recving_kv_req_ids.remove(request.request_id)
         request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
 
     def _finish_schedule_with_connector(self, out: SchedulerOutput) -> SchedulerOutput:
         """Hand the step to the connector, which adds its transfer jobs to the output (it
         reads the computed counts from before the step, as vLLM's does), then advance the
-        computed counts as the synchronous path does."""
+        computed counts as without a connector."""
         offloads = self.kv_cache_manager.coordinator.take_boundary_state_offloads() if self.mamba_block_size else None
         assert self.connector is not None
         out.kv_connector_metadata = self.connector.build_connector_meta(out, offloads)
         requests = self.requests
-        if self.defer_block_free and out.num_scheduled_tokens:
-            self.sched_step_seq += 1
+        state = self.connector_state
+        if state.defer_block_free and out.num_scheduled_tokens:
+            state.sched_step_seq += 1
             for request_id in out.num_scheduled_tokens:
-                requests[request_id].last_sched_seq = self.sched_step_seq
-        if self.async_scheduling:
-            self._advance_computed_async(out)
-        else:
-            self._advance_computed(out)
+                requests[request_id].last_sched_seq = state.sched_step_seq
+        self.advance_computed(out)
         for request_id in out.num_output_tokens:
-            self.inflight_prefills.discard(requests[request_id])  # its prefill is done
+            state.inflight_prefills.discard(requests[request_id])  # its prefill is done
         return out
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The worker's report: finished transfers; requests whose load landed may run."""
+    def update_connector_output(self, connector_output: KVConnectorOutput | None) -> None:
+        """The worker's report: finished transfers; requests whose load landed may run.
+        None: the engine has no connector, so there is nothing to report."""
+        if connector_output is None:
+            return
         assert self.connector is not None
         self.connector.update_connector_output(connector_output)
-        for request_id in connector_output.finished_recving:
-            self.finished_recving_kv_req_ids.add(request_id)
+        self.connector_state.finished_recving_kv_req_ids.update(connector_output.finished_recving)
 
     def _preempt(self, request: Request) -> None:
         """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""
-        if self.connector is not None:
-            self.inflight_prefills.discard(request)
+        self.connector_state.inflight_prefills.discard(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -567,9 +529,7 @@ class Scheduler:
         """Append sampled tokens; finish and free requests that are done. Returns the finished.
 
         ``sampled`` must list requests in scheduled order (a subset of the scheduled ones).
-        With asynchronous scheduling every batch must be updated, in schedule order."""
-        if self.async_scheduling:
-            return self._update_async(output, sampled)
+        ``AsyncScheduler`` overrides it."""
         finished: list[Request] = []
         max_model_len = self.config.max_model_len
         requests = self.requests
@@ -589,69 +549,6 @@ class Scheduler:
                 del self.requests[request.request_id]
         return finished
 
-    def _update_async(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """The update of the oldest batch in flight (vLLM's AsyncScheduler).
-
-        Its tokens leave the flight. Each sampled token resolves one of the request's
-        placeholders; it completes blocks only now, after the next batch was allocated, so
-        the blocks full within the tokens processed so far (computed less still in flight)
-        are cached here, before a finished request is freed. A request preempted while this
-        batch was in flight still receives its token (stale output: no placeholder, no
-        caching) and may finish from the waiting queue.
-        """
-        scheduled = output.num_scheduled_tokens
-        requests = self.requests
-        if not scheduled:
-            return []
-        if self.connector is not None and self.defer_block_free:
-            self.processed_step_seq += 1  # this batch's writes are done
-        # Partial prefill chunks sample nothing; their tokens leave the flight too.
-        for request, num_tokens in self._in_flight_partials.popleft():
-            request.num_in_flight_tokens -= num_tokens
-        finished: list[Request] = []
-        max_model_len = self.config.max_model_len
-        kvm = self.kv_cache_manager
-        caching = kvm.enable_caching
-        hash_block_size = kvm.coordinator.hash_block_size  # every group's block size is a multiple
-        coordinator = kvm.coordinator
-        preempted = RequestStatus.PREEMPTED
-        for request_id, tokens in sampled.items():
-            # Never finished already: a request whose last token is in flight is not
-            # scheduled again (vLLM would discard such a token).
-            request = requests[request_id]
-            num_tokens = scheduled[request_id]
-            in_flight = request.num_in_flight_tokens - num_tokens
-            request.num_in_flight_tokens = in_flight
-            if not tokens:
-                continue
-            request.append_output_token_ids(tokens)
-            done = len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len
-            if request.status is preempted:
-                if done:
-                    self._remove_waiting(request)
-                    self._finish(request, finished)
-                continue
-            placeholders = request.num_output_placeholders
-            if placeholders:
-                request.num_output_placeholders = placeholders - len(tokens)
-                if caching and not in_flight:
-                    # An allocation caches every block ending at or before the request's
-                    # length when it is scheduled, which is at least where its batch starts.
-                    # So only a block ending inside this batch's tokens can be new, and only
-                    # if no later batch (allocated once those tokens were known) holds the
-                    # request; every group's blocks end on hash-block boundaries.
-                    processed = request.num_computed_tokens
-                    if processed // hash_block_size != (processed - num_tokens) // hash_block_size:
-                        coordinator.cache_blocks(request_id, request.block_hashes, processed)
-            if done:
-                self._finish(request, finished)
-        if finished:
-            done_ids = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done_ids]
-            for request in finished:
-                del requests[request.request_id]
-        return finished
-
     def _finish(self, request: Request, finished: list[Request]) -> None:
         """A request is done: the connector learns of it (its last chunks are stored with the
         next schedule), then its blocks are freed at once; it is reported next schedule."""
@@ -662,7 +559,7 @@ class Scheduler:
             self.kv_cache_manager.coordinator.remove_skipped_blocks(
                 request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens))
             self.connector.request_finished(request)
-            self.inflight_prefills.discard(request)
+            self.connector_state.inflight_prefills.discard(request)
         self.kv_cache_manager.free(request)
         finished.append(request)
         self.finished_req_ids.append(request.request_id)

@@ -49,13 +49,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TYPE_CHECKING
 
 from kvtwin.sim.core.hashing import PromptSource
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 
-if TYPE_CHECKING:  # the connector module imports this one
-    from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
+
+class KVConnectorMetadata:
+    """What a KV connector hands the worker with one step (vLLM's base class of the same
+    name); each connector's metadata subclasses it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +119,8 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     preempted: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # finished at the end of the previous step
-    # With an offload tier: the step's transfer jobs (an OffloadingConnectorMetadata)
-    # for the worker; None without one.
-    kv_connector_metadata: OffloadingConnectorMetadata | None = None
+    # With a KV connector: the step's jobs for the worker; None without one.
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # With an offload tier, for metrics (the executor ignores it): per admission that loads
     # from the tier, (request, GPU hit tokens, loaded tokens, loaded tokens per tier).
     external_hits: list | None = None
@@ -131,7 +131,7 @@ class SchedulerOutput:
                  scheduled_new_reqs: list[NewRequestData] | None = None,
                  scheduled_cached_reqs: CachedRequestData | None = None, preempted: list[str] | None = None,
                  finished_req_ids: list[str] | None = None,
-                 kv_connector_metadata: OffloadingConnectorMetadata | None = None, external_hits: list | None = None):
+                 kv_connector_metadata: KVConnectorMetadata | None = None, external_hits: list | None = None):
         self.num_scheduled_tokens = {} if num_scheduled_tokens is None else num_scheduled_tokens
         self.num_computed_tokens = [] if num_computed_tokens is None else num_computed_tokens
         self.num_output_tokens = {} if num_output_tokens is None else num_output_tokens

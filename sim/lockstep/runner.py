@@ -1,6 +1,6 @@
 """The step clock: run a golden case one engine step per tick with a scripted model.
 
-The step clock of docs/architecture.md#one-core-two-clocks. Step ``s`` adds the requests arriving at ``s`` (in file order),
+The step clock (docs/architecture.md#one-core-two-clocks). Step ``s`` adds the requests arriving at ``s`` (in file order),
 calls ``EngineCore.step`` (schedule, the scripted model samples each request's next
 ``output_token_ids`` entry once its prefill or recompute is complete, update), and
 records what happened. The run ends after the first step at whose end every request has
@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import BlockPool
-from kvtwin.sim.core.engine import EngineCore, Execution, OffloadTier, StepResult
-from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnectorMetadata
-from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
+from kvtwin.sim.core.engine import EngineCore, Execution, StepResult
+from kvtwin.sim.core.kv_connector import KVConnectorOutput
+from kvtwin.sim.core.offload.build import build_offload_tier
+from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.lockstep.golden import GoldenCase
@@ -85,6 +87,7 @@ def offload_record(engine: EngineCore, result: StepResult, evicted_before: int) 
     # Asynchronous steps may only schedule (no report yet) or only apply (no schedule).
     meta = result.output.kv_connector_metadata or OffloadingConnectorMetadata()
     reported = result.transfers or KVConnectorOutput()
+    assert engine.offload is not None
     manager = engine.offload.manager
     return {
         "loads": [[job.req_id, len(job.keys)] for job in meta.load_jobs.values()],
@@ -93,16 +96,18 @@ def offload_record(engine: EngineCore, result: StepResult, evicted_before: int) 
         "flushed": sorted(meta.jobs_to_flush),
         "completed": sorted(reported.completed_jobs),
         "cpu_used_chunks": manager.num_used_chunks,
-        "waiting_for_kv": sorted(r.request_id for r in engine.scheduler.kv_holding_waiting
+        "waiting_for_kv": sorted(r.request_id for r in engine.scheduler.connector_state.kv_holding_waiting
                                  if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS),
     }
 
 
 def build_engine(case: GoldenCase) -> EngineCore:
+    """The case's engine, with its offload tier (a CPU tier on the step clock) if it has one."""
     offload = None
     if case.offload is not None:
-        manager = CPUOffloadingManager(case.offload.num_cpu_chunks, case.offload.eviction_policy)
-        offload = OffloadTier(manager, StepTransfers(case.offload.load_steps, case.offload.store_steps))
+        transfers = StepTransfers(case.offload.load_steps, case.offload.store_steps)
+        offload = build_offload_tier(case.kv_cache_config, case.cache_config, transfers,
+                                     num_cpu_chunks=case.offload.num_cpu_chunks, policy=case.offload.eviction_policy)
     return EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config, offload)
 
 
@@ -121,7 +126,9 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
     steps: list[dict] = []
     idle_steps = 0
     step = 0
-    is_async = case.scheduler_config.async_scheduling
+    scheduler = engine.scheduler
+    async_scheduler = scheduler if isinstance(scheduler, AsyncScheduler) else None
+    is_async = async_scheduler is not None
     step_fn = engine.step_async if is_async else engine.step
     while True:
         while next_arrival < len(pending) and pending[next_arrival].arrival_step == step:
@@ -134,8 +141,8 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
                 raise ConfigError("requests.jsonl", f"requests the engine accepts ({rejection.code}: "
                                   f"{rejection.detail})", spec.request_id)
             next_arrival += 1
-        evicted_before = engine.offload.manager.num_evicted_keys if offloading else 0
-        batches_before = engine.scheduler.num_batches
+        evicted_before = engine.offload.manager.num_evicted_keys if engine.offload is not None else 0
+        batches_before = async_scheduler.num_batches if async_scheduler is not None else 0
         result = step_fn(model)
         out = result.output
         if offloading:
@@ -161,7 +168,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
             if is_async:
                 # Which batch this step scheduled and which it applied (batches are numbered
                 # in schedule order; None: none).
-                scheduled_now = engine.scheduler.num_batches > batches_before
+                scheduled_now = async_scheduler is not None and async_scheduler.num_batches > batches_before
                 line["offload"]["scheduled_batch"] = batches_before if scheduled_now else None
                 line["offload"]["updated_batch"] = updated_batches if result.updated is not None else None
                 updated_batches += result.updated is not None
@@ -172,12 +179,12 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
         # With an offload tier the engine also steps until its transfers are done and the
         # last finished request has been reported (its final store is made then).
         if (all_arrived and not engine.has_unfinished_requests() and not engine.batch_queue
-                and not (offloading and (engine.has_pending_transfers() or engine.scheduler.finished_req_ids))):
+                and not (offloading and (engine.has_pending_transfers() or scheduler.finished_req_ids))):
             break
         idle = not out.num_scheduled_tokens and not any(b.executed for b in engine.batch_queue)
         idle_steps = idle_steps + 1 if (all_arrived and idle) else 0
         if idle_steps > max_idle_steps:
-            stuck = engine.scheduler.waiting.peek().request_id
+            stuck = scheduler.waiting.peek().request_id
             raise ConfigError("requests.jsonl", f"a workload that can make progress: request {stuck} waits "
                               f"forever (it can never fit the pool of {case.kv_cache_config.num_blocks} blocks)",
                               source=case.name)

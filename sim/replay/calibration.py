@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 

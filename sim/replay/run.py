@@ -13,7 +13,7 @@ table) every replica's engine gets its own CPU tier (``CPUOffloadingManager``), 
 tier when ``disk_bytes > 0`` (``TieredOffloadingManager``, its CPU↔disk jobs on a
 ``TimedPromotions`` queue), with transfers timed on the SimPy clock (``TimedTransfers``:
 FIFO per PCIe direction at the GPU's host-link rate); ``sim/planner/offload.py`` sizes
-them. Without one nothing here or in the engine mentions offloading.
+them. ``offload_tier`` builds them with ``sim/core/offload/build.py``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ import simpy
 
 from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.cost_model import CostModel, StepCost
+from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.decode_window import WindowPricing
-from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, OffloadTier
+from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
+from kvtwin.sim.core.offload.build import DiskTierSpec, OffloadTier, build_offload_tier
+from kvtwin.sim.core.offload.tiered_manager import TimedPromotions
+from kvtwin.sim.core.offload.transfers import TimedTransfers
+from kvtwin.sim.core.spec import KVCacheConfig
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import summarize, summarize_replicas
 from kvtwin.sim.replay.router import make_router
@@ -156,12 +161,11 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
     kv_cache_config = plan.require_fits()
     eng = plan.engine
     executors: list[ModelExecutor] = list(executor) if isinstance(executor, Sequence) else [executor]
-    if offload is None:
-        engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache) for _ in executors]
-    else:
-        env = env if env is not None else simpy.Environment()
-        engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, offload_tier(offload, env))
-                   for _ in executors]
+    tiers: list[OffloadTier | None] = [None] * len(executors)
+    if offload is not None:
+        env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's
+        tiers = [offload_tier(offload, env, kv_cache_config, eng.cache) for _ in executors]
+    engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
     routing = make_router(router, engines)
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload)
     replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
@@ -178,27 +182,30 @@ def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Seq
     return ReplayResult(requests, steps, summary, end_s, per_replica)
 
 
-def offload_tier(offload: ResolvedOffload, env: simpy.Environment) -> OffloadTier:
+class SimPyClock:
+    """Now on a SimPy environment, for the offload tiers' transfer clocks."""
+
+    def __init__(self, env: simpy.Environment):
+        self.env = env
+
+    def now_s(self) -> float:
+        return self.env.now
+
+
+def offload_tier(offload: ResolvedOffload, env: simpy.Environment, kv_cache_config: KVCacheConfig,
+                 cache_config: CacheConfig) -> OffloadTier:
     """One replica's offload tiers on ``env``'s clock: the CPU tier (over a disk tier when
     ``offload`` has disk chunks) and the timed PCIe transfers."""
-    # Imported here: a replay without offloading never loads the offload managers.
-    from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-    from kvtwin.sim.core.offload.transfers import TimedTransfers
-
-    def now_s() -> float:
-        return env.now
-
-    cpu = CPUOffloadingManager(offload.num_cpu_chunks, offload.policy)
-    manager: object = cpu  # or the tiered manager over it (the same interface)
+    now_s = SimPyClock(env).now_s
+    disk = None
     if offload.has_disk:
-        from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager, TimedPromotions
-
         config = offload.config
-        promotions = TimedPromotions(config.disk_bandwidth_bytes_per_s, config.disk_latency_s, now_s)
-        manager = TieredOffloadingManager(cpu, offload.num_disk_chunks, offload.policy, promotions,
-                                          chunk_bytes=offload.kv_bytes_per_chunk)
+        disk = DiskTierSpec(offload.num_disk_chunks,
+                            TimedPromotions(config.disk_bandwidth_bytes_per_s, config.disk_latency_s, now_s),
+                            chunk_bytes=offload.kv_bytes_per_chunk)
     transfers = TimedTransfers(now_s, offload.h2d_bytes_per_s, offload.d2h_bytes_per_s, offload.bytes_per_key)
-    return OffloadTier(manager, transfers, blocks_per_chunk=BLOCKS_PER_CHUNK)
+    return build_offload_tier(kv_cache_config, cache_config, transfers, num_cpu_chunks=offload.num_cpu_chunks,
+                              policy=offload.policy, blocks_per_chunk=BLOCKS_PER_CHUNK, disk=disk)
 
 
 class RecordedClockExecutor(CostModelExecutor):

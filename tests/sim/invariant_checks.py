@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import KVCacheBlock
 from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache
 from kvtwin.sim.core.engine import EngineCore, StepResult
@@ -233,7 +234,7 @@ def check_queues(engine: EngineCore) -> None:
         if not 0 < request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders:
             _fail("REQ-CONSERVE", f"running request {request.request_id} computed {request.num_computed_tokens} "
                                   f"of {request.num_tokens} tokens + {request.num_output_placeholders} placeholders")
-        if not sched.async_scheduling and request.num_output_placeholders:
+        if not isinstance(sched, AsyncScheduler) and request.num_output_placeholders:
             _fail("REQ-CONSERVE", f"synchronous request {request.request_id} holds output placeholders")
     for request in waiting:
         if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvtwin.sim.core.config import SchedulerConfig
 from kvtwin.sim.core.engine import Execution
 from kvtwin.sim.core.request import RequestStatus
+from kvtwin.sim.core.scheduler import Scheduler
 from kvtwin.sim.lockstep.golden import load_case, read_jsonl
 from kvtwin.sim.lockstep.runner import run_case
 from kvtwin.sim.replay.recorder import MetricsRecorder
@@ -159,7 +160,7 @@ def test_the_synchronous_step_never_uses_placeholders():
     while eng.has_unfinished_requests():
         eng.step(EchoModel())
         assert a.num_output_placeholders == 0 and a.num_in_flight_tokens == 0
-    assert eng.scheduler.num_batches == 0
+    assert type(eng.scheduler) is Scheduler  # not the AsyncScheduler
 
 
 class _OneSecond:

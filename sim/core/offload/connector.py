@@ -1,6 +1,6 @@
 """The scheduler side of vLLM 0.33's native offloading connector (``OffloadingConnector``).
 
-Issue 13; vLLM ``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``. The
+vLLM ``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``. The
 connector sits between the scheduler and an offloading manager (the CPU tier, or the CPU
 tier over a disk tier). It answers four questions the scheduler asks, in the same order
 and with the same effects as vLLM's:
@@ -33,7 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.offload.base import LookupResult, ReqContext, make_offload_key
+from kvtwin.sim.core.scheduler_output import KVConnectorMetadata
 from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheSpec,
                                   MambaSpec, SlidingWindowSpec, cdiv)
 
@@ -125,21 +127,12 @@ class TransferJobStatus:
 
 
 @dataclass
-class OffloadingConnectorMetadata:
+class OffloadingConnectorMetadata(KVConnectorMetadata):
     """What one step hands the worker (the connector part of the scheduler output)."""
 
     load_jobs: dict[int, TransferJob] = field(default_factory=dict)
     store_jobs: dict[int, TransferJob] = field(default_factory=dict)
     jobs_to_flush: set[int] = field(default_factory=set)
-
-
-@dataclass
-class KVConnectorOutput:
-    """What the worker reports after a step: finished jobs, and the requests whose load
-    finished (vLLM's ``finished_recving``)."""
-
-    completed_jobs: list[int] = field(default_factory=list)
-    finished_recving: list[str] = field(default_factory=list)
 
 
 class OffloadingConnector:

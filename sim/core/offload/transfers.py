@@ -1,6 +1,6 @@
 """When transfer jobs finish: the worker's side of the offload connector, per clock.
 
-Issue 13 ("Time"). vLLM's worker runs each job the connector hands it and reports it done
+vLLM's worker runs each job the connector hands it and reports it done
 in a later step's output; loads run while the engine goes on with other requests, stores
 consume bandwidth without blocking compute. A job the connector flushes (a block it reads
 was handed out again, or its request was preempted) is waited for before that batch's
@@ -22,7 +22,9 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
-from kvtwin.sim.core.offload.connector import KVConnectorOutput, OffloadingConnectorMetadata
+from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
+from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
+from kvtwin.sim.core.scheduler_output import KVConnectorMetadata
 
 
 class _Completions:
@@ -69,7 +71,7 @@ def _report(job_id: int, req_id: str | None, out: KVConnectorOutput) -> None:
         out.finished_recving.append(req_id)
 
 
-class StepTransfers:
+class StepTransfers(KVTransferWorker):
     def __init__(self, load_steps: int = 1, store_steps: int = 1):
         if load_steps < 0 or store_steps < 0:
             raise ValueError("transfer step counts must be >= 0")
@@ -82,11 +84,11 @@ class StepTransfers:
         # Batches scheduled and not yet finished, oldest first.
         self._in_flight: deque[int] = deque()
 
-    def submit(self, meta: OffloadingConnectorMetadata | None) -> None:
+    def submit(self, meta: KVConnectorMetadata | None) -> None:
         """A batch's jobs, as the worker receives them before its forward pass."""
         batch = self.next_batch
         self.next_batch += 1
-        if meta is not None:
+        if isinstance(meta, OffloadingConnectorMetadata):
             for job_id, job in meta.load_jobs.items():
                 self._jobs.add(batch + self.load_steps, job_id, job.req_id)
             for job_id in meta.store_jobs:
@@ -108,7 +110,7 @@ class StepTransfers:
         return bool(self._jobs)
 
 
-class TimedTransfers:
+class TimedTransfers(KVTransferWorker):
     def __init__(self, clock_s: Callable[[], float], h2d_bytes_per_s: float, d2h_bytes_per_s: float,
                  bytes_per_key: int):
         self.clock_s = clock_s
@@ -125,9 +127,12 @@ class TimedTransfers:
         self.loaded_bytes = 0
         self.stored_bytes = 0
 
-    def submit(self, meta: OffloadingConnectorMetadata | None) -> None:
+    def job_load_seconds(self) -> dict[int, float] | None:
+        return self.load_seconds
+
+    def submit(self, meta: KVConnectorMetadata | None) -> None:
         now = self.clock_s()
-        if meta is not None:
+        if isinstance(meta, OffloadingConnectorMetadata):
             for job_id, job in meta.load_jobs.items():
                 num_bytes = len(job.keys) * self.bytes_per_key
                 start = max(now, self._h2d_free_s)

@@ -1,0 +1,141 @@
+"""Asynchronous scheduling: the scheduler of an engine with two batches in flight (vLLM
+``v1/core/sched/async_scheduler.py``, vLLM's default; ``EngineCore.step_async``).
+
+A batch is scheduled before the previous one's tokens are known. This changes only what
+the scheduler counts (docs/semantics.md#async-scheduling), so the subclass overrides two
+methods: how a batch's computed counts advance, and how its update is applied.
+
+* A request that samples in a batch holds an *output placeholder* until that batch's
+  update: it counts as a token the request has, so the next batch schedules its decode
+  (``num_tokens + placeholders - computed``) and it samples output ``outputs +
+  placeholders``; a request whose batch in flight samples its last token is skipped.
+* Tokens of batches in flight (``num_in_flight_tokens``) do not count as processed:
+  windowed and Mamba blocks are released by ``computed - in flight``.
+* The update resolves placeholders and caches the blocks a sampled token completed (they
+  could not be cached when the next batch was allocated), before freeing what finished;
+  finished requests reach the executor with the next schedule, one batch late.
+* A request preempted while a batch with it is in flight still gets that batch's token
+  (stale output, no placeholder), may finish from the waiting queue, and is not resumed
+  while such output is in flight (set aside for the step, keeping its place).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.kv_connector import KVConnector
+from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.core.scheduler import Scheduler
+from kvtwin.sim.core.scheduler_output import SchedulerOutput
+from kvtwin.sim.core.spec import KVCacheConfig
+
+
+class AsyncScheduler(Scheduler):
+    def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None):
+        super().__init__(kv_cache_config, scheduler_config, cache_config, connector)
+        # Batches scheduled so far (one per ``advance_computed``; clocks and tests count them).
+        self.num_batches = 0
+        # Per batch in flight that schedules tokens, oldest first: its (request, tokens) that
+        # sample nothing (partial prefill chunks), whose tokens leave the flight at its update.
+        # A caller that advances or applies a batch by other means than ``advance_computed``
+        # and ``update_from_output`` must keep one entry per such batch, in schedule order.
+        self.in_flight_partials: deque[list[tuple[Request, int]]] = deque()
+
+    def advance_computed(self, out: SchedulerOutput) -> None:
+        """As ``Scheduler.advance_computed``, with the batch in flight: each scheduled
+        request's tokens join its ``num_in_flight_tokens``; a request that samples samples
+        output ``outputs + placeholders`` and holds one more placeholder until this batch's
+        update; a partial chunk's tokens are queued in ``in_flight_partials`` (one entry
+        per batch that schedules tokens). Counts one batch in ``num_batches``."""
+        requests = self.requests
+        noted_computed = out.num_computed_tokens
+        sampling = out.num_output_tokens
+        scheduled = out.num_scheduled_tokens
+        self.num_batches += 1
+        partials: list[tuple[Request, int]] = []
+        if scheduled:  # (an empty batch has none; its update pops nothing)
+            self.in_flight_partials.append(partials)
+        for request_id, num_tokens in scheduled.items():
+            request = requests[request_id]
+            computed = request.num_computed_tokens
+            noted_computed.append(computed)
+            computed += num_tokens
+            request.num_computed_tokens = computed
+            request.num_in_flight_tokens += num_tokens
+            # Everything it has, the outputs still being sampled included, is computed:
+            # it samples one more, and holds a placeholder for it until this batch's
+            # update (a partial prefill chunk samples nothing).
+            placeholders = request.num_output_placeholders
+            have = request.num_tokens + placeholders
+            if computed >= have:
+                sampling[request_id] = have - request.num_prompt_tokens
+                request.num_output_placeholders = placeholders + 1
+            else:
+                partials.append((request, num_tokens))
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """The update of the oldest batch in flight; every batch must be updated, in
+        schedule order. Returns the requests it finished.
+
+        Its tokens leave the flight. Each sampled token resolves one of the request's
+        placeholders; it completes blocks only now, after the next batch was allocated, so
+        the blocks full within the tokens processed so far (computed less still in flight)
+        are cached here, before a finished request is freed. A request preempted while this
+        batch was in flight still receives its token (stale output: no placeholder, no
+        caching) and may finish from the waiting queue.
+        """
+        scheduled = output.num_scheduled_tokens
+        requests = self.requests
+        if not scheduled:
+            return []
+        state = self.connector_state
+        if state.defer_block_free:
+            state.processed_step_seq += 1  # this batch's writes are done
+        # Partial prefill chunks sample nothing; their tokens leave the flight too.
+        for request, num_tokens in self.in_flight_partials.popleft():
+            request.num_in_flight_tokens -= num_tokens
+        finished: list[Request] = []
+        max_model_len = self.config.max_model_len
+        kv_cache_manager = self.kv_cache_manager
+        caching = kv_cache_manager.enable_caching
+        hash_block_size = kv_cache_manager.coordinator.hash_block_size  # every group's block size is a multiple
+        coordinator = kv_cache_manager.coordinator
+        preempted = RequestStatus.PREEMPTED
+        for request_id, tokens in sampled.items():
+            # Never finished already: a request whose last token is in flight is not
+            # scheduled again (vLLM would discard such a token).
+            request = requests[request_id]
+            num_tokens = scheduled[request_id]
+            in_flight = request.num_in_flight_tokens - num_tokens
+            request.num_in_flight_tokens = in_flight
+            if not tokens:
+                continue
+            request.append_output_token_ids(tokens)
+            done = len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len
+            if request.status is preempted:
+                if done:
+                    self._remove_waiting(request)
+                    self._finish(request, finished)
+                continue
+            placeholders = request.num_output_placeholders
+            if placeholders:
+                request.num_output_placeholders = placeholders - len(tokens)
+                if caching and not in_flight:
+                    # An allocation caches every block ending at or before the request's
+                    # length when it is scheduled, which is at least where its batch starts.
+                    # So only a block ending inside this batch's tokens can be new, and only
+                    # if no later batch (allocated once those tokens were known) holds the
+                    # request; every group's blocks end on hash-block boundaries.
+                    processed = request.num_computed_tokens
+                    if processed // hash_block_size != (processed - num_tokens) // hash_block_size:
+                        coordinator.cache_blocks(request_id, request.block_hashes, processed)
+            if done:
+                self._finish(request, finished)
+        if finished:
+            done_ids = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done_ids]
+            for request in finished:
+                del requests[request.request_id]
+        return finished

@@ -1,0 +1,52 @@
+"""One engine's offload tier, built in one place: the CPU tier (over a disk tier when one
+is asked for), the worker stand-in that decides when transfers finish, and the connector
+the scheduler talks to. Every clock (the lockstep runner, the SimPy replay, tests) builds
+its tiers here and hands the result to ``EngineCore``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtwin.sim.core.config import CacheConfig
+from kvtwin.sim.core.offload.connector import OffloadingConnector
+from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
+from kvtwin.sim.core.offload.tiered_manager import PromotionClock, TieredOffloadingManager
+from kvtwin.sim.core.offload.transfers import StepTransfers, TimedTransfers
+from kvtwin.sim.core.spec import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class DiskTierSpec:
+    """A disk tier below the CPU tier: its chunks, when CPU↔disk jobs finish (its clock),
+    and the bytes of one chunk (which size those jobs on a timed clock)."""
+
+    num_chunks: int
+    promotion: PromotionClock
+    chunk_bytes: int = 0
+
+
+class OffloadTier:
+    """An engine's offload tier: the manager that holds the chunks (CPU, or CPU over disk:
+    the same interface), the worker stand-in that decides when transfers finish (its
+    clock), and the scheduler-side connector over the manager."""
+
+    def __init__(self, manager: CPUOffloadingManager | TieredOffloadingManager,
+                 transfers: StepTransfers | TimedTransfers, connector: OffloadingConnector):
+        self.manager = manager
+        self.transfers = transfers
+        self.connector = connector
+
+
+def build_offload_tier(kv_cache_config: KVCacheConfig, cache_config: CacheConfig,
+                       transfers: StepTransfers | TimedTransfers, *, num_cpu_chunks: int, policy: str,
+                       blocks_per_chunk: int = 1, disk: DiskTierSpec | None = None) -> OffloadTier:
+    """The tier of one engine over ``kv_cache_config``: ``num_cpu_chunks`` CPU chunks of
+    ``blocks_per_chunk`` blocks under cache ``policy`` (over ``disk`` if given, under the
+    same policy), transfers finishing as ``transfers`` says."""
+    cpu = CPUOffloadingManager(num_cpu_chunks, policy)
+    manager: CPUOffloadingManager | TieredOffloadingManager = cpu
+    if disk is not None:
+        manager = TieredOffloadingManager(cpu, disk.num_chunks, policy, disk.promotion, chunk_bytes=disk.chunk_bytes)
+    connector = OffloadingConnector(kv_cache_config, manager, cache_config.enable_prefix_caching, blocks_per_chunk)
+    return OffloadTier(manager, transfers, connector)
