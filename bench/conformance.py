@@ -216,7 +216,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "conformance")
     args = parser.parse_args()
     if not Path(args.oracle_python).exists():
-        sys.exit(f"conformance: no oracle Python at {args.oracle_python}; run ../shared/oracle/setup_venv.sh")
+        sys.exit(f"conformance: no oracle Python at {args.oracle_python}; set up the oracle venv as scripts/oracle/README.md says")
 
     cases = generate(args.cases, args.seed)
     dirs = {case.name: args.out / "cases" / case.name for case in cases}

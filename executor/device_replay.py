@@ -116,5 +116,5 @@ def run_executor(plan: Plan, trace: pa.Table, options: ExecutorOptions = Executo
                  executor: DeviceExecutor | None = None) -> ExecutorRun:
     executor = executor or build_executor(plan, options, efficiency=efficiency)
     env = simpy.rt.RealtimeEnvironment(strict=False) if options.clock == "wall" else simpy.Environment()
-    result = run_with_executor(plan, trace, executor, slo=slo, time_limit_s=time_limit_s, env=env)
+    result = run_with_executor(plan, trace, [executor], slo=slo, time_limit_s=time_limit_s, env=env)
     return ExecutorRun(result, executor.state, executor.shape, executor.kernels)

@@ -216,10 +216,10 @@ def check_predicted_hits(out: Validation, plan: Plan, trace: pa.Table, efficienc
     name = "predicted_hits_are_executed"
     executor_preemptions = run.state.preemptions
     cost_model = plan_cost_model(plan, efficiency)
-    predicted = run_with_executor(plan, trace, CostModelExecutor(cost_model))
+    predicted = run_with_executor(plan, trace, [CostModelExecutor(cost_model)])
     durations = [record.device_s for record in run.state.steps]
     replayed_log = PreemptionLog(RecordedClockExecutor(cost_model, durations))
-    replayed = run_with_executor(plan, trace, replayed_log)
+    replayed = run_with_executor(plan, trace, [replayed_log])
     executed_hits = _per_request(run.result.requests, "prefix_cache_hits")
     measured_hits = _per_request(replayed.requests, "prefix_cache_hits")
     cost_hits = _per_request(predicted.requests, "prefix_cache_hits")
@@ -344,7 +344,7 @@ def check_step_latency(out: Validation, plan: Plan, trace: pa.Table, efficiency:
     # The held-out part: the executor's truth and the calibrated simulator's prediction.
     release_device_memory()
     truth = run_executor(plan, held, options.executor, efficiency=fit.efficiency).result.requests
-    simulated = run_with_executor(plan, held, CostModelExecutor(plan_cost_model(plan, fit.efficiency))).requests
+    simulated = run_with_executor(plan, held, [CostModelExecutor(plan_cost_model(plan, fit.efficiency))]).requests
     errors = {}
     held_out_p90 = {}
     for metric in ("ttft_s", "tpot_s", "e2el_s"):

@@ -101,17 +101,18 @@ class DecodeWindow:
     Members are indexed in running order: those decoding when it opens, then those its
     batches admit or finish prefilling. Member ``i`` decodes in window batches
     ``first_batch[i]`` to ``last_batch[i]`` (it samples its last token in the latter); at
-    state ``j`` it has ``c0[i] + j`` computed tokens; its output ``k`` is the token
-    ``token_bases[i] + k``. At most one request, last in running order, is still
+    state ``j`` it has ``c0[i] + j`` computed tokens (the proof's ``c0`` is
+    ``computed_at_open``, its ``j`` the methods' ``index``: window batch ``V_index``); its
+    output ``k`` is the token ``token_bases[i] + k``. At most one request, last in running order, is still
     prefilling (``prefilling``): its chunks are scheduled, advanced and applied by the
     scheduler's own code, as the *real part* of a batch (``parts``) with the batch's
     admissions. The batch ``X`` in flight when the window opens is applied for real
-    (``begin_real_update`` and ``end_real_update`` around the clock's ``update_batch``)."""
+    (``begin_real_update`` and ``end_real_update`` around the engine's ``update_batch``)."""
 
     def __init__(self, scheduler: AsyncScheduler, members: list[Request], token_bases: list[int],
                  last_batches: list[int], prefilling: Request | None):
         self.scheduler = scheduler
-        self.kvm = scheduler.kv_cache_manager
+        self.kv_cache_manager = scheduler.kv_cache_manager
         # Running members by index (a finished one is dropped: a long window would keep
         # every request it ever held in memory).
         self.requests: dict[int, Request] = dict(enumerate(members))
@@ -119,11 +120,11 @@ class DecodeWindow:
         self.token_bases = token_bases
         self.first_batch = [0] * self.num_original
         self.last_batch = last_batches
-        self.c0 = [r.num_computed_tokens for r in members]
+        self.computed_at_open = [r.num_computed_tokens for r in members]
         self.prefilling = prefilling
         # The members in the batch being scheduled, and the sum of their c0.
         self.num_active = self.num_original
-        self.c0_sum_active = sum(self.c0)
+        self.c0_sum_active = sum(self.computed_at_open)
         # Members by the window batch they first decode in, and by the last one.
         self._first_in: dict[int, list[int]] = {}
         self._last_in: dict[int, list[int]] = {}
@@ -136,10 +137,10 @@ class DecodeWindow:
         self.synced = [0] * self.num_original
         # (window batch, member) of each member's next allocation, in batch then running
         # order: the order the scheduler's running pass calls them in.
-        horizon = self.kvm.noop_horizon
+        horizon = self.kv_cache_manager.noop_horizon
         events: list[tuple[int, int]] = []
         for i, request in enumerate(members):
-            events.append((max(horizon.get(request.request_id, -1) - self.c0[i], 0), i))
+            events.append((max(horizon.get(request.request_id, -1) - self.computed_at_open[i], 0), i))
         heapq.heapify(events)
         self._events = events
         # Per window batch with a real part (a prefill chunk, admissions): that part as an
@@ -159,29 +160,29 @@ class DecodeWindow:
         self._scratch = SchedulerOutput()
         self.admitted: SchedulerOutput | None = None  # see next_batch
 
-    def batch_size(self, j: int) -> int:
+    def batch_size(self, index: int) -> int:
         """How many members ``V_j`` decodes: those from ``first_batch`` to ``last_batch``
         (one whose last batch was ``V_{j-1}`` is skipped, its last token in flight, and
         finishes when that batch is applied: ``finishing``). Once per ``j``, in order."""
-        if j != self._batch:
-            self._batch = j
-            for i in self._first_in.pop(j, []):
+        if index != self._batch:
+            self._batch = index
+            for i in self._first_in.pop(index, []):
                 self.num_active += 1
-                self.c0_sum_active += self.c0[i]
-            self.finishing = self._last_in.pop(j - 1, [])
+                self.c0_sum_active += self.computed_at_open[i]
+            self.finishing = self._last_in.pop(index - 1, [])
             for i in self.finishing:
                 self.num_active -= 1
-                self.c0_sum_active -= self.c0[i]
+                self.c0_sum_active -= self.computed_at_open[i]
         return self.num_active
 
-    def context_ends_sum(self, j: int) -> int:
+    def context_ends_sum(self, index: int) -> int:
         """The sum of the context lengths ``V_j``'s member decodes end at."""
-        return self.c0_sum_active + self.num_active * (j + 1)
+        return self.c0_sum_active + self.num_active * (index + 1)
 
-    def part_cost_terms(self, j: int) -> tuple[int, int, list[tuple[int, int]]]:
+    def part_cost_terms(self, index: int) -> tuple[int, int, list[tuple[int, int]]]:
         """What ``V_j``'s real part adds to its cost: (decodes, the sum of their context
         ends, prefill chunks as (new tokens, computed before)), as ``step_cost`` splits them."""
-        part = self.parts.get(j)
+        part = self.parts.get(index)
         if part is None:
             return 0, 0, []
         num_decodes = 0
@@ -195,29 +196,29 @@ class DecodeWindow:
                 prefill_items.append((num_new, computed))
         return num_decodes, ends_sum, prefill_items
 
-    def next_batch(self, j: int) -> int:
+    def next_batch(self, index: int) -> int:
         """Schedule ``V_j`` if it is a window batch (``WINDOW_BATCH``: ``num_active``
         member decodes, and its real part in ``parts[j]`` if it has one); ``END`` if the
         window ends before it (nobody left, or its allocations might not fit the free
         blocks: a real batch decides whether to preempt); ``REAL_BATCH`` if its waiting
         pass admitted what the window cannot take (``admitted``: see ``complete``)."""
-        num_decodes = self.batch_size(j)
+        num_decodes = self.batch_size(index)
         prefilling = self.prefilling
         if not num_decodes and prefilling is None:
             return END
-        due = self.allocations_in(j)
+        due = self.allocations_in(index)
         needed = len(due)
         chunk = self.prefill_chunk = self._next_chunk() if prefilling is not None else 0
         if chunk:
             assert prefilling is not None
             computed = prefilling.num_computed_tokens
-            if computed + chunk > self.kvm.noop_horizon.get(prefilling.request_id, -1):
-                needed += self.kvm.coordinator.get_num_blocks_to_allocate(
+            if computed + chunk > self.kv_cache_manager.noop_horizon.get(prefilling.request_id, -1):
+                needed += self.kv_cache_manager.coordinator.get_num_blocks_to_allocate(
                     prefilling.request_id, min(computed + chunk, self.scheduler.config.max_model_len),
-                    self.kvm.empty_blocks, computed, computed + chunk)
-        if needed > self.kvm.block_pool.get_num_free_blocks():
+                    self.kv_cache_manager.empty_blocks, computed, computed + chunk)
+        if needed > self.kv_cache_manager.block_pool.get_num_free_blocks():
             return END
-        admitted = self.schedule(j, due, chunk)
+        admitted = self.schedule(index, due, chunk)
         if admitted is not None:
             self.admitted = admitted
             return REAL_BATCH
@@ -234,37 +235,37 @@ class DecodeWindow:
         return max(scheduler.clip_running_chunk(request.num_tokens - computed, computed, budget,
                                                 scheduler.long_prefill_threshold()), 0)
 
-    def allocations_in(self, j: int) -> list[int]:
+    def allocations_in(self, index: int) -> list[int]:
         """The members whose allocation ``V_j`` calls, in order; taken off the queue."""
         events = self._events
         last_batch = self.last_batch
         due: list[int] = []
-        while events and events[0][0] == j:
+        while events and events[0][0] == index:
             i = heapq.heappop(events)[1]
-            if last_batch[i] >= j:
+            if last_batch[i] >= index:
                 due.append(i)
         return due
 
-    def schedule(self, j: int, due: list[int], chunk: int) -> SchedulerOutput | None:
+    def schedule(self, index: int, due: list[int], chunk: int) -> SchedulerOutput | None:
         """Schedule window batch ``V_j``: the allocations of ``due`` (``allocations_in(j)``)
         and of the prefilling request's ``chunk``, which fit the free blocks, then the
         waiting pass. Returns None, or the waiting pass's scratch output if it admitted
         what the window cannot take (``complete`` makes the batch real)."""
         scheduler = self.scheduler
-        kvm = self.kvm
+        kv_cache_manager = self.kv_cache_manager
         self.previous_reported = self.reported
         self.reported, scheduler.finished_req_ids = scheduler.finished_req_ids, []
-        kvm.new_step_starts()
+        kv_cache_manager.new_step_starts()
         self.previous_new_blocks = self.new_blocks
         self.new_blocks = {}
-        horizon = kvm.noop_horizon
+        horizon = kv_cache_manager.noop_horizon
         if due:
-            c0 = self.c0
+            computed_at_open = self.computed_at_open
             for i in due:
                 request = self.requests[i]
-                self._sync(i, j)
+                self._sync(i, index)
                 self._allocate(request, 1)
-                next_batch = max(horizon.get(request.request_id, -1) - c0[i], j + 1)
+                next_batch = max(horizon.get(request.request_id, -1) - computed_at_open[i], index + 1)
                 heapq.heappush(self._events, (next_batch, i))
         prefilling = self.prefilling
         if chunk:
@@ -297,15 +298,15 @@ class DecodeWindow:
         part = SchedulerOutput(num_scheduled_tokens=part_tokens,
                                scheduled_new_reqs=admitted.scheduled_new_reqs if admitted is not None else [])
         scheduler.advance_computed(part)
-        self._take(j, part)
+        self._take(index, part)
         return None
 
     def _allocate(self, request: Request, num_new: int) -> None:
-        new_blocks = self.kvm.allocate_slots(request, num_new)
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
         if new_blocks is None:
             raise AssertionError(f"decode window: allocation for {request.request_id} failed in a batch "
                                  f"whose allocations were counted against the free blocks")
-        if new_blocks is not self.kvm.empty_blocks:
+        if new_blocks is not self.kv_cache_manager.empty_blocks:
             self.new_blocks[request.request_id] = new_blocks
 
     def _can_take(self, part_tokens: dict[str, int]) -> bool:
@@ -320,44 +321,44 @@ class DecodeWindow:
                 return False
         return True
 
-    def _take(self, j: int, part: SchedulerOutput) -> None:
+    def _take(self, index: int, part: SchedulerOutput) -> None:
         """``V_j``'s real part, advanced by the scheduler: each request it ends the prefill
         of decodes in the window from ``V_{j+1}`` on; a partial chunk stays prefilling."""
-        self.parts[j] = part
-        members = self.part_members[j] = {}
+        self.parts[index] = part
+        members = self.part_members[index] = {}
         requests = self.scheduler.requests
-        horizon = self.kvm.noop_horizon
+        horizon = self.kv_cache_manager.noop_horizon
         self.prefilling = None
         for request_id in part.num_scheduled_tokens:
             request = requests[request_id]
             if request_id not in part.num_output_tokens:
                 self.prefilling = request  # its chunk samples nothing: more follow
                 continue
-            i = len(self.c0)
+            i = len(self.computed_at_open)
             members[request_id] = i
             self.requests[i] = request
             # Applied with V_{j+1} scheduled, it is at state j + 2: one more computed
             # token than now, one more output.
-            c0 = request.num_computed_tokens - j - 1
-            last = request.max_tokens - len(request.output_token_ids) + j - 1
-            self.c0.append(c0)
-            self.first_batch.append(j + 1)
+            computed_at_open = request.num_computed_tokens - index - 1
+            last = request.max_tokens - len(request.output_token_ids) + index - 1
+            self.computed_at_open.append(computed_at_open)
+            self.first_batch.append(index + 1)
             self.last_batch.append(last)
-            self.synced.append(j + 2)
+            self.synced.append(index + 2)
             self.token_bases.append(-1)  # ``note_part_tokens``
-            if last >= j + 1:  # else its first token is its last: it finishes when V_j is applied
-                self._first_in.setdefault(j + 1, []).append(i)
+            if last >= index + 1:  # else its first token is its last: it finishes when V_j is applied
+                self._first_in.setdefault(index + 1, []).append(i)
                 self._last_in.setdefault(last, []).append(i)
-                heapq.heappush(self._events, (max(horizon.get(request_id, -1) - c0, j + 1), i))
+                heapq.heappush(self._events, (max(horizon.get(request_id, -1) - computed_at_open, index + 1), i))
 
-    def part_sampling_ids(self, j: int) -> list[str]:
-        return list(self.part_members[j])
+    def part_sampling_ids(self, index: int) -> list[str]:
+        return list(self.part_members[index])
 
-    def note_part_tokens(self, j: int, sampled: dict[str, list[int]], token_bases: list[int | None]) -> None:
+    def note_part_tokens(self, index: int, sampled: dict[str, list[int]], token_bases: list[int | None]) -> None:
         """The executor's tokens for ``V_j``'s real part, and the token bases of the
         members it made (``part_sampling_ids`` order)."""
-        self.part_sampled[j] = sampled
-        for i, base in zip(self.part_members[j].values(), token_bases):
+        self.part_sampled[index] = sampled
+        for i, base in zip(self.part_members[index].values(), token_bases):
             assert base is not None  # sampled just now
             self.token_bases[i] = base
 
@@ -371,7 +372,7 @@ class DecodeWindow:
         for i in range(self.num_original):
             self.synced[i] = 1
 
-    def apply(self, j: int) -> tuple[list[Request], dict[str, int], SchedulerOutput | None,
+    def apply(self, index: int) -> tuple[list[Request], dict[str, int], SchedulerOutput | None,
                                      dict[str, list[int]] | None]:
         """Apply ``V_{j-1}`` (``j >= 1``) where it does more than count: members that
         sampled their last token (``finishing``) and the batch's real part go through the
@@ -380,8 +381,8 @@ class DecodeWindow:
         finished, the window steps of each finished member, and the real part's output
         and tokens (None: it had none)."""
         finishing = self.finishing
-        part = self.parts.pop(j - 1, None)
-        part_sampled = self.part_sampled.pop(j - 1, None)
+        part = self.parts.pop(index - 1, None)
+        part_sampled = self.part_sampled.pop(index - 1, None)
         steps: dict[str, int] = {}
         if not finishing and part is None:
             return [], steps, None, None
@@ -389,18 +390,18 @@ class DecodeWindow:
         scheduled = out.num_scheduled_tokens
         sampled: dict[str, list[int]] = {}
         for i in finishing:
-            self._sync(i, j)
+            self._sync(i, index)
             request = self.requests[i]
             scheduled[request.request_id] = 1
             sampled[request.request_id] = [self.token_bases[i] + len(request.output_token_ids)]
-            steps[request.request_id] = self.window_steps(i, j)
+            steps[request.request_id] = self.window_steps(i, index)
             del self.requests[i]
         if part is not None:
             assert part_sampled is not None
-            members = self.part_members.pop(j - 1)
+            members = self.part_members.pop(index - 1)
             scheduled.update(part.num_scheduled_tokens)
             for request_id, i in members.items():
-                if self.last_batch[i] >= j:
+                if self.last_batch[i] >= index:
                     _advance_one_decode(self.requests[i])  # it is in V_j too
                 else:
                     del self.requests[i]  # its first token was its last
@@ -411,22 +412,22 @@ class DecodeWindow:
             self.scheduler.in_flight_partials.appendleft([])
         return self.scheduler.update_from_output(out, sampled), steps, part, part_sampled
 
-    def window_steps(self, i: int, j: int) -> int:
+    def window_steps(self, i: int, index: int) -> int:
         """Of member ``i``'s batches, those applied in window steps up to ``V_{j-1}``."""
-        return max(0, j - self.first_batch[i])
+        return max(0, index - self.first_batch[i])
 
-    def _sync(self, i: int, j: int) -> None:
+    def _sync(self, i: int, index: int) -> None:
         """Write state ``j`` into member ``i``: its computed tokens and outputs."""
-        behind = j - self.synced[i]
+        behind = index - self.synced[i]
         if behind <= 0:
             return
         request = self.requests[i]
-        request.num_computed_tokens = self.c0[i] + j
+        request.num_computed_tokens = self.computed_at_open[i] + index
         first = self.token_bases[i] + len(request.output_token_ids)
         request.append_output_token_ids(list(range(first, first + behind)))
-        self.synced[i] = j
+        self.synced[i] = index
 
-    def close(self, j: int, new_blocks: dict[str, KVCacheBlocks], reported: list[str]) -> SchedulerOutput:
+    def close(self, index: int, new_blocks: dict[str, KVCacheBlocks], reported: list[str]) -> SchedulerOutput:
         """End the window at state ``j`` (``j >= 1``: ``V_{j-1}`` in flight, appending
         ``new_blocks`` and reporting ``reported`` finished): every member still running
         gets state ``j``, and ``V_{j-1}`` becomes the output ``schedule()`` would have made
@@ -435,14 +436,14 @@ class DecodeWindow:
         scheduled = out.num_scheduled_tokens
         computed = out.num_computed_tokens
         sampling = out.num_output_tokens
-        last = j - 1
+        last = index - 1
         for i, request in self.requests.items():
             if not self.first_batch[i] <= last <= self.last_batch[i]:
                 continue
-            self._sync(i, j)
+            self._sync(i, index)
             request_id = request.request_id
             scheduled[request_id] = 1
-            computed.append(self.c0[i] + last)
+            computed.append(self.computed_at_open[i] + last)
             sampling[request_id] = len(request.output_token_ids)
         part = self.parts.pop(last, None)
         if part is not None:
@@ -456,12 +457,12 @@ class DecodeWindow:
         out.finished_req_ids = reported
         return out
 
-    def members_to_record(self, j: int) -> list[tuple[str, int]]:
+    def members_to_record(self, index: int) -> list[tuple[str, int]]:
         """At ``close(j)``: each running member's request id and its window steps."""
-        steps = [(request.request_id, self.window_steps(i, j - 1)) for i, request in self.requests.items()]
+        steps = [(request.request_id, self.window_steps(i, index - 1)) for i, request in self.requests.items()]
         return [(request_id, num_steps) for request_id, num_steps in steps if num_steps]
 
-    def complete(self, j: int, scratch: SchedulerOutput) -> SchedulerOutput:
+    def complete(self, index: int, scratch: SchedulerOutput) -> SchedulerOutput:
         """``V_j``'s waiting pass admitted (``scratch``) what the window cannot take: the
         batch as ``schedule()`` makes it, its member decodes (at state ``j``, after
         ``close(j, ...)`` for ``j >= 1``), then the prefilling request's chunk, then the
@@ -469,7 +470,7 @@ class DecodeWindow:
         out = SchedulerOutput()
         scheduled = out.num_scheduled_tokens
         for i, request in self.requests.items():
-            if self.first_batch[i] <= j <= self.last_batch[i]:
+            if self.first_batch[i] <= index <= self.last_batch[i]:
                 scheduled[request.request_id] = 1
         if self.prefill_chunk:
             assert self.prefilling is not None
@@ -496,11 +497,12 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
     tokens ``sampled``) is the batch that opens one and some request decodes
     ``MIN_WINDOW_STEPS`` batches more; else None. ``token_bases``: the executor's base per
     running request (None: it has sampled nothing, or its tokens are not ``base + index``)."""
-    kvm = scheduler.kv_cache_manager
+    kv_cache_manager = scheduler.kv_cache_manager
     # The proof counts on vLLM's two batches in flight, and on a pool only the scheduler's
     # own passes change (no connector loading into it).
     if (not isinstance(scheduler, AsyncScheduler) or scheduler.config.max_concurrent_batches != 2
-            or scheduler.connector is not None or kvm.single_full_manager is None or scheduler.finished_req_ids):
+            or scheduler.connector is not None or kv_cache_manager.single_full_manager is None
+            or scheduler.finished_req_ids):
         return None
     running = scheduler.running
     n = len(running)

@@ -7,7 +7,10 @@ print one clear line instead of a traceback.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -38,3 +41,24 @@ def reject_unknown_keys(mapping: Mapping, allowed: Iterable[str], *, where: str,
 def require(condition: bool, field: str, expected: str, got: object = None) -> None:
     if not condition:
         raise ConfigError(field, expected, got)
+
+
+def config_from_table(build: Callable[..., T], entry: object, *, where: str, table_is: str,
+                      known: Iterable[str], expected: str, required: Iterable[str] = (),
+                      required_is: str = "a value") -> T:
+    """A config built from one table of a file: ``entry`` must be a table (``table_is``
+    says what kind), its keys among ``known`` (``expected`` says which) and ``required``
+    present (the first missing one is named, as ``required_is``); an error the builder
+    raises is named under ``where`` unless it already is."""
+    if not isinstance(entry, dict):
+        raise ConfigError(where, table_is, entry)
+    reject_unknown_keys(entry, known, where=where, expected=expected)
+    missing = sorted(name for name in required if name not in entry)
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]}", required_is)
+    try:
+        return build(**entry)
+    except ConfigError as err:
+        if err.field.startswith(f"{where}."):
+            raise
+        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None

@@ -27,7 +27,7 @@ from kvtwin.sim.core.config import (
     is_int,
     is_number,
 )
-from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
+from kvtwin.sim.core.errors import ConfigError, config_from_table, require
 from kvtwin.sim.planner.hardware import GIB, GPUSpec
 from kvtwin.sim.planner.models import DTYPE_BYTES, KV_HEAD_KINDS, ModelPreset
 
@@ -225,11 +225,5 @@ ENGINE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineCo
 def engine_config_from_mapping(entry: object, *, where: str = "engine") -> EngineConfig:
     """The ``[engine]`` table of a scenario as an ``EngineConfig``; errors name the table's
     key. Unknown keys are refused: a typo must not silently fall back to a default."""
-    if not isinstance(entry, dict):
-        raise ConfigError(where, "a table of engine settings", entry)
-    reject_unknown_keys(entry, ENGINE_KEYS, where=where,
-                        expected=f"an engine setting ({', '.join(sorted(ENGINE_KEYS))})")
-    try:
-        return EngineConfig(**entry)
-    except ConfigError as err:
-        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None
+    return config_from_table(EngineConfig, entry, where=where, table_is="a table of engine settings",
+                             known=ENGINE_KEYS, expected=f"an engine setting ({', '.join(sorted(ENGINE_KEYS))})")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
+from kvtwin.sim.core.errors import ConfigError, config_from_table, reject_unknown_keys, require
 from kvtwin.sim.core.spec import SPEC_CLASSES
 
 if TYPE_CHECKING:
@@ -395,6 +395,7 @@ class ModelPreset:
 
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelPreset)}
+_REQUIRED_MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelPreset) if f.default is dataclasses.MISSING]
 
 
 def model_from_mapping(entry: dict[str, Any], *, name: str | None = None, where: str = "model") -> ModelPreset:
@@ -402,22 +403,13 @@ def model_from_mapping(entry: dict[str, Any], *, name: str | None = None, where:
     if not isinstance(entry, dict):
         raise ConfigError(where, "a table of model fields", entry)
     params = dict(entry)
-    if name is not None:
-        params.setdefault("name", name)
-    params.setdefault("name", "custom")
+    params.setdefault("name", name if name is not None else "custom")
     reject_unknown_keys(params, _MODEL_FIELDS, where=where, expected="a model field (see scenarios/README.md)")
     if "state" in params:
         params["state"] = state_from_mapping(params["state"], where=f"{where}.state")
-    missing = sorted(f.name for f in dataclasses.fields(ModelPreset)
-                     if f.name not in params and f.default is dataclasses.MISSING)
-    if missing:
-        raise ConfigError(f"{where}.{missing[0]}", "a value (required model field)")
-    try:
-        return ModelPreset(**params)
-    except ConfigError as err:
-        if err.field.startswith(f"{where}."):
-            raise
-        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None
+    return config_from_table(ModelPreset, params, where=where, table_is="a table of model fields",
+                             known=_MODEL_FIELDS, expected="a model field (see scenarios/README.md)",
+                             required=_REQUIRED_MODEL_FIELDS, required_is="a value (required model field)")
 
 
 def _load_presets() -> dict[str, ModelPreset]:

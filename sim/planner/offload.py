@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvtwin.sim.core.config import is_int, is_number
-from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
+from kvtwin.sim.core.errors import ConfigError, config_from_table, require
 
 OFFLOAD_POLICIES = ("lru", "arc")
 DEFAULT_DISK_LATENCY_S = 1e-4
@@ -151,10 +151,5 @@ OFFLOAD_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Offload
 
 def offload_config_from_mapping(entry: object, *, where: str = "offload") -> OffloadConfig:
     """The ``[offload]`` table of a scenario; errors name the table's key."""
-    if not isinstance(entry, dict):
-        raise ConfigError(where, "a table of offload settings", entry)
-    reject_unknown_keys(entry, OFFLOAD_KEYS, where=where, expected=f"one of {', '.join(OFFLOAD_KEYS)}")
-    try:
-        return OffloadConfig(**entry)
-    except ConfigError as err:
-        raise ConfigError(f"{where}.{err.field}", err.expected, err.got) from None
+    return config_from_table(OffloadConfig, entry, where=where, table_is="a table of offload settings",
+                             known=OFFLOAD_KEYS, expected=f"one of {', '.join(OFFLOAD_KEYS)}")

@@ -128,8 +128,8 @@ class CostModel:
     """Predicts the seconds one engine step takes on one TP group of ``gpu``."""
 
     def __init__(self, model: ModelPreset, gpu: GPUSpec, layer_specs: dict[str, KVCacheSpec], *,
-                 tensor_parallel_size: int = 1, async_scheduling: bool = True,
-                 efficiency: Efficiency = Efficiency()):
+                 async_scheduling: bool, tensor_parallel_size: int = 1, efficiency: Efficiency = Efficiency()):
+        """``async_scheduling`` has no default here: the engine config's is the one."""
         require(gpu.hbm_bandwidth_bytes_per_s > 0 and gpu.bf16_flops > 0, f"hardware {gpu.name}",
                 "hbm_bandwidth_bytes_per_s and bf16_flops for the cost model", gpu.name)
         self.model = model

@@ -145,22 +145,22 @@ def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostMo
                      async_scheduling=eng.async_scheduling, efficiency=efficiency)
 
 
-def run_with_executor(plan: Plan, trace: pa.Table, executor: ModelExecutor | Sequence[ModelExecutor], *,
-                      router: str = Deployment.router, slo: SLO = SLO(), time_limit_s: float | None = None, env: simpy.Environment | None = None,
-                      on_progress: Callable[[ReplayClock], None] | None = None,
+def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExecutor], *,
+                      router: str = Deployment.router, slo: SLO = SLO(), time_limit_s: float | None = None,
+                      env: simpy.Environment | None = None, on_progress: Callable[[ReplayClock], None] | None = None,
                       offload: ResolvedOffload | None = None, decode_windows: bool = True) -> ReplayResult:
-    """Any clock: the plan's engine replays the trace, each step lasting what ``executor``
-    says (predicted, measured on a device, or replayed from a recording); ``env`` is the
-    SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real time).
+    """Any clock: the plan's engine replays the trace, each step lasting what its replica's
+    executor says (predicted, measured on a device, or replayed from a recording); ``env``
+    is the SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real
+    time).
 
-    ``executor`` is one executor, or a list of one per replica: the run has as many
-    replicas as executors given, behind the router named ``router`` (``Deployment.router``). ``offload``
+    ``executors`` holds one executor per replica: the run has as many replicas as
+    executors, behind the router named ``router`` (``Deployment.router``). ``offload``
     gives each replica its offload tiers (module docstring). ``decode_windows`` False
     turns decode windows off (``sim/core/decode_window.py``; the results are the same, only
     slower)."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
-    executors: list[ModelExecutor] = list(executor) if isinstance(executor, Sequence) else [executor]
     tiers: list[OffloadTier | None] = [None] * len(executors)
     if offload is not None:
         env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's

@@ -224,7 +224,8 @@ def test_calibration_file_overrides_and_rejects_unknown_keys(tmp_path):
 def test_decode_sums_equal_the_per_request_terms(name):
     """The decode fast path (sums over contexts) must equal the general per-request terms."""
     p = plan(get_model(name), get_gpu("h200"), EngineConfig(max_model_len=32768, tensor_parallel_size=8))
-    cm = CostModel(p.model, p.gpu, p.layers.specs, tensor_parallel_size=8)
+    cm = CostModel(p.model, p.gpu, p.layers.specs, tensor_parallel_size=8,
+                   async_scheduling=p.engine.async_scheduling)
     contexts = (0, 5, 127, 128, 1000, 8191, 8192, 20000)
     fast = cm.split_step_cost([c + 1 for c in contexts], [])
     general = cm.split_step_cost([], [(1, c) for c in contexts])

@@ -126,7 +126,7 @@ def test_no_window_without_a_closed_form_clock():
     trace = chat_trace(60)
     recorded = RecordedClockExecutor(plan_cost_model(planned), [0.01] * 50)
     assert not recorded.prices_decode_windows()
-    _, clock = _replay(run_with_executor, plan=planned, trace=trace, executor=recorded)
+    _, clock = _replay(run_with_executor, plan=planned, trace=trace, executors=[recorded])
     assert clock.decode_window_steps == 0
 
 
