@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
-from kvtwin.reports import summary_text as words
+from kvtwin.reports import summary_text
 from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.core.errors import ConfigError
@@ -90,8 +90,8 @@ def capacity(
     with interrupt_note(lambda: f"interrupted while printing; {out} was written whole"):
         print_points(table, sweep.axes, search is not None)
         for blocks, predicted, hit in comparison:
-            print(f"hit curve at {blocks:,} blocks: {words.format_percent(predicted)} "
-                  f"(replay: {words.format_percent(hit)})")
+            print(f"hit curve at {blocks:,} blocks: {summary_text.format_percent(predicted)} "
+                  f"(replay: {summary_text.format_percent(hit)})")
         failed = sum(1 for r in rows if r["status"] != "ok")
         print(f"{len(rows)} points ({failed} failed) in {wall_s:,.1f} s wall; wrote "
               f"{', '.join(p.name for p in paths)} to {out}")
@@ -186,9 +186,9 @@ def print_points(table, axes, find_max_rate: bool) -> None:
         for _, column in figures:
             value = row[column]
             if column.endswith("_ms"):
-                cells.append(words.format_duration_ms(value) if value is not None else "-")
+                cells.append(summary_text.format_duration_ms(value) if value is not None else "-")
             elif column in ("slo_attainment", "prefix_cache_hit_rate", "step_error") or column.startswith("hit_rate_"):
-                cells.append(words.format_percent(value) if value is not None else "-")
+                cells.append(summary_text.format_percent(value) if value is not None else "-")
             else:
                 cells.append(_cell(value))
         shown.add_row(*cells)

@@ -21,7 +21,7 @@ from rich.table import Table
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
 from kvtwin.knob_options import knob_flags
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
-from kvtwin.reports import summary_text as words
+from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_run
@@ -83,16 +83,16 @@ def replay(
         if resolved.deployment.replicas > 1:
             deployment = f"{resolved.deployment.replicas} replicas of {deployment}"
         print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
-        print(words.plan_line(planned) + (" per replica" if resolved.deployment.replicas > 1 else ""))
+        print(summary_text.plan_line(planned) + (" per replica" if resolved.deployment.replicas > 1 else ""))
         for line in band_lines(summary, resolved.calibration, chosen_gpu.name, chosen_model.name):
             print(line)
-        for line in (words.replicas_line(summary, result.replicas), words.offload_line(summary),
-                     words.rejections_line(summary),
-                     words.not_arrived_line(summary),
-                     words.saturation_hint(summary)):
+        for line in (summary_text.replicas_line(summary, result.replicas), summary_text.offload_line(summary),
+                     summary_text.rejections_line(summary),
+                     summary_text.not_arrived_line(summary),
+                     summary_text.saturation_hint(summary)):
             if line:
                 print(line)
-        print(f"simulated {words.format_duration_s(result.end_time_s)} in {wall_s:,.1f} s wall; wrote "
+        print(f"simulated {summary_text.format_duration_s(result.end_time_s)} in {wall_s:,.1f} s wall; wrote "
               f"{', '.join(p.name for p in paths)} to {out}")
 
 
@@ -153,7 +153,7 @@ def print_summary(row: dict, title: str) -> None:
     table.add_column("p99", justify="right")
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E latency", "e2el_ms"),
                       ("queue delay (to first schedule)", "queue_delay_ms")):
-        table.add_row(name, *(words.format_duration_ms(row[f"{stat}_{key}"])
+        table.add_row(name, *(summary_text.format_duration_ms(row[f"{stat}_{key}"])
                               for stat in ("mean", "median", "p90", "p99")))
     Console().print(table)
     facts = Table(show_header=False)
@@ -163,20 +163,22 @@ def print_summary(row: dict, title: str) -> None:
     for name, value in (
         ("completed / rejected / unfinished",
          f"{row['completed']:,} / {row['rejected']:,} / {row['unfinished']:,}"),
-        ("simulated duration", words.format_duration_s(row["duration_s"])),
+        ("simulated duration", summary_text.format_duration_s(row["duration_s"])),
         ("request throughput (req/s)", _fmt(row["request_throughput"], 3)),
         ("output / all tokens per s",
          f"{_fmt(row['output_throughput'])} / {_fmt(row['total_token_throughput'])}"),
         ("prefix cache hit rate (tokens)" if row.get("hit_rate_total") is None
-         else "prefix hits, all tiers (tokens)", words.prefix_line(row)),
+         else "prefix hits, all tiers (tokens)", summary_text.prefix_line(row)),
         ("preemptions / recomputed tokens", f"{row['num_preemptions']:,} / {row['recomputed_tokens']:,}"),
         ("evicted cached blocks", _fmt(row["num_evictions"])),
-        ("KV cache usage peak / mean", f"{words.format_percent(row['kv_cache_usage_peak'])} / "
-                                       f"{words.format_percent(row['kv_cache_usage_mean'])}"),
-        ("SLO: TTFT / TPOT at most", f"{words.format_duration_ms(row['slo_ttft_ms'])} / "
-                                     f"{words.format_duration_ms(row['slo_tpot_ms'])}" if has_slo else "no SLO set"),
+        ("KV cache usage peak / mean", f"{summary_text.format_percent(row['kv_cache_usage_peak'])} / "
+                                       f"{summary_text.format_percent(row['kv_cache_usage_mean'])}"),
+        ("SLO: TTFT / TPOT at most",
+         f"{summary_text.format_duration_ms(row['slo_ttft_ms'])} / "
+         f"{summary_text.format_duration_ms(row['slo_tpot_ms'])}" if has_slo else "no SLO set"),
         ("SLO attainment / goodput (req/s)",
-         f"{words.format_percent(row['slo_attainment'])} / {_fmt(row['request_goodput'], 3)}" if has_slo else "-"),
+         f"{summary_text.format_percent(row['slo_attainment'])} / {_fmt(row['request_goodput'], 3)}"
+         if has_slo else "-"),
     ):
         facts.add_row(name, value)
     Console().print(facts)

@@ -639,7 +639,9 @@ class WindowedBatchQueue:
             if index:
                 closed = self._close(window, window.previous_new_blocks, window.previous_reported)
             self.window = None
-            output = window.complete(index, window.admitted)
+            admitted = window.admitted
+            assert admitted is not None  # next_batch keeps what it admitted for a real batch
+            output = window.complete(index, admitted)
             batch = Batch(output, self.executor.execute(output))
             self.engine.batch_queue.append(batch)
             return Launch(batch.execution.duration_s, True, bool(output.preempted), closed)
