@@ -157,6 +157,16 @@ def _common_fields(raw: dict[str, Any], f: _Fields, arch: str) -> dict[str, Any]
 # One reader per family: each adds the layer pattern and the family's own fields to the
 # common ones, in place (the mapping's key order is what the presets print).
 
+
+def _moe_fields(f: Any, out: dict[str, Any], *, experts: str, intermediate: str, shared: str | None = None) -> None:
+    """The routed experts of a family whose configs may have none (zeros then), under the
+    family's own key names; the experts per token are always ``num_experts_per_tok``."""
+    out["num_experts"] = f.get(experts, 0)
+    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
+    out["moe_intermediate_size"] = f.get(intermediate, 0)
+    if shared is not None:
+        out["shared_expert_intermediate_size"] = f.get(shared, 0)
+
 def _read_dense(c: _Config, out: dict[str, Any]) -> None:
     f = c.f
     window = f.get("sliding_window")
@@ -213,9 +223,7 @@ def _read_deepseek(c: _Config, out: dict[str, Any]) -> None:
     out["head_dim"] = f.int("qk_nope_head_dim") + out["qk_rope_head_dim"]
     out["head_dim_v"] = f.int("v_head_dim")
     out["first_dense_layers"] = f.get("first_k_dense_replace", 0)
-    out["num_experts"] = f.get("n_routed_experts", 0)
-    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-    out["moe_intermediate_size"] = f.get("moe_intermediate_size", 0)
+    _moe_fields(f, out, experts="n_routed_experts", intermediate="moe_intermediate_size")
     out["shared_expert_intermediate_size"] = f.get("n_shared_experts", 0) * out["moe_intermediate_size"]
     if _quant_method(c.raw) == "fp8":
         out["weight_format"] = "fp8"
@@ -229,10 +237,8 @@ def _read_qwen3_next(c: _Config, out: dict[str, Any]) -> None:
     out["state"] = {"kind": "gated_deltanet", "conv_kernel": f.int("linear_conv_kernel_dim"),
                     "num_k_heads": f.int("linear_num_key_heads"), "num_v_heads": f.int("linear_num_value_heads"),
                     "head_k_dim": f.int("linear_key_head_dim"), "head_v_dim": f.int("linear_value_head_dim")}
-    out["num_experts"] = f.get("num_experts", 0)
-    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-    out["moe_intermediate_size"] = f.get("moe_intermediate_size", 0)
-    out["shared_expert_intermediate_size"] = f.get("shared_expert_intermediate_size", 0)
+    _moe_fields(f, out, experts="num_experts", intermediate="moe_intermediate_size",
+                shared="shared_expert_intermediate_size")
     out["intermediate_size"] = 0
 
 
@@ -242,9 +248,7 @@ def _read_jamba(c: _Config, out: dict[str, Any]) -> None:
     out["layer_pattern"] = "".join("F" if i % period == offset else "M" for i in range(out["num_layers"]))
     out["state"] = {"kind": "mamba1", "d_state": f.int("mamba_d_state"), "d_conv": f.int("mamba_d_conv"),
                     "expand": f.int("mamba_expand")}
-    out["num_experts"] = f.get("num_experts", 0)
-    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-    out["moe_intermediate_size"] = f.get("intermediate_size", 0)
+    _moe_fields(f, out, experts="num_experts", intermediate="intermediate_size")
 
 
 def _read_granite_hybrid(c: _Config, out: dict[str, Any]) -> None:
@@ -255,10 +259,8 @@ def _read_granite_hybrid(c: _Config, out: dict[str, Any]) -> None:
     out["state"] = {"kind": "mamba2", "d_state": f.int("mamba_d_state"), "d_conv": f.int("mamba_d_conv"),
                     "num_heads": f.int("mamba_n_heads"), "head_dim": f.int("mamba_d_head"),
                     "n_groups": f.int("mamba_n_groups", 1)}
-    out["num_experts"] = f.get("num_local_experts", 0)
-    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-    out["moe_intermediate_size"] = f.get("intermediate_size", 0)
-    out["shared_expert_intermediate_size"] = f.get("shared_intermediate_size", 0)
+    _moe_fields(f, out, experts="num_local_experts", intermediate="intermediate_size",
+                shared="shared_intermediate_size")
     out["intermediate_size"] = 0
 
 
@@ -285,9 +287,7 @@ def _read_minimax(c: _Config, out: dict[str, Any]) -> None:
                           source=c.source)
     out["layer_pattern"] = "".join("F" if t == 1 else "M" for t in types)
     out["state"] = {"kind": "linear_attention", "num_heads": out["num_attention_heads"], "head_dim": out["head_dim"]}
-    out["num_experts"] = f.get("num_local_experts", 0)
-    out["num_experts_per_token"] = f.get("num_experts_per_tok", 0)
-    out["moe_intermediate_size"] = f.get("intermediate_size", 0)
+    _moe_fields(f, out, experts="num_local_experts", intermediate="intermediate_size")
     out["intermediate_size"] = 0
 
 
