@@ -49,14 +49,15 @@ MANIFEST_NAME = "native_manifest.json"  # read by kvtwin/_native.py
 # The modules worth compiling: the KV core and scheduler (every step runs through them)
 # and the replay's per-step loop. Package ``__init__`` files stay interpreted.
 COMPILED_PACKAGES = {"sim/core": "kvtwin/sim/core", "sim/core/offload": "kvtwin/sim/core/offload",
-                     "sim/replay": "kvtwin/sim/replay"}
+                     "sim/replay": "kvtwin/sim/replay", "sim/replay/clock": "kvtwin/sim/replay/clock"}
 # Off the per-step path (validation, config, sweeps, calibration): compiling them buys nothing.
 INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                "calibration.py", "calibration_data.py", "client_side.py", "kernel_fit.py", "reuse_curve.py",
                "rate_search.py", "capacity_points.py", "capacity_sweep.py", "capacity_table.py", "sweep_backends.py",
-               "summaries.py", "trace_requests.py", "router.py"}
-# The SimPy clock (``sim/replay/clock``) is not listed in COMPILED_PACKAGES: compiled,
-# SimPy's generator processes crash the garbage collector (mypy 2.4.1).
+               "summaries.py", "trace_requests.py", "router.py", "progress.py",
+               # The SimPy clock's generator processes: compiled, they crash the garbage
+               # collector (mypy 2.4.1). Its per-batch objects (replica.py, timeline.py) are compiled.
+               "arrivals.py", "cluster.py", "engine_processes.py"}
 
 
 def _notice(message: str) -> None:

@@ -21,7 +21,6 @@ from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
 from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
-from kvtwin.sim.replay.clock.timeline import DeviceTimeline
 from kvtwin.sim.replay.recorder import BatchTimes, MetricsRecorder
 from kvtwin.sim.replay.router import Router, SingleReplicaRouter
 
@@ -79,12 +78,6 @@ class Cluster:
         self.recorder.close_decode_window(members, replica.timeline.last_applied_end_s)
 
     # -- what the processes ask -------------------------------------------------------------
-
-    def window_allowed(self, timeline: DeviceTimeline) -> bool:
-        """Whether a decode window may go on: the time limit cannot cut the batch in flight
-        short (a run may stop before that batch is applied: no state may be implicit)."""
-        limit = self.time_limit_s
-        return limit is None or (bool(timeline.in_flight) and timeline.oldest_end_s < limit)
 
     def wait_for_transfers(self, replica: Replica, reported: bool):
         """Requests wait for transfers and nothing could run: True to step again, now if the

@@ -14,7 +14,7 @@ scheduled. Batches that computed nothing leave no step row unless they preempted
 
 Decode windows (``sim/core/decode_window.py``) need nothing here: the replica's
 ``WindowedBatchQueue`` hands out window batches and real ones alike. The clock's one part
-in them is ``window_allowed``: a window goes on only while the time limit cannot cut its
+in them is whether a window may go on: only while the time limit cannot cut its
 batch in flight short, so a run stopped by the limit holds no implicit state.
 
 With an offload tier the engine also steps while finished requests are still to be
@@ -32,7 +32,6 @@ import simpy
 
 from kvtwin.sim.core.engine import StepResult
 from kvtwin.sim.replay.clock.replica import Replica
-from kvtwin.sim.replay.clock.timeline import DeviceTimeline
 from kvtwin.sim.replay.recorder import BatchTimes
 
 
@@ -48,8 +47,7 @@ class ClusterView(Protocol):
     def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
         ...
 
-    def window_allowed(self, timeline: DeviceTimeline) -> bool:
-        ...
+    time_limit_s: float | None
 
     def wait_for_transfers(self, replica: Replica, reported: bool):
         ...
@@ -90,6 +88,7 @@ def async_engine_process(cluster: ClusterView, replica: Replica):
     batches = replica.batches
     timeline = replica.timeline
     size = engine.batch_queue_size
+    limit_s = cluster.time_limit_s
     while True:
         if not engine.has_requests() and not batches.in_flight:
             if cluster.arrivals_done:
@@ -98,7 +97,9 @@ def async_engine_process(cluster: ClusterView, replica: Replica):
             continue
         if engine.has_requests():
             now = env.now
-            launch = batches.schedule(cluster.window_allowed(timeline))
+            # A window goes on only while the time limit cannot cut its batch in flight
+            # short: a run stopped by the limit must hold no implicit state.
+            launch = batches.schedule(limit_s is None or timeline.ends_before(limit_s))
             if launch.closed_window is not None:
                 cluster.window_closed(replica, launch.closed_window)
             if launch.executed:

@@ -32,9 +32,9 @@ class DeviceTimeline:
         done_s = max(now_s, self.device_free_s)
         self.in_flight.append(BatchTimes(now_s, done_s, done_s, 0.0))
 
-    @property
-    def oldest_end_s(self) -> float:
-        return self.in_flight[0].end_s
+    def ends_before(self, limit_s: float) -> bool:
+        """Whether the oldest batch in flight ends before ``limit_s`` (False: none in flight)."""
+        return bool(self.in_flight) and self.in_flight[0].end_s < limit_s
 
     def take_oldest(self) -> BatchTimes:
         """The oldest batch's times, as it is applied (with the previous batch's end)."""
