@@ -30,6 +30,7 @@ from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine_stats import EngineStats, offload_tier_counters, pool_stats
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.offload.build import OffloadTier
+from kvtwin.sim.core.pd_connector import PDConnector, PDTransfers
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -135,6 +136,14 @@ class Batch:
 _IDLE = Execution({}, 0.0)
 
 
+class PDTier:
+    """A P/D engine's connector (scheduler half) and its worker."""
+
+    def __init__(self, connector: PDConnector, transfers: PDTransfers):
+        self.connector = connector
+        self.transfers = transfers
+
+
 def make_scheduler(kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
                    cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None) -> Scheduler:
     """The scheduler ``scheduler_config`` asks for: ``AsyncScheduler`` with asynchronous
@@ -146,13 +155,21 @@ def make_scheduler(kv_cache_config: KVCacheConfig, scheduler_config: SchedulerCo
 
 class EngineCore:
     def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig = CacheConfig(), offload: OffloadTier | None = None):
+                 cache_config: CacheConfig = CacheConfig(), offload: OffloadTier | None = None,
+                 pd: PDTier | None = None):
         # The offload tier (None: none), for clocks and metrics that read its counters.
         self.offload = offload
-        self.scheduler = make_scheduler(kv_cache_config, scheduler_config, cache_config,
-                                        offload.connector if offload is not None else None)
+        # A P/D engine's connector and worker (None: not disaggregated); not with an offload tier.
+        self.pd = pd
+        connector: KVConnector | None = offload.connector if offload is not None else None
+        transfers: KVTransferWorker = offload.transfers if offload is not None else KVTransferWorker()
+        if pd is not None:
+            if offload is not None:
+                raise ValueError("an engine takes an offload tier or a P/D connector, not both")
+            connector, transfers = pd.connector, pd.transfers
+        self.scheduler = make_scheduler(kv_cache_config, scheduler_config, cache_config, connector)
         # The worker side of the connector: submits each batch's jobs, reports what finished.
-        self.transfers: KVTransferWorker = offload.transfers if offload is not None else KVTransferWorker()
+        self.transfers = transfers
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.rejected: list[Rejection] = []
         # Async: batches scheduled and not yet updated, oldest first.
@@ -213,13 +230,19 @@ class EngineCore:
 
     def has_pending_transfers(self) -> bool:
         """Transfer jobs still running (the engine keeps stepping until they finish)."""
+        if self.pd is not None:
+            return self.pd.connector.has_pending_jobs()
         return self.offload is not None and self.offload.connector.has_pending_jobs()
 
     # -- asynchronous scheduling: two batches in flight --------------------------------
 
     def has_requests(self) -> bool:
         """Something to schedule, or finished requests still to report (vLLM's ``has_requests``)."""
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
+        scheduler = self.scheduler
+        # Finished requests whose blocks wait for another engine's read keep it stepping,
+        # as vLLM's has_finished_requests does (empty without a P/D connector).
+        return (scheduler.has_unfinished_requests() or bool(scheduler.finished_req_ids)
+                or bool(scheduler.connector_state.delayed_free))
 
     def schedule_batch(self, executor: ModelExecutor) -> Batch:
         """Schedule one batch, hand it to the executor (it runs while the next is scheduled)

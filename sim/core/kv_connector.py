@@ -23,11 +23,13 @@ from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutpu
 
 @dataclass
 class KVConnectorOutput:
-    """What the worker reports after a step: finished jobs, and the requests whose load
-    finished (vLLM's ``finished_recving``)."""
+    """What the worker reports after a step: finished jobs, the requests whose load
+    finished (vLLM's ``finished_recving``), and finished requests whose blocks another
+    engine has read, so they may be freed (``finished_sending``, P/D only)."""
 
     completed_jobs: list[int] = field(default_factory=list)
     finished_recving: list[str] = field(default_factory=list)
+    finished_sending: list[str] = field(default_factory=list)
 
 
 class KVConnector(Protocol):
@@ -62,8 +64,10 @@ class KVConnector(Protocol):
         """The worker's report of finished jobs."""
         ...
 
-    def request_finished(self, request: Request) -> None:
-        """A request finished; its blocks are freed right after this call."""
+    def request_finished(self, request: Request) -> bool:
+        """A request finished; its blocks are freed right after this call, unless it
+        returns True (vLLM's ``delay_free_blocks``): then they are freed when the worker
+        reports the request in ``finished_sending``."""
         ...
 
     def has_pending_jobs(self) -> bool:

@@ -31,6 +31,9 @@ class KVConnectorState:
         # here a request finishes only at max_tokens or max_model_len, which the scheduler
         # foresees and schedules no further, so that cannot happen.)
         self.defer_block_free = has_connector and async_scheduling
+        # Finished requests whose blocks the connector keeps until another engine has read
+        # them (P/D's prefill side, vLLM's delay_free_blocks): freed on finished_sending.
+        self.delayed_free: dict[str, Request] = {}
         self.sched_step_seq = 0
         self.processed_step_seq = 0
 

@@ -470,6 +470,10 @@ class Scheduler:
         assert self.connector is not None
         self.connector.update_connector_output(connector_output)
         self.connector_state.finished_recving_kv_req_ids.update(connector_output.finished_recving)
+        if connector_output.finished_sending:
+            delayed = self.connector_state.delayed_free
+            for request_id in connector_output.finished_sending:
+                self.kv_cache_manager.free(delayed.pop(request_id))
 
     def _preempt(self, request: Request) -> None:
         """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""
@@ -558,8 +562,14 @@ class Scheduler:
             # hands the table to the connector: those blocks reach the free queue first.
             self.kv_cache_manager.coordinator.remove_skipped_blocks(
                 request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens))
-            self.connector.request_finished(request)
+            delay_free = self.connector.request_finished(request)
             self.connector_state.inflight_prefills.discard(request)
+            if delay_free:
+                # Another engine reads its blocks: they stay until finished_sending.
+                self.connector_state.delayed_free[request.request_id] = request
+                finished.append(request)
+                self.finished_req_ids.append(request.request_id)
+                return
         self.kv_cache_manager.free(request)
         finished.append(request)
         self.finished_req_ids.append(request.request_id)

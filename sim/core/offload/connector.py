@@ -679,17 +679,18 @@ class OffloadingConnector:
             if not jobs:
                 del pending[block_id]
 
-    def request_finished(self, request) -> None:
+    def request_finished(self, request) -> bool:
         """Called before a finished request's blocks are freed (they are freed at once)."""
         state = self._req_status.get(request.request_id)
         if state is None:
-            return
+            return False
         # The final block hash: the next step may store the chunk it completes.
         self._update_offload_keys(state)
         # Its blocks may be handed out again from now on: watch them for flushes.
         for job_id in state.transfer_jobs:
             for block_id in self._jobs[job_id].deferred_fence_block_ids or ():
                 self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job_id)
+        return False
 
     def has_pending_jobs(self) -> bool:
         """Transfers still in flight, the tier's own (disk promotions) included: vLLM keeps

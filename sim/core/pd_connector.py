@@ -1,0 +1,254 @@
+"""Disaggregated prefill/decode: the scheduler half of vLLM 0.33's NIXL connector (pull
+mode), and a timed worker for it.
+
+docs/semantics.md#disaggregated-prefill-and-decode. One ``PDConnector`` sits in each
+engine of a P/D deployment, behind the ``KVConnector`` Protocol, and plays either side
+per request, as vLLM's ``kv_both`` instances do:
+
+* a request marked ``mark_remote_decode`` (vLLM's ``do_remote_decode``) is a prefill-side
+  request: it prefills as usual (the clock gives it ``max_tokens = 1`` and drops the
+  trailing ``prefill_backoff_tokens``), and when it finishes ``request_finished`` asks the
+  scheduler to keep its blocks; they are freed when the worker reports the request in
+  ``finished_sending`` (the decode side has read them);
+* a request announced with ``expect_remote_prefill`` (vLLM's ``do_remote_prefill``) is a
+  decode-side request: every prompt token past its local prefix hit is external and
+  loads asynchronously (``WAITING_FOR_REMOTE_KVS``); allocation queues one read of the
+  fresh blocks (one read per request, even of zero blocks: it tells the prefill side to
+  free), which ``build_connector_meta`` hands to the worker.
+
+``PDTransfers`` is the worker of either side on a timed clock: a read moves the blocks'
+bytes of every KV cache group over the decode replica's inbound link (first in, first
+out, at the link's bandwidth, plus its latency); the decode side is told with
+``finished_recving`` and the prefill side, through ``send_done``, with
+``finished_sending``, each at the end of its first step that ends after the read.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
+from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutput
+from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec,
+                                  SlidingWindowSpec, cdiv)
+
+
+class RemoteRead:
+    """One read the decode side runs: ``num_tokens`` prompt tokens of ``req_id`` from its
+    prefill replica, ``num_blocks`` blocks per KV cache group, ``num_bytes`` in all."""
+
+    __slots__ = ("req_id", "num_tokens", "num_blocks", "num_bytes")
+
+    def __init__(self, req_id: str, num_tokens: int, num_blocks: tuple[int, ...], num_bytes: int):
+        self.req_id = req_id
+        self.num_tokens = num_tokens
+        self.num_blocks = num_blocks
+        self.num_bytes = num_bytes
+
+
+class PDConnectorMetadata(KVConnectorMetadata):
+    """A step's reads, for the worker."""
+
+    def __init__(self, reads: list[RemoteRead]):
+        self.reads = reads
+
+
+def prefill_backoff_tokens(kv_cache_config: KVCacheConfig) -> int:
+    """Trailing prompt tokens the prefill side leaves to the decode side: one with a Mamba
+    group (the decode side derives the last state from the one before), else none
+    (vLLM ``_prefill_backoff`` without multi-token prediction)."""
+    return 1 if any(isinstance(g.spec, MambaSpec) for g in kv_cache_config.groups) else 0
+
+
+def read_blocks_by_group(kv_cache_config: KVCacheConfig, local_hit_tokens: int, num_tokens: int) -> tuple[int, ...]:
+    """Blocks of each group a read of tokens ``[local_hit_tokens, num_tokens)`` moves: the
+    fresh blocks, clipped as vLLM's ``get_exchange_clipped_blocks`` clips them (a sliding
+    window or local-chunk group its window tail plus one, a Mamba group its state block)."""
+    counts = []
+    for group in kv_cache_config.groups:
+        spec = group.spec
+        block_size = spec.block_size
+        fresh = max(cdiv(num_tokens, block_size) - local_hit_tokens // block_size, 0)
+        if isinstance(spec, SlidingWindowSpec):
+            fresh = min(fresh, cdiv(spec.sliding_window, block_size) + 1)
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            fresh = min(fresh, cdiv(spec.attention_chunk_size, block_size) + 1)
+        elif isinstance(spec, MambaSpec):
+            fresh = min(fresh, 1)
+        counts.append(fresh if num_tokens > local_hit_tokens else 0)
+    return tuple(counts)
+
+
+def group_block_bytes(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """Bytes one block of each group holds on one worker (every layer of the group; a
+    Mamba group's state page included)."""
+    return tuple(g.spec.real_page_size_bytes * len(g.layer_names) for g in kv_cache_config.groups)
+
+
+class PDConnector:
+    """The scheduler half of a P/D connector (module docstring)."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig):
+        self.kv_cache_config = kv_cache_config
+        self.prefill_backoff_tokens = prefill_backoff_tokens(kv_cache_config)
+        self._block_bytes = group_block_bytes(kv_cache_config)
+        # Decode side: request id -> prompt tokens its prefill side computed (to be read).
+        self._remote_prefill: dict[str, int] = {}
+        # Decode side: the local hit each remote request was last looked up with.
+        self._local_hit: dict[str, int] = {}
+        # Prefill side: requests whose blocks a decode side will read.
+        self._remote_decode: set[str] = set()
+        # Reads queued since the last step's metadata.
+        self._reads: list[RemoteRead] = []
+        # Prefill side: finished requests holding their blocks until their read is done.
+        self.sending: set[str] = set()
+        # Decode side: reads issued, not yet reported.
+        self.receiving: set[str] = set()
+
+    # -- what the clock tells it ----------------------------------------------------------
+
+    def expect_remote_prefill(self, request_id: str, num_tokens: int) -> None:
+        """``request_id`` arrives at this (decode) engine with ``num_tokens`` prompt tokens
+        computed by a prefill engine."""
+        self._remote_prefill[request_id] = num_tokens
+
+    def mark_remote_decode(self, request_id: str) -> None:
+        """``request_id`` is prefilled here for a decode engine to read."""
+        self._remote_decode.add(request_id)
+
+    # -- the KVConnector Protocol ---------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        pass
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        remote = self._remote_prefill.get(request.request_id)
+        if remote is None:
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
+        count = remote - num_computed_tokens
+        if count > 0:
+            return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        request_id = request.request_id
+        remote = self._remote_prefill.pop(request_id, None)
+        if remote is None:
+            return
+        # One read per request (vLLM clears do_remote_prefill here); a full local hit
+        # still reads nothing, which tells the prefill side to free its blocks.
+        local_hit = self._local_hit.pop(request_id, 0)
+        end = local_hit + num_external_tokens
+        counts = read_blocks_by_group(self.kv_cache_config, local_hit, end)
+        num_bytes = sum(n * b for n, b in zip(counts, self._block_bytes))
+        self._reads.append(RemoteRead(request_id, num_external_tokens, counts, num_bytes))
+        if num_external_tokens:
+            self.receiving.add(request_id)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        return {"remote": num_external_tokens}
+
+    def build_connector_meta(self, output: SchedulerOutput,
+                             boundary_offloads: dict[str, list[tuple[int, int, int]]] | None) -> KVConnectorMetadata:
+        reads = self._reads
+        self._reads = []
+        return PDConnectorMetadata(reads)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_recving:
+            self.receiving.discard(request_id)
+        for request_id in connector_output.finished_sending:
+            self.sending.discard(request_id)
+
+    def request_finished(self, request: Request) -> bool:
+        """A prefill-side request finished: keep its blocks for the decode side to read
+        (vLLM's ``delay_free_blocks``, when it holds any block)."""
+        request_id = request.request_id
+        if request_id not in self._remote_decode:
+            self._remote_prefill.pop(request_id, None)
+            return False
+        self._remote_decode.discard(request_id)
+        if request.num_computed_tokens <= 0:
+            return False
+        self.sending.add(request_id)
+        return True
+
+    def has_pending_jobs(self) -> bool:
+        return bool(self.sending or self.receiving or self._reads)
+
+
+class PDLink:
+    """One replica's inbound KV link: reads queue first in, first out, each taking its
+    bytes over ``bandwidth_bytes_per_s`` and arriving ``latency_s`` after it leaves."""
+
+    def __init__(self, bandwidth_bytes_per_s: float, latency_s: float):
+        if not bandwidth_bytes_per_s > 0 or latency_s < 0:
+            raise ValueError("a P/D link needs a positive bandwidth and a latency >= 0")
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self.latency_s = latency_s
+        self._free_s = 0.0
+
+    def transfer(self, now_s: float, num_bytes: int) -> float:
+        """When a read of ``num_bytes`` issued at ``now_s`` has landed."""
+        start = max(now_s, self._free_s)
+        self._free_s = done = start + num_bytes / self.bandwidth_bytes_per_s
+        return done + self.latency_s
+
+
+class PDTransfers(KVTransferWorker):
+    """The timed worker of a P/D engine (module docstring). ``on_read(read, issued_s,
+    done_s)`` tells the clock of each read issued (it tells the prefill side's worker)."""
+
+    def __init__(self, clock_s: Callable[[], float], link: PDLink,
+                 on_read: Callable[[RemoteRead, float, float], None] | None = None):
+        self.clock_s = clock_s
+        self.link = link
+        self.on_read = on_read
+        # (due, sequence, request id, whether a send) of what is still to be reported.
+        self._heap: list[tuple[float, int, str, bool]] = []
+        self._seq = 0
+        self._in_flight: list[float] = []  # when each batch in flight was scheduled
+        self._head = 0
+
+    def _add(self, due_s: float, request_id: str, is_send: bool) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (due_s, self._seq, request_id, is_send))
+
+    def send_done(self, request_id: str, at_s: float) -> None:
+        """Prefill side: the decode side's read of ``request_id`` is done at ``at_s``."""
+        self._add(at_s, request_id, True)
+
+    def submit(self, meta: KVConnectorMetadata | None) -> None:
+        now = self.clock_s()
+        if isinstance(meta, PDConnectorMetadata):
+            for read in meta.reads:
+                done = self.link.transfer(now, read.num_bytes) if read.num_tokens else now
+                if read.num_tokens:
+                    self._add(done, read.req_id, False)
+                if self.on_read is not None:
+                    self.on_read(read, now, done)
+        self._in_flight.append(now)
+
+    def finish_step(self, duration_s: float) -> KVConnectorOutput:
+        start_s = self._in_flight[self._head]
+        self._head += 1
+        if self._head > 64:
+            del self._in_flight[:self._head]
+            self._head = 0
+        until = max(self.clock_s(), start_s + duration_s)
+        out = KVConnectorOutput()
+        heap = self._heap
+        while heap and heap[0][0] <= until:
+            _, _, request_id, is_send = heapq.heappop(heap)
+            (out.finished_sending if is_send else out.finished_recving).append(request_id)
+        return out
+
+    def has_pending(self) -> bool:
+        return bool(self._heap)
+
+    def next_completion_s(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
