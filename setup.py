@@ -57,7 +57,9 @@ INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                "summaries.py", "trace_requests.py", "router.py", "progress.py",
                # The SimPy clock's generator processes: compiled, they crash the garbage
                # collector (mypy 2.4.1). Its per-batch objects (replica.py, timeline.py) are compiled.
-               "arrivals.py", "cluster.py", "engine_processes.py"}
+               "arrivals.py", "cluster.py", "engine_processes.py",
+               # P/D: the cluster's generator process, and the per-run wiring and router.
+               "pd_cluster.py", "pd_run.py", "pd_router.py"}
 
 
 def _notice(message: str) -> None:

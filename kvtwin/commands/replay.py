@@ -62,7 +62,7 @@ def replay(
         with _progress(table.num_rows, quiet, started, seen) as on_progress:
             result = run_replay(planned, table, deployment=resolved.deployment, efficiency=resolved.efficiency,
                                 slo=resolved.slo, time_limit_s=resolved.time_limit_s, on_progress=on_progress,
-                                offload=offload)
+                                offload=offload, disaggregation=resolved.disaggregation)
         wall_s = time.perf_counter() - started
         result.summary = with_band(result.summary, resolved.calibration)
         metadata = run_metadata(path, overrides.given())

@@ -82,6 +82,19 @@ class _OffloadRecord:
         self.pending_gpu_hit_tokens = 0
 
 
+class _PDRecord:
+    """A disaggregated request's prefill side and the read of its KV."""
+
+    __slots__ = ("prefill_replica", "prefill", "prefill_finish_s", "transfer_bytes", "transfer_s")
+
+    def __init__(self, prefill_replica: int, prefill: _RequestRecord):
+        self.prefill_replica = prefill_replica
+        self.prefill = prefill  # the prefill-side request's record (not a row of its own)
+        self.prefill_finish_s = math.nan
+        self.transfer_bytes = 0
+        self.transfer_s = math.nan
+
+
 # Per-step offload columns (``reports/SCHEMA.md``): counter deltas of the step, except the
 # gauges (chunks in use after the step).
 _OFFLOAD_CPU_STEP_COLUMNS = ("offload_cpu_loaded_keys", "offload_cpu_stored_keys", "offload_cpu_evicted_keys",
@@ -157,8 +170,12 @@ class MetricsRecorder:
     (``itl_by_replica``; ``itl_s`` is replica 0's, and all of them with one replica).
     """
 
-    def __init__(self, num_groups: int, num_replicas: int = 1, offload=None):
+    def __init__(self, num_groups: int, num_replicas: int = 1, offload=None, roles: list[str] | None = None):
         self.num_groups = num_groups
+        # Disaggregated prefill/decode: each replica's role ("prefill" or "decode"), and per
+        # client request its prefill side and read (None: not disaggregated).
+        self.roles = roles
+        self._pd: dict[str, _PDRecord] = {}
         self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
         self.order: list[_RequestRecord] = []
@@ -205,6 +222,22 @@ class MetricsRecorder:
         record = _RequestRecord(request, len(self.order), session_id, arrival_s, replica)
         self.records[request.request_id] = record
         self.order.append(record)
+
+    def arrived_prefill(self, request: Request, client_request_id: str, arrival_s: float, replica: int) -> None:
+        """The prefill side of a disaggregated request: recorded like a request (its
+        batches find it), but not a row of the requests table."""
+        record = _RequestRecord(request, -1, None, arrival_s, replica)
+        self.records[request.request_id] = record
+        self._pd[client_request_id] = _PDRecord(replica, record)
+
+    def prefill_done(self, request_id: str, end_s: float) -> None:
+        self._pd[request_id].prefill_finish_s = end_s
+
+    def pd_transfer(self, request_id: str, num_bytes: int, seconds: float) -> None:
+        """The decode side's read of a request's KV: its bytes (every worker) and seconds."""
+        pd = self._pd[request_id]
+        pd.transfer_bytes = num_bytes
+        pd.transfer_s = seconds
 
     def rejected(self, request: Request, rejection: Rejection) -> None:
         record = self.records[request.request_id]
@@ -376,7 +409,7 @@ class MetricsRecorder:
         the worker takes for them (``load_seconds`` by job; None on a step clock); also for
         a batch that computes nothing (no step row)."""
         hits = output.external_hits
-        if not hits:
+        if not hits or self.offload is None:
             return
         loads = self._loads
         meta = output.kv_connector_metadata
@@ -470,6 +503,8 @@ class MetricsRecorder:
             "e2el_s": finish - arrival,
             "replica": pa.array(np.array([r.replica for r in rows], dtype=np.int32), pa.int32()),
         })
+        if self.roles is not None:
+            table = self._pd_columns(table, rows)
         if self.offload is None:
             return table
         loads = self._loads
@@ -479,6 +514,28 @@ class MetricsRecorder:
             table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.int64)))
         for name in ("load_wait_s", "load_transfer_s"):
             table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.float64)))
+        return table
+
+    def _pd_columns(self, table: pa.Table, rows: list[_RequestRecord]) -> pa.Table:
+        """A disaggregated run's request columns (``reports/SCHEMA.md``). The prefix-cache
+        columns are the prefill side's (where the prompt is computed); the decode side's
+        own first hit is ``decode_prefix_hit_tokens``."""
+        pds = [self._pd.get(r.request_id) for r in rows]
+        decode_hits = table.column("prefix_hit_tokens")
+        for name, attr in (("prefix_hit_tokens", "hit_tokens"), ("prefix_cache_queries", "queried_tokens"),
+                           ("prefix_cache_hits", "hit_tokens_total")):
+            values = [getattr(p.prefill, attr) if p else 0 for p in pds]
+            table = table.set_column(table.schema.get_field_index(name), name, pa.array(values, pa.int64()))
+        columns = {
+            "prefill_replica": pa.array([p.prefill_replica if p else -1 for p in pds], pa.int32()),
+            "decode_replica": pa.array([r.replica for r in rows], pa.int32()),
+            "decode_prefix_hit_tokens": decode_hits,
+            "prefill_finish_time_s": pa.array([p.prefill_finish_s if p else math.nan for p in pds], pa.float64()),
+            "transfer_bytes": pa.array([p.transfer_bytes if p else 0 for p in pds], pa.int64()),
+            "transfer_s": pa.array([p.transfer_s if p else math.nan for p in pds], pa.float64()),
+        }
+        for name, column in columns.items():
+            table = table.append_column(name, column)
         return table
 
     def steps_table(self) -> pa.Table:
@@ -504,6 +561,9 @@ class MetricsRecorder:
             for name in self._offload_columns:
                 columns[name] = pa.array(np.ascontiguousarray(rows[:, at]).astype(np.int64), pa.int64())
                 at += 1
+        if self.roles is not None:
+            roles = self.roles
+            columns["role"] = pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()
         return pa.table(columns)
 
 

@@ -44,6 +44,7 @@ from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.slo import SLO
 
@@ -126,10 +127,19 @@ class ReplayResult:
 def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployment(),
                efficiency: Efficiency = Efficiency(), slo: SLO = SLO(), time_limit_s: float | None = None,
                on_progress: Callable[[ReplayClock], None] | None = None,
-               offload: ResolvedOffload | None = None, decode_windows: bool = True) -> ReplayResult:
+               offload: ResolvedOffload | None = None, decode_windows: bool = True,
+               disaggregation: Disaggregation | None = None) -> ReplayResult:
     """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
     cost model and executor per replica of ``deployment``, each with the offload tiers
-    ``offload`` sizes (None: none)."""
+    ``offload`` sizes (None: none). With ``disaggregation`` the replicas are its prefill
+    and decode replicas instead (``pd_run.py``; ``deployment`` is then unused)."""
+    if disaggregation is not None:
+        executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(disaggregation.num_replicas)]
+        result = run_disaggregated(plan, trace, executors, disaggregation, slo=slo, time_limit_s=time_limit_s,
+                                   on_progress=on_progress, decode_windows=decode_windows)
+        result.requests, result.summary = with_client_side(result.requests, result.summary,
+                                                           efficiency.client_overhead_s)
+        return result
     executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(deployment.replicas)]
     result = run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
                                time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
@@ -179,6 +189,30 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                         router=router, offload=facts)
     per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
                                      cluster_summary=summary, offload=facts)
+    return ReplayResult(requests, steps, summary, end_s, per_replica)
+
+
+def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExecutor],
+                      disaggregation: Disaggregation, *, slo: SLO = SLO(), time_limit_s: float | None = None,
+                      on_progress: Callable[[ReplayClock], None] | None = None,
+                      decode_windows: bool = True, env: simpy.Environment | None = None) -> ReplayResult:
+    """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first)."""
+    from kvtwin.sim.replay.pd_run import pd_summary_columns, run_pd_simulation
+
+    def pricing(executor: ModelExecutor) -> WindowPricing | None:
+        return window_pricing(executor) if decode_windows else None
+
+    metrics, end_s = run_pd_simulation(plan, trace, executors, disaggregation, window_pricing=pricing,
+                                       time_limit_s=time_limit_s, on_progress=on_progress, env=env)
+    requests = metrics.requests_table()
+    steps = metrics.steps_table()
+    router = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
+    summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace,
+                        num_replicas=disaggregation.num_replicas, router=router)
+    for name, value in {**disaggregation.describe(), **pd_summary_columns(requests)}.items():
+        summary = summary.append_column(name, pa.array([value]))
+    per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
+                                     cluster_summary=summary)
     return ReplayResult(requests, steps, summary, end_s, per_replica)
 
 

@@ -26,6 +26,7 @@ from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
 from kvtwin.sim.scenario.calibration_file import Calibration, read_calibration
 from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_from_mapping
 from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
 from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
 from kvtwin.sim.scenario.slo import SLO
@@ -37,7 +38,8 @@ from kvtwin.traces.load import LoadOptions, load_trace
 from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
 
-SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload")
+SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload",
+            "disaggregation")
 TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
 SLO_KEYS = tuple(section_knobs("slo"))
 RUN_KEYS = tuple(section_knobs("run"))
@@ -93,6 +95,8 @@ class Scenario:
     cost_overrides: Mapping[str, object] = field(default_factory=dict)
     time_limit_s: float | None = None
     offload: OffloadConfig = OffloadConfig()
+    # Disaggregated prefill/decode (None: every replica does both).
+    disaggregation: Disaggregation | None = None
 
 
 def check_transform(key: str, value: object, where: str) -> None:
@@ -172,6 +176,9 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     check_keys(data, SECTIONS, "scenario")
     engine, deployment = engine_and_deployment(table_of(data, "engine"))
     offload = offload_config_from_mapping(table_of(data, "offload"))
+    disaggregation = disaggregation_from_mapping(table_of(data, "disaggregation"))
+    if disaggregation is not None and offload.enabled:
+        raise ConfigError("disaggregation", "no [offload] table beside it (P/D with an offload tier is not modelled)")
     slo_table = table_of(data, "slo")
     check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():
@@ -197,7 +204,7 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
         engine=engine, deployment=deployment, workload=_workload(table_of(data, "workload"), base_dir),
         slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload,
-        calibration=named, cost_overrides=cost_table)
+        calibration=named, cost_overrides=cost_table, disaggregation=disaggregation)
 
 
 def load_scenario_data(path: Path) -> dict:

@@ -35,6 +35,7 @@ from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
 from kvtwin.sim.scenario.calibration_file import Calibration, bundled_calibration, uncalibrated
 from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.knobs import flag_for, knob
@@ -101,6 +102,8 @@ class ResolvedScenario:
     offload: OffloadConfig = OffloadConfig()
     # Where ``efficiency`` came from and its held-out error (the band on every answer).
     calibration: Calibration | None = None
+    # Disaggregated prefill/decode (None: every replica does both).
+    disaggregation: Disaggregation | None = None
 
     @property
     def where(self) -> str | None:
@@ -192,7 +195,8 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
                             deployment=scenario.deployment, workload=workload, slo=scenario.slo,
                             efficiency=calibration.efficiency,
-                            time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration)
+                            time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration,
+                            disaggregation=scenario.disaggregation)
 
 
 def choose_calibration(scenario: Scenario, model: ModelPreset, gpu: GPUSpec, where: str | None) -> Calibration:

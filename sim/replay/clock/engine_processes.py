@@ -57,7 +57,7 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
     env = cluster.env
     engine = replica.engine
     executor = replica.executor
-    offload = engine.offload is not None
+    offload = engine.offload is not None or engine.pd is not None
     while True:
         # With an offload tier a step also reports finished requests (their last stores).
         if not (engine.has_requests() if offload else engine.has_unfinished_requests()):
@@ -72,7 +72,7 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
         if duration_s > 0:
             yield env.timeout(duration_s)
         elif not result.output.num_scheduled_tokens:
-            if offload and engine.has_unfinished_requests():
+            if offload and _waits_for_transfers(engine):
                 if (yield from cluster.wait_for_transfers(replica, _reported(result))):
                     continue
             # Nothing could be scheduled and no time passes: wait for an arrival rather
@@ -129,7 +129,7 @@ def _idle(cluster: ClusterView, replica: Replica):
         result = replica.batches.update()
         cluster.applied(replica, result, replica.timeline.take_oldest())
         reported |= _reported(result)
-    if engine.offload is not None and engine.has_unfinished_requests():
+    if (engine.offload is not None or engine.pd is not None) and _waits_for_transfers(engine):
         if (yield from cluster.wait_for_transfers(replica, reported)):
             return True
     if cluster.arrivals_done:
@@ -138,7 +138,17 @@ def _idle(cluster: ClusterView, replica: Replica):
     return True
 
 
+def _waits_for_transfers(engine) -> bool:
+    """Requests wait for transfers: unfinished ones (loads), or, with a P/D connector,
+    finished ones whose blocks another engine still has to read."""
+    if engine.has_unfinished_requests():
+        return True
+    pd = engine.pd
+    return pd is not None and pd.connector.has_pending_jobs()
+
+
 def _reported(result) -> bool:
     """Whether the worker reported a transfer finished with this step's result."""
     transfers = result.transfers
-    return transfers is not None and bool(transfers.completed_jobs or transfers.finished_recving)
+    return transfers is not None and bool(transfers.completed_jobs or transfers.finished_recving
+                                          or transfers.finished_sending)

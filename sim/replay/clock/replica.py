@@ -41,6 +41,9 @@ class Replica:
     def next_offload_event_s(self) -> float | None:
         """When the next transfer of the engine's offload tier finishes: a GPU↔CPU job, or
         a CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
+        pd = self.engine.pd
+        if pd is not None:
+            return pd.transfers.next_completion_s()
         tier = self.engine.offload
         assert tier is not None and isinstance(tier.transfers, TimedTransfers)  # the SimPy clock's kind
         times = [t for t in (tier.transfers.next_completion_s(), tier.manager.next_finish_s()) if t is not None]

@@ -1,0 +1,160 @@
+"""A disaggregated prefill/decode cluster on the SimPy clock.
+
+docs/semantics.md#disaggregated-prefill-and-decode. Replicas ``0 .. P-1`` prefill and
+``P .. P+D-1`` decode (``PDRouter``); every engine has a ``PDConnector`` and a
+``PDTransfers`` worker. A request flows as through vLLM's P/D proxy:
+
+1. on arrival the router picks a prefill and a decode replica; the prefill replica gets
+   a copy of the request (id ``<id>@prefill``, the prompt less the connector's backoff,
+   ``max_tokens = 1``), marked for a remote decode;
+2. when it finishes there its blocks stay (``request_finished`` delays their free) and
+   the client's request goes to the decode replica, announced as a remote prefill of the
+   tokens the prefill side computed;
+3. the decode replica admits it as an asynchronous load and its worker reads the blocks
+   over the decode replica's link; when the read lands the decode side is told
+   (``finished_recving``) and so is the prefill side (``finished_sending``: it frees
+   the blocks) — each at the end of its first step after that instant;
+4. the decode replica recomputes the prompt's last token, samples the first output
+   token (the client's first token: vLLM's proxy streams the decode side's reply) and
+   decodes the rest.
+
+A request the prefill replica rejects is the client's rejection; one the decode replica
+rejects is too, and its prefill blocks are freed at once (vLLM's decode side notifies
+the prefill side of an aborted request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvtwin.sim.core.engine import StepResult
+from kvtwin.sim.core.hashing import HashIdPrompt, PromptSource, TokenPrompt
+from kvtwin.sim.core.pd_connector import RemoteRead
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.replay.clock.arrivals import Arrival
+from kvtwin.sim.replay.clock.cluster import Cluster
+from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.recorder import BatchTimes
+
+PREFILL_SUFFIX = "@prefill"
+
+
+def truncated_prompt(prompt: PromptSource, backoff_tokens: int) -> PromptSource:
+    """``prompt`` less its last ``backoff_tokens`` tokens (none if that would empty it)."""
+    if backoff_tokens <= 0 or prompt.num_tokens <= backoff_tokens:
+        return prompt
+    if isinstance(prompt, TokenPrompt):
+        return TokenPrompt(prompt.token_ids[:-backoff_tokens])
+    assert isinstance(prompt, HashIdPrompt)
+    return HashIdPrompt(prompt.hash_ids, prompt.hash_block_tokens, prompt.num_tokens - backoff_tokens,
+                        prompt.unique_id)
+
+
+def prefill_request(request: Request, backoff_tokens: int) -> Request:
+    """The request the prefill replica runs for ``request``."""
+    return Request(request.request_id + PREFILL_SUFFIX, truncated_prompt(request.prompt, backoff_tokens), 1,
+                   arrival_time=request.arrival_time, priority=request.priority)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    request: Request  # the client's request
+    prefill_id: str
+    prefill: int  # replica indexes
+    decode: int
+
+
+class PDCluster(Cluster):
+    def __init__(self, *args, num_prefill: int, copies: int = 1, **kwargs):
+        """``num_prefill``: how many of the replicas (the first) prefill; ``copies``: the
+        workers each move their share of a read (tensor parallel; 1 with MLA)."""
+        super().__init__(*args, **kwargs)
+        self.num_prefill = num_prefill
+        self.copies = copies
+        self.roles = ["prefill" if i < num_prefill else "decode" for i in range(len(self.replicas))]
+        self._by_prefill_id: dict[str, _InFlight] = {}
+        self._by_id: dict[str, _InFlight] = {}
+        for replica in self.replicas[num_prefill:]:
+            pd = replica.engine.pd
+            assert pd is not None
+            pd.transfers.on_read = self._read_issued
+
+    def arrive(self, arrival: Arrival) -> None:
+        request = arrival.request
+        first = self.replicas[0].engine.pd
+        assert first is not None
+        p_request = prefill_request(request, first.connector.prefill_backoff_tokens)
+        prefill, decode = self.router.route_pair(p_request, request, arrival.session_id)
+        self.recorder.arrived(request, arrival.arrival_s, arrival.session_id, decode)
+        self.recorder.arrived_prefill(p_request, request.request_id, arrival.arrival_s, prefill)
+        flight = _InFlight(request, p_request.request_id, prefill, decode)
+        engine = self.replicas[prefill].engine
+        engine.pd.connector.mark_remote_decode(p_request.request_id)
+        self.progress.arrived += 1
+        if not engine.add_request(p_request):
+            engine.pd.connector.request_finished(p_request)  # forget the mark
+            self.recorder.rejected(request, engine.rejected[-1])
+            self.progress.rejected += 1
+            self.router.release(prefill, p_request)
+            self.router.release(decode, request)
+            return
+        self._by_prefill_id[p_request.request_id] = flight
+        self.replicas[prefill].wake()
+
+    def applied(self, replica: Replica, result: StepResult, times: BatchTimes, synchronous: bool = False) -> None:
+        super().applied(replica, result, times, synchronous)
+        if replica.index < self.num_prefill and result.finished:
+            self.progress.finished -= len(result.finished)  # only the decode side finishes a request
+            for p_request in result.finished:
+                self._prefilled(p_request, times.end_s)
+
+    def _prefilled(self, p_request: Request, end_s: float) -> None:
+        """The prefill side finished: the client's request goes to its decode replica."""
+        flight = self._by_prefill_id.pop(p_request.request_id)
+        request = flight.request
+        decode = self.replicas[flight.decode]
+        engine = decode.engine
+        pd = engine.pd
+        assert pd is not None
+        self.recorder.prefill_done(request.request_id, end_s)
+        pd.connector.expect_remote_prefill(request.request_id, p_request.num_computed_tokens)
+        if not engine.add_request(request):
+            pd.connector.request_finished(request)
+            self.recorder.rejected(request, engine.rejected[-1])
+            self.progress.rejected += 1
+            self.router.release(flight.decode, request)
+            self._send_done(flight, self.env.now)
+            return
+        self._by_id[request.request_id] = flight
+        decode.wake()
+
+    def _read_issued(self, read: RemoteRead, issued_s: float, done_s: float) -> None:
+        """A decode worker issued its read of a request's blocks: the prefill side learns
+        when it lands (and frees them then)."""
+        flight = self._by_id.pop(read.req_id)
+        self.recorder.pd_transfer(read.req_id, read.num_bytes * self.copies, done_s - issued_s)
+        self._send_done(flight, done_s)
+
+    def _send_done(self, flight: _InFlight, at_s: float) -> None:
+        prefill = self.replicas[flight.prefill]
+        pd = prefill.engine.pd
+        assert pd is not None
+        pd.transfers.send_done(flight.prefill_id, at_s)
+        prefill.wake()
+
+    def wait_for_transfers(self, replica: Replica, reported: bool):
+        """As the base cluster's, and a prefill replica whose finished requests wait for a
+        read not yet issued sleeps until the decode side issues it."""
+        if reported:
+            return True
+        due_s = replica.next_offload_event_s()
+        env = self.env
+        if due_s is None:
+            pd = replica.engine.pd
+            if pd is not None and pd.connector.has_pending_jobs():
+                yield replica.sleep(env)
+                return True
+            return False
+        if due_s > env.now:
+            yield env.any_of([replica.sleep(env), env.timeout(due_s - env.now)])
+        return True
