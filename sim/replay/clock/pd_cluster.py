@@ -79,6 +79,17 @@ class PDCluster(Cluster):
             assert pd is not None
             pd.transfers.on_read = self._read_issued
 
+    @property
+    def arrivals_done(self) -> bool:
+        """No request will reach any replica any more: the arrivals are done and no
+        prefill is still to hand its request to a decode replica (an idle replica stops
+        only then)."""
+        return self._arrivals_done and not self._by_prefill_id
+
+    @arrivals_done.setter
+    def arrivals_done(self, value: bool) -> None:
+        self._arrivals_done = value
+
     def arrive(self, arrival: Arrival) -> None:
         request = arrival.request
         first = self.replicas[0].engine.pd
@@ -105,12 +116,25 @@ class PDCluster(Cluster):
         super().applied(replica, result, times, synchronous)
         if replica.index < self.num_prefill and result.finished:
             self.progress.finished -= len(result.finished)  # only the decode side finishes a request
-            for p_request in result.finished:
-                self._prefilled(p_request, times.end_s)
+            finished = list(result.finished)
+            if times.end_s > self.env.now:
+                # A synchronous step is applied when it starts: hand over when it ends.
+                self.env.process(self._prefilled_at(finished, times.end_s))
+            else:
+                for p_request in finished:
+                    self._prefilled(p_request, times.end_s)
+
+    def _prefilled_at(self, finished: list[Request], end_s: float):
+        yield self.env.timeout(end_s - self.env.now)
+        for p_request in finished:
+            self._prefilled(p_request, end_s)
 
     def _prefilled(self, p_request: Request, end_s: float) -> None:
         """The prefill side finished: the client's request goes to its decode replica."""
         flight = self._by_prefill_id.pop(p_request.request_id)
+        if self.arrivals_done:
+            for replica in self.replicas:  # the last hand-over: idle replicas may stop now
+                replica.wake()
         request = flight.request
         decode = self.replicas[flight.decode]
         engine = decode.engine

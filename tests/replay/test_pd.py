@@ -1,0 +1,225 @@
+"""Disaggregated prefill/decode in the replay: the ``[disaggregation]`` config, the P/D
+router, the flow between the roles, and its outputs.
+
+Properties (hypothesis) over xPyD shapes, links and scheduling modes, on a short chat
+workload with a small KV cache:
+
+* block conservation across both instances: every engine's pool balances at every
+  applied batch; a prefill request's blocks stay allocated until its read has landed,
+  and are freed only after that instant;
+* no request is lost between roles: every arrival ends finished or rejected, each
+  finished one ran its prompt on one prefill replica and decoded on one decode replica,
+  and every engine ends with nothing held.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import simpy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.replay.clock.pd_cluster import PREFILL_SUFFIX, PDCluster
+from kvtwin.sim.replay.pd_run import pd_engines
+from kvtwin.sim.replay.pd_router import PDRouter
+from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_disaggregated, run_replay
+from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.trace_requests import arrivals_from_trace
+from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_from_mapping
+from kvtwin.sim.scenario.parse import parse_scenario
+from tests.replay.chat_workload import chat_trace, llama_plan
+from tests.sim.invariant_checks import check_pool
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return chat_trace(60)
+
+
+# -- the config ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table, field", [
+    ({"prefill_replicas": 0}, "disaggregation.prefill_replicas"),
+    ({"decode_replicas": 0}, "disaggregation.decode_replicas"),
+    ({"prefill_replicas": 1.5}, "disaggregation.prefill_replicas"),
+    ({"link": "infiniband"}, "disaggregation.link"),
+    ({"link": "rdma", "bandwidth_gbps": 0}, "disaggregation.bandwidth_gbps"),
+    ({"latency_us": -1}, "disaggregation.latency_us"),
+    ({"prefill_router": "random"}, "disaggregation.prefill_router"),
+    ({"prefill": 2}, "disaggregation.prefill"),
+])
+def test_bad_disaggregation_names_the_field(table, field):
+    with pytest.raises(ConfigError) as err:
+        disaggregation_from_mapping(table)
+    assert err.value.field == field
+
+
+def test_scenario_section_and_offload_clash(tmp_path):
+    scenario = parse_scenario({"disaggregation": {"prefill_replicas": 2, "decode_replicas": 1}}, tmp_path)
+    assert scenario.disaggregation == Disaggregation(prefill_replicas=2, decode_replicas=1)
+    assert parse_scenario({}, tmp_path).disaggregation is None
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({"disaggregation": {"prefill_replicas": 1}, "offload": {"cpu_bytes": 2**30}}, tmp_path)
+    assert err.value.field == "disaggregation"
+
+
+def test_links():
+    assert Disaggregation(link="rdma").link_bytes_per_s(900e9) == 400e9 / 8
+    assert Disaggregation(link="nvlink").link_bytes_per_s(900e9) == 900e9
+    assert Disaggregation(link="nvlink", bandwidth_gbps=800).link_bytes_per_s(900e9) == 100e9
+    assert Disaggregation(link="rdma", latency_us=3).link_latency_s == pytest.approx(3e-6)
+    with pytest.raises(ConfigError) as err:
+        Disaggregation(link="nvlink").link_bytes_per_s(0.0)
+    assert err.value.field == "disaggregation.link"
+
+
+# -- a run, watched batch by batch ----------------------------------------------------------
+
+
+class WatchedCluster(PDCluster):
+    """Checks block conservation on every engine at every applied batch, and when each
+    prefill request's blocks came back against when its read landed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_done_s: dict[str, float] = {}
+        self.freed_s: dict[str, float] = {}
+        self.prefilled_on: dict[str, int] = {}
+        self.delayed_last: dict[int, set[str]] = {}
+        for replica in self.replicas[:self.num_prefill]:
+            transfers = replica.engine.pd.transfers
+            original = transfers.send_done
+
+            def send_done(request_id, at_s, original=original):
+                self.read_done_s[request_id] = at_s
+                original(request_id, at_s)
+
+            transfers.send_done = send_done
+
+    def applied(self, replica, result, times, synchronous=False):
+        engine = replica.engine
+        # What was held at the previous batch (the engine frees while it steps, before this call).
+        delayed_before = self.delayed_last.get(replica.index, set())
+        super().applied(replica, result, times, synchronous)
+        check_pool(engine)
+        state = engine.scheduler.connector_state
+        for request_id, request in state.delayed_free.items():
+            # Held until the read lands: its blocks are still in its tables.
+            assert any(engine.kv_cache_manager.get_block_ids(request_id)), request_id
+        if replica.index < self.num_prefill:
+            for request in result.finished:
+                self.prefilled_on[request.request_id] = replica.index
+            for request_id in delayed_before - set(state.delayed_free):
+                self.freed_s[request_id] = times.end_s  # the batch whose report freed them ended then
+                assert request_id in self.read_done_s, f"{request_id} freed before its read was issued"
+                assert self.read_done_s[request_id] <= times.end_s + 1e-12
+        self.delayed_last[replica.index] = set(state.delayed_free)
+
+
+def watched_run(plan, trace, disaggregation: Disaggregation):
+    env = simpy.Environment()
+    engines = pd_engines(plan, disaggregation, env)
+    p = disaggregation.prefill_replicas
+    router = PDRouter(engines[:p], engines[p:], disaggregation.prefill_router, disaggregation.decode_router)
+    roles = ["prefill"] * p + ["decode"] * disaggregation.decode_replicas
+    recorder = MetricsRecorder(len(plan.require_fits().groups), len(engines), roles=roles)
+    replicas = [Replica(engine, CostModelExecutor(plan_cost_model(plan))) for engine in engines]
+    cluster = WatchedCluster(env, replicas, router, recorder, num_prefill=p)
+    cluster.run(arrivals_from_trace(trace))
+    return cluster, recorder
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prefill=st.integers(1, 3), decode=st.integers(1, 2), async_scheduling=st.booleans(),
+       link=st.sampled_from([("rdma", 400.0), ("rdma", 1.0), ("nvlink", None)]),
+       prefill_router=st.sampled_from(["prefix_aware", "round_robin"]))
+def test_blocks_conserved_and_no_request_lost(chat, prefill, decode, async_scheduling, link, prefill_router):
+    plan = llama_plan(async_scheduling=async_scheduling)
+    trace = chat.slice(0, 40)
+    disaggregation = Disaggregation(prefill_replicas=prefill, decode_replicas=decode, link=link[0],
+                                    bandwidth_gbps=link[1], prefill_router=prefill_router)
+    cluster, recorder = watched_run(plan, trace, disaggregation)
+    requests = recorder.requests_table().to_pydict()
+    assert len(requests["request_id"]) == trace.num_rows
+    assert set(requests["status"]) <= {"finished", "rejected"}
+    for i, request_id in enumerate(requests["request_id"]):
+        if requests["status"][i] != "finished":
+            continue
+        # Prefilled on the prefill replica the router chose, decoded on a decode replica.
+        assert cluster.prefilled_on[request_id + PREFILL_SUFFIX] == requests["prefill_replica"][i] < prefill
+        assert prefill <= requests["decode_replica"][i] < prefill + decode
+        assert requests["transfer_bytes"][i] > 0 and requests["transfer_s"][i] > 0
+        # The first token comes from the decode side, after the prefill and the read.
+        assert (requests["first_token_time_s"][i]
+                >= requests["prefill_finish_time_s"][i] + requests["transfer_s"][i] - 1e-9)
+        assert requests["generated_tokens"][i] == requests["output_tokens"][i]
+        # Every prefill request's blocks came back, and only after its read.
+        assert cluster.freed_s[request_id + PREFILL_SUFFIX] >= cluster.read_done_s[request_id + PREFILL_SUFFIX]
+    for replica in cluster.replicas:
+        engine = replica.engine
+        assert not engine.scheduler.connector_state.delayed_free
+        assert not engine.pd.connector.has_pending_jobs()
+        pool = engine.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+# -- the outputs ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd_result(chat):
+    return run_replay(llama_plan(), chat, disaggregation=Disaggregation(prefill_replicas=2, decode_replicas=1))
+
+
+def test_outputs_have_the_pd_columns(pd_result):
+    requests = pd_result.requests
+    for name in ("prefill_replica", "decode_replica", "transfer_bytes", "transfer_s", "prefill_finish_time_s",
+                 "decode_prefix_hit_tokens"):
+        assert name in requests.column_names
+    roles = pd_result.steps.column("role").to_pylist()
+    replicas = pd_result.steps.column("replica").to_pylist()
+    assert {(r, role) for r, role in zip(replicas, roles)} <= {(0, "prefill"), (1, "prefill"), (2, "decode")}
+    summary = pd_result.summary.to_pylist()[0]
+    assert summary["pd_prefill_replicas"] == 2 and summary["pd_link"] == "rdma"
+    assert 0 < summary["pd_transfer_share_of_ttft"] < 1
+    done = np.array(requests.column("status").to_pylist()) == "finished"
+    ttft = requests.column("ttft_s").to_numpy()[done]
+    transfer = requests.column("transfer_s").to_numpy()[done]
+    assert summary["pd_transfer_share_of_ttft"] == pytest.approx(float((transfer / ttft).mean()))
+
+
+def test_transfer_bytes_are_every_layer_of_the_prompt(pd_result):
+    # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x (K and V) x 2 bytes per token, in whole
+    # 16-token blocks past the decode side's own hit (none here: one decode replica
+    # starts cold, then hits its own earlier decodes' prompts).
+    requests = pd_result.requests.to_pydict()
+    per_token = 32 * 8 * 128 * 2 * 2
+    first = 0
+    blocks = math.ceil(requests["prompt_tokens"][first] / 16)
+    assert requests["decode_prefix_hit_tokens"][first] == 0
+    assert requests["transfer_bytes"][first] == blocks * 16 * per_token
+
+
+def test_deterministic(chat):
+    disaggregation = Disaggregation(prefill_replicas=1, decode_replicas=2)
+    plan = llama_plan()
+    a = run_replay(plan, chat, disaggregation=disaggregation)
+    b = run_replay(plan, chat, disaggregation=disaggregation)
+    assert a.requests.equals(b.requests) and a.steps.equals(b.steps)
+
+
+def test_slow_link_shows_in_ttft(chat):
+    plan = llama_plan()
+    executors = [CostModelExecutor(plan_cost_model(plan)) for _ in range(2)]
+    fast = run_disaggregated(plan, chat, executors, Disaggregation(bandwidth_gbps=800))
+    executors = [CostModelExecutor(plan_cost_model(plan)) for _ in range(2)]
+    slow = run_disaggregated(plan, chat, executors, Disaggregation(bandwidth_gbps=1))
+    fast_s, slow_s = fast.summary.to_pylist()[0], slow.summary.to_pylist()[0]
+    assert slow_s["pd_transfer_mean_ms"] > 100 * fast_s["pd_transfer_mean_ms"]
+    assert slow_s["mean_ttft_ms"] > fast_s["mean_ttft_ms"]
