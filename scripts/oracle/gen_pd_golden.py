@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Golden cases for disaggregated prefill/decode: vLLM 0.33's real scheduler with the
+real scheduler half of the NIXL connector (pull mode), one prefill and one decode engine.
+
+Two ``Scheduler`` objects (synchronous scheduling) are built as in
+``gen_offload_golden.py`` (same tiny model config, same one-layer KV cache groups), each
+with ``kv_transfer_config = NixlConnector, kv_role = kv_both``: the ``NixlConnector`` in
+its scheduler role imports and runs without the ``nixl`` library (its handshake thread
+only starts when a worker publishes metadata, which never happens here). Faked, as in
+the offload harness:
+
+* the model: every scheduled request that is not a partial prefill chunk samples its
+  next scripted output token;
+* the connector's worker side, in ticks. A tick is: the prefill engine's step
+  (``schedule`` then ``update_from_output``), then the hand-over (each request the
+  prefill engine finished is added to the decode engine with the ``kv_transfer_params``
+  its output carries, as vLLM's proxy does), then the decode engine's step. A read the
+  decode engine's metadata asks for in tick ``t`` (``reqs_to_recv`` with blocks to
+  load) is reported in ``finished_recving`` with the decode engine's update of tick
+  ``t + read_steps``, and the matching ``finished_sending`` with the prefill engine's
+  update of the same tick (every read, an empty one included: it is the decode side's
+  notification that frees the prefill side's blocks). The reports are sorted lists where
+  the real worker hands sets: the prefill side frees in the order it iterates them, and
+  a set of strings iterates in an order PYTHONHASHSEED decides.
+
+Nothing in vLLM is altered. Each tick records, per engine: the tokens scheduled per
+request and where each started (``num_computed_tokens`` before the step), the reads
+(request, blocks per group), the requests finished, the requests waiting for remote KV,
+the free block count, and every live request's block table (block ids per group; a
+prefill request whose blocks wait for the read included).
+
+Usage (the oracle venv's python, PYTHONWARNINGS=ignore):
+  gen_pd_golden.py make [--out DIR]      build the cases, write DIR/<name>.json
+  gen_pd_golden.py --check FILE ...      re-run, SAME / DIFFERENT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+REPO = os.path.dirname(os.path.dirname(HERE))
+DEFAULT_OUT = os.path.join(REPO, "tests", "golden", "pd")
+
+import gen_offload_golden as base  # noqa: E402  (sets the oracle's environment, imports vLLM)
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+                         SchedulerConfig, VllmConfig)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,  # noqa: E402
+                                         resolve_kv_cache_block_sizes)
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+
+def build(cfg: dict, num_blocks: int, engine_id: str):
+    """One engine's scheduler with the NIXL connector's scheduler half."""
+    bs = int(cfg["block_size"])
+    groups = base.build_groups(cfg["kv_cache_groups"], bs)
+    model_config = ModelConfig(model=base.tiny_model_dir(), skip_tokenizer_init=True,
+                               max_model_len=int(cfg["max_model_len"]), dtype="float16")
+    cache_config = CacheConfig(block_size=bs, enable_prefix_caching=True, prefix_caching_hash_algo="sha256")
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=int(cfg["max_num_seqs"]), max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
+        max_model_len=int(cfg["max_model_len"]), enable_chunked_prefill=True, long_prefill_token_threshold=0,
+        async_scheduling=False, is_encoder_decoder=False)
+    kv_transfer_config = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id)
+    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
+                             scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
+                             kv_transfer_config=kv_transfer_config)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                      structured_output_manager=StructuredOutputManager(vllm_config),
+                      block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
+    if type(sched.connector).__name__ not in ("NixlConnector", "NixlPullConnector"):
+        raise base.CaseError(f"connector {type(sched.connector).__name__}")
+    if sched.connector.connector_scheduler._prefill_backoff() != 0:
+        raise base.CaseError("a prefill backoff: this harness covers attention-only layouts")
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return sched, get_request_block_hasher(hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens)
+
+
+def tables(sched) -> dict:
+    """Every live request's block ids per group (finished ones waiting for a read too)."""
+    kvm = sched.kv_cache_manager
+    return {rid: [list(g) for g in kvm.get_block_ids(rid)] for rid in sorted(sched.requests)}
+
+
+class Side:
+    """One engine in the tick loop."""
+
+    def __init__(self, sched, hasher, outputs: dict[str, list[int]], read_steps: int):
+        self.sched = sched
+        self.read_steps = read_steps
+        self.hasher = hasher
+        self.outputs = outputs
+        self.reqs: dict[str, Request] = {}
+        self.due_recv: dict[int, set[str]] = {}
+        self.due_send: dict[int, set[str]] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict) -> None:
+        req = Request(request_id=rid, prompt_token_ids=list(prompt),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                     extra_args={"kv_transfer_params": params}),
+                      pooling_params=None, arrival_time=float(len(self.reqs)), block_hasher=self.hasher)
+        self.reqs[rid] = req
+        self.sched.add_request(req)
+
+    def step(self, tick: int) -> tuple[dict, dict]:
+        """schedule + model + update; the tick's record and the finished requests' params."""
+        sched = self.sched
+        so = sched.schedule()
+        computed = {rid: self.reqs[rid].num_computed_tokens - n for rid, n in so.num_scheduled_tokens.items()}
+        meta = so.kv_connector_metadata
+        reads = []
+        for rid, rmeta in sorted(getattr(meta, "reqs_to_recv", {}).items()):
+            reads.append([rid, [len(g) for g in rmeta.local_block_ids]])
+            if rmeta.awaiting_kvs:  # an empty read (a full local hit) only notifies the prefill side
+                self.due_recv.setdefault(tick + self.read_steps, set()).add(rid)
+        req_ids, sampled = [], []
+        for rid in so.num_scheduled_tokens:
+            req = self.reqs[rid]
+            req_ids.append(rid)
+            sampled.append([] if req.is_prefill_chunk else [self.outputs[rid][req.num_output_tokens]])
+        # Sorted lists, not sets: the scheduler frees finished_sending requests in the
+        # order it iterates them, and a set's order of strings changes with PYTHONHASHSEED.
+        kv_out = KVConnectorOutput(finished_recving=sorted(self.due_recv.pop(tick, set())) or None,
+                                   finished_sending=sorted(self.due_send.pop(tick, set())) or None)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                pooler_output=[], kv_connector_output=kv_out)
+        freed = sorted(kv_out.finished_sending or ())
+        outs = sched.update_from_output(so, mro)
+        finished, params = [], {}
+        for eco in outs.get(0, None).outputs if outs.get(0) else []:
+            if eco.finish_reason is not None:
+                finished.append(eco.request_id)
+                params[eco.request_id] = eco.kv_transfer_params
+        record = dict(scheduled=dict(so.num_scheduled_tokens), computed=computed, reads=reads,
+                      finished=sorted(finished), freed=freed,
+                      waiting_remote=sorted(r for r, q in sched.requests.items()
+                                            if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
+                      free_blocks=sched.kv_cache_manager.block_pool.get_num_free_blocks(), tables=tables(sched))
+        return record, params
+
+
+def run_case(case: dict) -> list[dict]:
+    cfg = case["config"]
+    read_steps = int(cfg["read_steps"])
+    outputs = {r["request_id"]: r["output_token_ids"] for r in case["requests"]}
+    p = Side(*build(cfg, int(cfg["prefill_num_blocks"]), "prefill"), outputs, read_steps)
+    d = Side(*build(cfg, int(cfg["decode_num_blocks"]), "decode"), outputs, read_steps)
+    pending = sorted(case["requests"], key=lambda r: r["arrival_tick"])
+    prompts = {r["request_id"]: r["prompt_token_ids"] for r in case["requests"]}
+    ticks, tick, done = [], 0, 0
+    while done < len(case["requests"]):
+        while pending and pending[0]["arrival_tick"] <= tick:
+            r = pending.pop(0)
+            p.add(r["request_id"], r["prompt_token_ids"], 1, {"do_remote_decode": True})
+        p_record, params = p.step(tick)
+        for rid in p_record["finished"]:
+            d.add(rid, prompts[rid], len(outputs[rid]), dict(params[rid]))
+        d_record, _ = d.step(tick)
+        for rid, _ in d_record["reads"]:
+            p.due_send.setdefault(tick + read_steps, set()).add(rid)
+        done += len(d_record["finished"])
+        ticks.append(dict(tick=tick, prefill=p_record, decode=d_record))
+        tick += 1
+        if tick > 5000:
+            raise base.CaseError("no progress")
+    while p.sched.requests:  # the last reads' sends
+        p_record, _ = p.step(tick)
+        ticks.append(dict(tick=tick, prefill=p_record, decode=None))
+        tick += 1
+    return ticks
+
+
+def cases() -> list[dict]:
+    out = []
+
+    def req(rng, rid, tick, prompt, n_out):
+        return dict(request_id=rid, arrival_tick=tick, prompt_token_ids=prompt,
+                    output_token_ids=[rng.randrange(1000, 60000) for _ in range(n_out)])
+
+    for name, groups, seed, read_steps, p_blocks, d_blocks in (
+            ("pd_full_basic", [{"kind": "full_attention"}], 1, 1, 64, 64),
+            ("pd_full_slow_read", [{"kind": "full_attention"}], 2, 4, 48, 40),
+            ("pd_full_tight_decode", [{"kind": "full_attention"}], 3, 2, 64, 24),
+            ("pd_hybrid_swa", [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 32}],
+             4, 2, 96, 80)):
+        rng = random.Random(seed)
+        system = [rng.randrange(1000, 60000) for _ in range(40)]
+        requests = []
+        for i in range(8):
+            shared = system if i % 2 == 0 else []
+            prompt = shared + [rng.randrange(1000, 60000) for _ in range(rng.randrange(5, 70))]
+            requests.append(req(rng, f"r{i}", i * rng.randrange(0, 3), prompt, rng.randrange(2, 9)))
+        config = dict(vllm_version=base.VLLM_VERSION, block_size=16, kv_cache_groups=groups,
+                      prefill_num_blocks=p_blocks, decode_num_blocks=d_blocks, max_model_len=512,
+                      max_num_seqs=4, max_num_batched_tokens=64, read_steps=read_steps,
+                      description=f"{name}: 1P1D, NIXL pull, synchronous, reads land after {read_steps} ticks")
+        out.append(dict(name=name, config=config, requests=requests))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", nargs="*")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    if args.check:
+        bad = 0
+        for path in args.cmd:
+            with open(path) as f:
+                case = json.load(f)
+            same = run_case(case) == case["expected_ticks"]
+            print(("SAME " if same else "DIFFERENT ") + path)
+            bad += not same
+        return 1 if bad else 0
+    if args.cmd != ["make"]:
+        ap.error("make, or --check FILE ...")
+    os.makedirs(args.out, exist_ok=True)
+    for case in cases():
+        case["expected_ticks"] = run_case(case)
+        path = os.path.join(args.out, case["name"] + ".json")
+        with open(path, "w") as f:
+            json.dump(case, f, indent=None, separators=(",", ":"))
+            f.write("\n")
+        print(f"wrote {path}: {len(case['expected_ticks'])} ticks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The P/D golden cases (``tests/golden/pd``, made by ``scripts/oracle/gen_pd_golden.py``
+driving vLLM 0.33's real scheduler with the NIXL connector's real scheduler half): the
+twin's prefill and decode engines, stepped in the same ticks with the same scripted
+model and worker, must match every tick's record exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.engine import EngineCore, Execution, PDTier
+from kvtwin.sim.core.hashing import TokenPrompt
+from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
+from kvtwin.sim.core.pd_connector import PDConnector, PDConnectorMetadata
+from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+CASES = sorted((Path(__file__).resolve().parents[2] / "golden" / "pd").glob("*.json"))
+
+
+class TickWorker(KVTransferWorker):
+    """The oracle's worker: a read issued in tick t lands in tick t + read_steps."""
+
+    def __init__(self, read_steps: int):
+        self.read_steps = read_steps
+        self.tick = 0
+        self.reads: list = []
+        self.due_recv: dict[int, set[str]] = {}
+        self.due_send: dict[int, set[str]] = {}
+
+    def submit(self, meta) -> None:
+        self.reads = list(meta.reads) if isinstance(meta, PDConnectorMetadata) else []
+        for read in self.reads:
+            if read.num_tokens:
+                self.due_recv.setdefault(self.tick + self.read_steps, set()).add(read.req_id)
+
+    def finish_step(self, duration_s: float) -> KVConnectorOutput:
+        return KVConnectorOutput(finished_recving=sorted(self.due_recv.pop(self.tick, set())),
+                                 finished_sending=sorted(self.due_send.pop(self.tick, set())))
+
+
+class Model:
+    def __init__(self, outputs: dict[str, list[int]]):
+        self.outputs = outputs
+
+    def execute(self, output):
+        return Execution({rid: [self.outputs[rid][k]] for rid, k in output.num_output_tokens.items()}, 1.0)
+
+
+def build(cfg: dict, num_blocks: int) -> EngineCore:
+    bs = cfg["block_size"]
+    specs = []
+    for g in cfg["kv_cache_groups"]:
+        if g["kind"] == "full_attention":
+            specs.append(FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8))
+        else:
+            specs.append(SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=8,
+                                           sliding_window=g["sliding_window"]))
+    config = KVCacheConfig(num_blocks=num_blocks, groups=tuple(KVCacheGroupSpec((f"layer{i}",), s)
+                                                                for i, s in enumerate(specs)), hash_block_size=bs)
+    scheduler = SchedulerConfig(max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
+                                max_num_batched_tokens=cfg["max_num_batched_tokens"], async_scheduling=False)
+    return EngineCore(config, scheduler, CacheConfig(enable_prefix_caching=True),
+                      pd=PDTier(PDConnector(config), TickWorker(cfg["read_steps"])))
+
+
+def record(engine: EngineCore, result, tick: int) -> dict:
+    out = result.output
+    sched = engine.scheduler
+    live = set(sched.requests) | set(sched.connector_state.delayed_free)
+    transfers = result.transfers
+    return dict(
+        scheduled=dict(out.num_scheduled_tokens),
+        computed=dict(zip(out.num_scheduled_tokens, out.num_computed_tokens)),
+        reads=[[r.req_id, list(r.num_blocks)] for r in sorted(engine.transfers.reads, key=lambda r: r.req_id)],
+        finished=sorted(r.request_id for r in result.finished),
+        freed=sorted(transfers.finished_sending) if transfers is not None else [],
+        waiting_remote=sorted(rid for rid, r in sched.requests.items()
+                              if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS),
+        free_blocks=engine.kv_cache_manager.block_pool.get_num_free_blocks(),
+        tables={rid: [list(g) for g in engine.kv_cache_manager.get_block_ids(rid)] for rid in sorted(live)})
+
+
+def step(engine: EngineCore, model: Model, tick: int) -> dict:
+    engine.transfers.tick = tick
+    engine.transfers.reads = []
+    return record(engine, engine.step(model), tick)
+
+
+def run(case: dict) -> list[dict]:
+    cfg = case["config"]
+    outputs = {r["request_id"]: r["output_token_ids"] for r in case["requests"]}
+    prompts = {r["request_id"]: r["prompt_token_ids"] for r in case["requests"]}
+    model = Model(outputs)
+    p, d = build(cfg, cfg["prefill_num_blocks"]), build(cfg, cfg["decode_num_blocks"])
+    pending = sorted(case["requests"], key=lambda r: r["arrival_tick"])
+    ticks, tick, done = [], 0, 0
+    while done < len(case["requests"]):
+        while pending and pending[0]["arrival_tick"] <= tick:
+            r = pending.pop(0)
+            p.pd.connector.mark_remote_decode(r["request_id"])
+            p.add_request(Request(r["request_id"], TokenPrompt(r["prompt_token_ids"]), 1))
+        p_record = step(p, model, tick)
+        for rid in p_record["finished"]:
+            # vLLM's remote_num_tokens: what the prefill side computed (its prompt).
+            d.pd.connector.expect_remote_prefill(rid, len(prompts[rid]))
+            d.add_request(Request(rid, TokenPrompt(prompts[rid]), len(outputs[rid])))
+        d_record = step(d, model, tick)
+        for rid, _ in d_record["reads"]:
+            p.transfers.due_send.setdefault(tick + cfg["read_steps"], set()).add(rid)
+        done += len(d_record["finished"])
+        ticks.append(dict(tick=tick, prefill=p_record, decode=d_record))
+        tick += 1
+        assert tick < 5000
+    while p.scheduler.requests or p.scheduler.connector_state.delayed_free:
+        ticks.append(dict(tick=tick, prefill=step(p, model, tick), decode=None))
+        tick += 1
+        assert tick < 5000
+    return ticks
+
+
+@pytest.mark.parametrize("path", CASES, ids=[c.stem for c in CASES])
+def test_pd_golden(path):
+    case = json.loads(path.read_text())
+    actual = run(case)
+    expected = case["expected_ticks"]
+    for exp, act in zip(expected, actual):
+        assert act == exp, f"tick {exp['tick']}"
+    assert len(actual) == len(expected)
+
+
+def test_cases_exist():
+    assert len(CASES) >= 4
