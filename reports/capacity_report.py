@@ -43,6 +43,7 @@ def render_capacity_report(capacity: pa.Table, hit_curve: pa.Table | None, metad
     sections = [header("capacity", metadata, sources), plan_section(plan) if plan else "",
                 "<h2>Key metrics</h2>" + kv_table(_capacity_metrics(frame)),
                 "<h2>Plots</h2>", *(figures or ['<p class="note">no sweep key this report plots</p>']),
+                *_pd_section(frame),
                 "<h2>All sweep points</h2>", _capacity_table(frame)]
     return page(f"kvtwin capacity report: {scenario_facts(metadata)[0]}", sections)
 
@@ -63,6 +64,26 @@ def _capacity_metrics(frame: pd.DataFrame) -> list[tuple[str, str]]:
             shown = format_percent(value) if column in ("slo_attainment", "prefix_cache_hit_rate") else fmt_cell(value)
             rows.append((label, shown))
     return rows
+
+
+# What the P/D comparison shows of each point, when present.
+_PD_COLUMNS = ("num_gpus", "num_replicas", "router", "pd_prefill_replicas", "pd_decode_replicas", "pd_link",
+               "request_throughput", "output_throughput", "p99_ttft_ms", "p99_tpot_ms", "slo_attainment",
+               "pd_transfer_mean_ms", "pd_transfer_share_of_ttft", "max_request_rate", "cost_per_million_tokens")
+
+
+def _pd_section(frame: pd.DataFrame) -> list[str]:
+    """Disaggregated points (xPyD) beside aggregated ones, by GPU count: empty unless the
+    sweep ran a P/D point (``disaggregation.shape=2P1D,1P2D,none``)."""
+    if "pd_link" not in frame.columns:
+        return []
+    keys = sweep_keys(frame)
+    shown = [c for c in ("point", *keys, *_PD_COLUMNS) if c in frame.columns]
+    ordered = frame.sort_values(["num_gpus", "point"], kind="stable") if "num_gpus" in frame.columns else frame
+    note = ('<p class="note">Each replica is one planned engine (its tensor-parallel GPUs); an xPyD point uses '
+            '(x + y) of them. Aggregated points have no pd_ columns. TTFT of a P/D point is the decode side\'s '
+            'first token (prefill, KV read, and the decode step that recomputes the last prompt token).</p>')
+    return ["<h2>Disaggregated against aggregated, by GPUs</h2>", note, frame_table(ordered[list(shown)])]
 
 
 def _capacity_table(frame: pd.DataFrame) -> str:

@@ -168,6 +168,10 @@ def print_points(table, axes, find_max_rate: bool) -> None:
     if "hit_rate_total" in table.column_names:
         # Offloading: what the tiers add to the GPU's hits (of prompt tokens; "-" without tiers).
         figures[4:4] = [("+CPU", "hit_rate_cpu"), ("+disk", "hit_rate_disk"), ("total hit", "hit_rate_total")]
+    if "pd_link" in table.column_names:
+        # Disaggregated points beside aggregated ones: their GPUs and the read's share of TTFT.
+        figures[:0] = [("GPUs", "num_gpus")]
+        figures.append(("xfer/TTFT", "pd_transfer_share_of_ttft"))
     if find_max_rate:
         figures += [("max rate x", "max_rate_scale"), ("max req/s", "max_request_rate"),
                     ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
@@ -187,7 +191,8 @@ def print_points(table, axes, find_max_rate: bool) -> None:
             value = row[column]
             if column.endswith("_ms"):
                 cells.append(summary_text.format_duration_ms(value) if value is not None else "-")
-            elif column in ("slo_attainment", "prefix_cache_hit_rate", "step_error") or column.startswith("hit_rate_"):
+            elif column in ("slo_attainment", "prefix_cache_hit_rate", "step_error",
+                            "pd_transfer_share_of_ttft") or column.startswith("hit_rate_"):
                 cells.append(summary_text.format_percent(value) if value is not None else "-")
             else:
                 cells.append(_cell(value))

@@ -109,7 +109,8 @@ class PointReplays:
         resolved = self.resolved
         result = run_replay(self.planned, trace, deployment=resolved.deployment,
                             efficiency=efficiency if efficiency is not None else resolved.efficiency,
-                            slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=self.offload)
+                            slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=self.offload,
+                            disaggregation=resolved.disaggregation)
         return result.summary.to_pylist()[0], trace
 
 
@@ -125,6 +126,14 @@ class SLOProbe:
     def __call__(self, scale: float) -> bool:
         self.runs[scale] = self.replays.replay(scale, self.efficiency)
         return slo_holds(self.runs[scale][0], self.replays.resolved.slo, self.goodput)
+
+
+def point_replicas(resolved: ResolvedScenario) -> int:
+    """The point's replicas: its prefill and decode replicas when disaggregated (each one
+    planned engine of ``tensor_parallel_size`` GPUs, as an aggregated replica)."""
+    if resolved.disaggregation is not None:
+        return resolved.disaggregation.num_replicas
+    return resolved.deployment.replicas
 
 
 def run_point(task: PointTask) -> dict:
@@ -144,6 +153,7 @@ def _point_row(task: PointTask) -> dict:
     planned = resolved.plan()
     kv_config = planned.require_fits()
     row["kv_cache_blocks"] = kv_config.num_blocks - 1  # less the null block
+    row["num_gpus"] = resolved.engine.tensor_parallel_size * point_replicas(resolved)
     replays = PointReplays(resolved, planned, resolved.offload_for(planned), _SOURCES.get(workload))
     if task.search is None:
         row["summary"] = replays.replay(None)[0]
@@ -162,7 +172,7 @@ def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:
     out["search"] = {"start_rate_scale": start, "converged": found.converged,
                      "tried": [[x, ok] for x, ok in found.history]}
     trace_rate = request_rate(probe.runs[start][1])
-    replicas = resolved.deployment.replicas
+    replicas = point_replicas(resolved)
     price = resolved.gpu.price_per_hour
     gpus = resolved.engine.tensor_parallel_size * replicas
     if price is not None:
@@ -195,7 +205,7 @@ def _pessimistic_columns(replays: PointReplays, search: RateSearch, start: float
     out: dict = {"step_error": error}
     if edge.lo is not None:
         rate = request_rate(probe.runs[edge.lo][1])
-        per_replica = rate / resolved.deployment.replicas
+        per_replica = rate / point_replicas(resolved)
         out.update(max_rate_scale_pessimistic=edge.lo, max_request_rate_pessimistic=rate,
                    replicas_needed_trace_rate_pessimistic=replicas_for(trace_rate, per_replica),
                    replicas_needed_target_rate_pessimistic=replicas_for(search.target_rate, per_replica))

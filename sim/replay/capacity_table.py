@@ -41,6 +41,14 @@ def summary_schema() -> pa.Schema:
     return _SummarySchema.get()
 
 
+# A disaggregated point's summary columns (``reports/SCHEMA.md``), and their types.
+PD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
+    "pd_prefill_replicas": pa.int64(), "pd_decode_replicas": pa.int64(), "pd_link": pa.string(),
+    "pd_transfer_mean_ms": pa.float64(), "pd_transfer_bytes_mean": pa.float64(),
+    "pd_transfer_share_of_ttft": pa.float64(), "pd_transfer_share_of_ttft_total": pa.float64(),
+}
+
+
 def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence[Axis], *,
                    find_max_rate: bool = False) -> pa.Table:
     """``capacity.parquet``: point, status, error, one column per sweep key, the summary
@@ -67,6 +75,12 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
                 continue
             values = [(r["summary"] or {}).get(name) for r in rows]
             columns[name] = pa.array(values, kind)
+    # Disaggregated points: their P/D columns (null in aggregated points), and every
+    # point's GPUs, so xPyD and aggregated deployments compare at equal GPU count.
+    if any(r["summary"] is not None and "pd_link" in r["summary"] for r in rows):
+        columns["num_gpus"] = pa.array([r.get("num_gpus") for r in rows], pa.int64())
+        for name, kind in PD_SUMMARY_COLUMNS.items():
+            columns[name] = pa.array([(r["summary"] or {}).get(name) for r in rows], kind)
     if find_max_rate:
         for name, kind in MAX_RATE_COLUMNS.items():
             values = [r.get(name) if r["status"] == "ok" else None for r in rows]

@@ -19,6 +19,7 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.offload import OffloadConfig
 from kvtwin.sim.scenario.deployment import Deployment
+from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS
 from kvtwin.sim.scenario import validators
 from kvtwin.sim.scenario.slo import SLO
@@ -115,6 +116,8 @@ def _declared() -> list[Knob]:
     knobs.append(Knob("run", "time_limit_s", "float", rule=validators.POSITIVE_SIMULATED_SECONDS))
     knobs += _fields("hardware", GPUSpec, skip=("name",)) + [Knob("hardware", "gpu", "str"),
                                                               Knob("model", "preset", "str")]
+    # Disaggregated prefill/decode; ``shape`` (xPyD, or none: aggregated) is a sweep's only.
+    knobs += _fields("disaggregation", Disaggregation) + [Knob("disaggregation", "shape", "str", optional=True)]
     out = {}
     for k in knobs:
         flags, text = FLAGS.get(k.key, ((), ""))

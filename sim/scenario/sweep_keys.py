@@ -16,7 +16,12 @@ axis varies slowest), numbered from 0 in that order. KEY is a dotted scenario pa
 * ``slo.ttft_s``, ``slo.tpot_s``; ``cost_model.<field>`` (``Efficiency``);
 * ``offload.<field>`` — the offload tiers (``offload.cpu_bytes``, ``offload.policy``,
   ``offload.disk_bytes``, ...; ``OffloadConfig``): ``offload.cpu_bytes=0,...`` puts the
-  run without offloading next to the sized tiers.
+  run without offloading next to the sized tiers;
+* ``disaggregation.<field>`` — disaggregated prefill/decode (``prefill_replicas``,
+  ``decode_replicas``, ``link``, ``bandwidth_gbps``, ...; ``Disaggregation``), and
+  ``disaggregation.shape=2P1D,1P2D,none``: each ``xPyD`` sets both replica counts, ``none``
+  runs the point aggregated (no ``[disaggregation]`` table: ``engine.replicas`` replicas),
+  so xPyD and the aggregated deployment at equal GPUs sit in one sweep.
 
 Values are parsed as the field's type (integers, numbers, ``true``/``false``, strings). A
 point is applied by editing the scenario file's TOML mapping at the dotted key and reading
@@ -43,7 +48,7 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
 
 
 # The scenario tables a sweep may vary (``[run]`` is the command's, not a point's).
-SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload")
+SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload", "disaggregation")
 
 
 def sweep_key(key: str) -> Knob:
@@ -52,7 +57,7 @@ def sweep_key(key: str) -> Knob:
     if section not in SWEPT_SECTIONS or not name:
         raise ConfigError(FLAG, "KEY=V1,V2,... with KEY one of engine.<field>, hardware.gpu, model.preset, "
                                 "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, cost_model.<field>, "
-                                "offload.<field>",
+                                "offload.<field>, disaggregation.<field>, disaggregation.shape",
                           key)
     fields = section_knobs(section)
     if name not in fields:
@@ -142,6 +147,9 @@ def apply_values(data: dict, values: dict) -> dict:
         if axis.section == "model":
             out["model"] = {"preset": value}
             continue
+        if axis.section == "disaggregation" and axis.name == "shape":
+            _apply_shape(out, key, value)
+            continue
         if axis.section == "workload" and not isinstance(out.get("workload"), dict):
             raise ConfigError(f"{FLAG} {key}", "a scenario with a [workload] table")
         table = out.setdefault(axis.section, {})
@@ -152,6 +160,29 @@ def apply_values(data: dict, values: dict) -> dict:
         else:
             table[axis.name] = value
     return out
+
+
+def parse_shape(value: str, where: str) -> tuple[int, int]:
+    """``xPyD`` (``2P1D``: two prefill replicas, one decode replica) as ``(x, y)``."""
+    text = value.strip().upper()
+    prefill, sep, rest = text.partition("P")
+    decode, sep2, tail = rest.partition("D")
+    if not (sep and sep2 and not tail and prefill.isdigit() and decode.isdigit()):
+        raise ConfigError(where, "xPyD (such as 2P1D: prefill and decode replicas) or none (aggregated)", value)
+    return int(prefill), int(decode)
+
+
+def _apply_shape(out: dict, key: str, value: object) -> None:
+    """``disaggregation.shape``: ``xPyD`` sets the table's replica counts (its link and
+    routers stay); none drops the table, so the point runs aggregated (``engine.replicas``)."""
+    if value is None:
+        out.pop("disaggregation", None)
+        return
+    prefill, decode = parse_shape(str(value), f"{FLAG} {key}")
+    table = out.setdefault("disaggregation", {})
+    if not isinstance(table, dict):
+        raise ConfigError("disaggregation", "a table", table)
+    table["prefill_replicas"], table["decode_replicas"] = prefill, decode
 
 
 def with_limit(data: dict, limit: int | None) -> dict:
