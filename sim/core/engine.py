@@ -30,7 +30,7 @@ from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine_stats import EngineStats, offload_tier_counters, pool_stats
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.offload.build import OffloadTier
-from kvtwin.sim.core.pd_connector import PDConnector, PDTransfers
+from kvtwin.sim.core.pd_connector import PDConnector, PDTransfers, StepPDTransfers
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -139,7 +139,7 @@ _IDLE = Execution({}, 0.0)
 class PDTier:
     """A P/D engine's connector (scheduler half) and its worker."""
 
-    def __init__(self, connector: PDConnector, transfers: PDTransfers):
+    def __init__(self, connector: PDConnector, transfers: PDTransfers | StepPDTransfers):
         self.connector = connector
         self.transfers = transfers
 

@@ -16,7 +16,9 @@ per request, as vLLM's ``kv_both`` instances do:
   fresh blocks (one read per request, even of zero blocks: it tells the prefill side to
   free), which ``build_connector_meta`` hands to the worker.
 
-``PDTransfers`` is the worker of either side on a timed clock: a read moves the blocks'
+``StepPDTransfers`` is the worker on the step clock (the golden cases' stand-in): a read
+issued with batch ``k`` lands with batch ``k + read_steps``; the prefill side is told by
+batch number. ``PDTransfers`` is the worker of either side on a timed clock: a read moves the blocks'
 bytes of every KV cache group over the decode replica's inbound link (first in, first
 out, at the link's bandwidth, plus its latency); the decode side is told with
 ``finished_recving`` and the prefill side, through ``send_done``, with
@@ -26,6 +28,7 @@ out, at the link's bandwidth, plus its latency); the decode side is told with
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable
 
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
@@ -179,6 +182,50 @@ class PDConnector:
 
     def has_pending_jobs(self) -> bool:
         return bool(self.sending or self.receiving or self._reads)
+
+
+class StepPDTransfers(KVTransferWorker):
+    """The step clock's worker (module docstring). Batches are numbered as they are
+    submitted; ``last_reads`` are the reads of the newest batch."""
+
+    def __init__(self, read_steps: int = 1):
+        if read_steps < 1:
+            raise ValueError("a read lands one batch after it is issued at the earliest")
+        self.read_steps = read_steps
+        self.next_batch = 0
+        self.last_reads: list[RemoteRead] = []
+        self._recv: dict[int, list[str]] = {}
+        self._send: dict[int, list[str]] = {}
+        self._in_flight: deque[int] = deque()
+
+    def send_done(self, request_id: str, batch: int) -> None:
+        """Prefill side: the decode side's read of ``request_id`` lands with ``batch``."""
+        self._send.setdefault(batch, []).append(request_id)
+
+    def submit(self, meta: KVConnectorMetadata | None) -> None:
+        batch = self.next_batch
+        self.next_batch += 1
+        self.last_reads = meta.reads if isinstance(meta, PDConnectorMetadata) else []
+        for read in self.last_reads:
+            if read.num_tokens:
+                self._recv.setdefault(batch + self.read_steps, []).append(read.req_id)
+        self._in_flight.append(batch)
+
+    def finish_step(self, duration_s: float = 0.0) -> KVConnectorOutput:
+        """The oldest batch's report: what is due by it, each list sorted (the order the
+        scheduler frees finished_sending requests in)."""
+        batch = self._in_flight.popleft()
+        out = KVConnectorOutput()
+        for due in sorted(b for b in self._recv if b <= batch):
+            out.finished_recving.extend(self._recv.pop(due))
+        for due in sorted(b for b in self._send if b <= batch):
+            out.finished_sending.extend(self._send.pop(due))
+        out.finished_recving.sort()
+        out.finished_sending.sort()
+        return out
+
+    def has_pending(self) -> bool:
+        return bool(self._recv or self._send)
 
 
 class PDLink:

@@ -92,15 +92,10 @@ class WatchedCluster(PDCluster):
         self.freed_s: dict[str, float] = {}
         self.prefilled_on: dict[str, int] = {}
         self.delayed_last: dict[int, set[str]] = {}
-        for replica in self.replicas[:self.num_prefill]:
-            transfers = replica.engine.pd.transfers
-            original = transfers.send_done
 
-            def send_done(request_id, at_s, original=original):
-                self.read_done_s[request_id] = at_s
-                original(request_id, at_s)
-
-            transfers.send_done = send_done
+    def _send_done(self, flight, at_s):
+        self.read_done_s[flight.prefill_id] = at_s
+        super()._send_done(flight, at_s)
 
     def applied(self, replica, result, times, synchronous=False):
         engine = replica.engine

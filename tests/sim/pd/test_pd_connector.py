@@ -12,6 +12,8 @@ from kvtwin.sim.core.pd_connector import (PDConnector, PDConnectorMetadata, PDLi
                                           prefill_backoff_tokens, read_blocks_by_group)
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.hashing import TokenPrompt
+from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
+from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.spec import MambaSpec, SlidingWindowSpec
 from tests.sim.builders import EchoModel, full, kv_config, tokens
 
@@ -116,8 +118,8 @@ def test_full_local_hit_reads_nothing_but_still_notifies():
     connector.expect_remote_prefill("r", 32)
     req = Request("r", TokenPrompt(tokens(0, 33)), 4)
     assert connector.get_num_new_matched_tokens(req, 32) == (0, False)
-    connector.update_state_after_alloc(req, None, 0)
-    reads = connector.build_connector_meta(None, None).reads
+    connector.update_state_after_alloc(req, KVCacheBlocks.empty(1), 0)
+    reads = connector.build_connector_meta(SchedulerOutput(), None).reads
     assert [(r.num_tokens, r.num_bytes) for r in reads] == [(0, 0)]
     assert not connector.receiving
 
@@ -127,7 +129,7 @@ def test_one_read_per_request_even_after_preemption():
     connector.expect_remote_prefill("r", 40)
     req = Request("r", TokenPrompt(tokens(0, 40)), 4)
     assert connector.get_num_new_matched_tokens(req, 0) == (40, True)
-    connector.update_state_after_alloc(req, None, 40)
+    connector.update_state_after_alloc(req, KVCacheBlocks.empty(1), 40)
     assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
 
 

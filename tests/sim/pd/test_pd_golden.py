@@ -13,33 +13,11 @@ import pytest
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, Execution, PDTier
 from kvtwin.sim.core.hashing import TokenPrompt
-from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
-from kvtwin.sim.core.pd_connector import PDConnector, PDConnectorMetadata
+from kvtwin.sim.core.pd_connector import PDConnector, StepPDTransfers
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 CASES = sorted((Path(__file__).resolve().parents[2] / "golden" / "pd").glob("*.json"))
-
-
-class TickWorker(KVTransferWorker):
-    """The oracle's worker: a read issued in tick t lands in tick t + read_steps."""
-
-    def __init__(self, read_steps: int):
-        self.read_steps = read_steps
-        self.tick = 0
-        self.reads: list = []
-        self.due_recv: dict[int, set[str]] = {}
-        self.due_send: dict[int, set[str]] = {}
-
-    def submit(self, meta) -> None:
-        self.reads = list(meta.reads) if isinstance(meta, PDConnectorMetadata) else []
-        for read in self.reads:
-            if read.num_tokens:
-                self.due_recv.setdefault(self.tick + self.read_steps, set()).add(read.req_id)
-
-    def finish_step(self, duration_s: float) -> KVConnectorOutput:
-        return KVConnectorOutput(finished_recving=sorted(self.due_recv.pop(self.tick, set())),
-                                 finished_sending=sorted(self.due_send.pop(self.tick, set())))
 
 
 class Model:
@@ -64,7 +42,7 @@ def build(cfg: dict, num_blocks: int) -> EngineCore:
     scheduler = SchedulerConfig(max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
                                 max_num_batched_tokens=cfg["max_num_batched_tokens"], async_scheduling=False)
     return EngineCore(config, scheduler, CacheConfig(enable_prefix_caching=True),
-                      pd=PDTier(PDConnector(config), TickWorker(cfg["read_steps"])))
+                      pd=PDTier(PDConnector(config), StepPDTransfers(cfg["read_steps"])))
 
 
 def record(engine: EngineCore, result, tick: int) -> dict:
@@ -75,7 +53,7 @@ def record(engine: EngineCore, result, tick: int) -> dict:
     return dict(
         scheduled=dict(out.num_scheduled_tokens),
         computed=dict(zip(out.num_scheduled_tokens, out.num_computed_tokens)),
-        reads=[[r.req_id, list(r.num_blocks)] for r in sorted(engine.transfers.reads, key=lambda r: r.req_id)],
+        reads=[[r.req_id, list(r.num_blocks)] for r in sorted(engine.transfers.last_reads, key=lambda r: r.req_id)],
         finished=sorted(r.request_id for r in result.finished),
         freed=sorted(transfers.finished_sending) if transfers is not None else [],
         waiting_remote=sorted(rid for rid, r in sched.requests.items()
@@ -85,8 +63,7 @@ def record(engine: EngineCore, result, tick: int) -> dict:
 
 
 def step(engine: EngineCore, model: Model, tick: int) -> dict:
-    engine.transfers.tick = tick
-    engine.transfers.reads = []
+    assert engine.transfers.next_batch == tick  # each engine steps once a tick: batch k is tick k
     return record(engine, engine.step(model), tick)
 
 
@@ -110,7 +87,7 @@ def run(case: dict) -> list[dict]:
             d.add_request(Request(rid, TokenPrompt(prompts[rid]), len(outputs[rid])))
         d_record = step(d, model, tick)
         for rid, _ in d_record["reads"]:
-            p.transfers.due_send.setdefault(tick + cfg["read_steps"], set()).add(rid)
+            p.transfers.send_done(rid, tick + cfg["read_steps"])
         done += len(d_record["finished"])
         ticks.append(dict(tick=tick, prefill=p_record, decode=d_record))
         tick += 1
