@@ -227,6 +227,9 @@ class StepPDTransfers(KVTransferWorker):
     def has_pending(self) -> bool:
         return bool(self._recv or self._send)
 
+    def next_completion_s(self) -> float | None:
+        return None  # a step clock: no seconds
+
 
 class PDLink:
     """One replica's inbound KV link: reads queue first in, first out, each taking its
