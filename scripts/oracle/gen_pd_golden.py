@@ -77,6 +77,9 @@ def build(cfg: dict, num_blocks: int, engine_id: str):
                              scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
                              kv_transfer_config=kv_transfer_config)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    has_mamba = any(g.get("kind") == "mamba" for g in cfg["kv_cache_groups"])
+    if has_mamba:
+        vllm_config.cache_config.mamba_cache_mode = "align"
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
@@ -84,8 +87,10 @@ def build(cfg: dict, num_blocks: int, engine_id: str):
                       block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
     if type(sched.connector).__name__ not in ("NixlConnector", "NixlPullConnector"):
         raise base.CaseError(f"connector {type(sched.connector).__name__}")
-    if sched.connector.connector_scheduler._prefill_backoff() != 0:
-        raise base.CaseError("a prefill backoff: this harness covers attention-only layouts")
+    # The prefill side drops this many trailing prompt tokens (on_new_request) and the
+    # decode side loads that much less: one with a Mamba group.
+    if sched.connector.connector_scheduler._prefill_backoff() != (1 if has_mamba else 0):
+        raise base.CaseError("unexpected prefill backoff")
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     return sched, get_request_block_hasher(hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens)
@@ -198,7 +203,9 @@ def cases() -> list[dict]:
             ("pd_full_slow_read", [{"kind": "full_attention"}], 2, 4, 48, 40),
             ("pd_full_tight_decode", [{"kind": "full_attention"}], 3, 2, 64, 24),
             ("pd_hybrid_swa", [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 32}],
-             4, 2, 96, 80)):
+             4, 2, 96, 80),
+            ("pd_hybrid_mamba", [{"kind": "full_attention"}, {"kind": "mamba", "mamba_cache_mode": "align"}],
+             5, 2, 96, 80)):
         rng = random.Random(seed)
         system = [rng.randrange(1000, 60000) for _ in range(40)]
         requests = []

@@ -15,7 +15,8 @@ from kvtwin.sim.core.engine import EngineCore, Execution, PDTier
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.pd_connector import PDConnector, StepPDTransfers
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from kvtwin.sim.replay.clock.pd_cluster import truncated_prompt
 
 CASES = sorted((Path(__file__).resolve().parents[2] / "golden" / "pd").glob("*.json"))
 
@@ -34,6 +35,8 @@ def build(cfg: dict, num_blocks: int) -> EngineCore:
     for g in cfg["kv_cache_groups"]:
         if g["kind"] == "full_attention":
             specs.append(FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8))
+        elif g["kind"] == "mamba":
+            specs.append(MambaSpec(block_size=bs, shapes=((4, 8),), dtype_bytes=(4,), mamba_cache_mode="align"))
         else:
             specs.append(SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=8,
                                            sliding_window=g["sliding_window"]))
@@ -79,11 +82,13 @@ def run(case: dict) -> list[dict]:
         while pending and pending[0]["arrival_tick"] <= tick:
             r = pending.pop(0)
             p.pd.connector.mark_remote_decode(r["request_id"])
-            p.add_request(Request(r["request_id"], TokenPrompt(r["prompt_token_ids"]), 1))
+            # The prefill side drops the connector's backoff (vLLM: on_new_request).
+            prompt = truncated_prompt(TokenPrompt(r["prompt_token_ids"]), p.pd.connector.prefill_backoff_tokens)
+            p.add_request(Request(r["request_id"], prompt, 1))
         p_record = step(p, model, tick)
         for rid in p_record["finished"]:
-            # vLLM's remote_num_tokens: what the prefill side computed (its prompt).
-            d.pd.connector.expect_remote_prefill(rid, len(prompts[rid]))
+            # vLLM's remote_num_tokens: what the prefill side computed (its prompt, less the backoff).
+            d.pd.connector.expect_remote_prefill(rid, len(prompts[rid]) - d.pd.connector.prefill_backoff_tokens)
             d.add_request(Request(rid, TokenPrompt(prompts[rid]), len(outputs[rid])))
         d_record = step(d, model, tick)
         for rid, _ in d_record["reads"]:
@@ -99,7 +104,16 @@ def run(case: dict) -> list[dict]:
     return ticks
 
 
-@pytest.mark.parametrize("path", CASES, ids=[c.stem for c in CASES])
+# vLLM's decode side of a hybrid Mamba model takes the full-attention group's local hit
+# even where the Mamba group's lags (the NIXL connector supplies the state:
+# ``supports_divergent_local_hybrid_hits``, ``get_computed_blocks_for_connector``); the
+# twin takes the hit every group agrees on, so it reads more. Pinned until it does the same.
+DIVERGENT_HYBRID_HITS = pytest.mark.xfail(strict=True, reason="vLLM's divergent local hybrid hits on the "
+                                          "decode side are not modelled (docs/semantics.md)")
+
+
+@pytest.mark.parametrize("path", [pytest.param(c, marks=DIVERGENT_HYBRID_HITS) if "mamba" in c.stem else c
+                                  for c in CASES], ids=[c.stem for c in CASES])
 def test_pd_golden(path):
     case = json.loads(path.read_text())
     actual = run(case)
@@ -110,4 +124,15 @@ def test_pd_golden(path):
 
 
 def test_cases_exist():
-    assert len(CASES) >= 4
+    assert len(CASES) >= 5
+
+
+def test_mamba_case_matches_until_the_divergent_hit():
+    """The Mamba case agrees tick for tick (the prefill backoff included) up to the first
+    decode-side admission that vLLM makes with a divergent hybrid hit."""
+    path = next(c for c in CASES if "mamba" in c.stem)
+    case = json.loads(path.read_text())
+    actual, expected = run(case), case["expected_ticks"]
+    first = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e)
+    assert first == 5 and actual[:first] == expected[:first]
+    assert actual[first]["decode"]["reads"] != expected[first]["decode"]["reads"]
