@@ -87,3 +87,22 @@ def pd_summary_columns(requests) -> dict[str, float]:
         "pd_transfer_share_of_ttft": float((transfer[ok] / ttft[ok]).mean()),
         "pd_transfer_share_of_ttft_total": float(transfer[ok].sum() / ttft[ok].sum()),
     }
+
+
+def pd_load_imbalance(requests, disaggregation: Disaggregation) -> float:
+    """The worse of the prefill side's and the decode side's load imbalance (requests per
+    replica over the mean, each side over its own replicas; ``summaries.load_imbalance``)."""
+    import math
+
+    import numpy as np
+
+    worst = math.nan
+    for column, first, count in (("prefill_replica", 0, disaggregation.prefill_replicas),
+                                 ("decode_replica", disaggregation.prefill_replicas, disaggregation.decode_replicas)):
+        picked = requests.column(column).to_numpy()
+        picked = picked[picked >= 0] - first
+        counts = np.bincount(picked, minlength=count)[:count] if picked.size else np.zeros(count)
+        mean = counts.mean()
+        if mean > 0:
+            worst = max(float(counts.max() / mean), worst) if not math.isnan(worst) else float(counts.max() / mean)
+    return worst

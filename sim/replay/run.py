@@ -197,7 +197,7 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       on_progress: Callable[[ReplayClock], None] | None = None,
                       decode_windows: bool = True, env: simpy.Environment | None = None) -> ReplayResult:
     """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first)."""
-    from kvtwin.sim.replay.pd_run import pd_summary_columns, run_pd_simulation
+    from kvtwin.sim.replay.pd_run import pd_load_imbalance, pd_summary_columns, run_pd_simulation
 
     def pricing(executor: ModelExecutor) -> WindowPricing | None:
         return window_pricing(executor) if decode_windows else None
@@ -211,6 +211,10 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                         num_replicas=disaggregation.num_replicas, router=router)
     for name, value in {**disaggregation.describe(), **pd_summary_columns(requests)}.items():
         summary = summary.append_column(name, pa.array([value]))
+    # The balance that means something here: each side's own (requests by prefill and by
+    # decode replica), the worse of the two.
+    summary = summary.set_column(summary.schema.get_field_index("load_imbalance"), "load_imbalance",
+                                 pa.array([pd_load_imbalance(requests, disaggregation)]))
     per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
                                      cluster_summary=summary)
     return ReplayResult(requests, steps, summary, end_s, per_replica)
