@@ -187,6 +187,9 @@ def test_outputs_have_the_pd_columns(pd_result):
     ttft = requests.column("ttft_s").to_numpy()[done]
     transfer = requests.column("transfer_s").to_numpy()[done]
     assert summary["pd_transfer_share_of_ttft"] == pytest.approx(float((transfer / ttft).mean()))
+    # Balance per side: the two prefill replicas' counts (one decode replica is even).
+    counts = np.bincount(requests.column("prefill_replica").to_numpy(), minlength=2)
+    assert summary["load_imbalance"] == pytest.approx(max(counts.max() / counts.mean(), 1.0))
 
 
 def test_transfer_bytes_are_every_layer_of_the_prompt(pd_result):
