@@ -63,6 +63,11 @@ def validate(
             raise ConfigError("offload.cpu_bytes", "0 for kvtwin validate (the device executor does not offload "
                               "KV; validate the scenario without its [offload] table)", resolved.offload.cpu_bytes,
                               source=resolved.where)
+        if resolved.disaggregation is not None:
+            # One engine on one device: there is no second engine to read the KV from.
+            raise ConfigError("disaggregation", "no [disaggregation] table for kvtwin validate (the device "
+                              "executor runs one aggregated engine; validate the scenario without it)",
+                              source=resolved.where)
         workload = resolved.require_workload()
         planned = resolved.plan()
         planned.require_fits()

@@ -221,3 +221,13 @@ def test_slow_link_shows_in_ttft(chat):
     fast_s, slow_s = fast.summary.to_pylist()[0], slow.summary.to_pylist()[0]
     assert slow_s["pd_transfer_mean_ms"] > 100 * fast_s["pd_transfer_mean_ms"]
     assert slow_s["mean_ttft_ms"] > fast_s["mean_ttft_ms"]
+
+
+def test_every_pd_column_is_documented_in_the_schema(pd_result):
+    from pathlib import Path
+
+    schema_doc = (Path(__file__).parents[2] / "reports" / "SCHEMA.md").read_text()
+    for name, table in (("requests", pd_result.requests), ("steps", pd_result.steps),
+                        ("summary", pd_result.summary)):
+        missing = [c for c in table.column_names if f"`{c}`" not in schema_doc]
+        assert not missing, f"{name} columns missing from reports/SCHEMA.md: {missing}"

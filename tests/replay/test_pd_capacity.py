@@ -123,3 +123,13 @@ def test_bad_pd_scenario_is_one_error_line(tmp_path, table, message):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "kvtwin: error:" in lines[0] and message in lines[0], lines
     assert str(path) in lines[0]
+
+
+def test_validate_refuses_a_disaggregated_scenario(scenario, tmp_path):
+    pytest.importorskip("torch")  # validate reads its checks' names from the executor, which needs torch
+    from kvtwin.cli import app
+
+    result = CliRunner().invoke(app, ["validate", str(scenario), "--out", str(tmp_path / "val")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "disaggregation" in lines[0] and str(scenario) in lines[0], lines
