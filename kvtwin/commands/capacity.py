@@ -24,10 +24,7 @@ from kvtwin.reports import summary_text
 from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay.capacity_sweep import hit_curve as make_hit_curve, prepare_sweep
-from kvtwin.sim.replay.capacity_table import capacity_table
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
-from kvtwin.sim.replay.sweep_backends import BACKENDS, default_jobs, import_ray, run_points
 
 
 def capacity(
@@ -60,11 +57,16 @@ def capacity(
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the directory."),
 ) -> None:
     """Sweep a scenario over settings; with --find-max-rate, the largest rate each point holds."""
+    # The sweep machinery loads here, not with the command line: other commands never need it.
+    from kvtwin.sim.replay.capacity_sweep import hit_curve as make_hit_curve, prepare_sweep
+    from kvtwin.sim.replay.capacity_table import capacity_table
+    from kvtwin.sim.replay.sweep_backends import check_backend, default_jobs, import_ray, run_points
+
     out_existed = out.exists()
     with user_errors(), interrupt_note(lambda: f"interrupted; nothing written, "
                                                f"{out} {'left as it was' if out_existed else 'not created'}"):
         check_out_dir(out)
-        _check_backend(backend, jobs, ray_address)
+        check_backend(backend, jobs, ray_address)
         search = _rate_search(find_max_rate, target_rate, rate_tolerance, goodput, max_replays)
         if backend == "ray":
             import_ray()  # before any work: say now that it is missing
@@ -95,15 +97,6 @@ def capacity(
         failed = sum(1 for r in rows if r["status"] != "ok")
         print(f"{len(rows)} points ({failed} failed) in {wall_s:,.1f} s wall; wrote "
               f"{', '.join(p.name for p in paths)} to {out}")
-
-
-def _check_backend(backend: str, jobs: int | None, ray_address: str | None) -> None:
-    if backend not in BACKENDS:
-        raise ConfigError("--backend", "process or ray", backend)
-    if jobs is not None and jobs < 1:
-        raise ConfigError("--jobs", "a positive number of points at once", jobs)
-    if ray_address is not None and backend != "ray":
-        raise ConfigError("--ray-address", "--backend ray with it", ray_address)
 
 
 def _rate_search(find_max_rate: bool, target_rate: float | None, tolerance: float, goodput: float | None,

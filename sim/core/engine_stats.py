@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtwin.sim.core.block_pool import BlockPool
+from kvtwin.sim.core.kv_connector import KVTransferWorker
+from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
+from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 
 
 @dataclass
@@ -57,17 +60,16 @@ def pool_stats(pool: BlockPool, num_running_reqs: int, num_waiting_reqs: int,
                        offload_counters, load_seconds)
 
 
-def offload_tier_counters(manager, transfers) -> dict[str, int]:
+def offload_tier_counters(manager: CPUOffloadingManager | TieredOffloadingManager,
+                          transfers: KVTransferWorker) -> dict[str, int]:
     """An offload tier's cumulative counters (gauges as they are), by step column: the CPU
     tier's, the disk tier's when the manager has one, and the bytes moved over PCIe."""
     out = {"offload_cpu_loaded_keys": manager.num_loaded_keys, "offload_cpu_stored_keys": manager.num_stored_keys,
            "offload_cpu_evicted_keys": manager.num_evicted_keys, "offload_cpu_used_chunks": manager.num_used_chunks}
-    # Only the manager over a disk tier counts disk chunks (the CPU manager has none).
-    if getattr(manager, "disk_num_chunks", 0):
+    if isinstance(manager, TieredOffloadingManager) and manager.disk_num_chunks:
         out.update({"offload_disk_loaded_keys": manager.disk_loaded_keys,
                     "offload_disk_stored_keys": manager.disk_stored_keys,
                     "offload_disk_evicted_keys": manager.disk_evicted_keys,
                     "offload_disk_used_chunks": manager.num_disk_used_chunks})
-    out["offload_load_bytes"] = transfers.loaded_bytes
-    out["offload_store_bytes"] = transfers.stored_bytes
+    out["offload_load_bytes"], out["offload_store_bytes"] = transfers.moved_bytes()
     return out

@@ -93,3 +93,8 @@ class KVTransferWorker:
     def job_load_seconds(self) -> dict[int, float] | None:
         """Each load job's seconds on the link, by job id (None: a clock without seconds)."""
         return None
+
+    def moved_bytes(self) -> tuple[int, int]:
+        """Bytes loaded and stored so far, (loads, stores): a clock that counts steps, not
+        bytes on a link, reports none."""
+        return 0, 0

@@ -107,7 +107,7 @@ class Mamba1State(RecurrentState):
 
     def __post_init__(self) -> None:
         for name in ("d_state", "d_conv", "expand"):
-            _positive_int(getattr(self, name), f"state.{name}")
+            _positive_int(getattr(self, name), name)
 
     def inner_width(self, hidden_size: int) -> int:
         return self.expand * hidden_size
@@ -134,7 +134,7 @@ class Mamba2State(RecurrentState):
 
     def __post_init__(self) -> None:
         for name in ("d_state", "d_conv", "num_heads", "head_dim", "n_groups"):
-            _positive_int(getattr(self, name), f"state.{name}")
+            _positive_int(getattr(self, name), name)
 
     def inner_width(self, hidden_size: int) -> int:
         return self.num_heads * self.head_dim
@@ -165,7 +165,7 @@ class GatedDeltaNetState(RecurrentState):
 
     def __post_init__(self) -> None:
         for name in ("conv_kernel", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
-            _positive_int(getattr(self, name), f"state.{name}")
+            _positive_int(getattr(self, name), name)
 
     def inner_width(self, hidden_size: int) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + 2 * self.num_v_heads * self.head_v_dim
@@ -198,7 +198,7 @@ class LinearAttentionState(RecurrentState):
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim"):
-            _positive_int(getattr(self, name), f"state.{name}")
+            _positive_int(getattr(self, name), name)
 
     def inner_width(self, hidden_size: int) -> int:
         return 4 * self.num_heads * self.head_dim
@@ -223,17 +223,12 @@ def state_from_mapping(entry: object, *, where: str) -> RecurrentState:
     cls = STATE_KINDS.get(kind)
     if cls is None:
         raise ConfigError(f"{where}.kind", f"one of {', '.join(STATE_KINDS)}", kind)
-    params = {k: v for k, v in entry.items() if k != "kind"}
-    known = sorted(f.name for f in dataclasses.fields(cls))
-    reject_unknown_keys(params, known, where=where, expected=f"a field of a {kind} state ({', '.join(known)})")
-    missing = sorted(f.name for f in dataclasses.fields(cls)
-                     if f.name not in params and f.default is dataclasses.MISSING)
-    if missing:
-        raise ConfigError(f"{where}.{missing[0]}", f"a value (required for a {kind} state)")
-    try:
-        return cls(**params)
-    except ConfigError as err:
-        raise ConfigError(f"{where}.{err.field.removeprefix('state.')}", err.expected, err.got) from None
+    state_fields = dataclasses.fields(cls)
+    known = sorted(f.name for f in state_fields)
+    return config_from_table(cls, {k: v for k, v in entry.items() if k != "kind"}, where=where, table_is="a table",
+                             known=known, expected=f"a field of a {kind} state ({', '.join(known)})",
+                             required=[f.name for f in state_fields if f.default is dataclasses.MISSING],
+                             required_is=f"a value (required for a {kind} state)")
 
 
 # --------------------------------------------------------------------------------------

@@ -107,9 +107,23 @@ def gemm_s(eff: Efficiency, flops_per_s: float, body_flops: float, num_tokens: i
            num_requests: int) -> float:
     """Seconds of a step's GEMMs: the body's have a row per token, the LM head's a row
     per sampling position. The one formula the cost model and the calibration fit share."""
-    seconds = body_flops / (flops_per_s * eff.gemm_fraction(num_tokens)) if body_flops else 0.0
+    return _gemm_s(eff.matmul_flops_fraction, eff.matmul_half_tokens, flops_per_s, body_flops, num_tokens,
+                   head_flops, num_requests)
+
+
+def gemm_fraction(fraction: float, half_tokens: float, rows: int) -> float:
+    """The fraction of peak FLOP/s a GEMM of ``rows`` rows (tokens) reaches: ``fraction``
+    (``matmul_flops_fraction``) for a large one, half of it at ``half_tokens`` rows
+    (``matmul_half_tokens``; 0 means no ramp)."""
+    return fraction if not half_tokens else fraction * rows / (rows + half_tokens)
+
+
+def _gemm_s(fraction: float, half_tokens: float, flops_per_s: float, body_flops: float, num_tokens: int,
+            head_flops: float, num_requests: int) -> float:
+    """``gemm_s`` on the two efficiency factors it reads, as plain floats."""
+    seconds = body_flops / (flops_per_s * gemm_fraction(fraction, half_tokens, num_tokens)) if body_flops else 0.0
     if head_flops:
-        seconds += head_flops / (flops_per_s * eff.gemm_fraction(num_requests))
+        seconds += head_flops / (flops_per_s * gemm_fraction(fraction, half_tokens, num_requests))
     return seconds
 
 
@@ -153,6 +167,16 @@ class CostModel:
             lc.num_layers * max(1, model.num_attention_heads // tensor_parallel_size)
             for lc in self.layer_classes if lc.attention_width)
         self.allreduce_curve = efficiency.allreduce_curve(tensor_parallel_size)
+        # The factors every step reads, held as plain floats: ``Efficiency`` is a scenario
+        # type, and reading its fields per step costs more than the step's arithmetic.
+        self.matmul_flops_fraction = float(efficiency.matmul_flops_fraction)
+        self.matmul_half_tokens = float(efficiency.matmul_half_tokens)
+        self.attention_flops_fraction = float(efficiency.attention_flops_fraction)
+        self.attention_half_query_tokens = float(efficiency.attention_half_query_tokens)
+        self.interconnect_fraction = float(efficiency.interconnect_fraction)
+        self.allreduce_latency_s = float(efficiency.allreduce_latency_s)
+        self.step_overhead_s = float(efficiency.step_overhead_s)
+        self.per_request_overhead_s = float(efficiency.per_request_overhead_s)
 
     @staticmethod
     def _elementwise_bytes_per_token(model: ModelPreset, tp: int) -> float:
@@ -224,7 +248,7 @@ class CostModel:
         kv_bytes = 0.0
         attention_flops = 0.0
         attention_work = 0.0
-        half = self.eff.attention_half_query_tokens
+        half = self.attention_half_query_tokens
         layer_classes = self.layer_classes
         for new, before in prefill_items:
             num_tokens += new
@@ -266,11 +290,11 @@ class CostModel:
 
     def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, attention_work: float,
                    num_requests: int, num_decodes: int) -> StepCost:
-        eff = self.eff
         body_flops = self.linear_flops_per_token * num_tokens
         head_flops = self.head_flops_per_sample * num_requests
-        compute_s = (gemm_s(eff, self.flops_per_s, body_flops, num_tokens, head_flops, num_requests)
-                     + attention_work / (self.flops_per_s * eff.attention_flops_fraction))
+        compute_s = (_gemm_s(self.matmul_flops_fraction, self.matmul_half_tokens, self.flops_per_s, body_flops,
+                             num_tokens, head_flops, num_requests)
+                     + attention_work / (self.flops_per_s * self.attention_flops_fraction))
         weight_bytes = self._weight_bytes_read(num_tokens)
         memory_s = (weight_bytes + kv_bytes) / self.bytes_per_s
         elementwise_bytes = num_tokens * self.elementwise_bytes_per_token
@@ -281,11 +305,11 @@ class CostModel:
             if curve is not None:
                 per_layer = curve.seconds_for(message_bytes)
             else:
-                bandwidth = self.gpu.interconnect_bytes_per_s * eff.interconnect_fraction
+                bandwidth = self.gpu.interconnect_bytes_per_s * self.interconnect_fraction
                 bus_bytes = message_bytes * 2 * (self.tp - 1) / self.tp
-                per_layer = (bus_bytes / bandwidth if bandwidth else 0.0) + eff.allreduce_latency_s
+                per_layer = (bus_bytes / bandwidth if bandwidth else 0.0) + self.allreduce_latency_s
             communication_s = 2 * self.num_layers * per_layer
-        overhead_s = eff.step_overhead_s + eff.per_request_overhead_s * num_requests
+        overhead_s = self.step_overhead_s + self.per_request_overhead_s * num_requests
         extra_gpu_s = self.fixed_gpu_s + self.decode_head_s * num_decodes if num_decodes else self.fixed_gpu_s
         gpu_s = max(compute_s, memory_s) + elementwise_bytes / self.bytes_per_s + extra_gpu_s + communication_s
         total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s

@@ -23,13 +23,15 @@ from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.router import Router, make_router
 
 
-class PDRouter:
-    """A prefill router and a decode router behind one cluster's replica indexes."""
+class PDRouter(Router):
+    """A prefill router and a decode router behind one cluster's replica indexes (a
+    ``Router`` to the cluster, which only releases through it)."""
 
     def __init__(self, prefill_engines: Sequence[EngineCore], decode_engines: Sequence[EngineCore],
                  prefill_router: str = "prefix_aware", decode_router: str = "least_loaded"):
         if not prefill_engines or not decode_engines:
             raise ValueError("a P/D router needs at least one prefill and one decode replica")
+        super().__init__([*prefill_engines, *decode_engines])
         self.prefill: Router = make_router(prefill_router, prefill_engines)
         self.decode: Router = make_router(decode_router, decode_engines)
         self.num_prefill = len(prefill_engines)

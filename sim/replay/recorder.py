@@ -139,6 +139,13 @@ class Float64Buffer:
         if len(newest) >= _BUFFER_BLOCK:
             self._store()
 
+    def extend_repeated(self, value: float, count: int) -> None:
+        """``count`` copies of ``value``, stored at once: a typed array repeats a double
+        at the cost of a copy, where a list of them costs a conversion per value."""
+        if self._newest:
+            self._store()
+        self._stored.extend(array("d", (value,)) * count)
+
     def _store(self) -> None:
         self._stored.fromlist(self._newest)
         self._newest.clear()
@@ -349,7 +356,7 @@ class MetricsRecorder:
             decode_tokens += part_decode
             num_scheduled += len(part.num_scheduled_tokens)
             num_new = len(part.scheduled_new_reqs)
-        itl.extend([end_s - times.previous_end_s] * num_decodes)
+        itl.extend_repeated(end_s - times.previous_end_s, num_decodes)
         if result.window_part:
             self._sampled(result.execution.sampled, end_s, itl)
         records = self.records

@@ -13,6 +13,16 @@ from kvtwin.sim.replay.capacity_points import PointTask, run_point
 BACKENDS = ("process", "ray")
 
 
+def check_backend(backend: str, jobs: int | None, ray_address: str | None) -> None:
+    """The ``--backend``, ``--jobs`` and ``--ray-address`` flags, checked together."""
+    if backend not in BACKENDS:
+        raise ConfigError("--backend", " or ".join(BACKENDS), backend)
+    if jobs is not None and jobs < 1:
+        raise ConfigError("--jobs", "a positive number of points at once", jobs)
+    if ray_address is not None and backend != "ray":
+        raise ConfigError("--ray-address", "--backend ray with it", ray_address)
+
+
 class _Collected:
     """The rows as they come back, each passed on to ``on_done`` (a progress display)."""
 

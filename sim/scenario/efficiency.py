@@ -111,11 +111,6 @@ class Efficiency:
                 return curve
         return None
 
-    def gemm_fraction(self, rows: int) -> float:
-        """The fraction of peak FLOP/s a GEMM of ``rows`` rows (tokens) reaches."""
-        half = self.matmul_half_tokens
-        return self.matmul_flops_fraction if not half else self.matmul_flops_fraction * rows / (rows + half)
-
 
 # The Efficiency fields that are plain numbers: what a scenario's [cost_model] table, a
 # sweep axis and a flag may set one at a time.

@@ -111,5 +111,14 @@ def test_inline_model_validation():
         model_from_mapping({**base, "layer_pattern": "MF"})
     with pytest.raises(ConfigError, match="num_kv_heads"):
         model_from_mapping({**base, "layer_pattern": "F", "num_kv_heads": 3})
+    # A recurrent state's errors name the field under the model's table.
+    mamba = {**base, "layer_pattern": "MF"}
+    state = {"kind": "mamba2", "d_state": 128, "head_dim": 64, "num_heads": 8, "d_conv": 4, "n_groups": 1}
+    with pytest.raises(ConfigError, match=r"^model\.state\.d_state: expected a positive integer, got -1"):
+        model_from_mapping({**mamba, "state": {**state, "d_state": -1}})
+    with pytest.raises(ConfigError, match=r"^model\.state\.head_dim: expected a value \(required for a mamba2 state\)"):
+        model_from_mapping({**mamba, "state": {k: v for k, v in state.items() if k != "head_dim"}})
+    with pytest.raises(ConfigError, match=r"^model\.state\.expand: expected a field of a mamba2 state"):
+        model_from_mapping({**mamba, "state": {**state, "expand": 2}})
     ok = model_from_mapping({**base, "sliding_window": 64})
     assert ok.layer_kinds == ("sliding_window", "full_attention") * 2

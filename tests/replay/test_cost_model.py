@@ -4,7 +4,7 @@ import pytest
 
 from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvtwin.sim.scenario.calibration_file import read_calibration
-from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.replay.cost_model import CostModel, gemm_fraction
 from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency, efficiency_from_mapping
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import get_gpu
@@ -117,8 +117,8 @@ def test_the_lm_head_runs_only_where_a_request_samples():
 
 def test_gemm_efficiency_grows_with_the_tokens_of_a_step():
     curve = Efficiency(matmul_flops_fraction=0.8, matmul_half_tokens=128.0)
-    assert curve.gemm_fraction(128) == 0.4
-    assert curve.gemm_fraction(3 * 128) == pytest.approx(0.6, rel=1e-15)
+    assert gemm_fraction(curve.matmul_flops_fraction, curve.matmul_half_tokens, 128) == 0.4
+    assert gemm_fraction(curve.matmul_flops_fraction, curve.matmul_half_tokens, 3 * 128) == pytest.approx(0.6, rel=1e-15)
     cm = model_for("llama-3.1-8b", eff=curve)
     cost = step_cost(cm, [(128, 0)])
     peak = get_gpu("h100").bf16_flops

@@ -127,6 +127,9 @@ class TimedTransfers(KVTransferWorker):
         self.loaded_bytes = 0
         self.stored_bytes = 0
 
+    def moved_bytes(self) -> tuple[int, int]:
+        return self.loaded_bytes, self.stored_bytes
+
     def job_load_seconds(self) -> dict[int, float] | None:
         return self.load_seconds
 

@@ -7,7 +7,7 @@ order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,7 +43,7 @@ class ArrivalSite(Protocol):
     """Where arrivals go (a ``Cluster``): its clock, its replicas, and who takes each."""
 
     env: simpy.Environment
-    replicas: Sequence[Replica]
+    replicas: list[Replica]
     arrivals_done: bool
 
     def arrive(self, arrival: Arrival) -> None:

@@ -77,22 +77,6 @@ class Cluster:
         batches, the last of which ended when the replica's last applied batch did."""
         self.recorder.close_decode_window(members, replica.timeline.last_applied_end_s)
 
-    # -- what the processes ask -------------------------------------------------------------
-
-    def wait_for_transfers(self, replica: Replica, reported: bool):
-        """Requests wait for transfers and nothing could run: True to step again, now if the
-        worker just reported one finished (a waiting request may go), else once the next one
-        finishes or a request arrives; False if nothing is in flight."""
-        if reported:
-            return True
-        due_s = replica.next_offload_event_s()
-        if due_s is None:
-            return False
-        env = self.env
-        if due_s > env.now:
-            yield env.any_of([replica.sleep(env), env.timeout(due_s - env.now)])
-        return True
-
     # -- the run ------------------------------------------------------------------------------
 
     def run(self, arrivals: Iterable[Arrival]) -> float:

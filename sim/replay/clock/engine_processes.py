@@ -49,9 +49,6 @@ class ClusterView(Protocol):
 
     time_limit_s: float | None
 
-    def wait_for_transfers(self, replica: Replica, reported: bool):
-        ...
-
 
 def sync_engine_process(cluster: ClusterView, replica: Replica):
     env = cluster.env
@@ -73,7 +70,7 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
             yield env.timeout(duration_s)
         elif not result.output.num_scheduled_tokens:
             if offload and _waits_for_transfers(engine):
-                if (yield from cluster.wait_for_transfers(replica, _reported(result))):
+                if (yield from _wait_for_transfers(cluster, replica, _reported(result))):
                     continue
             # Nothing could be scheduled and no time passes: wait for an arrival rather
             # than spin (the waiting head cannot fit until something changes).
@@ -130,7 +127,7 @@ def _idle(cluster: ClusterView, replica: Replica):
         cluster.applied(replica, result, replica.timeline.take_oldest())
         reported |= _reported(result)
     if (engine.offload is not None or engine.pd is not None) and _waits_for_transfers(engine):
-        if (yield from cluster.wait_for_transfers(replica, reported)):
+        if (yield from _wait_for_transfers(cluster, replica, reported)):
             return True
     if cluster.arrivals_done:
         return False
@@ -145,6 +142,21 @@ def _waits_for_transfers(engine) -> bool:
         return True
     pd = engine.pd
     return pd is not None and pd.connector.has_pending_jobs()
+
+
+def _wait_for_transfers(cluster: ClusterView, replica: Replica, reported: bool):
+    """Requests wait for transfers and nothing could run: True to step again, now if the
+    worker just reported one finished (a waiting request may go), else once the next one
+    finishes or a request arrives; False if nothing is in flight."""
+    if reported:
+        return True
+    due_s = replica.next_offload_event_s()
+    if due_s is None:
+        return False
+    env = cluster.env
+    if due_s > env.now:
+        yield env.any_of([replica.sleep(env), env.timeout(due_s - env.now)])
+    return True
 
 
 def _reported(result) -> bool:

@@ -26,15 +26,21 @@ the prefill side of an aborted request).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+import simpy
 
 from kvtwin.sim.core.engine import StepResult
 from kvtwin.sim.core.hashing import HashIdPrompt, PromptSource, TokenPrompt
 from kvtwin.sim.core.pd_connector import RemoteRead
 from kvtwin.sim.core.request import Request
-from kvtwin.sim.replay.clock.arrivals import Arrival
+from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
 from kvtwin.sim.replay.clock.cluster import Cluster
+from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
+from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
-from kvtwin.sim.replay.recorder import BatchTimes
+from kvtwin.sim.replay.pd_router import PDRouter
+from kvtwin.sim.replay.recorder import BatchTimes, MetricsRecorder
 
 PREFILL_SUFFIX = "@prefill"
 
@@ -64,14 +70,29 @@ class _InFlight:
     decode: int
 
 
-class PDCluster(Cluster):
-    def __init__(self, *args, num_prefill: int, copies: int = 1, **kwargs):
+class PDCluster:
+    """The cluster the engine processes see (``ClusterView``) for a P/D deployment: the
+    replay's ``Cluster`` does the bookkeeping of every batch (recorder, progress, router
+    releases); this adds the hand-overs between the roles and when idle replicas may stop."""
+
+    def __init__(self, env: simpy.Environment, replicas: Sequence[Replica], router: PDRouter,
+                 recorder: MetricsRecorder, *, num_prefill: int, copies: int = 1, time_limit_s: float | None = None,
+                 on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000):
         """``num_prefill``: how many of the replicas (the first) prefill; ``copies``: the
         workers each move their share of a read (tensor parallel; 1 with MLA)."""
-        super().__init__(*args, **kwargs)
+        self.inner = Cluster(env, replicas, router, recorder, time_limit_s=time_limit_s, on_progress=on_progress,
+                             progress_every=progress_every)
+        self.env = env
+        self.replicas = self.inner.replicas
+        self.router = router
+        self.recorder = recorder
+        self.time_limit_s = time_limit_s
+        self.on_progress = on_progress
+        self.progress = self.inner.progress
         self.num_prefill = num_prefill
         self.copies = copies
         self.roles = ["prefill" if i < num_prefill else "decode" for i in range(len(self.replicas))]
+        self._arrivals_done = False
         self._by_prefill_id: dict[str, _InFlight] = {}
         self._by_id: dict[str, _InFlight] = {}
         for replica in self.replicas[num_prefill:]:
@@ -81,14 +102,39 @@ class PDCluster(Cluster):
 
     @property
     def arrivals_done(self) -> bool:
-        """No request will reach any replica any more: the arrivals are done and no
-        prefill is still to hand its request to a decode replica (an idle replica stops
-        only then)."""
-        return self._arrivals_done and not self._by_prefill_id
+        """No request will reach any replica any more and no prefill replica still holds
+        blocks for a read: the arrivals are done, no prefill is still to hand its request
+        over, and no read is still to come (an idle replica stops only then)."""
+        if not self._arrivals_done or self._by_prefill_id:
+            return False
+        return not any(r.engine.scheduler.connector_state.delayed_free for r in self.replicas[:self.num_prefill])
 
     @arrivals_done.setter
     def arrivals_done(self, value: bool) -> None:
         self._arrivals_done = value
+
+    def _wake_all_if_done(self) -> None:
+        if self.arrivals_done:
+            for replica in self.replicas:
+                replica.wake()
+
+    def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
+        self.inner.window_closed(replica, members)
+
+    def run(self, arrivals: Iterable[Arrival]) -> float:
+        """As ``Cluster.run``, the processes seeing this cluster."""
+        env = self.env
+        env.process(arrival_process(self, iter(arrivals)))
+        dones = [env.process(async_engine_process(self, replica) if replica.engine.scheduler.config.async_scheduling
+                             else sync_engine_process(self, replica)) for replica in self.replicas]
+        done = dones[0] if len(dones) == 1 else env.all_of(dones)
+        limit = self.time_limit_s
+        env.run(until=done if limit is None else env.any_of([done, env.timeout(limit)]))
+        self.progress.now_s = env.now
+        if self.on_progress is not None:
+            self.on_progress(self.progress)
+        self.recorder.finish_unfinished()
+        return env.now
 
     def arrive(self, arrival: Arrival) -> None:
         request = arrival.request
@@ -113,7 +159,9 @@ class PDCluster(Cluster):
         self.replicas[prefill].wake()
 
     def applied(self, replica: Replica, result: StepResult, times: BatchTimes, synchronous: bool = False) -> None:
-        super().applied(replica, result, times, synchronous)
+        self.inner.applied(replica, result, times, synchronous)
+        if replica.index < self.num_prefill and result.transfers is not None and result.transfers.finished_sending:
+            self._wake_all_if_done()  # the last blocks held for a read may have gone
         if replica.index < self.num_prefill and result.finished:
             self.progress.finished -= len(result.finished)  # only the decode side finishes a request
             finished = list(result.finished)
@@ -132,9 +180,6 @@ class PDCluster(Cluster):
     def _prefilled(self, p_request: Request, end_s: float) -> None:
         """The prefill side finished: the client's request goes to its decode replica."""
         flight = self._by_prefill_id.pop(p_request.request_id)
-        if self.arrivals_done:
-            for replica in self.replicas:  # the last hand-over: idle replicas may stop now
-                replica.wake()
         request = flight.request
         decode = self.replicas[flight.decode]
         engine = decode.engine
@@ -165,20 +210,3 @@ class PDCluster(Cluster):
         assert pd is not None
         pd.transfers.send_done(flight.prefill_id, at_s)
         prefill.wake()
-
-    def wait_for_transfers(self, replica: Replica, reported: bool):
-        """As the base cluster's, and a prefill replica whose finished requests wait for a
-        read not yet issued sleeps until the decode side issues it."""
-        if reported:
-            return True
-        due_s = replica.next_offload_event_s()
-        env = self.env
-        if due_s is None:
-            pd = replica.engine.pd
-            if pd is not None and pd.connector.has_pending_jobs():
-                yield replica.sleep(env)
-                return True
-            return False
-        if due_s > env.now:
-            yield env.any_of([replica.sleep(env), env.timeout(due_s - env.now)])
-        return True
