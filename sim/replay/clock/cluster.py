@@ -13,6 +13,7 @@ batch, its times, and the engine's figures after it (``EngineCore.make_stats``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import simpy
 
@@ -79,12 +80,14 @@ class Cluster:
 
     # -- the run ------------------------------------------------------------------------------
 
-    def run(self, arrivals: Iterable[Arrival]) -> float:
+    def run(self, arrivals: Iterable[Arrival], view: Any = None) -> float:
         """Replay ``arrivals`` (sorted by time) until every request is done or the time
-        limit; returns the simulated time at which the run ended."""
+        limit; returns the simulated time at which the run ended. ``view`` is the cluster
+        the processes see: this one, or one that wraps it (``PDCluster``)."""
+        seen = self if view is None else view
         env = self.env
-        env.process(arrival_process(self, iter(arrivals)))
-        dones = [env.process(self._engine_process(replica)) for replica in self.replicas]
+        env.process(arrival_process(seen, iter(arrivals)))
+        dones = [env.process(_engine_process(seen, replica)) for replica in self.replicas]
         done = dones[0] if len(dones) == 1 else env.all_of(dones)
         limit = self.time_limit_s
         env.run(until=done if limit is None else env.any_of([done, env.timeout(limit)]))
@@ -94,10 +97,11 @@ class Cluster:
         self.recorder.finish_unfinished()
         return env.now
 
-    def _engine_process(self, replica: Replica):
-        if replica.engine.scheduler.config.async_scheduling:
-            return async_engine_process(self, replica)
-        return sync_engine_process(self, replica)
+
+def _engine_process(view: Any, replica: Replica):
+    if replica.engine.scheduler.config.async_scheduling:
+        return async_engine_process(view, replica)
+    return sync_engine_process(view, replica)
 
 
 def run_simulation(replicas: Sequence[Replica], arrivals: Iterable[Arrival], recorder: MetricsRecorder, *,

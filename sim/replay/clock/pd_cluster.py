@@ -34,9 +34,8 @@ from kvtwin.sim.core.engine import StepResult
 from kvtwin.sim.core.hashing import HashIdPrompt, PromptSource, TokenPrompt
 from kvtwin.sim.core.pd_connector import RemoteRead
 from kvtwin.sim.core.request import Request
-from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
+from kvtwin.sim.replay.clock.arrivals import Arrival
 from kvtwin.sim.replay.clock.cluster import Cluster
-from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.pd_router import PDRouter
@@ -123,18 +122,7 @@ class PDCluster:
 
     def run(self, arrivals: Iterable[Arrival]) -> float:
         """As ``Cluster.run``, the processes seeing this cluster."""
-        env = self.env
-        env.process(arrival_process(self, iter(arrivals)))
-        dones = [env.process(async_engine_process(self, replica) if replica.engine.scheduler.config.async_scheduling
-                             else sync_engine_process(self, replica)) for replica in self.replicas]
-        done = dones[0] if len(dones) == 1 else env.all_of(dones)
-        limit = self.time_limit_s
-        env.run(until=done if limit is None else env.any_of([done, env.timeout(limit)]))
-        self.progress.now_s = env.now
-        if self.on_progress is not None:
-            self.on_progress(self.progress)
-        self.recorder.finish_unfinished()
-        return env.now
+        return self.inner.run(arrivals, view=self)
 
     def arrive(self, arrival: Arrival) -> None:
         request = arrival.request
