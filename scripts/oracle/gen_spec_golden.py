@@ -483,7 +483,30 @@ def spec_cases() -> dict:
         config([SWA(32), FULL], 120, 5, "k=5, asynchronous, sliding window 32 + full", async_scheduling=True),
         workload(503, 5))
     cases["spec_nocache_k3"] = (config([FULL], 96, 3, "k=3, prefix caching off", caching=False), workload(601, 3))
+    cases["spec_budget_k5"] = (
+        config([FULL], 160, 5, "k=5, budget 27 for up to 12 requests: drafts clipped by the budget",
+               max_num_seqs=12, budget=27), workload(701, 5, n=20, prompt=(10, 40), gap=0, rate=0.8))
+    cases["spec_padding_k3"] = (config([FULL], 96, 3, "k=3, repeated prompts of 2 blocks + 1 token: full hits "
+                                       "admitted as padded decodes"), padding_workload(801, 3))
+    cases["spec_async_padding_k3"] = (
+        config([FULL], 96, 3, "k=3, asynchronous, repeated prompts of 2 blocks + 1 token", async_scheduling=True),
+        padding_workload(802, 3))
     return cases
+
+
+def padding_workload(seed: int, k: int) -> list[dict]:
+    """Prompts of 33 tokens (2 blocks + 1), each asked again later: the repeat hits 32 tokens
+    and has one left to compute, which vLLM pads to 1 + k when others are running."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(33)] for _ in range(4)]
+    reqs = []
+    for i in range(14):
+        prompt = prompts[i % 4] if i >= 2 else prompts[i]
+        olen = rng.randint(8, 30)
+        reqs.append(dict(request_id=f"r{i:03d}", arrival_step=3 * i, prompt_token_ids=list(prompt),
+                         output_token_ids=[rng.randrange(50000, 60000) for _ in range(olen)], priority=0,
+                         num_accepted_tokens=accept_script(rng, k, 0.6, olen)))
+    return reqs
 
 
 def cmd_make(out: str, only: set[str] | None) -> int:
