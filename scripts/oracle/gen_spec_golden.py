@@ -485,7 +485,7 @@ def spec_cases() -> dict:
     cases["spec_nocache_k3"] = (config([FULL], 96, 3, "k=3, prefix caching off", caching=False), workload(601, 3))
     cases["spec_budget_k5"] = (
         config([FULL], 160, 5, "k=5, budget 27 for up to 12 requests: drafts clipped by the budget",
-               max_num_seqs=12, budget=27), workload(701, 5, n=20, prompt=(10, 40), gap=0, rate=0.8))
+               max_num_seqs=12, budget=27), workload(701, 5, n=16, prompt=(10, 40), output=(60, 120), gap=0, rate=0.5))
     cases["spec_padding_k3"] = (config([FULL], 96, 3, "k=3, repeated prompts of 2 blocks + 1 token: full hits "
                                        "admitted as padded decodes"), padding_workload(801, 3))
     cases["spec_async_padding_k3"] = (
