@@ -151,6 +151,13 @@ def build_engine(case: GoldenCase) -> EngineCore:
     return EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config, offload)
 
 
+def scripted_model(case: GoldenCase) -> ScriptedModel | SpecScriptedModel:
+    """The case's scripted model: with drafts, one that also accepts and proposes them."""
+    if case.scheduler_config.num_speculative_tokens:
+        return SpecScriptedModel(case)
+    return ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
+
+
 def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
              max_idle_steps: int = 10_000) -> LockstepResult:
     engine = build_engine(case)
@@ -159,9 +166,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
     # request id -> (loaded tokens, step the load was issued) of its pending admission.
     loads: dict[str, tuple[int, int]] = {}
     updated_batches = 0  # async: batches applied so far
-    model: ScriptedModel | SpecScriptedModel = (
-        SpecScriptedModel(case) if case.scheduler_config.num_speculative_tokens
-        else ScriptedModel({r.request_id: r.output_token_ids for r in case.requests}))
+    model = scripted_model(case)
     records = {r.request_id: RequestRecord(r.request_id) for r in case.requests}
     pending = list(case.requests)
     next_arrival = 0
