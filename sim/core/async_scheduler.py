@@ -196,15 +196,16 @@ class AsyncScheduler(Scheduler):
         spec_scheduled = output.scheduled_spec_decode_tokens
         assert spec_scheduled is not None
         requests = self.requests
-        for request, num_tokens in self.in_flight_partials.popleft():
-            request.num_in_flight_tokens -= num_tokens
+        for partial, num_tokens in self.in_flight_partials.popleft():
+            partial.num_in_flight_tokens -= num_tokens
         finished: list[Request] = []
         preempted = RequestStatus.PREEMPTED
-        running = RequestStatus.RUNNING
+        running_status = RequestStatus.RUNNING
         for request_id, tokens in sampled.items():
-            request = requests.get(request_id)
-            if request is None:
+            found = requests.get(request_id)
+            if found is None:
                 continue
+            request = found
             request.num_in_flight_tokens -= scheduled[request_id]
             if not tokens:
                 continue
@@ -216,7 +217,7 @@ class AsyncScheduler(Scheduler):
                     request.num_computed_tokens -= num_rejected
                 if request.num_output_placeholders > 0:
                     request.num_output_placeholders -= num_rejected
-            was_running = request.status is running
+            was_running = request.status is running_status
             stopped = self.append_verified_tokens(request, tokens, stale)
             if was_running:
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)

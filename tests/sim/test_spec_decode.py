@@ -252,3 +252,14 @@ def test_spec_invariants_on_golden_cases_see_rollbacks(name):
     case = load_case(CASES / name)
     s = Scenario(case.kv_cache_config, case.scheduler_config, case.cache_config, case.requests)
     assert _drive_with_spec_checks(s) > 0
+
+
+def test_no_decode_window_with_drafts():
+    """Decode windows assume one token per decode: never opened with drafts on."""
+    from kvtwin.sim.core.decode_window import open_decode_window
+    from kvtwin.sim.core.scheduler_output import SchedulerOutput
+    kv = KVCacheConfig(num_blocks=64, hash_block_size=BS, groups=(KVCacheGroupSpec(("a",), FullAttentionSpec(block_size=BS)),))
+    engine = EngineCore(kv, SchedulerConfig(max_model_len=256, async_scheduling=True, num_speculative_tokens=2))
+    engine.add_request(Request("a", TokenPrompt(tuple(range(20))), 50))
+    out = engine.scheduler.schedule()
+    assert open_decode_window(engine.scheduler, out, {"a": [1]}, [1 << 24]) is None
