@@ -491,6 +491,16 @@ def spec_cases() -> dict:
     cases["spec_async_padding_k3"] = (
         config([FULL], 96, 3, "k=3, asynchronous, repeated prompts of 2 blocks + 1 token", async_scheduling=True),
         padding_workload(802, 3))
+    cases["spec_async_priority_pressure_k1"] = (
+        config([FULL], 28, 1, "k=1, asynchronous, priority policy, 27 usable blocks: preemptions", budget=96,
+               async_scheduling=True, policy="priority"), workload(901, 1, n=18, gap=1))
+    cfg = config([FULL], 96, 3, "k=3, chunked prefill off (budget 512 >= max_model_len), repeated prompts",
+                 budget=512)
+    cfg["enable_chunked_prefill"] = False
+    cases["spec_no_chunking_k3"] = (cfg, padding_workload(902, 3))
+    cfg = config([FULL], 96, 3, "k=3, long_prefill_token_threshold 24, budget 64")
+    cfg["long_prefill_token_threshold"] = 24
+    cases["spec_long_prefill_k3"] = (cfg, workload(903, 3))
     return cases
 
 
