@@ -121,8 +121,11 @@ def validate_config(cfg: dict) -> None:
     if missing or extra:
         raise CaseError(f"config.json: missing keys {missing}, unknown keys {extra}")
     sp = cfg["speculative"]
-    if sorted(sp) != sorted(SPEC_KEYS) or sp["method"] != "ngram" or int(sp["num_speculative_tokens"]) < 1:
-        raise CaseError("config.json speculative: {method: 'ngram', num_speculative_tokens >= 1}")
+    if sorted(sp) != sorted(SPEC_KEYS) or sp["method"] not in ("ngram", "eagle") or \
+            int(sp["num_speculative_tokens"]) < 1:
+        raise CaseError("config.json speculative: {method: 'ngram' or 'eagle', num_speculative_tokens >= 1}")
+    if sp["method"] == "eagle" and cfg["enable_prefix_caching"]:
+        raise CaseError("config.json: method 'eagle' only with enable_prefix_caching false (see eagle_lookahead)")
     if cfg["vllm_version"] != vllm.__version__:
         raise CaseError(f"vllm_version {cfg['vllm_version']} but vllm {vllm.__version__} is installed")
 
@@ -159,8 +162,10 @@ def build_scheduler(cfg: dict):
                 structured_output_manager=StructuredOutputManager(vllm_config),
                 block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
     sc = vllm_config.scheduler_config
+    lookahead = eagle_lookahead(sched, k) if cfg["speculative"]["method"] == "eagle" else 0
     # Nothing we asked for may have been changed behind our back.
-    checks = dict(num_spec_tokens=(sched.num_spec_tokens, k), num_lookahead_tokens=(sched.num_lookahead_tokens, 0),
+    checks = dict(num_spec_tokens=(sched.num_spec_tokens, k), num_lookahead_tokens=(sched.num_lookahead_tokens,
+                                                                                      lookahead),
                   num_prefill_lookahead=(sched.num_prefill_lookahead, 0),
                   num_hash_lookahead_tokens=(vllm_config.num_hash_lookahead_tokens, 0),
                   draft_slots=(spec_config.max_num_new_slots_for_drafting, 0),
@@ -180,6 +185,22 @@ def build_scheduler(cfg: dict):
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens)
     return sched, hasher, k
+
+
+def eagle_lookahead(sched, k: int) -> int:
+    """What an EAGLE speculative config changes in the scheduler when prefix caching is off.
+
+    An EAGLE config needs its draft head's model config, which this harness does not build.
+    Read in vLLM 0.33 (config/vllm.py, v1/core/sched/scheduler.py), EAGLE differs from n-gram
+    for the scheduler in: ``num_lookahead_tokens = k`` (passed to every ``allocate_slots``,
+    running and waiting); ``num_prefill_lookahead = 1`` (``_reserve_prefill_lookahead`` is a
+    no-op for 1, and the encoder shift needs encoder inputs); the lookahead block hashes and
+    the trailing-block drop, which need prefix caching (off here: no hits); skipping drafts
+    (``can_skip_drafts``), which only tells the worker not to draft when no scheduled request
+    can use the drafts, so no request's drafts change. So the scheduler is built from the
+    n-gram config and given ``num_lookahead_tokens = k``: the one attribute that differs."""
+    sched.num_lookahead_tokens = k
+    return k
 
 
 def validate_request(r: dict, cfg: dict, where: str) -> None:
@@ -449,13 +470,13 @@ def workload(seed: int, k: int, *, n: int = 16, prompt=(20, 90), output=(6, 40),
 
 def config(groups, num_blocks: int, k: int, description: str, *, max_num_seqs: int = 8, budget: int = 64,
            max_model_len: int = 512, async_scheduling: bool = False, policy: str = "fcfs",
-           caching: bool = True) -> dict:
+           caching: bool = True, method: str = "ngram") -> dict:
     return {"vllm_version": VLLM_VERSION, "kv_cache_groups": groups, "block_size": 16, "num_blocks": num_blocks,
             "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
             "long_prefill_token_threshold": 0, "enable_chunked_prefill": True, "scheduling_policy": policy,
             "watermark": 0.0, "scheduler_reserve_full_isl": True, "enable_prefix_caching": caching,
             "prefix_caching_hash_algo": "sha256", "async_scheduling": async_scheduling,
-            "description": description, "speculative": {"method": "ngram", "num_speculative_tokens": k}}
+            "description": description, "speculative": {"method": method, "num_speculative_tokens": k}}
 
 
 def spec_cases() -> dict:
@@ -491,6 +512,16 @@ def spec_cases() -> dict:
     cases["spec_async_padding_k3"] = (
         config([FULL], 96, 3, "k=3, asynchronous, repeated prompts of 2 blocks + 1 token", async_scheduling=True),
         padding_workload(802, 3))
+    cases["spec_eagle_nocache_k3"] = (
+        config([FULL], 40, 3, "EAGLE-style drafter, k=3: 3 lookahead slots per step, caching off, tight pool",
+               caching=False, budget=96, method="eagle"), workload(1001, 3, n=16, gap=1))
+    cases["spec_async_eagle_nocache_k5"] = (
+        config([FULL], 40, 5, "EAGLE-style drafter, k=5, asynchronous, caching off, tight pool", caching=False,
+               budget=96, method="eagle", async_scheduling=True), workload(1002, 5, n=16, gap=1))
+    cases["spec_eagle_swa_nocache_k3"] = (
+        config([SWA(32), FULL], 120, 3, "EAGLE-style drafter, k=3, sliding window 32 + full, caching off",
+               caching=False, method="eagle", max_model_len=128), workload(1003, 3, n=12, prompt=(20, 60),
+                                                                         max_model_len=128))
     cases["spec_async_priority_pressure_k1"] = (
         config([FULL], 28, 1, "k=1, asynchronous, priority policy, 27 usable blocks: preemptions", budget=96,
                async_scheduling=True, policy="priority"), workload(901, 1, n=18, gap=1))

@@ -354,6 +354,7 @@ class Scheduler:
             if not num_new:
                 break
             new_blocks = kv_cache_manager.allocate_slots(request, num_new, hit_tokens, hit_blocks,
+                                            num_lookahead_tokens=self.num_lookahead_tokens,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                                             has_scheduled_reqs=bool(self.running))
             if new_blocks is None:

@@ -23,7 +23,9 @@ _CONFIG_FIELDS = {
     "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload", "speculative",
 }
 # The ``speculative`` table of a speculative-decoding case (scripts/oracle/gen_spec_golden.py).
-_SPEC_METHODS = ("ngram",)
+# "eagle": a drafter with its own KV, k lookahead slots per step; kvtwin models it with
+# prefix caching off only (vLLM's EAGLE hashes each block with the next token, not modelled).
+_SPEC_METHODS = ("ngram", "eagle")
 # The ``kv_offload`` table of an offload case (the native CPU offloading connector).
 _OFFLOAD_FIELDS = {"cpu_bytes_to_use": int, "eviction_policy": str, "kv_bytes_per_chunk": int,
                    "num_cpu_chunks": int, "load_steps": int, "store_steps": int}
@@ -117,6 +119,7 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
             num_speculative_tokens=_speculative_tokens(data, source),
+            num_lookahead_tokens=_speculative_tokens(data, source) if _is_eagle(data, source) else 0,
         )
         cache_config = CacheConfig(
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
@@ -141,6 +144,16 @@ def _speculative_tokens(data: dict, source: str) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError("speculative.num_speculative_tokens", "a positive integer", k, source=source)
     return k
+
+
+def _is_eagle(data: dict, source: str) -> bool:
+    spec = data.get("speculative")
+    if spec is None or spec.get("method") != "eagle":
+        return False
+    if data.get("enable_prefix_caching", True):
+        raise ConfigError("speculative.method", "'ngram' with prefix caching on ('eagle' hashes blocks with a "
+                          "lookahead token, not modelled)", "eagle", source=source)
+    return True
 
 
 def load_offload(path: Path) -> CaseOffload | None:

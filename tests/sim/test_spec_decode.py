@@ -100,6 +100,7 @@ def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     ({"method": "medusa", "num_speculative_tokens": 3}, "speculative.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative.method"),  # eagle with prefix caching on
 ])
 def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
     case = tmp_path / "case"
