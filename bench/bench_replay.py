@@ -12,7 +12,11 @@ steps per second, peak RSS, and its target:
   an A100 80GB: at most 5 s, i.e. at least 7x faster than Vidur's 37.3 s on the same trace
   and machine kind (its plots off);
 * ``default``: what ``kvtwin replay`` runs with no arguments (two replicas behind a router,
-  2.2M steps): no target, reported so that its cost is seen.
+  2.2M steps): no target, reported so that its cost is seen;
+* ``spec-eagle3``: the Mooncake trace with EAGLE-3 drafting (k = 3, prefix caching off;
+  ``scenarios/mooncake-llama8b-h100-eagle3.toml``): no target. Decode windows stay closed
+  with drafts on (``sim/core/decode_window.py`` counts one token per decode), so every
+  batch is scheduled one by one: compare its steps per second with ``mooncake``'s.
 
 Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
 ``--no-decode-windows`` times the replays with every batch scheduled one by one (the same
@@ -64,6 +68,7 @@ WORKLOADS = (
     Workload("azure-conv", "azure-conv-llama8b.toml", gpu="a100-80gb", target_wall_s=5.0,
              compare_s=VIDUR_AZURE_CONV_S),
     Workload("default", "default.toml"),
+    Workload("spec-eagle3", "mooncake-llama8b-h100-eagle3.toml"),
 )
 
 
@@ -79,7 +84,7 @@ def measure_one(scenario: Path, gpu: str | None, limit: int | None, decode_windo
     loaded = time.perf_counter()
     result = run_replay(planned, trace, deployment=resolved.deployment, efficiency=resolved.efficiency,
                         slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=resolved.offload_for(planned),
-                        decode_windows=decode_windows)
+                        decode_windows=decode_windows, speculative=resolved.speculative)
     finished = time.perf_counter()
     summary = result.summary.to_pylist()[0]
     return {"requests": trace.num_rows, "steps": result.steps.num_rows, "simulated_s": result.end_time_s,

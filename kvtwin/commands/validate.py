@@ -63,6 +63,10 @@ def validate(
             raise ConfigError("offload.cpu_bytes", "0 for kvtwin validate (the device executor does not offload "
                               "KV; validate the scenario without its [offload] table)", resolved.offload.cpu_bytes,
                               source=resolved.where)
+        if resolved.speculative.enabled:
+            # The device executor proposes no drafts: refuse rather than validate another run.
+            raise ConfigError("speculative.method", "no [speculative] table for kvtwin validate (the device "
+                              "executor does not draft)", resolved.speculative.method, source=resolved.where)
         workload = resolved.require_workload()
         planned = resolved.plan()
         planned.require_fits()

@@ -109,7 +109,8 @@ class PointReplays:
         resolved = self.resolved
         result = run_replay(self.planned, trace, deployment=resolved.deployment,
                             efficiency=efficiency if efficiency is not None else resolved.efficiency,
-                            slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=self.offload)
+                            slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=self.offload,
+                            speculative=resolved.speculative)
         return result.summary.to_pylist()[0], trace
 
 

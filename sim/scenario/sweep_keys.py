@@ -17,6 +17,8 @@ axis varies slowest), numbered from 0 in that order. KEY is a dotted scenario pa
 * ``offload.<field>`` — the offload tiers (``offload.cpu_bytes``, ``offload.policy``,
   ``offload.disk_bytes``, ...; ``OffloadConfig``): ``offload.cpu_bytes=0,...`` puts the
   run without offloading next to the sized tiers.
+* ``speculative.<field>`` — speculative decoding (``speculative.num_speculative_tokens``,
+  ``speculative.acceptance``, ...; ``SpeculativeConfig``).
 
 Values are parsed as the field's type (integers, numbers, ``true``/``false``, strings). A
 point is applied by editing the scenario file's TOML mapping at the dotted key and reading
@@ -43,7 +45,7 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
 
 
 # The scenario tables a sweep may vary (``[run]`` is the command's, not a point's).
-SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload")
+SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload", "speculative")
 
 
 def sweep_key(key: str) -> Knob:
@@ -52,7 +54,7 @@ def sweep_key(key: str) -> Knob:
     if section not in SWEPT_SECTIONS or not name:
         raise ConfigError(FLAG, "KEY=V1,V2,... with KEY one of engine.<field>, hardware.gpu, model.preset, "
                                 "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, cost_model.<field>, "
-                                "offload.<field>",
+                                "offload.<field>, speculative.<field>",
                           key)
     fields = section_knobs(section)
     if name not in fields:
