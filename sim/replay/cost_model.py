@@ -264,11 +264,13 @@ class CostModel:
         return self.weight_bytes - all_experts + touched * self.expert_bytes * self.moe_layers
 
     def split_step_cost(self, decode_ends: list[int], prefill_items: list[tuple[int, int]],
-                        draft_ends: list[int] | None = None) -> StepCost:
+                        draft_ends: list[int] | None = None,
+                        verify_items: list[tuple[int, int]] | None = None) -> StepCost:
         """Seconds of one step: decodes (one new token each) given by the context length
         after the step, prefill chunks as (new tokens, tokens computed before). Decodes are
-        most requests of most steps, so their terms are sums over contexts. ``draft_ends``:
-        with a draft head, the contexts after the step of the requests it drafts for."""
+        most requests of most steps, so their terms are sums over contexts. Speculative
+        decoding: ``verify_items`` are verify steps as (1 + drafts, tokens computed before),
+        ``draft_ends`` the contexts after the step of the requests a draft head drafts for."""
         num_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(prefill_items)
         num_decodes = len(decode_ends)
         if num_decodes:
@@ -276,20 +278,26 @@ class CostModel:
                 kv_bytes, attention_flops, attention_work = _add_decodes(
                     lc, lc.spec.decode_attended_keys(decode_ends), num_decodes, kv_bytes, attention_flops,
                     attention_work)
-        draft_s = self.draft_s(num_tokens + num_decodes, draft_ends) if draft_ends else 0.0
-        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, attention_work,
+        if verify_items:
+            verify_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(
+                verify_items, kv_bytes, attention_flops, attention_work, weigh_short=False)
+            num_tokens += verify_tokens
+            num_decodes += len(verify_items)
+        draft_s = self.draft_s(num_tokens + len(decode_ends), draft_ends) if draft_ends else 0.0
+        return self._step_cost(num_tokens + len(decode_ends), kv_bytes, attention_flops, attention_work,
                                num_decodes + len(prefill_items), num_decodes, draft_s)
 
-    def _prefill_terms(self, prefill_items: list[tuple[int, int]]) -> tuple[int, float, float, float]:
-        """(tokens, KV bytes, attention FLOPs, attention work) of a step's prefill chunks.
-        The work is the FLOPs at the rate of a long chunk: a chunk of few query tokens
-        fills fewer of the kernel's query tiles, so its FLOPs count ``(new + half) / new``
-        times (``attention_half_query_tokens``)."""
+    def _prefill_terms(self, prefill_items: list[tuple[int, int]], kv_bytes: float = 0.0,
+                       attention_flops: float = 0.0, attention_work: float = 0.0,
+                       weigh_short: bool = True) -> tuple[int, float, float, float]:
+        """(tokens, KV bytes, attention FLOPs, attention work) of a step's prefill chunks,
+        added to the given sums. The work is the FLOPs at the rate of a long chunk: a chunk
+        of few query tokens fills fewer of the kernel's query tiles, so its FLOPs count
+        ``(new + half) / new`` times (``attention_half_query_tokens``). A verify step of
+        speculative decoding (``weigh_short`` False) runs in the decode kernel, which splits
+        the keys, not the queries: its FLOPs count once, as a decode's do."""
         num_tokens = 0
-        kv_bytes = 0.0
-        attention_flops = 0.0
-        attention_work = 0.0
-        half = self.eff.attention_half_query_tokens
+        half = self.eff.attention_half_query_tokens if weigh_short else 0.0
         layer_classes = self.layer_classes
         for new, before in prefill_items:
             num_tokens += new

@@ -56,14 +56,35 @@ def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
     scheduled = output.num_scheduled_tokens.values()
     computed = output.num_computed_tokens
     decode_ends = [c + 1 for n, c in zip(scheduled, computed) if n == 1]
+    spec = output.scheduled_spec_decode_tokens
+    if spec is not None:
+        return _spec_step_cost(cost_model, output, spec, decode_ends)
     prefill_items = [(n, c) for n, c in zip(scheduled, computed) if n != 1]
-    if output.scheduled_spec_decode_tokens is not None and cost_model.draft_head is not None:
-        # The draft head drafts for every request that samples, from its context after the step.
+    return cost_model.split_step_cost(decode_ends, prefill_items)
+
+
+def _spec_step_cost(cost_model: CostModel, output: SchedulerOutput, spec: dict[str, list[int]],
+                    decode_ends: list[int]) -> StepCost:
+    """``step_cost`` with drafts: a row that verifies drafts is a verify step (decode
+    kernel, ``1 + drafts`` queries); the draft head, if any, drafts for every request that
+    samples, from its context after the step."""
+    computed = output.num_computed_tokens
+    prefill_items: list[tuple[int, int]] = []
+    verify_items: list[tuple[int, int]] = []
+    for (request_id, n), c in zip(output.num_scheduled_tokens.items(), computed):
+        if n == 1:
+            continue
+        drafts = spec.get(request_id)
+        if drafts and n == 1 + len(drafts):
+            verify_items.append((n, c))
+        else:
+            prefill_items.append((n, c))
+    draft_ends = None
+    if cost_model.draft_head is not None:
         sampling = output.num_output_tokens
         draft_ends = [c + n for (request_id, n), c in zip(output.num_scheduled_tokens.items(), computed)
                       if request_id in sampling]
-        return cost_model.split_step_cost(decode_ends, prefill_items, draft_ends)
-    return cost_model.split_step_cost(decode_ends, prefill_items)
+    return cost_model.split_step_cost(decode_ends, prefill_items, draft_ends, verify_items)
 
 
 class CostModelExecutor:

@@ -211,11 +211,9 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
 def _speculative(config: SpeculativeConfig, overrides: Overrides) -> SpeculativeConfig:
     """The scenario's ``[speculative]`` with the flags given on top (all at once: a method
     and its k are checked together); errors name the flag, or both ways to set the field."""
-    given = dict(overrides.speculative)
+    given = {name: value for name, value in overrides.speculative.items() if value is not None}
     if not given:
         return config
-    if "acceptance" in given and not isinstance(given["acceptance"], (list, tuple)):
-        given["acceptance"] = float(given["acceptance"])  # type: ignore[arg-type]
     try:
         return dataclasses.replace(config, **given)
     except ConfigError as err:

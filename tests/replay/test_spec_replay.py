@@ -202,3 +202,28 @@ def test_flags_turn_drafting_on(tmp_path):
     assert res.exit_code == 0, res.output
     summary = pq.read_table(tmp_path / "o" / "summary.parquet").to_pylist()[0]
     assert not math.isnan(summary["spec_acceptance_rate"])
+
+
+def test_a_verify_step_is_priced_as_a_decode_of_several_queries(tmp_path):
+    resolved = resolve_scenario(_scenario(tmp_path))
+    cost = plan_cost_model(resolved.plan(), resolved.efficiency)
+    decodes = cost.split_step_cost([4001] * 32, [])
+    verify = cost.split_step_cost([], [], None, [(4, 4000)] * 32)
+    as_chunks = cost.split_step_cost([], [(4, 4000)] * 32)
+    # The same KV is read once; the short-chunk weighting of prefill attention does not apply.
+    assert decodes.total_s < verify.total_s < as_chunks.total_s
+    assert verify.total_s < 1.5 * decodes.total_s
+    assert verify.kv_bytes == pytest.approx(as_chunks.kv_bytes)
+
+
+def test_drafting_pays_off_only_with_acceptance(tmp_path):
+    plain = _run(_scenario(tmp_path))[1]["mean_tpot_ms"]
+    path = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.0\n', name="n.toml")
+    nothing_accepted = _run(path)[1]["mean_tpot_ms"]
+    # Verifying drafts that are all rejected costs a little (4 queries instead of 1 per decode) ...
+    assert plain < nothing_accepted < 1.3 * plain
+    # ... and EAGLE-3's published acceptance (2.35 tokens per step at k = 3) more than pays for its head.
+    eagle3 = _run(_scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\n', name="e.toml"))[1]
+    assert eagle3["mean_acceptance_length"] == pytest.approx(2.35, abs=0.1)
+    eagle3 = eagle3["mean_tpot_ms"]
+    assert eagle3 < 0.8 * plain
