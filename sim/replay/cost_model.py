@@ -23,8 +23,9 @@ through the model once. Per GPU of the tensor-parallel group it
 * and pays a CPU overhead per step and per scheduled request.
 
 Speculative decoding (docs/semantics.md#speculative-decoding): a verify step's ``1 + d``
-query tokens of a request go through the target model as a short chunk (the split the
-caller makes), and a drafter with a model (``DraftHead``: EAGLE, EAGLE-3, MTP) then runs
+query tokens of a request go through the target model's GEMMs as tokens and through the
+decode attention kernel (its KV read once, its FLOPs unweighted: ``verify_items``; the
+split is the caller's, ``sim/replay/run.py``), and a drafter with a model (``DraftHead``: EAGLE, EAGLE-3, MTP) then runs
 ``k`` passes of its few layers (the target's layer shape) in the same step, on the GPU
 after the target's forward: the first pass over every token the step scheduled (the head
 keeps its own KV of the whole sequence, prefill chunks included), each later one a token
