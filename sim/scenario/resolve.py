@@ -84,7 +84,8 @@ class Overrides:
 
     def given(self) -> dict:
         """The flags that were given, for a run's metadata."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("engine", "offload", "speculative")}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("engine", "offload", "speculative")}
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None}
         out.update({k: v for k, v in self.engine.items() if v is not None})
         out.update({f"offload_{k}": v for k, v in self.offload.items() if v is not None})
@@ -122,6 +123,9 @@ class ResolvedScenario:
 
     def offload_for(self, planned: Plan) -> ResolvedOffload | None:
         """The offload tiers sized for ``planned`` (None: no offloading); errors name the file."""
+        if self.offload.enabled and self.speculative.enabled:
+            raise ConfigError("offload.cpu_bytes", "0 with a [speculative] table (drafts with a KV offload tier "
+                              "are not modelled yet)", self.offload.cpu_bytes, source=self.where)
         try:
             return self.offload.resolve(planned)
         except ConfigError as err:
@@ -234,6 +238,10 @@ def with_speculative(planned: Plan, speculative: SpeculativeConfig, where: str |
     name = "num_speculative_tokens"
     from_flag = name in overrides.speculative
     setting = flag_for("speculative", name) if from_flag else f"speculative.{name}"
+    # What the core refuses (sim/core/scheduler.py), refused here naming the table.
+    if "mamba" in planned.model.layer_kinds:
+        raise ConfigError("speculative.method", "no [speculative] table with a Mamba model (its speculative state "
+                          "blocks are not modelled yet)", speculative.method, source=where)
     if speculative.num_lookahead_tokens and planned.engine.cache.enable_prefix_caching:
         raise ConfigError("speculative.method", f"'ngram' with prefix caching on ({speculative.method} hashes "
                           "blocks with a lookahead token, not modelled; set [engine] enable_prefix_caching = false)",

@@ -227,3 +227,14 @@ def test_drafting_pays_off_only_with_acceptance(tmp_path):
     assert eagle3["mean_acceptance_length"] == pytest.approx(2.35, abs=0.1)
     eagle3 = eagle3["mean_tpot_ms"]
     assert eagle3 < 0.8 * plain
+
+
+def test_what_the_core_does_not_model_is_refused_naming_the_table(tmp_path):
+    from kvtwin.scenarios import SCENARIOS_DIR
+
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "2", "--spec-acceptance", "0.5"]
+    _one_error_line(_replay_cli(SCENARIOS_DIR / "replay-jamba-mini.toml", *flags, "--out", tmp_path / "out"),
+                    "speculative.method", "Mamba")
+    offload = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 2\nacceptance = 0.5\n'
+                                  '[offload]\ncpu_bytes = 1000000000\n', name="o.toml")
+    _one_error_line(_replay_cli(offload, "--out", tmp_path / "out"), "offload.cpu_bytes", "[speculative]")
