@@ -16,7 +16,9 @@ steps per second, peak RSS, and its target:
 * ``spec-eagle3``: the Mooncake trace with EAGLE-3 drafting (k = 3, prefix caching off;
   ``scenarios/mooncake-llama8b-h100-eagle3.toml``): no target. Decode windows stay closed
   with drafts on (``sim/core/decode_window.py`` counts one token per decode), so every
-  batch is scheduled one by one: compare its steps per second with ``mooncake``'s.
+  batch is scheduled one by one: compare its steps per second with ``mooncake``'s (on the
+  2-core development machine, compiled: 54k steps in 8.2 s, 6.6k steps/s, against
+  ``mooncake``'s 118k steps in 7.2 s, 16.5k steps/s with decode windows).
 
 Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
 ``--no-decode-windows`` times the replays with every batch scheduled one by one (the same
