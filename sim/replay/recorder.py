@@ -244,11 +244,16 @@ class MetricsRecorder:
         if self.offload is not None:
             self.loads_issued(output, scheduled_s, stats.load_seconds)
         self._admissions(output, scheduled_s)
+        sampled = result.execution.sampled
         if self.speculative and output.scheduled_spec_decode_tokens is not None:
-            prefill_tokens, decode_tokens = self._scheduled_spec(output, result.execution.sampled)
+            # A request that finished while this batch was in flight (drafts make its end
+            # uncertain, so it was scheduled again) gets nothing from it: vLLM drops it.
+            records = self.records
+            sampled = {rid: tokens for rid, tokens in sampled.items() if records[rid].status != "finished"}
+            prefill_tokens, decode_tokens = self._scheduled_spec(output, sampled)
         else:
             prefill_tokens, decode_tokens = self._scheduled(output)
-        self._sampled(result.execution.sampled, times.end_s, self._itl[replica])
+        self._sampled(sampled, times.end_s, self._itl[replica])
         self._finished(result.finished, times.end_s)
         self._step_row(stats, times, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
                        len(output.scheduled_new_reqs), len(output.preempted), len(result.finished),
