@@ -31,7 +31,8 @@ from kvtwin.sim.replay.run import run_replay
 
 @knob_flags("engine.tensor_parallel_size", "workload.rate_scale", "workload.limit", "engine.max_model_len",
             "engine.enable_prefix_caching", "run.time_limit_s", "offload.cpu_bytes", "offload.policy",
-            "offload.disk_bytes", "offload.disk_bandwidth_bytes_per_s", "offload.disk_latency_s")
+            "offload.disk_bytes", "offload.disk_bandwidth_bytes_per_s", "offload.disk_latency_s",
+            "speculative.method", "speculative.num_speculative_tokens", "speculative.acceptance")
 def replay(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
                                                    help="Scenario file (default: scenarios/default.toml)."),
@@ -62,7 +63,8 @@ def replay(
         with _progress(table.num_rows, quiet, started, seen) as on_progress:
             result = run_replay(planned, table, deployment=resolved.deployment, efficiency=resolved.efficiency,
                                 slo=resolved.slo, time_limit_s=resolved.time_limit_s, on_progress=on_progress,
-                                offload=offload, disaggregation=resolved.disaggregation)
+                                offload=offload, disaggregation=resolved.disaggregation,
+                                speculative=resolved.speculative)
         wall_s = time.perf_counter() - started
         result.summary = with_band(result.summary, resolved.calibration)
         metadata = run_metadata(path, overrides.given())

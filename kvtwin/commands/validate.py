@@ -68,6 +68,10 @@ def validate(
             raise ConfigError("disaggregation", "no [disaggregation] table for kvtwin validate (the device "
                               "executor runs one aggregated engine; validate the scenario without it)",
                               source=resolved.where)
+        if resolved.speculative.enabled:
+            # The device executor proposes no drafts: refuse rather than validate another run.
+            raise ConfigError("speculative.method", "no [speculative] table for kvtwin validate (the device "
+                              "executor does not draft)", resolved.speculative.method, source=resolved.where)
         workload = resolved.require_workload()
         planned = resolved.plan()
         planned.require_fits()

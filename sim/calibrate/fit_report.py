@@ -98,6 +98,10 @@ def prepare(scenario_path: Path, *, bench_serve: Sequence[Path] = (), metrics_be
             metrics_after: Path | None = None, model_name: str | None = None, steps: Path | None = None,
             trace: str | None = None) -> CalibrationJob:
     resolved = resolve_scenario(Path(scenario_path), Overrides())
+    if resolved.speculative.enabled:
+        # The fits replay without drafts: a fit against a drafting server would be off.
+        raise ConfigError("speculative.method", "no [speculative] table for kvtwin calibrate (the fits replay "
+                          "without drafts)", resolved.speculative.method, source=resolved.where)
     resolved.plan().require_fits()
     table = _trace(trace) if trace is not None else None
     if steps is not None:

@@ -17,6 +17,10 @@ methods: how a batch's computed counts advance, and how its update is applied.
 * A request preempted while a batch with it is in flight still gets that batch's token
   (stale output, no placeholder), may finish from the waiting queue, and is not resumed
   while such output is in flight (set aside for the step, keeping its place).
+* With speculative decoding (docs/semantics.md#speculative-decoding) the scheduler never
+  sees draft ids: a request that samples in a batch holds ``1 + drafts`` placeholders and
+  gets ``k`` placeholder drafts for its next batch; the update rolls the rejected drafts
+  back from both counts.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ class AsyncScheduler(Scheduler):
         # A caller that advances or applies a batch by other means than ``advance_computed``
         # and ``update_from_output`` must keep one entry per such batch, in schedule order.
         self.in_flight_partials: deque[list[tuple[Request, int]]] = deque()
+        # The drafts every decoding request is given after each batch (their ids are only
+        # known to the worker). Shared and never changed.
+        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
 
     def advance_computed(self, out: SchedulerOutput) -> None:
         """As ``Scheduler.advance_computed``, with the batch in flight: each scheduled
@@ -49,6 +56,9 @@ class AsyncScheduler(Scheduler):
         output ``outputs + placeholders`` and holds one more placeholder until this batch's
         update; a partial chunk's tokens are queued in ``in_flight_partials`` (one entry
         per batch that schedules tokens). Counts one batch in ``num_batches``."""
+        if out.scheduled_spec_decode_tokens is not None:
+            self._advance_computed_spec(out)
+            return
         requests = self.requests
         noted_computed = out.num_computed_tokens
         sampling = out.num_output_tokens
@@ -75,6 +85,39 @@ class AsyncScheduler(Scheduler):
             else:
                 partials.append((request, num_tokens))
 
+    def _advance_computed_spec(self, out: SchedulerOutput) -> None:
+        """``advance_computed`` with drafts: a request that samples holds one placeholder for
+        its sampled token and one per draft it verifies, and is given ``k`` placeholder
+        drafts for its next batch; ``is_prefill_chunk`` notes a partial chunk."""
+        requests = self.requests
+        noted_computed = out.num_computed_tokens
+        sampling = out.num_output_tokens
+        scheduled = out.num_scheduled_tokens
+        spec_scheduled = out.scheduled_spec_decode_tokens
+        assert spec_scheduled is not None
+        placeholder_drafts = self._spec_token_placeholders
+        self.num_batches += 1
+        partials: list[tuple[Request, int]] = []
+        if scheduled:
+            self.in_flight_partials.append(partials)
+        for request_id, num_tokens in scheduled.items():
+            request = requests[request_id]
+            computed = request.num_computed_tokens
+            noted_computed.append(computed)
+            computed += num_tokens
+            request.num_computed_tokens = computed
+            request.num_in_flight_tokens += num_tokens
+            placeholders = request.num_output_placeholders
+            have = request.num_tokens + placeholders
+            request.is_prefill_chunk = computed < have
+            if request.is_prefill_chunk:
+                partials.append((request, num_tokens))
+                continue
+            sampling[request_id] = have - request.num_prompt_tokens
+            drafts = spec_scheduled.get(request_id)
+            request.num_output_placeholders = placeholders + 1 + (len(drafts) if drafts else 0)
+            request.spec_token_ids = placeholder_drafts
+
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """The update of the oldest batch in flight; every batch must be updated, in
         schedule order. Returns the requests it finished.
@@ -90,6 +133,8 @@ class AsyncScheduler(Scheduler):
         requests = self.requests
         if not scheduled:
             return []
+        if output.scheduled_spec_decode_tokens is not None:
+            return self._update_from_output_spec_async(output, sampled)
         state = self.connector_state
         if state.defer_block_free:
             state.processed_step_seq += 1  # this batch's writes are done
@@ -138,4 +183,47 @@ class AsyncScheduler(Scheduler):
             self.running = [r for r in self.running if id(r) not in done_ids]
             for request in finished:
                 del requests[request.request_id]
+        return finished
+
+    def _update_from_output_spec_async(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """``update_from_output`` with drafts. Rejected drafts leave the computed count and
+        the placeholders (not for stale output: the preemption already reset both); the
+        tokens are appended up to a stop; a running request caches the blocks full within
+        what was processed (computed less still in flight), before a finished one is
+        freed. A request that finished in an earlier update while this batch was in flight
+        (drafts make its end uncertain, so it was scheduled again) gets nothing."""
+        scheduled = output.num_scheduled_tokens
+        spec_scheduled = output.scheduled_spec_decode_tokens
+        assert spec_scheduled is not None
+        requests = self.requests
+        for partial, num_tokens in self.in_flight_partials.popleft():
+            partial.num_in_flight_tokens -= num_tokens
+        finished: list[Request] = []
+        preempted = RequestStatus.PREEMPTED
+        running_status = RequestStatus.RUNNING
+        for request_id, tokens in sampled.items():
+            found = requests.get(request_id)
+            if found is None:
+                continue
+            request = found
+            request.num_in_flight_tokens -= scheduled[request_id]
+            if not tokens:
+                continue
+            stale = request.status is preempted
+            drafts = spec_scheduled.get(request_id)
+            if drafts and not stale:
+                num_rejected = len(drafts) - (len(tokens) - 1)
+                if request.num_computed_tokens > 0:
+                    request.num_computed_tokens -= num_rejected
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= num_rejected
+            was_running = request.status is running_status
+            stopped = self.append_verified_tokens(request, tokens, stale)
+            if was_running:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+            if stopped:
+                if stale:
+                    self._remove_waiting(request)
+                self._finish(request, finished)
+        self._drop_finished(finished)
         return finished

@@ -80,17 +80,36 @@ class SchedulerConfig:
     # vLLM's AsyncScheduler: two batches in flight (EngineCore.step_async), which also
     # doubles the tokens the sliding-window and chunked-local admission caps must cover.
     async_scheduling: bool = False
+    # Speculative decoding (docs/semantics.md#speculative-decoding): k draft tokens verified
+    # per decode (vLLM's ``num_speculative_tokens``; 0: off) and the KV slots reserved past
+    # them for a drafter that writes its own KV (``num_lookahead_tokens``: 0 for n-gram).
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             require(is_int(value) and value > 0, name, "a positive integer", value)
         check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
+        if self.num_speculative_tokens or self.num_lookahead_tokens:
+            self._check_speculative()
         if not self.enable_chunked_prefill:
             # Without chunking a max_model_len prompt must fit one step, as vLLM requires.
             require(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                     f">= max_model_len ({self.max_model_len}) when chunked prefill is off",
                     self.max_num_batched_tokens)
+
+    def _check_speculative(self) -> None:
+        k = self.num_speculative_tokens
+        require(is_int(k) and k >= 0, "num_speculative_tokens", "a non-negative integer (0 = off)", k)
+        # vLLM would clip a verify step to the budget; a budget that can never verify all k
+        # drafts of even one request is a configuration mistake, so it is refused here.
+        require(k + 1 <= self.max_num_batched_tokens, "num_speculative_tokens",
+                f"at most max_num_batched_tokens - 1 = {self.max_num_batched_tokens - 1} (one decode token "
+                f"plus k drafts must fit one step's budget)", k)
+        lookahead = self.num_lookahead_tokens
+        require(is_int(lookahead) and lookahead >= 0, "num_lookahead_tokens", "a non-negative integer", lookahead)
+        require(k > 0 or lookahead == 0, "num_lookahead_tokens", "0 unless num_speculative_tokens > 0", lookahead)
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -25,7 +25,8 @@ still done, by the same calls, in the same order:
   completed, the finished are freed, a partial chunk's tokens leave the flight.
 
 Only asynchronous scheduling with two batches in flight (vLLM's default), one
-full-attention KV cache group and no offload connector are windowed; elsewhere the
+full-attention KV cache group, no offload connector and no speculative decoding (the proof
+counts one token per decode) are windowed; elsewhere the
 scheduler runs alone. ``WindowedBatchQueue`` (at the end of this file) is what a clock
 sees: it hands out window batches and real ones alike, prices each window batch with the
 executor's closed form (``WindowPricing``), applies it when the clock says it ended, and
@@ -498,10 +499,11 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
     ``MIN_WINDOW_STEPS`` batches more; else None. ``token_bases``: the executor's base per
     running request (None: it has sampled nothing, or its tokens are not ``base + index``)."""
     kv_cache_manager = scheduler.kv_cache_manager
-    # The proof counts on vLLM's two batches in flight, and on a pool only the scheduler's
-    # own passes change (no connector loading into it).
+    # The proof counts on vLLM's two batches in flight, on a pool only the scheduler's own
+    # passes change (no connector loading into it), and on one token per decode (no drafts).
     if (not isinstance(scheduler, AsyncScheduler) or scheduler.config.max_concurrent_batches != 2
             or scheduler.connector is not None or kv_cache_manager.single_full_manager is None
+            or scheduler.num_spec_tokens
             or scheduler.finished_req_ids):
         return None
     running = scheduler.running

@@ -45,12 +45,18 @@ class Execution:
     sampled: dict[str, list[int]]
     duration_s: float = 0.0
     cost: object | None = None  # the executor's breakdown of duration_s, if it has one
+    # Speculative decoding, synchronous engine: the drafter's proposals per request (vLLM's
+    # ``take_draft_token_ids``), verified at each one's next decode. None: no drafter.
+    # A request that verified drafts samples ``1 + accepted`` tokens in ``sampled``.
+    draft_token_ids: dict[str, list[int]] | None = None
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
-    def __init__(self, sampled: dict[str, list[int]], duration_s: float = 0.0, cost: object | None = None):
+    def __init__(self, sampled: dict[str, list[int]], duration_s: float = 0.0, cost: object | None = None,
+                 draft_token_ids: dict[str, list[int]] | None = None):
         self.sampled = sampled
         self.duration_s = duration_s
         self.cost = cost
+        self.draft_token_ids = draft_token_ids
 
 
 class ModelExecutor(Protocol):
@@ -224,6 +230,9 @@ class EngineCore:
         transfers.submit(output.kv_connector_metadata)
         execution = self._execute(executor, output)
         finished = self.scheduler.update_from_output(output, execution.sampled) if output.num_scheduled_tokens else []
+        if execution.draft_token_ids is not None and output.num_scheduled_tokens:
+            # vLLM's post_step: the drafts reach the scheduler after the update.
+            self.scheduler.update_draft_token_ids(output, execution.draft_token_ids)
         reported = transfers.finish_step(execution.duration_s)
         self.scheduler.update_connector_output(reported)
         return StepResult(output, finished, execution, transfers=reported)

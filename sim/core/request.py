@@ -26,7 +26,7 @@ class Request:
     __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "output_token_ids",
                  "num_computed_tokens", "block_hashes", "status", "num_preemptions", "shared_prefix_boundary",
                  "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens", "num_output_placeholders",
-                 "num_in_flight_tokens", "last_sched_seq")
+                 "num_in_flight_tokens", "last_sched_seq", "spec_token_ids", "is_prefill_chunk")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
                  priority: int = 0):
@@ -60,6 +60,11 @@ class Request:
         # With an offload connector and two batches in flight: the last non-empty batch that
         # holds this request (it is not preempted before that batch is applied).
         self.last_sched_seq = 0
+        # Speculative decoding only (docs/semantics.md#speculative-decoding): the drafts to
+        # verify at its next decode (asynchronous: placeholders), and whether its last
+        # scheduled batch was a partial prefill chunk (set only when drafts are on).
+        self.spec_token_ids: list[int] = []
+        self.is_prefill_chunk = False
 
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -31,6 +31,7 @@ any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py`
 from __future__ import annotations
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
@@ -91,6 +92,19 @@ class Scheduler:
                                                 scheduler_config.async_scheduling)
         if connector is not None:
             self.connector_state.listen_for_boundary_states(self.kv_cache_manager)
+        # Speculative decoding (docs/semantics.md#speculative-decoding); 0: off, and no
+        # path below looks at drafts.
+        self.num_spec_tokens = scheduler_config.num_speculative_tokens
+        self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
+        if self.num_spec_tokens:
+            # Mamba's speculative state blocks and a connector with drafts are not modelled.
+            require(not mamba_specs, "num_speculative_tokens", "0 with Mamba KV cache groups (not modelled yet)",
+                    self.num_spec_tokens)
+            require(connector is None, "num_speculative_tokens", "0 with a KV offload tier (not modelled yet)",
+                    self.num_spec_tokens)
+        # This step's waiting pass may pad a one-token admission to 1 + k (set by schedule()).
+        self._pad_admissions = False
+        self._running_scheduled = False
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -113,7 +127,11 @@ class Scheduler:
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         long_prefill = self.long_prefill_threshold()
         self.kv_cache_manager.new_step_starts()
+        if self.num_spec_tokens:
+            out.scheduled_spec_decode_tokens = {}
         token_budget = self._schedule_running(out, self.config.max_num_batched_tokens, long_prefill)
+        if self.num_spec_tokens:
+            self._note_padding_state(out)
         if self.connector is not None:
             if not out.preempted:
                 self._schedule_waiting_with_connector(out, token_budget, long_prefill)
@@ -135,13 +153,17 @@ class Scheduler:
         replaced_log = kv_cache_manager.replaced_block_ids
         is_priority = self.config.scheduling_policy == "priority"
         mamba_split = self.mamba_block_size > 0
-        horizon = kv_cache_manager.noop_horizon
+        # Lookahead slots are past what the horizon knows of: always ask the manager.
+        horizon = kv_cache_manager.noop_horizon if not self.num_lookahead_tokens else {}
         running = self.running
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             computed = request.num_computed_tokens
             num_new = request.num_tokens - computed
+            spec_token_ids = request.spec_token_ids  # empty unless drafting
+            if spec_token_ids:
+                num_new += len(spec_token_ids)
             placeholders = request.num_output_placeholders  # 0 unless scheduling asynchronously
             if placeholders:
                 if computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
@@ -162,6 +184,8 @@ class Scheduler:
                 scheduled[request_id] = num_new
                 token_budget -= num_new
                 req_index += 1
+                if spec_token_ids:
+                    self._schedule_spec_tokens(out, request, num_new)
                 continue
             new_blocks, req_index, token_budget = self._allocate_or_preempt(out, request, num_new, req_index,
                                                                             token_budget, is_priority)
@@ -183,7 +207,29 @@ class Scheduler:
             scheduled[request_id] = num_new
             token_budget -= num_new
             req_index += 1
+            if spec_token_ids:
+                self._schedule_spec_tokens(out, request, num_new)
         return token_budget
+
+    def _schedule_spec_tokens(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        """The drafts that fit in the ``num_new`` tokens just scheduled for a running request
+        (the first ones: the clips may cut them) are verified this step; the rest are
+        dropped, and the request waits for new drafts from this step's output."""
+        num_spec = num_new + request.num_computed_tokens - request.num_tokens - request.num_output_placeholders
+        if num_spec > 0:
+            spec_token_ids = request.spec_token_ids
+            assert out.scheduled_spec_decode_tokens is not None
+            out.scheduled_spec_decode_tokens[request.request_id] = (
+                spec_token_ids[:num_spec] if len(spec_token_ids) > num_spec else spec_token_ids)
+        request.spec_token_ids = []
+
+    def _note_padding_state(self, out: SchedulerOutput) -> None:
+        """After the running pass: whether a one-token admission may be padded to a full
+        verify step (no running prefill chunk scheduled), and whether any running request
+        was scheduled (vLLM pads a fresh request without a hit only then)."""
+        requests = self.requests
+        self._running_scheduled = bool(out.num_scheduled_tokens)
+        self._pad_admissions = not any(requests[rid].is_prefill_chunk for rid in out.num_scheduled_tokens)
 
     def _allocate_or_preempt(self, out: SchedulerOutput, request: Request, num_new: int, req_index: int,
                              token_budget: int, is_priority: bool) -> tuple[KVCacheBlocks | None, int, int]:
@@ -192,7 +238,8 @@ class Scheduler:
         victim's blocks would only come back after a batch in flight), and the running
         index and budget as the preemptions left them."""
         kv_cache_manager = self.kv_cache_manager
-        new_blocks = kv_cache_manager.allocate_slots(request, num_new)
+        lookahead = self.num_lookahead_tokens
+        new_blocks = kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
         if new_blocks is not None:
             return new_blocks, req_index, token_budget
         running = self.running
@@ -213,13 +260,15 @@ class Scheduler:
                     # Its tables are dropped: what changed in them is moot.
                     cached.new_blocks.pop(victim.request_id, None)
                     cached.replaced_block_ids.pop(victim.request_id, None)
+                    if out.scheduled_spec_decode_tokens:
+                        out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
             else:
                 running.pop()
             self._preempt(victim)
             out.preempted.append(victim.request_id)
             if victim is request:
                 return None, req_index, token_budget
-            new_blocks = kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is not None:
                 return new_blocks, req_index, token_budget
 
@@ -254,6 +303,7 @@ class Scheduler:
         requests = self.requests
         noted_computed = out.num_computed_tokens
         sampling = out.num_output_tokens
+        drafting = self.num_spec_tokens > 0
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = requests[request_id]
             computed = request.num_computed_tokens
@@ -263,6 +313,9 @@ class Scheduler:
             # A partial prefill chunk (or part of a recompute) samples nothing.
             if computed >= request.num_tokens:
                 sampling[request_id] = request.num_tokens - request.num_prompt_tokens
+            if drafting:
+                # Its drafts, if any, are scheduled past its known tokens.
+                request.is_prefill_chunk = computed < request.num_tokens
 
     def schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
         """The waiting pass without a connector: admit waiting requests into ``out`` while
@@ -301,6 +354,7 @@ class Scheduler:
             if not num_new:
                 break
             new_blocks = kv_cache_manager.allocate_slots(request, num_new, hit_tokens, hit_blocks,
+                                            num_lookahead_tokens=self.num_lookahead_tokens,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                                             has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
@@ -318,6 +372,17 @@ class Scheduler:
         """Tokens a waiting request may schedule now, past its hit; 0 stops admission (no
         chunked prefill and the rest does not fit the budget, or no Mamba-aligned chunk)."""
         num_new = request.num_tokens - num_computed
+        if num_new == 1 and self.num_spec_tokens and self._pad_admissions and (
+                self._running_scheduled or num_computed > 0):
+            # One token left (a full hit, a resumed request): vLLM pads it to a uniform
+            # verify step of 1 + k rows with placeholder drafts, when the sampled token
+            # still fits max_model_len; if the padded step does not fit the budget
+            # admission stops rather than schedule it unpadded.
+            padded = 1 + self.num_spec_tokens
+            if num_computed + padded + 1 <= self.config.max_model_len:
+                if padded > token_budget:
+                    return 0
+                num_new = padded
         if 0 < long_prefill < num_new:
             num_new = long_prefill
         if not self.config.enable_chunked_prefill and num_new > token_budget:
@@ -342,6 +407,11 @@ class Scheduler:
             request_id, kv_cache_manager.get_blocks(request_id), num_computed, request.num_prompt_tokens,
             request.num_tokens, hit_tokens, resumed, request.prompt))
         out.num_scheduled_tokens[request_id] = num_new
+        num_padding = num_new - (request.num_tokens - num_computed)
+        if num_padding > 0:
+            # Padded to a verify step (``_first_chunk``): placeholder drafts, never accepted.
+            assert out.scheduled_spec_decode_tokens is not None
+            out.scheduled_spec_decode_tokens[request_id] = [-1] * num_padding
 
     # -- the waiting pass with a KV connector (vLLM's connector paths) -----------------
 
@@ -481,6 +551,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.spec_token_ids:
+            request.spec_token_ids = []
         # Async: output still in flight is stale; it is delivered but resolves nothing.
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -534,6 +606,8 @@ class Scheduler:
 
         ``sampled`` must list requests in scheduled order (a subset of the scheduled ones).
         ``AsyncScheduler`` overrides it."""
+        if output.scheduled_spec_decode_tokens is not None:
+            return self._update_from_output_spec(output, sampled)
         finished: list[Request] = []
         max_model_len = self.config.max_model_len
         requests = self.requests
@@ -552,6 +626,66 @@ class Scheduler:
             for request in finished:
                 del self.requests[request.request_id]
         return finished
+
+    def _update_from_output_spec(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """``update_from_output`` with drafts: a request that verified drafts sampled one
+        token plus the drafts accepted; the rejected ones leave ``num_computed_tokens``
+        (their slots stay allocated for the next verify step). The tokens are appended up
+        to a stop, then the blocks the accepted tokens completed are cached, then a
+        finished request is freed."""
+        finished: list[Request] = []
+        requests = self.requests
+        spec_scheduled = output.scheduled_spec_decode_tokens
+        assert spec_scheduled is not None
+        for request_id, tokens in sampled.items():
+            if not tokens:
+                continue
+            request = requests[request_id]
+            drafts = spec_scheduled.get(request_id)
+            if drafts and request.num_computed_tokens > 0:
+                request.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
+            stopped = self.append_verified_tokens(request, tokens, False)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if stopped:
+                self._finish(request, finished)
+        self._drop_finished(finished)
+        return finished
+
+    def append_verified_tokens(self, request: Request, tokens: list[int], stale: bool) -> bool:
+        """Append a verify step's tokens up to a stop (``max_tokens``, ``max_model_len``);
+        the ones past it are dropped, and unless the output is stale the computed count
+        goes down by them too (vLLM's ``_update_request_with_output``). Returns whether
+        the request stopped."""
+        num_tokens = len(tokens)
+        keep = min(num_tokens, request.max_tokens - len(request.output_token_ids),
+                   self.config.max_model_len - request.num_tokens)
+        if keep < num_tokens:
+            tokens = tokens[:keep]
+            if not stale:
+                request.num_computed_tokens -= num_tokens - keep
+        request.append_output_token_ids(tokens)
+        if not stale and request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_tokens  # all returned tokens, trimmed ones too
+        return len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.config.max_model_len
+
+    def update_draft_token_ids(self, output: SchedulerOutput, draft_token_ids: dict[str, list[int]]) -> None:
+        """A synchronous step's drafts (vLLM's ``update_draft_token_ids``, called by the
+        engine after the update): each request still running that sampled in ``output``
+        verifies them at its next decode; a partial prefill chunk's are dropped."""
+        requests = self.requests
+        sampling = output.num_output_tokens
+        for request_id, spec_token_ids in draft_token_ids.items():
+            request = requests.get(request_id)
+            if request is None or request.status is RequestStatus.FINISHED:
+                continue
+            request.spec_token_ids = list(spec_token_ids) if request_id in sampling else []
+
+    def _drop_finished(self, finished: list[Request]) -> None:
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                del self.requests[request.request_id]
 
     def _finish(self, request: Request, finished: list[Request]) -> None:
         """A request is done: the connector learns of it (its last chunks are stored with the

@@ -124,6 +124,9 @@ class SchedulerOutput:
     # With an offload tier, for metrics (the executor ignores it): per admission that loads
     # from the tier, (request, GPU hit tokens, loaded tokens, loaded tokens per tier).
     external_hits: list | None = None
+    # Speculative decoding: request id -> the draft tokens this step verifies (they are the
+    # last ``len`` of its scheduled tokens; -1 ids are placeholders). None when drafts are off.
+    scheduled_spec_decode_tokens: dict[str, list[int]] | None = None
 
     # Spelled out, as CachedRequestData's; None stands for a fresh empty container.
     def __init__(self, num_scheduled_tokens: dict[str, int] | None = None, num_computed_tokens: list[int] | None = None,
@@ -131,7 +134,8 @@ class SchedulerOutput:
                  scheduled_new_reqs: list[NewRequestData] | None = None,
                  scheduled_cached_reqs: CachedRequestData | None = None, preempted: list[str] | None = None,
                  finished_req_ids: list[str] | None = None,
-                 kv_connector_metadata: KVConnectorMetadata | None = None, external_hits: list | None = None):
+                 kv_connector_metadata: KVConnectorMetadata | None = None, external_hits: list | None = None,
+                 scheduled_spec_decode_tokens: dict[str, list[int]] | None = None):
         self.num_scheduled_tokens = {} if num_scheduled_tokens is None else num_scheduled_tokens
         self.num_computed_tokens = [] if num_computed_tokens is None else num_computed_tokens
         self.num_output_tokens = {} if num_output_tokens is None else num_output_tokens
@@ -141,6 +145,7 @@ class SchedulerOutput:
         self.finished_req_ids = [] if finished_req_ids is None else finished_req_ids
         self.kv_connector_metadata = kv_connector_metadata
         self.external_hits = external_hits
+        self.scheduled_spec_decode_tokens = scheduled_spec_decode_tokens
 
     @property
     def total_num_scheduled_tokens(self) -> int:

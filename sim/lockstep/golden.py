@@ -20,8 +20,12 @@ _CONFIG_FIELDS = {
     "kv_cache_groups", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "long_prefill_token_threshold", "enable_chunked_prefill", "scheduling_policy", "watermark",
     "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo", "async_scheduling",
-    "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload",
+    "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload", "speculative",
 }
+# The ``speculative`` table of a speculative-decoding case (scripts/oracle/gen_spec_golden.py).
+# "eagle": a drafter with its own KV, k lookahead slots per step; kvtwin models it with
+# prefix caching off only (vLLM's EAGLE hashes each block with the next token, not modelled).
+_SPEC_METHODS = ("ngram", "eagle")
 # The ``kv_offload`` table of an offload case (the native CPU offloading connector).
 _OFFLOAD_FIELDS = {"cpu_bytes_to_use": int, "eviction_policy": str, "kv_bytes_per_chunk": int,
                    "num_cpu_chunks": int, "load_steps": int, "store_steps": int}
@@ -34,6 +38,8 @@ class CaseRequest:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     priority: int
+    # Speculative cases: drafts accepted at each verify step, in order (0 once used up).
+    num_accepted_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,8 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             watermark=_typed(data, "watermark", float, 0.0, source=source),
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
+            num_speculative_tokens=_speculative_tokens(data, source),
+            num_lookahead_tokens=_speculative_tokens(data, source) if _is_eagle(data, source) else 0,
         )
         cache_config = CacheConfig(
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
@@ -121,6 +129,31 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
     except ConfigError as err:
         raise err if err.source else err.with_source(source) from None
     return kv_cache_config, scheduler_config, cache_config, data.get("description", "")
+
+
+def _speculative_tokens(data: dict, source: str) -> int:
+    """k of a case's ``speculative`` table ({"method": "ngram", "num_speculative_tokens": k}); 0 without one."""
+    spec = data.get("speculative")
+    if spec is None:
+        return 0
+    if not isinstance(spec, dict) or sorted(spec) != ["method", "num_speculative_tokens"]:
+        raise ConfigError("speculative", "a table with method and num_speculative_tokens", spec, source=source)
+    if spec["method"] not in _SPEC_METHODS:
+        raise ConfigError("speculative.method", f"one of {', '.join(_SPEC_METHODS)}", spec["method"], source=source)
+    k = spec["num_speculative_tokens"]
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError("speculative.num_speculative_tokens", "a positive integer", k, source=source)
+    return k
+
+
+def _is_eagle(data: dict, source: str) -> bool:
+    spec = data.get("speculative")
+    if spec is None or spec.get("method") != "eagle":
+        return False
+    if data.get("enable_prefix_caching", True):
+        raise ConfigError("speculative.method", "'ngram' with prefix caching on ('eagle' hashes blocks with a "
+                          "lookahead token, not modelled)", "eagle", source=source)
+    return True
 
 
 def load_offload(path: Path) -> CaseOffload | None:
@@ -189,7 +222,10 @@ def load_requests(path: Path) -> tuple[CaseRequest, ...]:
         priority = row.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ConfigError("priority", "an integer", priority, source=source)
-        requests.append(CaseRequest(request_id, arrival, prompt, outputs, priority))
+        accepted = _token_list(row.get("num_accepted_tokens", []), "num_accepted_tokens", source)
+        if any(a < 0 for a in accepted):
+            raise ConfigError("num_accepted_tokens", "non-negative integers", list(accepted), source=source)
+        requests.append(CaseRequest(request_id, arrival, prompt, outputs, priority, accepted))
     return tuple(requests)
 
 

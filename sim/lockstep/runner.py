@@ -47,17 +47,57 @@ class ScriptedModel:
                           for rid, index in output.num_output_tokens.items()}, duration_s=1.0)
 
 
-def step_record(step: int, result: StepResult, pool: BlockPool) -> dict:
-    """One line of ``expected_steps.jsonl``: what a step scheduled and left in the pool."""
+class SpecScriptedModel:
+    """The scripted model of a speculative-decoding case (scripts/oracle/gen_spec_golden.py):
+    a request that verifies ``n`` drafts accepts the next entry of its
+    ``num_accepted_tokens`` (0 once used up), at most ``n``; drafts padded onto an
+    admission are never accepted. It samples ``1 + accepted`` tokens, its next scripted
+    outputs (0 past the end: the scheduler trims them). Tokens are counted per request as
+    they are sampled, which is where its outputs stand when they are applied (all sampled
+    tokens are applied until it finishes, stale ones too). Synchronous: every request that
+    sampled gets ``k`` draft ids."""
+
+    DRAFT_TOKEN = 7
+
+    def __init__(self, case: GoldenCase):
+        self.outputs = {r.request_id: r.output_token_ids for r in case.requests}
+        self.accept = {r.request_id: list(reversed(r.num_accepted_tokens)) for r in case.requests}
+        self.position = {r.request_id: 0 for r in case.requests}
+        config = case.scheduler_config
+        self.drafts = None if config.async_scheduling else [self.DRAFT_TOKEN] * config.num_speculative_tokens
+
+    def execute(self, output: SchedulerOutput) -> Execution:
+        spec = output.scheduled_spec_decode_tokens or {}
+        admitted = {r.req_id for r in output.scheduled_new_reqs}
+        sampled: dict[str, list[int]] = {}
+        for rid in output.num_output_tokens:
+            num_drafts = len(spec.get(rid, ()))
+            script = self.accept[rid]
+            accepted = 0
+            if num_drafts and rid not in admitted:
+                accepted = min(script.pop() if script else 0, num_drafts)
+            outputs, pos = self.outputs[rid], self.position[rid]
+            self.position[rid] = pos + 1 + accepted
+            sampled[rid] = [outputs[i] if i < len(outputs) else 0 for i in range(pos, pos + 1 + accepted)]
+        drafts = None if self.drafts is None else {rid: list(self.drafts) for rid in output.num_output_tokens}
+        return Execution(sampled, duration_s=1.0, draft_token_ids=drafts)
+
+
+def step_record(step: int, result: StepResult, pool: BlockPool, speculative: bool = False) -> dict:
+    """One line of ``expected_steps.jsonl``: what a step scheduled and left in the pool
+    (``speculative``: also the drafts each request verifies)."""
     out = result.output
-    return {
-        "step": step,
-        "scheduled": dict(out.num_scheduled_tokens),
+    record: dict = {"step": step, "scheduled": dict(out.num_scheduled_tokens)}
+    if speculative:
+        spec = out.scheduled_spec_decode_tokens or {}
+        record["spec_decode_tokens"] = {rid: len(ids) for rid, ids in spec.items()}
+    record.update({
         "preempted": list(out.preempted),
         "finished": [r.request_id for r in result.finished],
         "num_free_blocks": pool.get_num_free_blocks(),
         "num_cached_blocks": pool.num_cached_blocks(),
-    }
+    })
+    return record
 
 
 @dataclass
@@ -111,6 +151,13 @@ def build_engine(case: GoldenCase) -> EngineCore:
     return EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config, offload)
 
 
+def scripted_model(case: GoldenCase) -> ScriptedModel | SpecScriptedModel:
+    """The case's scripted model: with drafts, one that also accepts and proposes them."""
+    if case.scheduler_config.num_speculative_tokens:
+        return SpecScriptedModel(case)
+    return ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
+
+
 def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
              max_idle_steps: int = 10_000) -> LockstepResult:
     engine = build_engine(case)
@@ -119,7 +166,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
     # request id -> (loaded tokens, step the load was issued) of its pending admission.
     loads: dict[str, tuple[int, int]] = {}
     updated_batches = 0  # async: batches applied so far
-    model = ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
+    model = scripted_model(case)
     records = {r.request_id: RequestRecord(r.request_id) for r in case.requests}
     pending = list(case.requests)
     next_arrival = 0
@@ -130,6 +177,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
     async_scheduler = scheduler if isinstance(scheduler, AsyncScheduler) else None
     is_async = async_scheduler is not None
     step_fn = engine.step_async if is_async else engine.step
+    speculative = case.scheduler_config.num_speculative_tokens > 0
     while True:
         while next_arrival < len(pending) and pending[next_arrival].arrival_step == step:
             spec = pending[next_arrival]
@@ -162,7 +210,7 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
             records[request_id].num_preemptions += 1
         for request in result.finished:
             records[request.request_id].finish_step = step
-        line = step_record(step, result, pool)
+        line = step_record(step, result, pool, speculative)
         if offloading:
             line["offload"] = offload_record(engine, result, evicted_before)
             if is_async:

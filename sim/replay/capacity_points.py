@@ -110,7 +110,7 @@ class PointReplays:
         result = run_replay(self.planned, trace, deployment=resolved.deployment,
                             efficiency=efficiency if efficiency is not None else resolved.efficiency,
                             slo=resolved.slo, time_limit_s=resolved.time_limit_s, offload=self.offload,
-                            disaggregation=resolved.disaggregation)
+                            disaggregation=resolved.disaggregation, speculative=resolved.speculative)
         return result.summary.to_pylist()[0], trace
 
 

@@ -22,6 +22,21 @@ through the model once. Per GPU of the tensor-parallel group it
   seconds against message size for that TP degree when the calibration has one,
 * and pays a CPU overhead per step and per scheduled request.
 
+Speculative decoding (docs/semantics.md#speculative-decoding): a verify step's ``1 + d``
+query tokens of a request go through the target model's GEMMs as tokens and through the
+decode attention kernel (its KV read once, its FLOPs unweighted: ``verify_items``; the
+split is the caller's, ``sim/replay/run.py``), and a drafter with a model (``DraftHead``: EAGLE, EAGLE-3, MTP) then runs
+``k`` passes of its few layers (the target's layer shape) in the same step, on the GPU
+after the target's forward: the first pass over every token the step scheduled (the head
+keeps its own KV of the whole sequence, prefill chunks included), each later one a token
+per drafting request (those that sampled). A pass reads the head's weights once and each
+drafting request's KV of its context in the head's layers, and samples one row per drafting
+request through the target's LM head (EAGLE-3's smaller draft vocabulary is not
+modelled: an overestimate), at the step's GEMM efficiency, plus the per-layer fixed time;
+its TP all-reduces are not modelled. ``StepCost.draft_s`` is that time; it adds to the GPU
+time. n-gram drafting has no model and costs nothing here (its CPU lookup is in the
+per-step overhead).
+
 GPU time is ``max(compute, memory) + element-wise + fixed + communication``. With
 synchronous scheduling the CPU overhead adds to it; with asynchronous scheduling (vLLM's
 default) the next step is prepared while this one runs, so the step takes the longer of
@@ -77,13 +92,14 @@ class StepCost:
     elementwise_bytes: float  # HBM traffic of the element-wise kernels: serial, overlaps nothing
     extra_gpu_s: float  # GPU time the roofline does not see: kernel floors, decode attention's per-head work
     attention_work: float  # attention_flops with short prefill chunks weighed up: what compute_s charges
+    draft_s: float  # speculative decoding: the draft head's passes (0 without one)
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
     def __init__(self, total_s: float, compute_s: float, memory_s: float, communication_s: float,
                  overhead_s: float, flops: float, weight_bytes: float, kv_bytes: float, linear_flops: float,
                  attention_flops: float, num_requests: int, num_tokens: int = 0, body_flops: float = 0.0,
                  head_flops: float = 0.0, elementwise_bytes: float = 0.0, extra_gpu_s: float = 0.0,
-                 attention_work: float = 0.0):
+                 attention_work: float = 0.0, draft_s: float = 0.0):
         self.total_s = total_s
         self.compute_s = compute_s
         self.memory_s = memory_s
@@ -101,6 +117,16 @@ class StepCost:
         self.elementwise_bytes = elementwise_bytes
         self.extra_gpu_s = extra_gpu_s
         self.attention_work = attention_work
+        self.draft_s = draft_s
+
+
+@dataclass(frozen=True)
+class DraftHead:
+    """A draft model of ``num_layers`` layers of the target's shape, run ``num_passes``
+    (k) times per step (module docstring)."""
+
+    num_layers: int
+    num_passes: int
 
 
 def gemm_s(eff: Efficiency, flops_per_s: float, body_flops: float, num_tokens: int, head_flops: float,
@@ -142,7 +168,8 @@ class CostModel:
     """Predicts the seconds one engine step takes on one TP group of ``gpu``."""
 
     def __init__(self, model: ModelPreset, gpu: GPUSpec, layer_specs: dict[str, KVCacheSpec], *,
-                 async_scheduling: bool, tensor_parallel_size: int = 1, efficiency: Efficiency = Efficiency()):
+                 async_scheduling: bool, tensor_parallel_size: int = 1, efficiency: Efficiency = Efficiency(),
+                 draft_head: DraftHead | None = None):
         """``async_scheduling`` has no default here: the engine config's is the one."""
         require(gpu.hbm_bandwidth_bytes_per_s > 0 and gpu.bf16_flops > 0, f"hardware {gpu.name}",
                 "hbm_bandwidth_bytes_per_s and bf16_flops for the cost model", gpu.name)
@@ -177,6 +204,42 @@ class CostModel:
         self.allreduce_latency_s = float(efficiency.allreduce_latency_s)
         self.step_overhead_s = float(efficiency.step_overhead_s)
         self.per_request_overhead_s = float(efficiency.per_request_overhead_s)
+        self.draft_head = draft_head if draft_head is not None and draft_head.num_layers else None
+        if self.draft_head is not None:
+            self._draft_terms(model)
+
+    def _draft_terms(self, model: ModelPreset) -> None:
+        """Per-layer figures of the draft head: a layer's weights (the body's share, the LM
+        head's bf16 bytes set apart), its FLOPs per token, and its KV bytes per token (the
+        mean over the target's attention layers)."""
+        head_bytes = 2.0 * model.lm_head_params / self.tp
+        self.draft_head_bytes = head_bytes
+        self.draft_layer_bytes = max(self.weight_bytes - head_bytes, 0.0) / model.num_layers
+        self.draft_layer_flops_per_token = self.linear_flops_per_token / model.num_layers
+        kv_layers = sum(lc.num_layers for lc in self.layer_classes if lc.kv_bytes_per_token)
+        self.draft_kv_bytes_per_token = (sum(lc.kv_bytes_per_token * lc.num_layers for lc in self.layer_classes)
+                                         / kv_layers if kv_layers else 0.0)
+
+    def draft_s(self, num_step_tokens: int, draft_ends: list[int]) -> float:
+        """Seconds of the draft head's passes in a step that scheduled ``num_step_tokens``
+        tokens, for drafting requests whose contexts end at ``draft_ends``."""
+        head = self.draft_head
+        if head is None or not draft_ends:
+            return 0.0
+        layers = head.num_layers
+        layer_fixed_s = layers * self.eff.layer_fixed_s
+        num_drafting = len(draft_ends)
+        context_bytes = float(sum(draft_ends)) * self.draft_kv_bytes_per_token * layers
+        weights = self.draft_layer_bytes * layers + self.draft_head_bytes
+        head_flops = self.head_flops_per_sample * num_drafting
+        total = 0.0
+        for index in range(head.num_passes):
+            tokens = num_step_tokens if index == 0 else num_drafting
+            compute = _gemm_s(self.matmul_flops_fraction, self.matmul_half_tokens, self.flops_per_s,
+                              self.draft_layer_flops_per_token * layers * tokens, tokens, head_flops, num_drafting)
+            memory = (weights + context_bytes + tokens * self.draft_kv_bytes_per_token * layers) / self.bytes_per_s
+            total += max(compute, memory) + layer_fixed_s
+        return total
 
     @staticmethod
     def _elementwise_bytes_per_token(model: ModelPreset, tp: int) -> float:
@@ -225,10 +288,14 @@ class CostModel:
         touched = experts * (1.0 - (1.0 - top_k / experts) ** num_tokens)
         return self.weight_bytes - all_experts + touched * self.expert_bytes * self.moe_layers
 
-    def split_step_cost(self, decode_ends: list[int], prefill_items: list[tuple[int, int]]) -> StepCost:
+    def split_step_cost(self, decode_ends: list[int], prefill_items: list[tuple[int, int]],
+                        draft_ends: list[int] | None = None,
+                        verify_items: list[tuple[int, int]] | None = None) -> StepCost:
         """Seconds of one step: decodes (one new token each) given by the context length
         after the step, prefill chunks as (new tokens, tokens computed before). Decodes are
-        most requests of most steps, so their terms are sums over contexts."""
+        most requests of most steps, so their terms are sums over contexts. Speculative
+        decoding: ``verify_items`` are verify steps as (1 + drafts, tokens computed before),
+        ``draft_ends`` the contexts after the step of the requests a draft head drafts for."""
         num_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(prefill_items)
         num_decodes = len(decode_ends)
         if num_decodes:
@@ -236,19 +303,26 @@ class CostModel:
                 kv_bytes, attention_flops, attention_work = _add_decodes(
                     lc, lc.spec.decode_attended_keys(decode_ends), num_decodes, kv_bytes, attention_flops,
                     attention_work)
-        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, attention_work,
-                               num_decodes + len(prefill_items), num_decodes)
+        if verify_items:
+            verify_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(
+                verify_items, kv_bytes, attention_flops, attention_work, weigh_short=False)
+            num_tokens += verify_tokens
+            num_decodes += len(verify_items)
+        draft_s = self.draft_s(num_tokens + len(decode_ends), draft_ends) if draft_ends else 0.0
+        return self._step_cost(num_tokens + len(decode_ends), kv_bytes, attention_flops, attention_work,
+                               num_decodes + len(prefill_items), num_decodes, draft_s)
 
-    def _prefill_terms(self, prefill_items: list[tuple[int, int]]) -> tuple[int, float, float, float]:
-        """(tokens, KV bytes, attention FLOPs, attention work) of a step's prefill chunks.
-        The work is the FLOPs at the rate of a long chunk: a chunk of few query tokens
-        fills fewer of the kernel's query tiles, so its FLOPs count ``(new + half) / new``
-        times (``attention_half_query_tokens``)."""
+    def _prefill_terms(self, prefill_items: list[tuple[int, int]], kv_bytes: float = 0.0,
+                       attention_flops: float = 0.0, attention_work: float = 0.0,
+                       weigh_short: bool = True) -> tuple[int, float, float, float]:
+        """(tokens, KV bytes, attention FLOPs, attention work) of a step's prefill chunks,
+        added to the given sums. The work is the FLOPs at the rate of a long chunk: a chunk
+        of few query tokens fills fewer of the kernel's query tiles, so its FLOPs count
+        ``(new + half) / new`` times (``attention_half_query_tokens``). A verify step of
+        speculative decoding (``weigh_short`` False) runs in the decode kernel, which splits
+        the keys, not the queries: its FLOPs count once, as a decode's do."""
         num_tokens = 0
-        kv_bytes = 0.0
-        attention_flops = 0.0
-        attention_work = 0.0
-        half = self.attention_half_query_tokens
+        half = self.attention_half_query_tokens if weigh_short else 0.0
         layer_classes = self.layer_classes
         for new, before in prefill_items:
             num_tokens += new
@@ -289,7 +363,7 @@ class CostModel:
                                num_decodes + (len(prefill_items) if prefill_items else 0), num_decodes)
 
     def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, attention_work: float,
-                   num_requests: int, num_decodes: int) -> StepCost:
+                   num_requests: int, num_decodes: int, draft_s: float = 0.0) -> StepCost:
         body_flops = self.linear_flops_per_token * num_tokens
         head_flops = self.head_flops_per_sample * num_requests
         compute_s = (_gemm_s(self.matmul_flops_fraction, self.matmul_half_tokens, self.flops_per_s, body_flops,
@@ -312,9 +386,11 @@ class CostModel:
         overhead_s = self.step_overhead_s + self.per_request_overhead_s * num_requests
         extra_gpu_s = self.fixed_gpu_s + self.decode_head_s * num_decodes if num_decodes else self.fixed_gpu_s
         gpu_s = max(compute_s, memory_s) + elementwise_bytes / self.bytes_per_s + extra_gpu_s + communication_s
+        if draft_s:
+            gpu_s += draft_s
         total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s
         linear_flops = body_flops + head_flops
         return StepCost(total_s, compute_s, memory_s, communication_s, overhead_s,
                         linear_flops + attention_flops, weight_bytes, kv_bytes,
                         linear_flops, attention_flops, num_requests, num_tokens, body_flops, head_flops,
-                        elementwise_bytes, extra_gpu_s, attention_work)
+                        elementwise_bytes, extra_gpu_s, attention_work, draft_s)

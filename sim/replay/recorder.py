@@ -31,7 +31,7 @@ class _RequestRecord:
     __slots__ = ("request", "request_id", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s",
                  "finish_s", "last_token_s", "hit_tokens", "hit_tokens_total", "queried_tokens", "scheduled_tokens",
                  "status", "reason", "reason_detail", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions",
-                 "replica")
+                 "replica", "draft_tokens", "accepted_draft_tokens", "verify_steps")
 
     def __init__(self, request: Request, index: int, session_id: str | None, arrival_s: float, replica: int = 0):
         # The request is referenced only while it lives: a finished one is reduced to its
@@ -57,6 +57,8 @@ class _RequestRecord:
         self.reason = ""
         self.reason_detail = ""
         self.replica = replica
+        # Speculative decoding only: drafts verified, how many accepted, in how many steps.
+        self.draft_tokens = self.accepted_draft_tokens = self.verify_steps = 0
 
     def snapshot(self) -> None:
         request = self.request
@@ -177,12 +179,16 @@ class MetricsRecorder:
     (``itl_by_replica``; ``itl_s`` is replica 0's, and all of them with one replica).
     """
 
-    def __init__(self, num_groups: int, num_replicas: int = 1, offload=None, roles: list[str] | None = None):
+    def __init__(self, num_groups: int, num_replicas: int = 1, offload=None, roles: list[str] | None = None,
+                 speculative: bool = False):
         self.num_groups = num_groups
         # Disaggregated prefill/decode: each replica's role ("prefill" or "decode"), and per
         # client request its prefill side and read (None: not disaggregated).
         self.roles = roles
         self._pd: dict[str, _PDRecord] = {}
+        # Speculative decoding: verify rows count as decode tokens, and each request's drafts
+        # and accepted drafts are counted (requests columns ``SPEC_REQUEST_COLUMNS``).
+        self.speculative = speculative
         self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
         self.order: list[_RequestRecord] = []
@@ -279,8 +285,16 @@ class MetricsRecorder:
         if self.offload is not None:
             self.loads_issued(output, scheduled_s, stats.load_seconds)
         self._admissions(output, scheduled_s)
-        prefill_tokens, decode_tokens = self._scheduled(output)
-        self._sampled(result.execution.sampled, times.end_s, self._itl[replica])
+        sampled = result.execution.sampled
+        if self.speculative and output.scheduled_spec_decode_tokens is not None:
+            # A request that finished while this batch was in flight (drafts make its end
+            # uncertain, so it was scheduled again) gets nothing from it: vLLM drops it.
+            records = self.records
+            sampled = {rid: tokens for rid, tokens in sampled.items() if records[rid].status != "finished"}
+            prefill_tokens, decode_tokens = self._scheduled_spec(output, sampled)
+        else:
+            prefill_tokens, decode_tokens = self._scheduled(output)
+        self._sampled(sampled, times.end_s, self._itl[replica])
         self._finished(result.finished, times.end_s)
         self._step_row(stats, times, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
                        len(output.scheduled_new_reqs), len(output.preempted), len(result.finished),
@@ -315,6 +329,31 @@ class MetricsRecorder:
                 decode_tokens += 1
             else:
                 prefill_tokens += num_new
+        return prefill_tokens, decode_tokens
+
+    def _scheduled_spec(self, output, sampled: dict[str, list[int]]) -> tuple[int, int]:
+        """``_scheduled`` with drafts: a request past its prompt that verifies drafts is a
+        decode of ``1 + drafts`` tokens; a request that sampled after verifying drafts
+        counts them and the accepted ones (its tokens less the one it always samples).
+        Drafts padded onto an admission count too, as vLLM's spec-decode metrics count
+        every scheduled draft."""
+        records = self.records
+        spec = output.scheduled_spec_decode_tokens
+        prefill_tokens = decode_tokens = 0
+        for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
+            record = records[request_id]
+            record.scheduled_tokens += num_new
+            drafts = spec.get(request_id)
+            num_drafts = len(drafts) if drafts else 0
+            if num_new == 1 + num_drafts and computed >= record.prompt_tokens:
+                decode_tokens += num_new
+            else:
+                prefill_tokens += num_new
+            tokens = sampled.get(request_id)
+            if num_drafts and tokens:
+                record.draft_tokens += num_drafts
+                record.accepted_draft_tokens += len(tokens) - 1
+                record.verify_steps += 1
         return prefill_tokens, decode_tokens
 
     def _sampled(self, sampled: dict[str, list[int]], end_s: float, itl_s: Float64Buffer) -> None:
@@ -512,6 +551,9 @@ class MetricsRecorder:
         })
         if self.roles is not None:
             table = self._pd_columns(table, rows)
+        if self.speculative:
+            for name in SPEC_REQUEST_COLUMNS:
+                table = table.append_column(name, pa.array(np.array([getattr(r, name) for r in rows], dtype=np.int64)))
         if self.offload is None:
             return table
         loads = self._loads
@@ -573,6 +615,9 @@ class MetricsRecorder:
             columns["role"] = pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()
         return pa.table(columns)
 
+
+# Requests columns of a run with speculative decoding (after the others, before any offload ones).
+SPEC_REQUEST_COLUMNS = ("draft_tokens", "accepted_draft_tokens", "verify_steps")
 
 # Step column -> (its numpy type, its type in steps.parquet), in the order
 # ``MetricsRecorder.step`` records a row.

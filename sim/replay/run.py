@@ -25,7 +25,8 @@ import pyarrow as pa
 import simpy
 
 from kvtwin.sim.replay.client_side import with_client_side
-from kvtwin.sim.replay.cost_model import CostModel, StepCost
+from kvtwin.sim.replay.cost_model import CostModel, DraftHead, StepCost
+from kvtwin.sim.core.acceptance import AcceptanceModel
 from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.decode_window import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
@@ -47,6 +48,7 @@ from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.speculative import SpeculativeConfig
 
 
 def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
@@ -55,8 +57,35 @@ def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
     scheduled = output.num_scheduled_tokens.values()
     computed = output.num_computed_tokens
     decode_ends = [c + 1 for n, c in zip(scheduled, computed) if n == 1]
+    spec = output.scheduled_spec_decode_tokens
+    if spec is not None:
+        return _spec_step_cost(cost_model, output, spec, decode_ends)
     prefill_items = [(n, c) for n, c in zip(scheduled, computed) if n != 1]
     return cost_model.split_step_cost(decode_ends, prefill_items)
+
+
+def _spec_step_cost(cost_model: CostModel, output: SchedulerOutput, spec: dict[str, list[int]],
+                    decode_ends: list[int]) -> StepCost:
+    """``step_cost`` with drafts: a row that verifies drafts is a verify step (decode
+    kernel, ``1 + drafts`` queries); the draft head, if any, drafts for every request that
+    samples, from its context after the step."""
+    computed = output.num_computed_tokens
+    prefill_items: list[tuple[int, int]] = []
+    verify_items: list[tuple[int, int]] = []
+    for (request_id, n), c in zip(output.num_scheduled_tokens.items(), computed):
+        if n == 1:
+            continue
+        drafts = spec.get(request_id)
+        if drafts and n == 1 + len(drafts):
+            verify_items.append((n, c))
+        else:
+            prefill_items.append((n, c))
+    draft_ends = None
+    if cost_model.draft_head is not None:
+        sampling = output.num_output_tokens
+        draft_ends = [c + n for (request_id, n), c in zip(output.num_scheduled_tokens.items(), computed)
+                      if request_id in sampling]
+    return cost_model.split_step_cost(decode_ends, prefill_items, draft_ends, verify_items)
 
 
 class CostModelExecutor:
@@ -65,17 +94,52 @@ class CostModelExecutor:
     Works from the scheduler output alone. Output token ids are unique per request and
     position, so decoded blocks are never shared by accident; what later turns reuse of
     earlier outputs comes from the trace's own prompt identity.
+
+    With speculative decoding (``acceptance``, a seeded ``AcceptanceModel``) a request that
+    verifies drafts samples ``1 + accepted`` tokens, ``accepted`` drawn per verify step
+    (drafts padded onto an admission are never accepted, as they are placeholders); a
+    synchronous engine also gets ``k`` draft ids for every request that sampled (an
+    asynchronous scheduler makes its own placeholders).
     """
 
-    def __init__(self, cost_model: CostModel):
+    def __init__(self, cost_model: CostModel, acceptance: AcceptanceModel | None = None,
+                 synchronous_drafts: bool = False):
         self.cost_model = cost_model
         self._token_base: dict[str, int] = {}
+        self.acceptance = acceptance
+        self._drafts = [-1] * acceptance.config.num_speculative_tokens if acceptance is not None else []
+        self.synchronous_drafts = synchronous_drafts and acceptance is not None
 
     def execute(self, output: SchedulerOutput) -> Execution:
         if not output.num_scheduled_tokens:
             return Execution({}, 0.0)
         cost = step_cost(self.cost_model, output)
+        if output.scheduled_spec_decode_tokens is not None and self.acceptance is not None:
+            sampled = self.sample_verified(output)
+            drafts = None
+            if self.synchronous_drafts:
+                proposed = self._drafts
+                drafts = {request_id: proposed for request_id in output.num_output_tokens}
+            return Execution(sampled, cost.total_s, cost, drafts)
         return Execution(self.sample(output), cost.total_s, cost)
+
+    def sample_verified(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        """``sample`` with drafts: each sampling request's ``1 + accepted`` tokens, in order."""
+        acceptance = self.acceptance
+        assert acceptance is not None and output.scheduled_spec_decode_tokens is not None
+        spec = output.scheduled_spec_decode_tokens
+        admitted = {r.req_id for r in output.scheduled_new_reqs} if output.scheduled_new_reqs else ()
+        sampled = {}
+        bases = self._token_base
+        for request_id, num_output_tokens in output.num_output_tokens.items():
+            base = bases.get(request_id)
+            if base is None:
+                base = bases[request_id] = (len(bases) + 1) << 24
+            drafts = spec.get(request_id)
+            accepted = acceptance.num_accepted(len(drafts)) if drafts and request_id not in admitted else 0
+            first = base + num_output_tokens
+            sampled[request_id] = list(range(first, first + 1 + accepted))
+        return sampled
 
     def sample(self, output: SchedulerOutput) -> dict[str, list[int]]:
         """The token each request of ``output.num_output_tokens`` samples."""
@@ -128,19 +192,26 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
                efficiency: Efficiency = Efficiency(), slo: SLO = SLO(), time_limit_s: float | None = None,
                on_progress: Callable[[ReplayClock], None] | None = None,
                offload: ResolvedOffload | None = None, decode_windows: bool = True,
-               disaggregation: Disaggregation | None = None) -> ReplayResult:
+               disaggregation: Disaggregation | None = None,
+               speculative: SpeculativeConfig = SpeculativeConfig()) -> ReplayResult:
     """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
     cost model and executor per replica of ``deployment``, each with the offload tiers
     ``offload`` sizes (None: none). With ``disaggregation`` the replicas are its prefill
-    and decode replicas instead (``pd_run.py``; ``deployment`` is then unused)."""
+    and decode replicas instead (``pd_run.py``; ``deployment`` is then unused).
+    ``speculative`` (enabled: the plan's scheduler drafts, ``ResolvedScenario.plan``) gives
+    each replica's executor its acceptance draws (seed plus the replica's index) and its
+    cost model the draft head."""
     if disaggregation is not None:
+        if speculative.enabled:
+            raise ValueError("P/D with speculative decoding is not modelled (the scenario refuses it)")
         executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(disaggregation.num_replicas)]
         result = run_disaggregated(plan, trace, executors, disaggregation, slo=slo, time_limit_s=time_limit_s,
                                    on_progress=on_progress, decode_windows=decode_windows)
         result.requests, result.summary = with_client_side(result.requests, result.summary,
                                                            efficiency.client_overhead_s)
         return result
-    executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(deployment.replicas)]
+    executors = [spec_executor(plan, efficiency, speculative, replica) if speculative.enabled
+                 else CostModelExecutor(plan_cost_model(plan, efficiency)) for replica in range(deployment.replicas)]
     result = run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
                                time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
                                decode_windows=decode_windows)
@@ -149,10 +220,22 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     return result
 
 
-def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency()) -> CostModel:
+def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency(), draft_head: DraftHead | None = None) -> CostModel:
     eng = plan.engine
     return CostModel(plan.model, plan.gpu, plan.layers.specs, tensor_parallel_size=eng.tensor_parallel_size,
-                     async_scheduling=eng.async_scheduling, efficiency=efficiency)
+                     async_scheduling=eng.async_scheduling, efficiency=efficiency, draft_head=draft_head)
+
+
+def spec_executor(plan: Plan, efficiency: Efficiency, speculative: SpeculativeConfig, replica: int) -> CostModelExecutor:
+    """A replica's executor with speculative decoding: its acceptance draws and draft head."""
+    k = speculative.num_speculative_tokens
+    if plan.engine.scheduler.num_speculative_tokens != k:
+        raise ValueError("the plan's scheduler must draft as speculative says (ResolvedScenario.plan)")
+    config = speculative.acceptance_config()
+    acceptance = AcceptanceModel(type(config)(k, config.acceptance, config.seed + replica))
+    head = DraftHead(speculative.num_draft_layers, k) if speculative.num_draft_layers else None
+    return CostModelExecutor(plan_cost_model(plan, efficiency, head), acceptance,
+                             synchronous_drafts=not plan.engine.async_scheduling)
 
 
 def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExecutor], *,
@@ -177,7 +260,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
         tiers = [offload_tier(offload, env, kv_cache_config, eng.cache) for _ in executors]
     engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
     routing = make_router(router, engines)
-    metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload)
+    metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload,
+                              speculative=eng.scheduler.num_speculative_tokens > 0)
     replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
                 for engine, executor in zip(engines, executors)]
     end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=routing, time_limit_s=time_limit_s,

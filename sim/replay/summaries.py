@@ -110,9 +110,24 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     row.update(_trace_figures(requests, trace, last_arrival_s, _saturation_of(row, slo, end_time_s, last_arrival_s)))
     row.update({"num_replicas": num_replicas, "router": router,
                 "load_imbalance": load_imbalance(requests, num_replicas)})
+    if "accepted_draft_tokens" in requests.column_names:
+        row.update(spec_summary(requests))
     if "cpu_hit_tokens" in requests.column_names:
         row.update(offload_summary(requests, steps, offload))
     return pa.Table.from_pylist([row])
+
+
+def spec_summary(requests: pa.Table) -> dict:
+    """Speculative decoding's figures (only in runs with drafts), as vLLM's spec-decode
+    metrics name them: drafts verified, drafts accepted, their ratio
+    (``spec_acceptance_rate``), and the tokens a verify step yields on average, its
+    sampled token included (``mean_acceptance_length``, vLLM's "mean acceptance length")."""
+    drafts = int(pc.sum(requests.column("draft_tokens")).as_py() or 0)
+    accepted = int(pc.sum(requests.column("accepted_draft_tokens")).as_py() or 0)
+    steps = int(pc.sum(requests.column("verify_steps")).as_py() or 0)
+    return {"spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafts if drafts else math.nan,
+            "mean_acceptance_length": 1.0 + accepted / steps if steps else math.nan}
 
 
 def _throughput_figures(requests: pa.Table, status: np.ndarray, done: np.ndarray, duration_s: float) -> dict:

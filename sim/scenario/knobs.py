@@ -2,7 +2,7 @@
 flag and help.
 
 The config types (``EngineConfig``, ``Deployment``, ``OffloadConfig``, ``SLO``,
-``Efficiency``) hold the fields and their defaults; this table adds what the user sees: the
+``Efficiency``, ``SpeculativeConfig``) hold the fields and their defaults; this table adds what the user sees: the
 flag that sets a field from the command line, its help, and the words an error about it
 uses. The commands' options (``kvtwin.knob_options``), the ``Overrides`` a command
 packs, the keys a sweep may vary (``sweep_keys``) and the flag named in an error all read
@@ -23,6 +23,7 @@ from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS
 from kvtwin.sim.scenario import validators
 from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.speculative import SpeculativeConfig
 from kvtwin.sim.scenario.validators import Rule
 
 
@@ -92,6 +93,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "offload.disk_bytes": (("--offload-disk-bytes",), "Disk tier below the CPU tier, bytes (0 = none)."),
     "offload.disk_bandwidth_bytes_per_s": (("--offload-disk-bandwidth",), "Disk tier bandwidth, bytes/s."),
     "offload.disk_latency_s": (("--offload-disk-latency",), "Disk tier latency per job, seconds (default 0.0001)."),
+    "speculative.method": (("--speculative-method",), "Speculative decoding drafter: ngram, eagle, eagle3 or mtp."),
+    "speculative.num_speculative_tokens": (("--num-speculative-tokens",), "Drafts verified per decode (k)."),
+    "speculative.acceptance": (("--spec-acceptance",), "Draft acceptance rate in [0, 1], every position "
+                                                       "(default: the method's published table)."),
 }
 
 
@@ -110,6 +115,7 @@ def _fields(section: str, cls, skip: tuple[str, ...] = ()) -> list[Knob]:
 
 def _declared() -> list[Knob]:
     knobs = _fields("engine", EngineConfig) + _fields("engine", Deployment) + _fields("offload", OffloadConfig)
+    knobs += _fields("speculative", SpeculativeConfig)
     knobs += [Knob("slo", f.name, "float", rule=validators.POSITIVE_SECONDS) for f in dataclasses.fields(SLO)]
     knobs += [Knob("cost_model", name, "float") for name in SCALAR_EFFICIENCY_FIELDS]
     knobs += [Knob("workload", name, kind, rule=rule) for name, (kind, rule) in _CUT_RULES.items()]

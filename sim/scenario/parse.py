@@ -1,5 +1,5 @@
-"""Scenario files: one TOML describing model, hardware, engine, workload, SLO, cost model and
-offload tiers.
+"""Scenario files: one TOML describing model, hardware, engine, workload, SLO, cost model,
+offload tiers and speculative decoding.
 
 Format: ``scenarios/README.md``. ``resolve.py`` merges a scenario with command-line
 overrides. Every table and key is checked: an unknown one is an
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys
+from kvtwin.sim.core.errors import ConfigError, config_from_table, reject_unknown_keys
 from kvtwin.sim.planner.engine_config import ENGINE_KEYS, EngineConfig, engine_config_from_mapping
 from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
 from kvtwin.sim.planner.hf_config import load_hf_config
@@ -30,6 +30,7 @@ from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_fr
 from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
 from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
 from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.speculative import SPECULATIVE_KEYS, SpeculativeConfig
 from kvtwin.sim.scenario.validators import check_keys, fields_under, table_of
 from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
@@ -39,7 +40,7 @@ from kvtwin.traces.synth import synthesize
 from kvtwin.traces.synth_spec import parse_spec
 
 SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload",
-            "disaggregation")
+            "disaggregation", "speculative")
 TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
 SLO_KEYS = tuple(section_knobs("slo"))
 RUN_KEYS = tuple(section_knobs("run"))
@@ -97,6 +98,7 @@ class Scenario:
     offload: OffloadConfig = OffloadConfig()
     # Disaggregated prefill/decode (None: every replica does both).
     disaggregation: Disaggregation | None = None
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def check_transform(key: str, value: object, where: str) -> None:
@@ -179,6 +181,11 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
     disaggregation = disaggregation_from_mapping(table_of(data, "disaggregation"))
     if disaggregation is not None and offload.enabled:
         raise ConfigError("disaggregation", "no [offload] table beside it (P/D with an offload tier is not modelled)")
+    speculative = config_from_table(SpeculativeConfig, table_of(data, "speculative"), where="speculative",
+                                    table_is="a table of speculative-decoding settings", known=SPECULATIVE_KEYS,
+                                    expected=f"one of {', '.join(SPECULATIVE_KEYS)}")
+    if disaggregation is not None and speculative.enabled:
+        raise ConfigError("disaggregation", "no [speculative] table beside it (P/D with drafting is not modelled)")
     slo_table = table_of(data, "slo")
     check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():
@@ -204,7 +211,7 @@ def parse_scenario(data: dict, base_dir: Path) -> Scenario:
         gpu=gpu_from_mapping(data["hardware"]) if "hardware" in data else None,
         engine=engine, deployment=deployment, workload=_workload(table_of(data, "workload"), base_dir),
         slo=SLO(**slo_table), efficiency=efficiency, time_limit_s=time_limit, offload=offload,
-        calibration=named, cost_overrides=cost_table, disaggregation=disaggregation)
+        calibration=named, cost_overrides=cost_table, disaggregation=disaggregation, speculative=speculative)
 
 
 def load_scenario_data(path: Path) -> dict:

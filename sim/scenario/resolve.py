@@ -12,6 +12,9 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
 * offload: the scenario's ``[offload]`` table, then each ``--offload-*`` flag given
   (``--offload-cpu-bytes``, ``--offload-policy``, ``--offload-disk-bytes``,
   ``--offload-disk-bandwidth``);
+* speculative decoding: the scenario's ``[speculative]`` table, then each of
+  ``--speculative-method``, ``--num-speculative-tokens``, ``--spec-acceptance`` given; the
+  plan's scheduler gets its k drafts and lookahead slots (``ResolvedScenario.plan``);
 * cost model: the file ``[cost_model] calibration`` names, else the GPU preset's bundled
   calibration, else the defaults (uncalibrated); the table's other keys go on top.
 
@@ -38,6 +41,7 @@ from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.speculative import SpeculativeConfig
 from kvtwin.sim.scenario.knobs import flag_for, knob
 from kvtwin.sim.scenario.parse import Scenario, Workload, load_scenario, scenario_from_data
 from kvtwin.traces.bundled import resolve as resolve_trace
@@ -55,6 +59,7 @@ class Overrides:
     limit: int | None = None
     time_limit_s: float | None = None
     offload: Mapping[str, object] = field(default_factory=dict)  # OffloadConfig field -> value
+    speculative: Mapping[str, object] = field(default_factory=dict)  # SpeculativeConfig field -> value
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, object], **sources: object) -> Overrides:
@@ -62,7 +67,10 @@ class Overrides:
         given) beside its source flags (``model``, ``gpu``, ``trace``, ...)."""
         engine = {k.removeprefix("engine."): v for k, v in knobs.items() if k.startswith("engine.")}
         offload = {k.removeprefix("offload."): v for k, v in knobs.items() if k.startswith("offload.")}
+        speculative = {k.removeprefix("speculative."): v for k, v in knobs.items()
+                       if k.startswith("speculative.") and v is not None}
         return cls(**sources, engine=engine, offload={k: v for k, v in offload.items() if v is not None},
+                   speculative=speculative,
                    rate_scale=knobs.get("workload.rate_scale"), limit=knobs.get("workload.limit"),
                    time_limit_s=knobs.get("run.time_limit_s"))
 
@@ -77,10 +85,12 @@ class Overrides:
 
     def given(self) -> dict:
         """The flags that were given, for a run's metadata."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("engine", "offload")}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("engine", "offload", "speculative")}
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None}
         out.update({k: v for k, v in self.engine.items() if v is not None})
         out.update({f"offload_{k}": v for k, v in self.offload.items() if v is not None})
+        out.update({f"speculative_{k}": v for k, v in self.speculative.items() if v is not None})
         return out
 
 
@@ -104,16 +114,21 @@ class ResolvedScenario:
     calibration: Calibration | None = None
     # Disaggregated prefill/decode (None: every replica does both).
     disaggregation: Disaggregation | None = None
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @property
     def where(self) -> str | None:
         return str(self.source) if self.source is not None else None
 
     def plan(self) -> Plan:
-        return plan(self.model, self.gpu, self.engine)
+        planned = plan(self.model, self.gpu, self.engine)
+        return with_speculative(planned, self.speculative, self.where, self.overrides)
 
     def offload_for(self, planned: Plan) -> ResolvedOffload | None:
         """The offload tiers sized for ``planned`` (None: no offloading); errors name the file."""
+        if self.offload.enabled and self.speculative.enabled:
+            raise ConfigError("offload.cpu_bytes", "0 with a [speculative] table (drafts with a KV offload tier "
+                              "are not modelled yet)", self.offload.cpu_bytes, source=self.where)
         try:
             return self.offload.resolve(planned)
         except ConfigError as err:
@@ -190,13 +205,57 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             raise ConfigError(f"{flag_for('offload', err.field)} or [offload] {err.field}", err.expected,
                               err.got) from None
 
+    speculative = _speculative(scenario.speculative, overrides)
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     calibration = choose_calibration(scenario, model, gpu, where)
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
                             deployment=scenario.deployment, workload=workload, slo=scenario.slo,
                             efficiency=calibration.efficiency,
                             time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration,
-                            disaggregation=scenario.disaggregation)
+                            disaggregation=scenario.disaggregation, speculative=speculative)
+
+
+def _speculative(config: SpeculativeConfig, overrides: Overrides) -> SpeculativeConfig:
+    """The scenario's ``[speculative]`` with the flags given on top (all at once: a method
+    and its k are checked together); errors name the flag, or both ways to set the field."""
+    given = {name: value for name, value in overrides.speculative.items() if value is not None}
+    if not given:
+        return config
+    try:
+        return dataclasses.replace(config, **given)
+    except ConfigError as err:
+        if err.field in given:
+            raise ConfigError(flag_for("speculative", err.field), err.expected, err.got) from None
+        raise ConfigError(f"{flag_for('speculative', err.field)} or [speculative] {err.field}", err.expected,
+                          err.got) from None
+
+
+def with_speculative(planned: Plan, speculative: SpeculativeConfig, where: str | None,
+                     overrides: Overrides = Overrides()) -> Plan:
+    """``planned`` with its scheduler drafting as ``speculative`` says (unchanged when off).
+    A k the step budget cannot verify is refused here, naming the setting. A draft head
+    (EAGLE, EAGLE-3, MTP) needs prefix caching off: with it on vLLM hashes each block with
+    a lookahead token and drops the last block of a hit, which kvtwin does not model."""
+    if not speculative.enabled:
+        return planned
+    name = "num_speculative_tokens"
+    from_flag = name in overrides.speculative
+    setting = flag_for("speculative", name) if from_flag else f"speculative.{name}"
+    # What the core refuses (sim/core/scheduler.py), refused here naming the table.
+    if "mamba" in planned.model.layer_kinds:
+        raise ConfigError("speculative.method", "no [speculative] table with a Mamba model (its speculative state "
+                          "blocks are not modelled yet)", speculative.method, source=where)
+    if speculative.num_lookahead_tokens and planned.engine.cache.enable_prefix_caching:
+        raise ConfigError("speculative.method", f"'ngram' with prefix caching on ({speculative.method} hashes "
+                          "blocks with a lookahead token, not modelled; set [engine] enable_prefix_caching = false)",
+                          speculative.method, source=where)
+    scheduler = planned.engine.scheduler
+    try:
+        scheduler = dataclasses.replace(scheduler, num_speculative_tokens=speculative.num_speculative_tokens,
+                                        num_lookahead_tokens=speculative.num_lookahead_tokens)
+    except ConfigError as err:
+        raise ConfigError(setting, err.expected, err.got, source=None if from_flag else where) from None
+    return dataclasses.replace(planned, engine=dataclasses.replace(planned.engine, scheduler=scheduler))
 
 
 def choose_calibration(scenario: Scenario, model: ModelPreset, gpu: GPUSpec, where: str | None) -> Calibration:

@@ -21,7 +21,9 @@ axis varies slowest), numbered from 0 in that order. KEY is a dotted scenario pa
   ``decode_replicas``, ``link``, ``bandwidth_gbps``, ...; ``Disaggregation``), and
   ``disaggregation.shape=2P1D,1P2D,none``: each ``xPyD`` sets both replica counts, ``none``
   runs the point aggregated (no ``[disaggregation]`` table: ``engine.replicas`` replicas),
-  so xPyD and the aggregated deployment at equal GPUs sit in one sweep.
+  so xPyD and the aggregated deployment at equal GPUs sit in one sweep;
+* ``speculative.<field>`` — speculative decoding (``speculative.num_speculative_tokens``,
+  ``speculative.acceptance``, ...; ``SpeculativeConfig``).
 
 Values are parsed as the field's type (integers, numbers, ``true``/``false``, strings). A
 point is applied by editing the scenario file's TOML mapping at the dotted key and reading
@@ -48,7 +50,8 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
 
 
 # The scenario tables a sweep may vary (``[run]`` is the command's, not a point's).
-SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload", "disaggregation")
+SWEPT_SECTIONS = ("engine", "hardware", "model", "workload", "slo", "cost_model", "offload", "disaggregation",
+                  "speculative")
 
 
 def sweep_key(key: str) -> Knob:
@@ -57,7 +60,8 @@ def sweep_key(key: str) -> Knob:
     if section not in SWEPT_SECTIONS or not name:
         raise ConfigError(FLAG, "KEY=V1,V2,... with KEY one of engine.<field>, hardware.gpu, model.preset, "
                                 "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, cost_model.<field>, "
-                                "offload.<field>, disaggregation.<field>, disaggregation.shape",
+                                "offload.<field>, disaggregation.<field>, disaggregation.shape, "
+                                "speculative.<field>",
                           key)
     fields = section_knobs(section)
     if name not in fields:

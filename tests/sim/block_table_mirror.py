@@ -18,6 +18,12 @@ length is the scheduler's ``num_tokens + num_output_placeholders``. Finished req
 are reported with the next schedule, which may come several steps later (steps that only
 update); a request preempted while a batch was in flight can finish from the waiting
 queue when that batch's token arrives, and its table was already dropped.
+
+Speculative decoding: a request's drafts (``scheduled_spec_decode_tokens``) are the last of
+its scheduled tokens. It sampled ``1 + accepted`` tokens, so ``drafts - accepted`` of its
+computed tokens are rolled back: at once when synchronous; asynchronously the batch's
+drafts count as tokens in flight (like the scheduler's placeholders) until that batch is
+applied (``StepResult.updated``), when both counts drop by the rejected drafts.
 """
 
 from __future__ import annotations
@@ -43,15 +49,43 @@ class BlockTableMirror:
         self.dropped_preempted: set[str] = set()  # preempted, not resumed (tables dropped)
         self.num_replacements = 0
         self.num_appends = 0
+        # Async with drafts: per batch in flight (its output's id), request -> rejected drafts.
+        self.pending_rejections: dict[int, dict[str, int]] = {}
+        self.num_rejected = 0
 
     # -- the consumer --------------------------------------------------------------------
 
     def execute(self, output: SchedulerOutput) -> Execution:
         self.apply(output)
         execution = self.model.execute(output)
+        spec = output.scheduled_spec_decode_tokens or {}
+        rejections: dict[str, int] = {}
         for rid, tokens in execution.sampled.items():
-            self.num_tokens[rid] += len(tokens)
+            drafts = len(spec.get(rid, ()))
+            rejected = drafts - (len(tokens) - 1) if drafts else 0
+            if self.asynchronous:
+                self.num_tokens[rid] += 1 + drafts
+                if rejected:
+                    rejections[rid] = rejected
+            else:
+                self.num_tokens[rid] += len(tokens)
+                self.num_computed_tokens[rid] -= rejected
+            self.num_rejected += rejected
+        if rejections:
+            self.pending_rejections[id(output)] = rejections
         return execution
+
+    asynchronous = False  # set by the driver for an asynchronous engine
+
+    def _apply_rejections(self, result: StepResult) -> None:
+        """Async: the batch just applied rolls back its rejected drafts (a request whose
+        table was dropped meanwhile, preempted or finished, has nothing to roll back)."""
+        if result.updated is None:
+            return
+        for rid, rejected in self.pending_rejections.pop(id(result.updated), {}).items():
+            if rid in self.tables and rid not in self.dropped_preempted:
+                self.num_computed_tokens[rid] -= rejected
+                self.num_tokens[rid] -= rejected
 
     def _drop(self, rid: str, why: str) -> None:
         if rid not in self.tables:
@@ -127,6 +161,7 @@ class BlockTableMirror:
     # -- the check -------------------------------------------------------------------------
 
     def check(self, engine: EngineCore, result: StepResult) -> None:
+        self._apply_rejections(result)
         kvm = engine.kv_cache_manager
         if kvm.replaced_block_ids:
             # A running request whose allocation failed is either scheduled in the same step

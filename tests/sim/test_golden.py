@@ -35,7 +35,21 @@ ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba
                "offload_async_full_arc_slow",
                # Prefix caching off: Mamba align mode still cuts chunks, a connector still
                # hashes blocks (the vLLM oracle and scripts/oracle on configs with caching off).
-               "async_mamba_align_nocache", "offload_nocache_async_full_lru", "offload_nocache_async_mamba_lru"}
+               "async_mamba_align_nocache", "offload_nocache_async_full_lru", "offload_nocache_async_mamba_lru",
+               # Speculative decoding, asynchronous (scripts/oracle/gen_spec_golden.py).
+               "spec_async_k3", "spec_async_pressure_k3", "spec_async_swa_full_k5", "spec_async_padding_k3",
+               "spec_async_priority_pressure_k1", "spec_async_eagle_nocache_k5"}
+
+# Speculative decoding (n-gram drafts, k = 1, 3, 5; scripts/oracle/gen_spec_golden.py): full
+# attention, sliding window + full, pressure with preemptions (FCFS and priority), drafts
+# clipped by max_model_len and by the budget, padded one-token admissions, caching off,
+# chunked prefill off, a long-prefill threshold.
+SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3", "spec_pressure_k3",
+              "spec_priority_pressure_k5", "spec_max_model_len_k5", "spec_budget_k5", "spec_padding_k3",
+              "spec_nocache_k3", "spec_async_k3", "spec_async_pressure_k3", "spec_async_swa_full_k5",
+              "spec_async_padding_k3", "spec_async_priority_pressure_k1", "spec_no_chunking_k3",
+              "spec_long_prefill_k3", "spec_eagle_nocache_k3", "spec_async_eagle_nocache_k5",
+              "spec_eagle_swa_nocache_k3"}
 
 def test_all_fourteen_public_golden_cases_are_listed():
     assert len(PUBLIC_CASES) == 14
@@ -49,6 +63,14 @@ def test_every_async_golden_case_is_present_and_async():
     assert len(ASYNC_CASES) >= 9 and ASYNC_CASES <= set(CASES)
     for name in CASES:
         assert load_case(CASES_DIR / name).scheduler_config.async_scheduling == (name in ASYNC_CASES), name
+
+
+def test_every_spec_golden_case_is_present_and_speculative():
+    assert SPEC_CASES <= set(CASES)
+    for name in CASES:
+        k = load_case(CASES_DIR / name).scheduler_config.num_speculative_tokens
+        assert (k > 0) == (name in SPEC_CASES), name
+    assert {load_case(CASES_DIR / n).scheduler_config.num_speculative_tokens for n in SPEC_CASES} == {1, 3, 5}
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -31,7 +31,7 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
 from kvtwin.sim.core.hashing import BlockHasher, TokenPrompt, get_hash_fn
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
-from kvtwin.sim.lockstep.runner import ScriptedModel, run_case, step_record
+from kvtwin.sim.lockstep.runner import ScriptedModel, run_case, scripted_model, step_record
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import (
     ChunkedLocalAttentionSpec,
@@ -234,9 +234,11 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
     sched = engine.scheduler
     kvm = engine.kv_cache_manager
     pool = kvm.block_pool
-    model = ScriptedModel({r.request_id: r.output_token_ids for r in s.requests})
+    model = scripted_model(GoldenCase("scenario", s.kv_cache_config, s.scheduler_config, s.cache_config, s.requests))
+    num_spec = s.scheduler_config.num_speculative_tokens
     table_mirror = BlockTableMirror(model) if mirror else None
     if table_mirror is not None:
+        table_mirror.asynchronous = s.scheduler_config.async_scheduling
         model = table_mirror
     objs: dict[str, Request] = {}
     finished: set[str] = set()
@@ -275,9 +277,10 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
         for rid in out.preempted:
             preemptions[rid] += 1
             kept = objs[rid].output_token_ids
-            # Async: the batch in flight still delivers its token (stale output), at most one.
+            # Async: the batch in flight still delivers its tokens (stale output): one, plus
+            # the drafts it accepted.
             grew = len(kept) - len(outputs_before[rid])
-            if kept[:len(outputs_before[rid])] != outputs_before[rid] or not 0 <= grew <= int(is_async):
+            if kept[:len(outputs_before[rid])] != outputs_before[rid] or not 0 <= grew <= int(is_async) * (1 + num_spec):
                 raise AssertionError(f"PREEMPT-RESUME: preempting {rid} changed its outputs "
                                      f"{outputs_before[rid]} -> {kept}")
             outputs_at_preemption[rid] = list(kept)
@@ -308,6 +311,8 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
                 if rid in out.num_output_tokens:
                     # It samples: exactly its tokens minus the hit were (re)computed.
                     num_tokens, hit, done = recompute.pop(rid)
+                    # A one-token recompute may be padded with placeholder drafts.
+                    done -= len((out.scheduled_spec_decode_tokens or {}).get(rid, ()))
                     if check and done != num_tokens - hit:
                         raise AssertionError(f"PREEMPT-RESUME: {rid} computed {done} tokens before sampling; "
                                              f"expected num_tokens {num_tokens} - hit {hit}")
@@ -319,7 +324,7 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
                 finished_while_waiting.add(request.request_id)
             if request.status is not RequestStatus.FINISHED:
                 raise AssertionError(f"REQ-CONSERVE: finished {request.request_id} has status {request.status}")
-        steps.append(step_record(step, result, pool))
+        steps.append(step_record(step, result, pool, num_spec > 0))
         if table_mirror is not None:
             table_mirror.check(engine, result)
         if check:

@@ -1,0 +1,77 @@
+"""The ``[speculative]`` table: speculative decoding in a replay (vLLM's ``speculative_config``).
+
+docs/semantics.md#speculative-decoding. ``method`` is the drafter (``ngram``: prompt lookup,
+no model; ``eagle``, ``eagle3``, ``mtp``: a draft head that writes its own KV, so the
+scheduler reserves ``num_lookahead_tokens = k`` slots), ``num_speculative_tokens`` the k
+drafts verified per decode, ``acceptance`` how often they are accepted (one rate, or one
+per draft position; default: the method's published table, ``spec_defaults.py``), ``seed``
+the acceptance draws' seed, ``draft_layers`` the draft head's depth for the cost model
+(default 1 for a head, 0 for n-gram). No table (or ``method`` unset): no drafting, and the
+run is exactly the one without this feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtwin.sim.core.acceptance import AcceptanceConfig
+from kvtwin.sim.core.config import is_int
+from kvtwin.sim.core.errors import require
+from kvtwin.sim.scenario.spec_defaults import default_acceptance
+
+SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp")
+# Drafters with their own KV (a draft head): k lookahead slots per step in vLLM.
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    acceptance: float | tuple[float, ...] | None = None
+    seed: int = 0
+    draft_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.acceptance, list):
+            object.__setattr__(self, "acceptance", tuple(self.acceptance))
+        if self.method is None:
+            require(self.num_speculative_tokens == 0, "method",
+                    f"one of {', '.join(SPEC_METHODS)} when num_speculative_tokens is set", None)
+            return
+        require(self.method in SPEC_METHODS, "method", f"one of {', '.join(SPEC_METHODS)}", self.method)
+        k = self.num_speculative_tokens
+        require(is_int(k) and k >= 1, "num_speculative_tokens", "a positive integer (the drafts per decode)", k)
+        if self.draft_layers is not None:
+            require(is_int(self.draft_layers) and self.draft_layers >= 0, "draft_layers",
+                    "a non-negative integer (layers of the draft head)", self.draft_layers)
+        if self.acceptance is None:
+            require(default_acceptance(self.method, k) is not None, "acceptance",
+                    f"a rate in [0, 1] or a table of {k} rates ('{self.method}' has no published default: its "
+                    "acceptance depends on the workload)", None)
+        self.acceptance_config()  # checks the rates and the seed
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots reserved past the drafts (vLLM: k for a draft head, 0 for n-gram)."""
+        return self.num_speculative_tokens if self.method in HEAD_METHODS else 0
+
+    @property
+    def num_draft_layers(self) -> int:
+        if self.draft_layers is not None:
+            return self.draft_layers
+        return 1 if self.method in HEAD_METHODS else 0
+
+    def acceptance_config(self) -> AcceptanceConfig:
+        rates = self.acceptance
+        if rates is None:
+            rates = default_acceptance(str(self.method), self.num_speculative_tokens)
+        assert rates is not None
+        return AcceptanceConfig(self.num_speculative_tokens, rates, self.seed)
+
+
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "acceptance", "seed", "draft_layers")

@@ -1,0 +1,239 @@
+"""Speculative decoding in a replay: the ``[speculative]`` table, the acceptance draws, the
+draft head's cost, the recorder's counts, and the bad-input errors (docs/semantics.md
+#speculative-decoding)."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from kvtwin.cli import app
+from kvtwin.sim.core.acceptance import AcceptanceConfig
+from kvtwin.sim.replay.cost_model import DraftHead
+from kvtwin.sim.replay.run import plan_cost_model, run_replay
+from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from kvtwin.sim.scenario.spec_defaults import default_acceptance
+from kvtwin.sim.scenario.sweep_keys import parse_sweeps
+from tests.tables import assert_tables_equal
+
+SCENARIO = """\
+description = "spec test: a short chat workload"
+[model]
+preset = "llama-3.1-8b"
+[hardware]
+gpu = "h100"
+[engine]
+max_model_len = 16896
+max_num_seqs = 64
+max_num_batched_tokens = 2048
+enable_prefix_caching = false
+async_scheduling = ASYNC
+[workload]
+kind = "chat"
+seed = 3
+num_requests = 40
+block_tokens = 16
+arrival = { process = "poisson", rate_per_s = 2.0 }
+turns = { dist = "zipf", s = 1.2, max = 4 }
+user_tokens = { dist = "lognormal", mean = 300, sigma = 0.5 }
+output_tokens = { dist = "lognormal", mean = 120, sigma = 0.5 }
+turn_gap_s = { dist = "exponential", mean = 5 }
+max_prompt_tokens = 4000
+"""
+
+
+def _scenario(tmp_path, spec: str = "", *, async_scheduling: bool = True, engine: str = "", name: str = "s.toml"):
+    text = SCENARIO.replace("ASYNC", "true" if async_scheduling else "false")
+    if engine:
+        text = text.replace("[workload]", engine + "\n[workload]")
+    path = tmp_path / name
+    path.write_text(text + ("\n[speculative]\n" + spec if spec else ""))
+    return path
+
+
+def _run(path, **speculative):
+    resolved = resolve_scenario(path, Overrides(speculative=speculative))
+    planned = resolved.plan()
+    result = run_replay(planned, resolved.require_workload().load(), efficiency=resolved.efficiency,
+                        slo=resolved.slo, speculative=resolved.speculative)
+    return result, result.summary.to_pylist()[0]
+
+
+def _replay_cli(*args):
+    return CliRunner().invoke(app, ["replay", *map(str, args), "-q", "--no-report"])
+
+
+def _one_error_line(res, *fragments):
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error:"), res.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_spec_replay_finishes_every_request_and_counts_its_drafts(tmp_path, async_scheduling):
+    path = _scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\nacceptance = 0.7\n',
+                     async_scheduling=async_scheduling)
+    result, summary = _run(path)
+    requests = result.requests.to_pydict()
+    assert summary["completed"] == result.requests.num_rows
+    # A verify step yields its sampled token and its accepted drafts; past the stop they
+    # are trimmed (at most k of them); a batch still in flight when it stopped yields nothing.
+    for generated, accepted, drafts, steps in zip(requests["generated_tokens"], requests["accepted_draft_tokens"],
+                                                  requests["draft_tokens"], requests["verify_steps"]):
+        assert accepted <= drafts <= 3 * steps
+        assert accepted + steps <= generated + 3
+    expected = AcceptanceConfig(3, 0.7).mean_accepted()
+    assert summary["mean_acceptance_length"] == pytest.approx(1 + expected, abs=0.1)
+    assert summary["spec_acceptance_rate"] == pytest.approx(expected / 3, abs=0.05)
+    # Verify rows are decodes: decode tokens include the drafts.
+    steps = result.steps.to_pydict()
+    assert sum(steps["decode_tokens"]) >= summary["spec_draft_tokens"]
+
+
+def test_a_spec_replay_is_deterministic(tmp_path):
+    path = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 4\nacceptance = [0.8, 0.6, 0.5, 0.4]\n'
+                               'seed = 7\n')
+    runs = []
+    for out in ("a", "b"):
+        res = _replay_cli(path, "--out", tmp_path / out)
+        assert res.exit_code == 0, res.output
+        runs.append({name: pq.read_table(tmp_path / out / f"{name}.parquet") for name in ("requests", "steps")})
+    for name in ("requests", "steps"):
+        assert_tables_equal(runs[0][name], runs[1][name])
+    other = _run(path, seed=8)[0]
+    assert other.requests.column("accepted_draft_tokens") != runs[0]["requests"].column("accepted_draft_tokens")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_higher_acceptance_gives_lower_tpot(tmp_path, async_scheduling):
+    path = _scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\n', async_scheduling=async_scheduling)
+    tpot = {rate: _run(path, acceptance=rate)[1]["mean_tpot_ms"] for rate in (0.1, 0.5, 0.9)}
+    assert tpot[0.9] < tpot[0.5] < tpot[0.1]
+
+
+def test_no_speculative_table_means_no_spec_columns(tmp_path):
+    result, summary = _run(_scenario(tmp_path))
+    assert "accepted_draft_tokens" not in result.requests.column_names
+    assert "spec_acceptance_rate" not in summary
+
+
+def test_a_draft_head_costs_time_and_ngram_does_not(tmp_path):
+    path = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.0\n')
+    resolved = resolve_scenario(path)
+    planned = resolved.plan()
+    plain = plan_cost_model(planned, resolved.efficiency)
+    head = plan_cost_model(planned, resolved.efficiency, DraftHead(1, 3))
+    verify = [(4, 1000)] * 32
+    without = plain.split_step_cost([], verify, [1004] * 32)
+    with_head = head.split_step_cost([], verify, [1004] * 32)
+    assert without.draft_s == 0.0
+    assert with_head.draft_s > 0.0
+    assert with_head.total_s == pytest.approx(without.total_s + with_head.draft_s)
+    # A head of one layer costs a small share of the 32-layer target's step.
+    assert with_head.draft_s < 0.5 * without.total_s
+    # More layers, more drafting requests, longer contexts: more time.
+    assert plan_cost_model(planned, resolved.efficiency, DraftHead(2, 3)).split_step_cost(
+        [], verify, [1004] * 32).draft_s > with_head.draft_s
+    assert head.split_step_cost([], verify, [8004] * 32).draft_s > with_head.draft_s
+    # With acceptance 0 the drafter only costs: eagle3 (a head) is slower than ngram (none).
+    ngram = _run(path)[1]["mean_tpot_ms"]
+    eagle = _run(path, method="eagle3")[1]["mean_tpot_ms"]
+    assert eagle > ngram
+
+
+def test_default_tables_follow_their_sources():
+    eagle3 = AcceptanceConfig(7, default_acceptance("eagle3", 7))
+    assert 1 + eagle3.mean_accepted() == pytest.approx(2.77, abs=0.02)  # tau at K = 7, MT-bench
+    mtp = default_acceptance("mtp", 7)
+    assert 0.85 <= mtp[0] <= 0.90  # DeepSeek-V3: the second token accepted 85-90%
+    assert 1 + AcceptanceConfig(7, mtp).mean_accepted() == pytest.approx(3.09, abs=0.02)
+    assert default_acceptance("ngram", 3) is None
+    assert len(default_acceptance("eagle", 5)) == 5
+
+
+def test_speculative_fields_are_sweep_keys():
+    axes = parse_sweeps(["speculative.num_speculative_tokens=1,3", "speculative.acceptance=0.5,0.8"])
+    assert [a.values for a in axes] == [(1, 3), (0.5, 0.8)]
+
+
+@pytest.mark.parametrize("spec, fragments", [
+    ('method = "eagle3"\nnum_speculative_tokens = 3\nacceptance = 1.5\n', ("speculative.acceptance", "[0, 1]")),
+    ('method = "eagle3"\nnum_speculative_tokens = 3\nacceptance = -0.1\n', ("speculative.acceptance",)),
+    ('method = "eagle3"\nnum_speculative_tokens = 3\nacceptance = [0.5, 0.5]\n',
+     ("speculative.acceptance", "3 rates")),
+    ('method = "eagle3"\nnum_speculative_tokens = 3\nacceptance = [0.5, 1.2, 0.5]\n', ("speculative.acceptance",)),
+    ('method = "ngram"\nnum_speculative_tokens = 3\n', ("speculative.acceptance", "no published default")),
+    ('method = "medusa"\nnum_speculative_tokens = 3\n', ("speculative.method", "ngram")),
+    ('method = "eagle3"\nnum_speculative_tokens = 0\n', ("speculative.num_speculative_tokens",)),
+    ('num_speculative_tokens = 3\n', ("speculative.method",)),
+    ('method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\nbogus = 1\n', ("speculative.bogus",)),
+    ('method = "ngram"\nnum_speculative_tokens = 2048\nacceptance = 0.5\n',
+     ("speculative.num_speculative_tokens", "max_num_batched_tokens - 1 = 2047")),
+])
+def test_bad_speculative_settings_are_one_error_line(tmp_path, spec, fragments):
+    _one_error_line(_replay_cli(_scenario(tmp_path, spec), "--out", tmp_path / "out"), *fragments)
+
+
+def test_a_draft_head_with_prefix_caching_on_is_refused(tmp_path):
+    path = _scenario(tmp_path, 'method = "eagle"\nnum_speculative_tokens = 2\n')
+    path.write_text(path.read_text().replace("enable_prefix_caching = false", "enable_prefix_caching = true"))
+    _one_error_line(_replay_cli(path, "--out", tmp_path / "out"), "speculative.method", "prefix caching")
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--num-speculative-tokens", "4096"], ("--num-speculative-tokens", "2047")),
+    (["--spec-acceptance", "1.5"], ("--spec-acceptance", "[0, 1]")),
+    (["--speculative-method", "medusa"], ("--speculative-method",)),
+])
+def test_bad_speculative_flags_name_the_flag(tmp_path, flags, fragments):
+    path = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\n')
+    _one_error_line(_replay_cli(path, *flags, "--out", tmp_path / "out"), *fragments)
+
+
+def test_flags_turn_drafting_on(tmp_path):
+    path = _scenario(tmp_path)
+    res = _replay_cli(path, "--speculative-method", "eagle3", "--num-speculative-tokens", "2", "--out", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    summary = pq.read_table(tmp_path / "o" / "summary.parquet").to_pylist()[0]
+    assert not math.isnan(summary["spec_acceptance_rate"])
+
+
+def test_a_verify_step_is_priced_as_a_decode_of_several_queries(tmp_path):
+    resolved = resolve_scenario(_scenario(tmp_path))
+    cost = plan_cost_model(resolved.plan(), resolved.efficiency)
+    decodes = cost.split_step_cost([4001] * 32, [])
+    verify = cost.split_step_cost([], [], None, [(4, 4000)] * 32)
+    as_chunks = cost.split_step_cost([], [(4, 4000)] * 32)
+    # The same KV is read once; the short-chunk weighting of prefill attention does not apply.
+    assert decodes.total_s < verify.total_s < as_chunks.total_s
+    assert verify.total_s < 1.5 * decodes.total_s
+    assert verify.kv_bytes == pytest.approx(as_chunks.kv_bytes)
+
+
+def test_drafting_pays_off_only_with_acceptance(tmp_path):
+    plain = _run(_scenario(tmp_path))[1]["mean_tpot_ms"]
+    path = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.0\n', name="n.toml")
+    nothing_accepted = _run(path)[1]["mean_tpot_ms"]
+    # Verifying drafts that are all rejected costs a little (4 queries instead of 1 per decode) ...
+    assert plain < nothing_accepted < 1.3 * plain
+    # ... and EAGLE-3's published acceptance (2.35 tokens per step at k = 3) more than pays for its head.
+    eagle3 = _run(_scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\n', name="e.toml"))[1]
+    assert eagle3["mean_acceptance_length"] == pytest.approx(2.35, abs=0.1)
+    eagle3 = eagle3["mean_tpot_ms"]
+    assert eagle3 < 0.8 * plain
+
+
+def test_what_the_core_does_not_model_is_refused_naming_the_table(tmp_path):
+    from kvtwin.scenarios import SCENARIOS_DIR
+
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "2", "--spec-acceptance", "0.5"]
+    _one_error_line(_replay_cli(SCENARIOS_DIR / "replay-jamba-mini.toml", *flags, "--out", tmp_path / "out"),
+                    "speculative.method", "Mamba")
+    offload = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 2\nacceptance = 0.5\n'
+                                  '[offload]\ncpu_bytes = 1000000000\n', name="o.toml")
+    _one_error_line(_replay_cli(offload, "--out", tmp_path / "out"), "offload.cpu_bytes", "[speculative]")

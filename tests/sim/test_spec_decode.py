@@ -1,0 +1,266 @@
+"""Speculative decoding (docs/semantics.md#speculative-decoding): the acceptance model, the
+configuration's bad input, and the SPEC-* invariants (docs/invariants.md) as properties over
+random workloads, synchronous and asynchronous."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from kvtwin.cli import app
+from kvtwin.sim.core.acceptance import AcceptanceConfig, AcceptanceModel
+from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.core.hashing import TokenPrompt
+from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, cdiv
+from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
+from kvtwin.sim.lockstep.runner import SpecScriptedModel
+from tests.sim.test_invariants import COMMON, Scenario, examples, run_scenario
+
+CASES = Path(__file__).parent.parent / "golden" / "cases"
+BS = 16
+
+
+# -- the acceptance model ------------------------------------------------------------------------
+
+def test_acceptance_constant_rate_matches_its_mean():
+    config = AcceptanceConfig(num_speculative_tokens=3, acceptance=0.7, seed=5)
+    model = AcceptanceModel(config)
+    draws = [model.num_accepted(3) for _ in range(20_000)]
+    assert set(draws) == {0, 1, 2, 3}
+    assert config.mean_accepted() == pytest.approx(0.7 + 0.49 + 0.343)
+    assert sum(draws) / len(draws) == pytest.approx(config.mean_accepted(), abs=0.03)
+
+
+def test_acceptance_table_first_rejection_stops_the_run():
+    model = AcceptanceModel(AcceptanceConfig(num_speculative_tokens=3, acceptance=(1.0, 0.0, 1.0)))
+    assert {model.num_accepted(3) for _ in range(100)} == {1}  # position 1 always rejects
+    model = AcceptanceModel(AcceptanceConfig(num_speculative_tokens=4, acceptance=1.0))
+    assert model.num_accepted(4) == 4 and model.num_accepted(2) == 2  # clipped drafts: at most what was sent
+    assert AcceptanceModel(AcceptanceConfig(2, 0.0)).num_accepted(2) == 0
+
+
+def test_acceptance_is_seeded():
+    def draws(seed):
+        model = AcceptanceModel(AcceptanceConfig(num_speculative_tokens=5, acceptance=0.6, seed=seed))
+        return [model.num_accepted(5) for _ in range(200)]
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_speculative_tokens=3, acceptance=1.5), "acceptance"),
+    (dict(num_speculative_tokens=3, acceptance=-0.1), "acceptance"),
+    (dict(num_speculative_tokens=2, acceptance=(0.5, 1.2)), "acceptance"),
+    (dict(num_speculative_tokens=2, acceptance=(0.5,)), "acceptance"),
+    (dict(num_speculative_tokens=3, acceptance="high"), "acceptance"),
+    (dict(num_speculative_tokens=0, acceptance=0.5), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=True, acceptance=0.5), "num_speculative_tokens"),
+])
+def test_bad_acceptance_is_one_clear_error(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        AcceptanceConfig(**kwargs)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_speculative_tokens=64, max_num_batched_tokens=64), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    (dict(num_lookahead_tokens=2), "num_lookahead_tokens"),
+])
+def test_bad_speculative_scheduler_settings(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        SchedulerConfig(max_model_len=512, **kwargs)
+    assert err.value.field == field
+    SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, num_speculative_tokens=63)  # the largest k
+
+
+def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_full_k3", case)
+    config = json.loads((case / "config.json").read_text())
+    config["speculative"]["num_speculative_tokens"] = config["max_num_batched_tokens"]
+    (case / "config.json").write_text(json.dumps(config))
+    res = CliRunner().invoke(app, ["lockstep", str(case), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"kvtwin: error: {case / 'config.json'}: num_speculative_tokens")
+
+
+@pytest.mark.parametrize("speculative, field", [
+    ({"method": "medusa", "num_speculative_tokens": 3}, "speculative.method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
+    ({"method": "ngram"}, "speculative"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative.method"),  # eagle with prefix caching on
+])
+def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_full_k3", case)
+    config = json.loads((case / "config.json").read_text())
+    config["speculative"] = speculative
+    (case / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load_case(case)
+    assert err.value.field == field
+
+
+def test_mamba_with_drafts_is_refused():
+    from kvtwin.sim.core.spec import MambaSpec
+    kv = KVCacheConfig(num_blocks=64, hash_block_size=BS, groups=(
+        KVCacheGroupSpec(("a",), FullAttentionSpec(block_size=BS)),
+        KVCacheGroupSpec(("m",), MambaSpec(block_size=BS, shapes=((4, 8),), dtype_bytes=(2,),
+                                           mamba_cache_mode="align"))))
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineCore(kv, SchedulerConfig(max_model_len=256, num_speculative_tokens=2))
+
+
+def test_drafts_off_leaves_the_output_without_drafts():
+    case = load_case(CASES / "full_basic")
+    engine = EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config)
+    r = case.requests[0]
+    engine.add_request(Request(r.request_id, TokenPrompt(r.prompt_token_ids), len(r.output_token_ids)))
+    assert engine.scheduler.schedule().scheduled_spec_decode_tokens is None
+
+
+# -- SPEC-* invariants as properties ----------------------------------------------------------------
+
+@st.composite
+def spec_scenarios(draw) -> Scenario:
+    k = draw(st.integers(1, 5))
+    is_async = draw(st.booleans())
+    max_model_len = draw(st.integers(48, 160))
+    budget = draw(st.integers(k + 1, 96))
+    swa = draw(st.booleans())
+    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS))]
+    if swa:
+        groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=BS,
+                                                                     sliding_window=draw(st.sampled_from([8, 16, 33])))))
+    worst = cdiv(max_model_len, BS) * len(groups) + 4 * len(groups)
+    num_blocks = draw(st.integers(worst + 1, worst + 40))
+    kv = KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=BS)
+    sched = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=draw(st.integers(1, 8)),
+                            max_num_batched_tokens=budget, async_scheduling=is_async,
+                            scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+                            num_speculative_tokens=k)
+    cache = CacheConfig(enable_prefix_caching=draw(st.booleans()))
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    base = [rng.randrange(3) for _ in range(max_model_len)]
+    requests = []
+    arrival = 0
+    for i in range(draw(st.integers(1, 10))):
+        arrival += rng.choice([0, 0, 1, 3])
+        length = rng.randint(1, max_model_len - 2)
+        shared = rng.randint(0, length)
+        prompt = base[:shared] + [rng.randrange(3) for _ in range(length - shared)]
+        num_out = min(rng.choice([1, 3, 9, 30, 80]), max_model_len - len(prompt))
+        accepted = tuple(rng.randint(0, k) for _ in range(rng.randint(0, num_out)))
+        requests.append(CaseRequest(f"r{i}", arrival, tuple(prompt), tuple(rng.randrange(3) for _ in range(num_out)),
+                                    rng.randint(0, 2), accepted))
+    return Scenario(kv, sched, cache, tuple(requests))
+
+
+@settings(max_examples=examples(150), **COMMON)
+@given(spec_scenarios())
+def test_engine_invariants_hold_with_drafts(scenario):
+    """Every engine invariant (and the block-table mirror) holds with drafts on."""
+    run_scenario(scenario, check=True)
+
+
+def _drive_with_spec_checks(s: Scenario) -> int:
+    """Step the engine, checking SPEC-SLOTS after every schedule and SPEC-ROLLBACK after every
+    update; returns the drafts rejected (so a test can see rollbacks happened)."""
+    engine = EngineCore(s.kv_cache_config, s.scheduler_config, s.cache_config)
+    sched = engine.scheduler
+    kvm = engine.kv_cache_manager
+    case = GoldenCase("s", s.kv_cache_config, s.scheduler_config, s.cache_config, s.requests)
+    model = SpecScriptedModel(case)
+    max_len = s.scheduler_config.max_model_len
+    high_water: dict[str, int] = {}  # request -> highest position scheduled since its admission
+    starts: dict[int, dict[str, tuple[int, int, int]]] = {}  # batch -> request -> (start, tokens, drafts)
+    rejected: dict[tuple[int, str], int] = {}  # (batch, request) -> drafts the model rejected
+    rejected_total = 0
+    is_async = s.scheduler_config.async_scheduling
+    k = s.scheduler_config.num_speculative_tokens
+    pending = list(s.requests)
+    step = 0
+    step_fn = engine.step_async if s.scheduler_config.async_scheduling else engine.step
+
+    class Watch:
+        def execute(self, output):
+            spec = output.scheduled_spec_decode_tokens or {}
+            for new in output.scheduled_new_reqs:
+                high_water[new.req_id] = 0
+            batch = {}
+            for (rid, n), start in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
+                high_water[rid] = max(high_water[rid], min(start + n, max_len))
+                batch[rid] = (start, n, len(spec.get(rid, ())))
+                # SPEC-SLOTS: the table holds exactly the slots of the highest position scheduled.
+                for gid, ids in enumerate(kvm.get_block_ids(rid)):
+                    assert len(ids) == cdiv(high_water[rid], BS), (rid, gid, len(ids), high_water[rid])
+            starts[id(output)] = batch
+            execution = model.execute(output)
+            for rid, tokens in execution.sampled.items():
+                rejected[id(output), rid] = batch[rid][2] - (len(tokens) - 1) if batch[rid][2] else 0
+            return execution
+
+    watch = Watch()
+    while True:
+        while pending and pending[0].arrival_step == step:
+            r = pending.pop(0)
+            engine.add_request(Request(r.request_id, TokenPrompt(r.prompt_token_ids), len(r.output_token_ids),
+                                       priority=r.priority, arrival_time=float(step)))
+        result = step_fn(watch)
+        applied = result.output if not s.scheduler_config.async_scheduling else result.updated
+        finished = {r.request_id for r in result.finished}
+        for rid, (start, n, drafts) in (starts.pop(id(applied), {}) if applied is not None else {}).items():
+            request = sched.requests.get(rid)
+            if request is None or rid in finished or request.status is not RequestStatus.RUNNING:
+                continue
+            # SPEC-ROLLBACK: exactly the rejected drafts are rolled back, never what was
+            # verified. Async: the batch started before the previous batch's rollback (at
+            # most k more).
+            processed = request.num_computed_tokens - request.num_in_flight_tokens
+            rejected_here = rejected.pop((id(applied), rid), 0)
+            if is_async:
+                assert start + n - drafts - k <= processed <= start + n, (rid, start, n, drafts, processed)
+            else:
+                assert processed == start + n - rejected_here, (rid, start, n, rejected_here, processed)
+            rejected_total += rejected_here
+            assert processed >= min(request.num_prompt_tokens, start + n - drafts)
+        if not pending and not engine.has_unfinished_requests() and not engine.batch_queue:
+            return rejected_total
+        step += 1
+        assert step < 5000
+
+
+@settings(max_examples=examples(150), **COMMON)
+@given(spec_scenarios())
+def test_spec_slots_and_rollback(scenario):
+    _drive_with_spec_checks(scenario)
+
+
+@pytest.mark.parametrize("name", ["spec_full_k3", "spec_async_pressure_k3", "spec_swa_full_k3"])
+def test_spec_invariants_on_golden_cases_see_rollbacks(name):
+    case = load_case(CASES / name)
+    s = Scenario(case.kv_cache_config, case.scheduler_config, case.cache_config, case.requests)
+    assert _drive_with_spec_checks(s) > 0
+
+
+def test_no_decode_window_with_drafts():
+    """Decode windows assume one token per decode: never opened with drafts on."""
+    from kvtwin.sim.core.decode_window import open_decode_window
+    from kvtwin.sim.core.scheduler_output import SchedulerOutput
+    kv = KVCacheConfig(num_blocks=64, hash_block_size=BS, groups=(KVCacheGroupSpec(("a",), FullAttentionSpec(block_size=BS)),))
+    engine = EngineCore(kv, SchedulerConfig(max_model_len=256, async_scheduling=True, num_speculative_tokens=2))
+    engine.add_request(Request("a", TokenPrompt(tuple(range(20))), 50))
+    out = engine.scheduler.schedule()
+    assert open_decode_window(engine.scheduler, out, {"a": [1]}, [1 << 24]) is None
