@@ -35,8 +35,8 @@ from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIRS = [ROOT / "tests" / "golden" / "cases"]
 
-# Every bundled trace, the hybrid and offload layouts and speculative decoding, each through
-# the replay path.
+# Every bundled trace, the hybrid and offload layouts, speculative decoding and disaggregated
+# prefill/decode, each through the replay path.
 REPLAYS: list[tuple[str, str, dict]] = [
     ("default", "default.toml", {}),
     ("mooncake-h100-overload", "mooncake-llama8b-h100-overload.toml", {}),
@@ -49,6 +49,7 @@ REPLAYS: list[tuple[str, str, dict]] = [
     ("gpt-oss-20b", "replay-gpt-oss-20b.toml", {}),
     ("offload-b200", "mooncake-llama8b-b200-offload.toml", {}),
     ("spec-eagle3", "mooncake-llama8b-h100-eagle3.toml", {}),
+    ("pd-2p1d", "mooncake-llama8b-h100-pd.toml", {}),
 ]
 
 
