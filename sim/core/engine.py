@@ -237,11 +237,15 @@ class EngineCore:
         self.scheduler.update_connector_output(reported)
         return StepResult(output, finished, execution, transfers=reported)
 
+    @property
+    def has_connector(self) -> bool:
+        """Whether a KV connector moves this engine's KV (an offload tier, or P/D's)."""
+        return self.scheduler.connector is not None
+
     def has_pending_transfers(self) -> bool:
         """Transfer jobs still running (the engine keeps stepping until they finish)."""
-        if self.pd is not None:
-            return self.pd.connector.has_pending_jobs()
-        return self.offload is not None and self.offload.connector.has_pending_jobs()
+        connector = self.scheduler.connector
+        return connector is not None and connector.has_pending_jobs()
 
     # -- asynchronous scheduling: two batches in flight --------------------------------
 

@@ -17,9 +17,10 @@ Decode windows (``sim/core/decode_window.py``) need nothing here: the replica's
 in them is whether a window may go on: only while the time limit cannot cut its
 batch in flight short, so a run stopped by the limit holds no implicit state.
 
-With an offload tier the engine also steps while finished requests are still to be
-reported (their last chunks are stored in that step, as vLLM steps while
-``has_finished_requests``). A step that schedules nothing because requests wait for
+With a KV connector (an offload tier, or P/D's) the engine also steps while finished
+requests are still to be reported (an offload tier stores their last chunks in that step;
+a P/D prefill side holds their blocks until the decode side has read them), as vLLM steps
+while ``has_finished_requests``. A step that schedules nothing because requests wait for
 transfers steps again at once if the worker reported a transfer finished in it, and
 otherwise sleeps until the next transfer finishes or a request arrives, whichever is first.
 """
@@ -54,10 +55,11 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
     env = cluster.env
     engine = replica.engine
     executor = replica.executor
-    offload = engine.offload is not None or engine.pd is not None
+    connector = engine.has_connector
     while True:
-        # With an offload tier a step also reports finished requests (their last stores).
-        if not (engine.has_requests() if offload else engine.has_unfinished_requests()):
+        # With a connector a step also reports finished requests (an offload tier's last
+        # stores; P/D's reads of a prefill side's blocks).
+        if not (engine.has_requests() if connector else engine.has_unfinished_requests()):
             if cluster.arrivals_done:
                 return
             yield replica.sleep(env)
@@ -69,7 +71,7 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
         if duration_s > 0:
             yield env.timeout(duration_s)
         elif not result.output.num_scheduled_tokens:
-            if offload and _waits_for_transfers(engine):
+            if connector and _waits_for_transfers(engine):
                 if (yield from _wait_for_transfers(cluster, replica, _reported(result))):
                     continue
             # Nothing could be scheduled and no time passes: wait for an arrival rather
@@ -126,7 +128,7 @@ def _idle(cluster: ClusterView, replica: Replica):
         result = replica.batches.update()
         cluster.applied(replica, result, replica.timeline.take_oldest())
         reported |= _reported(result)
-    if (engine.offload is not None or engine.pd is not None) and _waits_for_transfers(engine):
+    if engine.has_connector and _waits_for_transfers(engine):
         if (yield from _wait_for_transfers(cluster, replica, reported)):
             return True
     if cluster.arrivals_done:
@@ -150,7 +152,7 @@ def _wait_for_transfers(cluster: ClusterView, replica: Replica, reported: bool):
     finishes or a request arrives; False if nothing is in flight."""
     if reported:
         return True
-    due_s = replica.next_offload_event_s()
+    due_s = replica.next_transfer_event_s()
     if due_s is None:
         return False
     env = cluster.env

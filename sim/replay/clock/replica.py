@@ -38,9 +38,9 @@ class Replica:
         if wake is not None and not wake.triggered:
             wake.succeed()
 
-    def next_offload_event_s(self) -> float | None:
-        """When the next transfer of the engine's offload tier finishes: a GPU↔CPU job, or
-        a CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
+    def next_transfer_event_s(self) -> float | None:
+        """When the engine's next transfer finishes: a P/D read, an offload tier's GPU↔CPU
+        job, or a CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
         pd = self.engine.pd
         if pd is not None:
             return pd.transfers.next_completion_s()
