@@ -20,7 +20,8 @@ DEFAULT_ACCEPTANCE: dict[str, tuple[tuple[float, ...], str]] = {
     # model card, "Comparison with Public Checkpoints"); HumanEval 3.49, GSM8K 3.34. The
     # constant alpha = 0.65 gives tau = 2.77 at K = 7. (The EAGLE-3 paper, arXiv 2503.01840,
     # reports longer acceptance with tree drafts, which vLLM's chain drafts do not use.)
-    "eagle3": ((0.65,), "arXiv 2503.01840 head, tau 2.77 at K=7 (MT-bench, T=1): constant 0.65"),
+    "eagle3": ((0.65,), "EAGLE-3 head for Llama-3.1-8B, tau 2.77 at K=7 (MT-bench, T=1; nebius model "
+                        "card): constant 0.65"),
     # EAGLE(-1/-2) heads: no per-position figure for Llama-3.1-8B was at hand. The EAGLE-3
     # paper reports EAGLE-3 about 1.3-1.4x EAGLE-2's acceptance length; tau = 2.77 / 1.3 = 2.13
     # at K = 7 gives alpha = 0.535. An estimate: give acceptance for a known head.
@@ -30,7 +31,8 @@ DEFAULT_ACCEPTANCE: dict[str, tuple[tuple[float, ...], str]] = {
     # autoregressively for later drafts it reaches tau = 3.09 at K = 7, temperature 1
     # (nebius/MTP-DeepSeek-V3-0324 model card, "Original MTP"): with 0.875 first, a
     # constant 0.593 for the later positions gives that tau.
-    "mtp": ((0.875, 0.593), "arXiv 2412.19437 (85-90% for the first draft) and tau 3.09 at K=7: 0.875 then 0.593"),
+    "mtp": ((0.875, 0.593), "arXiv 2412.19437 (85-90% for the first draft) and tau 3.09 at K=7 (nebius "
+                            "model card): 0.875 then 0.593"),
 }
 # n-gram (prompt lookup) acceptance is a property of the workload (how much of the output
 # repeats the prompt), not of a model: no default; a scenario must give ``acceptance``.
