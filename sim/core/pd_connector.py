@@ -94,6 +94,9 @@ def group_block_bytes(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
 class PDConnector:
     """The scheduler half of a P/D connector (module docstring)."""
 
+    # The transfer carries the Mamba state whatever the local hit (vLLM's NIXL connector).
+    supports_divergent_local_hybrid_hits: bool = True
+
     def __init__(self, kv_cache_config: KVCacheConfig):
         self.kv_cache_config = kv_cache_config
         self.prefill_backoff_tokens = prefill_backoff_tokens(kv_cache_config)
