@@ -54,7 +54,7 @@ def _gpu_line(name: str) -> str:
 # What `--json` reports for each preset.
 MODEL_FACTS = ("params_total", "params_active", "num_layers", "layer_pattern", "max_position_embeddings", "hf_id")
 GPU_FACTS = ("description", "memory_bytes", "hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops",
-             "interconnect_bytes_per_s", "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s")
+             "interconnect_bytes_per_s", "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s", "nic_bytes_per_s")
 
 
 def _facts(presets: dict, names: list[str], fields: tuple[str, ...]) -> str:

@@ -2,7 +2,8 @@
 """Golden cases for disaggregated prefill/decode: vLLM 0.33's real scheduler with the
 real scheduler half of the NIXL connector (pull mode), one prefill and one decode engine.
 
-Two ``Scheduler`` objects (synchronous scheduling) are built as in
+Two ``Scheduler`` objects (synchronous scheduling; ``AsyncScheduler`` with two batches in
+flight when the case's config says ``async_scheduling``, ``AsyncSide``) are built as in
 ``gen_offload_golden.py`` (same tiny model config, same one-layer KV cache groups), each
 with ``kv_transfer_config = NixlConnector, kv_role = kv_both``: the ``NixlConnector`` in
 its scheduler role imports and runs without the ``nixl`` library (its handshake thread
@@ -37,6 +38,7 @@ Usage (the oracle venv's python, PYTHONWARNINGS=ignore):
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -54,6 +56,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,  # noqa: E402
                                          resolve_kv_cache_block_sizes)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -71,7 +74,7 @@ def build(cfg: dict, num_blocks: int, engine_id: str):
     scheduler_config = SchedulerConfig(
         max_num_seqs=int(cfg["max_num_seqs"]), max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
         max_model_len=int(cfg["max_model_len"]), enable_chunked_prefill=True, long_prefill_token_threshold=0,
-        async_scheduling=False, is_encoder_decoder=False)
+        async_scheduling=bool(cfg.get("async_scheduling", False)), is_encoder_decoder=False)
     kv_transfer_config = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id)
     vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
                              scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
@@ -82,7 +85,13 @@ def build(cfg: dict, num_blocks: int, engine_id: str):
         vllm_config.cache_config.mamba_cache_mode = "align"
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+    is_async = bool(cfg.get("async_scheduling", False))
+    sched_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    if sched_cls is not (AsyncScheduler if is_async else Scheduler):
+        raise base.CaseError(f"vLLM picked scheduler class {sched_cls.__name__}")
+    if vllm_config.max_concurrent_batches != (2 if is_async else 1):
+        raise base.CaseError(f"max_concurrent_batches = {vllm_config.max_concurrent_batches}")
+    sched = sched_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                       structured_output_manager=StructuredOutputManager(vllm_config),
                       block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
     if type(sched.connector).__name__ not in ("NixlConnector", "NixlPullConnector"):
@@ -160,6 +169,121 @@ class Side:
         return record, params
 
 
+class AsyncSide(Side):
+    """One engine with two batches in flight (vLLM's ``AsyncScheduler`` stepped as
+    ``EngineCore.step_with_batch_queue``, as ``gen_offload_golden.py`` steps it). The
+    worker's clock is the batch number: a read issued with batch ``b`` is reported with
+    the update of the first batch numbered ``b + read_steps`` or more, and a send due at
+    prefill batch ``s`` with the first prefill update of a batch numbered ``s`` or more."""
+
+    def __init__(self, sched, hasher, outputs: dict[str, list[int]], read_steps: int):
+        super().__init__(sched, hasher, outputs, read_steps)
+        self.queue: collections.deque = collections.deque()
+        self.n_batches = 0
+
+    def busy(self) -> bool:
+        return bool(self.sched.has_requests() or self.queue)
+
+    def _schedule(self) -> tuple:
+        sched = self.sched
+        so = sched.schedule()
+        batch = self.n_batches
+        self.n_batches += 1
+        computed = {rid: self.reqs[rid].num_computed_tokens - n for rid, n in so.num_scheduled_tokens.items()}
+        reads = []
+        for rid, rmeta in sorted(getattr(so.kv_connector_metadata, "reqs_to_recv", {}).items()):
+            reads.append([rid, [len(g) for g in rmeta.local_block_ids]])
+            if rmeta.awaiting_kvs:
+                self.due_recv.setdefault(batch + self.read_steps, set()).add(rid)
+        # AsyncScheduler decides at schedule time which requests sample (an output
+        # placeholder): every one that is not a partial prefill chunk.
+        samplers = {rid for rid in so.num_scheduled_tokens if not self.reqs[rid].is_prefill_chunk}
+        self.queue.appendleft((so, samplers, batch))
+        return so, batch, computed, reads
+
+    def _due(self, table: dict, batch: int) -> list[str]:
+        out: list[str] = []
+        for due in sorted(b for b in table if b <= batch):
+            out.extend(table.pop(due))
+        return sorted(out)
+
+    def _update(self) -> tuple:
+        so, samplers, batch = self.queue.pop()
+        req_ids, sampled = [], []
+        for rid in so.num_scheduled_tokens:
+            req_ids.append(rid)
+            if rid in samplers:
+                k, outs = self.reqs[rid].num_output_tokens, self.outputs[rid]
+                sampled.append([outs[k] if k < len(outs) else 0])  # past the end: vLLM discards it
+            else:
+                sampled.append([])
+        kv_out = KVConnectorOutput(finished_recving=self._due(self.due_recv, batch) or None,
+                                   finished_sending=self._due(self.due_send, batch) or None)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                pooler_output=[], kv_connector_output=kv_out)
+        outs = self.sched.update_from_output(so, mro)
+        finished, params = [], {}
+        for eco in outs.get(0).outputs if outs.get(0) else []:
+            if eco.finish_reason is not None:
+                finished.append(eco.request_id)
+                params[eco.request_id] = eco.kv_transfer_params
+        return batch, sorted(finished), sorted(kv_out.finished_sending or ()), params
+
+    def step(self, tick: int) -> tuple[dict, dict]:
+        """One ``step_with_batch_queue``: schedule a batch if there are requests; if the
+        queue then has room and (it computes something or requests remain) that is all,
+        else the oldest batch in flight is updated."""
+        sched = self.sched
+        scheduled, computed, reads, sched_batch = {}, {}, [], None
+        update_now = True
+        if sched.has_requests():
+            so, sched_batch, computed, reads = self._schedule()
+            scheduled = dict(so.num_scheduled_tokens)
+            if len(self.queue) < 2 and (so.total_num_scheduled_tokens > 0 or sched.has_requests()):
+                update_now = False
+        elif not self.queue:
+            update_now = False
+        upd_batch, finished, freed, params = None, [], [], {}
+        if update_now:
+            upd_batch, finished, freed, params = self._update()
+        record = dict(scheduled=scheduled, computed=computed, reads=reads, finished=finished, freed=freed,
+                      waiting_remote=sorted(r for r, q in sched.requests.items()
+                                            if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
+                      free_blocks=sched.kv_cache_manager.block_pool.get_num_free_blocks(), tables=tables(sched),
+                      scheduled_batch=sched_batch, updated_batch=upd_batch)
+        return record, params
+
+
+def run_case_async(case: dict) -> list[dict]:
+    """``run_case`` with both engines asynchronous; the run goes on until both are idle."""
+    cfg = case["config"]
+    read_steps = int(cfg["read_steps"])
+    outputs = {r["request_id"]: r["output_token_ids"] for r in case["requests"]}
+    p = AsyncSide(*build(cfg, int(cfg["prefill_num_blocks"]), "prefill"), outputs, read_steps)
+    d = AsyncSide(*build(cfg, int(cfg["decode_num_blocks"]), "decode"), outputs, read_steps)
+    pending = sorted(case["requests"], key=lambda r: r["arrival_tick"])
+    prompts = {r["request_id"]: r["prompt_token_ids"] for r in case["requests"]}
+    ticks, tick, done = [], 0, 0
+    while done < len(case["requests"]) or p.busy() or d.busy():
+        while pending and pending[0]["arrival_tick"] <= tick:
+            r = pending.pop(0)
+            p.add(r["request_id"], r["prompt_token_ids"], 1, {"do_remote_decode": True})
+        p_record, params = p.step(tick)
+        for rid in p_record["finished"]:
+            d.add(rid, prompts[rid], len(outputs[rid]), dict(params[rid]))
+        d_record, _ = d.step(tick)
+        for rid, _ in d_record["reads"]:
+            # The prefill side learns of the read read_steps batches after its next one.
+            p.due_send.setdefault(p.n_batches + read_steps - 1, set()).add(rid)
+        done += len(d_record["finished"])
+        ticks.append(dict(tick=tick, prefill=p_record, decode=d_record))
+        tick += 1
+        if tick > 5000:
+            raise base.CaseError("no progress")
+    return ticks
+
+
 def run_case(case: dict) -> list[dict]:
     cfg = case["config"]
     read_steps = int(cfg["read_steps"])
@@ -218,7 +342,26 @@ def cases() -> list[dict]:
                       max_num_seqs=4, max_num_batched_tokens=64, read_steps=read_steps,
                       description=f"{name}: 1P1D, NIXL pull, synchronous, reads land after {read_steps} ticks")
         out.append(dict(name=name, config=config, requests=requests))
+    for name, seed, read_steps, p_blocks, d_blocks in (("pd_async_full_basic", 6, 2, 64, 64),
+                                                        ("pd_async_full_tight_decode", 7, 2, 64, 24)):
+        rng = random.Random(seed)
+        system = [rng.randrange(1000, 60000) for _ in range(40)]
+        requests = []
+        for i in range(8):
+            shared = system if i % 2 == 0 else []
+            prompt = shared + [rng.randrange(1000, 60000) for _ in range(rng.randrange(5, 70))]
+            requests.append(req(rng, f"r{i}", i * rng.randrange(0, 3), prompt, rng.randrange(2, 9)))
+        config = dict(vllm_version=base.VLLM_VERSION, block_size=16, kv_cache_groups=[{"kind": "full_attention"}],
+                      prefill_num_blocks=p_blocks, decode_num_blocks=d_blocks, max_model_len=512,
+                      max_num_seqs=4, max_num_batched_tokens=64, read_steps=read_steps, async_scheduling=True,
+                      description=f"{name}: 1P1D, NIXL pull, asynchronous scheduling (two batches in "
+                                  f"flight), reads land {read_steps} batches after they are issued")
+        out.append(dict(name=name, config=config, requests=requests))
     return out
+
+
+def runner(case: dict):
+    return run_case_async if case["config"].get("async_scheduling") else run_case
 
 
 def main(argv=None) -> int:
@@ -232,7 +375,7 @@ def main(argv=None) -> int:
         for path in args.cmd:
             with open(path) as f:
                 case = json.load(f)
-            same = run_case(case) == case["expected_ticks"]
+            same = runner(case)(case) == case["expected_ticks"]
             print(("SAME " if same else "DIFFERENT ") + path)
             bad += not same
         return 1 if bad else 0
@@ -240,7 +383,7 @@ def main(argv=None) -> int:
         ap.error("make, or --check FILE ...")
     os.makedirs(args.out, exist_ok=True)
     for case in cases():
-        case["expected_ticks"] = run_case(case)
+        case["expected_ticks"] = runner(case)(case)
         path = os.path.join(args.out, case["name"] + ".json")
         with open(path, "w") as f:
             json.dump(case, f, indent=None, separators=(",", ":"))

@@ -22,7 +22,7 @@ from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
 from kvtwin.sim.core.hashing import BlockHashes, CoarseBlockHashes
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.managers import SingleTypeKVCacheManager, manager_class_for
-from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, cdiv
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, cdiv
 
 
 class KVCacheCoordinator:
@@ -189,6 +189,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.attention_groups = groups
         self.is_simple_hybrid = len(groups) == 2 and isinstance(groups[0].spec, FullAttentionSpec)
         self.alignment_tokens = self.scheduler_block_size
+        # The group whose hit a connector's divergent local lookup reports (vLLM: the
+        # first of the full-attention groups), or None without full attention.
+        self.full_attention_group_id: int | None = (groups[0].group_ids[0]
+                                                    if isinstance(groups[0].spec, FullAttentionSpec) else None)
+        self.has_mamba = any(isinstance(g.spec, MambaSpec) for g in groups)
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         num_groups = len(self.managers)
@@ -227,6 +232,23 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     del hit_blocks[gid][keep:]
         blocks = KVCacheBlocks(tuple(b if b is not None else [] for b in hit_blocks))
         return blocks, hit_length, longest_hit_length - hit_length
+
+    def find_longest_cache_hit_per_group(self, block_hashes: BlockHashes,
+                                         max_cache_hit_length: int) -> tuple[KVCacheBlocks, list[int]]:
+        """Each attention group's own longest hit, none shortening another's: (blocks per
+        group, hit tokens per group). The hits may disagree; the caller decides what to do."""
+        num_groups = len(self.managers)
+        hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
+        hit_lengths = [0] * num_groups
+        for group in self.attention_groups:
+            manager = group.manager
+            blocks, length = type(manager).find_longest_cache_hit(
+                self.hashes_for(block_hashes, manager), max_cache_hit_length, group.group_ids, self.block_pool,
+                group.spec, self.alignment_tokens)
+            for gid, blks in zip(group.group_ids, blocks):
+                hit_blocks[gid] = blks
+                hit_lengths[gid] = length
+        return KVCacheBlocks(tuple(hit_blocks)), hit_lengths
 
 
 def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,

@@ -15,7 +15,7 @@ executor keep exact copies of the tables.
 
 from __future__ import annotations
 
-from kvtwin.sim.core.coordinator import get_kv_cache_coordinator
+from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.managers import FullAttentionManager
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -68,6 +68,35 @@ class KVCacheManager:
         if not any(blocks.blocks):
             blocks = self.empty_blocks
         return blocks, hit_tokens, shared_prefix_boundary
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
+        """``get_computed_blocks`` for a connector that supplies a hybrid model's Mamba
+        state itself (``supports_divergent_local_hybrid_hits``), plus whether the hit
+        diverged (docs/semantics.md#disaggregated-prefill-and-decode).
+
+        With Mamba and full attention, the full-attention group's own hit is reported even
+        where the Mamba group's lags (its state at that boundary comes with the transfer);
+        if a lagging group hit deeper than full attention, the agreed hit is used. A
+        diverged hit is only valid if the connector then loads tokens: the scheduler falls
+        back to ``get_computed_blocks`` when it loads none."""
+        coordinator = self.coordinator
+        fa_group_id = (coordinator.full_attention_group_id
+                       if isinstance(coordinator, HybridKVCacheCoordinator) and coordinator.has_mamba else None)
+        if fa_group_id is None or not self.enable_caching:
+            agreed_blocks, agreed_tokens, boundary = self.get_computed_blocks(request)
+            return agreed_blocks, agreed_tokens, boundary, False
+        assert isinstance(coordinator, HybridKVCacheCoordinator)
+        # The last token is always recomputed: its logits are needed.
+        blocks, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
+        num_local = hits[fa_group_id]
+        if max(hits) > num_local:
+            # A lagging group hit deeper: full attention's blocks were evicted there.
+            agreed_blocks, agreed_tokens, boundary = self.get_computed_blocks(request)
+            return agreed_blocks, agreed_tokens, boundary, False
+        if not any(blocks.blocks):
+            blocks = self.empty_blocks
+        # Independent lookups see no uncached shared prefix: no boundary to pin.
+        return blocks, num_local, 0, min(hits) < num_local
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,

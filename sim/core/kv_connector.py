@@ -35,6 +35,11 @@ class KVConnectorOutput:
 class KVConnector(Protocol):
     """The scheduler side of a KV connector, called by the scheduler alone."""
 
+    # Whether the connector brings a hybrid model's Mamba state with its load, so the
+    # scheduler may take the full-attention group's local hit where the Mamba group's
+    # lags (vLLM's ``supports_divergent_local_hybrid_hits``: NIXL yes, offloading no).
+    supports_divergent_local_hybrid_hits: bool
+
     def on_new_request(self, request: Request) -> None:
         """A request was added to the scheduler (before any lookup for it)."""
         ...

@@ -14,7 +14,11 @@ per request, as vLLM's ``kv_both`` instances do:
   decode-side request: every prompt token past its local prefix hit is external and
   loads asynchronously (``WAITING_FOR_REMOTE_KVS``); allocation queues one read of the
   fresh blocks (one read per request, even of zero blocks: it tells the prefill side to
-  free), which ``build_connector_meta`` hands to the worker.
+  free), which ``build_connector_meta`` hands to the worker. The read brings a hybrid
+  model's Mamba state whatever the local hit, so the connector declares
+  ``supports_divergent_local_hybrid_hits``: the scheduler may then take the
+  full-attention group's local hit where the Mamba group's lags
+  (docs/semantics.md#disaggregated-prefill-and-decode).
 
 ``StepPDTransfers`` is the worker on the step clock (the golden cases' stand-in): a read
 issued with batch ``k`` lands with batch ``k + read_steps``; the prefill side is told by
@@ -93,6 +97,9 @@ def group_block_bytes(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
 
 class PDConnector:
     """The scheduler half of a P/D connector (module docstring)."""
+
+    # The transfer carries the Mamba state whatever the local hit (vLLM's NIXL connector).
+    supports_divergent_local_hybrid_hits: bool = True
 
     def __init__(self, kv_cache_config: KVCacheConfig):
         self.kv_cache_config = kv_cache_config

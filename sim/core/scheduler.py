@@ -428,6 +428,9 @@ class Scheduler:
         connector = self.connector
         assert connector is not None
         state = self.connector_state
+        # The connector supplies a hybrid model's Mamba state (vLLM's NIXL): it may take
+        # the full-attention hit where the Mamba hit lags.
+        divergent_hits = connector.supports_divergent_local_hybrid_hits
         holding, waiting = state.kv_holding_waiting, self.waiting
         skipped_holding: list[Request] = []
         skipped_waiting: list[Request] = []
@@ -448,8 +451,7 @@ class Scheduler:
             num_external = 0
             load_async = False
             if request.num_computed_tokens == 0:
-                hit_blocks, hit_tokens, request.shared_prefix_boundary = kv_cache_manager.get_computed_blocks(request)
-                external, load_async = connector.get_num_new_matched_tokens(request, hit_tokens)
+                hit_blocks, hit_tokens, external, load_async = self._connector_lookup(request, divergent_hits)
                 if external is None:
                     (skipped_holding if self._holds_kv_blocks(request) else skipped_waiting).append(queue.pop())
                     continue
@@ -493,6 +495,26 @@ class Scheduler:
             holding.prepend(request)
         for request in reversed(skipped_waiting):
             waiting.prepend(request)
+
+    def _connector_lookup(self, request: Request,
+                          divergent_hits: bool) -> tuple[KVCacheBlocks, int, int | None, bool]:
+        """A new request's local hit and what the connector adds past it: (hit blocks, hit
+        tokens, external tokens or None to ask again next step, whether they load
+        asynchronously). Sets the request's shared-prefix boundary."""
+        kv_cache_manager = self.kv_cache_manager
+        assert self.connector is not None
+        if divergent_hits:
+            hit_blocks, hit_tokens, request.shared_prefix_boundary, diverged = (
+                kv_cache_manager.get_computed_blocks_for_connector(request))
+        else:
+            hit_blocks, hit_tokens, request.shared_prefix_boundary = kv_cache_manager.get_computed_blocks(request)
+            diverged = False
+        external, load_async = self.connector.get_num_new_matched_tokens(request, hit_tokens)
+        if diverged and external == 0:
+            # Nothing loaded brings the Mamba state for the deeper hit: take the hit every
+            # group agrees on instead (vLLM's scheduler does the same).
+            hit_blocks, hit_tokens, request.shared_prefix_boundary = kv_cache_manager.get_computed_blocks(request)
+        return hit_blocks, hit_tokens, external, load_async
 
     def _note_external_hit(self, out: SchedulerOutput, request: Request, hit_tokens: int, num_external: int) -> None:
         """For metrics: an admission that loads ``num_external`` tokens past its GPU hit."""

@@ -1,7 +1,8 @@
 """GPU presets and custom hardware: memory, bandwidth, FLOP/s, interconnect, host link.
 
 The planner (docs/semantics.md#memory-budget) starts from a GPU's memory; the cost model uses its
-bandwidth and FLOP rates, and the KV offload tiers its PCIe host link (per direction). The
+bandwidth and FLOP rates, the KV offload tiers its PCIe host link (per direction), and a
+P/D scenario's RDMA link its scale-out NIC. The
 figures live in ``sim/planner/data/gpus.toml`` with the vendor datasheets they come from. A scenario can name a preset, override some of its fields, or
 describe a whole GPU inline.
 
@@ -43,6 +44,9 @@ class GPUSpec:
     # what one GPU achieves with pinned host memory, not the raw link rate.
     pcie_h2d_bytes_per_s: float = 0.0
     pcie_d2h_bytes_per_s: float = 0.0
+    # Scale-out NIC per GPU, one direction (the vendor's reference system); 0: none
+    # published. A P/D scenario's RDMA link defaults to it.
+    nic_bytes_per_s: float = 0.0
     # USD per GPU-hour, for cost figures (``kvtwin capacity``); presets leave it unset.
     price_per_hour: float | None = None
 
@@ -54,7 +58,7 @@ class GPUSpec:
         require(isinstance(self.memory_bytes, int) and self.memory_bytes > 0, "memory_bytes",
                 "a positive number of bytes", self.memory_bytes)
         for name in ("hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops", "interconnect_bytes_per_s",
-                     "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s"):
+                     "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s", "nic_bytes_per_s"):
             value = getattr(self, name)
             require(isinstance(value, (int, float)) and value >= 0, name, "a non-negative number", value)
 

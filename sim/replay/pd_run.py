@@ -37,7 +37,7 @@ def pd_engines(plan: Plan, disaggregation: Disaggregation, env: simpy.Environmen
     """The deployment's engines, prefill replicas first, each with its connector and worker."""
     kv_cache_config = plan.require_fits()
     eng = plan.engine
-    bandwidth = disaggregation.link_bytes_per_s(plan.gpu.interconnect_bytes_per_s)
+    bandwidth = disaggregation.link_bytes_per_s(plan.gpu.interconnect_bytes_per_s, plan.gpu.nic_bytes_per_s)
     engines = []
     for _ in range(disaggregation.num_replicas):
         tier = PDTier(PDConnector(kv_cache_config),

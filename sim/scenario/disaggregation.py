@@ -10,8 +10,10 @@ The KV moves over ``link``:
 
 * ``"nvlink"``: the GPU's peer link (``interconnect_bytes_per_s`` of its preset, per GPU)
   with ``latency_us`` (default ``NVLINK_LATENCY_US``);
-* ``"rdma"``: a NIC per GPU of ``bandwidth_gbps`` gigabits per second (default
-  ``RDMA_BANDWIDTH_GBPS``, a 400G ConnectX-7) and ``latency_us`` (default
+* ``"rdma"``: a NIC per GPU of ``bandwidth_gbps`` gigabits per second (default: the GPU
+  preset's ``nic_bytes_per_s``, the NIC its vendor's reference system gives each GPU,
+  e.g. a 400G ConnectX-7 for H100, H200 and B200 and a 200G ConnectX-6 for A100; for a
+  GPU without one, ``RDMA_BANDWIDTH_GBPS``) and ``latency_us`` (default
   ``RDMA_LATENCY_US``).
 
 ``bandwidth_gbps`` also overrides NVLink's rate. Each tensor-parallel worker moves its
@@ -76,12 +78,13 @@ class Disaggregation:
     def num_replicas(self) -> int:
         return self.prefill_replicas + self.decode_replicas
 
-    def link_bytes_per_s(self, interconnect_bytes_per_s: float) -> float:
-        """One worker's link rate; ``interconnect_bytes_per_s`` is the GPU preset's NVLink."""
+    def link_bytes_per_s(self, interconnect_bytes_per_s: float, nic_bytes_per_s: float = 0.0) -> float:
+        """One worker's link rate; ``interconnect_bytes_per_s`` is the GPU preset's NVLink
+        and ``nic_bytes_per_s`` its NIC (0: none published)."""
         if self.bandwidth_gbps is not None:
             return self.bandwidth_gbps * 1e9 / 8
         if self.link == "rdma":
-            return RDMA_BANDWIDTH_GBPS * 1e9 / 8
+            return nic_bytes_per_s if nic_bytes_per_s > 0 else RDMA_BANDWIDTH_GBPS * 1e9 / 8
         if not interconnect_bytes_per_s > 0:
             raise ConfigError("disaggregation.link", "rdma, or a GPU with an NVLink rate "
                               "(hardware.interconnect_bytes_per_s) or disaggregation.bandwidth_gbps", self.link)

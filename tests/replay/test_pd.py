@@ -14,6 +14,7 @@ workload with a small KV cache:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -23,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.replay.clock.pd_cluster import PREFILL_SUFFIX, PDCluster
 from kvtwin.sim.replay.pd_run import pd_engines
 from kvtwin.sim.replay.pd_router import PDRouter
@@ -77,6 +79,25 @@ def test_links():
     with pytest.raises(ConfigError) as err:
         Disaggregation(link="nvlink").link_bytes_per_s(0.0)
     assert err.value.field == "disaggregation.link"
+
+
+def test_rdma_defaults_to_the_gpu_presets_nic():
+    """Without ``bandwidth_gbps`` an RDMA link runs at the GPU preset's NIC per GPU (the
+    vendor's reference system: ConnectX-6 200G for A100, ConnectX-7 400G for H100/H200/B200);
+    a GPU without a published NIC gets 400 Gb/s; ``bandwidth_gbps`` wins over both."""
+    rdma = Disaggregation(link="rdma")
+    assert rdma.link_bytes_per_s(900e9, 25e9) == 25e9
+    assert rdma.link_bytes_per_s(900e9, 0.0) == 400e9 / 8
+    assert Disaggregation(link="rdma", bandwidth_gbps=800).link_bytes_per_s(900e9, 25e9) == 100e9
+    assert Disaggregation(link="nvlink").link_bytes_per_s(900e9, 25e9) == 900e9
+    nics = {name: get_gpu(name).nic_bytes_per_s for name in ("a100-80gb", "h100", "h200", "b200", "l40s")}
+    assert nics == {"a100-80gb": 200e9 / 8, "h100": 400e9 / 8, "h200": 400e9 / 8, "b200": 400e9 / 8, "l40s": 0.0}
+    env = simpy.Environment()
+    h100, a100 = llama_plan(), dataclasses.replace(llama_plan(), gpu=get_gpu("a100-80gb"))
+    for plan, expected in ((h100, 400e9 / 8), (a100, 200e9 / 8)):
+        engine = pd_engines(plan, Disaggregation(prefill_replicas=1, decode_replicas=1), env)[1]
+        assert engine.transfers.link.bandwidth_bytes_per_s == expected
+        assert engine.transfers.link.latency_s == pytest.approx(10e-6)
 
 
 # -- a run, watched batch by batch ----------------------------------------------------------

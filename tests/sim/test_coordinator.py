@@ -62,3 +62,32 @@ def test_three_group_fixed_point_is_accepted_by_every_group():
     assert hit == 64
     again_blocks, again, _ = coordinator.find_longest_cache_hit(b.block_hashes, hit)
     assert again == hit
+
+
+def test_connector_lookup_takes_the_full_attention_hit_where_mamba_lags():
+    """vLLM's ``get_computed_blocks_for_connector`` (a connector that brings the Mamba
+    state, as NIXL does): per-group hits, the full-attention one reported and flagged as
+    diverged; the ordinary lookup keeps the hit both groups agree on."""
+    kvm = kv_manager(full(), mamba(), num_blocks=128)
+    a = request("a", tokens(0, 100), max_tokens=4)
+    kvm.allocate_slots(a, 64)
+    a.num_computed_tokens = 64
+    kvm.allocate_slots(a, 36)
+    kvm.new_step_starts()
+    b = request("b", tokens(0, 100))
+    _, agreed, _ = kvm.get_computed_blocks(b)
+    per_group_blocks, hits = kvm.coordinator.find_longest_cache_hit_per_group(b.block_hashes, b.num_tokens - 1)
+    assert agreed == 64 and hits == [96, 64]
+    blocks, hit, boundary, diverged = kvm.get_computed_blocks_for_connector(b)
+    assert (hit, boundary, diverged) == (96, 0, True)
+    assert blocks.blocks == per_group_blocks.blocks and len(blocks[0]) == 6
+
+
+def test_connector_lookup_is_the_ordinary_one_without_mamba():
+    for kvm in (kv_manager(full()), kv_manager(full(), SlidingWindowSpec(block_size=16, sliding_window=32))):
+        a = request("a", tokens(0, 100))
+        kvm.allocate_slots(a, 100)
+        b = request("b", tokens(0, 100))
+        blocks, hit, boundary = kvm.get_computed_blocks(b)
+        got_blocks, *rest = kvm.get_computed_blocks_for_connector(b)
+        assert got_blocks.blocks == blocks.blocks and rest == [hit, boundary, False] and hit == 96

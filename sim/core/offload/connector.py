@@ -136,6 +136,10 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
 
 
 class OffloadingConnector:
+    # The tier stores no Mamba state beside the blocks it loads (vLLM's offloading
+    # connector): a hybrid hit must be one every group agrees on.
+    supports_divergent_local_hybrid_hits: bool = False
+
     def __init__(self, kv_cache_config: KVCacheConfig, manager, enable_prefix_caching: bool = True,
                  blocks_per_chunk: int = 1):
         self.manager = manager
