@@ -442,6 +442,7 @@ def summarize(exp_requests: list[dict], exp_steps: list[dict]) -> dict:
 # --------------------------------------------------------------------------
 FULL = {"kind": "full_attention"}
 MAMBA = {"kind": "mamba", "mamba_cache_mode": "align"}
+MAMBA_CHECKPOINT = {**MAMBA, "num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
 
 
 def SWA(window: int) -> dict:
@@ -559,6 +560,9 @@ def mamba_cases() -> dict:
         "spec_mamba_pressure_k3": (
             config([FULL, MAMBA], 40, 3, "k=3, full attention + Mamba (align), 39 usable blocks: preemptions",
                    budget=96), workload(1103, 3, n=18, gap=1)),
+        "spec_mamba_checkpoint_k3": (
+            config([FULL, MAMBA_CHECKPOINT], 60, 3, "k=3, full attention + Mamba-2 style (align, one prefill "
+                   "checkpoint block, alignment 1), tight pool", budget=96), workload(1104, 3, n=18, gap=1)),
     }
 
 
