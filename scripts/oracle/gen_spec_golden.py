@@ -111,14 +111,16 @@ def build_groups(group_cfgs: list[dict], block_size: int, k: int) -> list[KVCach
             spec = FullAttentionSpec(block_size=block_size, **common)
         elif g.get("kind") == "sliding_window":
             spec = SlidingWindowSpec(block_size=block_size, sliding_window=int(g["sliding_window"]), **common)
-        elif g.get("kind") == "mamba" and g.get("mamba_cache_mode") == "align":
-            spec = MambaSpec(block_size=block_size, shapes=((4, 8),), dtypes=(torch.float32,),
-                             mamba_cache_mode="align", num_speculative_blocks=k,
+        elif g.get("kind") == "mamba" and g.get("mamba_cache_mode") in ("align", "none"):
+            # "none": one state block of the group's own block_size (vLLM: max_model_len).
+            spec = MambaSpec(block_size=int(g.get("block_size", block_size)), shapes=((4, 8),),
+                             dtypes=(torch.float32,), mamba_cache_mode=g["mamba_cache_mode"],
+                             num_speculative_blocks=k,
                              num_prefill_checkpoint_blocks=int(g.get("num_prefill_checkpoint_blocks", 0)),
                              prefill_checkpoint_alignment=g.get("prefill_checkpoint_alignment"))
         else:
             raise CaseError(f"group {i}: unsupported kind {g.get('kind')!r} (full_attention, sliding_window, "
-                            "mamba in align mode)")
+                            "mamba in align or none mode)")
         groups.append(KVCacheGroupSpec(layer_names=[f"layer{i}"], kv_cache_spec=spec))
     return groups
 
@@ -163,8 +165,9 @@ def build_scheduler(cfg: dict):
                              scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
                              speculative_config=spec_config)
     vllm_config.cache_config.num_gpu_blocks = int(cfg["num_blocks"])
-    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
-        vllm_config.cache_config.mamba_cache_mode = "align"
+    for g in groups:
+        if isinstance(g.kv_cache_spec, MambaSpec):
+            vllm_config.cache_config.mamba_cache_mode = g.kv_cache_spec.mamba_cache_mode
     kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     cls = AsyncScheduler if is_async else Scheduler
@@ -563,6 +566,10 @@ def mamba_cases() -> dict:
         "spec_mamba_checkpoint_k3": (
             config([FULL, MAMBA_CHECKPOINT], 60, 3, "k=3, full attention + Mamba-2 style (align, one prefill "
                    "checkpoint block, alignment 1), tight pool", budget=96), workload(1104, 3, n=18, gap=1)),
+        "spec_eagle_mamba_nocache_k3": (
+            config([FULL, MAMBA], 48, 3, "EAGLE-style drafter, k=3, full attention + Mamba (align), caching off: "
+                   "the Mamba group ignores the lookahead slots", caching=False, budget=96, method="eagle"),
+            workload(1105, 3, n=16, gap=1)),
     }
 
 
