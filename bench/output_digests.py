@@ -35,7 +35,8 @@ from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIRS = [ROOT / "tests" / "golden" / "cases"]
 
-# Every bundled trace, and the hybrid and offload layouts, each through the replay path.
+# Every bundled trace, the hybrid and offload layouts, speculative decoding and disaggregated
+# prefill/decode, each through the replay path.
 REPLAYS: list[tuple[str, str, dict]] = [
     ("default", "default.toml", {}),
     ("mooncake-h100-overload", "mooncake-llama8b-h100-overload.toml", {}),
@@ -47,6 +48,8 @@ REPLAYS: list[tuple[str, str, dict]] = [
     ("gemma3-27b", "replay-gemma3-27b.toml", {}),
     ("gpt-oss-20b", "replay-gpt-oss-20b.toml", {}),
     ("offload-b200", "mooncake-llama8b-b200-offload.toml", {}),
+    ("spec-eagle3", "mooncake-llama8b-h100-eagle3.toml", {}),
+    ("pd-2p1d", "mooncake-llama8b-h100-pd.toml", {}),
 ]
 
 
@@ -64,7 +67,7 @@ def replay_digests(quick: bool) -> list[dict]:
         planned = resolved.plan()
         result = run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
                             efficiency=resolved.efficiency, slo=resolved.slo, time_limit_s=resolved.time_limit_s,
-                            offload=resolved.offload_for(planned))
+                            offload=resolved.offload_for(planned), speculative=resolved.speculative)
         wall_s = time.perf_counter() - started
         for table_name in ("steps", "requests", "summary", "replicas"):
             table = getattr(result, table_name)
