@@ -61,7 +61,7 @@ from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_has
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec, SlidingWindowSpec)
+                                        KVCacheGroupSpec, MambaSpec, SlidingWindowSpec)
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -101,7 +101,9 @@ def tiny_model_dir() -> str:
     return d
 
 
-def build_groups(group_cfgs: list[dict], block_size: int) -> list[KVCacheGroupSpec]:
+def build_groups(group_cfgs: list[dict], block_size: int, k: int) -> list[KVCacheGroupSpec]:
+    """The case's groups; a Mamba group (align mode) gets ``num_speculative_blocks = k``, as
+    vLLM 0.33's ``MambaBase.get_kv_cache_spec`` sets it from the speculative config."""
     groups = []
     for i, g in enumerate(group_cfgs):
         common = dict(num_kv_heads=1, head_size=8, dtype=torch.float16)
@@ -109,8 +111,16 @@ def build_groups(group_cfgs: list[dict], block_size: int) -> list[KVCacheGroupSp
             spec = FullAttentionSpec(block_size=block_size, **common)
         elif g.get("kind") == "sliding_window":
             spec = SlidingWindowSpec(block_size=block_size, sliding_window=int(g["sliding_window"]), **common)
+        elif g.get("kind") == "mamba" and g.get("mamba_cache_mode") in ("align", "none"):
+            # "none": one state block of the group's own block_size (vLLM: max_model_len).
+            spec = MambaSpec(block_size=int(g.get("block_size", block_size)), shapes=((4, 8),),
+                             dtypes=(torch.float32,), mamba_cache_mode=g["mamba_cache_mode"],
+                             num_speculative_blocks=k,
+                             num_prefill_checkpoint_blocks=int(g.get("num_prefill_checkpoint_blocks", 0)),
+                             prefill_checkpoint_alignment=g.get("prefill_checkpoint_alignment"))
         else:
-            raise CaseError(f"group {i}: unsupported kind {g.get('kind')!r} (full_attention, sliding_window)")
+            raise CaseError(f"group {i}: unsupported kind {g.get('kind')!r} (full_attention, sliding_window, "
+                            "mamba in align or none mode)")
         groups.append(KVCacheGroupSpec(layer_names=[f"layer{i}"], kv_cache_spec=spec))
     return groups
 
@@ -135,7 +145,7 @@ def build_scheduler(cfg: dict):
     validate_config(cfg)
     bs = int(cfg["block_size"])
     k = int(cfg["speculative"]["num_speculative_tokens"])
-    groups = build_groups(cfg["kv_cache_groups"], bs)
+    groups = build_groups(cfg["kv_cache_groups"], bs, k)
     model_config = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True,
                                max_model_len=int(cfg["max_model_len"]), dtype="float16")
     spec_config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=4,
@@ -155,6 +165,9 @@ def build_scheduler(cfg: dict):
                              scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
                              speculative_config=spec_config)
     vllm_config.cache_config.num_gpu_blocks = int(cfg["num_blocks"])
+    for g in groups:
+        if isinstance(g.kv_cache_spec, MambaSpec):
+            vllm_config.cache_config.mamba_cache_mode = g.kv_cache_spec.mamba_cache_mode
     kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     cls = AsyncScheduler if is_async else Scheduler
@@ -431,6 +444,8 @@ def summarize(exp_requests: list[dict], exp_steps: list[dict]) -> dict:
 # workloads
 # --------------------------------------------------------------------------
 FULL = {"kind": "full_attention"}
+MAMBA = {"kind": "mamba", "mamba_cache_mode": "align"}
+MAMBA_CHECKPOINT = {**MAMBA, "num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
 
 
 def SWA(window: int) -> dict:
@@ -532,7 +547,30 @@ def spec_cases() -> dict:
     cfg = config([FULL], 96, 3, "k=3, long_prefill_token_threshold 24, budget 64")
     cfg["long_prefill_token_threshold"] = 24
     cases["spec_long_prefill_k3"] = (cfg, workload(903, 3))
+    cases.update(mamba_cases())
     return cases
+
+
+def mamba_cases() -> dict:
+    """Full attention + a Mamba group in align mode: the Mamba group keeps k speculative
+    state blocks per request besides its running state (docs/semantics.md)."""
+    return {
+        "spec_mamba_full_k3": (config([FULL, MAMBA], 120, 3, "k=3, full attention + Mamba (align), roomy pool"),
+                               workload(1101, 3)),
+        "spec_async_mamba_full_k3": (
+            config([FULL, MAMBA], 120, 3, "k=3, asynchronous, full attention + Mamba (align)",
+                   async_scheduling=True), workload(1102, 3)),
+        "spec_mamba_pressure_k3": (
+            config([FULL, MAMBA], 40, 3, "k=3, full attention + Mamba (align), 39 usable blocks: preemptions",
+                   budget=96), workload(1103, 3, n=18, gap=1)),
+        "spec_mamba_checkpoint_k3": (
+            config([FULL, MAMBA_CHECKPOINT], 60, 3, "k=3, full attention + Mamba-2 style (align, one prefill "
+                   "checkpoint block, alignment 1), tight pool", budget=96), workload(1104, 3, n=18, gap=1)),
+        "spec_eagle_mamba_nocache_k3": (
+            config([FULL, MAMBA], 48, 3, "EAGLE-style drafter, k=3, full attention + Mamba (align), caching off: "
+                   "the Mamba group ignores the lookahead slots", caching=False, budget=96, method="eagle"),
+            workload(1105, 3, n=16, gap=1)),
+    }
 
 
 def padding_workload(seed: int, k: int) -> list[dict]:

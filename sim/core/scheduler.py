@@ -97,9 +97,11 @@ class Scheduler:
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
         if self.num_spec_tokens:
-            # Mamba's speculative state blocks and a connector with drafts are not modelled.
-            require(not mamba_specs, "num_speculative_tokens", "0 with Mamba KV cache groups (not modelled yet)",
-                    self.num_spec_tokens)
+            # A Mamba group keeps k speculative state blocks per request (vLLM 0.33 sizes its
+            # spec from the speculative config); a connector with drafts is not modelled.
+            require(all(s.num_speculative_blocks == self.num_spec_tokens for s in mamba_specs),
+                    "num_speculative_blocks", f"{self.num_spec_tokens} (num_speculative_tokens) on every Mamba "
+                    "KV cache group", [s.num_speculative_blocks for s in mamba_specs])
             require(connector is None, "num_speculative_tokens", "0 with a KV offload tier (not modelled yet)",
                     self.num_spec_tokens)
         # This step's waiting pass may pad a one-token admission to 1 + k (set by schedule()).

@@ -517,6 +517,15 @@ class KVCacheConfig:
         return tuple(g.spec for g in self.groups)
 
 
+def with_speculative_blocks(spec: KVCacheSpec, num_speculative_tokens: int) -> KVCacheSpec:
+    """``spec`` as a drafting engine builds it: a recurrent-state spec keeps one state block
+    per draft token (``num_speculative_blocks = k``; vLLM 0.33 ``MambaBase.get_kv_cache_spec``),
+    any other spec is unchanged (docs/semantics.md#speculative-decoding)."""
+    if isinstance(spec, MambaSpec) and spec.num_speculative_blocks != num_speculative_tokens:
+        return dataclasses.replace(spec, num_speculative_blocks=num_speculative_tokens)
+    return spec
+
+
 def spec_from_dict(entry: dict, *, block_size: int, where: str) -> KVCacheSpec:
     """A spec from a config mapping such as ``{"kind": "sliding_window", "sliding_window": 128}``.
 

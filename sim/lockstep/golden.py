@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.core.spec import KVCacheConfig, KVCacheGroupSpec, spec_from_dict
+from kvtwin.sim.core.spec import KVCacheConfig, KVCacheGroupSpec, spec_from_dict, with_speculative_blocks
 
 _CONFIG_FIELDS = {
     "kv_cache_groups", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -101,8 +101,10 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
     try:
         block_size = _typed(data, "block_size", int, source=source)
         groups_raw = _typed(data, "kv_cache_groups", list, source=source)
+        num_spec_tokens = _speculative_tokens(data, source)
         groups = tuple(
-            KVCacheGroupSpec((f"group{i}",), spec_from_dict(g, block_size=block_size, where=f"kv_cache_groups[{i}]"))
+            KVCacheGroupSpec((f"group{i}",), with_speculative_blocks(
+                spec_from_dict(g, block_size=block_size, where=f"kv_cache_groups[{i}]"), num_spec_tokens))
             for i, g in enumerate(groups_raw))
         kv_cache_config = KVCacheConfig(num_blocks=_typed(data, "num_blocks", int, source=source), groups=groups,
                                         hash_block_size=block_size)
@@ -118,8 +120,8 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             watermark=_typed(data, "watermark", float, 0.0, source=source),
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
-            num_speculative_tokens=_speculative_tokens(data, source),
-            num_lookahead_tokens=_speculative_tokens(data, source) if _is_eagle(data, source) else 0,
+            num_speculative_tokens=num_spec_tokens,
+            num_lookahead_tokens=num_spec_tokens if _is_eagle(data, source) else 0,
         )
         cache_config = CacheConfig(
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),

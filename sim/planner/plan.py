@@ -84,6 +84,9 @@ class LayerShape:
     # prefix caching); max_model_len otherwise, so one block holds a request's state
     # (vLLM 0.33 ``HybridAttentionMambaModelConfig`` sets ``mamba_block_size`` so).
     state_block_size: int = 0
+    # State blocks kept per request for draft tokens (k when drafting; vLLM 0.33
+    # ``MambaBase.get_kv_cache_spec`` sets ``num_speculative_blocks`` from the speculative config).
+    num_speculative_blocks: int = 0
 
     def attention(self) -> dict:
         m = self.model
@@ -106,12 +109,15 @@ LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
                                         dtype_bytes=x.state_dtype_bytes, mamba_cache_mode=x.mamba_cache_mode,
                                         page_size_padded=x.mamba_page_padded_bytes,
                                         num_prefill_checkpoint_blocks=x.prefill_checkpoint[0],
-                                        prefill_checkpoint_alignment=x.prefill_checkpoint[1]),
+                                        prefill_checkpoint_alignment=x.prefill_checkpoint[1],
+                                        num_speculative_blocks=x.num_speculative_blocks),
 }
 
 
-def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig) -> LayerSpecs:
-    """One spec per cached layer, as one GPU of the TP group sees it."""
+def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, *,
+                      num_speculative_tokens: int = 0) -> LayerSpecs:
+    """One spec per cached layer, as one GPU of the TP group sees it (``num_speculative_tokens``:
+    the drafts per step, which size a recurrent state's speculative blocks)."""
     tp = eng.tensor_parallel_size
     kv_bytes = eng.kv_cache_dtype_bytes
     kv_heads = max(1, model.num_kv_heads // tp)
@@ -156,7 +162,8 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
                        mamba_cache_mode=eng.mamba_cache_mode,
                        mamba_page_padded_bytes=hybrid_block.mamba_page_padded_bytes if hybrid_block else None,
                        prefill_checkpoint=prefill_checkpoint,
-                       state_block_size=block_size if eng.mamba_cache_mode == "align" else eng.max_model_len)
+                       state_block_size=block_size if eng.mamba_cache_mode == "align" else eng.max_model_len,
+                       num_speculative_blocks=num_speculative_tokens)
     specs: dict[str, KVCacheSpec] = {}
     index: dict[str, int] = {}
     for i, kind in enumerate(model.layer_kinds):
@@ -373,10 +380,12 @@ def _estimate_max_model_len(grouping: Grouping, bytes_per_block: int, *, in_flig
     return best
 
 
-def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: bool = True) -> Plan:
-    """vLLM 0.33's KV cache layout and capacity for ``model`` on ``gpu`` with ``engine``."""
+def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: bool = True,
+         num_speculative_tokens: int = 0) -> Plan:
+    """vLLM 0.33's KV cache layout and capacity for ``model`` on ``gpu`` with ``engine``; with
+    ``num_speculative_tokens`` k > 0 every Mamba layer keeps k more state blocks per request."""
     eng = engine.resolve(model, gpu)
-    layers = build_layer_specs(model, gpu, eng)
+    layers = build_layer_specs(model, gpu, eng, num_speculative_tokens=num_speculative_tokens)
     grouping = group_layers(layers.specs, hybrid_kv_cache=eng.hybrid_kv_cache)
     bytes_per_block = max(g.bytes_per_block for g in grouping.groups)
 
@@ -416,11 +425,13 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
                   steady_state_blocks_per_request=steady, fits=fits, needed_bytes=needed,
                   estimated_max_model_len=estimated_len, warnings=tuple(warnings))
     if not fits and suggest:
-        result = dataclasses.replace(result, suggestions=tuple(_suggestions(model, gpu, engine, result)))
+        result = dataclasses.replace(result, suggestions=tuple(_suggestions(model, gpu, engine, result,
+                                                                            num_speculative_tokens)))
     return result
 
 
-def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed: Plan) -> list[dict]:
+def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed: Plan,
+                 num_speculative_tokens: int = 0) -> list[dict]:
     """What would fit instead: a shorter max_model_len, an fp8 KV cache, more GPUs."""
     out: list[dict] = []
     if failed.estimated_max_model_len > 0:
@@ -428,7 +439,8 @@ def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed:
                     "why": "the longest request that fits in the KV cache memory"})
     if failed.engine.kv_cache_dtype_bytes > 1:
         try:
-            alt = plan(model, gpu, dataclasses.replace(engine, kv_cache_dtype="fp8"), suggest=False)
+            alt = plan(model, gpu, dataclasses.replace(engine, kv_cache_dtype="fp8"), suggest=False,
+                       num_speculative_tokens=num_speculative_tokens)
         except ConfigError:
             alt = None
         if alt is not None and alt.fits:
@@ -436,7 +448,8 @@ def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed:
     tp = engine.tensor_parallel_size
     for more in (2 * tp, 4 * tp, 8 * tp):
         try:
-            alt = plan(model, gpu, dataclasses.replace(engine, tensor_parallel_size=more), suggest=False)
+            alt = plan(model, gpu, dataclasses.replace(engine, tensor_parallel_size=more), suggest=False,
+                       num_speculative_tokens=num_speculative_tokens)
         except ConfigError:
             continue
         if alt.fits:

@@ -121,7 +121,9 @@ class ResolvedScenario:
         return str(self.source) if self.source is not None else None
 
     def plan(self) -> Plan:
-        planned = plan(self.model, self.gpu, self.engine)
+        # Drafting sizes a Mamba layer's speculative state blocks (its pool worst case too).
+        drafts = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
+        planned = plan(self.model, self.gpu, self.engine, num_speculative_tokens=drafts)
         return with_speculative(planned, self.speculative, self.where, self.overrides)
 
     def offload_for(self, planned: Plan) -> ResolvedOffload | None:
@@ -241,10 +243,6 @@ def with_speculative(planned: Plan, speculative: SpeculativeConfig, where: str |
     name = "num_speculative_tokens"
     from_flag = name in overrides.speculative
     setting = flag_for("speculative", name) if from_flag else f"speculative.{name}"
-    # What the core refuses (sim/core/scheduler.py), refused here naming the table.
-    if "mamba" in planned.model.layer_kinds:
-        raise ConfigError("speculative.method", "no [speculative] table with a Mamba model (its speculative state "
-                          "blocks are not modelled yet)", speculative.method, source=where)
     if speculative.num_lookahead_tokens and planned.engine.cache.enable_prefix_caching:
         raise ConfigError("speculative.method", f"'ngram' with prefix caching on ({speculative.method} hashes "
                           "blocks with a lookahead token, not modelled; set [engine] enable_prefix_caching = false)",

@@ -228,12 +228,34 @@ def test_drafting_pays_off_only_with_acceptance(tmp_path):
     assert eagle3 < 0.8 * plain
 
 
-def test_what_the_core_does_not_model_is_refused_naming_the_table(tmp_path):
-    from kvtwin.scenarios import SCENARIOS_DIR
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_hybrid_mamba_model_replays_with_drafting(tmp_path, async_scheduling):
+    """Jamba (Mamba + attention): each Mamba layer keeps k speculative state blocks per request,
+    which the plan counts in a request's worst case, and the replay drafts and verifies."""
+    def jamba(spec: str, name: str):
+        text = SCENARIO.replace("llama-3.1-8b", "jamba-mini").replace("ASYNC", str(async_scheduling).lower())
+        text = text.replace("[engine]", "[engine]\ntensor_parallel_size = 2").replace(
+            "enable_prefix_caching = false", "enable_prefix_caching = true")
+        path = tmp_path / name
+        path.write_text(text + spec)
+        return path
 
-    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "2", "--spec-acceptance", "0.5"]
-    _one_error_line(_replay_cli(SCENARIOS_DIR / "replay-jamba-mini.toml", *flags, "--out", tmp_path / "out"),
-                    "speculative.method", "Mamba")
+    plain_plan = resolve_scenario(jamba("", "plain.toml"), Overrides()).plan()
+    path = jamba('[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 2\nacceptance = 0.6\nseed = 5\n',
+                 "spec.toml")
+    planned = resolve_scenario(path, Overrides()).plan()
+    mamba = [g for g in planned.kv_cache_config.groups if g.spec.kind == "mamba"]
+    assert mamba and all(g.spec.num_speculative_blocks == 2 for g in mamba)
+    assert planned.engine.scheduler.num_speculative_tokens == 2
+    assert planned.blocks_per_request == plain_plan.blocks_per_request + 2 * len(mamba)
+    result, summary = _run(path)
+    assert summary["completed"] == result.requests.num_rows == 40
+    requests = result.requests.to_pydict()
+    assert sum(requests["draft_tokens"]) > 0 and 0 < sum(requests["accepted_draft_tokens"])
+    assert summary["mean_acceptance_length"] > 1
+
+
+def test_what_the_core_does_not_model_is_refused_naming_the_table(tmp_path):
     offload = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 2\nacceptance = 0.5\n'
                                   '[offload]\ncpu_bytes = 1000000000\n', name="o.toml")
     _one_error_line(_replay_cli(offload, "--out", tmp_path / "out"), "offload.cpu_bytes", "[speculative]")

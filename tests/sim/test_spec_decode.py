@@ -113,14 +113,29 @@ def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
     assert err.value.field == field
 
 
-def test_mamba_with_drafts_is_refused():
+@pytest.mark.parametrize("mode", ["align", "none"])
+def test_mamba_with_drafts_needs_k_speculative_state_blocks(mode):
+    """vLLM 0.33 sizes a Mamba spec with num_speculative_blocks = k when drafting; a spec
+    without them is refused naming the field, one with them runs a verify step."""
     from kvtwin.sim.core.spec import MambaSpec
-    kv = KVCacheConfig(num_blocks=64, hash_block_size=BS, groups=(
-        KVCacheGroupSpec(("a",), FullAttentionSpec(block_size=BS)),
-        KVCacheGroupSpec(("m",), MambaSpec(block_size=BS, shapes=((4, 8),), dtype_bytes=(2,),
-                                           mamba_cache_mode="align"))))
-    with pytest.raises(ConfigError, match="num_speculative_tokens"):
-        EngineCore(kv, SchedulerConfig(max_model_len=256, num_speculative_tokens=2))
+
+    def config(num_speculative_blocks: int) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=64, hash_block_size=BS, groups=(
+            KVCacheGroupSpec(("a",), FullAttentionSpec(block_size=BS)),
+            KVCacheGroupSpec(("m",), MambaSpec(block_size=BS if mode == "align" else 256, shapes=((4, 8),),
+                                               dtype_bytes=(2,), mamba_cache_mode=mode,
+                                               num_speculative_blocks=num_speculative_blocks))))
+    sched = SchedulerConfig(max_model_len=256, num_speculative_tokens=2)
+    with pytest.raises(ConfigError) as err:
+        EngineCore(config(0), sched)
+    assert err.value.field == "num_speculative_blocks"
+    engine = EngineCore(config(2), sched, CacheConfig(enable_prefix_caching=mode == "align"))
+    engine.add_request(Request("r", TokenPrompt(tuple(range(1, 41))), 8))
+    engine.scheduler.schedule()
+    # Admitted without a hit, the Mamba group holds its running state and k speculative state
+    # blocks (align mode: the skipped positions before them are null blocks, id 0).
+    mamba_blocks = engine.scheduler.kv_cache_manager.get_block_ids("r")[1]
+    assert sum(1 for b in mamba_blocks if b) == 1 + 2
 
 
 def test_drafts_off_leaves_the_output_without_drafts():
