@@ -130,11 +130,8 @@ class CostModelExecutor:
         spec = output.scheduled_spec_decode_tokens
         admitted = {r.req_id for r in output.scheduled_new_reqs} if output.scheduled_new_reqs else ()
         sampled = {}
-        bases = self._token_base
         for request_id, num_output_tokens in output.num_output_tokens.items():
-            base = bases.get(request_id)
-            if base is None:
-                base = bases[request_id] = (len(bases) + 1) << 24
+            base = self._base_of(request_id)
             drafts = spec.get(request_id)
             accepted = acceptance.num_accepted(len(drafts)) if drafts and request_id not in admitted else 0
             first = base + num_output_tokens
@@ -144,13 +141,18 @@ class CostModelExecutor:
     def sample(self, output: SchedulerOutput) -> dict[str, list[int]]:
         """The token each request of ``output.num_output_tokens`` samples."""
         sampled = {}
-        bases = self._token_base
         for request_id, num_output_tokens in output.num_output_tokens.items():
-            base = bases.get(request_id)
-            if base is None:
-                base = bases[request_id] = (len(bases) + 1) << 24
-            sampled[request_id] = [base + num_output_tokens]
+            sampled[request_id] = [self._base_of(request_id) + num_output_tokens]
         return sampled
+
+    def _base_of(self, request_id: str) -> int:
+        """The request's token base: its tokens are ``base + index`` (a request seen first
+        gets the next base, so the ids depend only on the order of first sampling)."""
+        bases = self._token_base
+        base = bases.get(request_id)
+        if base is None:
+            base = bases[request_id] = (len(bases) + 1) << 24
+        return base
 
     # -- decode windows (``sim/core/decode_window.py``: ``WindowPricing``) ----------------
 
