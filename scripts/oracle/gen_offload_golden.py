@@ -48,19 +48,14 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
-import warnings
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-DEFAULT_OUT = os.path.join(REPO, "tests", "golden", "cases")
-_CACHE = os.path.join(tempfile.gettempdir(), "kvtwin-offload-oracle")
-os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_CACHE, "vllm"))
-os.environ.setdefault("HF_HOME", os.path.join(_CACHE, "huggingface"))
+from oracle_common import (  # noqa: E402  (standard library only: before torch and vLLM)
+    GOLDEN_CASES as DEFAULT_OUT, CaseError, prepare_environment, read_jsonl, tiny_model_dir as _tiny_model_dir,
+    write_json, write_jsonl,
+)
+
+_CACHE = prepare_environment("kvtwin-offload-oracle")
 
 import torch  # noqa: E402
 
@@ -112,40 +107,13 @@ REQUEST_KEYS = ["request_id", "arrival_step", "prompt_token_ids", "output_token_
                 "priority"]
 # Fixed connector settings (vLLM defaults, stated explicitly where vLLM has a key).
 ENGINE_ID = "kvtwin-offload-oracle"
-# A model config only (no weights): vLLM needs one to build ModelConfig.  The
-# scheduler never looks at it; the KV-cache groups are given directly.
-TINY_MODEL = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 65536, "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-class CaseError(Exception):
-    pass
 
 
 # --------------------------------------------------------------------------
 # configuration
 # --------------------------------------------------------------------------
 def tiny_model_dir() -> str:
-    d = os.path.join(_CACHE, "tiny_model")
-    path = os.path.join(d, "config.json")
-    want = json.dumps(TINY_MODEL, sort_keys=True)
-    try:
-        with open(path) as f:
-            if f.read() == want:
-                return d
-    except OSError:
-        pass
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(want)
-    os.replace(tmp, path)
-    return d
+    return _tiny_model_dir(_CACHE)
 
 
 def build_groups(group_cfgs: list[dict], block_size: int) -> list[KVCacheGroupSpec]:
@@ -841,33 +809,6 @@ def _resident_keys(manager) -> list:
 # --------------------------------------------------------------------------
 # files
 # --------------------------------------------------------------------------
-def read_jsonl(path: str) -> list[dict]:
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise CaseError(f"{path}:{n}: bad JSON ({e})") from None
-    return out
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    _atomic_write(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
-
-
-def write_json(path: str, obj: dict) -> None:
-    _atomic_write(path, json.dumps(obj, indent=1) + "\n")
-
-
 def full_config(cfg: dict, geometry: dict) -> dict:
     out = {k: cfg[k] for k in CONFIG_KEYS}
     ko = dict(cfg["kv_offload"])

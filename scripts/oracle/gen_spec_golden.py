@@ -35,19 +35,14 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
-import warnings
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-DEFAULT_OUT = os.path.join(REPO, "tests", "golden", "cases")
-_CACHE = os.path.join(tempfile.gettempdir(), "kvtwin-spec-oracle")
-os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_CACHE, "vllm"))
-os.environ.setdefault("HF_HOME", os.path.join(_CACHE, "huggingface"))
+from oracle_common import (  # noqa: E402  (standard library only: before torch and vLLM)
+    GOLDEN_CASES as DEFAULT_OUT, CaseError, atomic_write, prepare_environment, read_jsonl,
+    tiny_model_dir as _tiny_model_dir, write_jsonl,
+)
+
+_CACHE = prepare_environment("kvtwin-spec-oracle")
 
 import torch  # noqa: E402
 
@@ -78,27 +73,10 @@ SPEC_KEYS = ["method", "num_speculative_tokens"]
 REQUEST_KEYS = ["request_id", "arrival_step", "prompt_token_ids", "output_token_ids",
                 "priority", "num_accepted_tokens"]
 DRAFT_TOKEN = 7  # the value of every draft id (never hashed, never compared)
-TINY_MODEL = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 65536, "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
-}
-
-
-class CaseError(Exception):
-    pass
 
 
 def tiny_model_dir() -> str:
-    d = os.path.join(_CACHE, "tiny_model")
-    os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, "config.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(TINY_MODEL, f, sort_keys=True)
-    os.replace(tmp, path)
-    return d
+    return _tiny_model_dir(_CACHE)
 
 
 def build_groups(group_cfgs: list[dict], block_size: int, k: int) -> list[KVCacheGroupSpec]:
@@ -406,26 +384,10 @@ def run_case(cfg: dict, requests: list[dict]):
 # --------------------------------------------------------------------------
 # files
 # --------------------------------------------------------------------------
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    _atomic_write(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
-
-
 def write_case(case_dir: str, cfg: dict, requests: list[dict], exp_requests: list[dict],
                exp_steps: list[dict]) -> None:
     os.makedirs(case_dir, exist_ok=True)
-    _atomic_write(os.path.join(case_dir, "config.json"), json.dumps({k: cfg[k] for k in CONFIG_KEYS}, indent=1) + "\n")
+    atomic_write(os.path.join(case_dir, "config.json"), json.dumps({k: cfg[k] for k in CONFIG_KEYS}, indent=1) + "\n")
     write_jsonl(os.path.join(case_dir, "requests.jsonl"), [{k: r[k] for k in REQUEST_KEYS} for r in requests])
     write_jsonl(os.path.join(case_dir, "expected_requests.jsonl"), exp_requests)
     write_jsonl(os.path.join(case_dir, "expected_steps.jsonl"), exp_steps)
