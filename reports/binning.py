@@ -105,6 +105,25 @@ def cdf_values(values: np.ndarray) -> np.ndarray:
     return values
 
 
+def minmax_points(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """A line of at most ``max_points`` points drawn like the whole ``(x, y)``: the points
+    are cut into ``max_points // 2`` runs of (nearly) equal length, and each run keeps its
+    lowest and its highest point, in their order (NaNs are neither). Deterministic, and
+    every extreme of the line stays on it; a line short enough is returned as it is."""
+    x, y = np.asarray(x), np.asarray(y, dtype=float)
+    if len(y) <= max_points:
+        return x, y
+    runs = max(1, max_points // 2)
+    edges = np.linspace(0, len(y), runs + 1).astype(np.int64)
+    low, high = np.where(np.isnan(y), np.inf, y), np.where(np.isnan(y), -np.inf, y)
+    keep = set()
+    for start, end in zip(edges[:-1], edges[1:]):
+        keep.add(start + int(np.argmin(low[start:end])))
+        keep.add(start + int(np.argmax(high[start:end])))
+    index = np.array(sorted(keep), dtype=np.int64)
+    return x[index], y[index]
+
+
 def select_columns(table: pa.Table, names: Sequence[str]) -> pa.Table:
     """The named columns a table has (a hand-made or older table may lack some)."""
     return table.select([n for n in names if n in table.column_names])

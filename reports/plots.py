@@ -11,7 +11,9 @@ measuring text and drawing again; each figure is a local object dropped after it
 encoded (no global registry keeps it); PNGs are encoded with fast zlib settings.
 
 The functions take plain arrays (already binned or downsampled by ``reports.binning``): a
-plot never sees a million-row table, and no line has more than ``MAX_LINE_POINTS`` points.
+plot never sees a million-row table, and no line has more than ``MAX_LINE_POINTS`` points
+(a longer one given to ``lines`` or as the hit-rate curve is cut by ``minmax_points``,
+which keeps each stretch's lowest and highest point).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import PIL.Image
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
+
+from kvtwin.reports.binning import minmax_points
 
 __all__ = ["bars", "hit_rate_over_time", "hit_rate_vs_capacity", "kv_usage_by_group", "latency_cdfs", "lines",
            "preemptions_over_time", "queues_over_time", "replica_load"]
@@ -241,7 +245,8 @@ def lines(series: Sequence[tuple[str, np.ndarray, np.ndarray]], *, xlabel: str, 
     fig, (ax,) = _figure()
     scale = 100.0 if percent else 1.0
     for i, (label, x, y) in enumerate(series):
-        ax.plot(x, np.asarray(y, dtype=float) * scale, marker="o", markersize=4, linewidth=1.3,
+        x, y = minmax_points(x, y, MAX_LINE_POINTS)
+        ax.plot(x, y * scale, marker="o", markersize=4, linewidth=1.3,
                 color=COLORS[i % len(COLORS)], label=label or None)
     if reference is not None:
         ax.axhline(reference * scale, color="#777", linestyle=":", linewidth=1)
@@ -262,7 +267,8 @@ def hit_rate_vs_capacity(curve: tuple[np.ndarray, np.ndarray] | None,
     """The one-pass hit-rate curve (line) with the exactly replayed sweep points over it."""
     fig, (ax,) = _figure()
     if curve is not None and len(curve[0]):
-        ax.plot(curve[0], np.asarray(curve[1]) * 100, color=COLORS[0], linewidth=1.4, label="one-pass curve")
+        x, y = minmax_points(curve[0], curve[1], MAX_LINE_POINTS)
+        ax.plot(x, y * 100, color=COLORS[0], linewidth=1.4, label="one-pass curve")
     if points is not None and len(points[0]):
         ax.plot(points[0], np.asarray(points[1]) * 100, linestyle="none", marker="o", markersize=6,
                 color=COLORS[3], label="replayed sweep points")

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from kvtwin.cli import app as kvtwin_app
 from kvtwin.commands.report import report as report_command
 from kvtwin.reports import plots
-from kvtwin.reports.binning import state_bins
+from kvtwin.reports.binning import minmax_points, state_bins
 from kvtwin.reports.capacity_report import render_capacity_report
 from kvtwin.reports.html import render_report_dir, write_report
 from kvtwin.reports.replay_plots import TIME_BINS
@@ -207,6 +207,23 @@ def test_a_long_run_is_downsampled_and_keeps_its_extremes(monkeypatch):
     peak = next(line for line in usage.lines if line.get_label().startswith("peak"))
     total = np.array(steps.column("kv_cache_usage").to_pylist())
     assert max(peak.get_ydata()) == pytest.approx(total.max() * 100)
+
+
+def test_minmax_points_cuts_a_long_line_and_keeps_its_extremes():
+    rng = np.random.default_rng(1)
+    x = np.arange(100_000, dtype=float)
+    y = rng.normal(size=100_000)
+    y[[17, 54_321]] = [50.0, -60.0]  # one spike each way
+    y[99_000:] = np.nan
+    cut_x, cut_y = minmax_points(x, y, 1000)
+    assert len(cut_x) <= 1000 and np.all(np.diff(cut_x) > 0)
+    assert {50.0, -60.0} <= set(cut_y.tolist())
+    for start in range(0, 99_000, 200):  # each of the 500 stretches keeps its own extremes
+        assert np.nanmax(y[start:start + 200]) in cut_y and np.nanmin(y[start:start + 200]) in cut_y
+    again = minmax_points(x, y, 1000)
+    assert np.array_equal(again[0], cut_x)
+    short = minmax_points(x[:10], y[:10], 1000)
+    assert np.array_equal(short[1], y[:10])
 
 
 def test_state_bins_mean_range_and_empty_bins():
