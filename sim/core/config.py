@@ -85,13 +85,17 @@ class SchedulerConfig:
     # them for a drafter that writes its own KV (``num_lookahead_tokens``: 0 for n-gram).
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    # With a draft head and prefix caching on, the tokens after each block that its hash
+    # covers (vLLM's ``num_hash_lookahead_tokens``: 1 for EAGLE, EAGLE-3 and single-module
+    # MTP; docs/semantics.md#draft-heads-and-prefix-caching); 0: plain hashes.
+    num_hash_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             require(is_int(value) and value > 0, name, "a positive integer", value)
         check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
-        if self.num_speculative_tokens or self.num_lookahead_tokens:
+        if self.num_speculative_tokens or self.num_lookahead_tokens or self.num_hash_lookahead_tokens:
             self._check_speculative()
         if not self.enable_chunked_prefill:
             # Without chunking a max_model_len prompt must fit one step, as vLLM requires.
@@ -110,6 +114,12 @@ class SchedulerConfig:
         lookahead = self.num_lookahead_tokens
         require(is_int(lookahead) and lookahead >= 0, "num_lookahead_tokens", "a non-negative integer", lookahead)
         require(k > 0 or lookahead == 0, "num_lookahead_tokens", "0 unless num_speculative_tokens > 0", lookahead)
+        hash_lookahead = self.num_hash_lookahead_tokens
+        # Multi-module MTP's k (with its re-prefillable tail and chunk rule) is not modelled.
+        require(hash_lookahead in (0, 1), "num_hash_lookahead_tokens",
+                "0 or 1 (a single-module draft head; multi-module MTP is not modelled)", hash_lookahead)
+        require(lookahead > 0 or hash_lookahead == 0, "num_hash_lookahead_tokens",
+                "0 unless a draft head reserves lookahead slots (num_lookahead_tokens > 0)", hash_lookahead)
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -61,7 +61,9 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark)
         # vLLM's engine hashes a request's blocks for the prefix cache and for a KV
         # connector alike: with caching off, an offload tier still stores and finds prefixes.
-        self.hasher = (BlockHasher(get_hash_fn(cache_config.prefix_caching_hash_algo), kv_cache_config.hash_block_size)
+        # A draft head's lookahead hashes (docs/semantics.md#draft-heads-and-prefix-caching).
+        self.hasher = (BlockHasher(get_hash_fn(cache_config.prefix_caching_hash_algo), kv_cache_config.hash_block_size,
+                                   scheduler_config.num_hash_lookahead_tokens)
                        if cache_config.enable_prefix_caching or connector is not None else None)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
@@ -104,6 +106,12 @@ class Scheduler:
                     "KV cache group", [s.num_speculative_blocks for s in mamba_specs])
             require(connector is None, "num_speculative_tokens", "0 with a KV offload tier (not modelled yet)",
                     self.num_spec_tokens)
+            # A draft head with caching on hashes with lookahead: vLLM's legacy trailing-block
+            # drop (disable_lookahead_block_hashes) is not modelled.
+            require(not (self.num_lookahead_tokens and cache_config.enable_prefix_caching)
+                    or scheduler_config.num_hash_lookahead_tokens > 0, "num_hash_lookahead_tokens",
+                    "1 with a draft head and prefix caching on (the legacy block drop is not modelled)",
+                    scheduler_config.num_hash_lookahead_tokens)
         # This step's waiting pass may pad a one-token admission to 1 + k (set by schedule()).
         self._pad_admissions = False
         self._running_scheduled = False

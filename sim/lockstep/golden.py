@@ -23,9 +23,10 @@ _CONFIG_FIELDS = {
     "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload", "speculative",
 }
 # The ``speculative`` table of a speculative-decoding case (scripts/oracle/gen_spec_golden.py).
-# "eagle": a drafter with its own KV, k lookahead slots per step; kvtwin models it with
-# prefix caching off only (vLLM's EAGLE hashes each block with the next token, not modelled).
-_SPEC_METHODS = ("ngram", "eagle")
+# "eagle", "eagle3", "mtp" (single-module): a draft head with its own KV, k lookahead slots
+# per step and, with prefix caching on, block hashes that cover the next token.
+_SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp")
+_HEAD_METHODS = ("eagle", "eagle3", "mtp")
 # The ``kv_offload`` table of an offload case (the native CPU offloading connector).
 _OFFLOAD_FIELDS = {"cpu_bytes_to_use": int, "eviction_policy": str, "kv_bytes_per_chunk": int,
                    "num_cpu_chunks": int, "load_steps": int, "store_steps": int}
@@ -121,7 +122,9 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
             num_speculative_tokens=num_spec_tokens,
-            num_lookahead_tokens=num_spec_tokens if _is_eagle(data, source) else 0,
+            num_lookahead_tokens=num_spec_tokens if _is_eagle(data) else 0,
+            # vLLM's num_hash_lookahead_tokens: a single-module head's one token, caching on.
+            num_hash_lookahead_tokens=1 if _is_eagle(data) and data.get("enable_prefix_caching", True) else 0,
         )
         cache_config = CacheConfig(
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
@@ -148,14 +151,10 @@ def _speculative_tokens(data: dict, source: str) -> int:
     return k
 
 
-def _is_eagle(data: dict, source: str) -> bool:
+def _is_eagle(data: dict) -> bool:
+    """Whether the case drafts with a draft head (vLLM's ``use_eagle()``)."""
     spec = data.get("speculative")
-    if spec is None or spec.get("method") != "eagle":
-        return False
-    if data.get("enable_prefix_caching", True):
-        raise ConfigError("speculative.method", "'ngram' with prefix caching on ('eagle' hashes blocks with a "
-                          "lookahead token, not modelled)", "eagle", source=source)
-    return True
+    return spec is not None and spec.get("method") in _HEAD_METHODS
 
 
 def load_offload(path: Path) -> CaseOffload | None:

@@ -76,12 +76,31 @@ def test_bad_acceptance_is_one_clear_error(kwargs, field):
     (dict(num_speculative_tokens=64, max_num_batched_tokens=64), "num_speculative_tokens"),
     (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
     (dict(num_lookahead_tokens=2), "num_lookahead_tokens"),
+    # lookahead hashes need a draft head; multi-module MTP's k-token hashes are not modelled
+    (dict(num_speculative_tokens=3, num_hash_lookahead_tokens=1), "num_hash_lookahead_tokens"),
+    (dict(num_speculative_tokens=3, num_lookahead_tokens=3, num_hash_lookahead_tokens=2),
+     "num_hash_lookahead_tokens"),
 ])
 def test_bad_speculative_scheduler_settings(kwargs, field):
     with pytest.raises(ConfigError) as err:
         SchedulerConfig(max_model_len=512, **kwargs)
     assert err.value.field == field
     SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, num_speculative_tokens=63)  # the largest k
+
+
+def test_a_draft_head_with_caching_on_needs_lookahead_hashes():
+    """vLLM's legacy trailing-block drop (disable_lookahead_block_hashes) is not modelled:
+    a draft head with caching on and plain hashes is refused, naming the field."""
+    kv = KVCacheConfig(num_blocks=32, groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=16)),),
+                       hash_block_size=16)
+    head = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3)
+    with pytest.raises(ConfigError) as err:
+        EngineCore(kv, head, CacheConfig(enable_prefix_caching=True))
+    assert err.value.field == "num_hash_lookahead_tokens"
+    EngineCore(kv, head, CacheConfig(enable_prefix_caching=False))
+    hashed = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3,
+                             num_hash_lookahead_tokens=1)
+    assert EngineCore(kv, hashed, CacheConfig(enable_prefix_caching=True)).scheduler.hasher.lookahead == 1
 
 
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
@@ -100,7 +119,6 @@ def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     ({"method": "medusa", "num_speculative_tokens": 3}, "speculative.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative"),
-    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative.method"),  # eagle with prefix caching on
 ])
 def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
     case = tmp_path / "case"
