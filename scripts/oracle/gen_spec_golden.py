@@ -566,6 +566,11 @@ def eagle_cache_cases() -> dict:
                                   method="mtp", budget=96), eagle_cache_workload(1206, 3)),
         "spec_eagle_cache_swa_full_k3": (cfg([SWA(32), FULL], 120, 3, "EAGLE k=3, sliding window 32 + full",
                                              method="eagle", budget=96), eagle_cache_workload(1207, 3)),
+        "spec_eagle_cache_mamba_full_k3": (cfg([FULL, MAMBA], 120, 3, "EAGLE k=3, full attention + Mamba (align)",
+                                               method="eagle", budget=96), eagle_cache_workload(1208, 3)),
+        "spec_eagle_cache_mamba_checkpoint_k3": (
+            cfg([FULL, MAMBA_CHECKPOINT], 60, 3, "EAGLE k=3, full attention + Mamba-2 style (align, prefill "
+                "checkpoint), tight pool", method="eagle", budget=96), eagle_cache_workload(1209, 3, gap=1)),
     }
 
 

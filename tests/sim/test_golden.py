@@ -54,7 +54,7 @@ SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3"
               # draft heads with prefix caching on: lookahead block hashes
               "spec_eagle_cache_k1", "spec_eagle_cache_k3", "spec_async_eagle_cache_k3",
               "spec_eagle_cache_pressure_k3", "spec_async_eagle_cache_pressure_k1", "spec_mtp_cache_k3",
-              "spec_eagle_cache_swa_full_k3"}
+              "spec_eagle_cache_swa_full_k3", "spec_eagle_cache_mamba_full_k3", "spec_eagle_cache_mamba_checkpoint_k3"}
 
 def test_all_fourteen_public_golden_cases_are_listed():
     assert len(PUBLIC_CASES) == 14
