@@ -4,6 +4,7 @@ random workloads, synchronous and asynchronous."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -185,6 +186,10 @@ def spec_scenarios(draw) -> Scenario:
                             scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
                             num_speculative_tokens=k)
     cache = CacheConfig(enable_prefix_caching=draw(st.booleans()))
+    if draw(st.booleans()):
+        # A draft head: k lookahead slots and, with caching on, lookahead block hashes.
+        sched = dataclasses.replace(sched, num_lookahead_tokens=k,
+                                    num_hash_lookahead_tokens=int(cache.enable_prefix_caching))
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     base = [rng.randrange(3) for _ in range(max_model_len)]
     requests = []
@@ -223,6 +228,7 @@ def _drive_with_spec_checks(s: Scenario) -> int:
     rejected_total = 0
     is_async = s.scheduler_config.async_scheduling
     k = s.scheduler_config.num_speculative_tokens
+    lookahead = s.scheduler_config.num_lookahead_tokens
     pending = list(s.requests)
     step = 0
     step_fn = engine.step_async if s.scheduler_config.async_scheduling else engine.step
@@ -234,7 +240,8 @@ def _drive_with_spec_checks(s: Scenario) -> int:
                 high_water[new.req_id] = 0
             batch = {}
             for (rid, n), start in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
-                high_water[rid] = max(high_water[rid], min(start + n, max_len))
+                # (a draft head's lookahead slots past them too)
+                high_water[rid] = max(high_water[rid], min(start + n + lookahead, max_len))
                 batch[rid] = (start, n, len(spec.get(rid, ())))
                 # SPEC-SLOTS: the table holds exactly the slots of the highest position scheduled.
                 for gid, ids in enumerate(kvm.get_block_ids(rid)):
