@@ -36,6 +36,7 @@ import os
 import random
 import sys
 import time
+import types
 
 from oracle_common import (  # noqa: E402  (standard library only: before torch and vLLM)
     GOLDEN_CASES as DEFAULT_OUT, CaseError, atomic_write, prepare_environment, read_jsonl,
@@ -112,10 +113,12 @@ def validate_config(cfg: dict) -> None:
     if missing or extra:
         raise CaseError(f"config.json: missing keys {missing}, unknown keys {extra}")
     sp = cfg["speculative"]
-    if sorted(sp) != sorted(SPEC_KEYS) or sp["method"] not in ("ngram", *HEAD_METHODS) or \
-            int(sp["num_speculative_tokens"]) < 1:
+    keys = sorted(k for k in sp if k != "num_nextn_predict_layers")
+    if keys != sorted(SPEC_KEYS) or sp["method"] not in ("ngram", *HEAD_METHODS) or \
+            int(sp["num_speculative_tokens"]) < 1 or \
+            ("num_nextn_predict_layers" in sp and (sp["method"] != "mtp" or int(sp["num_nextn_predict_layers"]) < 1)):
         raise CaseError("config.json speculative: {method: 'ngram', 'eagle', 'eagle3' or 'mtp', "
-                        "num_speculative_tokens >= 1}")
+                        "num_speculative_tokens >= 1, for mtp optionally num_nextn_predict_layers >= 1}")
     if cfg["vllm_version"] != vllm.__version__:
         raise CaseError(f"vllm_version {cfg['vllm_version']} but vllm {vllm.__version__} is installed")
 
@@ -126,6 +129,8 @@ def build_scheduler(cfg: dict):
     bs = int(cfg["block_size"])
     k = int(cfg["speculative"]["num_speculative_tokens"])
     method = cfg["speculative"]["method"]
+    mtp_layers = int(cfg["speculative"].get("num_nextn_predict_layers", 1))
+    multi = method == "mtp" and min(mtp_layers, k) > 1  # vLLM's use_multi_module_mtp()
     groups = build_groups(cfg["kv_cache_groups"], bs, k)
     model_config = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True,
                                max_model_len=int(cfg["max_model_len"]), dtype="float16")
@@ -149,8 +154,8 @@ def build_scheduler(cfg: dict):
     for g in groups:
         if isinstance(g.kv_cache_spec, MambaSpec):
             vllm_config.cache_config.mamba_cache_mode = g.kv_cache_spec.mamba_cache_mode
-    if method in HEAD_METHODS and caching:
-        as_draft_head(spec_config, method)
+    if method in HEAD_METHODS and (caching or multi):
+        as_draft_head(spec_config, method, mtp_layers)
     kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     cls = AsyncScheduler if is_async else Scheduler
@@ -158,20 +163,22 @@ def build_scheduler(cfg: dict):
                 structured_output_manager=StructuredOutputManager(vllm_config),
                 block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
     sc = vllm_config.scheduler_config
-    head = method in HEAD_METHODS and caching
-    if method in HEAD_METHODS and not caching:
+    head = method in HEAD_METHODS and (caching or multi)
+    if method in HEAD_METHODS and not head:
         eagle_lookahead(sched, k)
     # Nothing we asked for may have been changed behind our back; the draft head's
-    # derived settings are what vLLM 0.33 derives for a single-module head.
+    # derived settings are what vLLM 0.33 derives for a single- or multi-module head.
+    prefill_lookahead = (k if multi else 1) if head else 0
+    hash_lookahead = prefill_lookahead if caching else 0
     checks = dict(num_spec_tokens=(sched.num_spec_tokens, k),
                   num_lookahead_tokens=(sched.num_lookahead_tokens, k if method in HEAD_METHODS else 0),
-                  num_prefill_lookahead=(sched.num_prefill_lookahead, 1 if head else 0),
-                  num_hash_lookahead_tokens=(vllm_config.num_hash_lookahead_tokens, 1 if head and caching else 0),
-                  scheduler_hash_lookahead=(sched.num_hash_lookahead_tokens, 1 if head and caching else 0),
-                  pool_hash_lookahead=(sched.kv_cache_manager.block_pool.num_hash_lookahead_tokens,
-                                       1 if head and caching else 0),
-                  block_drop=(sched.use_eagle_block_drop, False),
-                  reprefillable=(sched.kv_cache_manager.coordinator.num_reprefillable_tokens, 0),
+                  num_prefill_lookahead=(sched.num_prefill_lookahead, prefill_lookahead),
+                  num_hash_lookahead_tokens=(vllm_config.num_hash_lookahead_tokens, hash_lookahead),
+                  scheduler_hash_lookahead=(sched.num_hash_lookahead_tokens, hash_lookahead),
+                  pool_hash_lookahead=(sched.kv_cache_manager.block_pool.num_hash_lookahead_tokens, hash_lookahead),
+                  block_drop=(sched.use_eagle_block_drop, head and not caching),
+                  reprefillable=(sched.kv_cache_manager.coordinator.num_reprefillable_tokens,
+                                 max(0, prefill_lookahead - 1)),
                   draft_slots=(spec_config.max_num_new_slots_for_drafting, 0),
                   max_num_scheduled_tokens=(sched.max_num_scheduled_tokens, sc.max_num_batched_tokens),
                   max_num_batched_tokens=(sc.max_num_batched_tokens, int(cfg["max_num_batched_tokens"])),
@@ -190,7 +197,7 @@ def build_scheduler(cfg: dict):
     return sched, hasher, k
 
 
-def as_draft_head(spec_config, method: str) -> None:
+def as_draft_head(spec_config, method: str, mtp_layers: int = 1) -> None:
     """Turn the validated n-gram ``SpeculativeConfig`` into a draft-head one (``method``).
 
     A real EAGLE / EAGLE-3 / MTP config needs the draft model's own config (its Hugging Face
@@ -209,11 +216,21 @@ def as_draft_head(spec_config, method: str) -> None:
     ``use_eagle_block_drop`` on (no lookahead hashes), which moves a Mamba align-mode
     chunk's checkpoint stop one block earlier (``get_mamba_prefill_checkpoint_position``):
     spec_eagle_mamba_nocache_k3 differs under the real method, the other three caching-off
-    cases are the same either way."""
+    cases are the same either way.
+
+    Multi-module MTP (``"num_nextn_predict_layers": n > 1`` with ``"method": "mtp"``, caching
+    on or off): ``use_multi_module_mtp()`` reads only the draft model's
+    ``hf_config.num_nextn_predict_layers``, so ``draft_model_config`` is set to a stand-in
+    holding just that; vLLM then derives a prefill lookahead, a hash lookahead (caching on)
+    of k and a re-prefillable tail of k - 1, checked by ``build_scheduler``."""
     object.__setattr__(spec_config, "method", method)
+    if mtp_layers > 1:
+        hf_config = types.SimpleNamespace(num_nextn_predict_layers=mtp_layers, model_type="mtp_stand_in")
+        object.__setattr__(spec_config, "draft_model_config", types.SimpleNamespace(hf_config=hf_config))
+    multi = method == "mtp" and min(mtp_layers, spec_config.num_speculative_tokens) > 1
     if not (spec_config.use_eagle() and spec_config.use_eagle_block_drop()
-            and not spec_config.use_multi_module_mtp()):
-        raise CaseError(f"vLLM does not take method {method!r} as a single-module draft head")
+            and spec_config.use_multi_module_mtp() == multi):
+        raise CaseError(f"vLLM does not take method {method!r} ({mtp_layers} modules) as that draft head")
 
 
 def eagle_lookahead(sched, k: int) -> None:
@@ -478,13 +495,15 @@ def workload(seed: int, k: int, *, n: int = 16, prompt=(20, 90), output=(6, 40),
 
 def config(groups, num_blocks: int, k: int, description: str, *, max_num_seqs: int = 8, budget: int = 64,
            max_model_len: int = 512, async_scheduling: bool = False, policy: str = "fcfs",
-           caching: bool = True, method: str = "ngram") -> dict:
+           caching: bool = True, method: str = "ngram", mtp_layers: int = 1) -> dict:
     return {"vllm_version": VLLM_VERSION, "kv_cache_groups": groups, "block_size": 16, "num_blocks": num_blocks,
             "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
             "long_prefill_token_threshold": 0, "enable_chunked_prefill": True, "scheduling_policy": policy,
             "watermark": 0.0, "scheduler_reserve_full_isl": True, "enable_prefix_caching": caching,
             "prefix_caching_hash_algo": "sha256", "async_scheduling": async_scheduling,
-            "description": description, "speculative": {"method": method, "num_speculative_tokens": k}}
+            "description": description, "speculative": {"method": method, "num_speculative_tokens": k,
+                                                        **({"num_nextn_predict_layers": mtp_layers}
+                                                           if mtp_layers > 1 else {})}}
 
 
 def spec_cases() -> dict:
@@ -568,17 +587,31 @@ def eagle_cache_cases() -> dict:
                                              method="eagle", budget=96), eagle_cache_workload(1207, 3)),
         "spec_eagle_cache_mamba_full_k3": (cfg([FULL, MAMBA], 120, 3, "EAGLE k=3, full attention + Mamba (align)",
                                                method="eagle", budget=96), eagle_cache_workload(1208, 3)),
+        "spec_mtp3_cache_k3": (cfg([FULL], 96, 3, "3-module MTP k=3: hashes cover 3 tokens, the last 2 computed "
+                                   "tokens are not cached, no chunk ends within 3 of the prefill end",
+                                   method="mtp", budget=40, mtp_layers=3), eagle_cache_workload(1210, 3, near=2)),
+        "spec_async_mtp3_cache_pressure_k3": (
+            cfg([FULL], 16, 3, "3-module MTP k=3, asynchronous, 15 usable blocks: preemptions", method="mtp",
+                budget=40, mtp_layers=3, async_scheduling=True), eagle_cache_workload(1211, 3, gap=1, near=1)),
+        "spec_mtp2_cache_swa_full_k3": (
+            cfg([SWA(32), FULL], 120, 3, "2-module MTP k=3 (still a lookahead of k = 3), sliding window 32 + full: "
+                "the hybrid coordinator caches the re-prefillable tail", method="mtp", budget=40, mtp_layers=2),
+            eagle_cache_workload(1212, 3, near=2)),
+        "spec_mtp3_nocache_k3": (
+            config([FULL], 40, 3, "3-module MTP k=3, caching off: only the prefill-lookahead chunk rule",
+                   method="mtp", budget=40, mtp_layers=3, caching=False), eagle_cache_workload(1213, 3)),
         "spec_eagle_cache_mamba_checkpoint_k3": (
             cfg([FULL, MAMBA_CHECKPOINT], 60, 3, "EAGLE k=3, full attention + Mamba-2 style (align, prefill "
                 "checkpoint), tight pool", method="eagle", budget=96), eagle_cache_workload(1209, 3, gap=1)),
     }
 
 
-def eagle_cache_workload(seed: int, k: int, *, gap: int = 3, rate: float = 0.6) -> list[dict]:
+def eagle_cache_workload(seed: int, k: int, *, gap: int = 3, rate: float = 0.6, near: int = 0) -> list[dict]:
     """Prompt families whose hits depend on the token after each block: per base prompt
     (block-aligned 32 / 48 tokens, unaligned 37 / 53), its resend, a sibling that diverges
     right at a block boundary, one that diverges inside a block, and the next turn of a
-    conversation (base prompt + the base's outputs + new tokens)."""
+    conversation (base prompt + the base's outputs + new tokens); with ``near``, also one that
+    diverges ``near`` tokens after a block boundary (inside a multi-token hash lookahead)."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
@@ -594,11 +627,14 @@ def eagle_cache_workload(seed: int, k: int, *, gap: int = 3, rate: float = 0.6) 
         prompts.append((base[:cut] + toks(9), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
         prompts.append((base[:cut - 5] + toks(12), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
         prompts.append((base + out + toks(7), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
+        if near:
+            at = (len(base) - 1) // 16 * 16 + near - 16
+            prompts.append((base[:at] + toks(10), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
     reqs, step = [], 0
     for i, (prompt, out) in enumerate(prompts):
         reqs.append(dict(request_id=f"r{i:03d}", arrival_step=step, prompt_token_ids=prompt, output_token_ids=out,
                          priority=rng.randint(0, 2), num_accepted_tokens=accept_script(rng, k, rate, len(out))))
-        step += rng.randint(1, gap) if i % 5 else 6 * gap
+        step += rng.randint(1, gap) if i % (6 if near else 5) else 6 * gap
     return reqs
 
 

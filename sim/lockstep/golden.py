@@ -122,9 +122,7 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
             num_speculative_tokens=num_spec_tokens,
-            num_lookahead_tokens=num_spec_tokens if _is_eagle(data) else 0,
-            # vLLM's num_hash_lookahead_tokens: a single-module head's one token, caching on.
-            num_hash_lookahead_tokens=1 if _is_eagle(data) and data.get("enable_prefix_caching", True) else 0,
+            **_head_lookaheads(data, num_spec_tokens),
         )
         cache_config = CacheConfig(
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
@@ -141,14 +139,36 @@ def _speculative_tokens(data: dict, source: str) -> int:
     spec = data.get("speculative")
     if spec is None:
         return 0
-    if not isinstance(spec, dict) or sorted(spec) != ["method", "num_speculative_tokens"]:
-        raise ConfigError("speculative", "a table with method and num_speculative_tokens", spec, source=source)
+    if not isinstance(spec, dict) or sorted(k for k in spec if k != "num_nextn_predict_layers") != [
+            "method", "num_speculative_tokens"]:
+        raise ConfigError("speculative", "a table with method and num_speculative_tokens (and, for mtp, "
+                          "num_nextn_predict_layers)", spec, source=source)
+    layers = spec.get("num_nextn_predict_layers", 1)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1 or (
+            layers > 1 and spec["method"] != "mtp"):
+        raise ConfigError("speculative.num_nextn_predict_layers", "a positive integer, above 1 only for mtp",
+                          layers, source=source)
     if spec["method"] not in _SPEC_METHODS:
         raise ConfigError("speculative.method", f"one of {', '.join(_SPEC_METHODS)}", spec["method"], source=source)
     k = spec["num_speculative_tokens"]
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError("speculative.num_speculative_tokens", "a positive integer", k, source=source)
     return k
+
+
+def _head_lookaheads(data: dict, k: int) -> dict[str, int]:
+    """A draft head's lookaheads as vLLM 0.33 derives them (docs/semantics.md
+    #draft-heads-and-prefix-caching): k slots; a prefill lookahead of 1, or k for
+    multi-module MTP (more than one MTP layer and k > 1); hashes covering that many tokens
+    with caching on."""
+    if not _is_eagle(data):
+        return {}
+    spec = data["speculative"]
+    multi = spec["method"] == "mtp" and min(spec.get("num_nextn_predict_layers", 1), k) > 1
+    prefill = k if multi else 1
+    caching = data.get("enable_prefix_caching", True)
+    return dict(num_lookahead_tokens=k, num_prefill_lookahead_tokens=prefill,
+                num_hash_lookahead_tokens=prefill if caching else 0)
 
 
 def _is_eagle(data: dict) -> bool:

@@ -18,7 +18,7 @@ from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.sim.scenario.spec_defaults import default_acceptance
 from kvtwin.sim.scenario.sweep_keys import parse_sweeps
 from tests.tables import assert_tables_equal
-from traces import schema as col
+from kvtwin.traces import schema as col
 
 SCENARIO = """\
 description = "spec test: a short chat workload"

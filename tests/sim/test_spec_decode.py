@@ -22,7 +22,8 @@ from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, cdiv
+from kvtwin.sim.core.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
+                                  cdiv)
 from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
 from kvtwin.sim.lockstep.runner import SpecScriptedModel
 from tests.sim.test_invariants import COMMON, Scenario, examples, run_scenario
@@ -102,6 +103,26 @@ def test_a_draft_head_with_caching_on_needs_lookahead_hashes():
     hashed = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3,
                              num_hash_lookahead_tokens=1)
     assert EngineCore(kv, hashed, CacheConfig(enable_prefix_caching=True)).scheduler.hasher.lookahead == 1
+
+
+def test_multi_module_mtp_limits_are_refused_naming_the_field():
+    """Multi-module MTP (prefill lookahead k > 1): not modelled with Mamba groups; with
+    caching on vLLM needs a scheduler block of at least k tokens."""
+    def kv(block_size, mamba=False):
+        groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=block_size))]
+        if mamba:
+            groups.append(KVCacheGroupSpec(("m",), MambaSpec(block_size=block_size, shapes=((4, 8),), dtype_bytes=(2,),
+                                                             mamba_cache_mode="align", num_speculative_blocks=5)))
+        return KVCacheConfig(num_blocks=64, groups=tuple(groups), hash_block_size=block_size)
+    mtp = SchedulerConfig(max_model_len=256, num_speculative_tokens=5, num_lookahead_tokens=5,
+                          num_prefill_lookahead_tokens=5, num_hash_lookahead_tokens=5)
+    for config, cache in ((kv(4), CacheConfig(enable_prefix_caching=True)), (kv(16, mamba=True), CacheConfig())):
+        with pytest.raises(ConfigError) as err:
+            EngineCore(config, mtp, cache)
+        assert err.value.field == "num_prefill_lookahead_tokens"
+    EngineCore(kv(4), dataclasses.replace(mtp, num_hash_lookahead_tokens=0), CacheConfig(enable_prefix_caching=False))
+    engine = EngineCore(kv(16), mtp, CacheConfig())
+    assert engine.scheduler.hasher.lookahead == 5 and engine.kv_cache_manager.coordinator.num_reprefillable_tokens == 4
 
 
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
@@ -188,8 +209,10 @@ def spec_scenarios(draw) -> Scenario:
     cache = CacheConfig(enable_prefix_caching=draw(st.booleans()))
     if draw(st.booleans()):
         # A draft head: k lookahead slots and, with caching on, lookahead block hashes.
-        sched = dataclasses.replace(sched, num_lookahead_tokens=k,
-                                    num_hash_lookahead_tokens=int(cache.enable_prefix_caching))
+        # Multi-module MTP (k > 1) reads k tokens ahead: chunk rule, k-token hashes, re-prefillable tail.
+        prefill = k if k > 1 and draw(st.booleans()) else 1
+        sched = dataclasses.replace(sched, num_lookahead_tokens=k, num_prefill_lookahead_tokens=prefill,
+                                    num_hash_lookahead_tokens=prefill if cache.enable_prefix_caching else 0)
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     base = [rng.randrange(3) for _ in range(max_model_len)]
     requests = []
