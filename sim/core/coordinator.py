@@ -54,6 +54,9 @@ class KVCacheCoordinator:
             manager.cache_hit_alignment_tokens = self.scheduler_block_size
         # A Mamba group moves its state block at every boundary: no horizon to skip to.
         self.horizon_possible = all(m.has_noop_horizon for m in self.managers)
+        # Multi-module MTP: the last computed tokens a later chunk may re-prefill are not
+        # cached (set by the KV cache manager for one group only; 0 otherwise).
+        self.num_reprefillable_tokens = 0
 
     # -- hash views --------------------------------------------------------------------
 
@@ -112,6 +115,8 @@ class KVCacheCoordinator:
         return self.replaced_block_ids.pop(request_id, None)
 
     def cache_blocks(self, request_id: str, block_hashes: BlockHashes, num_tokens: int) -> None:
+        if self.num_reprefillable_tokens:
+            num_tokens = max(0, num_tokens - self.num_reprefillable_tokens)
         for m in self.managers:
             m.cache_blocks(self.hashes_for(block_hashes, m), request_id, num_tokens)
 
