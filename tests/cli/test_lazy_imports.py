@@ -81,3 +81,28 @@ def test_trace_info_loads_no_simulator_clock_or_report_libraries(tmp_path):
 def test_lockstep_loads_no_trace_or_report_libraries(tmp_path):
     loaded = imported_by(tmp_path, "lockstep", GOLDEN_CASE, "--out", str(tmp_path / "out"))
     assert loaded & {"pyarrow", "pandas", "numpy", "matplotlib", "simpy", "torch", "triton", "ray"} == set()
+
+
+def test_the_listing_is_each_commands_own_help():
+    """``kvtwin --help`` lists the commands table's lines without importing the commands:
+    each must be the first paragraph of the help the command itself shows."""
+    from kvtwin import cli
+
+    for entry in cli.COMMANDS:
+        command = cli.load_command(entry)
+        assert command.help.split("\n\n")[0].strip() == entry.help, entry.name
+
+
+def test_a_command_runs_from_the_lazy_table_with_its_errors(tmp_path):
+    """Loaded on first use, a command keeps its help, its exit codes and its one-line errors."""
+    from typer.testing import CliRunner
+
+    from kvtwin.cli import app
+
+    listing = CliRunner().invoke(app, ["--help"])
+    assert listing.exit_code == 0 and "plan       What fits: KV cache groups" in listing.stdout
+    bad = CliRunner().invoke(app, ["plan", "--model", "no-such-model"])
+    assert bad.exit_code == 2
+    assert [line for line in bad.stderr.splitlines() if line.strip()][0].startswith("kvtwin: error: ")
+    typo = CliRunner().invoke(app, ["plna"])
+    assert typo.exit_code == 2 and "Did you mean 'plan'" in typo.stderr

@@ -18,7 +18,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvtwin.cli import app as kvtwin_app
+from kvtwin.cli import COMMANDS, app as kvtwin_app
 from kvtwin.commands.report import report as report_command
 from kvtwin.reports.capacity_report import render_capacity_report
 from kvtwin.reports.html import render_report_dir, write_report
@@ -37,7 +37,7 @@ EVIL = '<script>alert("x")</script>&'
 
 def _app() -> typer.Typer:
     """``kvtwin`` itself once ``report`` is registered there; until then a copy with it."""
-    if any(c.name == "report" for c in kvtwin_app.registered_commands):
+    if any(entry.name == "report" for entry in COMMANDS):
         return kvtwin_app
     local = typer.Typer(add_completion=False, rich_markup_mode=None)
 
