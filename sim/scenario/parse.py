@@ -60,12 +60,13 @@ class Workload:
 
     def load_source(self) -> pa.Table:
         """The requests before any cut (a caller replaying many cuts of one source loads it once)."""
-        # The readers load pyarrow and NumPy: only when there is a trace to read.
-        from kvtwin.traces.load import load_trace
+        # The reader or the generator (pyarrow, NumPy) loads here, when there are requests to make.
+        if self.trace is not None:
+            from kvtwin.traces.load import load_trace
+
+            return load_trace(self.trace, self.load_options)
         from kvtwin.traces.synth import synthesize
 
-        if self.trace is not None:
-            return load_trace(self.trace, self.load_options)
         return synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload")
 
     def cut(self, table: pa.Table) -> pa.Table:
