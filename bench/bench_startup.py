@@ -45,8 +45,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from reference_loop import reference_seconds  # noqa: E402  (a sibling script, not a package)
 
 DEFAULT_SCENARIO = ROOT / "scenarios" / "default.toml"
-# The libraries whose import a command should pay for only when it uses them.
-HEAVY = ("pyarrow", "pandas", "numpy", "matplotlib", "simpy", "torch", "triton", "ray", "rich", "typer")
+# The libraries whose import a command should pay for only when it uses them. pydantic
+# is typer's (0.29 and later), loaded when a command's options are read.
+HEAVY = ("pyarrow", "pandas", "numpy", "matplotlib", "simpy", "torch", "triton", "ray", "rich", "typer", "pydantic")
 TOP_IMPORTS = 5
 
 
