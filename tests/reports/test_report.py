@@ -19,7 +19,7 @@ import typer
 from matplotlib.lines import Line2D
 from typer.testing import CliRunner
 
-from kvtwin.cli import app as kvtwin_app
+from kvtwin.cli import COMMANDS, app as kvtwin_app
 from kvtwin.commands.report import report as report_command
 from kvtwin.reports import plots
 from kvtwin.reports.binning import minmax_points, state_bins
@@ -41,7 +41,7 @@ EVIL = '<script>alert("x")</script>&'
 
 def _app() -> typer.Typer:
     """``kvtwin`` itself once ``report`` is registered there; until then a copy with it."""
-    if any(c.name == "report" for c in kvtwin_app.registered_commands):
+    if any(entry.name == "report" for entry in COMMANDS):
         return kvtwin_app
     local = typer.Typer(add_completion=False, rich_markup_mode=None)
 
