@@ -33,17 +33,21 @@ class _Completions:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, str | None]] = []
         self._due: dict[int, float] = {}  # job id -> when it is due (a flush can bring it forward)
+        self._load_req_ids: dict[int, str | None] = {}  # job id -> its request, if a load
 
     def add(self, due: float, job_id: int, load_req_id: str | None) -> None:
         self._due[job_id] = due
+        self._load_req_ids[job_id] = load_req_id
         heapq.heappush(self._heap, (due, job_id, load_req_id))
 
     def flush(self, job_ids, due: float) -> None:
-        """The worker waits for these jobs: they are due by ``due`` at the latest."""
-        for _, job_id, req_id in [e for e in self._heap if e[1] in job_ids]:
-            if self._due.get(job_id, due) > due:
-                self._due[job_id] = due
-                heapq.heappush(self._heap, (due, job_id, req_id))
+        """The worker waits for these jobs: they are due by ``due`` at the latest. (Only the
+        flushed jobs are visited: a saturated link can hold many jobs in flight.)"""
+        current = self._due
+        for job_id in job_ids:
+            if current.get(job_id, due) > due:
+                current[job_id] = due
+                heapq.heappush(self._heap, (due, job_id, self._load_req_ids[job_id]))
 
     def collect(self, until: float, out: KVConnectorOutput) -> None:
         heap = self._heap
@@ -53,6 +57,7 @@ class _Completions:
             if due.get(job_id) != when:
                 continue  # reported already, or brought forward by a flush
             del due[job_id]
+            del self._load_req_ids[job_id]
             _report(job_id, req_id, out)
 
     def next_due(self) -> float | None:
