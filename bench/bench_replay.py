@@ -22,6 +22,13 @@ steps per second, peak RSS, and its target:
   batch is scheduled one by one: compare its steps per second with ``mooncake``'s (on the
   2-core development machine, compiled: 54k steps in 8.2 s, 6.6k steps/s, against
   ``mooncake``'s 118k steps in 7.2 s, 16.5k steps/s with decode windows).
+* ``gemma3-swa``: Gemma-3-27B on two H100s, synthetic chat sessions
+  (``scenarios/replay-gemma3-27b.toml``): no target, the cost of a hybrid layout of
+  sliding-window and full-attention groups (decode windows price its windowed layers by
+  class);
+* ``qwen3-next``: Qwen3-Next-80B-A3B on four H200s, synthetic agent loops
+  (``scenarios/replay-qwen3-next.toml``): no target, the cost of Mamba ("align") and
+  full-attention groups in one pool.
 
 Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
 ``--no-decode-windows`` times the replays with every batch scheduled one by one (the same
@@ -75,6 +82,8 @@ WORKLOADS = (
     Workload("default", "default.toml"),
     Workload("pd-2p1d", "mooncake-llama8b-h100-pd.toml"),
     Workload("spec-eagle3", "mooncake-llama8b-h100-eagle3.toml"),
+    Workload("gemma3-swa", "replay-gemma3-27b.toml"),
+    Workload("qwen3-next", "replay-qwen3-next.toml"),
 )
 
 
