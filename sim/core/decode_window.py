@@ -58,9 +58,10 @@ one token. Its allocation is skipped exactly while ``c0 + j + 1 <= horizon``, wh
 the window skips it too (``allocations_in``); otherwise ``allocate_slots`` runs on its real
 state ``j``. The horizon is the KV cache manager's own, set by the member's last allocation
 (the least over its groups: a windowed or chunked group's includes the next block it drops;
-a Mamba group in "none" mode has none, -1, so such a member is allocated in every batch,
-as the scheduler allocates it), and nothing but that member's own allocation changes its
-tables, so it is the scheduler's at every batch. The state ``allocate_slots`` reads is the
+a Mamba group's, in "align" mode, is a lower bound past which ``allocate_slots`` asks
+``is_noop`` first, and in "none" mode it has none, -1, so such a member is allocated in
+every batch, as the scheduler allocates it), and nothing but that member's own
+allocation changes its tables, so it is the scheduler's at every batch. The state ``allocate_slots`` reads is the
 real one: computed tokens and outputs (``_sync``), and one token in flight, ``V_{j-1}``'s,
 as ``X``'s update left it; a windowed group drops blocks by the tokens computed less those
 in flight, and frees them (before the capacity check) in running order, as the scheduler
@@ -308,20 +309,21 @@ class DecodeWindow:
         if index != self._batch:
             self._batch = index
             computed_at_open = self.computed_at_open
-            local_sums = self.local_sums
-            for i in self._first_in.pop(index, []):
+            joining = self._first_in.pop(index, [])
+            for i in joining:
                 self.num_active += 1
                 self.c0_sum_active += computed_at_open[i]
-                for local in local_sums.values():
-                    local.join(i, computed_at_open[i], index)
             self.finishing = self._last_in.pop(index - 1, [])
             for i in self.finishing:
                 self.num_active -= 1
                 self.c0_sum_active -= computed_at_open[i]
-                for local in local_sums.values():
-                    local.leave(i, computed_at_open[i])
-            for local in local_sums.values():
-                local.advance(index, computed_at_open)
+            if self.local_sums:
+                for local in self.local_sums.values():
+                    for i in joining:
+                        local.join(i, computed_at_open[i], index)
+                    for i in self.finishing:
+                        local.leave(i, computed_at_open[i])
+                    local.advance(index, computed_at_open)
         return self.num_active
 
     def context_ends_sum(self, index: int) -> int:

@@ -363,6 +363,7 @@ class MambaManager(SingleTypeKVCacheManager):
     """Recurrent state blocks. Align mode: the table is nulls plus the last state block(s)
     and, in a step with a prefill checkpoint, the checkpoint block just before them."""
 
+    # Its horizon is a lower bound (``noop_horizon``): past it, ``is_noop`` decides.
     has_noop_horizon = False
 
     spec: MambaSpec
@@ -587,6 +588,35 @@ class MambaManager(SingleTypeKVCacheManager):
             # Only nulls there: retiring them changes nothing, so the next call starts after.
             self.num_retired_blocks[request_id] = stop
         return True
+
+    def noop_horizon(self, request_id: str) -> int:
+        """In align mode, a token count up to which ``is_noop`` holds for the table as it
+        is, so that a decode may skip the full path (none, -1, in "none" mode, where
+        ``is_noop`` never holds). Each of ``is_noop``'s conditions bounds the end of the
+        step: a state block to add (``cdiv(end, block_size)`` plus the speculative blocks
+        past the table), a block to cache, the previous state block to release
+        (``cdiv(computed, block_size) - 1`` past it) and a real block to retire
+        (``(computed - 1) // block_size`` past it), with ``computed < end``. Tokens in
+        flight only lower ``computed`` there, so the horizon is a lower bound: once crossed,
+        ``allocate_slots`` still asks ``is_noop`` before the full path."""
+        if not self.align:
+            return -1
+        table = self.req_to_blocks.get(request_id)
+        if table is None or request_id not in self.allocated_block_reqs:
+            return -1
+        block_size = self.block_size
+        horizon = (len(table) - self.num_speculative_blocks) * block_size
+        if self.enable_caching:
+            horizon = min(horizon, (self.num_cached_block.get(request_id, 0) + 1) * block_size - 1)
+        null = self.null_block
+        last_idx = self.last_state_block_idx.get(request_id)
+        if last_idx is not None and table[last_idx] is not null:
+            horizon = min(horizon, (last_idx + 1) * block_size + 1)
+        for k in range(self.num_retired_blocks.get(request_id, 0), len(table)):
+            if table[k] is not null:
+                horizon = min(horizon, (k + 1) * block_size + 1)
+                break
+        return horizon
 
     def free(self, request_id: str) -> None:
         if self.boundary_state_offloads:
