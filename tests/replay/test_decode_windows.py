@@ -262,3 +262,22 @@ def test_a_local_key_sum_follows_its_members(kind, size, members):
         local.advance(index, computed_at_open)
         ends = [c0 + index + 1 for c0, first, n in members if first <= index < first + n]
         assert local.keys(index, sum(ends)) == decode_keys(kind, size, ends)
+
+
+def test_a_chunked_local_layout_replays_the_same_across_chunk_boundaries():
+    """Llama 4's chunked-local layers (chunk 8192) beside full attention: contexts that
+    cross a chunk boundary inside a window, where a decode's keys fall back to one."""
+    planned = plan(get_model("llama-4-scout"), get_gpu("h100"),
+                   EngineConfig(max_model_len=16384, tensor_parallel_size=4, kv_cache_memory_bytes=4 * 2**30,
+                                max_num_seqs=32))
+    trace = synthesize(parse_spec({
+        "kind": "chat", "seed": 5, "num_requests": 24, "block_tokens": 16,
+        "arrival": {"process": "poisson", "rate_per_s": 4.0},
+        "shared_prefix": {"count": 2, "tokens": 4000, "zipf_s": 1.0},
+        "turns": {"dist": "fixed", "value": 1},
+        "user_tokens": {"dist": "lognormal", "mean": 4100, "sigma": 0.1},
+        "output_tokens": {"dist": "lognormal", "mean": 300, "sigma": 0.3},
+        "turn_gap_s": {"dist": "exponential", "mean": 5}, "max_prompt_tokens": 12000}))
+    lengths = zip(trace.column("prompt_tokens").to_pylist(), trace.column("output_tokens").to_pylist())
+    assert any(p < 8192 < p + o for p, o in lengths)  # a context crosses the chunk while it decodes
+    _assert_same_with_and_without_windows(run_replay, 0.3, plan=planned, trace=trace)
