@@ -30,6 +30,13 @@ steps per second, peak RSS, and its target:
   (``scenarios/replay-qwen3-next.toml``): no target, the cost of Mamba ("align") and
   full-attention groups in one pool.
 
+  Both are lightly loaded (a few requests per batch), so the KV cache manager's own work
+  weighs most. Instructions (callgrind, interpreted core, ``--limit 300``, start-up of
+  about 4.0G subtracted): Gemma-3 11.46G scheduled batch by batch before hybrid windows,
+  10.05G with windows, 8.78G with windows and the sliding-window managers' resumed
+  leading-null count; Qwen3-Next 7.64G before, 7.29G with windows, 5.68G with the Mamba
+  no-op horizon alone and 4.35G with both.
+
 Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
 ``--no-decode-windows`` times the replays with every batch scheduled one by one (the same
 results; ``sim/core/decode_window.py``), for before/after figures.
