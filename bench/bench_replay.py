@@ -36,6 +36,10 @@ steps per second, peak RSS, and its target:
   10.05G with windows, 8.78G with windows and the sliding-window managers' resumed
   leading-null count; Qwen3-Next 7.64G before, 7.29G with windows, 5.68G with the Mamba
   no-op horizon alone and 4.35G with both.
+* ``offload`` and ``offload-none``: the whole Mooncake trace (not the scenario's first
+  3,000 requests) on the bundled offload scenario (``scenarios/mooncake-llama8b-b200-offload.toml``,
+  one replica on two B200s), with its 1 TB CPU tier and without one. The target is the
+  ratio: an offload replay at most 1.5x the same replay without offload (``vs baseline``).
 
 Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
 ``--no-decode-windows`` times the replays with every batch scheduled one by one (the same
@@ -70,6 +74,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from reference_loop import reference_seconds  # noqa: E402  (a sibling script, not a package)
 
 VIDUR_AZURE_CONV_S = 37.3  # Vidur on the Azure conversation trace, same machine kind
+WHOLE_TRACE = 1_000_000  # a limit above any bundled trace's length
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,10 @@ class Workload:
     target_wall_s: float | None = None
     target_rss_mib: float | None = None
     compare_s: float | None = None  # another tool's time on the same work
+    limit: int | None = None  # requests to replay (None: the scenario's own limit)
+    offload_cpu_bytes: int | None = None  # the CPU tier's size (None: the scenario's)
+    baseline: str | None = None  # the workload this one's wall time is compared with
+    target_vs_baseline: float | None = None
 
 
 WORKLOADS = (
@@ -91,16 +100,21 @@ WORKLOADS = (
     Workload("spec-eagle3", "mooncake-llama8b-h100-eagle3.toml"),
     Workload("gemma3-swa", "replay-gemma3-27b.toml"),
     Workload("qwen3-next", "replay-qwen3-next.toml"),
+    Workload("offload-none", "mooncake-llama8b-b200-offload.toml", limit=WHOLE_TRACE, offload_cpu_bytes=0),
+    Workload("offload", "mooncake-llama8b-b200-offload.toml", limit=WHOLE_TRACE, baseline="offload-none",
+             target_vs_baseline=1.5),
 )
 
 
-def measure_one(scenario: Path, gpu: str | None, limit: int | None, decode_windows: bool = True) -> dict:
+def measure_one(scenario: Path, gpu: str | None, limit: int | None, decode_windows: bool = True,
+                offload_cpu_bytes: int | None = None) -> dict:
     """Replay in this process; the figures as a dict (run by the parent in a child)."""
     from kvtwin.sim.replay.run import run_replay
     from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 
     started = time.perf_counter()
-    resolved = resolve_scenario(scenario, Overrides(gpu=gpu, limit=limit))
+    offload = {} if offload_cpu_bytes is None else {"cpu_bytes": offload_cpu_bytes}
+    resolved = resolve_scenario(scenario, Overrides(gpu=gpu, limit=limit, offload=offload))
     planned = resolved.plan()
     trace = resolved.require_workload().load()
     loaded = time.perf_counter()
@@ -117,10 +131,13 @@ def measure_one(scenario: Path, gpu: str | None, limit: int | None, decode_windo
             "prefix_cache_hit_rate": summary["prefix_cache_hit_rate"]}
 
 
-def _in_child(scenario: Path, gpu: str | None, limit: int | None, decode_windows: bool) -> dict:
+def _in_child(scenario: Path, gpu: str | None, limit: int | None, decode_windows: bool,
+              offload_cpu_bytes: int | None = None) -> dict:
     command = [sys.executable, __file__, "--child", str(scenario)]
     if not decode_windows:
         command.append("--no-decode-windows")
+    if offload_cpu_bytes is not None:
+        command += ["--offload-cpu-bytes", str(offload_cpu_bytes)]
     if gpu:
         command += ["--gpu", gpu]
     if limit:
@@ -137,6 +154,15 @@ def _verdict(value: float, target: float | None) -> str:
     return f"{'met' if value <= target else 'MISSED'} (<= {target:g})"
 
 
+def _vs_baseline(row: dict) -> str:
+    ratio = row["vs_baseline"]
+    if ratio is None:
+        return ""
+    target = row["target_vs_baseline"]
+    verdict = "" if target is None else f" {'met' if ratio <= target else 'MISSED'} (<= {target:g}x)"
+    return f"{ratio:.1f}x {row['baseline']}{verdict}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=[w.name for w in WORKLOADS], help="run only these workloads")
@@ -146,10 +172,12 @@ def main() -> None:
     parser.add_argument("--no-decode-windows", action="store_true",
                         help="schedule every batch one by one (the same results, for before/after timings)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--offload-cpu-bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "bench_replay.parquet")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_one(args.child, args.gpu, args.limit, not args.no_decode_windows)))
+        print(json.dumps(measure_one(args.child, args.gpu, args.limit, not args.no_decode_windows,
+                                     args.offload_cpu_bytes)))
         return
 
     if args.scenario:
@@ -157,16 +185,17 @@ def main() -> None:
     else:
         workloads = [w for w in WORKLOADS if not args.only or w.name in args.only]
     reference_before_s = reference_seconds()
-    measured = [(w, _in_child(SCENARIOS_DIR / w.scenario, w.gpu, args.limit if args.scenario else None,
-                              not args.no_decode_windows))
+    measured = [(w, _in_child(SCENARIOS_DIR / w.scenario, w.gpu, args.limit if args.scenario else w.limit,
+                              not args.no_decode_windows, w.offload_cpu_bytes))
                 for w in workloads]
+    wall_s = {w.name: m["replay_wall_s"] for w, m in measured}
     reference_s = min(reference_before_s, reference_seconds())
 
     table = Table(title=f"kvtwin replay bench ({platform.python_implementation()} {platform.python_version()}, "
                         f"{CORE_BUILD.describe()}, {'no ' if args.no_decode_windows else ''}decode windows, "
                         f"reference loop {reference_s:.3f} s)")
     for column in ("workload", "requests", "steps", "replay wall s", "x reference", "steps/s", "peak RSS MiB",
-                   "wall target", "RSS target", "vs other tool"):
+                   "wall target", "RSS target", "vs other tool", "vs baseline"):
         table.add_column(column, justify="left" if column == "workload" else "right")
     rows = []
     for w, m in measured:
@@ -175,13 +204,17 @@ def main() -> None:
                "steps_per_wall_s": m["steps"] / m["replay_wall_s"],
                "target_wall_s": w.target_wall_s, "target_rss_mib": w.target_rss_mib,
                "speedup_vs_other": w.compare_s / m["replay_wall_s"] if w.compare_s else None,
-               "core": CORE_BUILD.describe(), "decode_windows": not args.no_decode_windows}
+               "core": CORE_BUILD.describe(), "decode_windows": not args.no_decode_windows,
+               "baseline": w.baseline,
+               "vs_baseline": m["replay_wall_s"] / wall_s[w.baseline] if w.baseline in wall_s else None,
+               "target_vs_baseline": w.target_vs_baseline}
         rows.append(row)
         table.add_row(w.name, f"{m['requests']:,}", f"{m['steps']:,}", f"{m['replay_wall_s']:.2f}",
                       f"{row['replay_vs_reference']:.1f}", f"{row['steps_per_wall_s']:,.0f}",
                       f"{m['peak_rss_mib']:,.0f}", _verdict(m["replay_wall_s"], w.target_wall_s),
                       _verdict(m["peak_rss_mib"], w.target_rss_mib),
-                      f"{row['speedup_vs_other']:.1f}x (Vidur {w.compare_s:g} s)" if w.compare_s else "")
+                      f"{row['speedup_vs_other']:.1f}x (Vidur {w.compare_s:g} s)" if w.compare_s else "",
+                      _vs_baseline(row))
     Console(width=200).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = pa.Table.from_pylist(rows).replace_schema_metadata({"kvtwin_version": __version__,

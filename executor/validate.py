@@ -82,6 +82,24 @@ class ValidateOptions:
 
 Progress = Callable[[str], None]
 
+# What ``validate`` tells ``progress`` as each stage starts: a stage is one check's work,
+# or the executor run that checks 1 and 2 share.
+STAGE_ON = "executor, prefix caching on"
+STAGE_OFF = "executor, prefix caching off"
+STAGE_PREDICTED = "simulator on the cost-model and measured clocks"
+STAGE_MEMORY = "memory and the profiling step"
+STAGE_LATENCY = "step latency and calibration"
+
+
+def stages(options: ValidateOptions) -> list[str]:
+    """The stages ``validate`` will report to ``progress``, in order."""
+    checks = options.checks
+    out = [STAGE_ON] if "prefix_hits_are_real" in checks or "predicted_hits_are_executed" in checks else []
+    out += [STAGE_OFF] if "prefix_hits_are_real" in checks else []
+    out += [STAGE_PREDICTED] if "predicted_hits_are_executed" in checks else []
+    out += [STAGE_MEMORY] if "memory" in checks and options.executor.device == "cuda" else []
+    return out + ([STAGE_LATENCY] if "step_latency" in checks else [])
+
 
 def validate(resolved: ResolvedScenario, trace: pa.Table, options: ValidateOptions = ValidateOptions(), *,
              progress: Progress = lambda message: None) -> Validation:
@@ -90,19 +108,19 @@ def validate(resolved: ResolvedScenario, trace: pa.Table, options: ValidateOptio
     out = Validation()
     run_on = None
     if "prefix_hits_are_real" in options.checks or "predicted_hits_are_executed" in options.checks:
-        progress("executor, prefix caching on")
+        progress(STAGE_ON)
         run_on = run_executor(plan, trace, options.executor, efficiency=resolved.efficiency)
         out.executor_steps = executor_steps_table(run_on)
     if "prefix_hits_are_real" in options.checks:
         release_device_memory()
-        progress("executor, prefix caching off")
+        progress(STAGE_OFF)
         plan_off = prefix_caching_off(resolved)
         # The reference recomputes everything and runs unbroken (test faults break the run under test).
         reference = dataclasses.replace(options.executor, faults=Faults())
         run_off = run_executor(plan_off, trace, reference, efficiency=resolved.efficiency)
         check_prefix_hits(out, run_on, run_off, torch_dtype(plan, options.executor))
     if "predicted_hits_are_executed" in options.checks:
-        progress("simulator on the cost-model and measured clocks")
+        progress(STAGE_PREDICTED)
         check_predicted_hits(out, plan, trace, resolved.efficiency, run_on)
     if "memory" in options.checks:
         if options.executor.device != "cuda":
@@ -113,11 +131,11 @@ def validate(resolved: ResolvedScenario, trace: pa.Table, options: ValidateOptio
             from kvtwin.executor.memory import check_memory
 
             release_device_memory()
-            progress("memory and the profiling step")
+            progress(STAGE_MEMORY)
             check_memory(out, resolved, options.executor)
     if "step_latency" in options.checks:
         release_device_memory()
-        progress("step latency and calibration")
+        progress(STAGE_LATENCY)
         check_step_latency(out, plan, trace, resolved.efficiency, options)
     return out
 

@@ -27,7 +27,6 @@ Either way the results are the same, byte for byte; only the speed differs.
 from __future__ import annotations
 
 import hashlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
@@ -53,7 +52,12 @@ class CoreBuild:
         return f"core: {'compiled (mypyc)' if self.compiled else 'interpreted'}, {self.reason}"
 
 
-class _SourceFirstFinder(importlib.abc.MetaPathFinder):
+# The finders are plain classes with ``find_spec``, all ``sys.meta_path`` asks of them:
+# ``importlib.abc.MetaPathFinder`` as a base would load importlib.resources (and tempfile)
+# into every ``kvtwin`` command, ``--help`` included.
+
+
+class _SourceFirstFinder:
     """Finds the listed modules' ``.py`` files, passing over the extensions beside them."""
 
     def __init__(self, modules: frozenset[str]):
@@ -71,7 +75,7 @@ class _SourceFirstFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-class _BuildTreeFinder(importlib.abc.MetaPathFinder):
+class _BuildTreeFinder:
     """Loads the listed modules (mypyc's group library among them) from extension files
     kept outside the source tree, ahead of the ``.py`` files in the package folders."""
 

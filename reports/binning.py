@@ -1,7 +1,13 @@
 """Steps and requests reduced to what a plot draws: time bins over the run, a state's
-mean per bin (per replica, then combined), the KV usage per group, CDF quantiles.
+mean, minimum and maximum per bin (per replica, then combined), the KV usage per group,
+CDF quantiles.
 
-Binning first is what lets a run with a million steps render in about a second."""
+Binning first is what lets a run with a million steps render in under a second. The
+downsampling is deterministic (fixed bins over the run, no sampling) and keeps the
+extremes visible: a state over time is drawn as its mean per bin over the band from its
+minimum to its maximum in that bin (``state_bins``), so a one-step spike still reaches
+its height; a CDF is drawn through at most ``CDF_POINTS`` quantiles, the 0th and the
+100th among them (``cdf_values``)."""
 
 from __future__ import annotations
 
@@ -27,26 +33,41 @@ def bin_index(t: np.ndarray, t_end: float, nbins: int) -> np.ndarray:
     return np.clip((t / width).astype(np.int64), 0, nbins - 1)
 
 
-def state_bins(idx: np.ndarray, values: np.ndarray, nbins: int) -> np.ndarray:
-    """Mean per bin of a state sampled at steps; an empty bin keeps the previous bin's state."""
-    counts = np.bincount(idx, minlength=nbins)
-    sums = np.bincount(idx, weights=values, minlength=nbins)
-    out = np.full(nbins, np.nan)
-    np.divide(sums, counts, out=out, where=counts > 0)
-    # Forward fill; before the first step the state is empty (0).
-    filled = np.where(np.isnan(out), 0, 1)
-    last = np.maximum.accumulate(np.where(filled == 1, np.arange(nbins), -1))
-    return np.where(last >= 0, out[np.maximum(last, 0)], 0.0)
+def state_bins(idx: np.ndarray, values: np.ndarray, nbins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, minimum and maximum per bin of a state sampled at steps (given in step order).
+
+    An empty bin holds the state the last step before it left (mean = min = max = that
+    value); before the first step the state is empty (0)."""
+    mean, lo, hi, last = np.zeros(nbins), np.zeros(nbins), np.zeros(nbins), np.zeros(nbins)
+    filled = np.zeros(nbins, dtype=bool)
+    if len(idx):
+        values = np.asarray(values, dtype=float)
+        counts = np.bincount(idx, minlength=nbins)
+        filled = counts > 0
+        np.divide(np.bincount(idx, weights=values, minlength=nbins), counts, out=mean, where=filled)
+        order = np.argsort(idx, kind="stable")  # stable: the steps of a bin keep their order
+        sorted_idx, v = idx[order], values[order]
+        starts = np.flatnonzero(np.concatenate([[True], sorted_idx[1:] != sorted_idx[:-1]]))
+        bins = sorted_idx[starts]
+        lo[bins] = np.minimum.reduceat(v, starts)
+        hi[bins] = np.maximum.reduceat(v, starts)
+        last[bins] = v[np.concatenate([starts[1:], [len(v)]]) - 1]
+    # The state an empty bin holds: the last value of the nearest filled bin before it.
+    position = np.maximum.accumulate(np.where(filled, np.arange(nbins), -1))
+    held = np.concatenate([[0.0], np.where(position >= 0, last[np.maximum(position, 0)], 0.0)[:-1]])
+    return tuple(np.where(filled, x, held) for x in (mean, lo, hi))  # type: ignore[return-value]
 
 
 def combined_state(idx: np.ndarray, values: np.ndarray, nbins: int, replica: np.ndarray | None,
-                   how: str) -> np.ndarray:
-    """``state_bins`` per replica, then summed (queues) or averaged (usage) over replicas."""
+                   how: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``state_bins`` (mean, min, max) per replica, then summed (queues) or averaged (usage)
+    over replicas. Summed, the min and max bound the cluster's range: the replicas'
+    extremes in a bin need not coincide."""
     if replica is None:
         return state_bins(idx, values, nbins)
     parts = [state_bins(idx[replica == r], values[replica == r], nbins) for r in np.unique(replica)]
-    stacked = np.vstack(parts)
-    return stacked.sum(axis=0) if how == "sum" else stacked.mean(axis=0)
+    combine = np.sum if how == "sum" else np.mean
+    return tuple(combine(np.vstack([p[k] for p in parts]), axis=0) for k in range(3))  # type: ignore[return-value]
 
 
 def usage_matrix(steps: pa.Table) -> tuple[np.ndarray, int]:
@@ -82,6 +103,25 @@ def cdf_values(values: np.ndarray) -> np.ndarray:
     if len(values) > CDF_POINTS:
         values = np.quantile(values, np.linspace(0, 1, CDF_POINTS))
     return values
+
+
+def minmax_points(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """A line of at most ``max_points`` points drawn like the whole ``(x, y)``: the points
+    are cut into ``max_points // 2`` runs of (nearly) equal length, and each run keeps its
+    lowest and its highest point, in their order (NaNs are neither). Deterministic, and
+    every extreme of the line stays on it; a line short enough is returned as it is."""
+    x, y = np.asarray(x), np.asarray(y, dtype=float)
+    if len(y) <= max_points:
+        return x, y
+    runs = max(1, max_points // 2)
+    edges = np.linspace(0, len(y), runs + 1).astype(np.int64)
+    low, high = np.where(np.isnan(y), np.inf, y), np.where(np.isnan(y), -np.inf, y)
+    keep = set()
+    for start, end in zip(edges[:-1], edges[1:]):
+        keep.add(start + int(np.argmin(low[start:end])))
+        keep.add(start + int(np.argmax(high[start:end])))
+    index = np.array(sorted(keep), dtype=np.int64)
+    return x[index], y[index]
 
 
 def select_columns(table: pa.Table, names: Sequence[str]) -> pa.Table:

@@ -11,11 +11,11 @@ import pyarrow as pa
 from kvtwin.reports.capacity_plots import capacity_figures
 from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, frame_table, kv_table
+from kvtwin.reports.paths import CAPACITY_FILES  # noqa: F401  (re-exported: where the files are named)
 from kvtwin.reports.run_facts import header, plan_section, scenario_facts
 from kvtwin.reports.summary_text import format_percent
 from kvtwin.reports.sweep_frame import finite, key_value, sweep_keys
 
-CAPACITY_FILES = ("capacity.parquet",)
 
 # (column, best is its max or min, label): the sweep's best point by each figure.
 _BEST = (("max_request_rate", "max", "highest sustainable request rate (req/s)"),

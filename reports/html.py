@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtwin.reports.capacity_report import CAPACITY_FILES, render_capacity_report
 from kvtwin.reports.replay_plots import REQUEST_COLUMNS, STEP_COLUMNS
 from kvtwin.reports.replay_report import REPLAY_FILES, render_replay_report
+from kvtwin.reports.paths import CAPACITY_FILES
 from kvtwin.reports.run_dir import METADATA_KEY
 from kvtwin.sim.core.errors import ConfigError
 
@@ -73,6 +73,9 @@ def render_report_dir(directory: str | os.PathLike) -> str:
                                     _read(directory / "summary.parquet"), plan,
                                     _metadata(directory / "summary.parquet"))
     if kind == "capacity":
+        # Imported here: a replay report needs neither the capacity report nor pandas.
+        from kvtwin.reports.capacity_report import render_capacity_report
+
         curve_path = directory / "hit_curve.parquet"
         plan_path = directory / "plan.json"
         hit_curve = _read(curve_path) if curve_path.is_file() else None

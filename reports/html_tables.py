@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from kvtwin.reports.html_page import escape
+
+if TYPE_CHECKING:  # pandas only for the capacity report's frames: a replay report never imports it
+    import pandas as pd
 
 
 def fmt_cell(value) -> str:
@@ -34,6 +37,13 @@ def fmt_cell(value) -> str:
 def kv_table(rows: Sequence[tuple[str, object]], cls: str = "meta") -> str:
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in rows)
     return f'<table class="{cls}">{body}</table>'
+
+
+def rows_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A table with a header row, every cell formatted by ``fmt_cell`` and escaped."""
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{escape(fmt_cell(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def frame_table(frame: pd.DataFrame) -> str:

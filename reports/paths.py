@@ -19,6 +19,8 @@ from kvtwin.sim.core.errors import ConfigError
 RUN_DIR_FILES = frozenset({"requests.parquet", "steps.parquet", "summary.parquet", "plan.json", "replicas.parquet",
                            "capacity.parquet", "hit_curve.parquet", "report.html",
                            "validation.parquet", "calibration.toml"})
+# The files that make a directory a capacity (sweep) directory for ``kvtwin report``.
+CAPACITY_FILES = ("capacity.parquet",)
 
 
 def _is_run_output(entry: Path) -> bool:

@@ -2,11 +2,18 @@
 
 Matplotlib is used through ``Figure`` and the Agg canvas directly, never ``pyplot``: no
 global figure manager, no backend switch, nothing that changes how other code in the
-process plots. The output is deterministic: a fixed size and dpi, and no ``Software``
-entry in the PNG metadata, so the same data gives the same bytes.
+process plots. The output is deterministic: a fixed size and dpi, and a PNG written here
+from the canvas's pixels with no metadata, so the same data gives the same bytes.
+
+Speed (a replay report is drawn in well under a second): every figure has fixed margins
+set in inches (``_figure``), so a figure is drawn exactly once, with no layout engine
+measuring text and drawing again; each figure is a local object dropped after its PNG is
+encoded (no global registry keeps it); PNGs are encoded with fast zlib settings.
 
 The functions take plain arrays (already binned or downsampled by ``reports.binning``): a
-plot never sees a million-row table.
+plot never sees a million-row table, and no line has more than ``MAX_LINE_POINTS`` points
+(a longer one given to ``lines`` or as the hit-rate curve is cut by ``minmax_points``,
+which keeps each stretch's lowest and highest point).
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ import io
 from collections.abc import Sequence
 
 import numpy as np
+import PIL.Image
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
+
+from kvtwin.reports.binning import minmax_points
 
 __all__ = ["bars", "hit_rate_over_time", "hit_rate_vs_capacity", "kv_usage_by_group", "latency_cdfs", "lines",
            "preemptions_over_time", "queues_over_time", "replica_load"]
@@ -29,19 +39,62 @@ COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
           "#17becf")
 
 
-def _figure(ncols: int = 1, height: float = HEIGHT_IN) -> tuple[Figure, list]:
-    fig = Figure(figsize=(WIDTH_IN, height), dpi=DPI, layout="constrained")
+# The most points one drawn line (or band edge) may have; the binning keeps far fewer.
+MAX_LINE_POINTS = 4000
+# Fixed margins, inches: room for tick labels of up to about seven characters and the axis
+# label beside them (left, and between panels), tick labels and the axis label (bottom), the
+# title (top). Fixed, so that no layout pass measures text and redraws.
+LEFT_IN, RIGHT_IN, TOP_IN, BOTTOM_IN, GAP_IN = 0.9, 0.2, 0.4, 0.6, 0.85
+# zlib level 1: a third of level 6's time for a PNG about a fifth larger.
+PNG_COMPRESS_LEVEL = 1
+
+
+def _panel_in(ncols: int, left_in: float = LEFT_IN) -> float:
+    """The width of each of ``ncols`` panels side by side, inches."""
+    return (WIDTH_IN - left_in - RIGHT_IN - GAP_IN * (ncols - 1)) / ncols
+
+
+def _text_in(text: str, fontsize: float) -> float:
+    """About how wide ``text`` is drawn, inches (an average glyph is some half an em wide):
+    margins are sized from this estimate rather than by measuring and drawing again."""
+    return len(text) * fontsize * 0.52 / 72
+
+
+def _figure(ncols: int = 1, height: float = HEIGHT_IN, bottom_in: float = BOTTOM_IN,
+            left_in: float = LEFT_IN) -> tuple[Figure, list]:
+    fig = Figure(figsize=(WIDTH_IN, height), dpi=DPI)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, ncols, squeeze=False)[0]
+    fig.subplots_adjust(left=left_in / WIDTH_IN, right=1 - RIGHT_IN / WIDTH_IN, bottom=bottom_in / height,
+                        top=1 - TOP_IN / height, wspace=GAP_IN / _panel_in(ncols, left_in))
     for ax in axes:
         ax.grid(True, alpha=0.3)
     return fig, list(axes)
 
 
 def _png(fig: Figure) -> bytes:
+    """The figure drawn once and encoded as an RGB PNG without metadata."""
+    canvas = fig.canvas
+    canvas.draw()
+    width, height = canvas.get_width_height()
+    image = PIL.Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1).convert("RGB")
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
+    image.save(buf, format="png", compress_level=PNG_COMPRESS_LEVEL)
     return buf.getvalue()
+
+
+def _title(ax, text: str, **kwargs) -> None:
+    # A title at a fixed height: left to find its own, matplotlib measures the tick labels
+    # under it on every draw.
+    ax.set_title(text, y=1.0, **kwargs)
+
+
+def _log_x(ax) -> None:
+    """A log x axis with unlabelled minor ticks at 2 and 5 only: each tick is an object to
+    lay out and draw, and the default's eight per decade cost more than the plot's lines."""
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _empty(ax, text: str = "no data") -> None:
@@ -63,8 +116,10 @@ def _time_axis(ax, t: np.ndarray) -> np.ndarray:
     return np.asarray(t, dtype=float) / div
 
 
-def kv_usage_by_group(t: np.ndarray, usage: np.ndarray, labels: Sequence[str]) -> bytes:
-    """Stacked KV cache usage: ``usage`` is (bins, groups), fractions of the usable blocks."""
+def kv_usage_by_group(t: np.ndarray, usage: np.ndarray, labels: Sequence[str],
+                      peak: np.ndarray | None = None) -> bytes:
+    """Stacked KV cache usage: ``usage`` is (bins, groups), fractions of the usable blocks;
+    ``peak``, the highest total usage in each bin, is drawn as a thin line over the stack."""
     fig, (ax,) = _figure()
     if len(t) == 0:
         _empty(ax)
@@ -72,10 +127,12 @@ def kv_usage_by_group(t: np.ndarray, usage: np.ndarray, labels: Sequence[str]) -
         x = _time_axis(ax, t)
         colors = [COLORS[i % len(COLORS)] for i in range(usage.shape[1])]
         ax.stackplot(x, (usage * 100).T, labels=list(labels), colors=colors, alpha=0.85, linewidth=0)
+        if peak is not None:
+            ax.plot(x, np.asarray(peak) * 100, color="#333", linewidth=0.7, label="peak in bin (all groups)")
         ax.set_ylim(0, 100)
         ax.legend(loc="upper left", fontsize=8)
     ax.set_ylabel("KV cache blocks in use (%)")
-    ax.set_title("KV cache usage by group")
+    _title(ax, "KV cache usage by group")
     return _png(fig)
 
 
@@ -95,22 +152,28 @@ def hit_rate_over_time(t: np.ndarray, rate: np.ndarray, overall: float | None = 
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper right", fontsize=8)
     ax.set_ylabel("prefix cache hit rate (%)")
-    ax.set_title("Prefix cache hit rate (by first-scheduled time)")
+    _title(ax, "Prefix cache hit rate (by first-scheduled time)")
     return _png(fig)
 
 
-def queues_over_time(t: np.ndarray, running: np.ndarray, waiting: np.ndarray) -> bytes:
+def queues_over_time(t: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+                     running_range: tuple[np.ndarray, np.ndarray] | None = None,
+                     waiting_range: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
+    """Each queue's mean per bin as a line over a light band from its minimum to its maximum."""
     fig, (ax,) = _figure()
     if len(t) == 0:
         _empty(ax)
     else:
         x = _time_axis(ax, t)
-        ax.plot(x, running, color=COLORS[0], linewidth=1.2, label="running")
-        ax.plot(x, waiting, color=COLORS[3], linewidth=1.2, label="waiting")
+        for values, band, color, label in ((running, running_range, COLORS[0], "running"),
+                                           (waiting, waiting_range, COLORS[3], "waiting")):
+            if band is not None:
+                ax.fill_between(x, band[0], band[1], color=color, alpha=0.18, linewidth=0)
+            ax.plot(x, values, color=color, linewidth=1.2, label=label)
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
     ax.set_ylabel("requests")
-    ax.set_title("Running and waiting queues")
+    _title(ax, "Running and waiting queues")
     return _png(fig)
 
 
@@ -125,7 +188,7 @@ def preemptions_over_time(t: np.ndarray, counts: np.ndarray, bin_s: float) -> by
         total = int(np.sum(counts))
         ax.text(0.99, 0.95, f"total {total:,}", ha="right", va="top", transform=ax.transAxes, fontsize=8)
     ax.set_ylabel(f"preemptions per {bin_s:,.3g} s")
-    ax.set_title("Preemptions")
+    _title(ax, "Preemptions")
     return _png(fig)
 
 
@@ -146,7 +209,7 @@ def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float]
                                  linewidth=0, label=f"±{error:.0%} held-out error")
             ax.plot(values, y * 100, color=COLORS[0], linewidth=1.4)
             if values[0] > 0 and values[-1] / values[0] > 100:
-                ax.set_xscale("log")
+                _log_x(ax)
             bound = (slo or {}).get(name)
             if bound is not None and np.isfinite(bound):
                 ax.axvline(bound, color=COLORS[3], linestyle="--", linewidth=1, label="SLO")
@@ -154,7 +217,7 @@ def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float]
                 ax.legend(loc="lower right", fontsize=8)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylim(0, 100)
-        ax.set_title(f"{name} CDF")
+        _title(ax, f"{name} CDF")
     axes[0].set_ylabel("requests (%)")
     return _png(fig)
 
@@ -165,11 +228,11 @@ def replica_load(replicas: Sequence[str], requests: np.ndarray, tokens: np.ndarr
     x = np.arange(len(replicas))
     axes[0].bar(x, requests, color=COLORS[0])
     axes[0].set_ylabel("requests routed")
-    axes[0].set_title("Requests per replica")
+    _title(axes[0], "Requests per replica")
     if tokens is not None:
         axes[1].bar(x, np.asarray(tokens) / 1e6, color=COLORS[1])
         axes[1].set_ylabel("prompt tokens (M)")
-        axes[1].set_title("Prompt tokens per replica")
+        _title(axes[1], "Prompt tokens per replica")
     for ax in axes:
         ax.set_xticks(x, list(replicas))
         ax.set_xlabel("replica")
@@ -182,7 +245,8 @@ def lines(series: Sequence[tuple[str, np.ndarray, np.ndarray]], *, xlabel: str, 
     fig, (ax,) = _figure()
     scale = 100.0 if percent else 1.0
     for i, (label, x, y) in enumerate(series):
-        ax.plot(x, np.asarray(y, dtype=float) * scale, marker="o", markersize=4, linewidth=1.3,
+        x, y = minmax_points(x, y, MAX_LINE_POINTS)
+        ax.plot(x, y * scale, marker="o", markersize=4, linewidth=1.3,
                 color=COLORS[i % len(COLORS)], label=label or None)
     if reference is not None:
         ax.axhline(reference * scale, color="#777", linestyle=":", linewidth=1)
@@ -194,7 +258,7 @@ def lines(series: Sequence[tuple[str, np.ndarray, np.ndarray]], *, xlabel: str, 
         ax.set_ylim(0, 105)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    _title(ax, title)
     return _png(fig)
 
 
@@ -203,7 +267,8 @@ def hit_rate_vs_capacity(curve: tuple[np.ndarray, np.ndarray] | None,
     """The one-pass hit-rate curve (line) with the exactly replayed sweep points over it."""
     fig, (ax,) = _figure()
     if curve is not None and len(curve[0]):
-        ax.plot(curve[0], np.asarray(curve[1]) * 100, color=COLORS[0], linewidth=1.4, label="one-pass curve")
+        x, y = minmax_points(curve[0], curve[1], MAX_LINE_POINTS)
+        ax.plot(x, y * 100, color=COLORS[0], linewidth=1.4, label="one-pass curve")
     if points is not None and len(points[0]):
         ax.plot(points[0], np.asarray(points[1]) * 100, linestyle="none", marker="o", markersize=6,
                 color=COLORS[3], label="replayed sweep points")
@@ -211,11 +276,11 @@ def hit_rate_vs_capacity(curve: tuple[np.ndarray, np.ndarray] | None,
         _empty(ax)
     else:
         ax.legend(fontsize=8)
-        ax.set_xscale("log")
+        _log_x(ax)
     ax.set_ylim(bottom=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("prefix cache hit rate (%)")
-    ax.set_title("Prefix cache hit rate vs KV cache capacity")
+    _title(ax, "Prefix cache hit rate vs KV cache capacity")
     return _png(fig)
 
 
@@ -230,7 +295,16 @@ def bars(categories: Sequence[str], groups: Sequence[tuple[str, np.ndarray]], *,
     ncol = max(1, min(3, len(labels)))
     rows = -(-len(labels) // ncol)
     long_ticks = len(categories) > 4 or max((len(str(c)) for c in categories), default=0) > 14
-    fig, axes = _figure(len(specs), height=HEIGHT_IN + 0.22 * rows + (0.8 if long_ticks else 0))
+    legend_in = 0.22 * rows + (0.1 if labels else 0)
+    ticks_in, left_in = 0.0, LEFT_IN
+    if long_ticks and len(categories):
+        # Labels turned 30 degrees hang below the axis by half their length and reach left
+        # of their tick by 0.87 of it: the margins below and left of the first are made to fit.
+        ticks_in = max(0.8, 0.5 * max(_text_in(str(c), 7) for c in categories))
+        first_tick_in = 0.5 * _panel_in(len(specs)) / len(categories)
+        left_in = min(3.0, max(LEFT_IN, 0.87 * _text_in(str(categories[0]), 7) - first_tick_in + 0.1))
+    fig, axes = _figure(len(specs), height=HEIGHT_IN + legend_in + ticks_in, bottom_in=BOTTOM_IN + legend_in + ticks_in,
+                        left_in=left_in)
     x = np.arange(len(categories))
     for ax, (panel_title, panel_ylabel, panel_groups) in zip(axes, specs):
         n = max(1, len(panel_groups))
@@ -242,7 +316,7 @@ def bars(categories: Sequence[str], groups: Sequence[tuple[str, np.ndarray]], *,
             ax.set_xticks(x, list(categories), rotation=30, ha="right", fontsize=7)
         else:
             ax.set_xticks(x, list(categories), fontsize=8)
-        ax.set_title(panel_title, fontsize=10)
+        _title(ax, panel_title, fontsize=10)
         ax.set_ylabel(panel_ylabel)
         heights = np.concatenate([np.asarray(v, dtype=float) for _, v in panel_groups] or [np.zeros(0)])
         heights = heights[np.isfinite(heights)]
@@ -250,5 +324,6 @@ def bars(categories: Sequence[str], groups: Sequence[tuple[str, np.ndarray]], *,
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts, e.g. replicas
     if labels:
         # One legend for every panel, under them: bars of the same colour mean the same thing.
-        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=ncol, fontsize=7)
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", bbox_to_anchor=(0.5, 0.0),
+                   ncol=ncol, fontsize=7, frameon=False)
     return _png(fig)

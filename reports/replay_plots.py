@@ -51,7 +51,8 @@ class _Timeline:
         centers = (np.arange(nbins) + 0.5) * bin_s if len(t) else np.zeros(0)
         return cls(steps, t_end, bool(len(t)), nbins, bin_s, centers, bin_index(t, t_end, nbins), replica_ids(steps))
 
-    def state(self, column: str, how: str) -> np.ndarray:
+    def state(self, column: str, how: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Mean, minimum and maximum per bin of an integer state column."""
         values = column_array(self.steps, column, np.int64).astype(float)
         return combined_state(self.idx, values, self.nbins, self.step_replica, how)
 
@@ -83,11 +84,16 @@ def _group_labels(plan: dict | None, count: int) -> list[str]:
 
 def _usage_figure(tl: _Timeline, plan: dict | None) -> str:
     usage, width = usage_matrix(tl.steps)
-    per_group = (np.column_stack([combined_state(tl.idx, usage[:, g], tl.nbins, tl.step_replica, "mean")
-                                  for g in range(width)]) if tl.has_steps else np.zeros((0, width)))
-    return figure(plots.kv_usage_by_group(tl.centers, per_group, _group_labels(plan, width)),
+    if tl.has_steps:
+        per_group = np.column_stack([combined_state(tl.idx, usage[:, g], tl.nbins, tl.step_replica, "mean")[0]
+                                     for g in range(width)])
+        peak = combined_state(tl.idx, usage.sum(axis=1), tl.nbins, tl.step_replica, "mean")[2]
+    else:
+        per_group, peak = np.zeros((0, width)), None
+    return figure(plots.kv_usage_by_group(tl.centers, per_group, _group_labels(plan, width), peak),
                   f"KV cache usage by KV cache group over time, stacked: blocks in use over the usable blocks "
-                  f"(steps.parquet kv_cache_usage_by_group), mean per {tl.bin_s:,.3g} s bin"
+                  f"(steps.parquet kv_cache_usage_by_group), mean per {tl.bin_s:,.3g} s bin, with the highest "
+                  f"total in each bin as a line"
                   + (", averaged over replicas" if tl.step_replica is not None else "") + ".",
                   "KV cache usage by group")
 
@@ -113,13 +119,16 @@ def _hit_rate_figure(requests: pa.Table, t_end: float, s: dict) -> str:
 
 def _queue_figures(tl: _Timeline) -> list[str]:
     if tl.has_steps:
-        running = tl.state("num_running", "sum")
-        waiting = tl.state("num_waiting", "sum")
+        running, *running_range = tl.state("num_running", "sum")
+        waiting, *waiting_range = tl.state("num_waiting", "sum")
         preempted = np.bincount(tl.idx, weights=column_array(tl.steps, "num_preempted", np.int64), minlength=tl.nbins)
+        ranges = (tuple(running_range), tuple(waiting_range))
     else:
         running = waiting = preempted = np.zeros(0)
-    return [figure(plots.queues_over_time(tl.centers, running, waiting),
-                   f"Running and waiting requests after each step, mean per {tl.bin_s:,.3g} s bin"
+        ranges = (None, None)
+    return [figure(plots.queues_over_time(tl.centers, running, waiting, *ranges),
+                   f"Running and waiting requests after each step, mean per {tl.bin_s:,.3g} s bin (lines) and "
+                   "the least to the most in the bin (bands)"
                    + (", summed over replicas" if tl.step_replica is not None else "") + ".",
                    "running and waiting queues"),
             figure(plots.preemptions_over_time(tl.centers, preempted, tl.bin_s),

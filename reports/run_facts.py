@@ -7,11 +7,9 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Sequence
 
-import pandas as pd
-
 from kvtwin import __version__
 from kvtwin.reports.html_page import escape
-from kvtwin.reports.html_tables import fmt_cell, frame_table, kv_table
+from kvtwin.reports.html_tables import fmt_cell, kv_table, rows_table
 
 
 def scenario_facts(metadata: dict) -> tuple[str, str]:
@@ -83,5 +81,4 @@ def _groups_table(groups: list[dict]) -> str:
         columns += sorted(k for k, v in g.items() if k not in skip and k not in columns
                           and not isinstance(v, (list, dict)))
     columns = [c for c in columns if any(c in g for g in groups)]
-    frame = pd.DataFrame([{c: g.get(c) for c in columns} for g in groups], columns=columns)
-    return "<h3>KV cache groups</h3>" + frame_table(frame)
+    return "<h3>KV cache groups</h3>" + rows_table(columns, [[g.get(c) for c in columns] for g in groups])

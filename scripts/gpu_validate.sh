@@ -14,6 +14,7 @@
 # every line printed. Budget: about 8 minutes on an H200; each stage has its own timeout
 # so one slow stage cannot starve the rest.
 #
+# Every validation runs at --size full (the scenario's own lengths, times and pool).
 # GPU_VALIDATE_DEVICE=cpu runs the same stages on a CPU at toy sizes (the scaled model,
 # two requests each, the benchmark's --smoke), so the script itself is tested without a GPU.
 set -uo pipefail
@@ -72,13 +73,13 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 stage backends "kernel backends" "$(stage_timeout 60)" kvtwin kernels --device "$device"
 stage bench "kernel benchmark" "$(stage_timeout 150)" env OUT="$OUT/kernels" python3 bench/gpu_kernels.py "${bench_args[@]}"
 stage llama "validate llama-3.1-8b, all checks" "$(stage_timeout 200)" \
-    kvtwin validate scenarios/validate-llama8b-h200.toml --device "$device" --requests "$(n 40)" \
+    kvtwin validate scenarios/validate-llama8b-h200.toml --device "$device" --size full --requests "$(n 40)" \
     --out "$OUT/validate-llama8b"
 stage gemma "validate gemma-3-27b (sliding window), checks 1-2" "$(stage_timeout 60)" \
-    kvtwin validate scenarios/replay-gemma3-27b.toml --device "$device" --requests "$(n 12)" \
+    kvtwin validate scenarios/replay-gemma3-27b.toml --device "$device" --size full --requests "$(n 12)" \
     --checks prefix_hits_are_real,predicted_hits_are_executed --out "$OUT/validate-hybrid-gemma3"
 stage qwen "validate qwen3-next (gated DeltaNet), checks 1-2" "$(stage_timeout 60)" \
-    kvtwin validate scenarios/replay-qwen3-next.toml --device "$device" --requests "$(n 8)" \
+    kvtwin validate scenarios/replay-qwen3-next.toml --device "$device" --size full --requests "$(n 8)" \
     --checks prefix_hits_are_real,predicted_hits_are_executed --out "$OUT/validate-hybrid-qwen3next"
 say "gpu_validate: done, exit $status; results under $OUT"
 exit $status

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-POISSON = "poisson"
-GAMMA = "gamma"
+from kvtwin.traces.synth_spec import GAMMA, POISSON  # the spec's names, kept free of NumPy there
 
 
 def interarrival_gaps_s(rng: np.random.Generator, count: int, rate_per_s: float, process: str = POISSON,

@@ -1,6 +1,7 @@
 """Seeded length and time distributions for synthetic workloads.
 
-A ``Dist`` is a frozen spec; ``sampler(dist)`` turns it into a function of (rng, count).
+A ``Dist`` is a frozen spec (``kvtwin.traces.synth_spec``); ``sampler(dist)`` turns it into
+a function of (rng, count).
 Kinds: ``fixed`` (value), ``lognormal`` (mean of the distribution and sigma of its log),
 ``zipf`` (exponent s > 1, values k = 1, 2, ...), ``exponential`` (mean) and
 ``empirical`` (drawn with replacement from a column of a trace file). Every kind is
@@ -11,31 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+
 import numpy as np
 
-FIXED = "fixed"
-LOGNORMAL = "lognormal"
-ZIPF = "zipf"
-EXPONENTIAL = "exponential"
-EMPIRICAL = "empirical"
-KINDS = (FIXED, LOGNORMAL, ZIPF, EXPONENTIAL, EMPIRICAL)
+# The spec's vocabulary lives with its reader, which a scenario check loads without NumPy.
+from kvtwin.traces.synth_spec import EMPIRICAL, EXPONENTIAL, FIXED, LOGNORMAL, ZIPF, Dist
 
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
-
-
-@dataclass(frozen=True)
-class Dist:
-    kind: str
-    value: float | None = None
-    mean: float | None = None
-    sigma: float | None = None
-    s: float | None = None
-    scale: float = 1.0
-    min: float | None = None
-    max: float | None = None
-    trace: str | None = None
-    column: str | None = None
 
 
 def sampler(dist: Dist, load_column: Callable[[str, str], np.ndarray] | None = None) -> Sampler:

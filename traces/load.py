@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,25 +22,12 @@ from kvtwin.traces.bailian import load_bailian
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.burstgpt import load_burstgpt
 from kvtwin.traces.errors import TraceError
-from kvtwin.traces.generic import ColumnMap, load_generic
-from kvtwin.traces.mooncake import DEFAULT_SPREAD_SEED, SPREAD, load_mooncake
+from kvtwin.traces.generic import load_generic
+from kvtwin.traces.mooncake import load_mooncake
+from kvtwin.traces.options import FORMATS, LoadOptions
 from kvtwin.traces.sessions import assume_session_history
 
-FORMATS = ("parquet", "mooncake", "bailian", "azure", "burstgpt", "generic")
 AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How to read a trace. ``arrivals``/``seed`` apply to Mooncake, ``columns`` to generic;
-    ``assume_session_history`` (a block size) derives identity from sessions where there is none."""
-
-    format: str | None = None
-    skip_bad: bool = False
-    arrivals: str = SPREAD
-    seed: int = DEFAULT_SPREAD_SEED
-    columns: ColumnMap | None = None
-    assume_session_history: int | None = None
 
 
 def detect_format(path: str | os.PathLike) -> str:

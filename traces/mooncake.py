@@ -24,12 +24,10 @@ from kvtwin.traces import schema as s
 from kvtwin.traces.arrivals import spread_within_buckets
 from kvtwin.traces.fields import FLOAT, INT, INT_LIST, Field, RowCheck
 from kvtwin.traces.hashing import chain_lists, list_positions
+from kvtwin.traces.options import BURST, DEFAULT_SPREAD_SEED, SPREAD
 from kvtwin.traces.readers import read_jsonl
 
 MOONCAKE_BLOCK_TOKENS = 512
-SPREAD = "spread"
-BURST = "burst"
-DEFAULT_SPREAD_SEED = 0
 
 FIELDS = (
     Field("timestamp", FLOAT, minimum=0),

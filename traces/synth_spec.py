@@ -13,14 +13,40 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtwin.traces.arrivals import GAMMA, POISSON
-from kvtwin.traces.distributions import EMPIRICAL, EXPONENTIAL, FIXED, KINDS, LOGNORMAL, ZIPF, Dist
 from kvtwin.traces.errors import TraceError
+
+# Arrival processes (``kvtwin.traces.arrivals`` draws them).
+POISSON = "poisson"
+GAMMA = "gamma"
+
+# Distribution kinds (``kvtwin.traces.distributions`` samples them).
+FIXED = "fixed"
+LOGNORMAL = "lognormal"
+ZIPF = "zipf"
+EXPONENTIAL = "exponential"
+EMPIRICAL = "empirical"
+KINDS = (FIXED, LOGNORMAL, ZIPF, EXPONENTIAL, EMPIRICAL)
 
 REQUESTS = "requests"
 CHAT = "chat"
 AGENT = "agent"
 WORKLOAD_KINDS = (REQUESTS, CHAT, AGENT)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """One length or time distribution (``kvtwin.traces.distributions`` samples it)."""
+
+    kind: str
+    value: float | None = None
+    mean: float | None = None
+    sigma: float | None = None
+    s: float | None = None
+    scale: float = 1.0
+    min: float | None = None
+    max: float | None = None
+    trace: str | None = None
+    column: str | None = None
 
 
 @dataclass(frozen=True)

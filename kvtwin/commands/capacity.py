@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
 from kvtwin.reports import summary_text
-from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
@@ -58,6 +55,7 @@ def capacity(
 ) -> None:
     """Sweep a scenario over settings; with --find-max-rate, the largest rate each point holds."""
     # The sweep machinery loads here, not with the command line: other commands never need it.
+    from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
     from kvtwin.sim.replay.capacity_sweep import hit_curve as make_hit_curve, prepare_sweep
     from kvtwin.sim.replay.capacity_table import capacity_table
     from kvtwin.sim.replay.sweep_backends import check_backend, default_jobs, import_ray, run_points
@@ -154,6 +152,9 @@ def _cell(value) -> str:
 
 
 def print_points(table, axes, find_max_rate: bool) -> None:
+    from rich.console import Console  # rich's tables load only when there is a table to print
+    from rich.table import Table
+
     shown = Table(show_header=True)
     names = ["point", *(a.key.key for a in axes), "status"]
     figures = [("p99 TTFT", "p99_ttft_ms"), ("p99 TPOT", "p99_tpot_ms"), ("SLO met", "slo_attainment"),

@@ -11,13 +11,9 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtwin.console import user_errors
-from kvtwin.sim.lockstep.golden import compare_results, load_case, read_jsonl, write_jsonl
 from kvtwin.sim.core.hashing import HASH_FUNCTIONS
-from kvtwin.sim.lockstep.runner import run_case
 
 
 def lockstep(
@@ -29,6 +25,13 @@ def lockstep(
     max_diffs: int = typer.Option(10, "--max-diffs", help="How many differences to print."),
 ) -> None:
     """Run a golden case through kvtwin's scheduler with a step clock and a scripted model."""
+    # Loaded here, not with the command line: the scheduler and rich's progress bar.
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvtwin.sim.lockstep.golden import compare_results, load_case, read_jsonl, write_jsonl
+    from kvtwin.sim.lockstep.runner import run_case
+
     console = Console(stderr=True)
     with user_errors():
         case = load_case(case_dir, hash_algo=hash_algo)

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
 from kvtwin.knob_options import knob_flags
@@ -24,9 +22,6 @@ from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_disp
 from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
-from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_run
-from kvtwin.sim.replay.calibration_data import band_lines, with_band
-from kvtwin.sim.replay.run import run_replay
 
 
 @knob_flags("engine.tensor_parallel_size", "workload.rate_scale", "workload.limit", "engine.max_model_len",
@@ -45,6 +40,11 @@ def replay(
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the run directory."),
 ) -> None:
     """Replay a trace against vLLM's KV cache manager and scheduler in simulated time."""
+    # Loaded here, not with the command line: the simulator pulls in pyarrow, numpy and SimPy.
+    from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_run
+    from kvtwin.sim.replay.calibration_data import band_lines, with_band
+    from kvtwin.sim.replay.run import run_replay
+
     seen = {"now_s": None, "replaying": False, "out_existed": out.exists()}
     with user_errors(), interrupt_note(lambda: _interrupted_before_writing(seen, out)):
         # Before anything slow: a bad --out must not cost a whole simulation.
@@ -147,6 +147,9 @@ def _fmt(value, digits: int = 1) -> str:
 
 
 def print_summary(row: dict, title: str) -> None:
+    from rich.console import Console  # rich's tables load only when there is a summary to print
+    from rich.table import Table
+
     table = Table(title=title, show_header=True)
     table.add_column("metric")
     table.add_column("mean", justify="right")

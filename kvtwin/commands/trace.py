@@ -6,23 +6,20 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from kvtwin.console import user_errors
 from kvtwin.reports.paths import check_out_file
 from kvtwin.traces import bundled
-from kvtwin.traces import schema
-from kvtwin.traces import transforms
-from kvtwin.traces.generic import ColumnMap
-from kvtwin.traces.load import FORMATS, LoadOptions, load_trace
-from kvtwin.traces.mooncake import BURST, SPREAD
-from kvtwin.traces.stats import TraceStats, summarize
-from kvtwin.traces.synth import synthesize
-from kvtwin.traces.synth_spec import read_spec
+from kvtwin.traces.options import BURST, FORMATS, SPREAD, LoadOptions
+
+# The readers, statistics and writers load pyarrow and NumPy: each subcommand imports
+# what it uses, so the command line's help and `trace list` load neither.
+if TYPE_CHECKING:
+    from kvtwin.traces.schema import TraceMeta
+    from kvtwin.traces.stats import TraceStats
 
 # Plain help text: rich markup would swallow bracketed words.
 trace_app = typer.Typer(help="Inspect, convert and synthesise request traces.", no_args_is_help=True,
@@ -60,6 +57,8 @@ def _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_
         raise typer.BadParameter("expected a block size >= 1", param_hint="--assume-session-history")
     columns = None
     if maps:
+        from kvtwin.traces.generic import ColumnMap
+
         try:
             columns = ColumnMap.from_pairs(maps, time_unit=time_unit, hash_block_tokens=hash_block_tokens,
                                            hashes_chained=not per_block)
@@ -71,6 +70,8 @@ def _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_
 
 def _report_notes(table) -> None:
     """Notes and skipped-line reasons, one plain line each on stderr (never wrapped)."""
+    from kvtwin.traces import schema
+
     meta = schema.trace_meta(table)
     for note in meta.notes:
         print(f"kvtwin: note: {note}", file=sys.stderr)
@@ -89,6 +90,10 @@ def info(
     hash_block_tokens: HashBlockOpt = None, per_block: PerBlockOpt = False,
 ) -> None:
     """Requests, duration, rate, length percentiles, sessions and the prefix-reuse upper bound."""
+    from kvtwin.traces import schema
+    from kvtwin.traces.load import load_trace
+    from kvtwin.traces.stats import summarize
+
     with user_errors():
         options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
         table = load_trace(path, options)
@@ -116,7 +121,10 @@ def _finite(value):
     return value
 
 
-def _print_info(path: str, stats: TraceStats, meta: schema.TraceMeta) -> None:
+def _print_info(path: str, stats: TraceStats, meta: TraceMeta) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console(soft_wrap=True)
     console.print(f"[bold]{path}[/bold] ({meta.source_format})", highlight=False)
     rate = "n/a" if stats.rate_per_s is None else f"{stats.rate_per_s:.3g} req/s"
@@ -162,6 +170,9 @@ def convert(
     gap_s: Annotated[float, typer.Option("--gap-s", min=0, help="Pause between concatenated traces (s).")] = 0.0,
 ) -> None:
     """Read traces in any supported format and write one kvtwin trace parquet file."""
+    from kvtwin.traces import schema, transforms
+    from kvtwin.traces.load import load_trace
+
     with user_errors():
         check_out_file(output, "--output")
         options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
@@ -191,6 +202,10 @@ def synth(
     output: Annotated[Path, typer.Option("-o", "--output", help="Parquet file to write.")],
 ) -> None:
     """Generate a seeded synthetic workload from a TOML spec."""
+    from kvtwin.traces import schema
+    from kvtwin.traces.synth import synthesize
+    from kvtwin.traces.synth_spec import read_spec
+
     with user_errors():
         check_out_file(output, "--output")
         parsed = read_spec(spec)

@@ -2,7 +2,10 @@
 
 Parses flags, resolves the scenario, checks everything it can before the first kernel
 runs (the output directory, the plan, the device, the pool's size), then runs the checks
-of ``kvtwin.executor.validate`` and prints one verdict line each. Writes
+of ``kvtwin.executor.validate`` and prints one verdict line each, with a progress display
+over the checks' stages. ``--size`` (``kvtwin.executor.sizes``): ``small``, the CPU's
+default, a cut-down workload that still reuses, evicts and preempts, in under two minutes
+on two cores; ``full``, the GPU's default, the scenario as it is. Writes
 ``validation.parquet`` (one row per checked item), ``steps.parquet`` (the executor's
 measured steps beside the cost model's predictions), ``calibration.toml`` (check 4's fit,
 which ``kvtwin replay`` accepts as ``[cost_model] calibration``) and ``plan.json``.
@@ -12,8 +15,9 @@ failed, 2 for bad input.
 
 from __future__ import annotations
 
-import sys
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -23,56 +27,36 @@ from kvtwin.console import interrupt_note, user_errors
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.core.errors import ConfigError
 
-# Validation runs the workload four times on the device (prefix caching on and off, and the
-# two halves for calibration): a hundred requests is minutes on a GPU; the CPU's torch
-# reference takes about half a minute per long (Mooncake-sized) request.
-DEFAULT_REQUESTS = {"cuda": 100, "cpu": 8}
-
 
 def validate(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
                                                    help="Scenario file (default: scenarios/default.toml)."),
     device: str = typer.Option("cpu", "--device", help="cuda (real sizes) or cpu (a scaled-down model)."),
+    size: Optional[str] = typer.Option(None, "--size",
+                                       help="small (the default on cpu: 32 requests cut to 1,024 prompt and 32 "
+                                            "output tokens, arriving together, on a pool that evicts and preempts; "
+                                            "under two minutes on two cores) or full (the default on cuda: the "
+                                            "scenario's requests, lengths, times and pool)."),
     requests: Optional[int] = typer.Option(None, "--requests", "-n",
-                                           help="Validate on the first N requests of the trace (default: 100 on "
-                                                "cuda, 8 on cpu; each check runs the workload again)."),
+                                           help="Validate on the first N requests of the trace (default: 32 at "
+                                                "--size small; at --size full 100 on cuda, 8 on cpu; each check "
+                                                "runs the workload again)."),
     checks: Optional[str] = typer.Option(None, "--checks",
                                          help="Comma-separated subset of: prefix_hits_are_real, "
                                               "predicted_hits_are_executed, memory, step_latency."),
     clock: str = typer.Option("measured", "--clock", help="measured (step time = device time) or wall."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     out: Path = typer.Option(Path("runs/validate"), "--out", "-o", help="Directory to write."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
     """Run the engine on a device and check prefix hits, memory and step times against the simulator."""
     with user_errors(), interrupt_note(lambda: f"interrupted; nothing written to {out}"):
         from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
-        from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 
         check_out_dir(out)
         chosen = _checks(checks)
-        if requests is None:
-            requests = DEFAULT_REQUESTS.get(device, DEFAULT_REQUESTS["cpu"])
-        elif requests <= 0:
-            raise ConfigError("--requests", "a positive number of requests", requests)
         path = scenario_path or DEFAULT_SCENARIO
-        overrides = Overrides(limit=requests)
-        resolved = resolve_scenario(path, overrides)
-        if resolved.offload.enabled:
-            # The device executor has no offload worker: refuse rather than validate another run.
-            raise ConfigError("offload.cpu_bytes", "0 for kvtwin validate (the device executor does not offload "
-                              "KV; validate the scenario without its [offload] table)", resolved.offload.cpu_bytes,
-                              source=resolved.where)
-        if resolved.disaggregation is not None:
-            # One engine on one device: there is no second engine to read the KV from.
-            raise ConfigError("disaggregation", "no [disaggregation] table for kvtwin validate (the device "
-                              "executor runs one aggregated engine; validate the scenario without it)",
-                              source=resolved.where)
-        if resolved.speculative.enabled:
-            # The device executor proposes no drafts: refuse rather than validate another run.
-            raise ConfigError("speculative.method", "no [speculative] table for kvtwin validate (the device "
-                              "executor does not draft)", resolved.speculative.method, source=resolved.where)
-        workload = resolved.require_workload()
+        resolved, trace, overrides, sizing = _sized_inputs(path, device, size, requests)
         planned = resolved.plan()
         planned.require_fits()
         _require_torch()
@@ -80,30 +64,89 @@ def validate(
         from kvtwin.executor.validate import ValidateOptions
         from kvtwin.executor.validate import validate as run_validation
 
-        options = ExecutorOptions(device=device, clock=clock, seed=seed)
+        if device == "cpu" and sizing.cpu_threads is not None:
+            import torch
+
+            torch.set_num_threads(sizing.cpu_threads)
+        options = ValidateOptions(executor=ExecutorOptions(device=device, clock=clock, seed=seed), checks=chosen)
         require_device(device)
-        check_pool_fits(planned, options)
-        trace = workload.load()
+        check_pool_fits(planned, options.executor)
         started = time.perf_counter()
-
-        def progress(stage: str) -> None:
-            if not quiet:
-                print(f"kvtwin: validate: {stage} ({time.perf_counter() - started:,.0f} s)", file=sys.stderr,
-                      flush=True)
-
-        result = run_validation(resolved, trace, ValidateOptions(executor=options, checks=chosen), progress=progress)
+        with _stage_progress(options, quiet, started) as progress:
+            result = run_validation(resolved, trace, options, progress=progress)
         texts = {"calibration.toml": result.calibration_toml} if result.calibration_toml else {}
         tables = {"validation": result.table()}
         if result.executor_steps is not None:
             tables["steps"] = result.executor_steps
+        metadata = run_metadata(path, {**overrides.given(), "device": device, "clock": clock, "size": sizing.name})
         paths = write_dir(out, tables=tables, json_files={"plan": planned.to_json()}, text_files=texts,
-                          run_metadata=run_metadata(path, {**overrides.given(), "device": device, "clock": clock}))
+                          run_metadata=metadata)
     for verdict in result.verdicts:
         print(verdict.line)
-    print(f"{trace.num_rows:,} requests of {planned.model.name} on {device}; wrote "
+    print(f"{trace.num_rows:,} requests of {planned.model.name} on {device} (--size {sizing.name}); wrote "
           f"{', '.join(p.name for p in paths)} to {out} in {time.perf_counter() - started:,.1f} s")
     if result.failed:
         raise typer.Exit(code=1)
+
+
+def _sized_inputs(path: Path, device: str, size: str | None, requests: int | None):
+    """The scenario and its trace at the run's size (``executor.sizes``): (resolved, trace,
+    overrides, the size). Refuses what the device executor cannot run."""
+    from kvtwin.executor.sizes import DEFAULT_SIZE, requests_of, run_size, sized_scenario, sized_trace
+    from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+
+    if device not in DEFAULT_SIZE:  # checked here too: the size's default depends on it
+        raise ConfigError("--device", f"one of {', '.join(DEFAULT_SIZE)}", device)
+    chosen = run_size(size or DEFAULT_SIZE[device])
+    overrides = Overrides(limit=requests_of(chosen, device, requests))
+    resolved = resolve_scenario(path, overrides)
+    _require_one_plain_engine(resolved)
+    trace = sized_trace(resolved.require_workload().load(), chosen)
+    return sized_scenario(resolved, trace, chosen), trace, overrides, chosen
+
+
+def _require_one_plain_engine(resolved) -> None:
+    if resolved.offload.enabled:
+        # The device executor has no offload worker: refuse rather than validate another run.
+        raise ConfigError("offload.cpu_bytes", "0 for kvtwin validate (the device executor does not offload "
+                          "KV; validate the scenario without its [offload] table)", resolved.offload.cpu_bytes,
+                          source=resolved.where)
+    if resolved.disaggregation is not None:
+        # One engine on one device: there is no second engine to read the KV from.
+        raise ConfigError("disaggregation", "no [disaggregation] table for kvtwin validate (the device "
+                          "executor runs one aggregated engine; validate the scenario without it)",
+                          source=resolved.where)
+    if resolved.speculative.enabled:
+        # The device executor proposes no drafts: refuse rather than validate another run.
+        raise ConfigError("speculative.method", "no [speculative] table for kvtwin validate (the device "
+                          "executor does not draft)", resolved.speculative.method, source=resolved.where)
+
+
+@contextlib.contextmanager
+def _stage_progress(options, quiet: bool, started: float) -> Iterator[Callable[[str], None]]:
+    """``validate``'s progress callback: a bar over its stages with the current one and the
+    elapsed time on a terminal, a ``kvtwin: validate: STAGE (i/n), N s wall`` line as each
+    stage starts in a log, nothing when quiet (``kvtwin.console.progress_display``)."""
+    from kvtwin.console import progress_display
+    from kvtwin.executor.validate import stages
+
+    names = stages(options)
+    state = {"done": 0, "stage": ""}
+
+    def line() -> str:
+        return f"{state['stage']} ({state['done'] + 1}/{len(names)})" if state["stage"] else "done"
+
+    with progress_display("validate", len(names), quiet=quiet, started=started, done=lambda: state["done"],
+                          line=line, info=lambda: state["stage"]) as update:
+        def progress(stage: str) -> None:
+            if state["stage"]:
+                state["done"] += 1
+            state["stage"] = stage
+            update(final=True)  # one line per stage in a log; the bar moves on a terminal
+
+        yield progress
+        state["done"], state["stage"] = len(names), ""
+        update(final=True)
 
 
 def _checks(value: str | None) -> tuple[str, ...]:

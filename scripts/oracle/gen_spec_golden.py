@@ -36,6 +36,7 @@ import os
 import random
 import sys
 import time
+import types
 
 from oracle_common import (  # noqa: E402  (standard library only: before torch and vLLM)
     GOLDEN_CASES as DEFAULT_OUT, CaseError, atomic_write, prepare_environment, read_jsonl,
@@ -103,17 +104,21 @@ def build_groups(group_cfgs: list[dict], block_size: int, k: int) -> list[KVCach
     return groups
 
 
+HEAD_METHODS = ("eagle", "eagle3", "mtp")  # draft heads with their own KV (vLLM's use_eagle())
+
+
 def validate_config(cfg: dict) -> None:
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     extra = [k for k in cfg if k not in CONFIG_KEYS]
     if missing or extra:
         raise CaseError(f"config.json: missing keys {missing}, unknown keys {extra}")
     sp = cfg["speculative"]
-    if sorted(sp) != sorted(SPEC_KEYS) or sp["method"] not in ("ngram", "eagle") or \
-            int(sp["num_speculative_tokens"]) < 1:
-        raise CaseError("config.json speculative: {method: 'ngram' or 'eagle', num_speculative_tokens >= 1}")
-    if sp["method"] == "eagle" and cfg["enable_prefix_caching"]:
-        raise CaseError("config.json: method 'eagle' only with enable_prefix_caching false (see eagle_lookahead)")
+    keys = sorted(k for k in sp if k != "num_nextn_predict_layers")
+    if keys != sorted(SPEC_KEYS) or sp["method"] not in ("ngram", *HEAD_METHODS) or \
+            int(sp["num_speculative_tokens"]) < 1 or \
+            ("num_nextn_predict_layers" in sp and (sp["method"] != "mtp" or int(sp["num_nextn_predict_layers"]) < 1)):
+        raise CaseError("config.json speculative: {method: 'ngram', 'eagle', 'eagle3' or 'mtp', "
+                        "num_speculative_tokens >= 1, for mtp optionally num_nextn_predict_layers >= 1}")
     if cfg["vllm_version"] != vllm.__version__:
         raise CaseError(f"vllm_version {cfg['vllm_version']} but vllm {vllm.__version__} is installed")
 
@@ -123,6 +128,9 @@ def build_scheduler(cfg: dict):
     validate_config(cfg)
     bs = int(cfg["block_size"])
     k = int(cfg["speculative"]["num_speculative_tokens"])
+    method = cfg["speculative"]["method"]
+    mtp_layers = int(cfg["speculative"].get("num_nextn_predict_layers", 1))
+    multi = method == "mtp" and min(mtp_layers, k) > 1  # vLLM's use_multi_module_mtp()
     groups = build_groups(cfg["kv_cache_groups"], bs, k)
     model_config = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True,
                                max_model_len=int(cfg["max_model_len"]), dtype="float16")
@@ -136,9 +144,9 @@ def build_scheduler(cfg: dict):
         long_prefill_token_threshold=int(cfg["long_prefill_token_threshold"]), policy=cfg["scheduling_policy"],
         watermark=float(cfg["watermark"]), scheduler_reserve_full_isl=bool(cfg["scheduler_reserve_full_isl"]),
         async_scheduling=is_async, is_encoder_decoder=False)
+    caching = bool(cfg["enable_prefix_caching"])
     vllm_config = VllmConfig(model_config=model_config,
-                             cache_config=CacheConfig(block_size=bs,
-                                                      enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
+                             cache_config=CacheConfig(block_size=bs, enable_prefix_caching=caching,
                                                       prefix_caching_hash_algo=cfg["prefix_caching_hash_algo"]),
                              scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
                              speculative_config=spec_config)
@@ -146,6 +154,8 @@ def build_scheduler(cfg: dict):
     for g in groups:
         if isinstance(g.kv_cache_spec, MambaSpec):
             vllm_config.cache_config.mamba_cache_mode = g.kv_cache_spec.mamba_cache_mode
+    if method in HEAD_METHODS and (caching or multi):
+        as_draft_head(spec_config, method, mtp_layers)
     kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     cls = AsyncScheduler if is_async else Scheduler
@@ -153,12 +163,22 @@ def build_scheduler(cfg: dict):
                 structured_output_manager=StructuredOutputManager(vllm_config),
                 block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
     sc = vllm_config.scheduler_config
-    lookahead = eagle_lookahead(sched, k) if cfg["speculative"]["method"] == "eagle" else 0
-    # Nothing we asked for may have been changed behind our back.
-    checks = dict(num_spec_tokens=(sched.num_spec_tokens, k), num_lookahead_tokens=(sched.num_lookahead_tokens,
-                                                                                      lookahead),
-                  num_prefill_lookahead=(sched.num_prefill_lookahead, 0),
-                  num_hash_lookahead_tokens=(vllm_config.num_hash_lookahead_tokens, 0),
+    head = method in HEAD_METHODS and (caching or multi)
+    if method in HEAD_METHODS and not head:
+        eagle_lookahead(sched, k)
+    # Nothing we asked for may have been changed behind our back; the draft head's
+    # derived settings are what vLLM 0.33 derives for a single- or multi-module head.
+    prefill_lookahead = (k if multi else 1) if head else 0
+    hash_lookahead = prefill_lookahead if caching else 0
+    checks = dict(num_spec_tokens=(sched.num_spec_tokens, k),
+                  num_lookahead_tokens=(sched.num_lookahead_tokens, k if method in HEAD_METHODS else 0),
+                  num_prefill_lookahead=(sched.num_prefill_lookahead, prefill_lookahead),
+                  num_hash_lookahead_tokens=(vllm_config.num_hash_lookahead_tokens, hash_lookahead),
+                  scheduler_hash_lookahead=(sched.num_hash_lookahead_tokens, hash_lookahead),
+                  pool_hash_lookahead=(sched.kv_cache_manager.block_pool.num_hash_lookahead_tokens, hash_lookahead),
+                  block_drop=(sched.use_eagle_block_drop, head and not caching),
+                  reprefillable=(sched.kv_cache_manager.coordinator.num_reprefillable_tokens,
+                                 max(0, prefill_lookahead - 1)),
                   draft_slots=(spec_config.max_num_new_slots_for_drafting, 0),
                   max_num_scheduled_tokens=(sched.max_num_scheduled_tokens, sc.max_num_batched_tokens),
                   max_num_batched_tokens=(sc.max_num_batched_tokens, int(cfg["max_num_batched_tokens"])),
@@ -166,8 +186,7 @@ def build_scheduler(cfg: dict):
                   long_prefill_token_threshold=(sc.long_prefill_token_threshold,
                                                 int(cfg["long_prefill_token_threshold"])),
                   enable_chunked_prefill=(sc.enable_chunked_prefill, bool(cfg["enable_chunked_prefill"])),
-                  enable_prefix_caching=(vllm_config.cache_config.enable_prefix_caching,
-                                         bool(cfg["enable_prefix_caching"])),
+                  enable_prefix_caching=(vllm_config.cache_config.enable_prefix_caching, caching),
                   block_sizes=((sched_bs, hash_bs), (bs, bs)))
     for name, (got, want) in checks.items():
         if got != want:
@@ -178,20 +197,49 @@ def build_scheduler(cfg: dict):
     return sched, hasher, k
 
 
-def eagle_lookahead(sched, k: int) -> int:
-    """What an EAGLE speculative config changes in the scheduler when prefix caching is off.
+def as_draft_head(spec_config, method: str, mtp_layers: int = 1) -> None:
+    """Turn the validated n-gram ``SpeculativeConfig`` into a draft-head one (``method``).
 
-    An EAGLE config needs its draft head's model config, which this harness does not build.
-    Read in vLLM 0.33 (config/vllm.py, v1/core/sched/scheduler.py), EAGLE differs from n-gram
-    for the scheduler in: ``num_lookahead_tokens = k`` (passed to every ``allocate_slots``,
-    running and waiting); ``num_prefill_lookahead = 1`` (``_reserve_prefill_lookahead`` is a
-    no-op for 1, and the encoder shift needs encoder inputs); the lookahead block hashes and
-    the trailing-block drop, which need prefix caching (off here: no hits); skipping drafts
-    (``can_skip_drafts``), which only tells the worker not to draft when no scheduled request
-    can use the drafts, so no request's drafts change. So the scheduler is built from the
-    n-gram config and given ``num_lookahead_tokens = k``: the one attribute that differs."""
+    A real EAGLE / EAGLE-3 / MTP config needs the draft model's own config (its Hugging Face
+    files), which this offline harness does not have; so the config is validated as n-gram
+    and then only its ``method`` field is replaced, before the scheduler is built. What is
+    bypassed is the draft model's validation and loading (``draft_model_config``,
+    ``draft_parallel_config``): nothing the scheduler or the KV cache manager reads. They
+    read the speculative config only through ``use_eagle()``, ``needs_eagle_block_drop()``,
+    ``use_eagle_block_drop()``, ``use_multi_module_mtp()`` (False: no draft model config, i.e.
+    a single-module MTP head, which is also what eagle/eagle3 are) and the ``VllmConfig``
+    properties built on them (``num_lookahead_tokens`` = k, ``num_prefill_lookahead_tokens``
+    = 1, ``num_hash_lookahead_tokens`` = 1 with caching on and no KV connector, else 0), all
+    of which now follow from ``method`` exactly as in a served engine, and are checked by
+    ``build_scheduler``. ``max_num_new_slots_for_drafting`` stays 0 (sequential drafting).
+    With caching off the cases keep ``eagle_lookahead`` instead: there vLLM leaves
+    ``use_eagle_block_drop`` on (no lookahead hashes), which moves a Mamba align-mode
+    chunk's checkpoint stop one block earlier (``get_mamba_prefill_checkpoint_position``):
+    spec_eagle_mamba_nocache_k3 differs under the real method, the other three caching-off
+    cases are the same either way.
+
+    Multi-module MTP (``"num_nextn_predict_layers": n > 1`` with ``"method": "mtp"``, caching
+    on or off): ``use_multi_module_mtp()`` reads only the draft model's
+    ``hf_config.num_nextn_predict_layers``, so ``draft_model_config`` is set to a stand-in
+    holding just that; vLLM then derives a prefill lookahead, a hash lookahead (caching on)
+    of k and a re-prefillable tail of k - 1, checked by ``build_scheduler``."""
+    object.__setattr__(spec_config, "method", method)
+    if mtp_layers > 1:
+        hf_config = types.SimpleNamespace(num_nextn_predict_layers=mtp_layers, model_type="mtp_stand_in")
+        object.__setattr__(spec_config, "draft_model_config", types.SimpleNamespace(hf_config=hf_config))
+    multi = method == "mtp" and min(mtp_layers, spec_config.num_speculative_tokens) > 1
+    if not (spec_config.use_eagle() and spec_config.use_eagle_block_drop()
+            and spec_config.use_multi_module_mtp() == multi):
+        raise CaseError(f"vLLM does not take method {method!r} ({mtp_layers} modules) as that draft head")
+
+
+def eagle_lookahead(sched, k: int) -> None:
+    """The caching-off draft head (``as_draft_head`` says why): built from the n-gram config
+    and given ``num_lookahead_tokens = k``, the attribute that differs for full and sliding
+    window groups (``num_prefill_lookahead = 1`` is a no-op in ``_reserve_prefill_lookahead``;
+    the encoder shift needs encoder inputs; ``can_skip_drafts`` only tells the worker not to
+    draft when no scheduled request can use the drafts)."""
     sched.num_lookahead_tokens = k
-    return k
 
 
 def validate_request(r: dict, cfg: dict, where: str) -> None:
@@ -447,13 +495,15 @@ def workload(seed: int, k: int, *, n: int = 16, prompt=(20, 90), output=(6, 40),
 
 def config(groups, num_blocks: int, k: int, description: str, *, max_num_seqs: int = 8, budget: int = 64,
            max_model_len: int = 512, async_scheduling: bool = False, policy: str = "fcfs",
-           caching: bool = True, method: str = "ngram") -> dict:
+           caching: bool = True, method: str = "ngram", mtp_layers: int = 1) -> dict:
     return {"vllm_version": VLLM_VERSION, "kv_cache_groups": groups, "block_size": 16, "num_blocks": num_blocks,
             "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
             "long_prefill_token_threshold": 0, "enable_chunked_prefill": True, "scheduling_policy": policy,
             "watermark": 0.0, "scheduler_reserve_full_isl": True, "enable_prefix_caching": caching,
             "prefix_caching_hash_algo": "sha256", "async_scheduling": async_scheduling,
-            "description": description, "speculative": {"method": method, "num_speculative_tokens": k}}
+            "description": description, "speculative": {"method": method, "num_speculative_tokens": k,
+                                                        **({"num_nextn_predict_layers": mtp_layers}
+                                                           if mtp_layers > 1 else {})}}
 
 
 def spec_cases() -> dict:
@@ -510,7 +560,82 @@ def spec_cases() -> dict:
     cfg["long_prefill_token_threshold"] = 24
     cases["spec_long_prefill_k3"] = (cfg, workload(903, 3))
     cases.update(mamba_cases())
+    cases.update(eagle_cache_cases())
     return cases
+
+
+def eagle_cache_cases() -> dict:
+    """Draft heads with prefix caching on: lookahead block hashes (docs/semantics.md)."""
+    def cfg(groups, blocks, k, text, **kw):
+        return config(groups, blocks, k, "prefix caching on, lookahead block hashes: " + text, **kw)
+    return {
+        "spec_eagle_cache_k1": (cfg([FULL], 96, 1, "EAGLE k=1, shared-prefix families, roomy pool",
+                                    method="eagle"), eagle_cache_workload(1201, 1)),
+        "spec_eagle_cache_k3": (cfg([FULL], 96, 3, "EAGLE-3 k=3, shared-prefix families, roomy pool",
+                                    method="eagle3", budget=96), eagle_cache_workload(1202, 3)),
+        "spec_async_eagle_cache_k3": (cfg([FULL], 96, 3, "EAGLE k=3, asynchronous, shared-prefix families",
+                                          method="eagle", budget=96, async_scheduling=True),
+                                      eagle_cache_workload(1203, 3)),
+        "spec_eagle_cache_pressure_k3": (cfg([FULL], 14, 3, "EAGLE k=3, 13 usable blocks: preemptions",
+                                             method="eagle", budget=96), eagle_cache_workload(1204, 3, gap=1)),
+        "spec_async_eagle_cache_pressure_k1": (
+            cfg([FULL], 14, 1, "EAGLE-3 k=1, asynchronous, 13 usable blocks: preemptions", method="eagle3",
+                budget=96, async_scheduling=True), eagle_cache_workload(1205, 1, gap=1)),
+        "spec_mtp_cache_k3": (cfg([FULL], 96, 3, "single-module MTP k=3, shared-prefix families",
+                                  method="mtp", budget=96), eagle_cache_workload(1206, 3)),
+        "spec_eagle_cache_swa_full_k3": (cfg([SWA(32), FULL], 120, 3, "EAGLE k=3, sliding window 32 + full",
+                                             method="eagle", budget=96), eagle_cache_workload(1207, 3)),
+        "spec_eagle_cache_mamba_full_k3": (cfg([FULL, MAMBA], 120, 3, "EAGLE k=3, full attention + Mamba (align)",
+                                               method="eagle", budget=96), eagle_cache_workload(1208, 3)),
+        "spec_mtp3_cache_k3": (cfg([FULL], 96, 3, "3-module MTP k=3: hashes cover 3 tokens, the last 2 computed "
+                                   "tokens are not cached, no chunk ends within 3 of the prefill end",
+                                   method="mtp", budget=40, mtp_layers=3), eagle_cache_workload(1210, 3, near=2)),
+        "spec_async_mtp3_cache_pressure_k3": (
+            cfg([FULL], 16, 3, "3-module MTP k=3, asynchronous, 15 usable blocks: preemptions", method="mtp",
+                budget=40, mtp_layers=3, async_scheduling=True), eagle_cache_workload(1211, 3, gap=1, near=1)),
+        "spec_mtp2_cache_swa_full_k3": (
+            cfg([SWA(32), FULL], 120, 3, "2-module MTP k=3 (still a lookahead of k = 3), sliding window 32 + full: "
+                "the hybrid coordinator caches the re-prefillable tail", method="mtp", budget=40, mtp_layers=2),
+            eagle_cache_workload(1212, 3, near=2)),
+        "spec_mtp3_nocache_k3": (
+            config([FULL], 40, 3, "3-module MTP k=3, caching off: only the prefill-lookahead chunk rule",
+                   method="mtp", budget=40, mtp_layers=3, caching=False), eagle_cache_workload(1213, 3)),
+        "spec_eagle_cache_mamba_checkpoint_k3": (
+            cfg([FULL, MAMBA_CHECKPOINT], 60, 3, "EAGLE k=3, full attention + Mamba-2 style (align, prefill "
+                "checkpoint), tight pool", method="eagle", budget=96), eagle_cache_workload(1209, 3, gap=1)),
+    }
+
+
+def eagle_cache_workload(seed: int, k: int, *, gap: int = 3, rate: float = 0.6, near: int = 0) -> list[dict]:
+    """Prompt families whose hits depend on the token after each block: per base prompt
+    (block-aligned 32 / 48 tokens, unaligned 37 / 53), its resend, a sibling that diverges
+    right at a block boundary, one that diverges inside a block, and the next turn of a
+    conversation (base prompt + the base's outputs + new tokens); with ``near``, also one that
+    diverges ``near`` tokens after a block boundary (inside a multi-token hash lookahead)."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(1000, 40000) for _ in range(n)]
+
+    bases = [toks(n) for n in (32, 48, 37, 53)]
+    outs = [[rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))] for _ in bases]
+    prompts: list[tuple[list[int], list[int]]] = []
+    for base, out in zip(bases, outs):
+        prompts.append((base, out))
+        cut = len(base) // 16 * 16
+        prompts.append((list(base), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
+        prompts.append((base[:cut] + toks(9), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
+        prompts.append((base[:cut - 5] + toks(12), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
+        prompts.append((base + out + toks(7), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
+        if near:
+            at = (len(base) - 1) // 16 * 16 + near - 16
+            prompts.append((base[:at] + toks(10), [rng.randrange(50000, 60000) for _ in range(rng.randint(6, 24))]))
+    reqs, step = [], 0
+    for i, (prompt, out) in enumerate(prompts):
+        reqs.append(dict(request_id=f"r{i:03d}", arrival_step=step, prompt_token_ids=prompt, output_token_ids=out,
+                         priority=rng.randint(0, 2), num_accepted_tokens=accept_script(rng, k, rate, len(out))))
+        step += rng.randint(1, gap) if i % (6 if near else 5) else 6 * gap
+    return reqs
 
 
 def mamba_cases() -> dict:

@@ -85,13 +85,21 @@ class SchedulerConfig:
     # them for a drafter that writes its own KV (``num_lookahead_tokens``: 0 for n-gram).
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    # With a draft head and prefix caching on, the tokens after each block that its hash
+    # covers (vLLM's ``num_hash_lookahead_tokens``: 1 for EAGLE, EAGLE-3 and single-module
+    # MTP, k for multi-module MTP; docs/semantics.md#draft-heads-and-prefix-caching); 0:
+    # plain hashes. And the prefill tokens past a chunk the drafter reads (vLLM's
+    # ``num_prefill_lookahead_tokens``: k for multi-module MTP; 0 or 1 change nothing).
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             require(is_int(value) and value > 0, name, "a positive integer", value)
         check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
-        if self.num_speculative_tokens or self.num_lookahead_tokens:
+        if (self.num_speculative_tokens or self.num_lookahead_tokens or self.num_hash_lookahead_tokens
+                or self.num_prefill_lookahead_tokens):
             self._check_speculative()
         if not self.enable_chunked_prefill:
             # Without chunking a max_model_len prompt must fit one step, as vLLM requires.
@@ -110,6 +118,17 @@ class SchedulerConfig:
         lookahead = self.num_lookahead_tokens
         require(is_int(lookahead) and lookahead >= 0, "num_lookahead_tokens", "a non-negative integer", lookahead)
         require(k > 0 or lookahead == 0, "num_lookahead_tokens", "0 unless num_speculative_tokens > 0", lookahead)
+        prefill_lookahead = self.num_prefill_lookahead_tokens
+        require(is_int(prefill_lookahead) and 0 <= prefill_lookahead <= k, "num_prefill_lookahead_tokens",
+                f"an integer from 0 to num_speculative_tokens ({k})", prefill_lookahead)
+        require(lookahead > 0 or prefill_lookahead == 0, "num_prefill_lookahead_tokens",
+                "0 unless a draft head reserves lookahead slots (num_lookahead_tokens > 0)", prefill_lookahead)
+        hash_lookahead = self.num_hash_lookahead_tokens
+        # vLLM hashes with exactly the drafter's prefill lookahead, or not at all.
+        require(hash_lookahead in (0, max(1, prefill_lookahead)), "num_hash_lookahead_tokens",
+                f"0 or {max(1, prefill_lookahead)} (num_prefill_lookahead_tokens, at least 1)", hash_lookahead)
+        require(lookahead > 0 or hash_lookahead == 0, "num_hash_lookahead_tokens",
+                "0 unless a draft head reserves lookahead slots (num_lookahead_tokens > 0)", hash_lookahead)
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -56,6 +56,9 @@ class KVCacheCoordinator:
         # (tokens in flight delay its releases; "none" mode has none): past it, the
         # KV cache manager asks ``is_noop`` before taking the full path.
         self.horizon_possible = all(m.has_noop_horizon for m in self.managers)
+        # Multi-module MTP: the last computed tokens a later chunk may re-prefill are not
+        # cached (set by the KV cache manager for one group only; 0 otherwise).
+        self.num_reprefillable_tokens = 0
 
     # -- hash views --------------------------------------------------------------------
 
@@ -114,6 +117,8 @@ class KVCacheCoordinator:
         return self.replaced_block_ids.pop(request_id, None)
 
     def cache_blocks(self, request_id: str, block_hashes: BlockHashes, num_tokens: int) -> None:
+        if self.num_reprefillable_tokens:
+            num_tokens = max(0, num_tokens - self.num_reprefillable_tokens)
         for m in self.managers:
             m.cache_blocks(self.hashes_for(block_hashes, m), request_id, num_tokens)
 

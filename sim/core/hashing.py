@@ -7,6 +7,13 @@ requests share block ``i``'s hash only when they share the whole prefix up to it
 full blocks are hashed, at the granularity ``hash_block_size``; a group with a coarser
 block size uses the fine hash that ends where its block ends (``CoarseBlockHashes``).
 
+Lookahead block hashes (docs/semantics.md#draft-heads-and-prefix-caching): with a draft
+head (EAGLE, EAGLE-3, MTP) and caching on, vLLM 0.33 makes each hash also cover the
+``L`` tokens after its block (``num_hash_lookahead_tokens``; ``L = 1`` for a single-module
+head), because the drafter's KV at the block's last position was computed from the next
+token. The extra keys become ``(None, *next_tokens)``; a block gets its hash only once
+those tokens exist. ``L = 0`` (every other case) hashes exactly as before.
+
 Two hash functions are offered and the simulator's decisions never depend on which:
 
 * ``sha256`` — vLLM's default: SHA-256 of the pickled tuple, byte-for-byte what vLLM
@@ -136,20 +143,24 @@ class HashIdBlockHashes:
     """
 
     __slots__ = ("prompt", "block_size", "hash_fn", "num_prompt_blocks", "tail", "_ids", "_ids_tokens",
-                 "_fast_blocks", "_memo")
+                 "_fast_blocks", "_memo", "lookahead")
 
-    def __init__(self, prompt: HashIdPrompt, block_size: int, hash_fn: HashFn):
+    def __init__(self, prompt: HashIdPrompt, block_size: int, hash_fn: HashFn, lookahead: int = 0):
         self.prompt = prompt
         self.block_size = block_size
         self.hash_fn = hash_fn
-        self.num_prompt_blocks = prompt.num_tokens // block_size
+        # With lookahead hashes a prompt block's hash names the prefix up to ``lookahead``
+        # tokens past its end (the chain plus the next tokens), so it needs them in the prompt.
+        self.lookahead = lookahead
+        self.num_prompt_blocks = max(prompt.num_tokens - lookahead, 0) // block_size
         self.tail: list = []
         # The hot case (builtin hash, a block the trace's ids cover) hashes
         # (chunk id, end) directly: this runs once or twice for every prompt block replayed.
         self._ids = prompt.hash_ids
         self._ids_tokens = prompt.hash_block_tokens
         fast = hash_fn is builtin_hash
-        self._fast_blocks = min(self.num_prompt_blocks, prompt.covered_tokens // block_size) if fast else 0
+        self._fast_blocks = min(self.num_prompt_blocks,
+                                max(prompt.covered_tokens - lookahead, 0) // block_size) if fast else 0
         # Hashes made so far, kept while the request lives: a waiting request at the head
         # of a long queue is looked up again every step.
         self._memo: list = []
@@ -159,12 +170,12 @@ class HashIdBlockHashes:
 
     def __getitem__(self, index: int) -> BlockHash:
         if 0 <= index < self._fast_blocks:
-            end = (index + 1) * self.block_size
+            end = (index + 1) * self.block_size + self.lookahead
             return hash((self._ids[(end - 1) // self._ids_tokens], end))
         if index < 0:
             index += len(self)
         if index < self.num_prompt_blocks:
-            identity = self.prompt.prefix_identity((index + 1) * self.block_size)
+            identity = self.prompt.prefix_identity((index + 1) * self.block_size + self.lookahead)
             return self.hash_fn(identity)
         return self.tail[index - self.num_prompt_blocks]
 
@@ -174,10 +185,10 @@ class HashIdBlockHashes:
         memo = self._memo
         fast_stop = min(stop, self._fast_blocks)
         if len(memo) < fast_stop:
-            ids, ids_tokens, bs = self._ids, self._ids_tokens, self.block_size
+            ids, ids_tokens, bs, lookahead = self._ids, self._ids_tokens, self.block_size, self.lookahead
             # A counted loop (compiled, a C loop; a stepped range is iterated generically).
             for index in range(len(memo), fast_stop):
-                end = (index + 1) * bs
+                end = (index + 1) * bs + lookahead
                 memo.append(hash((ids[(end - 1) // ids_tokens], end)))
         if stop <= fast_stop:
             return memo[start:stop]
@@ -194,32 +205,39 @@ def hashes_in_range(block_hashes: BlockHashes, start: int, stop: int) -> list:
 
 
 class BlockHasher:
-    """Computes a request's chained block hashes at one granularity with one hash function."""
+    """Computes a request's chained block hashes at one granularity with one hash function,
+    each covering ``lookahead`` tokens past its block (0: none; module docstring)."""
 
-    __slots__ = ("hash_fn", "hash_block_size", "none_hash")
+    __slots__ = ("hash_fn", "hash_block_size", "none_hash", "lookahead")
 
-    def __init__(self, hash_fn: HashFn, hash_block_size: int):
+    def __init__(self, hash_fn: HashFn, hash_block_size: int, lookahead: int = 0):
         self.hash_fn = hash_fn
         self.hash_block_size = hash_block_size
         self.none_hash = none_hash(hash_fn)
+        self.lookahead = lookahead
 
     def new_hashes(self, prompt: PromptSource) -> list | HashIdBlockHashes:
         if isinstance(prompt, HashIdPrompt):
-            return HashIdBlockHashes(prompt, self.hash_block_size, self.hash_fn)
+            return HashIdBlockHashes(prompt, self.hash_block_size, self.hash_fn, self.lookahead)
         return []
 
     def extend(self, hashes: list | HashIdBlockHashes, prompt: PromptSource, output_token_ids: list[int],
                num_tokens: int) -> None:
-        """Append the hashes of blocks that became full since ``hashes`` was last extended."""
+        """Append the hashes of blocks that became full (and, with lookahead, whose next
+        tokens became known) since ``hashes`` was last extended."""
         bs = self.hash_block_size
         hash_fn = self.hash_fn
+        lookahead = self.lookahead
         index = len(hashes)
         parent = hashes[index - 1] if index else self.none_hash
         tail = hashes.tail if isinstance(hashes, HashIdBlockHashes) else hashes
-        while (index + 1) * bs <= num_tokens:
+        while (index + 1) * bs + lookahead <= num_tokens:
             start = index * bs
-            identity = prompt.block_identity(start, start + bs, output_token_ids)
-            parent = hash_fn((parent, identity, None))
+            end = start + bs
+            identity = prompt.block_identity(start, end, output_token_ids)
+            # vLLM's extra keys: None, or (None, *next tokens) with lookahead hashes.
+            extra = (None,) + prompt.block_identity(end, end + lookahead, output_token_ids) if lookahead else None
+            parent = hash_fn((parent, identity, extra))
             tail.append(parent)
             index += 1
 

@@ -15,7 +15,7 @@ executor keep exact copies of the tables.
 
 from __future__ import annotations
 
-from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
+from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, UnitaryKVCacheCoordinator, get_kv_cache_coordinator
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.managers import FullAttentionManager
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -24,13 +24,19 @@ from kvtwin.sim.core.spec import KVCacheConfig, cdiv
 
 class KVCacheManager:
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
-                 enable_caching: bool = True, watermark: float = 0.0):
+                 enable_caching: bool = True, watermark: float = 0.0, num_prefill_lookahead: int = 0):
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.coordinator = get_kv_cache_coordinator(kv_cache_config, max_model_len, max_in_flight_tokens,
                                                     enable_caching)
         self.block_pool = self.coordinator.block_pool
+        if num_prefill_lookahead > 1 and isinstance(self.coordinator, UnitaryKVCacheCoordinator):
+            # Multi-module MTP may re-prefill the last k - 1 computed tokens: they are not
+            # cached. vLLM's hybrid coordinator overrides that rule (it only applies with the
+            # legacy block drop), so only a one-group layout drops them
+            # (docs/semantics.md#draft-heads-and-prefix-caching).
+            self.coordinator.num_reprefillable_tokens = num_prefill_lookahead - 1
         self.num_groups = len(kv_cache_config.groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         # Returned for "no blocks" (no hit, nothing appended on the fast path): test by identity.

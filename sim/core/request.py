@@ -47,7 +47,8 @@ class Request:
         # stops there so its state gets cached for siblings sharing that prefix.
         self.shared_prefix_boundary = 0
         self._hasher: BlockHasher | None = None
-        # Token count at which the next block becomes full and gets a hash.
+        # Token count at which the next block becomes full (and, with lookahead hashes, its
+        # next tokens are known) and gets a hash.
         self._next_hash_tokens = 1 << 62
         # Asynchronous scheduling only (both stay 0 otherwise): tokens this request will
         # sample in batches still in flight (vLLM's output placeholders: they count as
@@ -88,7 +89,7 @@ class Request:
         hasher = self._hasher
         if hasher is not None:
             hasher.extend(self.block_hashes, self.prompt, self.output_token_ids, self.num_tokens)
-            self._next_hash_tokens = (len(self.block_hashes) + 1) * hasher.hash_block_size
+            self._next_hash_tokens = (len(self.block_hashes) + 1) * hasher.hash_block_size + hasher.lookahead
 
     def __hash__(self) -> int:
         # Identity, as for any object; spelled out because a compiled class that defines a

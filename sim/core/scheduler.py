@@ -30,6 +30,8 @@ any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py`
 
 from __future__ import annotations
 
+from math import lcm
+
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
@@ -58,10 +60,13 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config, scheduler_config.max_model_len, scheduler_config.max_in_flight_tokens,
-            enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark)
+            enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark,
+            num_prefill_lookahead=scheduler_config.num_prefill_lookahead_tokens)
         # vLLM's engine hashes a request's blocks for the prefix cache and for a KV
         # connector alike: with caching off, an offload tier still stores and finds prefixes.
-        self.hasher = (BlockHasher(get_hash_fn(cache_config.prefix_caching_hash_algo), kv_cache_config.hash_block_size)
+        # A draft head's lookahead hashes (docs/semantics.md#draft-heads-and-prefix-caching).
+        self.hasher = (BlockHasher(get_hash_fn(cache_config.prefix_caching_hash_algo), kv_cache_config.hash_block_size,
+                                   scheduler_config.num_hash_lookahead_tokens)
                        if cache_config.enable_prefix_caching or connector is not None else None)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
@@ -104,9 +109,43 @@ class Scheduler:
                     "KV cache group", [s.num_speculative_blocks for s in mamba_specs])
             require(connector is None, "num_speculative_tokens", "0 with a KV offload tier (not modelled yet)",
                     self.num_spec_tokens)
+            self._check_draft_head(kv_cache_config, cache_config, mamba_specs)
+        # Multi-module MTP: no prefill chunk ends within this many tokens of the prefill end
+        # (0: the rule is off; vLLM's rule changes nothing for a lookahead of 1).
+        self.num_prefill_lookahead = (scheduler_config.num_prefill_lookahead_tokens
+                                      if scheduler_config.num_prefill_lookahead_tokens > 1 else 0)
         # This step's waiting pass may pad a one-token admission to 1 + k (set by schedule()).
         self._pad_admissions = False
         self._running_scheduled = False
+
+    def _check_draft_head(self, kv_cache_config: KVCacheConfig, cache_config: CacheConfig,
+                          mamba_specs: list[MambaSpec]) -> None:
+        """What of a draft head with prefix caching kvtwin models
+        (docs/semantics.md#draft-heads-and-prefix-caching)."""
+        cfg = self.config
+        caching = cache_config.enable_prefix_caching
+        # With caching on a head hashes with lookahead: vLLM's legacy trailing-block drop
+        # (disable_lookahead_block_hashes) is not modelled.
+        require(not (cfg.num_lookahead_tokens and caching) or cfg.num_hash_lookahead_tokens > 0,
+                "num_hash_lookahead_tokens", "at least 1 with a draft head and prefix caching on (the legacy "
+                "block drop is not modelled)", cfg.num_hash_lookahead_tokens)
+        prefill_lookahead = cfg.num_prefill_lookahead_tokens
+        if prefill_lookahead > 1:
+            require(not mamba_specs, "num_prefill_lookahead_tokens", "at most 1 with Mamba groups (multi-module "
+                    "MTP on a hybrid Mamba model is not modelled)", prefill_lookahead)
+            block = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
+            # vLLM: the re-prefillable tail must fit the block a hit would drop.
+            require(not caching or block >= prefill_lookahead, "num_prefill_lookahead_tokens",
+                    f"at most the scheduler block size ({block}) with prefix caching on", prefill_lookahead)
+
+    def _reserve_prefill_lookahead(self, request: Request, computed: int, num_new: int) -> int:
+        """vLLM's ``_reserve_prefill_lookahead``: a chunk that would end within
+        ``num_prefill_lookahead`` tokens of the prefill end is shortened to leave that many
+        for the next one (multi-module MTP reads them as draft inputs)."""
+        remaining = request.num_tokens - computed - num_new
+        if 0 < remaining < self.num_prefill_lookahead:
+            num_new -= self.num_prefill_lookahead - remaining
+        return max(num_new, 0)
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -177,6 +216,8 @@ class Scheduler:
             num_new = self.clip_running_chunk(num_new, computed, token_budget, long_prefill)
             if mamba_split:
                 num_new = self.mamba_block_aligned_split(request, num_new, 0)
+            if self.num_prefill_lookahead:
+                num_new = self._reserve_prefill_lookahead(request, computed, num_new)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -355,6 +396,11 @@ class Scheduler:
             num_new = self._first_chunk(request, num_computed, hit_tokens, token_budget, long_prefill)
             if not num_new:
                 break
+            if self.num_prefill_lookahead:
+                num_new = self._reserve_prefill_lookahead(request, num_computed, num_new)
+                if not num_new:
+                    skipped.append(self.waiting.pop())  # vLLM skips it for this step
+                    continue
             new_blocks = kv_cache_manager.allocate_slots(request, num_new, hit_tokens, hit_blocks,
                                             num_lookahead_tokens=self.num_lookahead_tokens,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl,

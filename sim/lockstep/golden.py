@@ -23,9 +23,10 @@ _CONFIG_FIELDS = {
     "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload", "speculative",
 }
 # The ``speculative`` table of a speculative-decoding case (scripts/oracle/gen_spec_golden.py).
-# "eagle": a drafter with its own KV, k lookahead slots per step; kvtwin models it with
-# prefix caching off only (vLLM's EAGLE hashes each block with the next token, not modelled).
-_SPEC_METHODS = ("ngram", "eagle")
+# "eagle", "eagle3", "mtp" (single-module): a draft head with its own KV, k lookahead slots
+# per step and, with prefix caching on, block hashes that cover the next token.
+_SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp")
+_HEAD_METHODS = ("eagle", "eagle3", "mtp")
 # The ``kv_offload`` table of an offload case (the native CPU offloading connector).
 _OFFLOAD_FIELDS = {"cpu_bytes_to_use": int, "eviction_policy": str, "kv_bytes_per_chunk": int,
                    "num_cpu_chunks": int, "load_steps": int, "store_steps": int}
@@ -121,7 +122,7 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
             num_speculative_tokens=num_spec_tokens,
-            num_lookahead_tokens=num_spec_tokens if _is_eagle(data, source) else 0,
+            **_head_lookaheads(data, num_spec_tokens),
         )
         cache_config = CacheConfig(
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
@@ -138,8 +139,15 @@ def _speculative_tokens(data: dict, source: str) -> int:
     spec = data.get("speculative")
     if spec is None:
         return 0
-    if not isinstance(spec, dict) or sorted(spec) != ["method", "num_speculative_tokens"]:
-        raise ConfigError("speculative", "a table with method and num_speculative_tokens", spec, source=source)
+    if not isinstance(spec, dict) or sorted(k for k in spec if k != "num_nextn_predict_layers") != [
+            "method", "num_speculative_tokens"]:
+        raise ConfigError("speculative", "a table with method and num_speculative_tokens (and, for mtp, "
+                          "num_nextn_predict_layers)", spec, source=source)
+    layers = spec.get("num_nextn_predict_layers", 1)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1 or (
+            layers > 1 and spec["method"] != "mtp"):
+        raise ConfigError("speculative.num_nextn_predict_layers", "a positive integer, above 1 only for mtp",
+                          layers, source=source)
     if spec["method"] not in _SPEC_METHODS:
         raise ConfigError("speculative.method", f"one of {', '.join(_SPEC_METHODS)}", spec["method"], source=source)
     k = spec["num_speculative_tokens"]
@@ -148,14 +156,25 @@ def _speculative_tokens(data: dict, source: str) -> int:
     return k
 
 
-def _is_eagle(data: dict, source: str) -> bool:
+def _head_lookaheads(data: dict, k: int) -> dict[str, int]:
+    """A draft head's lookaheads as vLLM 0.33 derives them (docs/semantics.md
+    #draft-heads-and-prefix-caching): k slots; a prefill lookahead of 1, or k for
+    multi-module MTP (more than one MTP layer and k > 1); hashes covering that many tokens
+    with caching on."""
+    if not _is_eagle(data):
+        return {}
+    spec = data["speculative"]
+    multi = spec["method"] == "mtp" and min(spec.get("num_nextn_predict_layers", 1), k) > 1
+    prefill = k if multi else 1
+    caching = data.get("enable_prefix_caching", True)
+    return dict(num_lookahead_tokens=k, num_prefill_lookahead_tokens=prefill,
+                num_hash_lookahead_tokens=prefill if caching else 0)
+
+
+def _is_eagle(data: dict) -> bool:
+    """Whether the case drafts with a draft head (vLLM's ``use_eagle()``)."""
     spec = data.get("speculative")
-    if spec is None or spec.get("method") != "eagle":
-        return False
-    if data.get("enable_prefix_caching", True):
-        raise ConfigError("speculative.method", "'ngram' with prefix caching on ('eagle' hashes blocks with a "
-                          "lookahead token, not modelled)", "eagle", source=source)
-    return True
+    return spec is not None and spec.get("method") in _HEAD_METHODS
 
 
 def load_offload(path: Path) -> CaseOffload | None:

@@ -26,11 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import pyarrow as pa
+from typing import TYPE_CHECKING
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.scenario.slo import SLO
+
+if TYPE_CHECKING:  # a type only: `kvtwin capacity --help` reads this module's defaults
+    import pyarrow as pa
 
 DEFAULT_RATE_TOLERANCE = 0.05
 DEFAULT_MAX_REPLAYS = 24

@@ -14,9 +14,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Any, Mapping
 
 from kvtwin.sim.core.errors import ConfigError, config_from_table, reject_unknown_keys
 from kvtwin.sim.planner.engine_config import ENGINE_KEYS, EngineConfig, engine_config_from_mapping
@@ -32,12 +30,13 @@ from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, s
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SPECULATIVE_KEYS, SpeculativeConfig
 from kvtwin.sim.scenario.validators import check_keys, fields_under, table_of
-from kvtwin.traces import transforms
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.errors import TraceError
-from kvtwin.traces.load import LoadOptions, load_trace
-from kvtwin.traces.synth import synthesize
+from kvtwin.traces.options import LoadOptions
 from kvtwin.traces.synth_spec import parse_spec
+
+if TYPE_CHECKING:  # a type only: reading a scenario (kvtwin plan) loads no trace, nor pyarrow
+    import pyarrow as pa
 
 SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload",
             "disaggregation", "speculative")
@@ -61,12 +60,19 @@ class Workload:
 
     def load_source(self) -> pa.Table:
         """The requests before any cut (a caller replaying many cuts of one source loads it once)."""
+        # The reader or the generator (pyarrow, NumPy) loads here, when there are requests to make.
         if self.trace is not None:
+            from kvtwin.traces.load import load_trace
+
             return load_trace(self.trace, self.load_options)
+        from kvtwin.traces.synth import synthesize
+
         return synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload")
 
     def cut(self, table: pa.Table) -> pa.Table:
         """This workload's cuts, in their order, applied to ``table``."""
+        from kvtwin.traces import transforms  # NumPy and pyarrow, only when there is a table to cut
+
         t = self.transforms
         if "start_s" in t or "end_s" in t:
             table = transforms.time_window(table, t.get("start_s", 0.0), t.get("end_s"))

@@ -236,21 +236,19 @@ def with_speculative(planned: Plan, speculative: SpeculativeConfig, where: str |
                      overrides: Overrides = Overrides()) -> Plan:
     """``planned`` with its scheduler drafting as ``speculative`` says (unchanged when off).
     A k the step budget cannot verify is refused here, naming the setting. A draft head
-    (EAGLE, EAGLE-3, MTP) needs prefix caching off: with it on vLLM hashes each block with
-    a lookahead token and drops the last block of a hit, which kvtwin does not model."""
+    (EAGLE, EAGLE-3, single-module MTP) with prefix caching on hashes each block with the
+    token after it, as vLLM 0.33 does by default (docs/semantics.md#draft-heads-and-prefix-caching)."""
     if not speculative.enabled:
         return planned
     name = "num_speculative_tokens"
     from_flag = name in overrides.speculative
     setting = flag_for("speculative", name) if from_flag else f"speculative.{name}"
-    if speculative.num_lookahead_tokens and planned.engine.cache.enable_prefix_caching:
-        raise ConfigError("speculative.method", f"'ngram' with prefix caching on ({speculative.method} hashes "
-                          "blocks with a lookahead token, not modelled; set [engine] enable_prefix_caching = false)",
-                          speculative.method, source=where)
     scheduler = planned.engine.scheduler
+    hash_lookahead = speculative.num_hash_lookahead_tokens(planned.engine.cache.enable_prefix_caching)
     try:
         scheduler = dataclasses.replace(scheduler, num_speculative_tokens=speculative.num_speculative_tokens,
-                                        num_lookahead_tokens=speculative.num_lookahead_tokens)
+                                        num_lookahead_tokens=speculative.num_lookahead_tokens,
+                                        num_hash_lookahead_tokens=hash_lookahead)
     except ConfigError as err:
         raise ConfigError(setting, err.expected, err.got, source=None if from_flag else where) from None
     return dataclasses.replace(planned, engine=dataclasses.replace(planned.engine, scheduler=scheduler))

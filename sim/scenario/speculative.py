@@ -2,7 +2,9 @@
 
 docs/semantics.md#speculative-decoding. ``method`` is the drafter (``ngram``: prompt lookup,
 no model; ``eagle``, ``eagle3``, ``mtp``: a draft head that writes its own KV, so the
-scheduler reserves ``num_lookahead_tokens = k`` slots), ``num_speculative_tokens`` the k
+scheduler reserves ``num_lookahead_tokens = k`` slots and, with prefix caching on, each
+block's hash covers the token after it; ``mtp`` is a single-module head, one MTP layer
+run k times, as DeepSeek-V3's), ``num_speculative_tokens`` the k
 drafts verified per decode, ``acceptance`` how often they are accepted (one rate, or one
 per draft position; default: the method's published table, ``spec_defaults.py``), ``seed``
 the acceptance draws' seed, ``draft_layers`` the draft head's depth for the cost model
@@ -59,6 +61,11 @@ class SpeculativeConfig:
     def num_lookahead_tokens(self) -> int:
         """KV slots reserved past the drafts (vLLM: k for a draft head, 0 for n-gram)."""
         return self.num_speculative_tokens if self.method in HEAD_METHODS else 0
+
+    def num_hash_lookahead_tokens(self, enable_prefix_caching: bool) -> int:
+        """Tokens after each block its hash covers (vLLM 0.33: 1 for a single-module draft
+        head with prefix caching on, docs/semantics.md#draft-heads-and-prefix-caching; else 0)."""
+        return 1 if self.method in HEAD_METHODS and enable_prefix_caching else 0
 
     @property
     def num_draft_layers(self) -> int:

@@ -14,7 +14,6 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-import kvtwin.commands.replay as replay_command
 import kvtwin.reports.run_dir as run_dir
 from kvtwin.cli import app
 from kvtwin.reports.run_dir import write_run
@@ -34,7 +33,7 @@ def _no_replay(*args, **kwargs):
 
 @pytest.mark.parametrize("kind", ["file", "dev_null", "under_a_file", "proc", "foreign_dir"])
 def test_out_that_cannot_be_a_run_directory_fails_before_the_run(tmp_path, monkeypatch, kind):
-    monkeypatch.setattr(replay_command, "run_replay", _no_replay)
+    monkeypatch.setattr("kvtwin.sim.replay.run.run_replay", _no_replay)
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
     foreign = tmp_path / "home"
@@ -94,7 +93,7 @@ def test_ctrl_c_during_replay_says_what_was_written_and_exits_130(tmp_path, monk
         on_progress(ReplayClock(now_s=1234.4, steps=10, arrived=3))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(replay_command, "run_replay", interrupted)
+    monkeypatch.setattr("kvtwin.sim.replay.run.run_replay", interrupted)
     result = CliRunner().invoke(app, ["replay", SMALL, "--limit", "5", "--out", str(out)])
     assert result.exit_code == 130
     lines = _error_lines(result)
@@ -104,12 +103,11 @@ def test_ctrl_c_during_replay_says_what_was_written_and_exits_130(tmp_path, monk
 
 
 def test_ctrl_c_in_any_command_exits_130_with_one_line(monkeypatch):
-    import kvtwin.commands.trace as trace_command
-
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trace_command, "load_trace", interrupted)
+    # The command imports its reader when it runs (tests/test_lazy_imports.py): patch it at home.
+    monkeypatch.setattr("kvtwin.traces.load.load_trace", interrupted)
     result = CliRunner().invoke(app, ["trace", "info", "bundled:burstgpt1_first400.csv"])
     assert result.exit_code == 130
     assert _error_lines(result) == ["kvtwin: interrupted"]

@@ -5,6 +5,7 @@ any kernel runs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pyarrow.parquet as pq
 import pytest
@@ -98,6 +99,7 @@ def test_a_failed_check_exits_1(scenario, tmp_path, monkeypatch):
     (["--requests", "0"], "--requests"),
     (["--device", "tpu"], "--device"),
     (["--clock", "sundial"], "--clock"),
+    (["--size", "huge"], "--size"),
 ])
 def test_bad_flags_are_one_error_line(scenario, tmp_path, monkeypatch, flags, field):
     monkeypatch.setattr(validate_module, "validate", lambda *a, **k: pytest.fail("validation ran"))
@@ -137,3 +139,28 @@ def test_a_pool_too_big_for_a_cpu_names_the_knob(tmp_path, monkeypatch):
     result = _invoke(path, "--out", tmp_path / "run")
     assert result.exit_code == 2
     assert result.stderr.startswith("kvtwin: error: engine.kv_cache_memory_bytes: expected a KV pool a CPU can hold")
+
+
+def test_progress_is_a_line_per_stage_off_a_terminal_and_nothing_when_quiet(scenario, tmp_path):
+    result = _invoke(scenario, "--out", tmp_path / "run", "--checks", "prefix_hits_are_real,step_latency")
+    assert result.exit_code == 0, result.output
+    progress = [line for line in result.stderr.splitlines() if line.startswith("kvtwin: validate: ")]
+    stages = [line.removeprefix("kvtwin: validate: ").rsplit(", ", 1)[0] for line in progress]
+    assert stages == ["executor, prefix caching on (1/3)", "executor, prefix caching off (2/3)",
+                      "step latency and calibration (3/3)", "done"], result.stderr
+    assert all(line.endswith(" s wall") for line in progress)
+    quiet = _invoke(scenario, "--out", tmp_path / "run", "--checks", "prefix_hits_are_real", "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_size_full_keeps_the_scenarios_lengths_and_small_cuts_them(scenario, tmp_path):
+    for size, max_model_len in (("full", 900), ("small", None)):
+        out = tmp_path / size
+        result = _invoke(scenario, "--out", out, "--quiet", "--size", size, "--checks", "prefix_hits_are_real")
+        assert result.exit_code == 0, result.output
+        assert f"(--size {size})" in result.stdout
+        plan = json.loads((out / "plan.json").read_text())
+        if max_model_len is not None:
+            assert plan["max_model_len"] == max_model_len
+        else:  # the longest request left, whole blocks: under the scenario's 900
+            assert plan["max_model_len"] < 900 and plan["max_model_len"] % 16 == 0

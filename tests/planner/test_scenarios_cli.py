@@ -104,4 +104,4 @@ def test_compare_hybrid(run_plan):
 
 def test_cli_app_mounts_plan():
     from kvtwin import cli
-    assert "plan" in [c.name for c in cli.app.registered_commands]
+    assert "plan" in [entry.name for entry in cli.COMMANDS]

@@ -18,6 +18,7 @@ from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.sim.scenario.spec_defaults import default_acceptance
 from kvtwin.sim.scenario.sweep_keys import parse_sweeps
 from tests.tables import assert_tables_equal
+from kvtwin.traces import schema as col
 
 SCENARIO = """\
 description = "spec test: a short chat workload"
@@ -179,10 +180,52 @@ def test_bad_speculative_settings_are_one_error_line(tmp_path, spec, fragments):
     _one_error_line(_replay_cli(_scenario(tmp_path, spec), "--out", tmp_path / "out"), *fragments)
 
 
-def test_a_draft_head_with_prefix_caching_on_is_refused(tmp_path):
-    path = _scenario(tmp_path, 'method = "eagle"\nnum_speculative_tokens = 2\n')
+def _cached(path):
     path.write_text(path.read_text().replace("enable_prefix_caching = false", "enable_prefix_caching = true"))
-    _one_error_line(_replay_cli(path, "--out", tmp_path / "out"), "speculative.method", "prefix caching")
+    return path
+
+
+def test_a_draft_head_with_prefix_caching_on_hashes_with_lookahead_and_still_hits(tmp_path):
+    """docs/semantics.md#draft-heads-and-prefix-caching: EAGLE-3 with caching on replays (no
+    refusal), its plan hashes each block with the token after it, and multi-turn chat still
+    hits; never more than without drafting, since a lookahead hash matches only where the
+    plain one does and also needs the token after the block to agree."""
+    plain = _cached(_scenario(tmp_path, async_scheduling=False, name="plain.toml"))
+    head = _cached(_scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\n', async_scheduling=False,
+                             name="head.toml"))
+    ngram = _cached(_scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\n',
+                              async_scheduling=False, name="ngram.toml"))
+    assert resolve_scenario(head, Overrides()).plan().engine.scheduler.num_hash_lookahead_tokens == 1
+    assert resolve_scenario(ngram, Overrides()).plan().engine.scheduler.num_hash_lookahead_tokens == 0
+    head_off = _scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\n', name="off.toml")
+    assert resolve_scenario(head_off, Overrides()).plan().engine.scheduler.num_hash_lookahead_tokens == 0
+    hits = {}
+    for name, path in (("plain", plain), ("head", head), ("ngram", ngram)):
+        result, summary = _run(path)
+        assert summary["completed"] == 40
+        hits[name] = summary["prefix_cache_hits"]
+    # n-gram drafts have no KV of their own: hashes, hence hits, as without drafting.
+    assert hits["ngram"] == hits["plain"]
+    assert 0 < hits["head"] <= hits["plain"]
+
+
+def test_a_draft_head_misses_the_block_whose_next_token_differs(tmp_path):
+    """Two prompts share their first two blocks (32 tokens) and differ right after them. With
+    plain hashes the later one hits both blocks; with a draft head's lookahead hashes the
+    second block's hash covers token 32, where they differ, so it hits one block."""
+    shared = list(range(1000, 1032))
+    table = col.build_table({col.REQUEST_ID: ["a", "b"], col.ARRIVAL_TIME_S: [0.0, 30.0],
+                             col.PROMPT_TOKENS: [40, 40], col.OUTPUT_TOKENS: [4, 4],
+                             col.PROMPT_TOKEN_IDS: [shared + [1] * 8, shared + [2] * 8]},
+                            col.TraceMeta(source_format="test"))
+    hit = {}
+    for name, spec in (("plain", ""), ("head", 'method = "eagle"\nnum_speculative_tokens = 2\nacceptance = 0.5\n')):
+        resolved = resolve_scenario(_cached(_scenario(tmp_path, spec, name=f"{name}.toml")), Overrides())
+        result = run_replay(resolved.plan(), table, efficiency=resolved.efficiency, speculative=resolved.speculative)
+        hit[name] = dict(zip(result.requests.column("request_id").to_pylist(),
+                             result.requests.column("prefix_hit_tokens").to_pylist()))
+    assert hit["plain"] == {"a": 0, "b": 32}
+    assert hit["head"] == {"a": 0, "b": 16}
 
 
 @pytest.mark.parametrize("flags, fragments", [

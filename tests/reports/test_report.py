@@ -16,12 +16,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
+from matplotlib.lines import Line2D
 from typer.testing import CliRunner
 
-from kvtwin.cli import app as kvtwin_app
+from kvtwin.cli import COMMANDS, app as kvtwin_app
 from kvtwin.commands.report import report as report_command
+from kvtwin.reports import plots
+from kvtwin.reports.binning import minmax_points, state_bins
 from kvtwin.reports.capacity_report import render_capacity_report
 from kvtwin.reports.html import render_report_dir, write_report
+from kvtwin.reports.replay_plots import TIME_BINS
 from kvtwin.reports.replay_report import render_replay_report
 from kvtwin.reports.run_dir import write_dir
 
@@ -37,7 +41,7 @@ EVIL = '<script>alert("x")</script>&'
 
 def _app() -> typer.Typer:
     """``kvtwin`` itself once ``report`` is registered there; until then a copy with it."""
-    if any(c.name == "report" for c in kvtwin_app.registered_commands):
+    if any(entry.name == "report" for entry in COMMANDS):
         return kvtwin_app
     local = typer.Typer(add_completion=False, rich_markup_mode=None)
 
@@ -157,11 +161,81 @@ def test_empty_run_still_renders():
     assert text.count(IMG) == len(REPLAY_CAPTIONS)
 
 
-def test_a_long_run_renders_every_plot():
+def _drawn(monkeypatch) -> list:
+    """Every figure the plots encode from now on (``plots._png`` still encodes them)."""
+    figures = []
+    encode = plots._png
+
+    def keep(fig):
+        figures.append(fig)
+        return encode(fig)
+
+    monkeypatch.setattr(plots, "_png", keep)
+    return figures
+
+
+def _points(artist) -> int:
+    if isinstance(artist, Line2D):
+        return len(artist.get_xdata())
+    return max((len(path.vertices) for path in artist.get_paths()), default=0)
+
+
+def test_a_long_run_is_downsampled_and_keeps_its_extremes(monkeypatch):
     # Its time is measured in bench/bench_wall_clocks.py, not asserted here.
     requests, steps, summary, plan, metadata = _synthetic_replay(n_steps=200_000, n_requests=8_000)
+    spike_at = 123_457  # one step with far more running requests than any other
+    running = steps.column("num_running").to_numpy().copy()
+    running[spike_at] = 999
+    steps = steps.set_column(steps.schema.get_field_index("num_running"), "num_running",
+                             pa.array(running, pa.int32()))
+    figures = _drawn(monkeypatch)
     text = render_replay_report(requests, steps, summary, plan, metadata)
-    assert text.count(IMG) == len(REPLAY_CAPTIONS)
+    assert text.count(IMG) == len(REPLAY_CAPTIONS) == len(figures)
+    for caption in REPLAY_CAPTIONS:
+        assert caption in text
+    for fig in figures:
+        for ax in fig.axes:
+            for artist in [*ax.lines, *ax.collections]:
+                assert _points(artist) <= plots.MAX_LINE_POINTS, (ax.get_title(), artist)
+    queues = next(ax for fig in figures for ax in fig.axes if ax.get_title() == "Running and waiting queues")
+    running_line = next(line for line in queues.lines if line.get_label() == "running")
+    # The bin's mean hides the spike; the band from the bin's least to its most shows it.
+    assert len(running_line.get_xdata()) == TIME_BINS and max(running_line.get_ydata()) < 999
+    band_top = max(path.vertices[:, 1].max() for path in queues.collections[0].get_paths())
+    assert band_top == 999
+    usage = next(ax for fig in figures for ax in fig.axes if ax.get_title() == "KV cache usage by group")
+    peak = next(line for line in usage.lines if line.get_label().startswith("peak"))
+    total = np.array(steps.column("kv_cache_usage").to_pylist())
+    assert max(peak.get_ydata()) == pytest.approx(total.max() * 100)
+
+
+def test_minmax_points_cuts_a_long_line_and_keeps_its_extremes():
+    rng = np.random.default_rng(1)
+    x = np.arange(100_000, dtype=float)
+    y = rng.normal(size=100_000)
+    y[[17, 54_321]] = [50.0, -60.0]  # one spike each way
+    y[99_000:] = np.nan
+    cut_x, cut_y = minmax_points(x, y, 1000)
+    assert len(cut_x) <= 1000 and np.all(np.diff(cut_x) > 0)
+    assert {50.0, -60.0} <= set(cut_y.tolist())
+    for start in range(0, 99_000, 200):  # each of the 500 stretches keeps its own extremes
+        assert np.nanmax(y[start:start + 200]) in cut_y and np.nanmin(y[start:start + 200]) in cut_y
+    again = minmax_points(x, y, 1000)
+    assert np.array_equal(again[0], cut_x)
+    short = minmax_points(x[:10], y[:10], 1000)
+    assert np.array_equal(short[1], y[:10])
+
+
+def test_state_bins_mean_range_and_empty_bins():
+    # Bins 0 and 2 hold steps, 1 and 3 none: an empty bin holds the state the last step left.
+    idx = np.array([0, 0, 0, 2, 2])
+    values = np.array([4.0, 1.0, 7.0, 2.0, 6.0])
+    mean, lo, hi = state_bins(idx, values, 4)
+    assert mean.tolist() == [4.0, 7.0, 4.0, 6.0]
+    assert lo.tolist() == [1.0, 7.0, 2.0, 6.0] and hi.tolist() == [7.0, 7.0, 6.0, 6.0]
+    # Before the first step the state is empty.
+    mean, lo, hi = state_bins(np.array([2]), np.array([5.0]), 3)
+    assert mean.tolist() == lo.tolist() == hi.tolist() == [0.0, 0.0, 5.0]
 
 
 def _capacity(failed_error: str = "ran out of <memory> & time"):

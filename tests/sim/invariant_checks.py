@@ -247,6 +247,15 @@ def check_queues(engine: EngineCore) -> None:
         if request.num_computed_tokens != 0:
             _fail("PREEMPT-RESUME", f"waiting request {request.request_id} keeps {request.num_computed_tokens} "
                                     f"computed tokens")
+    hasher = sched.hasher
+    if hasher is not None:
+        # HASH-LOOKAHEAD: a request has a hash for every block whose end plus the hash
+        # lookahead (0, or a draft head's 1) lies within its tokens, and no more.
+        for request in sched.requests.values():
+            expected = max(0, request.num_tokens - hasher.lookahead) // hasher.hash_block_size
+            if len(request.block_hashes) != expected:
+                _fail("HASH-LOOKAHEAD", f"request {request.request_id}: {len(request.block_hashes)} block hashes for "
+                                        f"{request.num_tokens} tokens, lookahead {hasher.lookahead} (expected {expected})")
     if len(sched.running) > sched.config.max_num_seqs:
         _fail("BUDGET", f"{len(sched.running)} running requests > max_num_seqs {sched.config.max_num_seqs}")
     for rejection in engine.rejected:

@@ -92,3 +92,61 @@ def test_a_million_token_prompt_costs_one_hash_per_block_not_one_object_per_toke
     eng.add_request(second)
     out = eng.step(EchoModel()).output
     assert out.scheduled_new_reqs[0].hit_tokens == 1_000_000 - 16  # all but the block holding the last token
+
+
+# -- lookahead block hashes (docs/semantics.md#draft-heads-and-prefix-caching) ----------
+
+def _lookahead_hashes(prompt, n_tokens, algo=sha256_pickle, bs=16, outputs=(), lookahead=1):
+    out: list = []
+    BlockHasher(algo, bs, lookahead).extend(out, prompt, list(outputs), n_tokens)
+    return out
+
+
+def test_lookahead_hash_is_vllms_block_tokens_with_the_next_token_as_extra_keys():
+    toks = list(range(2000, 2040))
+    hashes = _lookahead_hashes(TokenPrompt(toks), 40)
+    parent = none_hash(sha256_pickle)
+    assert len(hashes) == 2
+    for i in range(2):
+        block = tuple(toks[16 * i:16 * i + 16])
+        expected = hashlib.sha256(pickle.dumps((parent, block, (None, toks[16 * i + 16])),
+                                               protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        assert hashes[i] == expected
+        parent = expected
+
+
+def test_a_block_gets_its_lookahead_hash_only_once_the_token_after_it_exists():
+    toks = list(range(32))
+    assert len(_lookahead_hashes(TokenPrompt(toks), 32)) == 1  # block 1's next token unknown
+    with_output = _lookahead_hashes(TokenPrompt(toks), 33, outputs=[7])
+    assert len(with_output) == 2
+    # The request's own counter asks for the next hash one token later too.
+    from kvtwin.sim.core.request import Request
+    req = Request("r", TokenPrompt(toks), 4)
+    req.attach_hasher(BlockHasher(sha256_pickle, 16, 1))
+    assert len(req.block_hashes) == 1
+    req.append_output_token_ids([7])
+    assert req.block_hashes == with_output
+
+
+def test_lookahead_hashes_differ_where_the_token_after_a_block_differs():
+    base = list(range(100, 132))
+    a = _lookahead_hashes(TokenPrompt(base + [1, 2]), 34)
+    b = _lookahead_hashes(TokenPrompt(base + [9, 2]), 34)
+    assert a[0] == b[0] and a[1] != b[1]
+    # Plain hashes do not see the token after the block.
+    assert _hashes(TokenPrompt(base + [1, 2]), 34)[1] == _hashes(TokenPrompt(base + [9, 2]), 34)[1]
+
+
+def test_hash_id_prompts_with_lookahead_need_and_name_the_next_tokens():
+    hasher = BlockHasher(builtin_hash, 16, 1)
+    same_a = HashIdPrompt([11, 12, 13], 16, 48)
+    same_b = HashIdPrompt([11, 12, 14], 16, 48)
+    ha, hb = hasher.new_hashes(same_a), hasher.new_hashes(same_b)
+    # Block 1's next token is in chunk 2, where the prompts differ; block 2 waits for an output.
+    assert len(ha) == 2 and ha[0] == hb[0] and ha[1] != hb[1]
+    assert ha.range(0, 2) == [ha[0], ha[1]]
+    hasher.extend(ha, same_a, [5], 49)
+    assert len(ha) == 3
+    slow = BlockHasher(sha256_pickle, 16, 1).new_hashes(same_a)
+    assert len(slow) == 2

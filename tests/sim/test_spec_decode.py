@@ -4,6 +4,7 @@ random workloads, synchronous and asynchronous."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -21,7 +22,8 @@ from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, cdiv
+from kvtwin.sim.core.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
+                                  cdiv)
 from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
 from kvtwin.sim.lockstep.runner import SpecScriptedModel
 from tests.sim.test_invariants import COMMON, Scenario, examples, run_scenario
@@ -76,12 +78,51 @@ def test_bad_acceptance_is_one_clear_error(kwargs, field):
     (dict(num_speculative_tokens=64, max_num_batched_tokens=64), "num_speculative_tokens"),
     (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
     (dict(num_lookahead_tokens=2), "num_lookahead_tokens"),
+    # lookahead hashes need a draft head; multi-module MTP's k-token hashes are not modelled
+    (dict(num_speculative_tokens=3, num_hash_lookahead_tokens=1), "num_hash_lookahead_tokens"),
+    (dict(num_speculative_tokens=3, num_lookahead_tokens=3, num_hash_lookahead_tokens=2),
+     "num_hash_lookahead_tokens"),
 ])
 def test_bad_speculative_scheduler_settings(kwargs, field):
     with pytest.raises(ConfigError) as err:
         SchedulerConfig(max_model_len=512, **kwargs)
     assert err.value.field == field
     SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, num_speculative_tokens=63)  # the largest k
+
+
+def test_a_draft_head_with_caching_on_needs_lookahead_hashes():
+    """vLLM's legacy trailing-block drop (disable_lookahead_block_hashes) is not modelled:
+    a draft head with caching on and plain hashes is refused, naming the field."""
+    kv = KVCacheConfig(num_blocks=32, groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=16)),),
+                       hash_block_size=16)
+    head = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3)
+    with pytest.raises(ConfigError) as err:
+        EngineCore(kv, head, CacheConfig(enable_prefix_caching=True))
+    assert err.value.field == "num_hash_lookahead_tokens"
+    EngineCore(kv, head, CacheConfig(enable_prefix_caching=False))
+    hashed = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3,
+                             num_hash_lookahead_tokens=1)
+    assert EngineCore(kv, hashed, CacheConfig(enable_prefix_caching=True)).scheduler.hasher.lookahead == 1
+
+
+def test_multi_module_mtp_limits_are_refused_naming_the_field():
+    """Multi-module MTP (prefill lookahead k > 1): not modelled with Mamba groups; with
+    caching on vLLM needs a scheduler block of at least k tokens."""
+    def kv(block_size, mamba=False):
+        groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=block_size))]
+        if mamba:
+            groups.append(KVCacheGroupSpec(("m",), MambaSpec(block_size=block_size, shapes=((4, 8),), dtype_bytes=(2,),
+                                                             mamba_cache_mode="align", num_speculative_blocks=5)))
+        return KVCacheConfig(num_blocks=64, groups=tuple(groups), hash_block_size=block_size)
+    mtp = SchedulerConfig(max_model_len=256, num_speculative_tokens=5, num_lookahead_tokens=5,
+                          num_prefill_lookahead_tokens=5, num_hash_lookahead_tokens=5)
+    for config, cache in ((kv(4), CacheConfig(enable_prefix_caching=True)), (kv(16, mamba=True), CacheConfig())):
+        with pytest.raises(ConfigError) as err:
+            EngineCore(config, mtp, cache)
+        assert err.value.field == "num_prefill_lookahead_tokens"
+    EngineCore(kv(4), dataclasses.replace(mtp, num_hash_lookahead_tokens=0), CacheConfig(enable_prefix_caching=False))
+    engine = EngineCore(kv(16), mtp, CacheConfig())
+    assert engine.scheduler.hasher.lookahead == 5 and engine.kv_cache_manager.coordinator.num_reprefillable_tokens == 4
 
 
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
@@ -100,7 +141,6 @@ def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     ({"method": "medusa", "num_speculative_tokens": 3}, "speculative.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative"),
-    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative.method"),  # eagle with prefix caching on
 ])
 def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
     case = tmp_path / "case"
@@ -167,6 +207,12 @@ def spec_scenarios(draw) -> Scenario:
                             scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
                             num_speculative_tokens=k)
     cache = CacheConfig(enable_prefix_caching=draw(st.booleans()))
+    if draw(st.booleans()):
+        # A draft head: k lookahead slots and, with caching on, lookahead block hashes.
+        # Multi-module MTP (k > 1) reads k tokens ahead: chunk rule, k-token hashes, re-prefillable tail.
+        prefill = k if k > 1 and draw(st.booleans()) else 1
+        sched = dataclasses.replace(sched, num_lookahead_tokens=k, num_prefill_lookahead_tokens=prefill,
+                                    num_hash_lookahead_tokens=prefill if cache.enable_prefix_caching else 0)
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     base = [rng.randrange(3) for _ in range(max_model_len)]
     requests = []
@@ -205,6 +251,7 @@ def _drive_with_spec_checks(s: Scenario) -> int:
     rejected_total = 0
     is_async = s.scheduler_config.async_scheduling
     k = s.scheduler_config.num_speculative_tokens
+    lookahead = s.scheduler_config.num_lookahead_tokens
     pending = list(s.requests)
     step = 0
     step_fn = engine.step_async if s.scheduler_config.async_scheduling else engine.step
@@ -216,7 +263,8 @@ def _drive_with_spec_checks(s: Scenario) -> int:
                 high_water[new.req_id] = 0
             batch = {}
             for (rid, n), start in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
-                high_water[rid] = max(high_water[rid], min(start + n, max_len))
+                # (a draft head's lookahead slots past them too)
+                high_water[rid] = max(high_water[rid], min(start + n + lookahead, max_len))
                 batch[rid] = (start, n, len(spec.get(rid, ())))
                 # SPEC-SLOTS: the table holds exactly the slots of the highest position scheduled.
                 for gid, ids in enumerate(kvm.get_block_ids(rid)):

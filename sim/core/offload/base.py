@@ -23,7 +23,10 @@ from typing import TypeVar
 # hash; so the tie is decided by the group index alone, and the tuple order agrees with
 # vLLM's byte order (more generally, for equal-length big-endian hashes byte order is
 # integer order, which the recorded golden sequences check).
-OffloadKey = tuple[object, int]  # (block hash, group index)
+# (block hash, group index). Typed as a plain tuple on purpose: mypyc unboxes a fixed-length
+# tuple type into a C struct and would box a new tuple (and hash it afresh) at every dict or
+# set operation on a key, which the tier does dozens of times per key.
+OffloadKey = tuple
 
 _T = TypeVar("_T")
 

@@ -87,7 +87,7 @@ class RequestGroupState:
 
 class RequestOffloadState:
     __slots__ = ("req", "req_context", "group_states", "num_locally_computed_tokens", "transfer_jobs",
-                 "finished_signaled", "load_key_ranges", "settled_tokens")
+                 "finished_signaled", "load_key_ranges", "settled_tokens", "num_hashes_keyed")
 
     def __init__(self, request, num_groups: int):
         self.req = request
@@ -102,6 +102,9 @@ class RequestOffloadState:
         # Offloadable tokens up to which every group's chunks were offered (all stored or
         # skipped): a store pass at this count is a no-op (-1: not settled).
         self.settled_tokens = -1
+        # Block hashes already turned into offload keys: a decode step usually adds none,
+        # so refreshing the keys then costs one comparison.
+        self.num_hashes_keyed = 0
 
 
 @dataclass
@@ -199,6 +202,9 @@ class OffloadingConnector:
     def _update_offload_keys(self, state: RequestOffloadState) -> None:
         hashes = state.req.block_hashes
         num_hashes = len(hashes)
+        if num_hashes == state.num_hashes_keyed:
+            return
+        state.num_hashes_keyed = num_hashes
         ctx = state.req_context
         for config, group_state in zip(self.group_configs, state.group_states):
             per_chunk = config.hashes_per_chunk

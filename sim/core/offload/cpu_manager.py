@@ -156,13 +156,19 @@ class CPUOffloadingManager:
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
                        reused_keys: Iterable[OffloadKey] = ()) -> None:
         state = self._access_record(req_context)
+        seen_keys = state.seen_keys
+        key_groups = state.key_groups
         first_sights = []
         for key in keys:
-            if key in state.seen_keys:
+            if key in seen_keys:
                 continue
             assert not state.finished, f"request {req_context.req_id!r} showed a new key after it finished"
-            state.key_groups.setdefault(offload_key_group(key), []).append(key)
-            state.seen_keys.add(key)
+            group_idx = offload_key_group(key)
+            group = key_groups.get(group_idx)
+            if group is None:
+                key_groups[group_idx] = group = []
+            group.append(key)
+            seen_keys.add(key)
             first_sights.append(key)
         if first_sights:
             self._policy.on_request_access(first_sights, req_context)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Final
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.offload.base import OffloadKey, ReqContext
@@ -51,20 +52,33 @@ class ChunkStatus:
 def sort_by_position(keys: Sequence[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
     """Keys head to tail by their end-token positions when every key has one, otherwise as
     given. Stable: keys at one position (one block in several groups) keep their order."""
-    positions = {}
+    get_position = req_context.get_offload_key_position
+    positions: list[int] = []
     for key in keys:
-        position = req_context.get_offload_key_position(key)
-        if position is not None:
-            positions[key] = position
-    if len(positions) == len(keys):
-        return sorted(keys, key=positions.__getitem__)
-    return list(keys)
+        position = get_position(key)
+        if position is None:
+            return list(keys)
+        positions.append(position)
+    # Sorting indices by a list lookup ties like the keys' own stable sort, without
+    # hashing every key again.
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    return [keys[i] for i in order]
 
 
 def order_request_keys(key_groups: Sequence[Sequence[OffloadKey]], req_context: ReqContext) -> list[OffloadKey]:
     """All groups' keys head to tail: by end-token position when every key has one,
     otherwise group after group as given."""
+    if len(key_groups) == 1:
+        # One group comes already ordered by the same rule (the manager sorts each group).
+        return list(key_groups[0])
     return sort_by_position([key for group in key_groups for key in group], req_context)
+
+
+def _last_first(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+    """``keys`` tail first (a list, not ``reversed``: mypyc cannot iterate that over keys)."""
+    out = list(keys)
+    out.reverse()
+    return out
 
 
 def _resident_prefix(get, keys) -> tuple[int, bool]:
@@ -157,26 +171,45 @@ class _RequestRank:
         self.rank = rank
 
 
-# vLLM's heap maintenance thresholds. They only decide when stale entries are dropped,
-# which cannot reorder the distinct live entries; kept identical anyway.
+# When the heap is rebuilt without its stale entries: once they are at least half of it.
+# That only decides when stale entries are dropped, which cannot reorder the distinct live
+# entries. (vLLM also rebuilds when a quarter of the evictable keys change rank at once; a
+# push per changed key is cheaper here and, by the same argument, decides nothing.)
 _HEAP_MIN_REBUILD = 64
+
+# vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
+# that orders the same way, so the heap compares ints instead of nested tuples. End tokens
+# stay below ``_POSITION_SPAN`` (far above any max_model_len).
+_POSITION_SPAN: Final = 2_147_483_648  # 2**31
+_RANK_STRIDE: Final = 4_294_967_296  # 2 * _POSITION_SPAN
+
+
+def packed_rank(rank: int, end_token: int) -> int:
+    """``(rank, -end_token)`` as one int: a fresh rank is ``packed_rank(rank, 0)``. (The
+    policy keeps its counter packed, so it only adds: ``_new_rank``.)"""
+    return rank * _RANK_STRIDE + _POSITION_SPAN - end_token
 
 
 class LRUCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
-        self._ranks: dict[OffloadKey, tuple[int, int]] = {}
+        self._ranks: dict[OffloadKey, int] = {}  # packed_rank(rank, end_token)
         self._evictable: set[OffloadKey] = set()
-        self._heap: list[tuple[tuple[int, int], OffloadKey]] = []
-        self._next_rank = 0
+        self._heap: list[tuple[int, OffloadKey]] = []
+        self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation = 0
 
+    def _new_rank(self) -> int:
+        """The next rank ``r``, as ``packed_rank(r, 0)`` (by addition alone)."""
+        self._next_packed_rank += _RANK_STRIDE
+        return self._next_packed_rank
+
     def _request_rank(self, req_context: ReqContext) -> int:
+        """The packed rank (end token 0) this request's keys share while it runs."""
         state = req_context.get_state(_RequestRank)
         if state is None or state.owner is not self or state.cache_generation != self._cache_generation:
-            self._next_rank += 1
-            state = _RequestRank(self, self._cache_generation, self._next_rank)
+            state = _RequestRank(self, self._cache_generation, self._new_rank())
             req_context.set_state(state)
         return state.rank
 
@@ -191,12 +224,11 @@ class LRUCachePolicy(CachePolicy):
     def _reheap(self, updated_evictable: Sequence[OffloadKey]) -> None:
         if not updated_evictable:
             return
-        if len(updated_evictable) >= max(_HEAP_MIN_REBUILD, len(self._evictable) // 4):
-            self._rebuild_heap()
-        else:
-            for key in updated_evictable:
-                heapq.heappush(self._heap, (self._ranks[key], key))
-            self._maybe_compact_heap()
+        heap = self._heap
+        ranks = self._ranks
+        for key in updated_evictable:
+            heapq.heappush(heap, (ranks[key], key))
+        self._maybe_compact_heap()
 
     def _give_fresh_ranks(self, keys_last_first: Iterable[OffloadKey]) -> None:
         # The last key given a rank is the most recent: callers pass tails first.
@@ -204,8 +236,7 @@ class LRUCachePolicy(CachePolicy):
         for key in keys_last_first:
             if key not in self.chunks:
                 continue
-            self._next_rank += 1
-            self._ranks[key] = (self._next_rank, 0)
+            self._ranks[key] = self._new_rank()
             if key in self._evictable:
                 updated_evictable.append(key)
         self._reheap(updated_evictable)
@@ -220,10 +251,9 @@ class LRUCachePolicy(CachePolicy):
         self.chunks[key] = chunk
         position = req_context.get_offload_key_position(key)
         if position is None:
-            self._next_rank += 1
-            self._ranks[key] = (self._next_rank, 0)
+            self._ranks[key] = self._new_rank()
         else:
-            self._ranks[key] = (self._request_rank(req_context), -position)
+            self._ranks[key] = self._request_rank(req_context) - position
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
             heapq.heappush(self._heap, (self._ranks[key], key))
@@ -234,7 +264,7 @@ class LRUCachePolicy(CachePolicy):
         self._evictable.discard(key)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        self._give_fresh_ranks(reversed(list(keys)))
+        self._give_fresh_ranks(_last_first(keys))
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         request_rank = self._request_rank(req_context)
@@ -243,7 +273,7 @@ class LRUCachePolicy(CachePolicy):
             position = req_context.get_offload_key_position(key)
             if position is None or key not in self.chunks:
                 continue
-            rank = (request_rank, -position)
+            rank = request_rank - position
             # Never move a key back in time: a key already ranked by a later request
             # (or a later position of this one) keeps its rank.
             if self._ranks[key] >= rank:
@@ -260,26 +290,26 @@ class LRUCachePolicy(CachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        self._give_fresh_ranks(reversed(order_request_keys(key_groups, req_context)))
+        self._give_fresh_ranks(_last_first(order_request_keys(key_groups, req_context)))
 
     def clear(self) -> None:
         self.chunks.clear()
         self._ranks.clear()
         self._evictable.clear()
         self._heap.clear()
-        self._next_rank = 0
+        self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation += 1
 
-    def _is_live(self, entry: tuple[tuple[int, int], OffloadKey]) -> bool:
+    def _is_live(self, entry: tuple[int, OffloadKey]) -> bool:
         rank, key = entry
         return key in self._evictable and self._ranks.get(key) == rank
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        selected: list[tuple[tuple[tuple[int, int], OffloadKey], ChunkStatus]] = []
+        selected: list[tuple[tuple[int, OffloadKey], ChunkStatus]] = []
         selected_keys: set[OffloadKey] = set()
-        skipped: list[tuple[tuple[int, int], OffloadKey]] = []
+        skipped: list[tuple[int, OffloadKey]] = []
         while self._heap and len(selected) < n:
             entry = heapq.heappop(self._heap)
             if not self._is_live(entry):
@@ -364,11 +394,11 @@ class ARCCachePolicy(CachePolicy):
             self.b2.move_to_end(key)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        for key in reversed(list(keys)):
+        for key in _last_first(keys):
             self._adapt_to_ghost_hit(key)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        for key in reversed(list(keys)):
+        for key in _last_first(keys):
             if key in self.t1:
                 chunk = self.t1.pop(key)
                 if chunk.is_ready:
@@ -388,7 +418,7 @@ class ARCCachePolicy(CachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        for key in reversed(order_request_keys(key_groups, req_context)):
+        for key in _last_first(order_request_keys(key_groups, req_context)):
             if key in insertion_only_keys:
                 # Storing is not a second use: refresh recency, keep the list.
                 if key in self.t1:

@@ -27,7 +27,7 @@ from kvtwin.sim.core.offload.base import (
     offload_key_group,
 )
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.policies import POLICIES, make_policy
+from kvtwin.sim.core.offload.policies import POLICIES, make_policy, packed_rank
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "golden" / "offload_manager"
 RECORDINGS = sorted(GOLDEN_DIR.glob("*.jsonl"))
@@ -253,3 +253,11 @@ def test_manager_invariants(policy: str, num_chunks: int, ops: list):
         evicted = manager.num_evicted_keys - base[1]
         failed = manager.num_store_failed_keys - base[2]
         assert stored - evicted - failed == len(residents)
+
+
+@given(st.integers(0, 1 << 40), st.integers(0, 1 << 30), st.integers(0, 1 << 40), st.integers(0, 1 << 30))
+def test_packed_ranks_order_as_vllms_rank_pairs(rank_a, end_a, rank_b, end_b):
+    """The LRU packs vLLM's ``(rank, -end_token)`` into one int; every comparison agrees."""
+    a, b = packed_rank(rank_a, end_a), packed_rank(rank_b, end_b)
+    pair_a, pair_b = (rank_a, -end_a), (rank_b, -end_b)
+    assert (a < b) == (pair_a < pair_b) and (a == b) == (pair_a == pair_b)
