@@ -22,6 +22,20 @@ steps per second, peak RSS, and its target:
   batch is scheduled one by one: compare its steps per second with ``mooncake``'s (on the
   2-core development machine, compiled: 54k steps in 8.2 s, 6.6k steps/s, against
   ``mooncake``'s 118k steps in 7.2 s, 16.5k steps/s with decode windows).
+* ``gemma3-swa``: Gemma-3-27B on two H100s, synthetic chat sessions
+  (``scenarios/replay-gemma3-27b.toml``): no target, the cost of a hybrid layout of
+  sliding-window and full-attention groups (decode windows price its windowed layers by
+  class);
+* ``qwen3-next``: Qwen3-Next-80B-A3B on four H200s, synthetic agent loops
+  (``scenarios/replay-qwen3-next.toml``): no target, the cost of Mamba ("align") and
+  full-attention groups in one pool.
+
+  Both are lightly loaded (a few requests per batch), so the KV cache manager's own work
+  weighs most. Instructions (callgrind, interpreted core, ``--limit 300``, start-up of
+  about 4.0G subtracted): Gemma-3 11.46G scheduled batch by batch before hybrid windows,
+  10.05G with windows, 8.78G with windows and the sliding-window managers' resumed
+  leading-null count; Qwen3-Next 7.64G before, 7.29G with windows, 5.68G with the Mamba
+  no-op horizon alone and 4.35G with both.
 * ``offload`` and ``offload-none``: the whole Mooncake trace (not the scenario's first
   3,000 requests) on the bundled offload scenario (``scenarios/mooncake-llama8b-b200-offload.toml``,
   one replica on two B200s), with its 1 TB CPU tier and without one. The target is the
@@ -84,6 +98,8 @@ WORKLOADS = (
     Workload("default", "default.toml"),
     Workload("pd-2p1d", "mooncake-llama8b-h100-pd.toml"),
     Workload("spec-eagle3", "mooncake-llama8b-h100-eagle3.toml"),
+    Workload("gemma3-swa", "replay-gemma3-27b.toml"),
+    Workload("qwen3-next", "replay-qwen3-next.toml"),
     Workload("offload-none", "mooncake-llama8b-b200-offload.toml", limit=WHOLE_TRACE, offload_cpu_bytes=0),
     Workload("offload", "mooncake-llama8b-b200-offload.toml", limit=WHOLE_TRACE, baseline="offload-none",
              target_vs_baseline=1.5),

@@ -52,7 +52,9 @@ class KVCacheCoordinator:
         # Hits land on this grid, so a Mamba prefill checkpoint is placed on it too.
         for manager in self.managers:
             manager.cache_hit_alignment_tokens = self.scheduler_block_size
-        # A Mamba group moves its state block at every boundary: no horizon to skip to.
+        # Whether every group's horizon is exact. A Mamba group's is only a lower bound
+        # (tokens in flight delay its releases; "none" mode has none): past it, the
+        # KV cache manager asks ``is_noop`` before taking the full path.
         self.horizon_possible = all(m.has_noop_horizon for m in self.managers)
         # Multi-module MTP: the last computed tokens a later chunk may re-prefill are not
         # cached (set by the KV cache manager for one group only; 0 otherwise).
@@ -133,8 +135,6 @@ class KVCacheCoordinator:
             m.new_step_starts()
 
     def noop_horizon(self, request_id: str) -> int:
-        if not self.horizon_possible:
-            return -1
         return min(m.noop_horizon(request_id) for m in self.managers)
 
     def is_noop(self, request_id: str, num_computed_tokens: int, num_tokens_need_slot: int,

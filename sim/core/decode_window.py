@@ -24,12 +24,17 @@ still done, by the same calls, in the same order:
   scheduler's own update when their batch is (``apply``): they cache what their token
   completed, the finished are freed, a partial chunk's tokens leave the flight.
 
-Only asynchronous scheduling with two batches in flight (vLLM's default), one
-full-attention KV cache group, no offload connector and no speculative decoding (the proof
-counts one token per decode) are windowed; elsewhere the
-scheduler runs alone. ``WindowedBatchQueue`` (at the end of this file) is what a clock
+Only asynchronous scheduling with two batches in flight (vLLM's default), no offload
+connector and no speculative decoding (the proof counts one token per decode) are
+windowed; elsewhere the scheduler runs alone. Any layout of KV cache groups is (full
+attention, sliding window, chunked local, Mamba, and their hybrids): what a group does
+at a decode is the KV cache manager's, called or skipped as the scheduler calls or skips
+it. ``WindowedBatchQueue`` (at the end of this file) is what a clock
 sees: it hands out window batches and real ones alike, prices each window batch with the
-executor's closed form (``WindowPricing``), applies it when the clock says it ended, and
+executor's closed form (``WindowPricing``: the sum of the decodes' context ends where every
+layer attends its whole context, else per layer class the keys its decodes attend, which
+``LocalKeySum`` keeps in closed form for windowed and chunked layers), applies it when the
+clock says it ended, and
 ends the window where its state must become explicit (the clock's one say is whether the
 time limit could cut the batch in flight short).
 
@@ -51,12 +56,27 @@ clipped: the budget holds every member (an admission needs budget left, so membe
 outnumber it), ``max_model_len`` is above, and no ``long_prefill`` or Mamba clip applies to
 one token. Its allocation is skipped exactly while ``c0 + j + 1 <= horizon``, which is when
 the window skips it too (``allocations_in``); otherwise ``allocate_slots`` runs on its real
-state ``j``. The prefilling request, after every member, gets what it lacks clipped by the
-long-prefill threshold, the budget the members left and ``max_model_len``, as the running
-pass clips it. Each member needs at most one block and the prefilling request's need is
-counted exactly, so when the free blocks cover them (checked before the batch) no
-allocation fails and nobody is preempted; the waiting pass follows with the same budget,
-eligible count and pool. The real part's advance is the scheduler's own; a request whose
+state ``j``. The horizon is the KV cache manager's own, set by the member's last allocation
+(the least over its groups: a windowed or chunked group's includes the next block it drops;
+a Mamba group's, in "align" mode, is a lower bound past which ``allocate_slots`` asks
+``is_noop`` first, and in "none" mode it has none, -1, so such a member is allocated in
+every batch, as the scheduler allocates it), and nothing but that member's own
+allocation changes its tables, so it is the scheduler's at every batch. The state ``allocate_slots`` reads is the
+real one: computed tokens and outputs (``_sync``), and one token in flight, ``V_{j-1}``'s,
+as ``X``'s update left it; a windowed group drops blocks by the tokens computed less those
+in flight, and frees them (before the capacity check) in running order, as the scheduler
+does, so the free queue's order is the scheduler's. The prefilling request, after every
+member, gets what it lacks clipped by the long-prefill threshold, the budget the members
+left and ``max_model_len``, and for a Mamba "align" layout split at block boundaries, as
+the running pass clips it. A member's token adds at most, per group, the blocks its table
+lacks for it (``_blocks_needed``: the count itself for attention groups, a bound for a
+Mamba group in align mode; one block in all for one group), blocks freed by an allocation
+only add to the free ones, and the prefilling request's need is counted exactly, so when
+the free blocks cover them (checked before the batch) no allocation fails and nobody is
+preempted; the waiting pass follows with the same budget, eligible count and pool (its
+blocked-head memo, kept for one full-attention group only, is the scheduler's either
+way). Table entries an allocation changed in place go into the batch's output, as the
+running pass takes them. The real part's advance is the scheduler's own; a request whose
 chunk samples is then at the state its member formula gives from ``V_{j+1}`` on (``c0 =
 computed - j - 1``, once ``V_{j+1}``'s advance, which the window applies with that
 request's update, is counted). The advance takes each member to ``c0 + j + 1`` computed
@@ -96,6 +116,111 @@ END = 0
 REAL_BATCH = -1
 
 
+# How a layer class's decodes attend their context (``WindowPricing.decode_key_shapes``):
+# every key, the last ``W`` keys (sliding window), the keys of the current chunk of ``C``
+# (chunked local), or none (a recurrent state, read once whatever the context).
+FULL_KEYS = 0
+WINDOW_KEYS = 1
+CHUNK_KEYS = 2
+NO_KEYS = 3
+
+
+def decode_keys(kind: int, size: int, context_ends: list[int]) -> int:
+    """The keys decodes ending at ``context_ends`` attend in a layer of shape ``(kind,
+    size)``: what ``decode_attended_keys`` of its spec returns."""
+    if kind == FULL_KEYS:
+        return sum(context_ends)
+    if kind == WINDOW_KEYS:
+        return sum(e if e < size else size for e in context_ends)
+    if kind == CHUNK_KEYS:
+        return sum((e - 1) % size + 1 for e in context_ends)
+    return 0
+
+
+class LocalKeySum:
+    """The keys a window batch's member decodes attend in layers of one windowed shape,
+    kept in closed form as members come and go and their contexts grow by one a batch.
+
+    At batch ``j`` member ``i`` decodes to context ``e = c0 + j + 1``. Sliding window
+    ``W``: it attends ``min(e, W)`` keys, ``W`` from batch ``W - 1 - c0`` on; so the sum
+    is ``W`` per capped member plus the uncapped members' contexts. Chunked local ``C``:
+    it attends ``(e - 1) mod C + 1 = e - C * floor((c0 + j) / C)`` keys; so the sum is the
+    members' contexts less ``C`` times the sum of those floors, each of which grows by one
+    at a batch known in advance. Either way a member changes class only at a scheduled
+    batch (a heap of them), as it changes block in the KV cache manager."""
+
+    def __init__(self, kind: int, size: int):
+        self.kind = kind
+        self.size = size
+        # Window: capped members' count, the uncapped ones' count and c0 sum. Chunk: the
+        # active members' floors' sum (in ``capped``).
+        self.capped = 0
+        self.num_open = 0
+        self.c0_sum_open = 0
+        # Member -> its floor (chunk), or -1 uncapped / -2 capped (window); gone: absent.
+        self.state: dict[int, int] = {}
+        self.events: list[tuple[int, int]] = []
+
+    def join(self, i: int, c0: int, index: int) -> None:
+        """Member ``i`` (``c0``) decodes from batch ``index`` on."""
+        size = self.size
+        if self.kind == WINDOW_KEYS:
+            cap_batch = size - 1 - c0
+            if cap_batch <= index:
+                self.state[i] = -2
+                self.capped += 1
+            else:
+                self.state[i] = -1
+                self.num_open += 1
+                self.c0_sum_open += c0
+                heapq.heappush(self.events, (cap_batch, i))
+        else:
+            floor = (c0 + index) // size
+            self.state[i] = floor
+            self.capped += floor
+            heapq.heappush(self.events, ((floor + 1) * size - c0, i))
+
+    def leave(self, i: int, c0: int) -> None:
+        """Member ``i`` decodes no more (its events are dropped when they come up)."""
+        state = self.state.pop(i)
+        if self.kind == WINDOW_KEYS:
+            if state == -2:
+                self.capped -= 1
+            else:
+                self.num_open -= 1
+                self.c0_sum_open -= c0
+        else:
+            self.capped -= state
+
+    def advance(self, index: int, computed_at_open: list[int]) -> None:
+        """Bring every member to batch ``index`` (once per batch, in order)."""
+        events = self.events
+        state = self.state
+        size = self.size
+        while events and events[0][0] <= index:
+            i = heapq.heappop(events)[1]
+            current = state.get(i)
+            if current is None:
+                continue
+            c0 = computed_at_open[i]
+            if self.kind == WINDOW_KEYS:
+                state[i] = -2
+                self.capped += 1
+                self.num_open -= 1
+                self.c0_sum_open -= c0
+            else:
+                floor = (c0 + index) // size
+                state[i] = floor
+                self.capped += floor - current
+                heapq.heappush(events, ((floor + 1) * size - c0, i))
+
+    def keys(self, index: int, context_ends_sum: int) -> int:
+        """The sum at batch ``index`` (members brought to it; ``context_ends_sum`` theirs)."""
+        if self.kind == WINDOW_KEYS:
+            return self.size * self.capped + self.c0_sum_open + self.num_open * (index + 1)
+        return context_ends_sum - self.size * self.capped
+
+
 class DecodeWindow:
     """A decode window over the running requests of ``scheduler`` (module docstring).
 
@@ -111,7 +236,8 @@ class DecodeWindow:
     (``begin_real_update`` and ``end_real_update`` around the engine's ``update_batch``)."""
 
     def __init__(self, scheduler: AsyncScheduler, members: list[Request], token_bases: list[int],
-                 last_batches: list[int], prefilling: Request | None):
+                 last_batches: list[int], prefilling: Request | None,
+                 key_shapes: list[tuple[int, int]] | None = None):
         self.scheduler = scheduler
         self.kv_cache_manager = scheduler.kv_cache_manager
         # Running members by index (a finished one is dropped: a long window would keep
@@ -126,6 +252,17 @@ class DecodeWindow:
         # The members in the batch being scheduled, and the sum of their c0.
         self.num_active = self.num_original
         self.c0_sum_active = sum(self.computed_at_open)
+        # Pricing by layer class (None: every layer attends the whole context, and the
+        # sum of context ends prices a batch): the class's shape, and for a windowed or
+        # chunked class its closed-form sum (one per distinct shape).
+        self.key_shapes = key_shapes
+        self.local_sums: dict[tuple[int, int], LocalKeySum] = {}
+        if key_shapes is not None:
+            for kind, size in key_shapes:
+                if kind in (WINDOW_KEYS, CHUNK_KEYS) and (kind, size) not in self.local_sums:
+                    local = self.local_sums[(kind, size)] = LocalKeySum(kind, size)
+                    for i, c0 in enumerate(self.computed_at_open):
+                        local.join(i, c0, 0)
         # Members by the window batch they first decode in, and by the last one.
         self._first_in: dict[int, list[int]] = {}
         self._last_in: dict[int, list[int]] = {}
@@ -156,6 +293,10 @@ class DecodeWindow:
         # finished requests the batch reported (what a real output of it carries).
         self.new_blocks: dict[str, KVCacheBlocks] = {}
         self.previous_new_blocks: dict[str, KVCacheBlocks] = {}
+        # Likewise the table entries its allocations changed in place (hybrid layouts).
+        self.new_replaced: dict[str, list[tuple[int, int, int]]] = {}
+        self.previous_new_replaced: dict[str, list[tuple[int, int, int]]] = {}
+        self.single_group = self.kv_cache_manager.num_groups == 1
         self.reported: list[str] = []
         self.previous_reported: list[str] = []
         self._scratch = SchedulerOutput()
@@ -167,18 +308,52 @@ class DecodeWindow:
         finishes when that batch is applied: ``finishing``). Once per ``j``, in order."""
         if index != self._batch:
             self._batch = index
-            for i in self._first_in.pop(index, []):
+            computed_at_open = self.computed_at_open
+            joining = self._first_in.pop(index, [])
+            for i in joining:
                 self.num_active += 1
-                self.c0_sum_active += self.computed_at_open[i]
+                self.c0_sum_active += computed_at_open[i]
             self.finishing = self._last_in.pop(index - 1, [])
             for i in self.finishing:
                 self.num_active -= 1
-                self.c0_sum_active -= self.computed_at_open[i]
+                self.c0_sum_active -= computed_at_open[i]
+            if self.local_sums:
+                for local in self.local_sums.values():
+                    for i in joining:
+                        local.join(i, computed_at_open[i], index)
+                    for i in self.finishing:
+                        local.leave(i, computed_at_open[i])
+                    local.advance(index, computed_at_open)
         return self.num_active
 
     def context_ends_sum(self, index: int) -> int:
         """The sum of the context lengths ``V_j``'s member decodes end at."""
         return self.c0_sum_active + self.num_active * (index + 1)
+
+    def attended_keys(self, index: int, part_ends: list[int]) -> list[int]:
+        """Per layer class (``key_shapes``), the keys ``V_j``'s decodes attend: its
+        member decodes (closed form) and its real part's decodes ending at ``part_ends``."""
+        shapes = self.key_shapes
+        assert shapes is not None
+        ends_sum = self.context_ends_sum(index)
+        attended: list[int] = []
+        for kind, size in shapes:
+            if kind == FULL_KEYS:
+                keys = ends_sum
+            elif kind == NO_KEYS:
+                keys = 0
+            else:
+                keys = self.local_sums[(kind, size)].keys(index, ends_sum)
+            attended.append(keys + decode_keys(kind, size, part_ends) if part_ends else keys)
+        return attended
+
+    def part_decode_ends(self, index: int) -> list[int]:
+        """The context ends of ``V_j``'s real part's decodes (one-token chunks)."""
+        part = self.parts.get(index)
+        if part is None:
+            return []
+        return [computed + 1 for num_new, computed in zip(part.num_scheduled_tokens.values(), part.num_computed_tokens)
+                if num_new == 1]
 
     def part_cost_terms(self, index: int) -> tuple[int, int, list[tuple[int, int]]]:
         """What ``V_j``'s real part adds to its cost: (decodes, the sum of their context
@@ -208,7 +383,7 @@ class DecodeWindow:
         if not num_decodes and prefilling is None:
             return END
         due = self.allocations_in(index)
-        needed = len(due)
+        needed = len(due) if self.single_group else self._blocks_needed(due, index)
         chunk = self.prefill_chunk = self._next_chunk() if prefilling is not None else 0
         if chunk:
             assert prefilling is not None
@@ -225,6 +400,24 @@ class DecodeWindow:
             return REAL_BATCH
         return WINDOW_BATCH
 
+    def _blocks_needed(self, due: list[int], index: int) -> int:
+        """What the allocations of ``due`` at state ``index`` can take from the pool, at
+        most: per group, the blocks its table lacks for the token (one token adds at most
+        one block to a group; a Mamba group in align mode takes at most that many)."""
+        managers = self.kv_cache_manager.coordinator.managers
+        requests = self.requests
+        computed_at_open = self.computed_at_open
+        needed = 0
+        for i in due:
+            request_id = requests[i].request_id
+            end = computed_at_open[i] + index + 1
+            for manager in managers:
+                table = manager.req_to_blocks.get(request_id)
+                lacking = -(-end // manager.block_size) - (len(table) if table is not None else 0)
+                if lacking > 0:
+                    needed += lacking
+        return needed
+
     def _next_chunk(self) -> int:
         """The prefilling request's chunk in the running pass: what it lacks, clipped as
         ``schedule()`` clips it, in the budget the members before it left (one token each)."""
@@ -233,8 +426,11 @@ class DecodeWindow:
         scheduler = self.scheduler
         computed = request.num_computed_tokens
         budget = scheduler.config.max_num_batched_tokens - self.num_active
-        return max(scheduler.clip_running_chunk(request.num_tokens - computed, computed, budget,
-                                                scheduler.long_prefill_threshold()), 0)
+        chunk = scheduler.clip_running_chunk(request.num_tokens - computed, computed, budget,
+                                             scheduler.long_prefill_threshold())
+        if scheduler.mamba_block_size and chunk > 0:
+            chunk = scheduler.mamba_block_aligned_split(request, chunk, 0)
+        return max(chunk, 0)
 
     def allocations_in(self, index: int) -> list[int]:
         """The members whose allocation ``V_j`` calls, in order; taken off the queue."""
@@ -259,6 +455,8 @@ class DecodeWindow:
         kv_cache_manager.new_step_starts()
         self.previous_new_blocks = self.new_blocks
         self.new_blocks = {}
+        self.previous_new_replaced = self.new_replaced
+        self.new_replaced = {}
         horizon = kv_cache_manager.noop_horizon
         if due:
             computed_at_open = self.computed_at_open
@@ -309,6 +507,13 @@ class DecodeWindow:
                                  f"whose allocations were counted against the free blocks")
         if new_blocks is not self.kv_cache_manager.empty_blocks:
             self.new_blocks[request.request_id] = new_blocks
+        replaced_log = self.kv_cache_manager.replaced_block_ids
+        if replaced_log:
+            # Entries changed in place (windowed blocks nulled, Mamba states moved): taken
+            # into the batch's output, as the running pass takes them.
+            replaced = replaced_log.pop(request.request_id, None)
+            if replaced is not None:
+                self.new_replaced[request.request_id] = replaced
 
     def _can_take(self, part_tokens: dict[str, int]) -> bool:
         """Whether the window can carry a real part: every request in it but the last
@@ -428,9 +633,11 @@ class DecodeWindow:
         request.append_output_token_ids(list(range(first, first + behind)))
         self.synced[i] = index
 
-    def close(self, index: int, new_blocks: dict[str, KVCacheBlocks], reported: list[str]) -> SchedulerOutput:
+    def close(self, index: int, new_blocks: dict[str, KVCacheBlocks], reported: list[str],
+              replaced: dict[str, list[tuple[int, int, int]]]) -> SchedulerOutput:
         """End the window at state ``j`` (``j >= 1``: ``V_{j-1}`` in flight, appending
-        ``new_blocks`` and reporting ``reported`` finished): every member still running
+        ``new_blocks``, changing ``replaced`` in place and reporting ``reported``
+        finished): every member still running
         gets state ``j``, and ``V_{j-1}`` becomes the output ``schedule()`` would have made
         of it (its member decodes, then its real part), for the clock to execute and queue."""
         out = SchedulerOutput()
@@ -455,6 +662,7 @@ class DecodeWindow:
         else:
             self.scheduler.in_flight_partials.append([])  # the batch's partial chunks: none
         out.scheduled_cached_reqs.new_blocks = new_blocks
+        out.scheduled_cached_reqs.replaced_block_ids = replaced
         out.finished_req_ids = reported
         return out
 
@@ -479,6 +687,7 @@ class DecodeWindow:
         scheduled.update(scratch.num_scheduled_tokens)
         out.scheduled_new_reqs = scratch.scheduled_new_reqs
         out.scheduled_cached_reqs.new_blocks = self.new_blocks
+        out.scheduled_cached_reqs.replaced_block_ids = self.new_replaced
         out.finished_req_ids = self.reported
         self.scheduler.advance_computed(out)
         return out
@@ -493,16 +702,18 @@ def _advance_one_decode(request: Request) -> None:
 
 
 def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled: dict[str, list[int]],
-                       token_bases: list[int | None]) -> DecodeWindow | None:
+                       token_bases: list[int | None],
+                       key_shapes: list[tuple[int, int]] | None = None) -> DecodeWindow | None:
     """A window over ``scheduler.running``, if the batch ``in_flight`` (the only one, its
     tokens ``sampled``) is the batch that opens one and some request decodes
     ``MIN_WINDOW_STEPS`` batches more; else None. ``token_bases``: the executor's base per
-    running request (None: it has sampled nothing, or its tokens are not ``base + index``)."""
+    running request (None: it has sampled nothing, or its tokens are not ``base + index``);
+    ``key_shapes``: the pricing's (``WindowPricing.decode_key_shapes``)."""
     kv_cache_manager = scheduler.kv_cache_manager
     # The proof counts on vLLM's two batches in flight, on a pool only the scheduler's own
     # passes change (no connector loading into it), and on one token per decode (no drafts).
     if (not isinstance(scheduler, AsyncScheduler) or scheduler.config.max_concurrent_batches != 2
-            or scheduler.connector is not None or kv_cache_manager.single_full_manager is None
+            or scheduler.connector is not None
             or scheduler.num_spec_tokens
             or scheduler.finished_req_ids):
         return None
@@ -548,7 +759,7 @@ def open_decode_window(scheduler: Scheduler, in_flight: SchedulerOutput, sampled
         last_batches.append(last)
     if longest < MIN_WINDOW_STEPS:
         return None
-    return DecodeWindow(scheduler, members, bases, last_batches, prefilling)
+    return DecodeWindow(scheduler, members, bases, last_batches, prefilling, key_shapes)
 
 
 class WindowPricing(Protocol):
@@ -561,6 +772,16 @@ class WindowPricing(Protocol):
     def decode_step_cost(self, num_decodes: int, context_ends_sum: int,
                          prefill_items: list[tuple[int, int]] | None = None) -> Any:
         """The cost (its ``total_s`` the seconds) ``execute`` predicts for such a batch."""
+        ...
+
+    def decode_key_shapes(self) -> list[tuple[int, int]] | None:
+        """Per layer class, how its decodes attend (``FULL_KEYS`` ...); None where every
+        class attends the whole context (``decode_step_cost`` then prices a batch)."""
+        ...
+
+    def decode_step_cost_by_keys(self, num_decodes: int, attended_keys: list[int],
+                                 prefill_items: list[tuple[int, int]] | None = None) -> Any:
+        """``decode_step_cost`` given the keys the decodes attend per layer class."""
         ...
 
     def sample(self, output: SchedulerOutput) -> dict[str, list[int]]:
@@ -639,7 +860,8 @@ class WindowedBatchQueue:
         closed = None
         if status == REAL_BATCH:  # its waiting pass admitted what the window cannot take
             if index:
-                closed = self._close(window, window.previous_new_blocks, window.previous_reported)
+                closed = self._close(window, window.previous_new_blocks, window.previous_reported,
+                                     window.previous_new_replaced)
             self.window = None
             admitted = window.admitted
             assert admitted is not None  # next_batch keeps what it admitted for a real batch
@@ -648,7 +870,7 @@ class WindowedBatchQueue:
             self.engine.batch_queue.append(batch)
             return Launch(batch.execution.duration_s, True, bool(output.preempted), closed)
         if index:
-            closed = self._close(window, window.new_blocks, window.reported)
+            closed = self._close(window, window.new_blocks, window.reported, window.new_replaced)
         self.window = None
         return self._schedule_real(closed)
 
@@ -657,7 +879,8 @@ class WindowedBatchQueue:
         in_flight = self.engine.batch_queue[0]
         scheduler = self.engine.scheduler
         return open_decode_window(scheduler, in_flight.output, in_flight.execution.sampled,
-                                  self.pricing.token_bases([r.request_id for r in scheduler.running]))
+                                  self.pricing.token_bases([r.request_id for r in scheduler.running]),
+                                  self.pricing.decode_key_shapes())
 
     def _schedule_real(self, closed: list[tuple[str, int]] | None) -> Launch:
         batch = self.engine.schedule_batch(self.executor)
@@ -669,23 +892,29 @@ class WindowedBatchQueue:
         assert pricing is not None
         num_decodes = window.num_active
         part = window.parts.get(index)
-        if part is None:
-            cost = pricing.decode_step_cost(num_decodes, window.context_ends_sum(index))
-        else:  # a prefill chunk and admissions, which the scheduler advanced
+        if part is not None:  # a prefill chunk and admissions, which the scheduler advanced
             window.note_part_tokens(index, pricing.sample(part),
                                     pricing.token_bases(window.part_sampling_ids(index)))
+        if window.key_shapes is not None:  # windowed or recurrent layers: keys per class
+            part_ends = window.part_decode_ends(index)
+            cost = pricing.decode_step_cost_by_keys(num_decodes + len(part_ends),
+                                                    window.attended_keys(index, part_ends),
+                                                    window.part_cost_terms(index)[2] if part is not None else None)
+        elif part is None:
+            cost = pricing.decode_step_cost(num_decodes, window.context_ends_sum(index))
+        else:
             part_decodes, part_ends_sum, prefill_items = window.part_cost_terms(index)
             cost = pricing.decode_step_cost(num_decodes + part_decodes,
                                             window.context_ends_sum(index) + part_ends_sum, prefill_items)
         self.window_batches.append((num_decodes, cost))
         return Launch(cost.total_s, True, False)
 
-    def _close(self, window: DecodeWindow, new_blocks: dict[str, KVCacheBlocks],
-               reported: list[str]) -> list[tuple[str, int]]:
+    def _close(self, window: DecodeWindow, new_blocks: dict[str, KVCacheBlocks], reported: list[str],
+               replaced: dict[str, list[tuple[int, int, int]]]) -> list[tuple[str, int]]:
         """End ``window`` at ``index``: its batch in flight queued as the real output it is
         (which costs what the window priced it at); returns the members to record."""
         index = self.index
-        output = window.close(index, new_blocks, reported)
+        output = window.close(index, new_blocks, reported, replaced)
         execution = self.executor.execute(output)
         _, cost = self.window_batches.pop()
         assert execution.duration_s == cost.total_s, "a window batch priced apart from its real output"

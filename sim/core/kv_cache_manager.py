@@ -129,7 +129,8 @@ class KVCacheManager:
             end = computed + num_new_tokens
             if end <= self.noop_horizon.get(request.request_id, -1):
                 return self.empty_blocks
-            # Where a horizon exists it is exact, so only Mamba layouts need the O(1) check.
+            # Where every group's horizon is exact, past it something changes; a Mamba
+            # group's is a lower bound, so Mamba layouts ask the O(1) check first.
             # (Blocks are dropped by the tokens processed: async batches in flight excluded.)
             if not self.coordinator.horizon_possible and self.coordinator.is_noop(
                     request.request_id, max(0, computed - request.num_in_flight_tokens), min(end, self.max_model_len),

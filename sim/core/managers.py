@@ -61,6 +61,8 @@ class SingleTypeKVCacheManager:
         self.null_block = block_pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # request id -> leading null entries of its table last counted (``_leading_nulls``).
+        self.leading_nulls: dict[str, int] = {}
         # request id -> (group id, position, new block id) for every table entry changed in
         # place since the scheduler last took them: an executor mirroring the tables learns
         # of these from the scheduler output. The coordinator makes all its managers share
@@ -177,6 +179,7 @@ class SingleTypeKVCacheManager:
     def free(self, request_id: str) -> None:
         table = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        self.leading_nulls.pop(request_id, None)
         self.replaced_block_ids.pop(request_id, None)
         if table:
             # Last block first, so a request's chain is evicted tail first.
@@ -211,19 +214,24 @@ class SingleTypeKVCacheManager:
         horizon = len(table) * block_size
         if self.enable_caching:
             horizon = min(horizon, (self.num_cached_block.get(request_id, 0) + 1) * block_size - 1)
-        return min(horizon, self._skip_horizon(table))
+        return min(horizon, self._skip_horizon(request_id, table))
 
-    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+    def _skip_horizon(self, request_id: str, table: list[KVCacheBlock]) -> int:
         """Computed-token counts below this drop no further block (no early freeing: none)."""
         return 1 << 62
 
-    def _leading_nulls(self, table: list[KVCacheBlock]) -> int:
+    def _leading_nulls(self, request_id: str, table: list[KVCacheBlock]) -> int:
+        """The table's leading null entries. An entry once null stays null until the
+        request is freed (blocks are only nulled or appended), so the count found last
+        time is where the scan resumes: a long context's table is not rescanned from 0
+        at every horizon."""
         null = self.null_block
-        count = 0
-        for block in table:
-            if block is not null:
-                break
+        known = self.leading_nulls
+        count = known.get(request_id, 0)
+        end = len(table)
+        while count < end and table[count] is null:
             count += 1
+        known[request_id] = count
         return count
 
     def _nothing_to_skip(self, table: list[KVCacheBlock], num_computed_tokens: int) -> bool:
@@ -288,9 +296,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # The next token attends the last `window` tokens including itself.
         return max(0, num_computed_tokens - self.spec.sliding_window + 1)
 
-    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+    def _skip_horizon(self, request_id: str, table: list[KVCacheBlock]) -> int:
         # One more block drops once computed - window + 1 reaches the end of the next block.
-        return (self._leading_nulls(table) + 1) * self.block_size + self.spec.sliding_window - 1
+        return (self._leading_nulls(request_id, table) + 1) * self.block_size + self.spec.sliding_window - 1
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
@@ -334,10 +342,10 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         chunk = self.spec.attention_chunk_size
         return num_computed_tokens // chunk * chunk
 
-    def _skip_horizon(self, table: list[KVCacheBlock]) -> int:
+    def _skip_horizon(self, request_id: str, table: list[KVCacheBlock]) -> int:
         # Blocks drop when a chunk boundary passes the end of the next block.
         chunk = self.spec.attention_chunk_size
-        return cdiv((self._leading_nulls(table) + 1) * self.block_size, chunk) * chunk
+        return cdiv((self._leading_nulls(request_id, table) + 1) * self.block_size, chunk) * chunk
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
@@ -363,6 +371,7 @@ class MambaManager(SingleTypeKVCacheManager):
     """Recurrent state blocks. Align mode: the table is nulls plus the last state block(s)
     and, in a step with a prefill checkpoint, the checkpoint block just before them."""
 
+    # Its horizon is a lower bound (``noop_horizon``): past it, ``is_noop`` decides.
     has_noop_horizon = False
 
     spec: MambaSpec
@@ -587,6 +596,35 @@ class MambaManager(SingleTypeKVCacheManager):
             # Only nulls there: retiring them changes nothing, so the next call starts after.
             self.num_retired_blocks[request_id] = stop
         return True
+
+    def noop_horizon(self, request_id: str) -> int:
+        """In align mode, a token count up to which ``is_noop`` holds for the table as it
+        is, so that a decode may skip the full path (none, -1, in "none" mode, where
+        ``is_noop`` never holds). Each of ``is_noop``'s conditions bounds the end of the
+        step: a state block to add (``cdiv(end, block_size)`` plus the speculative blocks
+        past the table), a block to cache, the previous state block to release
+        (``cdiv(computed, block_size) - 1`` past it) and a real block to retire
+        (``(computed - 1) // block_size`` past it), with ``computed < end``. Tokens in
+        flight only lower ``computed`` there, so the horizon is a lower bound: once crossed,
+        ``allocate_slots`` still asks ``is_noop`` before the full path."""
+        if not self.align:
+            return -1
+        table = self.req_to_blocks.get(request_id)
+        if table is None or request_id not in self.allocated_block_reqs:
+            return -1
+        block_size = self.block_size
+        horizon = (len(table) - self.num_speculative_blocks) * block_size
+        if self.enable_caching:
+            horizon = min(horizon, (self.num_cached_block.get(request_id, 0) + 1) * block_size - 1)
+        null = self.null_block
+        last_idx = self.last_state_block_idx.get(request_id)
+        if last_idx is not None and table[last_idx] is not null:
+            horizon = min(horizon, (last_idx + 1) * block_size + 1)
+        for k in range(self.num_retired_blocks.get(request_id, 0), len(table)):
+            if table[k] is not null:
+                horizon = min(horizon, (k + 1) * block_size + 1)
+                break
+        return horizon
 
     def free(self, request_id: str) -> None:
         if self.boundary_state_offloads:

@@ -215,7 +215,7 @@ class Scheduler:
                 num_new += placeholders
             num_new = self.clip_running_chunk(num_new, computed, token_budget, long_prefill)
             if mamba_split:
-                num_new = self._mamba_block_aligned_split(request, num_new, 0)
+                num_new = self.mamba_block_aligned_split(request, num_new, 0)
             if self.num_prefill_lookahead:
                 num_new = self._reserve_prefill_lookahead(request, computed, num_new)
             if num_new <= 0:
@@ -437,7 +437,7 @@ class Scheduler:
             return 0
         num_new = min(num_new, token_budget)
         if self.mamba_block_size:
-            num_new = self._mamba_block_aligned_split(request, num_new, num_new_computed)
+            num_new = self.mamba_block_aligned_split(request, num_new, num_new_computed)
         return num_new
 
     def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int,
@@ -628,7 +628,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _mamba_block_aligned_split(self, request: Request, num_new: int, num_new_computed: int) -> int:
+    def mamba_block_aligned_split(self, request: Request, num_new: int, num_new_computed: int) -> int:
         """Clip a prefill chunk so it ends where a Mamba state must be cached.
 
         States are written only at chunk ends, so an unfinished prefill chunk must end on a

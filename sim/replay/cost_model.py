@@ -54,7 +54,9 @@ from kvtwin.sim.core.errors import require
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
-from kvtwin.sim.core.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
+from kvtwin.sim.core.decode_window import CHUNK_KEYS, FULL_KEYS, NO_KEYS, WINDOW_KEYS
+from kvtwin.sim.core.spec import (AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
+                                  SlidingWindowSpec)
 from kvtwin.sim.scenario.efficiency import Efficiency
 
 _MXFP4_BYTES_PER_PARAM = 4.25 / 8
@@ -347,6 +349,50 @@ class CostModel:
                    and isinstance(lc.spec, FullAttentionSpec)
                    and lc.spec.sliding_window is None and lc.spec.attention_chunk_size is None
                    for lc in self.layer_classes)
+
+    def decode_key_shapes(self) -> list[tuple[int, int]] | None:
+        """Per layer class, how its decodes attend their context, as a decode window
+        keeps it in closed form (``sim/core/decode_window.py``: ``FULL_KEYS``,
+        ``WINDOW_KEYS`` and its window, ``CHUNK_KEYS`` and its chunk, ``NO_KEYS``); None
+        if some class attends otherwise."""
+        shapes: list[tuple[int, int]] = []
+        for lc in self.layer_classes:
+            spec = lc.spec
+            method = type(spec).decode_attended_keys
+            if method is KVCacheSpec.decode_attended_keys:
+                shapes.append((NO_KEYS, 0))  # a recurrent state: no keys
+            elif method is SlidingWindowSpec.decode_attended_keys and isinstance(spec, SlidingWindowSpec):
+                shapes.append((WINDOW_KEYS, spec.sliding_window))
+            elif (method is ChunkedLocalAttentionSpec.decode_attended_keys
+                  and isinstance(spec, ChunkedLocalAttentionSpec)):
+                shapes.append((CHUNK_KEYS, spec.attention_chunk_size))
+            elif method is FullAttentionSpec.decode_attended_keys and isinstance(spec, FullAttentionSpec):
+                # Hybrid manager off: a windowed layer kept as full attention still
+                # computes over its window.
+                if spec.sliding_window is not None:
+                    shapes.append((WINDOW_KEYS, spec.sliding_window))
+                elif spec.attention_chunk_size is not None:
+                    shapes.append((CHUNK_KEYS, spec.attention_chunk_size))
+                else:
+                    shapes.append((FULL_KEYS, 0))
+            elif method is AttentionSpec.decode_attended_keys:
+                shapes.append((FULL_KEYS, 0))
+            else:
+                return None
+        return shapes
+
+    def decode_step_cost_by_keys(self, num_decodes: int, attended_keys: list[int],
+                                 prefill_items: list[tuple[int, int]] | None = None) -> StepCost:
+        """``decode_step_cost`` for any layout ``decode_key_shapes`` describes: the keys
+        the decodes attend are given per layer class (what ``decode_attended_keys`` of
+        their ends returns), so the float operations are ``split_step_cost``'s, in order."""
+        num_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(prefill_items or [])
+        if num_decodes:
+            for lc, attended in zip(self.layer_classes, attended_keys):
+                kv_bytes, attention_flops, attention_work = _add_decodes(lc, attended, num_decodes, kv_bytes,
+                                                                         attention_flops, attention_work)
+        return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, attention_work,
+                               num_decodes + (len(prefill_items) if prefill_items else 0), num_decodes)
 
     def decode_step_cost(self, num_decodes: int, context_ends_sum: int,
                          prefill_items: list[tuple[int, int]] | None = None) -> StepCost:

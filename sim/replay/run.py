@@ -106,6 +106,8 @@ class CostModelExecutor:
                  synchronous_drafts: bool = False):
         self.cost_model = cost_model
         self._token_base: dict[str, int] = {}
+        # How each layer class's decodes attend (None: not in a closed form windows know).
+        self._key_shapes = cost_model.decode_key_shapes()
         self.acceptance = acceptance
         self._drafts = [-1] * acceptance.config.num_speculative_tokens if acceptance is not None else []
         self.synchronous_drafts = synchronous_drafts and acceptance is not None
@@ -159,12 +161,24 @@ class CostModelExecutor:
     def prices_decode_windows(self) -> bool:
         """Whether a decode window may stand in for executing its batches: their seconds
         have a closed form (``decode_step_cost``) and their tokens are ``token_bases``."""
-        return self.cost_model.decodes_cost_by_context_sum
+        return self._key_shapes is not None
 
     def decode_step_cost(self, num_decodes: int, context_ends_sum: int,
                          prefill_items: list[tuple[int, int]] | None = None) -> StepCost:
         """What ``execute`` predicts for a batch of ``num_decodes`` decodes (and ``prefill_items``)."""
         return self.cost_model.decode_step_cost(num_decodes, context_ends_sum, prefill_items)
+
+    def decode_key_shapes(self) -> list[tuple[int, int]] | None:
+        """How each layer class's decodes attend, where a sum of contexts does not price
+        them (windowed or recurrent layers); None where it does."""
+        if self.cost_model.decodes_cost_by_context_sum:
+            return None
+        return self._key_shapes
+
+    def decode_step_cost_by_keys(self, num_decodes: int, attended_keys: list[int],
+                                 prefill_items: list[tuple[int, int]] | None = None) -> StepCost:
+        """``decode_step_cost`` given the keys attended per layer class (``decode_key_shapes``)."""
+        return self.cost_model.decode_step_cost_by_keys(num_decodes, attended_keys, prefill_items)
 
     def token_bases(self, request_ids: list[str]) -> list[int | None]:
         """Each request's token base: its output ``k`` is sampled as ``base + k``."""

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtwin.scenarios import SCENARIOS_DIR
-from kvtwin.sim.core.decode_window import open_decode_window
+from kvtwin.sim.core.decode_window import CHUNK_KEYS, WINDOW_KEYS, LocalKeySum, decode_keys, open_decode_window
 from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
@@ -130,12 +130,41 @@ def test_no_window_without_a_closed_form_clock():
     assert clock.decode_window_steps == 0
 
 
-def test_no_window_for_a_sliding_window_model():
-    """Gemma 3's sliding-window layers make a hybrid layout: the scheduler runs alone."""
-    resolved = resolve_scenario(SCENARIOS_DIR / "replay-gemma3-27b.toml", Overrides(limit=40))
-    planned = resolved.plan()
-    _, clock = _replay(run_replay, plan=planned, trace=resolved.require_workload().load())
-    assert clock.steps > 0 and clock.decode_window_steps == 0
+@pytest.mark.parametrize(("scenario", "limit"), [
+    ("replay-gemma3-27b.toml", 150),  # sliding window 1024 + full attention
+    ("replay-gpt-oss-20b.toml", 200),  # sliding window 128 + full attention
+    ("replay-qwen3-next.toml", 150),  # Gated DeltaNet (Mamba align) + full attention
+    ("replay-jamba-mini.toml", 150),  # Mamba align + full attention
+])
+def test_hybrid_layouts_replay_the_same_with_decode_windows(scenario, limit):
+    """Several KV cache groups, windowed or recurrent layers: windows open, and change nothing."""
+    resolved = resolve_scenario(SCENARIOS_DIR / scenario, Overrides(limit=limit))
+    _assert_same_with_and_without_windows(run_replay, 0.5, plan=resolved.plan(), trace=resolved.require_workload().load(),
+                                          efficiency=resolved.efficiency, slo=resolved.slo)
+
+
+# Hybrid layouts on a small pool: (model, tensor parallel size, GiB of KV cache at the
+# smallest setting). Prefix caching off puts a Mamba model in "none" mode.
+_HYBRIDS = [("gemma-3-12b", 1, 3.0), ("gpt-oss-20b", 1, 0.6), ("mistral-7b-v0.1", 1, 0.6),
+            ("jamba-mini", 2, 0.6), ("qwen3-next-80b-a3b", 4, 1.0)]
+
+
+@settings(max_examples=14, deadline=None)
+@given(seed=st.integers(0, 10_000), hybrid=st.sampled_from(_HYBRIDS), rate_per_s=st.sampled_from([2.0, 8.0, 30.0]),
+       kv_scale=st.sampled_from([1.0, 3.0]), policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
+       cut=st.booleans(), budget=st.sampled_from([256, 1024, None]))
+def test_random_overloads_of_hybrid_layouts_replay_the_same(seed, hybrid, rate_per_s, kv_scale, policy, caching, cut,
+                                                             budget):
+    model, tp, kv_gib = hybrid
+    planned = plan(get_model(model), get_gpu("h100"),
+                   EngineConfig(max_model_len=4096, tensor_parallel_size=tp, kv_cache_memory_bytes=int(kv_scale * kv_gib * 2**30),
+                                max_num_seqs=64, scheduling_policy=policy, enable_prefix_caching=caching,
+                                max_num_batched_tokens=budget))
+    trace = _overload_trace(seed, rate_per_s, 80)
+    time_limit_s = None
+    if cut:
+        time_limit_s = run_replay(planned, trace, decode_windows=False).end_time_s / 2
+    _assert_same_with_and_without_windows(run_replay, 0.05, plan=planned, trace=trace, time_limit_s=time_limit_s)
 
 
 def test_a_synchronous_scheduler_gets_no_window():
@@ -189,8 +218,66 @@ def test_the_closed_form_decode_cost_is_the_general_one_to_the_bit(ends, tp, mod
     assert astuple(closed) == astuple(general)
 
 
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "gemma-3-12b"])
-def test_windowed_layers_have_no_closed_form(model):
-    """Their decodes attend a window, not the whole context: the sum does not price them."""
-    planned = plan(get_model(model), get_gpu("h100"), EngineConfig(max_model_len=32768, kv_cache_memory_bytes=2**33))
-    assert not CostModelExecutor(plan_cost_model(planned)).prices_decode_windows()
+@settings(max_examples=120, deadline=None)
+@given(ends=st.lists(st.integers(1, 40_000), min_size=1, max_size=200),
+       model=st.sampled_from(["gpt-oss-20b", "gemma-3-12b", "mistral-7b-v0.1", "llama-4-scout", "jamba-mini",
+                              "qwen3-next-80b-a3b"]),
+       hybrid_manager=st.booleans(),
+       prefills=st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 20_000)), max_size=2))
+def test_the_closed_form_by_layer_class_is_the_general_one_to_the_bit(ends, model, hybrid_manager, prefills):
+    """Windowed, chunked and recurrent layers: priced from the keys each class attends,
+    which ``decode_keys`` computes from the class's shape as its spec does."""
+    planned = plan(get_model(model), get_gpu("h100"),
+                   EngineConfig(max_model_len=65536, tensor_parallel_size=4, kv_cache_memory_bytes=2**34,
+                                # Off (windowed layers kept as full attention) only for attention models.
+                                hybrid_kv_cache=None if hybrid_manager or "M" in get_model(model).layer_pattern
+                                else False))
+    executor = CostModelExecutor(plan_cost_model(planned))
+    assert executor.prices_decode_windows()
+    shapes = executor.decode_key_shapes()
+    assert shapes is not None
+    layer_classes = executor.cost_model.layer_classes
+    keys = [decode_keys(kind, size, ends) for kind, size in shapes]
+    assert keys == [lc.spec.decode_attended_keys(ends) for lc in layer_classes]
+    general = executor.cost_model.split_step_cost(ends, prefills)
+    closed = executor.decode_step_cost_by_keys(len(ends), keys, prefills)
+    assert astuple(closed) == astuple(general)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from([WINDOW_KEYS, CHUNK_KEYS]), size=st.integers(1, 40),
+       members=st.lists(st.tuples(st.integers(0, 120), st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=12))
+def test_a_local_key_sum_follows_its_members(kind, size, members):
+    """Members ``(c0, first batch, batches)`` join, decode and leave; at every batch the
+    closed-form sum is the sum of their keys."""
+    local = LocalKeySum(kind, size)
+    computed_at_open = [c0 for c0, _, _ in members]
+    last = max(first + n for _, first, n in members)
+    for index in range(last + 1):
+        for i, (c0, first, n) in enumerate(members):
+            if first == index and n:
+                local.join(i, c0, index)
+            if first + n == index and n:
+                local.leave(i, c0)
+        local.advance(index, computed_at_open)
+        ends = [c0 + index + 1 for c0, first, n in members if first <= index < first + n]
+        assert local.keys(index, sum(ends)) == decode_keys(kind, size, ends)
+
+
+def test_a_chunked_local_layout_replays_the_same_across_chunk_boundaries():
+    """Llama 4's chunked-local layers (chunk 8192) beside full attention: contexts that
+    cross a chunk boundary inside a window, where a decode's keys fall back to one."""
+    planned = plan(get_model("llama-4-scout"), get_gpu("h100"),
+                   EngineConfig(max_model_len=16384, tensor_parallel_size=4, kv_cache_memory_bytes=4 * 2**30,
+                                max_num_seqs=32))
+    trace = synthesize(parse_spec({
+        "kind": "chat", "seed": 5, "num_requests": 24, "block_tokens": 16,
+        "arrival": {"process": "poisson", "rate_per_s": 4.0},
+        "shared_prefix": {"count": 2, "tokens": 4000, "zipf_s": 1.0},
+        "turns": {"dist": "fixed", "value": 1},
+        "user_tokens": {"dist": "lognormal", "mean": 4100, "sigma": 0.1},
+        "output_tokens": {"dist": "lognormal", "mean": 300, "sigma": 0.3},
+        "turn_gap_s": {"dist": "exponential", "mean": 5}, "max_prompt_tokens": 12000}))
+    lengths = zip(trace.column("prompt_tokens").to_pylist(), trace.column("output_tokens").to_pylist())
+    assert any(p < 8192 < p + o for p, o in lengths)  # a context crosses the chunk while it decodes
+    _assert_same_with_and_without_windows(run_replay, 0.3, plan=planned, trace=trace)

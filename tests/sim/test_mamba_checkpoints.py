@@ -78,22 +78,22 @@ def test_checkpoint_position_and_validity():
 def test_final_chunk_runs_through_the_checkpoint_instead_of_stopping_at_it():
     r = request("a", tokens(1000, 100))
     # Without checkpoints the chunk stops at the last cacheable boundary, 96.
-    assert scheduler(full(), mamba(blocks=0, alignment=None))._mamba_block_aligned_split(r, 100, 0) == 96
-    assert scheduler(full(), mamba(blocks=1, alignment=None))._mamba_block_aligned_split(r, 100, 0) == 96
-    assert scheduler(full(), mamba())._mamba_block_aligned_split(r, 100, 0) == 100
+    assert scheduler(full(), mamba(blocks=0, alignment=None)).mamba_block_aligned_split(r, 100, 0) == 96
+    assert scheduler(full(), mamba(blocks=1, alignment=None)).mamba_block_aligned_split(r, 100, 0) == 96
+    assert scheduler(full(), mamba()).mamba_block_aligned_split(r, 100, 0) == 100
     # A 64-token grid: 96 - 0 is off it, 96 - 32 (after a 32-token hit) on it.
     grid = scheduler(full(), mamba(alignment=64))
-    assert grid._mamba_block_aligned_split(r, 100, 0) == 96
-    assert grid._mamba_block_aligned_split(r, 68, 32) == 68
+    assert grid.mamba_block_aligned_split(r, 100, 0) == 96
+    assert grid.mamba_block_aligned_split(r, 68, 32) == 68
 
 
 def test_chunks_that_do_not_reach_the_prompt_end_stay_block_aligned():
     sched = scheduler(full(), mamba(), budget=250)
     r = request("a", tokens(1000, 600))
-    assert sched._mamba_block_aligned_split(r, 250, 0) == 240
+    assert sched.mamba_block_aligned_split(r, 250, 0) == 240
     # Every Mamba group must export checkpoints for the split to relax.
     mixed = scheduler(full(), mamba(), mamba(blocks=0, alignment=None))
-    assert mixed._mamba_block_aligned_split(request("b", tokens(1000, 100)), 100, 0) == 96
+    assert mixed.mamba_block_aligned_split(request("b", tokens(1000, 100)), 100, 0) == 96
 
 
 # -- the manager ------------------------------------------------------------------------
