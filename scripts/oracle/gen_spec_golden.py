@@ -154,7 +154,7 @@ def build_scheduler(cfg: dict):
     for g in groups:
         if isinstance(g.kv_cache_spec, MambaSpec):
             vllm_config.cache_config.mamba_cache_mode = g.kv_cache_spec.mamba_cache_mode
-    if method in HEAD_METHODS and (caching or multi):
+    if method in HEAD_METHODS:
         as_draft_head(spec_config, method, mtp_layers)
     kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -163,9 +163,7 @@ def build_scheduler(cfg: dict):
                 structured_output_manager=StructuredOutputManager(vllm_config),
                 block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
     sc = vllm_config.scheduler_config
-    head = method in HEAD_METHODS and (caching or multi)
-    if method in HEAD_METHODS and not head:
-        eagle_lookahead(sched, k)
+    head = method in HEAD_METHODS
     # Nothing we asked for may have been changed behind our back; the draft head's
     # derived settings are what vLLM 0.33 derives for a single- or multi-module head.
     prefill_lookahead = (k if multi else 1) if head else 0
@@ -212,11 +210,9 @@ def as_draft_head(spec_config, method: str, mtp_layers: int = 1) -> None:
     = 1, ``num_hash_lookahead_tokens`` = 1 with caching on and no KV connector, else 0), all
     of which now follow from ``method`` exactly as in a served engine, and are checked by
     ``build_scheduler``. ``max_num_new_slots_for_drafting`` stays 0 (sequential drafting).
-    With caching off the cases keep ``eagle_lookahead`` instead: there vLLM leaves
-    ``use_eagle_block_drop`` on (no lookahead hashes), which moves a Mamba align-mode
-    chunk's checkpoint stop one block earlier (``get_mamba_prefill_checkpoint_position``):
-    spec_eagle_mamba_nocache_k3 differs under the real method, the other three caching-off
-    cases are the same either way.
+    With caching off vLLM leaves ``use_eagle_block_drop`` on (no lookahead hashes), which
+    moves a Mamba align-mode checkpoint stop one block earlier
+    (``get_mamba_prefill_checkpoint_position``); ``build_scheduler`` checks the flag.
 
     Multi-module MTP (``"num_nextn_predict_layers": n > 1`` with ``"method": "mtp"``, caching
     on or off): ``use_multi_module_mtp()`` reads only the draft model's
@@ -231,15 +227,6 @@ def as_draft_head(spec_config, method: str, mtp_layers: int = 1) -> None:
     if not (spec_config.use_eagle() and spec_config.use_eagle_block_drop()
             and spec_config.use_multi_module_mtp() == multi):
         raise CaseError(f"vLLM does not take method {method!r} ({mtp_layers} modules) as that draft head")
-
-
-def eagle_lookahead(sched, k: int) -> None:
-    """The caching-off draft head (``as_draft_head`` says why): built from the n-gram config
-    and given ``num_lookahead_tokens = k``, the attribute that differs for full and sliding
-    window groups (``num_prefill_lookahead = 1`` is a no-op in ``_reserve_prefill_lookahead``;
-    the encoder shift needs encoder inputs; ``can_skip_drafts`` only tells the worker not to
-    draft when no scheduled request can use the drafts)."""
-    sched.num_lookahead_tokens = k
 
 
 def validate_request(r: dict, cfg: dict, where: str) -> None:
@@ -654,9 +641,15 @@ def mamba_cases() -> dict:
             config([FULL, MAMBA_CHECKPOINT], 60, 3, "k=3, full attention + Mamba-2 style (align, one prefill "
                    "checkpoint block, alignment 1), tight pool", budget=96), workload(1104, 3, n=18, gap=1)),
         "spec_eagle_mamba_nocache_k3": (
-            config([FULL, MAMBA], 48, 3, "EAGLE-style drafter, k=3, full attention + Mamba (align), caching off: "
-                   "the Mamba group ignores the lookahead slots", caching=False, budget=96, method="eagle"),
+            config([FULL, MAMBA], 48, 3, "EAGLE k=3, full attention + Mamba (align), caching off: the Mamba "
+                   "group ignores the lookahead slots, and the trailing-block drop moves the checkpoint stop "
+                   "one block earlier", caching=False, budget=96, method="eagle"),
             workload(1105, 3, n=16, gap=1)),
+        "spec_eagle_mamba_checkpoint_nocache_k3": (
+            config([FULL, MAMBA_CHECKPOINT], 60, 3, "EAGLE k=3, full attention + Mamba-2 style (align, one prefill "
+                   "checkpoint block), caching off: the trailing-block drop moves the exported checkpoint one "
+                   "block earlier", caching=False, budget=96, method="eagle"),
+            workload(1106, 3, n=18, gap=1)),
     }
 
 

@@ -131,6 +131,13 @@ class SchedulerConfig:
                 "0 unless a draft head reserves lookahead slots (num_lookahead_tokens > 0)", hash_lookahead)
 
     @property
+    def use_eagle_block_drop(self) -> bool:
+        """vLLM's ``use_eagle_block_drop``: a draft head whose hashes cover no lookahead
+        (prefix caching off; with caching on the scheduler requires lookahead hashes). It
+        only moves a Mamba group's checkpoint stop (docs/semantics.md#draft-heads-and-prefix-caching)."""
+        return self.num_lookahead_tokens > 0 and self.num_hash_lookahead_tokens == 0
+
+    @property
     def max_concurrent_batches(self) -> int:
         # Async scheduling keeps two batches in flight (vLLM's AsyncScheduler).
         return 2 if self.async_scheduling else 1

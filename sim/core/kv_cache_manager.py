@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, UnitaryKVCacheCoordinator, get_kv_cache_coordinator
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
-from kvtwin.sim.core.managers import FullAttentionManager
+from kvtwin.sim.core.managers import FullAttentionManager, MambaManager
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import KVCacheConfig, cdiv
 
 
 class KVCacheManager:
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
-                 enable_caching: bool = True, watermark: float = 0.0, num_prefill_lookahead: int = 0):
+                 enable_caching: bool = True, watermark: float = 0.0, num_prefill_lookahead: int = 0,
+                 use_eagle_block_drop: bool = False):
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -37,6 +38,12 @@ class KVCacheManager:
             # legacy block drop), so only a one-group layout drops them
             # (docs/semantics.md#draft-heads-and-prefix-caching).
             self.coordinator.num_reprefillable_tokens = num_prefill_lookahead - 1
+        if use_eagle_block_drop:
+            # Mamba checkpoints match the draft head's attention replay boundary (vLLM's
+            # coordinator sets ``drop_eagle_checkpoint_block``).
+            for manager in self.coordinator.managers:
+                if isinstance(manager, MambaManager):
+                    manager.drop_eagle_checkpoint_block = True
         self.num_groups = len(kv_cache_config.groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         # Returned for "no blocks" (no hit, nothing appended on the fast path): test by identity.

@@ -388,6 +388,8 @@ class MambaManager(SingleTypeKVCacheManager):
         # request scheduled in the same step.
         self.cached_blocks_this_step: set = set()
         self.has_prefill_checkpoint_blocks = spec.has_prefill_checkpoint_blocks
+        # Set by the KV cache manager under a draft head's trailing-block drop.
+        self.drop_eagle_checkpoint_block = False
         # Requests whose last (non-admission) count reserved a checkpoint block, which the
         # allocation that follows keeps real (vLLM's ``_checkpoints``).
         self.checkpoints: set[str] = set()
@@ -459,7 +461,8 @@ class MambaManager(SingleTypeKVCacheManager):
         block before the running state's, holding the state at the last hit-grid boundary
         before ``query_end``; -1 if it exports none. vLLM 0.33 reserves one for every
         qualifying chunk, not only the prompt's last (dense retention)."""
-        position = get_mamba_prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens)
+        position = get_mamba_prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens,
+                                                         self.drop_eagle_checkpoint_block)
         if not is_mamba_prefill_checkpoint_valid(query_start, query_end, position, self.hash_block_size,
                                                  self.block_size, self.spec.prefill_checkpoint_alignment):
             return -1

@@ -61,7 +61,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config, scheduler_config.max_model_len, scheduler_config.max_in_flight_tokens,
             enable_caching=cache_config.enable_prefix_caching, watermark=scheduler_config.watermark,
-            num_prefill_lookahead=scheduler_config.num_prefill_lookahead_tokens)
+            num_prefill_lookahead=scheduler_config.num_prefill_lookahead_tokens,
+            use_eagle_block_drop=scheduler_config.use_eagle_block_drop)
         # vLLM's engine hashes a request's blocks for the prefix cache and for a KV
         # connector alike: with caching off, an offload tier still stores and finds prefixes.
         # A draft head's lookahead hashes (docs/semantics.md#draft-heads-and-prefix-caching).
@@ -89,6 +90,9 @@ class Scheduler:
             s.num_prefill_checkpoint_blocks > 0 for s in mamba_specs)
         self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs \
             else None
+        # A draft head with caching off drops attention hits' last block; Mamba checkpoints
+        # follow it one block back (vLLM's ``use_eagle_block_drop``).
+        self.use_eagle_block_drop = scheduler_config.use_eagle_block_drop
         self.hash_block_size = kv_cache_config.hash_block_size
         # A KV connector (an offload tier), or None: then no connector path below runs.
         self.connector = connector
@@ -645,11 +649,12 @@ class Scheduler:
             return num_new
         end = start + num_new
         # The last boundary a later request can hit (hits stop at num_tokens - 1).
-        last_cache_position = get_mamba_prefill_checkpoint_position(request.num_tokens, block_size)
+        drop = self.use_eagle_block_drop
+        last_cache_position = get_mamba_prefill_checkpoint_position(request.num_tokens, block_size, drop)
         internal_checkpoint = (
             self.mamba_has_prefill_checkpoint_blocks and end >= prefill_end
             and is_mamba_prefill_checkpoint_valid(
-                start, end, get_mamba_prefill_checkpoint_position(prefill_end, block_size), self.hash_block_size,
+                start, end, get_mamba_prefill_checkpoint_position(prefill_end, block_size, drop), self.hash_block_size,
                 block_size, self.mamba_prefill_checkpoint_alignment))
         if internal_checkpoint:
             last_cache_position = 0

@@ -398,10 +398,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def get_mamba_prefill_checkpoint_position(num_tokens: int, block_size: int) -> int:
+def get_mamba_prefill_checkpoint_position(num_tokens: int, block_size: int, drop_eagle_block: bool = False) -> int:
     """The last block boundary whose state a later request can reuse (vLLM's helper of the
-    same name, no EAGLE): hits stop at ``num_tokens - 1`` because the last token's logits
-    are always recomputed."""
+    same name): hits stop at ``num_tokens - 1`` because the last token's logits are always
+    recomputed. Under a draft head's trailing-block drop (caching off,
+    docs/semantics.md#draft-heads-and-prefix-caching) attention hits lose their last
+    block, so the Mamba state is kept one whole block before the sequence's last boundary."""
+    if drop_eagle_block:
+        return max(num_tokens // block_size * block_size - block_size, 0)
     return max((num_tokens - 1) // block_size * block_size, 0)
 
 

@@ -96,10 +96,11 @@ def weights_bytes_per_gpu(model: ModelPreset, *, tp: int) -> int:
 def estimate_memory(model: ModelPreset, gpu: GPUSpec, *, tp: int, gpu_memory_utilization: float,
                     max_num_batched_tokens: int, max_num_seqs: int,
                     activation_peak_bytes: int | None = None, cuda_graph_bytes: int | None = None,
-                    non_torch_bytes: int | None = None) -> MemoryBudget:
-    """The KV cache budget of one GPU, from the model shape (overrides win)."""
+                    non_torch_bytes: int | None = None, draft_weights_bytes: int = 0) -> MemoryBudget:
+    """The KV cache budget of one GPU, from the model shape (overrides win); a draft head's
+    weights (``draft_weights_bytes``, per GPU) are loaded before profiling, like the target's."""
     requested = math.ceil(gpu.memory_bytes * gpu_memory_utilization)
-    weights = weights_bytes_per_gpu(model, tp=tp)
+    weights = weights_bytes_per_gpu(model, tp=tp) + draft_weights_bytes
     per_token = activation_bytes_per_token(model, tp=tp)
     if activation_peak_bytes is None:
         forward = max_num_batched_tokens * per_token

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.draft_head import DraftHeadShape
 from kvtwin.sim.planner.grouping import Grouping, PlannedGroup, group_layers
 from kvtwin.sim.planner.engine_config import EngineConfig, ResolvedEngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
@@ -60,6 +61,14 @@ class LayerSpecs:
     hybrid_block: HybridBlockSize | None
     kv_heads_per_gpu: int
     kernel_block_alignment_tokens: int
+    # A draft head's attention layers, named after the target's as vLLM numbers them
+    # (layers.N onwards for an N-layer target); grouped with the target's, priced apart.
+    draft_specs: dict[str, KVCacheSpec] = field(default_factory=dict)
+
+    @property
+    def cached_specs(self) -> dict[str, KVCacheSpec]:
+        """Every layer the KV cache holds: the target's, then the draft head's."""
+        return {**self.specs, **self.draft_specs} if self.draft_specs else self.specs
 
 
 def _layer_name(index: int) -> str:
@@ -115,9 +124,10 @@ LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
 
 
 def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, *,
-                      num_speculative_tokens: int = 0) -> LayerSpecs:
+                      num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None) -> LayerSpecs:
     """One spec per cached layer, as one GPU of the TP group sees it (``num_speculative_tokens``:
-    the drafts per step, which size a recurrent state's speculative blocks)."""
+    the drafts per step, which size a recurrent state's speculative blocks; ``draft_head``:
+    its layers are cached too, ``sim/planner/draft_head.py``)."""
     tp = eng.tensor_parallel_size
     kv_bytes = eng.kv_cache_dtype_bytes
     kv_heads = max(1, model.num_kv_heads // tp)
@@ -173,7 +183,14 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
         name = _layer_name(i)
         specs[name] = spec
         index[name] = i
-    return LayerSpecs(specs, index, block_size, hybrid_block, kv_heads, kernel_alignment)
+    draft_specs: dict[str, KVCacheSpec] = {}
+    if draft_head is not None:
+        builder = LAYER_SPEC_BUILDERS[draft_head.layer_kind(model)]
+        for i in range(len(model.layer_kinds), len(model.layer_kinds) + draft_head.num_layers):
+            name = _layer_name(i)
+            draft_specs[name] = builder(layer)
+            index[name] = i
+    return LayerSpecs(specs, index, block_size, hybrid_block, kv_heads, kernel_alignment, draft_specs)
 
 
 # --------------------------------------------------------------------------------------
@@ -198,6 +215,7 @@ class Plan:
     estimated_max_model_len: int
     warnings: tuple[str, ...] = ()
     suggestions: tuple[dict, ...] = field(default=())
+    draft_head: DraftHeadShape | None = None
 
     # -- vLLM's figures ----------------------------------------------------------------
 
@@ -348,6 +366,11 @@ class Plan:
             "warnings": list(self.warnings),
             "suggestions": list(self.suggestions),
         }
+        if self.draft_head is not None:
+            out["draft_head"] = {
+                "method": self.draft_head.method, "num_layers": self.draft_head.num_layers,
+                "layer_indices": [self.layers.layer_index[n] for n in self.layers.draft_specs],
+                "weights_bytes": self.draft_head.weights_bytes_per_gpu(self.model, tp=eng.tensor_parallel_size)}
         if self.layers.hybrid_block is not None:
             hb = self.layers.hybrid_block
             out["hybrid_block"] = {"alignment_tokens": hb.alignment_tokens, "mamba_page_bytes": hb.mamba_page_bytes,
@@ -381,19 +404,23 @@ def _estimate_max_model_len(grouping: Grouping, bytes_per_block: int, *, in_flig
 
 
 def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: bool = True,
-         num_speculative_tokens: int = 0) -> Plan:
+         num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None) -> Plan:
     """vLLM 0.33's KV cache layout and capacity for ``model`` on ``gpu`` with ``engine``; with
-    ``num_speculative_tokens`` k > 0 every Mamba layer keeps k more state blocks per request."""
+    ``num_speculative_tokens`` k > 0 every Mamba layer keeps k more state blocks per request;
+    a ``draft_head`` adds its layers to the KV cache and its weights to the memory taken."""
     eng = engine.resolve(model, gpu)
-    layers = build_layer_specs(model, gpu, eng, num_speculative_tokens=num_speculative_tokens)
-    grouping = group_layers(layers.specs, hybrid_kv_cache=eng.hybrid_kv_cache)
+    layers = build_layer_specs(model, gpu, eng, num_speculative_tokens=num_speculative_tokens,
+                               draft_head=draft_head)
+    grouping = group_layers(layers.cached_specs, hybrid_kv_cache=eng.hybrid_kv_cache)
     bytes_per_block = max(g.bytes_per_block for g in grouping.groups)
 
     estimate = estimate_memory(model, gpu, tp=eng.tensor_parallel_size,
                                gpu_memory_utilization=eng.gpu_memory_utilization,
                                max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs,
                                activation_peak_bytes=eng.activation_peak_bytes,
-                               cuda_graph_bytes=eng.cuda_graph_bytes, non_torch_bytes=eng.non_torch_bytes)
+                               cuda_graph_bytes=eng.cuda_graph_bytes, non_torch_bytes=eng.non_torch_bytes,
+                               draft_weights_bytes=(draft_head.weights_bytes_per_gpu(model, tp=eng.tensor_parallel_size)
+                                                    if draft_head is not None else 0))
     memory = (explicit_memory(estimate, eng.kv_cache_memory_bytes)
               if eng.kv_cache_memory_bytes is not None else estimate)
     num_blocks = max(0, memory.kv_cache_bytes // bytes_per_block)
@@ -423,15 +450,15 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
     result = Plan(model=model, gpu=gpu, engine=eng, layers=layers, grouping=grouping, memory=memory,
                   bytes_per_block=bytes_per_block, num_blocks=num_blocks, blocks_per_request=blocks_per_request,
                   steady_state_blocks_per_request=steady, fits=fits, needed_bytes=needed,
-                  estimated_max_model_len=estimated_len, warnings=tuple(warnings))
+                  estimated_max_model_len=estimated_len, warnings=tuple(warnings), draft_head=draft_head)
     if not fits and suggest:
         result = dataclasses.replace(result, suggestions=tuple(_suggestions(model, gpu, engine, result,
-                                                                            num_speculative_tokens)))
+                                                                            num_speculative_tokens, draft_head)))
     return result
 
 
 def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed: Plan,
-                 num_speculative_tokens: int = 0) -> list[dict]:
+                 num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None) -> list[dict]:
     """What would fit instead: a shorter max_model_len, an fp8 KV cache, more GPUs."""
     out: list[dict] = []
     if failed.estimated_max_model_len > 0:
@@ -440,7 +467,7 @@ def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed:
     if failed.engine.kv_cache_dtype_bytes > 1:
         try:
             alt = plan(model, gpu, dataclasses.replace(engine, kv_cache_dtype="fp8"), suggest=False,
-                       num_speculative_tokens=num_speculative_tokens)
+                       num_speculative_tokens=num_speculative_tokens, draft_head=draft_head)
         except ConfigError:
             alt = None
         if alt is not None and alt.fits:
@@ -449,7 +476,7 @@ def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed:
     for more in (2 * tp, 4 * tp, 8 * tp):
         try:
             alt = plan(model, gpu, dataclasses.replace(engine, tensor_parallel_size=more), suggest=False,
-                       num_speculative_tokens=num_speculative_tokens)
+                       num_speculative_tokens=num_speculative_tokens, draft_head=draft_head)
         except ConfigError:
             continue
         if alt.fits:

@@ -121,9 +121,11 @@ class ResolvedScenario:
         return str(self.source) if self.source is not None else None
 
     def plan(self) -> Plan:
-        # Drafting sizes a Mamba layer's speculative state blocks (its pool worst case too).
+        # Drafting sizes a Mamba layer's speculative state blocks (its pool worst case too);
+        # a draft head's layers and weights take their share of the GPU.
         drafts = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
-        planned = plan(self.model, self.gpu, self.engine, num_speculative_tokens=drafts)
+        planned = plan(self.model, self.gpu, self.engine, num_speculative_tokens=drafts,
+                       draft_head=self.speculative.draft_head)
         return with_speculative(planned, self.speculative, self.where, self.overrides)
 
     def offload_for(self, planned: Plan) -> ResolvedOffload | None:

@@ -7,8 +7,9 @@ block's hash covers the token after it; ``mtp`` is a single-module head, one MTP
 run k times, as DeepSeek-V3's), ``num_speculative_tokens`` the k
 drafts verified per decode, ``acceptance`` how often they are accepted (one rate, or one
 per draft position; default: the method's published table, ``spec_defaults.py``), ``seed``
-the acceptance draws' seed, ``draft_layers`` the draft head's depth for the cost model
-(default 1 for a head, 0 for n-gram). No table (or ``method`` unset): no drafting, and the
+the acceptance draws' seed, ``draft_layers`` the draft head's depth (default 1 for a head,
+0 for n-gram): its GPU time in the cost model, and in the plan its KV layers and weights
+(``sim/planner/draft_head.py``). No table (or ``method`` unset): no drafting, and the
 run is exactly the one without this feature.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from kvtwin.sim.core.acceptance import AcceptanceConfig
 from kvtwin.sim.core.config import is_int
 from kvtwin.sim.core.errors import require
+from kvtwin.sim.planner.draft_head import DraftHeadShape
 from kvtwin.sim.scenario.spec_defaults import default_acceptance
 
 SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp")
@@ -72,6 +74,13 @@ class SpeculativeConfig:
         if self.draft_layers is not None:
             return self.draft_layers
         return 1 if self.method in HEAD_METHODS else 0
+
+    @property
+    def draft_head(self) -> DraftHeadShape | None:
+        """The head the plan gives KV layers and weights (None: n-gram, off, or no layers)."""
+        if self.method not in HEAD_METHODS or not self.num_draft_layers:
+            return None
+        return DraftHeadShape(str(self.method), self.num_draft_layers)
 
     def acceptance_config(self) -> AcceptanceConfig:
         rates = self.acceptance

@@ -195,10 +195,12 @@ def test_a_draft_head_with_prefix_caching_on_hashes_with_lookahead_and_still_hit
                              name="head.toml"))
     ngram = _cached(_scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\n',
                               async_scheduling=False, name="ngram.toml"))
-    assert resolve_scenario(head, Overrides()).plan().engine.scheduler.num_hash_lookahead_tokens == 1
-    assert resolve_scenario(ngram, Overrides()).plan().engine.scheduler.num_hash_lookahead_tokens == 0
+    scheduler_of = lambda path: resolve_scenario(path, Overrides()).plan().engine.scheduler  # noqa: E731
+    assert scheduler_of(head).num_hash_lookahead_tokens == 1 and not scheduler_of(head).use_eagle_block_drop
+    assert scheduler_of(ngram).num_hash_lookahead_tokens == 0 and not scheduler_of(ngram).use_eagle_block_drop
+    # Caching off: plain hashes, and vLLM keeps the head's trailing-block drop.
     head_off = _scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\n', name="off.toml")
-    assert resolve_scenario(head_off, Overrides()).plan().engine.scheduler.num_hash_lookahead_tokens == 0
+    assert scheduler_of(head_off).num_hash_lookahead_tokens == 0 and scheduler_of(head_off).use_eagle_block_drop
     hits = {}
     for name, path in (("plain", plain), ("head", head), ("ngram", ngram)):
         result, summary = _run(path)
@@ -302,3 +304,21 @@ def test_what_the_core_does_not_model_is_refused_naming_the_table(tmp_path):
     offload = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 2\nacceptance = 0.5\n'
                                   '[offload]\ncpu_bytes = 1000000000\n', name="o.toml")
     _one_error_line(_replay_cli(offload, "--out", tmp_path / "out"), "offload.cpu_bytes", "[speculative]")
+
+
+def test_a_draft_head_takes_its_layers_and_weights_out_of_the_pool(tmp_path):
+    """docs/semantics.md#draft-heads-in-the-memory-plan: an EAGLE-3 head's layer joins the
+    target's group and its weights are loaded before the KV cache is sized, so the pool
+    has fewer blocks than with n-gram drafting; ``draft_layers = 0`` gives n-gram's pool."""
+    def planned(spec: str, name: str):
+        return resolve_scenario(_scenario(tmp_path, spec, name=name), Overrides()).plan()
+
+    ngram = planned('method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\n', "ngram.toml")
+    head = planned('method = "eagle3"\nnum_speculative_tokens = 3\n', "head.toml")
+    two = planned('method = "eagle3"\nnum_speculative_tokens = 3\ndraft_layers = 2\n', "two.toml")
+    none = planned('method = "eagle3"\nnum_speculative_tokens = 3\ndraft_layers = 0\n', "none.toml")
+    assert ngram.draft_head is None and none.draft_head is None
+    assert none.num_blocks == ngram.num_blocks and none.memory == ngram.memory
+    assert [len(p.groups[0].layer_names) for p in (ngram, head, two)] == [32, 33, 34]
+    assert ngram.num_blocks > head.num_blocks > two.num_blocks
+    assert ngram.memory.weights_bytes < head.memory.weights_bytes < two.memory.weights_bytes

@@ -29,10 +29,14 @@ def mamba(alignment: int | None = 1, blocks: int = 1, mode: str = "align") -> Ma
                      num_prefill_checkpoint_blocks=blocks, prefill_checkpoint_alignment=alignment)
 
 
-def scheduler(*specs, budget: int = 256, threshold: int = 0) -> Scheduler:
+def scheduler(*specs, budget: int = 256, threshold: int = 0, caching: bool = True, **drafts) -> Scheduler:
     return Scheduler(kv_config(*specs), SchedulerConfig(max_model_len=4096, max_num_batched_tokens=budget,
-                                                        long_prefill_token_threshold=threshold),
-                     CacheConfig(enable_prefix_caching=True))
+                                                        long_prefill_token_threshold=threshold, **drafts),
+                     CacheConfig(enable_prefix_caching=caching))
+
+
+# An EAGLE head with k = 3 (caching off: no lookahead hashes, so vLLM keeps its block drop).
+EAGLE = dict(num_speculative_tokens=3, num_lookahead_tokens=3)
 
 
 # -- the spec ---------------------------------------------------------------------------
@@ -73,6 +77,20 @@ def test_checkpoint_position_and_validity():
     assert is_mamba_prefill_checkpoint_valid(32, 70, 48, 16, 32, 1)
 
 
+def test_eagle_block_drop_keeps_the_checkpoint_one_block_back():
+    # vLLM 0.33 kv_cache_interface.py l.1169-1186: the last whole block before num_tokens,
+    # minus one block, never below 0.
+    drop = [get_mamba_prefill_checkpoint_position(n, 16, drop_eagle_block=True) for n in (1, 16, 17, 32, 96, 97, 100)]
+    assert drop == [0, 0, 0, 16, 80, 80, 80]
+
+
+def test_only_a_draft_head_without_lookahead_hashes_drops():
+    assert SchedulerConfig(max_model_len=64, **EAGLE).use_eagle_block_drop
+    assert not SchedulerConfig(max_model_len=64, num_hash_lookahead_tokens=1, **EAGLE).use_eagle_block_drop
+    assert not SchedulerConfig(max_model_len=64, num_speculative_tokens=3).use_eagle_block_drop  # n-gram
+    assert not SchedulerConfig(max_model_len=64).use_eagle_block_drop
+
+
 # -- the scheduler's split --------------------------------------------------------------
 
 def test_final_chunk_runs_through_the_checkpoint_instead_of_stopping_at_it():
@@ -85,6 +103,31 @@ def test_final_chunk_runs_through_the_checkpoint_instead_of_stopping_at_it():
     grid = scheduler(full(), mamba(alignment=64))
     assert grid.mamba_block_aligned_split(r, 100, 0) == 96
     assert grid.mamba_block_aligned_split(r, 68, 32) == 68
+
+
+def test_eagle_block_drop_moves_the_split_and_the_exported_checkpoint():
+    r = request("a", tokens(1000, 100))
+    spec = mamba(blocks=0, alignment=None)
+    spec_k3 = MambaSpec(block_size=16, shapes=((4, 4),), dtype_bytes=(2,), mamba_cache_mode="align",
+                        num_speculative_blocks=3)
+    assert scheduler(full(), spec_k3, caching=False, num_speculative_tokens=3).mamba_block_aligned_split(
+        r, 100, 0) == 96
+    # The head's drop stops the prefill one block earlier, at 80.
+    assert scheduler(full(), spec_k3, caching=False, **EAGLE).mamba_block_aligned_split(r, 100, 0) == 80
+    assert scheduler(full(), spec, caching=False).mamba_block_aligned_split(r, 100, 0) == 96
+    # A checkpoint-exporting kernel runs the final chunk through, exporting the state at 80
+    # into the block before the running state's.
+    ckpt = MambaSpec(block_size=16, shapes=((4, 4),), dtype_bytes=(2,), mamba_cache_mode="align",
+                     num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1, num_speculative_blocks=3)
+    sched = scheduler(full(), ckpt, caching=False, **EAGLE)
+    assert sched.mamba_block_aligned_split(r, 100, 0) == 100
+    manager = sched.kv_cache_manager.coordinator.managers[1]
+    plain = scheduler(full(), ckpt, caching=False, num_speculative_tokens=3).kv_cache_manager.coordinator.managers[1]
+    assert manager.drop_eagle_checkpoint_block and not plain.drop_eagle_checkpoint_block
+    assert manager._checkpoint_index("a", None, 0, 100) == plain._checkpoint_index("a", None, 0, 100) == 5
+    # A chunk from 80: the plain checkpoint (96) lies inside it, the dropped one (80) does not.
+    assert plain._checkpoint_index("a", None, 80, 100) == 5
+    assert manager._checkpoint_index("a", None, 80, 100) == -1
 
 
 def test_chunks_that_do_not_reach_the_prompt_end_stay_block_aligned():
