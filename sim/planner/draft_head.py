@@ -13,8 +13,8 @@ costs the target's average layer (its parameters without the embedding and LM he
 its layers), plus the head's input projection (EAGLE and MTP: ``2 h x h`` over the
 concatenated token embedding and hidden state; EAGLE-3: ``3 h x h`` over three fused
 hidden states), stored as the target stores its weights. The embedding and LM head are the
-target's (vLLM shares them with the drafter when their shapes match); an EAGLE-3 head's own
-reduced-vocabulary LM head is not counted.
+target's (vLLM shares them when the drafter has none of its own or an identical copy); an
+EAGLE-3 head's own reduced-vocabulary LM head is not counted.
 """
 
 from __future__ import annotations
