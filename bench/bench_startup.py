@@ -87,13 +87,17 @@ def parse_importtime(stderr: str) -> tuple[float, list[tuple[str, float]], list[
     """From ``-X importtime`` lines: the summed cumulative milliseconds of the top-level
     imports, the heaviest top-level imports (name, ms), and the heavy libraries loaded."""
     top: list[tuple[str, float]] = []
+    # A failed import prints its line too (pyarrow tries ``import pandas`` where pandas is
+    # not installed): a library counts as loaded once one of its submodules was imported,
+    # as each of HEAVY's imports some on the way in.
     loaded: set[str] = set()
     for line in stderr.splitlines():
         if not line.startswith("import time:") or "[us]" in line:
             continue
         _, cumulative, name = line.split("|")
         module = name.strip()
-        loaded.add(module.split(".")[0])
+        if "." in module:
+            loaded.add(module.split(".")[0])
         if name.startswith(" ") and not name.startswith("  "):  # depth 0: imported by the command itself
             top.append((module, int(cumulative) / 1000))
     top.sort(key=lambda item: -item[1])

@@ -4,40 +4,42 @@ points), what a CPU offload tier buys, the replicas needed, and routers side by 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from kvtwin.reports import plots
 from kvtwin.reports.html_page import figure
 from kvtwin.reports.sweep_frame import (KV_KEY, OFFLOAD_KEY, RATE_KEY, ROUTER_KEY, combo_label, finite,
-                                        lines_by_combo, sweep_keys, varying)
+                                        finite_mask, lines_by_combo, numbers, records, rows_where, sweep_keys,
+                                        texts, varying, with_column)
 
 _X_LABELS = {"kv_cache_tokens": "KV cache (tokens)", "kv_cache_blocks": "KV cache (blocks)"}
 
 
-def capacity_figures(frame: pd.DataFrame, hit_curve: pa.Table | None, plan: dict | None) -> list[str]:
+def capacity_figures(frame: pa.Table, hit_curve: pa.Table | None, plan: dict | None) -> list[str]:
+    """The plots of a sweep (``reports.sweep_frame.sweep_table``), from its ``ok`` points."""
     keys = sweep_keys(frame)
-    ok = frame[frame["status"].astype(str) == "ok"] if "status" in frame.columns else frame
-    varied = varying(ok, keys) if len(ok) else []
+    ok = rows_where(frame, [t == "ok" for t in texts(frame, "status")]) if "status" in frame.column_names else frame
+    varied = varying(ok, keys) if ok.num_rows else []
     out = _rate_figures(ok, varied) if RATE_KEY in keys else []
     out += _kv_capacity_figures(ok, hit_curve, _kv_points(ok, hit_curve, plan) if KV_KEY in keys else None)
     out += _offload_figures(ok, varied) if OFFLOAD_KEY in keys else []
     out += _replicas_needed_figures(ok, varied)
-    out += _router_figures(ok, varied) if ROUTER_KEY in keys and len(ok) else []
+    out += _router_figures(ok, varied) if ROUTER_KEY in keys and ok.num_rows else []
     return out
 
 
-def _rate_figures(ok: pd.DataFrame, varied: Sequence[str]) -> list[str]:
+def _rate_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
     others = [k for k in varied if k != RATE_KEY]
     by = " (one line per " + ", ".join(others) + ")" if others else ""
     out = []
     for column, ylabel, title, percent in (
             ("request_throughput", "requests per second", "Throughput vs rate", False),
             ("slo_attainment", "requests within the SLO (%)", "SLO attainment vs rate", True)):
-        if column not in ok.columns:
+        if column not in ok.column_names:
             continue
         series = lines_by_combo(ok, RATE_KEY, column, others)
         if not series:
@@ -60,30 +62,29 @@ def _tokens_per_block(hit_curve: pa.Table | None) -> float | None:
     return float(np.median(tokens[usable] / blocks[usable])) if usable.any() else None
 
 
-def _kv_points(ok: pd.DataFrame, hit_curve: pa.Table | None, plan: dict | None):
+def _kv_points(ok: pa.Table, hit_curve: pa.Table | None, plan: dict | None):
     """The sweep's hit rates on the axis the curve uses: (x, y, in_tokens), or None.
 
     The x is the point's KV cache in tokens: its ``kv_cache_tokens`` column, else its
     ``kv_cache_blocks`` (or ``engine.kv_cache_memory_bytes`` over the plan's
     ``bytes_per_block``, less the null block) times the curve's tokens per block; failing
     those, the memory in GiB (``in_tokens`` False)."""
-    if KV_KEY not in ok.columns or "prefix_cache_hit_rate" not in ok.columns:
+    if KV_KEY not in ok.column_names or "prefix_cache_hit_rate" not in ok.column_names:
         return None
     data = finite(ok, "prefix_cache_hit_rate")
-    hits = data["prefix_cache_hit_rate"].to_numpy(dtype=float)
-    if "kv_cache_tokens" in data.columns:
-        return pd.to_numeric(data["kv_cache_tokens"], errors="coerce").to_numpy(dtype=float), hits, True
+    hits = numbers(data, "prefix_cache_hit_rate")
+    if "kv_cache_tokens" in data.column_names:
+        return numbers(data, "kv_cache_tokens"), hits, True
     per_token_block = _tokens_per_block(hit_curve)
     plan = (plan or {}).get("hybrid_on", plan) or {}
     per_block = plan.get("bytes_per_block")
     if per_token_block is not None:
-        if "kv_cache_blocks" in data.columns:
-            blocks = pd.to_numeric(data["kv_cache_blocks"], errors="coerce").to_numpy(dtype=float)
-            return blocks * per_token_block, hits, True
+        if "kv_cache_blocks" in data.column_names:
+            return numbers(data, "kv_cache_blocks") * per_token_block, hits, True
         if per_block:
-            blocks = np.floor(data[KV_KEY].to_numpy(dtype=float) / per_block) - 1  # less the null block
+            blocks = np.floor(numbers(data, KV_KEY) / per_block) - 1  # less the null block
             return blocks * per_token_block, hits, True
-    return data[KV_KEY].to_numpy(dtype=float) / 2**30, hits, False
+    return numbers(data, KV_KEY) / 2**30, hits, False
 
 
 def _curve(hit_curve: pa.Table | None):
@@ -96,7 +97,7 @@ def _curve(hit_curve: pa.Table | None):
             hit_curve.column("hit_rate").to_numpy(zero_copy_only=False).astype(float)[order], x_name)
 
 
-def _kv_capacity_figures(ok: pd.DataFrame, hit_curve: pa.Table | None, points) -> list[str]:
+def _kv_capacity_figures(ok: pa.Table, hit_curve: pa.Table | None, points) -> list[str]:
     curve = _curve(hit_curve)
     if curve is None and points is None:
         return []
@@ -121,23 +122,27 @@ def _kv_capacity_figures(ok: pd.DataFrame, hit_curve: pa.Table | None, points) -
                    "hit rate vs KV capacity")]
 
 
-def _offload_figures(ok: pd.DataFrame, varied: Sequence[str]) -> list[str]:
+def _nan_as(values: np.ndarray, fill) -> np.ndarray:
+    """``values`` with each NaN replaced by ``fill`` (a number or an array alike)."""
+    return np.where(np.isnan(values), fill, values)
+
+
+def _offload_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
     """Hit rate per tier and TTFT against the CPU tier's size (one line per other varying
     key), next to the KV-capacity curve: what host memory buys on this trace."""
-    data = ok.copy()
-    data["offload_gib"] = pd.to_numeric(data[OFFLOAD_KEY], errors="coerce").fillna(0) / 2**30
+    data = with_column(ok, "offload_gib", _nan_as(numbers(ok, OFFLOAD_KEY), 0.0) / 2**30)
     others = [k for k in varied if k != OFFLOAD_KEY]
     by = " (one line per " + ", ".join(others) + ")" if others else ""
     out = []
-    total = "hit_rate_total" if "hit_rate_total" in data.columns else "prefix_cache_hit_rate"
-    if total in data.columns:
+    total = "hit_rate_total" if "hit_rate_total" in data.column_names else "prefix_cache_hit_rate"
+    if total in data.column_names:
         # A point without a tier has no tier columns: its total is its GPU hit rate.
-        if total == "hit_rate_total" and "prefix_cache_hit_rate" in data.columns:
-            data[total] = pd.to_numeric(data[total], errors="coerce").fillna(
-                pd.to_numeric(data["prefix_cache_hit_rate"], errors="coerce"))
+        if total == "hit_rate_total" and "prefix_cache_hit_rate" in data.column_names:
+            tiered = numbers(data, total)
+            data = with_column(data, total, _nan_as(tiered, numbers(data, "prefix_cache_hit_rate")))
         series = [(f"{label} total".strip(), x, y) for label, x, y in lines_by_combo(data, "offload_gib", total, others)]
-        if "hit_rate_cpu" in data.columns:
-            data["hit_rate_cpu"] = pd.to_numeric(data["hit_rate_cpu"], errors="coerce").fillna(0.0)
+        if "hit_rate_cpu" in data.column_names:
+            data = with_column(data, "hit_rate_cpu", _nan_as(numbers(data, "hit_rate_cpu"), 0.0))
             series += [(f"{label} from CPU".strip(), x, y)
                        for label, x, y in lines_by_combo(data, "offload_gib", "hit_rate_cpu", others)]
         if series:
@@ -146,7 +151,7 @@ def _offload_figures(ok: pd.DataFrame, varied: Sequence[str]) -> list[str]:
                               f"Prompt tokens served from a cache against {OFFLOAD_KEY}: all tiers together, and "
                               f"the part loaded from the CPU tier{by}. 0 GiB is the run without offloading.",
                               "hit rate vs offload size"))
-    ttft = [(c, label) for c, label in (("median_ttft_ms", "median"), ("p99_ttft_ms", "p99")) if c in data.columns]
+    ttft = [(c, label) for c, label in (("median_ttft_ms", "median"), ("p99_ttft_ms", "p99")) if c in data.column_names]
     series = [(f"{label} {name}".strip(), x, y) for column, name in ttft
               for label, x, y in lines_by_combo(data, "offload_gib", column, others)]
     if series:
@@ -156,29 +161,28 @@ def _offload_figures(ok: pd.DataFrame, varied: Sequence[str]) -> list[str]:
     return out
 
 
-def _replicas_needed_figures(ok: pd.DataFrame, varied: Sequence[str]) -> list[str]:
+def _replicas_needed_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
     needed = [c for c in ("replicas_needed_trace_rate", "replicas_needed_target_rate")
-              if c in ok.columns and len(finite(ok, c))]
+              if c in ok.column_names and finite_mask(ok, c).any()]
     if not needed:
         return []
-    data = ok[np.isfinite(ok[needed].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float)).any(axis=1)]
+    data = rows_where(ok, np.logical_or.reduce([finite_mask(ok, c) for c in needed]))
     labels = [combo_label(r, varied) if varied else f"point {r.get('point', i)}"
-              for i, (_, r) in enumerate(data.iterrows())]
-    groups = [(c.replace("replicas_needed_", "at the ").replace("_", " "),
-               pd.to_numeric(data[c], errors="coerce").to_numpy(dtype=float)) for c in needed]
+              for i, r in enumerate(records(data))]
+    groups = [(c.replace("replicas_needed_", "at the ").replace("_", " "), numbers(data, c)) for c in needed]
     return [figure(plots.bars(labels, groups, ylabel="replicas", title="Replicas needed"),
                    "Replicas needed to serve the trace's rate and the target rate within the SLO, per sweep "
                    "point (" + ", ".join(needed) + ").", "replicas needed")]
 
 
-def _router_figures(ok: pd.DataFrame, varied: Sequence[str]) -> list[str]:
-    routers = list(dict.fromkeys(ok[ROUTER_KEY].astype(str)))
+def _router_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
+    routers = list(dict.fromkeys(_router_of(ok)))
     others = [k for k in varied if k != ROUTER_KEY]
     metrics = [(c, t, y, p) for c, t, y, p in (
         ("slo_attainment", "SLO attainment", "%", True),
         ("prefix_cache_hit_rate", "prefix cache hit rate", "%", True),
         ("p99_ttft_ms", "p99 TTFT", "ms", False),
-        ("request_throughput", "throughput", "req/s", False)) if c in ok.columns and len(finite(ok, c))][:3]
+        ("request_throughput", "throughput", "req/s", False)) if c in ok.column_names and finite_mask(ok, c).any()][:3]
     if not metrics:
         return []
     panels = _router_panels(ok, routers, others, metrics)
@@ -188,14 +192,20 @@ def _router_figures(ok: pd.DataFrame, varied: Sequence[str]) -> list[str]:
                    "router comparison")]
 
 
-def _router_panels(ok: pd.DataFrame, routers: list[str], others: list[str], metrics: list[tuple]) -> list[tuple]:
+def _router_of(ok: pa.Table) -> list:
+    """Each point's router; a missing one is one NaN, which matches no point (pandas' text
+    of a missing value), so its bars are empty."""
+    return [math.nan if t is None else t for t in texts(ok, ROUTER_KEY)]
+
+
+def _router_panels(ok: pa.Table, routers: list[str], others: list[str], metrics: list[tuple]) -> list[tuple]:
     """Per metric a panel: per combination of the other keys, the mean per router."""
-    combo_of = np.array([combo_label(r, others) if others else "" for _, r in ok.iterrows()], dtype=object)
-    router_of = ok[ROUTER_KEY].astype(str).to_numpy()
+    combo_of = np.array([combo_label(r, others) if others else "" for r in records(ok)], dtype=object)
+    router_of = np.array(_router_of(ok), dtype=object)
     combos = list(dict.fromkeys(combo_of.tolist()))
     panels = []
     for column, title, ylabel, percent in metrics:
-        column_values = pd.to_numeric(ok[column], errors="coerce").to_numpy(dtype=float)
+        column_values = numbers(ok, column)
         groups = []
         for combo in combos:
             values = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import pandas as pd
+import numpy as np
 import pyarrow as pa
 
 from kvtwin.reports.capacity_plots import capacity_figures
@@ -13,8 +13,9 @@ from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, frame_table, kv_table
 from kvtwin.reports.paths import CAPACITY_FILES  # noqa: F401  (re-exported: where the files are named)
 from kvtwin.reports.run_facts import header, plan_section, scenario_facts
-from kvtwin.reports.summary_text import format_percent
-from kvtwin.reports.sweep_frame import finite, key_value, sweep_keys
+from kvtwin.reports.summary_text import format_percent, missing
+from kvtwin.reports.sweep_frame import (column_values, finite_mask, key_value, numbers, rows_where, sweep_keys,
+                                        sweep_table, texts)
 
 
 # (column, best is its max or min, label): the sweep's best point by each figure.
@@ -36,7 +37,7 @@ _BEST = (("max_request_rate", "max", "highest sustainable request rate (req/s)")
 def render_capacity_report(capacity: pa.Table, hit_curve: pa.Table | None, metadata: dict,
                            plan: dict | None = None, *, sources: Sequence[str] | None = None) -> str:
     """The capacity (sweep) report as one HTML string."""
-    frame = capacity.to_pandas()
+    frame = sweep_table(capacity)
     metadata = metadata or {}
     sources = sources or (("capacity.parquet",) + (("hit_curve.parquet",) if hit_curve is not None else ()))
     figures = capacity_figures(frame, hit_curve, plan)
@@ -48,22 +49,30 @@ def render_capacity_report(capacity: pa.Table, hit_curve: pa.Table | None, metad
     return page(f"kvtwin capacity report: {scenario_facts(metadata)[0]}", sections)
 
 
-def _capacity_metrics(frame: pd.DataFrame) -> list[tuple[str, str]]:
-    keys = sweep_keys(frame)
-    status = frame["status"].astype(str) if "status" in frame.columns else pd.Series(["ok"] * len(frame))
-    ok = frame[status.to_numpy() == "ok"]
-    rows = [("sweep points", f"{len(frame):,} ({int((status == 'ok').sum()):,} ok, "
-                             f"{int((status != 'ok').sum()):,} failed)")]
-    for key in keys:
-        values = list(dict.fromkeys(key_value(key, v) for v in frame[key].tolist()))
+def _capacity_metrics(frame: pa.Table) -> list[tuple[str, str]]:
+    status = texts(frame, "status") if "status" in frame.column_names else ["ok"] * frame.num_rows
+    ok = rows_where(frame, [s == "ok" for s in status])
+    passed = sum(s == "ok" for s in status)
+    rows = [("sweep points", f"{frame.num_rows:,} ({passed:,} ok, {len(status) - passed:,} failed)")]
+    for key in sweep_keys(frame):
+        values = list(dict.fromkeys(key_value(key, v) for v in column_values(frame, key)))
         rows.append((f"swept: {key}", ", ".join(values)))
     for column, how, label in _BEST:
-        if column in ok.columns and len(finite(ok, column)):
-            values = pd.to_numeric(finite(ok, column)[column])
+        if column in ok.column_names and finite_mask(ok, column).any():
+            values = _finite_values(ok, column)
             value = values.max() if how == "max" else values.min()
             shown = format_percent(value) if column in ("slo_attainment", "prefix_cache_hit_rate") else fmt_cell(value)
             rows.append((label, shown))
     return rows
+
+
+def _finite_values(frame: pa.Table, column: str) -> np.ndarray:
+    """The column's finite values; integers stay integers (``12`` is shown as such)."""
+    values = frame.column(column)
+    keep = finite_mask(frame, column)
+    if pa.types.is_integer(values.type):
+        return values.to_numpy()[keep]
+    return numbers(frame, column)[keep]
 
 
 # What the P/D comparison shows of each point, when present.
@@ -72,22 +81,37 @@ _PD_COLUMNS = ("num_gpus", "num_replicas", "router", "pd_prefill_replicas", "pd_
                "pd_transfer_mean_ms", "pd_transfer_share_of_ttft", "max_request_rate", "cost_per_million_tokens")
 
 
-def _pd_section(frame: pd.DataFrame) -> list[str]:
+def _pd_section(frame: pa.Table) -> list[str]:
     """Disaggregated points (xPyD) beside aggregated ones, by GPU count: empty unless the
     sweep ran a P/D point (``disaggregation.shape=2P1D,1P2D,none``)."""
-    if "pd_link" not in frame.columns:
+    if "pd_link" not in frame.column_names:
         return []
     keys = sweep_keys(frame)
-    shown = [c for c in ("point", *keys, *_PD_COLUMNS) if c in frame.columns]
-    ordered = frame.sort_values(["num_gpus", "point"], kind="stable") if "num_gpus" in frame.columns else frame
+    shown = [c for c in ("point", *keys, *_PD_COLUMNS) if c in frame.column_names]
+    ordered = _by_gpus_then_point(frame) if "num_gpus" in frame.column_names else frame
     note = ('<p class="note">Each replica is one planned engine (its tensor-parallel GPUs); an xPyD point uses '
             '(x + y) of them. Aggregated points have no pd_ columns. TTFT of a P/D point is the decode side\'s '
             'first token (prefill, KV read, and the decode step that recomputes the last prompt token).</p>')
-    return ["<h2>Disaggregated against aggregated, by GPUs</h2>", note, frame_table(ordered[list(shown)])]
+    return ["<h2>Disaggregated against aggregated, by GPUs</h2>", note, _frame_table(ordered.select(shown))]
 
 
-def _capacity_table(frame: pd.DataFrame) -> str:
+def _by_gpus_then_point(frame: pa.Table) -> pa.Table:
+    """The points by GPU count, then point number: a stable sort, a missing value last in
+    each key (pandas' ``sort_values(kind="stable")``)."""
+    gpus, points = column_values(frame, "num_gpus"), column_values(frame, "point")
+
+    def key(row: int) -> tuple:
+        return tuple((missing(v), 0 if missing(v) else v) for v in (gpus[row], points[row]))
+
+    return frame.take(pa.array(sorted(range(frame.num_rows), key=key), pa.int64()))
+
+
+def _capacity_table(frame: pa.Table) -> str:
     keys = sweep_keys(frame)
-    first = [c for c in ("point", "status", "error") if c in frame.columns] + keys
-    rest = [c for c in frame.columns if c not in first]
-    return frame_table(frame[first + rest])
+    first = [c for c in ("point", "status", "error") if c in frame.column_names] + keys
+    rest = [c for c in frame.column_names if c not in first]
+    return _frame_table(frame.select(first + rest))
+
+
+def _frame_table(frame: pa.Table) -> str:
+    return frame_table(frame.column_names, [column_values(frame, name) for name in frame.column_names])

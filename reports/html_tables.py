@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtwin.reports.html_page import escape
-
-if TYPE_CHECKING:  # pandas only for the capacity report's frames: a replay report never imports it
-    import pandas as pd
 
 
 def fmt_cell(value) -> str:
@@ -46,9 +42,26 @@ def rows_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
-def frame_table(frame: pd.DataFrame) -> str:
-    shown = frame.copy()
-    for column in shown.columns:
-        shown[column] = [fmt_cell(v) for v in shown[column].tolist()]
-    # to_html escapes every cell and header (escape=True).
-    return '<div class="wide">' + shown.to_html(index=False, escape=True, border=0, na_rep="-") + "</div>"
+def frame_table(names: Sequence[str], columns: Sequence[Sequence[object]]) -> str:
+    """A table of ``columns`` (one list of values per name), each cell formatted by
+    ``fmt_cell``, in the layout pandas' ``DataFrame.to_html(index=False, border=0)`` wrote
+    (the capacity report's bytes are kept)."""
+    head = "".join(f"      <th>{_pandas_html_text(name)}</th>\n" for name in names)
+    cells = [[_pandas_html_text(_shown_escapes(fmt_cell(v))) for v in values] for values in columns]
+    body = "".join("    <tr>\n" + "".join(f"      <td>{cell}</td>\n" for cell in row) + "    </tr>\n"
+                   for row in zip(*cells))
+    return ('<div class="wide"><table class="dataframe">\n  <thead>\n    <tr style="text-align: right;">\n'
+            f"{head}    </tr>\n  </thead>\n  <tbody>\n{body}  </tbody>\n</table></div>")
+
+
+def _shown_escapes(text: str) -> str:
+    """A cell's tab, carriage return and newline shown as ``\\t``, ``\\r``, ``\\n`` (as pandas
+    printed a cell's text)."""
+    return text.replace("\t", "\\t").replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _pandas_html_text(text: str) -> str:
+    """A cell or header as pandas' HTML writer put it: ``&``, ``<``, ``>`` escaped (quotes
+    not), the ends stripped of white space, each run of two spaces as two ``&nbsp;``."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return text.strip().replace("  ", "&nbsp;&nbsp;")

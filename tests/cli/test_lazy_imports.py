@@ -3,8 +3,11 @@ and ``trace list`` answer without pyarrow, NumPy, SimPy, pandas, matplotlib or r
 replay without a report loads no matplotlib. Each command runs in a fresh interpreter, as
 ``kvtwin`` does, which then lists the top-level packages it imported.
 
-pandas is not pinned where a command converts Arrow arrays to NumPy: pyarrow (26) imports
-pandas, when it is installed, the first time it converts any array (``to_numpy``).
+kvtwin does not use pandas (it is no dependency). pyarrow (26) imports pandas, when it is
+installed, the first time it builds or converts any array (half a second of a short
+command), so where pandas is installed only a run with pandas made unimportable shows that
+no kvtwin code needs it: the replay, its report and a capacity sweep run so, and write the
+very bytes they write with pandas importable.
 
 ``bench/bench_startup.py`` times the same commands; this test pins what they import, which
 does not depend on how loaded the machine is.
@@ -28,9 +31,15 @@ GOLDEN_CASE = str(REPO / "tests" / "golden" / "cases" / "async_priority")
 # Runs the command as the console script does and writes the packages it imported to a file.
 _RUN = """
 import json, sys
+if sys.argv[2] == "no-pandas":  # as where pandas is not installed: its import fails
+    class NoPandas:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "pandas":
+                raise ModuleNotFoundError("No module named 'pandas'", name=name)
+    sys.meta_path.insert(0, NoPandas())
 from kvtwin.cli import app
 try:
-    app(args=sys.argv[2:], prog_name="kvtwin")
+    app(args=sys.argv[3:], prog_name="kvtwin")
 except SystemExit as exit_:
     code = exit_.code or 0
 else:
@@ -44,12 +53,14 @@ HEAVY = {"pyarrow", "pandas", "numpy", "matplotlib", "simpy", "torch", "triton",
 SIMULATOR = {"pyarrow", "numpy", "simpy"}
 
 
-def imported_by(tmp_path: Path, *args: str) -> set[str]:
-    """The top-level packages a fresh ``kvtwin ARGS`` imported (it must exit 0)."""
+def imported_by(tmp_path: Path, *args: str, pandas: bool = True) -> set[str]:
+    """The top-level packages a fresh ``kvtwin ARGS`` imported (it must exit 0); with
+    ``pandas=False`` in an interpreter where ``import pandas`` fails."""
     where = tmp_path / "imported.json"
+    where.unlink(missing_ok=True)  # a command that dies must not leave the last one's list
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-c", _RUN, str(where), *args], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _RUN, str(where), "pandas" if pandas else "no-pandas", *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert where.exists(), done.stderr[-3000:]
     result = json.loads(where.read_text())
     assert result["exit_code"] == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -70,6 +81,31 @@ def test_replay_without_report_loads_the_simulator_and_no_report_libraries(tmp_p
                          "--out", str(tmp_path / "run"))
     assert SIMULATOR <= loaded  # the check can fail: the list is read from the process
     assert loaded & {"matplotlib", "torch", "triton", "ray"} == set()
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_replay_report_and_capacity_need_no_pandas(tmp_path):
+    """With ``import pandas`` failing, a replay (with its report), ``kvtwin report`` and a
+    capacity sweep (with its report) run, load no pandas, and write the same bytes as
+    with pandas importable (where it is installed: pyarrow then loads it)."""
+    written = {}
+    for pandas in (True, False):
+        out = tmp_path / ("with-pandas" if pandas else "no-pandas")
+        runs = (("replay", SMALL_SCENARIO, "--limit", "20", "--quiet", "--out", str(out / "run")),
+                ("report", str(out / "run")),
+                ("capacity", SMALL_SCENARIO, "--sweep", "workload.rate_scale=0.5,2", "--sweep",
+                 "engine.max_num_seqs=8,64", "--hit-curve", "--limit", "20", "--jobs", "1", "-q", "--out",
+                 str(out / "sweep")))
+        for args in runs:
+            loaded = imported_by(tmp_path, *args, pandas=pandas)
+            assert pandas or "pandas" not in loaded, args[0]
+        written[pandas] = _files(out)
+    assert {"run/report.html", "run/requests.parquet", "sweep/report.html", "sweep/hit_curve.parquet"} <= set(
+        written[False])
+    assert written[False] == written[True]
 
 
 def test_trace_info_loads_no_simulator_clock_or_report_libraries(tmp_path):
