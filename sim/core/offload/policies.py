@@ -20,7 +20,7 @@ changes nothing and returns None.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
@@ -171,10 +171,10 @@ class _RequestRank:
         self.rank = rank
 
 
-# When the heap is rebuilt without its stale entries: once they are at least half of it.
-# That only decides when stale entries are dropped, which cannot reorder the distinct live
-# entries. (vLLM also rebuilds when a quarter of the evictable keys change rank at once; a
-# push per changed key is cheaper here and, by the same argument, decides nothing.)
+# When the eviction order is compacted (stale entries dropped): once they are at least half
+# of it. That only decides when stale entries are dropped, which cannot reorder the distinct
+# live entries. (vLLM also rebuilds its heap when a quarter of the evictable keys change rank
+# at once; a push per changed key is cheaper here and, by the same argument, decides nothing.)
 _HEAP_MIN_REBUILD = 64
 
 # vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
@@ -191,12 +191,23 @@ def packed_rank(rank: int, end_token: int) -> int:
 
 
 class LRUCachePolicy(CachePolicy):
+    """vLLM's LRU: evict the idle key of least rank, ``(rank, key)`` breaking ties.
+
+    The evictable keys' ``(rank, key)`` entries are kept lazily (an entry is stale once its
+    key's rank changes or it stops being evictable) in two places whose union is what vLLM's
+    single heap holds: a FIFO of entries pushed in nondecreasing order, and a heap for the
+    rest. Fresh ranks only grow, so the entries of finished requests (most of them) queue
+    in order and leave from the front; only ranks given out of order (a running request's
+    provisional ranks, a pinned chunk released) need the heap. Eviction takes the least of
+    the two fronts, which pops the union in the heap's order."""
+
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self._ranks: dict[OffloadKey, int] = {}  # packed_rank(rank, end_token)
         self._evictable: set[OffloadKey] = set()
         self._heap: list[tuple[int, OffloadKey]] = []
+        self._in_order: deque[tuple[int, OffloadKey]] = deque()  # nondecreasing
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation = 0
 
@@ -213,33 +224,68 @@ class LRUCachePolicy(CachePolicy):
             req_context.set_state(state)
         return state.rank
 
-    def _rebuild_heap(self) -> None:
-        self._heap = [(self._ranks[key], key) for key in self._evictable]
-        heapq.heapify(self._heap)
+    # -- the eviction order ----------------------------------------------------------
 
-    def _maybe_compact_heap(self) -> None:
-        if len(self._heap) >= max(_HEAP_MIN_REBUILD, 2 * len(self._evictable)):
-            self._rebuild_heap()
+    def _push(self, rank: int, key: OffloadKey) -> None:
+        in_order = self._in_order
+        entry = (rank, key)
+        if not in_order or entry >= in_order[-1]:
+            in_order.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
 
-    def _reheap(self, updated_evictable: Sequence[OffloadKey]) -> None:
-        if not updated_evictable:
-            return
+    def _pop_least(self) -> tuple[int, OffloadKey] | None:
         heap = self._heap
-        ranks = self._ranks
-        for key in updated_evictable:
-            heapq.heappush(heap, (ranks[key], key))
-        self._maybe_compact_heap()
+        in_order = self._in_order
+        if heap and (not in_order or heap[0] <= in_order[0]):
+            return heapq.heappop(heap)
+        if in_order:
+            return in_order.popleft()
+        return None
+
+    def _maybe_compact(self) -> None:
+        num_entries = len(self._heap) + len(self._in_order)
+        if num_entries >= _HEAP_MIN_REBUILD and num_entries >= 2 * len(self._evictable):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep one entry per evictable key (duplicates are equal: a live entry carries the
+        key's current rank); the FIFO stays in order, the heap is re-heapified."""
+        kept: set[OffloadKey] = set()
+        in_order: deque[tuple[int, OffloadKey]] = deque()
+        for entry in self._in_order:
+            if self._is_live(entry) and entry[1] not in kept:
+                kept.add(entry[1])
+                in_order.append(entry)
+        heap = []
+        for entry in self._heap:
+            if self._is_live(entry) and entry[1] not in kept:
+                kept.add(entry[1])
+                heap.append(entry)
+        heapq.heapify(heap)
+        self._in_order = in_order
+        self._heap = heap
+
+    def _is_live(self, entry: tuple[int, OffloadKey]) -> bool:
+        rank, key = entry
+        return key in self._evictable and self._ranks.get(key) == rank
 
     def _give_fresh_ranks(self, keys_last_first: Iterable[OffloadKey]) -> None:
-        # The last key given a rank is the most recent: callers pass tails first.
-        updated_evictable = []
+        # The last key given a rank is the most recent: callers pass tails first. Ranks
+        # are consecutive, so they are counted here rather than asked for one by one.
+        chunks = self.chunks
+        ranks = self._ranks
+        evictable = self._evictable
+        rank = self._next_packed_rank
         for key in keys_last_first:
-            if key not in self.chunks:
+            if key not in chunks:
                 continue
-            self._ranks[key] = self._new_rank()
-            if key in self._evictable:
-                updated_evictable.append(key)
-        self._reheap(updated_evictable)
+            rank += _RANK_STRIDE
+            ranks[key] = rank
+            if key in evictable:
+                self._push(rank, key)
+        self._next_packed_rank = rank
+        self._maybe_compact()
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
@@ -256,7 +302,7 @@ class LRUCachePolicy(CachePolicy):
             self._ranks[key] = self._request_rank(req_context) - position
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
-            heapq.heappush(self._heap, (self._ranks[key], key))
+            self._push(self._ranks[key], key)
 
     def remove(self, key: OffloadKey) -> None:
         del self.chunks[key]
@@ -268,20 +314,24 @@ class LRUCachePolicy(CachePolicy):
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         request_rank = self._request_rank(req_context)
-        updated_evictable = []
+        get_position = req_context.get_offload_key_position
+        ranks = self._ranks
         for key in keys:
-            position = req_context.get_offload_key_position(key)
-            if position is None or key not in self.chunks:
+            old_rank = ranks.get(key)  # None: not resident
+            if old_rank is None:
+                continue
+            position = get_position(key)
+            if position is None:
                 continue
             rank = request_rank - position
             # Never move a key back in time: a key already ranked by a later request
             # (or a later position of this one) keeps its rank.
-            if self._ranks[key] >= rank:
+            if old_rank >= rank:
                 continue
-            self._ranks[key] = rank
+            ranks[key] = rank
             if key in self._evictable:
-                updated_evictable.append(key)
-        self._reheap(updated_evictable)
+                self._push(rank, key)
+        self._maybe_compact()
 
     def on_request_finished(
         self,
@@ -297,12 +347,9 @@ class LRUCachePolicy(CachePolicy):
         self._ranks.clear()
         self._evictable.clear()
         self._heap.clear()
+        self._in_order.clear()
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation += 1
-
-    def _is_live(self, entry: tuple[int, OffloadKey]) -> bool:
-        rank, key = entry
-        return key in self._evictable and self._ranks.get(key) == rank
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
@@ -310,8 +357,10 @@ class LRUCachePolicy(CachePolicy):
         selected: list[tuple[tuple[int, OffloadKey], ChunkStatus]] = []
         selected_keys: set[OffloadKey] = set()
         skipped: list[tuple[int, OffloadKey]] = []
-        while self._heap and len(selected) < n:
-            entry = heapq.heappop(self._heap)
+        while len(selected) < n:
+            entry = self._pop_least()
+            if entry is None:
+                break
             if not self._is_live(entry):
                 continue
             key = entry[1]
@@ -342,13 +391,13 @@ class LRUCachePolicy(CachePolicy):
             del self.chunks[key]
             del self._ranks[key]
             evicted.append((key, chunk))
-        self._maybe_compact_heap()
+        self._maybe_compact()
         return evicted
 
     def mark_evictable(self, key: OffloadKey) -> None:
         self._evictable.add(key)
-        heapq.heappush(self._heap, (self._ranks[key], key))
-        self._maybe_compact_heap()
+        self._push(self._ranks[key], key)
+        self._maybe_compact()
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         self._evictable.remove(key)
