@@ -312,6 +312,11 @@ class LRUCachePolicy(CachePolicy):
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self._give_fresh_ranks(_last_first(keys))
 
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Nothing: vLLM's LRU touches store misses, but they are absent keys, which have
+        no recency to refresh."""
+        return
+
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         request_rank = self._request_rank(req_context)
         get_position = req_context.get_offload_key_position
