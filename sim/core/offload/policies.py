@@ -171,11 +171,17 @@ class _RequestRank:
         self.rank = rank
 
 
-# When the eviction order is compacted (stale entries dropped): once they are at least half
-# of it. That only decides when stale entries are dropped, which cannot reorder the distinct
-# live entries. (vLLM also rebuilds its heap when a quarter of the evictable keys change rank
-# at once; a push per changed key is cheaper here and, by the same argument, decides nothing.)
-_HEAP_MIN_REBUILD = 64
+# When a part of the eviction order is compacted (stale entries dropped). The heap's entries
+# mostly go stale (a running request's provisional ranks, replaced by fresh ones when it
+# finishes) and few stay live, so it is compacted once _HEAP_GROWTH times as long as after its
+# last compaction: short, and each entry checked about once. The FIFO mostly empties from its
+# front (evictions), so it is compacted only once it is twice as long as there are evictable
+# keys (at least half stale). That only decides when stale entries are dropped, which cannot
+# reorder the distinct live entries. (vLLM rebuilds its one heap at other moments, e.g. when
+# a quarter of the evictable keys change rank at once; by the same argument that decides
+# nothing.)
+_MIN_COMPACT_LEN = 64
+_HEAP_GROWTH = 4
 
 # vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
 # that orders the same way, so the heap compares ints instead of nested tuples. End tokens
@@ -208,6 +214,7 @@ class LRUCachePolicy(CachePolicy):
         self._evictable: set[OffloadKey] = set()
         self._heap: list[tuple[int, OffloadKey]] = []
         self._in_order: deque[tuple[int, OffloadKey]] = deque()  # nondecreasing
+        self._heap_compact_len = _MIN_COMPACT_LEN  # the heap's length at its next compaction
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation = 0
 
@@ -244,27 +251,29 @@ class LRUCachePolicy(CachePolicy):
         return None
 
     def _maybe_compact(self) -> None:
-        num_entries = len(self._heap) + len(self._in_order)
-        if num_entries >= _HEAP_MIN_REBUILD and num_entries >= 2 * len(self._evictable):
-            self._compact()
+        if len(self._heap) >= self._heap_compact_len:
+            self._compact_heap()
+        num_in_order = len(self._in_order)
+        if num_in_order >= _MIN_COMPACT_LEN and num_in_order >= 2 * len(self._evictable):
+            self._in_order = deque(self._live_entries(self._in_order))  # still in order
 
-    def _compact(self) -> None:
-        """Keep one entry per evictable key (duplicates are equal: a live entry carries the
-        key's current rank); the FIFO stays in order, the heap is re-heapified."""
-        kept: set[OffloadKey] = set()
-        in_order: deque[tuple[int, OffloadKey]] = deque()
-        for entry in self._in_order:
-            if self._is_live(entry) and entry[1] not in kept:
-                kept.add(entry[1])
-                in_order.append(entry)
-        heap = []
-        for entry in self._heap:
-            if self._is_live(entry) and entry[1] not in kept:
-                kept.add(entry[1])
-                heap.append(entry)
+    def _compact_heap(self) -> None:
+        heap = self._live_entries(self._heap)
         heapq.heapify(heap)
-        self._in_order = in_order
         self._heap = heap
+        self._heap_compact_len = max(_MIN_COMPACT_LEN, _HEAP_GROWTH * len(heap))
+
+    def _live_entries(self, entries: Iterable[tuple[int, OffloadKey]]) -> list[tuple[int, OffloadKey]]:
+        """The live ones among ``entries``, one per key (a key's live entries are equal:
+        each carries its current rank), in their order."""
+        kept: set[OffloadKey] = set()
+        live = []
+        for entry in entries:
+            key = entry[1]
+            if key not in kept and self._is_live(entry):
+                kept.add(key)
+                live.append(entry)
+        return live
 
     def _is_live(self, entry: tuple[int, OffloadKey]) -> bool:
         rank, key = entry
@@ -353,6 +362,7 @@ class LRUCachePolicy(CachePolicy):
         self._evictable.clear()
         self._heap.clear()
         self._in_order.clear()
+        self._heap_compact_len = _MIN_COMPACT_LEN
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation += 1
 
