@@ -181,7 +181,12 @@ class _RequestRank:
 # a quarter of the evictable keys change rank at once; by the same argument that decides
 # nothing.)
 _MIN_COMPACT_LEN = 64
-_HEAP_GROWTH = 4
+
+# An eviction-order entry, ``(packed rank, key)``. A plain tuple on purpose, like OffloadKey:
+# mypyc would unbox ``tuple[int, OffloadKey]`` into a C struct and box a fresh tuple each time
+# an entry goes into the heap, the FIFO or a set.
+_Entry = tuple
+_HEAP_GROWTH = 8
 
 # vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
 # that orders the same way, so the heap compares ints instead of nested tuples. End tokens
@@ -212,8 +217,8 @@ class LRUCachePolicy(CachePolicy):
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self._ranks: dict[OffloadKey, int] = {}  # packed_rank(rank, end_token)
         self._evictable: set[OffloadKey] = set()
-        self._heap: list[tuple[int, OffloadKey]] = []
-        self._in_order: deque[tuple[int, OffloadKey]] = deque()  # nondecreasing
+        self._heap: list[_Entry] = []
+        self._in_order: deque[_Entry] = deque()  # nondecreasing
         self._heap_compact_len = _MIN_COMPACT_LEN  # the heap's length at its next compaction
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation = 0
@@ -235,13 +240,13 @@ class LRUCachePolicy(CachePolicy):
 
     def _push(self, rank: int, key: OffloadKey) -> None:
         in_order = self._in_order
-        entry = (rank, key)
+        entry: _Entry = (rank, key)
         if not in_order or entry >= in_order[-1]:
             in_order.append(entry)
         else:
             heapq.heappush(self._heap, entry)
 
-    def _pop_least(self) -> tuple[int, OffloadKey] | None:
+    def _pop_least(self) -> _Entry | None:
         heap = self._heap
         in_order = self._in_order
         if heap and (not in_order or heap[0] <= in_order[0]):
@@ -263,7 +268,7 @@ class LRUCachePolicy(CachePolicy):
         self._heap = heap
         self._heap_compact_len = max(_MIN_COMPACT_LEN, _HEAP_GROWTH * len(heap))
 
-    def _live_entries(self, entries: Iterable[tuple[int, OffloadKey]]) -> list[tuple[int, OffloadKey]]:
+    def _live_entries(self, entries: Iterable[_Entry]) -> list[_Entry]:
         """The live ones among ``entries``, one per key (a key's live entries are equal:
         each carries its current rank), in their order."""
         kept: set[OffloadKey] = set()
@@ -275,9 +280,10 @@ class LRUCachePolicy(CachePolicy):
                 live.append(entry)
         return live
 
-    def _is_live(self, entry: tuple[int, OffloadKey]) -> bool:
+    def _is_live(self, entry: _Entry) -> bool:
         rank, key = entry
-        return key in self._evictable and self._ranks.get(key) == rank
+        # The rank first: a stale entry (most are) is told by one lookup.
+        return self._ranks.get(key) == rank and key in self._evictable
 
     def _give_fresh_ranks(self, keys_last_first: Iterable[OffloadKey]) -> None:
         # The last key given a rank is the most recent: callers pass tails first. Ranks
@@ -369,9 +375,9 @@ class LRUCachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        selected: list[tuple[tuple[int, OffloadKey], ChunkStatus]] = []
+        selected: list[tuple[_Entry, ChunkStatus]] = []
         selected_keys: set[OffloadKey] = set()
-        skipped: list[tuple[int, OffloadKey]] = []
+        skipped: list[_Entry] = []
         while len(selected) < n:
             entry = self._pop_least()
             if entry is None:
