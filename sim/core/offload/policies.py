@@ -271,11 +271,14 @@ class LRUCachePolicy(CachePolicy):
     def _live_entries(self, entries: Iterable[_Entry]) -> list[_Entry]:
         """The live ones among ``entries``, one per key (a key's live entries are equal:
         each carries its current rank), in their order."""
+        ranks = self._ranks
+        evictable = self._evictable
         kept: set[OffloadKey] = set()
         live = []
         for entry in entries:
-            key = entry[1]
-            if key not in kept and self._is_live(entry):
+            rank, key = entry
+            # As _is_live, inline: this runs over every entry.
+            if ranks.get(key) == rank and key in evictable and key not in kept:
                 kept.add(key)
                 live.append(entry)
         return live
@@ -287,10 +290,12 @@ class LRUCachePolicy(CachePolicy):
 
     def _give_fresh_ranks(self, keys_last_first: Iterable[OffloadKey]) -> None:
         # The last key given a rank is the most recent: callers pass tails first. Ranks
-        # are consecutive, so they are counted here rather than asked for one by one.
+        # are consecutive, so they are counted here rather than asked for one by one; each
+        # exceeds every rank given before, so its entry joins the FIFO at the back.
         chunks = self.chunks
         ranks = self._ranks
         evictable = self._evictable
+        in_order = self._in_order
         rank = self._next_packed_rank
         for key in keys_last_first:
             if key not in chunks:
@@ -298,7 +303,8 @@ class LRUCachePolicy(CachePolicy):
             rank += _RANK_STRIDE
             ranks[key] = rank
             if key in evictable:
-                self._push(rank, key)
+                entry: _Entry = (rank, key)
+                in_order.append(entry)
         self._next_packed_rank = rank
         self._maybe_compact()
 
