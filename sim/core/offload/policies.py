@@ -3,8 +3,9 @@
 Reproduces vLLM 0.33's ``vllm/v1/kv_offload/cpu/policies`` (``base.py``, ``lru.py``,
 ``arc.py``, the name registry of ``factory.py``) with the same observable decisions:
 
-* ``LRUCachePolicy`` — recency as a rank per key, evictable keys in a lazily invalidated
-  min-heap of ``(rank, key)``. A running request holds one provisional rank for all its
+* ``LRUCachePolicy`` — recency as a rank per key, evictable keys as lazily invalidated
+  ``(rank, key)`` entries, popped least first (vLLM's min-heap; here a FIFO for entries that
+  arrive in order, a heap for the rest). A running request holds one provisional rank for all its
   keys, ordered ``(request_rank, -end_token)`` so its tail goes before its head; finishing
   the request gives its keys fresh ranks tail-first. Pinning a chunk does not change its
   rank, so a chunk released after a transfer keeps the recency its request gave it.
@@ -181,12 +182,12 @@ class _RequestRank:
 # a quarter of the evictable keys change rank at once; by the same argument that decides
 # nothing.)
 _MIN_COMPACT_LEN = 64
+_HEAP_GROWTH = 8
 
 # An eviction-order entry, ``(packed rank, key)``. A plain tuple on purpose, like OffloadKey:
 # mypyc would unbox ``tuple[int, OffloadKey]`` into a C struct and box a fresh tuple each time
 # an entry goes into the heap, the FIFO or a set.
 _Entry = tuple
-_HEAP_GROWTH = 8
 
 # vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
 # that orders the same way, so the heap compares ints instead of nested tuples. End tokens
