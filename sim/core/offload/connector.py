@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtwin.sim.core.hashing import hashes_in_range
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.offload.base import LookupResult, ReqContext, make_offload_key
 from kvtwin.sim.core.scheduler_output import KVConnectorMetadata
@@ -209,11 +210,19 @@ class OffloadingConnector:
         for config, group_state in zip(self.group_configs, state.group_states):
             per_chunk = config.hashes_per_chunk
             keys = group_state.offload_keys
-            # A chunk's key is the hash of its last block.
-            for idx in range(per_chunk * (len(keys) + 1) - 1, num_hashes, per_chunk):
-                key = make_offload_key(hashes[idx], config.group_idx)
+            # A chunk's key is the hash of its last block: the hashes come in one run (the
+            # request's memo, which the pool fills too), every ``per_chunk``-th a key.
+            first_idx = per_chunk * (len(keys) + 1) - 1
+            if first_idx >= num_hashes:
+                continue
+            group_idx = config.group_idx
+            tokens_per_chunk = config.tokens_per_chunk
+            end_token = len(keys) * tokens_per_chunk
+            for block_hash in hashes_in_range(hashes, first_idx, num_hashes)[::per_chunk]:
+                key = make_offload_key(block_hash, group_idx)
                 keys.append(key)
-                ctx.set_offload_key_position(key, len(keys) * config.tokens_per_chunk)
+                end_token += tokens_per_chunk
+                ctx.set_offload_key_position(key, end_token)
 
     def _num_offloadable_tokens(self, request, num_computed_tokens: int) -> int:
         return min(num_computed_tokens, request.num_tokens, request.num_prompt_tokens)
@@ -616,6 +625,11 @@ class OffloadingConnector:
         its source."""
         per_chunk = self.blocks_per_chunk
         mask = self._reachable_block_mask(config, start_chunk, end_chunk, boundaries)
+        if mask is None and per_chunk == 1:
+            # Every block reachable, one per chunk: a chunk is worth storing iff it is real.
+            block_ids = group_state.block_ids
+            return [key for idx, key in enumerate(group_state.offload_keys[start_chunk:end_chunk], start_chunk)
+                    if block_ids[idx] != 0]
         keys = []
         for idx, key in enumerate(group_state.offload_keys[start_chunk:end_chunk]):
             first = (start_chunk + idx) * per_chunk

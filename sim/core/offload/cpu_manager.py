@@ -154,26 +154,33 @@ class CPUOffloadingManager:
         return state
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
-                       reused_keys: Iterable[OffloadKey] = ()) -> None:
+                       reused_keys: Collection[OffloadKey] = ()) -> None:
         state = self._access_record(req_context)
         seen_keys = state.seen_keys
         key_groups = state.key_groups
         first_sights = []
+        group_idx = -1
+        group: list[OffloadKey] = []
         for key in keys:
             if key in seen_keys:
                 continue
             assert not state.finished, f"request {req_context.req_id!r} showed a new key after it finished"
-            group_idx = offload_key_group(key)
-            group = key_groups.get(group_idx)
-            if group is None:
-                key_groups[group_idx] = group = []
+            # Offers come group by group: look the group's list up when the group changes.
+            if offload_key_group(key) != group_idx:
+                group_idx = offload_key_group(key)
+                found = key_groups.get(group_idx)
+                if found is None:
+                    key_groups[group_idx] = found = []
+                group = found
             group.append(key)
             seen_keys.add(key)
             first_sights.append(key)
         if first_sights:
             self._policy.on_request_access(first_sights, req_context)
         # Reading back a chunk this request stored itself is not a reuse.
-        state.reused_keys.update(key for key in reused_keys if key not in state.inserted_keys)
+        if reused_keys:
+            inserted_keys = state.inserted_keys
+            state.reused_keys.update(key for key in reused_keys if key not in inserted_keys)
 
     # --- the manager interface ----------------------------------------------------
 
@@ -237,17 +244,26 @@ class CPUOffloadingManager:
             self._count_offers(keys)
         absent: list[OffloadKey] = []
         ready_present: list[OffloadKey] = []
+        # The offered keys the request is credited with (absent or ready), in offer order.
+        accessed: list[OffloadKey] = []
+        get = self._policy.get
         for key in keys:
-            chunk = self._policy.get(key)
+            chunk = get(key)
             if chunk is None:
                 absent.append(key)
-            elif chunk.is_ready:
+                accessed.append(key)
+            elif chunk.ref_cnt >= 0:  # ready
                 ready_present.append(key)
+                accessed.append(key)
         # Keys whose store is in flight are neither: another request is writing them.
 
         if self._offer_counts is not None:
             admitted = [key for key in absent if self._offer_counts.get(key, 0) >= self.store_threshold]
             self.num_skipped_store_keys += len(absent) - len(admitted)
+            if len(admitted) < len(absent):
+                credited = set(admitted)
+                credited.update(ready_present)
+                accessed = [key for key in accessed if key in credited]
             absent = admitted
 
         state = self._access_record(req_context)
@@ -257,9 +273,7 @@ class CPUOffloadingManager:
             self._policy.on_store_miss(new_misses, req_context)
             state.store_miss_keys.update(new_misses)
 
-        recorded = set(absent)
-        recorded.update(ready_present)
-        self._record_access((key for key in keys if key in recorded), req_context, reused_keys=ready_present)
+        self._record_access(accessed, req_context, reused_keys=ready_present)
 
         if not absent:
             return PrepareStoreOutput(keys_to_store=[], evicted_keys=[], chunk_ids=[])

@@ -3,8 +3,9 @@
 Reproduces vLLM 0.33's ``vllm/v1/kv_offload/cpu/policies`` (``base.py``, ``lru.py``,
 ``arc.py``, the name registry of ``factory.py``) with the same observable decisions:
 
-* ``LRUCachePolicy`` — recency as a rank per key, evictable keys in a lazily invalidated
-  min-heap of ``(rank, key)``. A running request holds one provisional rank for all its
+* ``LRUCachePolicy`` — recency as a rank per key, evictable keys as lazily invalidated
+  ``(rank, key)`` entries, popped least first (vLLM's min-heap; here a FIFO for entries that
+  arrive in order, a heap for the rest). A running request holds one provisional rank for all its
   keys, ordered ``(request_rank, -end_token)`` so its tail goes before its head; finishing
   the request gives its keys fresh ranks tail-first. Pinning a chunk does not change its
   rank, so a chunk released after a transfer keeps the recency its request gave it.
@@ -20,7 +21,7 @@ changes nothing and returns None.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
@@ -171,11 +172,22 @@ class _RequestRank:
         self.rank = rank
 
 
-# When the heap is rebuilt without its stale entries: once they are at least half of it.
-# That only decides when stale entries are dropped, which cannot reorder the distinct live
-# entries. (vLLM also rebuilds when a quarter of the evictable keys change rank at once; a
-# push per changed key is cheaper here and, by the same argument, decides nothing.)
-_HEAP_MIN_REBUILD = 64
+# When a part of the eviction order is compacted (stale entries dropped). The heap's entries
+# mostly go stale (a running request's provisional ranks, replaced by fresh ones when it
+# finishes) and few stay live, so it is compacted once _HEAP_GROWTH times as long as after its
+# last compaction: short, and each entry checked about once. The FIFO mostly empties from its
+# front (evictions), so it is compacted only once it is twice as long as there are evictable
+# keys (at least half stale). That only decides when stale entries are dropped, which cannot
+# reorder the distinct live entries. (vLLM rebuilds its one heap at other moments, e.g. when
+# a quarter of the evictable keys change rank at once; by the same argument that decides
+# nothing.)
+_MIN_COMPACT_LEN = 64
+_HEAP_GROWTH = 8
+
+# An eviction-order entry, ``(packed rank, key)``. A plain tuple on purpose, like OffloadKey:
+# mypyc would unbox ``tuple[int, OffloadKey]`` into a C struct and box a fresh tuple each time
+# an entry goes into the heap, the FIFO or a set.
+_Entry = tuple
 
 # vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
 # that orders the same way, so the heap compares ints instead of nested tuples. End tokens
@@ -191,12 +203,24 @@ def packed_rank(rank: int, end_token: int) -> int:
 
 
 class LRUCachePolicy(CachePolicy):
+    """vLLM's LRU: evict the idle key of least rank, ``(rank, key)`` breaking ties.
+
+    The evictable keys' ``(rank, key)`` entries are kept lazily (an entry is stale once its
+    key's rank changes or it stops being evictable) in two places whose union is what vLLM's
+    single heap holds: a FIFO of entries pushed in nondecreasing order, and a heap for the
+    rest. Fresh ranks only grow, so the entries of finished requests (most of them) queue
+    in order and leave from the front; only ranks given out of order (a running request's
+    provisional ranks, a pinned chunk released) need the heap. Eviction takes the least of
+    the two fronts, which pops the union in the heap's order."""
+
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self._ranks: dict[OffloadKey, int] = {}  # packed_rank(rank, end_token)
         self._evictable: set[OffloadKey] = set()
-        self._heap: list[tuple[int, OffloadKey]] = []
+        self._heap: list[_Entry] = []
+        self._in_order: deque[_Entry] = deque()  # nondecreasing
+        self._heap_compact_len = _MIN_COMPACT_LEN  # the heap's length at its next compaction
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation = 0
 
@@ -213,33 +237,77 @@ class LRUCachePolicy(CachePolicy):
             req_context.set_state(state)
         return state.rank
 
-    def _rebuild_heap(self) -> None:
-        self._heap = [(self._ranks[key], key) for key in self._evictable]
-        heapq.heapify(self._heap)
+    # -- the eviction order ----------------------------------------------------------
 
-    def _maybe_compact_heap(self) -> None:
-        if len(self._heap) >= max(_HEAP_MIN_REBUILD, 2 * len(self._evictable)):
-            self._rebuild_heap()
+    def _push(self, rank: int, key: OffloadKey) -> None:
+        in_order = self._in_order
+        entry: _Entry = (rank, key)
+        if not in_order or entry >= in_order[-1]:
+            in_order.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
 
-    def _reheap(self, updated_evictable: Sequence[OffloadKey]) -> None:
-        if not updated_evictable:
-            return
+    def _pop_least(self) -> _Entry | None:
         heap = self._heap
+        in_order = self._in_order
+        if heap and (not in_order or heap[0] <= in_order[0]):
+            return heapq.heappop(heap)
+        if in_order:
+            return in_order.popleft()
+        return None
+
+    def _maybe_compact(self) -> None:
+        if len(self._heap) >= self._heap_compact_len:
+            self._compact_heap()
+        num_in_order = len(self._in_order)
+        if num_in_order >= _MIN_COMPACT_LEN and num_in_order >= 2 * len(self._evictable):
+            self._in_order = deque(self._live_entries(self._in_order))  # still in order
+
+    def _compact_heap(self) -> None:
+        heap = self._live_entries(self._heap)
+        heapq.heapify(heap)
+        self._heap = heap
+        self._heap_compact_len = max(_MIN_COMPACT_LEN, _HEAP_GROWTH * len(heap))
+
+    def _live_entries(self, entries: Iterable[_Entry]) -> list[_Entry]:
+        """The live ones among ``entries``, one per key (a key's live entries are equal:
+        each carries its current rank), in their order."""
         ranks = self._ranks
-        for key in updated_evictable:
-            heapq.heappush(heap, (ranks[key], key))
-        self._maybe_compact_heap()
+        evictable = self._evictable
+        kept: set[OffloadKey] = set()
+        live = []
+        for entry in entries:
+            rank, key = entry
+            # As _is_live, inline: this runs over every entry.
+            if ranks.get(key) == rank and key in evictable and key not in kept:
+                kept.add(key)
+                live.append(entry)
+        return live
+
+    def _is_live(self, entry: _Entry) -> bool:
+        rank, key = entry
+        # The rank first: a stale entry (most are) is told by one lookup.
+        return self._ranks.get(key) == rank and key in self._evictable
 
     def _give_fresh_ranks(self, keys_last_first: Iterable[OffloadKey]) -> None:
-        # The last key given a rank is the most recent: callers pass tails first.
-        updated_evictable = []
+        # The last key given a rank is the most recent: callers pass tails first. Ranks
+        # are consecutive, so they are counted here rather than asked for one by one; each
+        # exceeds every rank given before, so its entry joins the FIFO at the back.
+        chunks = self.chunks
+        ranks = self._ranks
+        evictable = self._evictable
+        in_order = self._in_order
+        rank = self._next_packed_rank
         for key in keys_last_first:
-            if key not in self.chunks:
+            if key not in chunks:
                 continue
-            self._ranks[key] = self._new_rank()
-            if key in self._evictable:
-                updated_evictable.append(key)
-        self._reheap(updated_evictable)
+            rank += _RANK_STRIDE
+            ranks[key] = rank
+            if key in evictable:
+                entry: _Entry = (rank, key)
+                in_order.append(entry)
+        self._next_packed_rank = rank
+        self._maybe_compact()
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
@@ -256,7 +324,7 @@ class LRUCachePolicy(CachePolicy):
             self._ranks[key] = self._request_rank(req_context) - position
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
-            heapq.heappush(self._heap, (self._ranks[key], key))
+            self._push(self._ranks[key], key)
 
     def remove(self, key: OffloadKey) -> None:
         del self.chunks[key]
@@ -266,22 +334,31 @@ class LRUCachePolicy(CachePolicy):
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self._give_fresh_ranks(_last_first(keys))
 
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Nothing: vLLM's LRU touches store misses, but they are absent keys, which have
+        no recency to refresh."""
+        return
+
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         request_rank = self._request_rank(req_context)
-        updated_evictable = []
+        get_position = req_context.get_offload_key_position
+        ranks = self._ranks
         for key in keys:
-            position = req_context.get_offload_key_position(key)
-            if position is None or key not in self.chunks:
+            old_rank = ranks.get(key)  # None: not resident
+            if old_rank is None:
+                continue
+            position = get_position(key)
+            if position is None:
                 continue
             rank = request_rank - position
             # Never move a key back in time: a key already ranked by a later request
             # (or a later position of this one) keeps its rank.
-            if self._ranks[key] >= rank:
+            if old_rank >= rank:
                 continue
-            self._ranks[key] = rank
+            ranks[key] = rank
             if key in self._evictable:
-                updated_evictable.append(key)
-        self._reheap(updated_evictable)
+                self._push(rank, key)
+        self._maybe_compact()
 
     def on_request_finished(
         self,
@@ -297,21 +374,21 @@ class LRUCachePolicy(CachePolicy):
         self._ranks.clear()
         self._evictable.clear()
         self._heap.clear()
+        self._in_order.clear()
+        self._heap_compact_len = _MIN_COMPACT_LEN
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation += 1
-
-    def _is_live(self, entry: tuple[int, OffloadKey]) -> bool:
-        rank, key = entry
-        return key in self._evictable and self._ranks.get(key) == rank
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        selected: list[tuple[tuple[int, OffloadKey], ChunkStatus]] = []
+        selected: list[tuple[_Entry, ChunkStatus]] = []
         selected_keys: set[OffloadKey] = set()
-        skipped: list[tuple[int, OffloadKey]] = []
-        while self._heap and len(selected) < n:
-            entry = heapq.heappop(self._heap)
+        skipped: list[_Entry] = []
+        while len(selected) < n:
+            entry = self._pop_least()
+            if entry is None:
+                break
             if not self._is_live(entry):
                 continue
             key = entry[1]
@@ -342,13 +419,13 @@ class LRUCachePolicy(CachePolicy):
             del self.chunks[key]
             del self._ranks[key]
             evicted.append((key, chunk))
-        self._maybe_compact_heap()
+        self._maybe_compact()
         return evicted
 
     def mark_evictable(self, key: OffloadKey) -> None:
         self._evictable.add(key)
-        heapq.heappush(self._heap, (self._ranks[key], key))
-        self._maybe_compact_heap()
+        self._push(self._ranks[key], key)
+        self._maybe_compact()
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         self._evictable.remove(key)

@@ -27,7 +27,7 @@ from kvtwin.sim.core.offload.base import (
     offload_key_group,
 )
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.policies import POLICIES, make_policy, packed_rank
+from kvtwin.sim.core.offload.policies import POLICIES, ChunkStatus, make_policy, packed_rank
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "golden" / "offload_manager"
 RECORDINGS = sorted(GOLDEN_DIR.glob("*.jsonl"))
@@ -261,3 +261,20 @@ def test_packed_ranks_order_as_vllms_rank_pairs(rank_a, end_a, rank_b, end_b):
     a, b = packed_rank(rank_a, end_a), packed_rank(rank_b, end_b)
     pair_a, pair_b = (rank_a, -end_a), (rank_b, -end_b)
     assert (a < b) == (pair_a < pair_b) and (a == b) == (pair_a == pair_b)
+
+
+def test_lru_released_pin_of_an_older_rank_goes_first():
+    """A chunk ranked before a later request finished but evictable only afterwards (its
+    store completed late) is pushed out of rank order, and still goes before newer keys."""
+    policy = make_policy("lru", 8)
+    old, new = ReqContext("old"), ReqContext("new")
+    old_key, new_key = make_offload_key(1, 0), make_offload_key(2, 0)
+    policy.insert(old_key, ChunkStatus(0), old)  # being written: not evictable yet
+    policy.on_request_finished(((old_key,),), set(), set(), old)
+    policy.insert(new_key, ChunkStatus(1), new)
+    policy.get(new_key).ref_cnt = 0
+    policy.mark_evictable(new_key)
+    policy.on_request_finished(((new_key,),), set(), set(), new)
+    policy.get(old_key).ref_cnt = 0
+    policy.mark_evictable(old_key)  # the store completes after the newer request finished
+    assert [key for key, _ in policy.evict(1, set())] == [old_key]
