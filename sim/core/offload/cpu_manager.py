@@ -166,8 +166,9 @@ class CPUOffloadingManager:
                 continue
             assert not state.finished, f"request {req_context.req_id!r} showed a new key after it finished"
             # Offers come group by group: look the group's list up when the group changes.
-            if offload_key_group(key) != group_idx:
-                group_idx = offload_key_group(key)
+            key_group = offload_key_group(key)
+            if key_group != group_idx:
+                group_idx = key_group
                 found = key_groups.get(group_idx)
                 if found is None:
                     key_groups[group_idx] = found = []
@@ -252,7 +253,7 @@ class CPUOffloadingManager:
             if chunk is None:
                 absent.append(key)
                 accessed.append(key)
-            elif chunk.ref_cnt >= 0:  # ready
+            elif chunk.is_ready:
                 ready_present.append(key)
                 accessed.append(key)
         # Keys whose store is in flight are neither: another request is writing them.
