@@ -531,11 +531,15 @@ class OffloadingConnector:
                     if block_ids[j] in allocated:
                         block_ids[j] = 0
 
-    def _start_store(self, state: RequestOffloadState, keys: list, block_ids: list[int],
-                     fenced: list[int] | None, deferred: list[int] | None) -> TransferJob:
+    def _start_store(self, state: RequestOffloadState, keys: list[OffloadKey], block_ids: list[int],
+                     fenced: list[int] | None, deferred: list[int] | None,
+                     key_set: frozenset[OffloadKey] | None = None) -> TransferJob:
+        """Register a store job of ``keys`` (``key_set``: their frozenset, if the caller
+        made one already; built from the same keys in the same order, it iterates alike)."""
         job_id = self._new_job_id()
         state.transfer_jobs.add(job_id)
-        self._jobs[job_id] = TransferJobStatus(state.req.request_id, frozenset(keys), True, deferred, fenced)
+        self._jobs[job_id] = TransferJobStatus(state.req.request_id, frozenset(keys) if key_set is None else key_set,
+                                               True, deferred, fenced)
         return TransferJob(job_id, state.req.request_id, True, keys, block_ids)
 
     def _build_boundary_store_jobs(self, handoffs: dict[str, list[tuple[int, int, int]]]) -> dict[int, TransferJob]:
@@ -644,9 +648,13 @@ class OffloadingConnector:
             self._advance_stored_idx(state, num_offloadable)
             self._note_settled(state, num_offloadable)
             return None
-        src_ids, fenced, deferred = self._store_sources(state, ranges, stored.keys_to_store)
+        keys_to_store = list(stored.keys_to_store)
+        # One set of the stored keys: the job's record (the tier completes them in its
+        # order) and the membership test for the source blocks.
+        key_set = frozenset(keys_to_store)
+        src_ids, fenced, deferred = self._store_sources(state, ranges, key_set)
         self._note_settled(state, num_offloadable)
-        job = self._start_store(state, list(stored.keys_to_store), src_ids, fenced or None, deferred)
+        job = self._start_store(state, keys_to_store, src_ids, fenced or None, deferred, key_set)
         pending = self._block_id_to_pending_jobs
         for block_id in fenced:
             pending.setdefault(block_id, set()).add(job.job_id)
@@ -658,12 +666,11 @@ class OffloadingConnector:
         return job
 
     def _store_sources(self, state: RequestOffloadState, ranges: list[tuple[int, int]],
-                       keys_to_store: list[OffloadKey]) -> tuple[list[int], list[int], list[int]]:
+                       to_store: frozenset[OffloadKey]) -> tuple[list[int], list[int], list[int]]:
         """The source blocks of the chunks the tier took, and which of them to watch from
         the start (windowed: freed any step) or from the request's end; marks the offered
         chunks stored."""
         per_chunk = self.blocks_per_chunk
-        to_store = set(keys_to_store)
         src_ids: list[int] = []
         fenced: list[int] = []
         deferred: list[int] = []
