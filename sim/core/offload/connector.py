@@ -681,6 +681,12 @@ class OffloadingConnector:
             for chunk_idx in range(start_chunk, num_chunks):
                 if keys[chunk_idx] not in to_store:
                     continue
+                if per_chunk == 1:  # the usual layout: no slice per chunk
+                    block_id = block_ids[chunk_idx]
+                    if block_id != 0:
+                        src_ids.append(block_id)
+                        watch.append(block_id)
+                    continue
                 first_block = chunk_idx * per_chunk
                 for block_id in block_ids[first_block:first_block + per_chunk]:
                     if block_id != 0:
