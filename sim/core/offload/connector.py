@@ -450,14 +450,10 @@ class OffloadingConnector:
         state = self._req_status[request.request_id]
         start = state.num_locally_computed_tokens
         end = start + num_external_tokens
-        events = [(end, 0, "unspecified")]
-        source = self.manager.get_load_source
-        for lo, hi, key in state.load_key_ranges:
-            lo, hi = max(start, lo), min(end, hi)
-            if lo < hi:
-                tier = source(key, state.req_context)
-                events.append((lo, 1, tier))
-                events.append((hi, -1, tier))
+        events: list[tuple[int, int, str]] = [(end, 0, "unspecified")]
+        for lo, hi, tier in self._load_source_runs(state, start, end):
+            events.append((lo, 1, tier))
+            events.append((hi, -1, tier))
         active: dict[str, int] = {}
         sources: dict[str, int] = {}
         position = start
@@ -469,6 +465,35 @@ class OffloadingConnector:
             active[tier] = active.get(tier, 0) + delta
             position = boundary
         return sources
+
+    def _load_source_runs(self, state: RequestOffloadState, start: int, end: int) -> list[tuple[int, int, str]]:
+        """The last load's key ranges clipped to ``[start, end)``, each with the tier its
+        key came from; a range that continues the previous one from the same tier is
+        merged into it (a group's chunks are consecutive). The tiers covering each token
+        are the same either way, so the split by tier is too, with one sweep event per
+        run instead of per key."""
+        runs: list[tuple[int, int, str]] = []
+        source = self.manager.get_load_source
+        ctx = state.req_context
+        run_lo = run_hi = 0
+        run_tier: str | None = None
+        for lo, hi, key in state.load_key_ranges:
+            if lo < start:
+                lo = start
+            if hi > end:
+                hi = end
+            if lo >= hi:
+                continue
+            tier: str = source(key, ctx)
+            if tier == run_tier and lo == run_hi:
+                run_hi = hi
+                continue
+            if run_tier is not None:
+                runs.append((run_lo, run_hi, run_tier))
+            run_lo, run_hi, run_tier = lo, hi, tier
+        if run_tier is not None:
+            runs.append((run_lo, run_hi, run_tier))
+        return runs
 
     # -- stores, at the end of every schedule() ----------------------------------------
 

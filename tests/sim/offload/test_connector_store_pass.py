@@ -67,3 +67,57 @@ def test_a_second_request_sharing_the_prefix_stores_only_its_own_chunks():
     assert len(first_keys) == 6
     # b's first 4 chunks are a's (a GPU prefix hit, in the tier already): only its 4 own.
     assert len(second_keys) == 4 and not first_keys & set(second_keys)
+
+
+class _TierPerKey:
+    """A manager stand-in that reports each key's tier from a table (the connector asks
+    ``get_load_source`` only after a load)."""
+
+    def __init__(self, tiers: dict):
+        self.tiers = tiers
+
+    def on_new_request(self, req_context) -> None:
+        pass
+
+    def get_load_source(self, key, req_context) -> str:
+        return self.tiers[key]
+
+
+_ORDER = {"unspecified": -1, "gpu": 0, "cpu": 1, "disk": 2}
+
+
+def _per_token_sources(ranges, tiers: dict, start: int, end: int) -> list[tuple[str, int]]:
+    """The split token by token: the outermost tier among the keys covering it."""
+    sources: dict[str, int] = {}
+    for token in range(start, end):
+        covering = [tiers[key] for lo, hi, key in ranges if lo <= token < hi]
+        outer = max(covering, key=_ORDER.__getitem__) if covering else "unspecified"
+        sources[outer] = sources.get(outer, 0) + 1
+    return list(sources.items())
+
+
+def test_the_external_hit_splits_by_the_outermost_tier_covering_each_token():
+    import random
+
+    from kvtwin.sim.core.offload.connector import OffloadingConnector
+
+    rng = random.Random(7)
+    for trial in range(60):
+        num_keys = rng.randint(1, 12)
+        tiers = {(k, trial): rng.choice(["cpu", "cpu", "disk", "gpu"]) for k in range(num_keys)}
+        connector = OffloadingConnector(kv_config(full()), _TierPerKey(tiers))
+        request = new_request(f"r{trial}", tokens(0, 400))
+        connector.on_new_request(request)
+        # Chunks of 16 tokens, mostly back to back, some overlapping (two groups) or with gaps.
+        ranges, position = [], rng.randint(0, 40)
+        for key in tiers:
+            position += rng.choice([0, 0, 0, -8, 5])
+            ranges.append((max(0, position), max(0, position) + 16, key))
+            position += 16
+        start = rng.randint(0, 48)
+        num_external = rng.randint(1, max(1, position - start + 20))
+        state = connector._req_status[request.request_id]
+        state.num_locally_computed_tokens = start
+        state.load_key_ranges[:] = ranges
+        got = connector.get_external_cache_hit_sources(request, num_external)
+        assert list(got.items()) == _per_token_sources(ranges, tiers, start, start + num_external)
