@@ -34,9 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtwin.sim.core.hashing import hashes_in_range
+from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
-from kvtwin.sim.core.offload.base import LookupResult, ReqContext, make_offload_key
-from kvtwin.sim.core.scheduler_output import KVConnectorMetadata
+from kvtwin.sim.core.offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutput
 from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheSpec,
                                   MambaSpec, SlidingWindowSpec, cdiv)
 
@@ -79,7 +81,7 @@ def sliding_window_size_in_chunks(spec: KVCacheSpec, tokens_per_chunk: int) -> i
 
 @dataclass
 class RequestGroupState:
-    offload_keys: list = field(default_factory=list)
+    offload_keys: list[OffloadKey] = field(default_factory=list)
     # The request's block table as the connector sees it: append-only, 0 for a skipped
     # position or an entry found stale (its block was handed out again).
     block_ids: list[int] = field(default_factory=list)
@@ -87,10 +89,14 @@ class RequestGroupState:
 
 
 class RequestOffloadState:
+    """What the connector keeps per request (vLLM's ``RequestOffloadState``). Typed
+    throughout: the store pass reads it for every scheduled request every step, and a
+    compiled build reads typed attributes natively."""
+
     __slots__ = ("req", "req_context", "group_states", "num_locally_computed_tokens", "transfer_jobs",
                  "finished_signaled", "load_key_ranges", "settled_tokens", "num_hashes_keyed")
 
-    def __init__(self, request, num_groups: int):
+    def __init__(self, request: Request, num_groups: int):
         self.req = request
         self.req_context = ReqContext(request.request_id)
         self.group_states = tuple(RequestGroupState() for _ in range(num_groups))
@@ -195,7 +201,7 @@ class OffloadingConnector:
 
     # -- requests ------------------------------------------------------------------------
 
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Request) -> None:
         state = RequestOffloadState(request, len(self.group_configs))
         self.manager.on_new_request(state.req_context)
         self._req_status[request.request_id] = state
@@ -218,25 +224,40 @@ class OffloadingConnector:
             group_idx = config.group_idx
             tokens_per_chunk = config.tokens_per_chunk
             end_token = len(keys) * tokens_per_chunk
-            for block_hash in hashes_in_range(hashes, first_idx, num_hashes)[::per_chunk]:
+            new_hashes = hashes_in_range(hashes, first_idx, num_hashes)
+            if per_chunk != 1:
+                new_hashes = new_hashes[::per_chunk]
+            for block_hash in new_hashes:
                 key = make_offload_key(block_hash, group_idx)
                 keys.append(key)
                 end_token += tokens_per_chunk
                 ctx.set_offload_key_position(key, end_token)
 
-    def _num_offloadable_tokens(self, request, num_computed_tokens: int) -> int:
-        return min(num_computed_tokens, request.num_tokens, request.num_prompt_tokens)
+    @staticmethod
+    def _num_offloadable_tokens(request: Request, num_computed_tokens: int) -> int:
+        """Computed prompt tokens (only the prompt is offloaded: vLLM's
+        ``offload_prompt_only``). Plain comparisons: a compiled build runs them natively,
+        where a three-argument ``min`` is a generic call."""
+        num_tokens = request.num_tokens
+        n = num_computed_tokens if num_computed_tokens < num_tokens else num_tokens
+        num_prompt_tokens = request.num_prompt_tokens
+        return n if n < num_prompt_tokens else num_prompt_tokens
 
-    def _storable_chunks(self, state: RequestOffloadState, config: GroupOffloadConfig,
-                         group_state: RequestGroupState, num_offloadable_tokens: int) -> int:
-        return min(num_offloadable_tokens // config.tokens_per_chunk,
-                   len(group_state.block_ids) // self.blocks_per_chunk, len(group_state.offload_keys))
+    def _storable_chunks(self, config: GroupOffloadConfig, group_state: RequestGroupState,
+                         num_offloadable_tokens: int) -> int:
+        """Chunks of a group that are computed, in the block table and keyed."""
+        n = num_offloadable_tokens // config.tokens_per_chunk
+        in_table = len(group_state.block_ids) // self.blocks_per_chunk
+        if in_table < n:
+            n = in_table
+        num_keys = len(group_state.offload_keys)
+        return n if n < num_keys else num_keys
 
     def _advance_stored_idx(self, state: RequestOffloadState, num_offloadable_tokens: int) -> None:
         for config, group_state in zip(self.group_configs, state.group_states):
             group_state.next_stored_chunk_idx = max(
                 group_state.next_stored_chunk_idx,
-                self._storable_chunks(state, config, group_state, num_offloadable_tokens))
+                self._storable_chunks(config, group_state, num_offloadable_tokens))
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -354,7 +375,7 @@ class OffloadingConnector:
                     return None  # another request is loading them: wait, then hit on the GPU
         return num_hit_tokens
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens the tier can add past ``num_computed_tokens`` or None to ask again next
         step, whether they load asynchronously)."""
         state = self._req_status[request.request_id]
@@ -371,7 +392,7 @@ class OffloadingConnector:
 
     # -- loads ---------------------------------------------------------------------------
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         allocated = self._current_batch_allocated_block_ids
         for group_blocks in blocks.blocks:
             allocated.update(b.block_id for b in group_blocks if b.block_id != 0)
@@ -420,7 +441,7 @@ class OffloadingConnector:
         if self._chunks_being_loaded is not None:
             self._chunks_being_loaded.update(keys_to_load)
 
-    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
         """The external hit split by the tier each loaded key came from (tokens no key
         covers, such as sliding-window history that was not loaded, are "unspecified");
         where keys of two tiers cover a token, the outer (slower) tier counts."""
@@ -429,14 +450,10 @@ class OffloadingConnector:
         state = self._req_status[request.request_id]
         start = state.num_locally_computed_tokens
         end = start + num_external_tokens
-        events = [(end, 0, "unspecified")]
-        source = self.manager.get_load_source
-        for lo, hi, key in state.load_key_ranges:
-            lo, hi = max(start, lo), min(end, hi)
-            if lo < hi:
-                tier = source(key, state.req_context)
-                events.append((lo, 1, tier))
-                events.append((hi, -1, tier))
+        events: list[tuple[int, int, str]] = [(end, 0, "unspecified")]
+        for lo, hi, tier in self._load_source_runs(state, start, end):
+            events.append((lo, 1, tier))
+            events.append((hi, -1, tier))
         active: dict[str, int] = {}
         sources: dict[str, int] = {}
         position = start
@@ -449,6 +466,35 @@ class OffloadingConnector:
             position = boundary
         return sources
 
+    def _load_source_runs(self, state: RequestOffloadState, start: int, end: int) -> list[tuple[int, int, str]]:
+        """The last load's key ranges clipped to ``[start, end)``, each with the tier its
+        key came from; a range that continues the previous one from the same tier is
+        merged into it (a group's chunks are consecutive). The tiers covering each token
+        are the same either way, so the split by tier is too, with one sweep event per
+        run instead of per key."""
+        runs: list[tuple[int, int, str]] = []
+        source = self.manager.get_load_source
+        ctx = state.req_context
+        run_lo = run_hi = 0
+        run_tier: str | None = None
+        for lo, hi, key in state.load_key_ranges:
+            if lo < start:
+                lo = start
+            if hi > end:
+                hi = end
+            if lo >= hi:
+                continue
+            tier: str = source(key, ctx)
+            if tier == run_tier and lo == run_hi:
+                run_hi = hi
+                continue
+            if run_tier is not None:
+                runs.append((run_lo, run_hi, run_tier))
+            run_lo, run_hi, run_tier = lo, hi, tier
+        if run_tier is not None:
+            runs.append((run_lo, run_hi, run_tier))
+        return runs
+
     # -- stores, at the end of every schedule() ----------------------------------------
 
     def _new_job_id(self) -> int:
@@ -456,52 +502,69 @@ class OffloadingConnector:
         self._job_counter += 1
         return job_id
 
-    def _update_req_states(self, output) -> None:
-        allocated = self._current_batch_allocated_block_ids
+    def _update_req_states(self, output: SchedulerOutput) -> None:
+        """Append the step's new blocks to the connector's tables and key new block hashes
+        (vLLM's per-request state update in ``build_connector_meta``). A running request
+        with no new blocks costs a key check and a dict lookup."""
         windowed = self._sliding_window_groups
         # request id -> per windowed group, the table length before this step's appends.
-        old_ends: dict[str, tuple[int, ...]] = {}
-
-        def extend(state: RequestOffloadState, block_id_groups) -> None:
-            if windowed:
-                old_ends[state.req.request_id] = tuple(len(state.group_states[g].block_ids) for g in windowed)
-            for config, group_state in zip(self.group_configs, state.group_states):
-                ids = block_id_groups[config.group_idx]
-                group_state.block_ids.extend(ids)
-                allocated.update(b for b in ids if b != 0)
-
+        old_ends: dict[str, tuple[int, ...]] | None = {} if windowed else None
+        req_status = self._req_status
         for new in output.scheduled_new_reqs:
-            state = self._req_status[new.req_id]
+            state = req_status[new.req_id]
             self._update_offload_keys(state)
             for group_state in state.group_states:
                 group_state.block_ids.clear()  # the whole table comes with it
-            extend(state, new.block_ids)
+            self._extend_block_ids(state, new.block_ids, old_ends)
         new_block_ids = output.scheduled_cached_reqs.new_block_ids
         for req_id in output.cached_req_ids:
-            state = self._req_status[req_id]
+            state = req_status[req_id]
             self._update_offload_keys(state)
             ids = new_block_ids.get(req_id)
             if ids is not None:
-                extend(state, ids)
-        # A windowed block freed early and handed out again this step is stale in every
-        # table that still lists it at a position not yet stored.
-        if windowed and allocated:
-            per_chunk = self.blocks_per_chunk
-            for req_id, state in self._req_status.items():
-                ends = old_ends.get(req_id)
-                for i, gid in enumerate(windowed):
-                    group_state = state.group_states[gid]
-                    block_ids = group_state.block_ids
-                    end = ends[i] if ends is not None else len(block_ids)
-                    for j in range(group_state.next_stored_chunk_idx * per_chunk, end):
-                        if block_ids[j] in allocated:
-                            block_ids[j] = 0
+                self._extend_block_ids(state, ids, old_ends)
+        if old_ends is not None and self._current_batch_allocated_block_ids:
+            self._clear_stale_windowed_blocks(old_ends)
 
-    def _start_store(self, state: RequestOffloadState, keys: list, block_ids: list[int],
-                     fenced: list[int] | None, deferred: list[int] | None) -> TransferJob:
+    def _extend_block_ids(self, state: RequestOffloadState, block_id_groups: tuple[list[int], ...],
+                          old_ends: dict[str, tuple[int, ...]] | None) -> None:
+        """Append one request's new block ids, per group, and note the real ones as
+        handed out this step (a store still reading one must be flushed)."""
+        if old_ends is not None:
+            old_ends[state.req.request_id] = tuple(len(state.group_states[g].block_ids)
+                                                   for g in self._sliding_window_groups)
+        allocated = self._current_batch_allocated_block_ids
+        for config, group_state in zip(self.group_configs, state.group_states):
+            ids = block_id_groups[config.group_idx]
+            group_state.block_ids.extend(ids)
+            for block_id in ids:
+                if block_id != 0:
+                    allocated.add(block_id)
+
+    def _clear_stale_windowed_blocks(self, old_ends: dict[str, tuple[int, ...]]) -> None:
+        """A windowed block freed early and handed out again this step is stale in every
+        table that still lists it at a position not yet stored."""
+        allocated = self._current_batch_allocated_block_ids
+        per_chunk = self.blocks_per_chunk
+        for req_id, state in self._req_status.items():
+            ends = old_ends.get(req_id)
+            for i, gid in enumerate(self._sliding_window_groups):
+                group_state = state.group_states[gid]
+                block_ids = group_state.block_ids
+                end = ends[i] if ends is not None else len(block_ids)
+                for j in range(group_state.next_stored_chunk_idx * per_chunk, end):
+                    if block_ids[j] in allocated:
+                        block_ids[j] = 0
+
+    def _start_store(self, state: RequestOffloadState, keys: list[OffloadKey], block_ids: list[int],
+                     fenced: list[int] | None, deferred: list[int] | None,
+                     key_set: frozenset[OffloadKey] | None = None) -> TransferJob:
+        """Register a store job of ``keys`` (``key_set``: their frozenset, if the caller
+        made one already; built from the same keys in the same order, it iterates alike)."""
         job_id = self._new_job_id()
         state.transfer_jobs.add(job_id)
-        self._jobs[job_id] = TransferJobStatus(state.req.request_id, frozenset(keys), True, deferred, fenced)
+        self._jobs[job_id] = TransferJobStatus(state.req.request_id, frozenset(keys) if key_set is None else key_set,
+                                               True, deferred, fenced)
         return TransferJob(job_id, state.req.request_id, True, keys, block_ids)
 
     def _build_boundary_store_jobs(self, handoffs: dict[str, list[tuple[int, int, int]]]) -> dict[int, TransferJob]:
@@ -529,7 +592,7 @@ class OffloadingConnector:
         return jobs
 
     def _reachable_block_mask(self, config: GroupOffloadConfig, start_chunk: int, end_chunk: int,
-                              boundaries: tuple[int, ...]) -> list[bool] | None:
+                              req: Request) -> list[bool] | None:
         """Which blocks of chunks ``[start, end)`` a later hit can reach (None: all).
 
         Only a sliding window is sparse: a hit needs the window's blocks before its end.
@@ -543,6 +606,10 @@ class OffloadingConnector:
         per_chunk = self.blocks_per_chunk
         start_block, end_block = start_chunk * per_chunk, end_chunk * per_chunk
         need = cdiv(spec.sliding_window - 1, spec.block_size)
+        # Where a later request can resume: the prompt's last token, and where this
+        # request's prefix stops being shared.
+        boundaries = (req.num_prompt_tokens - 1,) + ((req.shared_prefix_boundary,)
+                                                     if req.shared_prefix_boundary else ())
         mask = [False] * (end_block - start_block)
         for boundary in boundaries:
             end = boundary // alignment * alignment // spec.block_size
@@ -550,87 +617,123 @@ class OffloadingConnector:
                 mask[i - start_block] = True
         return mask
 
-    def _build_store_jobs(self, output) -> dict[int, TransferJob]:
-        per_chunk = self.blocks_per_chunk
+    def _build_store_jobs(self, output: SchedulerOutput) -> dict[int, TransferJob]:
+        """The store jobs for the prompt chunks this step computes, or that a request
+        finished with (vLLM's ``_get_reqs_to_store``), scheduled requests first."""
         jobs: dict[int, TransferJob] = {}
-        scheduled = output.num_scheduled_tokens
-        for req_id in [*scheduled, *output.finished_req_ids]:
-            state = self._req_status.get(req_id)
-            if state is None:
-                continue
-            req = state.req
-            finished = req.is_finished()
-            if finished:
-                # The last sampled token's slot is never committed to the prefix cache.
-                num_tokens_after = max(req.num_prompt_tokens, req.num_tokens - 1)
-            else:
-                num_tokens_after = req.num_computed_tokens + scheduled[req_id]
-            num_offloadable = self._num_offloadable_tokens(req, num_tokens_after)
-            if num_offloadable == state.settled_tokens:
-                continue  # nothing new to offer (a decode step, mostly)
-            new_keys: list = []
-            ranges: list[tuple[int, int]] = []
-            # Where a later request can resume: the prompt's last token, and where this
-            # request's prefix stops being shared.
-            boundaries = (req.num_prompt_tokens - 1,) + ((req.shared_prefix_boundary,)
-                                                         if req.shared_prefix_boundary else ())
-            for config, group_state in zip(self.group_configs, state.group_states):
-                num_chunks = self._storable_chunks(state, config, group_state, num_offloadable)
-                start_chunk = group_state.next_stored_chunk_idx
-                ranges.append((start_chunk, num_chunks))
-                if not config.requires_cow_source and num_chunks > start_chunk:
-                    new_keys += self._chunks_to_offer(config, group_state, start_chunk, num_chunks, boundaries)
-            stored = self.manager.prepare_store(new_keys, state.req_context) if new_keys else None
-            if new_keys and stored is None:
-                continue  # the tier is full of pinned chunks: try again next step
-            if stored is None or not stored.keys_to_store:
-                # Nothing new: everything offered is in the tier or cannot be used.
-                self._advance_stored_idx(state, num_offloadable)
-                self._note_settled(state, num_offloadable)
-                continue
-            to_store = set(stored.keys_to_store)
-            src_ids: list[int] = []
-            fenced: list[int] = []
-            deferred: list[int] = []
-            for config, group_state, (start_chunk, num_chunks) in zip(self.group_configs, state.group_states, ranges):
-                windowed = config.sliding_window_size_in_chunks is not None
-                block_ids = group_state.block_ids
-                for idx, key in enumerate(group_state.offload_keys[start_chunk:num_chunks]):
-                    if key not in to_store:
-                        continue
-                    first_block = (start_chunk + idx) * per_chunk
-                    for b in range(per_chunk):
-                        block_id = block_ids[first_block + b]
-                        if block_id == 0:
-                            continue
-                        src_ids.append(block_id)
-                        (fenced if windowed else deferred).append(block_id)
-                group_state.next_stored_chunk_idx = max(group_state.next_stored_chunk_idx, num_chunks)
-            self._note_settled(state, num_offloadable)
-            job = self._start_store(state, list(stored.keys_to_store), src_ids, fenced or None, deferred)
-            for block_id in fenced:
-                self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job.job_id)
-            if finished:
-                for block_id in deferred:
-                    self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job.job_id)
-                    if block_id in self._current_batch_allocated_block_ids:
-                        self._current_batch_jobs_to_flush.add(job.job_id)
-            jobs[job.job_id] = job
+        req_status = self._req_status
+        for req_id, num_scheduled in output.num_scheduled_tokens.items():
+            state = req_status.get(req_id)
+            if state is not None:
+                self._offer_new_chunks(state, num_scheduled, jobs)
+        for req_id in output.finished_req_ids:
+            state = req_status.get(req_id)
+            if state is not None:
+                self._offer_new_chunks(state, 0, jobs)
         return jobs
 
+    def _offer_new_chunks(self, state: RequestOffloadState, num_scheduled: int, jobs: dict[int, TransferJob]) -> None:
+        """Offer one request's chunks computed by the end of this step; a request whose
+        offloadable count has not moved since it settled (a decode step, mostly) costs a
+        few comparisons."""
+        req = state.req
+        finished = req.is_finished()
+        if finished:
+            # The last sampled token's slot is never committed to the prefix cache.
+            num_tokens_after = req.num_tokens - 1
+            if num_tokens_after < req.num_prompt_tokens:
+                num_tokens_after = req.num_prompt_tokens
+        else:
+            num_tokens_after = req.num_computed_tokens + num_scheduled
+        num_offloadable = self._num_offloadable_tokens(req, num_tokens_after)
+        if num_offloadable == state.settled_tokens:
+            return  # nothing new to offer
+        job = self._store_job(state, num_offloadable, finished)
+        if job is not None:
+            jobs[job.job_id] = job
+
+    def _store_job(self, state: RequestOffloadState, num_offloadable: int, finished: bool) -> TransferJob | None:
+        """Offer the chunks up to ``num_offloadable`` tokens not offered yet; the job that
+        stores those the tier took (None: none, or the tier is full of pinned chunks)."""
+        req = state.req
+        new_keys: list[OffloadKey] = []
+        # Per group, the chunks offered: [start, end).
+        ranges: list[tuple[int, int]] = []
+        for config, group_state in zip(self.group_configs, state.group_states):
+            num_chunks = self._storable_chunks(config, group_state, num_offloadable)
+            start_chunk = group_state.next_stored_chunk_idx
+            ranges.append((start_chunk, num_chunks))
+            if not config.requires_cow_source and num_chunks > start_chunk:
+                new_keys += self._chunks_to_offer(config, group_state, start_chunk, num_chunks, req)
+        stored = self.manager.prepare_store(new_keys, state.req_context) if new_keys else None
+        if new_keys and stored is None:
+            return None  # the tier is full of pinned chunks: try again next step
+        if stored is None or not stored.keys_to_store:
+            # Nothing new: everything offered is in the tier or cannot be used.
+            self._advance_stored_idx(state, num_offloadable)
+            self._note_settled(state, num_offloadable)
+            return None
+        keys_to_store = list(stored.keys_to_store)
+        # One set of the stored keys: the job's record (the tier completes them in its
+        # order) and the membership test for the source blocks.
+        key_set = frozenset(keys_to_store)
+        src_ids, fenced, deferred = self._store_sources(state, ranges, key_set)
+        self._note_settled(state, num_offloadable)
+        job = self._start_store(state, keys_to_store, src_ids, fenced or None, deferred, key_set)
+        pending = self._block_id_to_pending_jobs
+        for block_id in fenced:
+            pending.setdefault(block_id, set()).add(job.job_id)
+        if finished:
+            for block_id in deferred:
+                pending.setdefault(block_id, set()).add(job.job_id)
+                if block_id in self._current_batch_allocated_block_ids:
+                    self._current_batch_jobs_to_flush.add(job.job_id)
+        return job
+
+    def _store_sources(self, state: RequestOffloadState, ranges: list[tuple[int, int]],
+                       to_store: frozenset[OffloadKey]) -> tuple[list[int], list[int], list[int]]:
+        """The source blocks of the chunks the tier took, and which of them to watch from
+        the start (windowed: freed any step) or from the request's end; marks the offered
+        chunks stored."""
+        per_chunk = self.blocks_per_chunk
+        src_ids: list[int] = []
+        fenced: list[int] = []
+        deferred: list[int] = []
+        for config, group_state, (start_chunk, num_chunks) in zip(self.group_configs, state.group_states, ranges):
+            watch = fenced if config.sliding_window_size_in_chunks is not None else deferred
+            block_ids = group_state.block_ids
+            keys = group_state.offload_keys
+            for chunk_idx in range(start_chunk, num_chunks):
+                if keys[chunk_idx] not in to_store:
+                    continue
+                if per_chunk == 1:  # the usual layout: no slice per chunk
+                    block_id = block_ids[chunk_idx]
+                    if block_id != 0:
+                        src_ids.append(block_id)
+                        watch.append(block_id)
+                    continue
+                first_block = chunk_idx * per_chunk
+                for block_id in block_ids[first_block:first_block + per_chunk]:
+                    if block_id != 0:
+                        src_ids.append(block_id)
+                        watch.append(block_id)
+            if group_state.next_stored_chunk_idx < num_chunks:
+                group_state.next_stored_chunk_idx = num_chunks
+        return src_ids, fenced, deferred
+
     def _chunks_to_offer(self, config: GroupOffloadConfig, group_state: RequestGroupState, start_chunk: int,
-                         end_chunk: int, boundaries: tuple[int, ...]) -> list:
+                         end_chunk: int, req: Request) -> list[OffloadKey]:
         """The keys of chunks ``[start, end)`` worth storing: every block a later hit can
         reach is real (0 is a skipped or stale entry), and so is the chunk's last block,
         its source."""
         per_chunk = self.blocks_per_chunk
-        mask = self._reachable_block_mask(config, start_chunk, end_chunk, boundaries)
+        mask = self._reachable_block_mask(config, start_chunk, end_chunk, req)
         if mask is None and per_chunk == 1:
             # Every block reachable, one per chunk: a chunk is worth storing iff it is real.
             block_ids = group_state.block_ids
-            return [key for idx, key in enumerate(group_state.offload_keys[start_chunk:end_chunk], start_chunk)
-                    if block_ids[idx] != 0]
-        keys = []
+            offload_keys = group_state.offload_keys
+            return [offload_keys[idx] for idx in range(start_chunk, end_chunk) if block_ids[idx] != 0]
+        keys: list[OffloadKey] = []
         for idx, key in enumerate(group_state.offload_keys[start_chunk:end_chunk]):
             first = (start_chunk + idx) * per_chunk
             blocks = group_state.block_ids[first:first + per_chunk]
@@ -643,11 +746,16 @@ class OffloadingConnector:
         return keys
 
     def _note_settled(self, state: RequestOffloadState, num_offloadable: int) -> None:
-        if all(gs.next_stored_chunk_idx >= num_offloadable // c.tokens_per_chunk
-               for c, gs in zip(self.group_configs, state.group_states)):
-            state.settled_tokens = num_offloadable
+        """Every group offered its chunks up to ``num_offloadable`` tokens: a store pass at
+        that count has nothing to do."""
+        for config, group_state in zip(self.group_configs, state.group_states):
+            if group_state.next_stored_chunk_idx < num_offloadable // config.tokens_per_chunk:
+                return
+        state.settled_tokens = num_offloadable
 
-    def build_connector_meta(self, output, boundary_offloads: dict | None = None) -> OffloadingConnectorMetadata:
+    def build_connector_meta(self, output: SchedulerOutput,
+                             boundary_offloads: dict[str, list[tuple[int, int, int]]] | None = None
+                             ) -> OffloadingConnectorMetadata:
         self._update_req_states(output)
         for req_id in output.preempted:
             state = self._req_status.get(req_id)
@@ -703,7 +811,7 @@ class OffloadingConnector:
             if not jobs:
                 del pending[block_id]
 
-    def request_finished(self, request) -> bool:
+    def request_finished(self, request: Request) -> bool:
         """Called before a finished request's blocks are freed (they are freed at once)."""
         state = self._req_status.get(request.request_id)
         if state is None:
