@@ -212,7 +212,7 @@ class CPUOffloadingManager:
             assert chunk is not None, f"prepare_load of absent key {key!r}"
             assert chunk.is_ready, f"prepare_load of key {key!r} whose store is in flight"
             if chunk.ref_cnt == 0:
-                self._policy.mark_non_evictable(key)
+                self._policy.mark_non_evictable(key, chunk)
                 self._num_evictable_chunks -= 1
             chunk.ref_cnt += 1
             chunk_ids.append(chunk.chunk_id)
@@ -231,7 +231,7 @@ class CPUOffloadingManager:
             chunk.ref_cnt -= 1
             if chunk.ref_cnt == 0:
                 self._num_evictable_chunks += 1
-                self._policy.mark_evictable(key)
+                self._policy.mark_evictable(key, chunk)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Give each absent offered key a chunk, evicting idle chunks if needed.
@@ -316,7 +316,7 @@ class CPUOffloadingManager:
             if success:
                 chunk.ref_cnt = 0
                 self._num_evictable_chunks += 1
-                self._policy.mark_evictable(key)
+                self._policy.mark_evictable(key, chunk)
             else:
                 self._policy.remove(key)
                 self._free_list.append(chunk.chunk_id)

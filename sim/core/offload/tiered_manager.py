@@ -322,13 +322,13 @@ class _DiskTier:
             assert chunk is not None and chunk.ref_cnt == -1, f"disk write of {key!r} finished twice"
             chunk.ref_cnt = 0
             self.num_evictable += 1
-            self.policy.mark_evictable(key)
+            self.policy.mark_evictable(key, chunk)
 
     def pin(self, key: OffloadKey) -> None:
         chunk = self.policy.get(key)
         assert chunk is not None and chunk.is_ready, f"disk read of {key!r}, which is not on disk"
         if chunk.ref_cnt == 0:
-            self.policy.mark_non_evictable(key)
+            self.policy.mark_non_evictable(key, chunk)
             self.num_evictable -= 1
         chunk.ref_cnt += 1
 
@@ -338,7 +338,7 @@ class _DiskTier:
         chunk.ref_cnt -= 1
         if chunk.ref_cnt == 0:
             self.num_evictable += 1
-            self.policy.mark_evictable(key)
+            self.policy.mark_evictable(key, chunk)
 
 
 class _Job:
