@@ -328,10 +328,10 @@ class CPUOffloadingManager:
                 or state.finished):
             return
         state.finished = True
-        key_groups = []
+        key_groups: list[list[OffloadKey]] = []
         for group_idx in sorted(state.key_groups):
-            key_groups.append(tuple(sort_by_position(state.key_groups[group_idx], req_context)))
-        self._policy.on_request_finished(tuple(key_groups), state.inserted_keys - state.reused_keys,
+            key_groups.append(sort_by_position(state.key_groups[group_idx], req_context))
+        self._policy.on_request_finished(key_groups, state.inserted_keys - state.reused_keys,
                                          state.reused_keys, req_context)
 
     def on_schedule_end(self, context: object = None) -> None:

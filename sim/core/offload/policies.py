@@ -61,16 +61,21 @@ class ChunkStatus:
         return self.ref_cnt >= 0
 
 
+def _nondecreasing(values: list[int]) -> bool:
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            return False
+    return True
+
+
 def sort_by_position(keys: Sequence[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
     """Keys head to tail by their end-token positions when every key has one, otherwise as
     given. Stable: keys at one position (one block in several groups) keep their order."""
-    get_position = req_context.get_offload_key_position
-    positions: list[int] = []
-    for key in keys:
-        position = get_position(key)
-        if position is None:
-            return list(keys)
-        positions.append(position)
+    positions = req_context.offload_key_positions(keys)
+    if positions is None:
+        return list(keys)
+    if _nondecreasing(positions):
+        return list(keys)  # keys mostly arrive head to tail already: nothing to sort
     # Sorting indices by a list lookup ties like the keys' own stable sort, without
     # hashing every key again.
     order = sorted(range(len(positions)), key=positions.__getitem__)

@@ -108,7 +108,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import Protocol
 
 from kvtwin.sim.core.errors import require
@@ -250,6 +250,9 @@ class _DiskView(ReqContext):
 
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         return self._base.get_offload_key_position(key)
+
+    def offload_key_positions(self, keys: Sequence[OffloadKey]) -> list[int] | None:
+        return self._base.offload_key_positions(keys)
 
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
         self._base.set_offload_key_position(key, end_token)
