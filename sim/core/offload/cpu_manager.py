@@ -207,12 +207,13 @@ class CPUOffloadingManager:
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]:
         """Pin ready chunks for reading; returns their chunk ids, in the keys' order."""
         chunk_ids = []
+        policy = self._policy
         for key in keys:
-            chunk = self._policy.get(key)
+            chunk = policy.get(key)
             assert chunk is not None, f"prepare_load of absent key {key!r}"
             assert chunk.is_ready, f"prepare_load of key {key!r} whose store is in flight"
             if chunk.ref_cnt == 0:
-                self._policy.mark_non_evictable(key, chunk)
+                policy.mark_non_evictable(key, chunk)
                 self._num_evictable_chunks -= 1
             chunk.ref_cnt += 1
             chunk_ids.append(chunk.chunk_id)
@@ -224,14 +225,15 @@ class CPUOffloadingManager:
         self._policy.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        policy = self._policy
         for key in keys:
-            chunk = self._policy.get(key)
+            chunk = policy.get(key)
             assert chunk is not None, f"complete_load of absent key {key!r}"
             assert chunk.ref_cnt > 0, f"complete_load of key {key!r} that no load pins"
             chunk.ref_cnt -= 1
             if chunk.ref_cnt == 0:
                 self._num_evictable_chunks += 1
-                self._policy.mark_evictable(key, chunk)
+                policy.mark_evictable(key, chunk)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Give each absent offered key a chunk, evicting idle chunks if needed.
@@ -247,9 +249,9 @@ class CPUOffloadingManager:
         ready_present: list[OffloadKey] = []
         # The offered keys the request is credited with (absent or ready), in offer order.
         accessed: list[OffloadKey] = []
-        get = self._policy.get
+        policy = self._policy
         for key in keys:
-            chunk = get(key)
+            chunk = policy.get(key)
             if chunk is None:
                 absent.append(key)
                 accessed.append(key)
@@ -268,11 +270,12 @@ class CPUOffloadingManager:
             absent = admitted
 
         state = self._access_record(req_context)
-        new_misses = [key for key in absent if key not in state.store_miss_keys]
-        if new_misses:
-            # Before insertion, which drops ghost entries ARC must learn from first.
-            self._policy.on_store_miss(new_misses, req_context)
-            state.store_miss_keys.update(new_misses)
+        if policy.observes_store_misses:
+            new_misses = [key for key in absent if key not in state.store_miss_keys]
+            if new_misses:
+                # Before insertion, which drops ghost entries ARC must learn from first.
+                policy.on_store_miss(new_misses, req_context)
+                state.store_miss_keys.update(new_misses)
 
         self._record_access(accessed, req_context, reused_keys=ready_present)
 
@@ -284,7 +287,7 @@ class CPUOffloadingManager:
         if num_to_evict > 0:
             if num_to_evict > self._num_evictable_chunks:
                 return None
-            evicted = self._policy.evict(num_to_evict, set(keys))
+            evicted = policy.evict(num_to_evict, set(keys))
             if evicted is None:
                 return None
             self._num_evictable_chunks -= len(evicted)
@@ -294,8 +297,7 @@ class CPUOffloadingManager:
             self.num_evicted_keys += len(evicted)
 
         chunks = self._allocate_chunks(len(absent))
-        for key, chunk in zip(absent, chunks):
-            self._policy.insert(key, chunk, req_context)
+        policy.insert_all(absent, chunks, req_context)
         self._num_write_pending_chunks += len(absent)
         self.num_stored_keys += len(absent)
         state.inserted_keys.update(absent)
@@ -308,17 +310,18 @@ class CPUOffloadingManager:
         Keys that are absent or already ready are ignored (another store finished them,
         or ``reset_cache`` dropped them).
         """
+        policy = self._policy
         for key in keys:
-            chunk = self._policy.get(key)
+            chunk = policy.get(key)
             if chunk is None or chunk.is_ready:
                 continue
             self._num_write_pending_chunks -= 1
             if success:
                 chunk.ref_cnt = 0
                 self._num_evictable_chunks += 1
-                self._policy.mark_evictable(key, chunk)
+                policy.mark_evictable(key, chunk)
             else:
-                self._policy.remove(key)
+                policy.remove(key)
                 self._free_list.append(chunk.chunk_id)
                 self.num_store_failed_keys += 1
 

@@ -116,6 +116,9 @@ class CachePolicy:
 
     def __init__(self, cache_capacity: int) -> None:
         self.cache_capacity = cache_capacity
+        # False where on_store_miss does nothing: the manager then keeps no record of a
+        # request's store misses (which only spares a policy the same miss twice).
+        self.observes_store_misses = True
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         raise NotImplementedError
@@ -127,6 +130,11 @@ class CachePolicy:
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         raise NotImplementedError
+
+    def insert_all(self, keys: Sequence[OffloadKey], chunks: Sequence[ChunkStatus], req_context: ReqContext) -> None:
+        """``insert`` each key with its chunk, in order."""
+        for i in range(len(keys)):
+            self.insert(keys[i], chunks[i], req_context)
 
     def remove(self, key: OffloadKey) -> None:
         """Forget a chunk whose store failed (no ghost entry, no recency)."""
@@ -246,6 +254,7 @@ class LRUCachePolicy(CachePolicy):
         self._heap_compact_len = _MIN_COMPACT_LEN  # the heap's length at its next compaction
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation = 0
+        self.observes_store_misses = False  # on_store_miss: nothing to do
 
     def _new_rank(self) -> int:
         """The next rank ``r``, as ``packed_rank(r, 0)`` (by addition alone)."""
@@ -367,6 +376,28 @@ class LRUCachePolicy(CachePolicy):
             chunk.evictable = True
             self._num_evictable += 1
             self._push(chunk)
+
+    def insert_all(self, keys: Sequence[OffloadKey], chunks: Sequence[ChunkStatus], req_context: ReqContext) -> None:
+        """``insert`` of each key in turn, with the request's rank looked up once (when the
+        first key with a position needs it, as ``insert`` would)."""
+        positions = req_context.offload_key_positions(keys)
+        request_rank = -1
+        for i in range(len(keys)):
+            key = keys[i]
+            chunk = chunks[i]
+            self.chunks[key] = chunk
+            chunk.key = key
+            position = positions[i] if positions is not None else req_context.get_offload_key_position(key)
+            if position is None:
+                chunk.rank = self._new_rank()
+            else:
+                if request_rank < 0:
+                    request_rank = self._request_rank(req_context)
+                chunk.rank = request_rank - position
+            if chunk.ref_cnt == 0:
+                chunk.evictable = True
+                self._num_evictable += 1
+                self._push(chunk)
 
     def remove(self, key: OffloadKey) -> None:
         chunk = self.chunks.pop(key)
