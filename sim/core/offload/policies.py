@@ -21,7 +21,6 @@ changes nothing and returns None.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
@@ -208,10 +207,63 @@ class _RequestRank:
 _MIN_COMPACT_LEN = 64
 _HEAP_GROWTH = 8
 
-# A heap entry, ``(packed rank, key)``. A plain tuple on purpose, like OffloadKey: mypyc
-# would unbox ``tuple[int, OffloadKey]`` into a C struct and box a fresh tuple each time an
-# entry goes into the heap or a set.
-_Entry = tuple
+# The heap of out-of-order entries: two parallel lists, ``ranks[i]`` and ``chunks[i]`` (the
+# entry ``(ranks[i], chunks[i].key)``), kept as a binary min-heap by the functions below. No
+# entry object is allocated (a tuple per entry fed the garbage collector), and comparisons
+# are of native ints, the key only on a rank tie. Which of two equal entries comes first
+# decides nothing (equal entries are one key at one rank), so any correct heap pops the
+# distinct entries in the same order as heapq did.
+
+
+def _entry_less(rank_a: int, chunk_a: ChunkStatus, rank_b: int, chunk_b: ChunkStatus) -> bool:
+    return rank_a < rank_b or (rank_a == rank_b and chunk_a.key < chunk_b.key)
+
+
+def _heap_push(ranks: list[int], chunks: list[ChunkStatus], rank: int, chunk: ChunkStatus) -> None:
+    ranks.append(rank)
+    chunks.append(chunk)
+    pos = len(ranks) - 1
+    while pos > 0:
+        parent = (pos - 1) >> 1
+        if not _entry_less(rank, chunk, ranks[parent], chunks[parent]):
+            break
+        ranks[pos] = ranks[parent]
+        chunks[pos] = chunks[parent]
+        pos = parent
+    ranks[pos] = rank
+    chunks[pos] = chunk
+
+
+def _heap_sift_down(ranks: list[int], chunks: list[ChunkStatus], pos: int, rank: int, chunk: ChunkStatus) -> None:
+    """Put the entry ``(rank, chunk)`` at ``pos`` and move it down into heap order."""
+    n = len(ranks)
+    while True:
+        child = 2 * pos + 1
+        if child >= n:
+            break
+        right = child + 1
+        if right < n and _entry_less(ranks[right], chunks[right], ranks[child], chunks[child]):
+            child = right
+        if not _entry_less(ranks[child], chunks[child], rank, chunk):
+            break
+        ranks[pos] = ranks[child]
+        chunks[pos] = chunks[child]
+        pos = child
+    ranks[pos] = rank
+    chunks[pos] = chunk
+
+
+def _heap_remove_top(ranks: list[int], chunks: list[ChunkStatus]) -> None:
+    rank = ranks.pop()
+    chunk = chunks.pop()
+    if ranks:
+        _heap_sift_down(ranks, chunks, 0, rank, chunk)
+
+
+def _heapify(ranks: list[int], chunks: list[ChunkStatus]) -> None:
+    for pos in range(len(ranks) // 2 - 1, -1, -1):
+        _heap_sift_down(ranks, chunks, pos, ranks[pos], chunks[pos])
+
 
 # vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
 # that orders the same way, so the heap compares ints instead of nested tuples. End tokens
@@ -240,14 +292,16 @@ class LRUCachePolicy(CachePolicy):
     heap's order.
 
     The FIFO is two parallel lists read from ``_fifo_head`` on: the ranks, and the chunks
-    (whose ``key`` completes the entry). It allocates no entry object, so queueing a key
-    feeds the garbage collector nothing. Heap entries are ``(rank, key)`` tuples."""
+    (whose ``key`` completes the entry); the heap is two such lists too (``_heap_push``).
+    Neither allocates an entry object, so queueing a key feeds the garbage collector
+    nothing. An entry is live while its chunk is evictable at the entry's rank."""
 
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self._num_evictable = 0
-        self._heap: list[_Entry] = []
+        self._heap_ranks: list[int] = []  # the heap (_heap_push)
+        self._heap_chunks: list[ChunkStatus] = []
         self._fifo_ranks: list[int] = []  # nondecreasing with the keys, from _fifo_head on
         self._fifo_chunks: list[ChunkStatus] = []
         self._fifo_head = 0
@@ -279,7 +333,7 @@ class LRUCachePolicy(CachePolicy):
             last_rank = fifo_ranks[-1]
             # Out of order against the FIFO's back: into the heap.
             if rank < last_rank or (rank == last_rank and chunk.key < self._fifo_chunks[-1].key):
-                heapq.heappush(self._heap, (rank, chunk.key))
+                _heap_push(self._heap_ranks, self._heap_chunks, rank, chunk)
                 return
         fifo_ranks.append(rank)
         self._fifo_chunks.append(chunk)
@@ -287,13 +341,11 @@ class LRUCachePolicy(CachePolicy):
     def _heap_goes_first(self) -> bool:
         """Whether the heap's front entry is the least of the two fronts (both non-empty).
         Ties go to the heap, as they did when the FIFO's entries were tuples."""
-        heap_rank, heap_key = self._heap[0]
         head = self._fifo_head
-        fifo_rank = self._fifo_ranks[head]
-        return heap_rank < fifo_rank or (heap_rank == fifo_rank and heap_key <= self._fifo_chunks[head].key)
+        return not _entry_less(self._fifo_ranks[head], self._fifo_chunks[head], self._heap_ranks[0], self._heap_chunks[0])
 
     def _maybe_compact(self) -> None:
-        if len(self._heap) >= self._heap_compact_len:
+        if len(self._heap_ranks) >= self._heap_compact_len:
             self._compact_heap()
         num_in_fifo = len(self._fifo_ranks) - self._fifo_head
         if num_in_fifo >= _MIN_COMPACT_LEN and num_in_fifo >= 2 * self._num_evictable:
@@ -305,20 +357,25 @@ class LRUCachePolicy(CachePolicy):
             self._fifo_head = 0
 
     def _compact_heap(self) -> None:
-        chunks = self.chunks
+        """Keep the heap's live entries, one per chunk, and restore heap order."""
+        heap_ranks = self._heap_ranks
+        heap_chunks = self._heap_chunks
+        ranks: list[int] = []
+        live: list[ChunkStatus] = []
         kept: set[OffloadKey] = set()
-        heap: list[_Entry] = []
-        for entry in self._heap:
-            rank, key = entry
-            # Live: the key's chunk is idle at this very rank. Its live entries are equal
-            # (each carries its current rank): keep one.
-            chunk = chunks.get(key)
-            if chunk is not None and chunk.rank == rank and chunk.evictable and key not in kept:
-                kept.add(key)
-                heap.append(entry)
-        heapq.heapify(heap)
-        self._heap = heap
-        self._heap_compact_len = max(_MIN_COMPACT_LEN, _HEAP_GROWTH * len(heap))
+        for i in range(len(heap_chunks)):
+            chunk = heap_chunks[i]
+            rank = heap_ranks[i]
+            # Live: the chunk is idle at this very rank (an evicted chunk never is). A
+            # chunk's live entries are equal (each carries its current rank): keep one.
+            if chunk.rank == rank and chunk.evictable and chunk.key not in kept:
+                kept.add(chunk.key)
+                ranks.append(rank)
+                live.append(chunk)
+        _heapify(ranks, live)
+        self._heap_ranks = ranks
+        self._heap_chunks = live
+        self._heap_compact_len = max(_MIN_COMPACT_LEN, _HEAP_GROWTH * len(live))
 
     def _compact_fifo(self) -> None:
         """Keep the FIFO's live entries, one per chunk, in their order."""
@@ -452,7 +509,8 @@ class LRUCachePolicy(CachePolicy):
             chunk.evictable = False  # a caller's chunk object outlives the cache
         self.chunks.clear()
         self._num_evictable = 0
-        self._heap.clear()
+        self._heap_ranks.clear()
+        self._heap_chunks.clear()
         self._fifo_ranks.clear()
         self._fifo_chunks.clear()
         self._fifo_head = 0
@@ -462,18 +520,18 @@ class LRUCachePolicy(CachePolicy):
 
     def _pop_live(self) -> ChunkStatus | None:
         """Pop the least entry of the FIFO and the heap together; the chunk when the entry
-        is live, None when it is stale. (Call only with an entry left.)"""
-        heap = self._heap
-        if heap and (self._fifo_head == len(self._fifo_ranks) or self._heap_goes_first()):
-            rank, key = heapq.heappop(heap)
-            chunk = self.chunks.get(key)
-            if chunk is None or chunk.rank != rank or not chunk.evictable:
-                return None
-            return chunk
-        head = self._fifo_head
-        self._fifo_head = head + 1
-        chunk = self._fifo_chunks[head]
-        if chunk.rank != self._fifo_ranks[head] or not chunk.evictable:
+        is live (the chunk is idle at that rank), None when it is stale. (Call only with an
+        entry left.)"""
+        if self._heap_ranks and (self._fifo_head == len(self._fifo_ranks) or self._heap_goes_first()):
+            rank = self._heap_ranks[0]
+            chunk = self._heap_chunks[0]
+            _heap_remove_top(self._heap_ranks, self._heap_chunks)
+        else:
+            head = self._fifo_head
+            self._fifo_head = head + 1
+            rank = self._fifo_ranks[head]
+            chunk = self._fifo_chunks[head]
+        if chunk.rank != rank or not chunk.evictable:
             return None
         return chunk
 
@@ -483,7 +541,7 @@ class LRUCachePolicy(CachePolicy):
         selected: list[ChunkStatus] = []
         selected_keys: set[OffloadKey] = set()
         skipped: list[ChunkStatus] = []
-        while len(selected) < n and (self._heap or self._fifo_head < len(self._fifo_ranks)):
+        while len(selected) < n and (self._heap_ranks or self._fifo_head < len(self._fifo_ranks)):
             chunk = self._pop_live()
             if chunk is None:
                 continue
@@ -505,7 +563,7 @@ class LRUCachePolicy(CachePolicy):
             skipped += selected
             selected = []
         for chunk in skipped:
-            heapq.heappush(self._heap, (chunk.rank, chunk.key))
+            _heap_push(self._heap_ranks, self._heap_chunks, chunk.rank, chunk)
         if not selected:
             return None
 
