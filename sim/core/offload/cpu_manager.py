@@ -154,14 +154,21 @@ class CPUOffloadingManager:
         return state
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
-                       reused_keys: Collection[OffloadKey] = ()) -> None:
+                       reused_keys: Collection[OffloadKey] = (), resident: list[bool] | None = None) -> None:
+        """Note the request's first sights of ``keys`` and tell the policy. ``resident``,
+        when given, says which of ``keys`` are in the cache: the policy is then shown only
+        those (an absent key has no recency to update; its lookup in the big ``chunks``
+        dict would be a cache miss), still in one call whenever there is a first sight."""
         state = self._access_record(req_context)
         seen_keys = state.seen_keys
         key_groups = state.key_groups
         first_sights = []
+        any_first_sight = False
         group_idx = -1
         group: list[OffloadKey] = []
+        i = -1
         for key in keys:
+            i += 1
             if key in seen_keys:
                 continue
             assert not state.finished, f"request {req_context.req_id!r} showed a new key after it finished"
@@ -175,8 +182,10 @@ class CPUOffloadingManager:
                 group = found
             group.append(key)
             seen_keys.add(key)
-            first_sights.append(key)
-        if first_sights:
+            any_first_sight = True
+            if resident is None or resident[i]:
+                first_sights.append(key)
+        if any_first_sight:
             self._policy.on_request_access(first_sights, req_context)
         # Reading back a chunk this request stored itself is not a reuse.
         if reused_keys:
@@ -247,17 +256,21 @@ class CPUOffloadingManager:
             self._count_offers(keys)
         absent: list[OffloadKey] = []
         ready_present: list[OffloadKey] = []
-        # The offered keys the request is credited with (absent or ready), in offer order.
+        # The offered keys the request is credited with (absent or ready), in offer order,
+        # and which of them are resident.
         accessed: list[OffloadKey] = []
+        resident: list[bool] | None = []
         policy = self._policy
         for key in keys:
             chunk = policy.get(key)
             if chunk is None:
                 absent.append(key)
                 accessed.append(key)
+                resident.append(False)
             elif chunk.is_ready:
                 ready_present.append(key)
                 accessed.append(key)
+                resident.append(True)
         # Keys whose store is in flight are neither: another request is writing them.
 
         if self._offer_counts is not None:
@@ -267,6 +280,7 @@ class CPUOffloadingManager:
                 credited = set(admitted)
                 credited.update(ready_present)
                 accessed = [key for key in accessed if key in credited]
+                resident = None  # the policy looks each first sight up itself
             absent = admitted
 
         state = self._access_record(req_context)
@@ -277,7 +291,7 @@ class CPUOffloadingManager:
                 policy.on_store_miss(new_misses, req_context)
                 state.store_miss_keys.update(new_misses)
 
-        self._record_access(accessed, req_context, reused_keys=ready_present)
+        self._record_access(accessed, req_context, reused_keys=ready_present, resident=resident)
 
         if not absent:
             return PrepareStoreOutput(keys_to_store=[], evicted_keys=[], chunk_ids=[])

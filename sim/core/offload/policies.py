@@ -130,7 +130,7 @@ class CachePolicy:
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         raise NotImplementedError
 
-    def insert_all(self, keys: Sequence[OffloadKey], chunks: Sequence[ChunkStatus], req_context: ReqContext) -> None:
+    def insert_all(self, keys: list[OffloadKey], chunks: list[ChunkStatus], req_context: ReqContext) -> None:
         """``insert`` each key with its chunk, in order."""
         for i in range(len(keys)):
             self.insert(keys[i], chunks[i], req_context)
@@ -204,8 +204,8 @@ class _RequestRank:
 # reorder the distinct live entries. (vLLM rebuilds its one heap at other moments, e.g. when
 # a quarter of the evictable keys change rank at once; by the same argument that decides
 # nothing.)
-_MIN_COMPACT_LEN = 64
-_HEAP_GROWTH = 8
+_MIN_COMPACT_LEN: Final = 64
+_HEAP_GROWTH: Final = 8
 
 # The heap of out-of-order entries: two parallel lists, ``ranks[i]`` and ``chunks[i]`` (the
 # entry ``(ranks[i], chunks[i].key)``), kept as a binary min-heap by the functions below. No
@@ -394,7 +394,7 @@ class LRUCachePolicy(CachePolicy):
         self._fifo_chunks = live
         self._fifo_head = 0
 
-    def _give_fresh_ranks(self, keys: Sequence[OffloadKey]) -> None:
+    def _give_fresh_ranks(self, keys: list[OffloadKey]) -> None:
         """Fresh ranks to ``keys`` from the last to the first: the last one given is the
         most recent, so callers pass keys head to tail. Ranks are consecutive, so they are
         counted here rather than asked for one by one; each exceeds every rank given
@@ -434,7 +434,7 @@ class LRUCachePolicy(CachePolicy):
             self._num_evictable += 1
             self._push(chunk)
 
-    def insert_all(self, keys: Sequence[OffloadKey], chunks: Sequence[ChunkStatus], req_context: ReqContext) -> None:
+    def insert_all(self, keys: list[OffloadKey], chunks: list[ChunkStatus], req_context: ReqContext) -> None:
         """``insert`` of each key in turn, with the request's rank looked up once (when the
         first key with a position needs it, as ``insert`` would)."""
         positions = req_context.offload_key_positions(keys)
@@ -498,7 +498,7 @@ class LRUCachePolicy(CachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        if len(key_groups) == 1:
+        if len(key_groups) == 1 and isinstance(key_groups[0], list):
             # One group comes already ordered (order_request_keys): no copy.
             self._give_fresh_ranks(key_groups[0])
         else:
