@@ -259,20 +259,21 @@ class CPUOffloadingManager:
         # The offered keys the request is credited with (absent or ready), in offer order,
         # and which of them are resident.
         accessed: list[OffloadKey] = []
-        resident: list[bool] | None = []
+        resident_flags: list[bool] = []
         policy = self._policy
         for key in keys:
             chunk = policy.get(key)
             if chunk is None:
                 absent.append(key)
                 accessed.append(key)
-                resident.append(False)
+                resident_flags.append(False)
             elif chunk.is_ready:
                 ready_present.append(key)
                 accessed.append(key)
-                resident.append(True)
+                resident_flags.append(True)
         # Keys whose store is in flight are neither: another request is writing them.
 
+        resident: list[bool] | None = resident_flags
         if self._offer_counts is not None:
             admitted = [key for key in absent if self._offer_counts.get(key, 0) >= self.store_threshold]
             self.num_skipped_store_keys += len(absent) - len(admitted)

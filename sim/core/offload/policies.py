@@ -498,9 +498,10 @@ class LRUCachePolicy(CachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        if len(key_groups) == 1 and isinstance(key_groups[0], list):
-            # One group comes already ordered (order_request_keys): no copy.
-            self._give_fresh_ranks(key_groups[0])
+        if len(key_groups) == 1:
+            # One group comes already ordered (order_request_keys): no copy of a list.
+            keys = key_groups[0]
+            self._give_fresh_ranks(keys if isinstance(keys, list) else list(keys))
         else:
             self._give_fresh_ranks(order_request_keys(key_groups, req_context))
 
