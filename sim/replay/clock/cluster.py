@@ -19,6 +19,7 @@ import simpy
 
 from kvtwin.sim.core.engine import StepResult
 from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
+from kvtwin.sim.replay.clock.collector import relaxed_collection
 from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
@@ -90,7 +91,8 @@ class Cluster:
         dones = [env.process(_engine_process(seen, replica)) for replica in self.replicas]
         done = dones[0] if len(dones) == 1 else env.all_of(dones)
         limit = self.time_limit_s
-        env.run(until=done if limit is None else env.any_of([done, env.timeout(limit)]))
+        with relaxed_collection():
+            env.run(until=done if limit is None else env.any_of([done, env.timeout(limit)]))
         self.progress.now_s = env.now
         if self.on_progress is not None:
             self.on_progress(self.progress)
