@@ -10,6 +10,7 @@ load is described by the chunk ids it touches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
@@ -111,3 +112,16 @@ class ReqContext:
 
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         return self._offload_key_positions.get(key)
+
+    def offload_key_positions(self, keys: Sequence[OffloadKey]) -> list[int] | None:
+        """The end-token positions of ``keys``, in order; None as soon as one has none.
+        (One call for a request's keys: ``get_offload_key_position`` per key costs a call
+        each.)"""
+        known = self._offload_key_positions
+        positions: list[int] = []
+        for key in keys:
+            position = known.get(key)
+            if position is None:
+                return None
+            positions.append(position)
+        return positions

@@ -154,14 +154,21 @@ class CPUOffloadingManager:
         return state
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
-                       reused_keys: Collection[OffloadKey] = ()) -> None:
+                       reused_keys: Collection[OffloadKey] = (), resident: list[bool] | None = None) -> None:
+        """Note the request's first sights of ``keys`` and tell the policy. ``resident``,
+        when given, says which of ``keys`` are in the cache: the policy is then shown only
+        those (an absent key has no recency to update; its lookup in the big ``chunks``
+        dict would be a cache miss), still in one call whenever there is a first sight."""
         state = self._access_record(req_context)
         seen_keys = state.seen_keys
         key_groups = state.key_groups
         first_sights = []
+        any_first_sight = False
         group_idx = -1
         group: list[OffloadKey] = []
+        i = -1
         for key in keys:
+            i += 1
             if key in seen_keys:
                 continue
             assert not state.finished, f"request {req_context.req_id!r} showed a new key after it finished"
@@ -175,8 +182,10 @@ class CPUOffloadingManager:
                 group = found
             group.append(key)
             seen_keys.add(key)
-            first_sights.append(key)
-        if first_sights:
+            any_first_sight = True
+            if resident is None or resident[i]:
+                first_sights.append(key)
+        if any_first_sight:
             self._policy.on_request_access(first_sights, req_context)
         # Reading back a chunk this request stored itself is not a reuse.
         if reused_keys:
@@ -207,12 +216,13 @@ class CPUOffloadingManager:
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]:
         """Pin ready chunks for reading; returns their chunk ids, in the keys' order."""
         chunk_ids = []
+        policy = self._policy
         for key in keys:
-            chunk = self._policy.get(key)
+            chunk = policy.get(key)
             assert chunk is not None, f"prepare_load of absent key {key!r}"
             assert chunk.is_ready, f"prepare_load of key {key!r} whose store is in flight"
             if chunk.ref_cnt == 0:
-                self._policy.mark_non_evictable(key)
+                policy.mark_non_evictable(key, chunk)
                 self._num_evictable_chunks -= 1
             chunk.ref_cnt += 1
             chunk_ids.append(chunk.chunk_id)
@@ -224,14 +234,15 @@ class CPUOffloadingManager:
         self._policy.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        policy = self._policy
         for key in keys:
-            chunk = self._policy.get(key)
+            chunk = policy.get(key)
             assert chunk is not None, f"complete_load of absent key {key!r}"
             assert chunk.ref_cnt > 0, f"complete_load of key {key!r} that no load pins"
             chunk.ref_cnt -= 1
             if chunk.ref_cnt == 0:
                 self._num_evictable_chunks += 1
-                self._policy.mark_evictable(key)
+                policy.mark_evictable(key, chunk)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Give each absent offered key a chunk, evicting idle chunks if needed.
@@ -245,19 +256,24 @@ class CPUOffloadingManager:
             self._count_offers(keys)
         absent: list[OffloadKey] = []
         ready_present: list[OffloadKey] = []
-        # The offered keys the request is credited with (absent or ready), in offer order.
+        # The offered keys the request is credited with (absent or ready), in offer order,
+        # and which of them are resident.
         accessed: list[OffloadKey] = []
-        get = self._policy.get
+        resident_flags: list[bool] = []
+        policy = self._policy
         for key in keys:
-            chunk = get(key)
+            chunk = policy.get(key)
             if chunk is None:
                 absent.append(key)
                 accessed.append(key)
+                resident_flags.append(False)
             elif chunk.is_ready:
                 ready_present.append(key)
                 accessed.append(key)
+                resident_flags.append(True)
         # Keys whose store is in flight are neither: another request is writing them.
 
+        resident: list[bool] | None = resident_flags
         if self._offer_counts is not None:
             admitted = [key for key in absent if self._offer_counts.get(key, 0) >= self.store_threshold]
             self.num_skipped_store_keys += len(absent) - len(admitted)
@@ -265,16 +281,18 @@ class CPUOffloadingManager:
                 credited = set(admitted)
                 credited.update(ready_present)
                 accessed = [key for key in accessed if key in credited]
+                resident = None  # the policy looks each first sight up itself
             absent = admitted
 
         state = self._access_record(req_context)
-        new_misses = [key for key in absent if key not in state.store_miss_keys]
-        if new_misses:
-            # Before insertion, which drops ghost entries ARC must learn from first.
-            self._policy.on_store_miss(new_misses, req_context)
-            state.store_miss_keys.update(new_misses)
+        if policy.observes_store_misses:
+            new_misses = [key for key in absent if key not in state.store_miss_keys]
+            if new_misses:
+                # Before insertion, which drops ghost entries ARC must learn from first.
+                policy.on_store_miss(new_misses, req_context)
+                state.store_miss_keys.update(new_misses)
 
-        self._record_access(accessed, req_context, reused_keys=ready_present)
+        self._record_access(accessed, req_context, reused_keys=ready_present, resident=resident)
 
         if not absent:
             return PrepareStoreOutput(keys_to_store=[], evicted_keys=[], chunk_ids=[])
@@ -284,7 +302,7 @@ class CPUOffloadingManager:
         if num_to_evict > 0:
             if num_to_evict > self._num_evictable_chunks:
                 return None
-            evicted = self._policy.evict(num_to_evict, set(keys))
+            evicted = policy.evict(num_to_evict, set(keys))
             if evicted is None:
                 return None
             self._num_evictable_chunks -= len(evicted)
@@ -294,8 +312,7 @@ class CPUOffloadingManager:
             self.num_evicted_keys += len(evicted)
 
         chunks = self._allocate_chunks(len(absent))
-        for key, chunk in zip(absent, chunks):
-            self._policy.insert(key, chunk, req_context)
+        policy.insert_all(absent, chunks, req_context)
         self._num_write_pending_chunks += len(absent)
         self.num_stored_keys += len(absent)
         state.inserted_keys.update(absent)
@@ -308,17 +325,18 @@ class CPUOffloadingManager:
         Keys that are absent or already ready are ignored (another store finished them,
         or ``reset_cache`` dropped them).
         """
+        policy = self._policy
         for key in keys:
-            chunk = self._policy.get(key)
+            chunk = policy.get(key)
             if chunk is None or chunk.is_ready:
                 continue
             self._num_write_pending_chunks -= 1
             if success:
                 chunk.ref_cnt = 0
                 self._num_evictable_chunks += 1
-                self._policy.mark_evictable(key)
+                policy.mark_evictable(key, chunk)
             else:
-                self._policy.remove(key)
+                policy.remove(key)
                 self._free_list.append(chunk.chunk_id)
                 self.num_store_failed_keys += 1
 
@@ -328,10 +346,10 @@ class CPUOffloadingManager:
                 or state.finished):
             return
         state.finished = True
-        key_groups = []
+        key_groups: list[list[OffloadKey]] = []
         for group_idx in sorted(state.key_groups):
-            key_groups.append(tuple(sort_by_position(state.key_groups[group_idx], req_context)))
-        self._policy.on_request_finished(tuple(key_groups), state.inserted_keys - state.reused_keys,
+            key_groups.append(sort_by_position(state.key_groups[group_idx], req_context))
+        self._policy.on_request_finished(key_groups, state.inserted_keys - state.reused_keys,
                                          state.reused_keys, req_context)
 
     def on_schedule_end(self, context: object = None) -> None:

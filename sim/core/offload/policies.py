@@ -5,7 +5,8 @@ Reproduces vLLM 0.33's ``vllm/v1/kv_offload/cpu/policies`` (``base.py``, ``lru.p
 
 * ``LRUCachePolicy`` — recency as a rank per key, evictable keys as lazily invalidated
   ``(rank, key)`` entries, popped least first (vLLM's min-heap; here a FIFO for entries that
-  arrive in order, a heap for the rest). A running request holds one provisional rank for all its
+  arrive in order, a heap for the rest). The rank and the evictable flag live on the
+  ``ChunkStatus`` (vLLM: a dict and a set beside the chunks), one lookup per key. A running request holds one provisional rank for all its
   keys, ordered ``(request_rank, -end_token)`` so its tail goes before its head; finishing
   the request gives its keys fresh ranks tail-first. Pinning a chunk does not change its
   rank, so a chunk released after a transfer keeps the recency its request gave it.
@@ -20,8 +21,7 @@ changes nothing and returns None.
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
@@ -34,13 +34,23 @@ class ChunkStatus:
 
     ``ref_cnt`` is -1 while the store that fills the chunk is in flight (not readable),
     0 when idle (evictable), and the number of loads in flight otherwise.
+
+    ``key``, ``rank`` and ``evictable`` belong to the LRU policy (vLLM keeps them in the
+    policy's own ``_ranks`` dict and ``_evictable`` set): the key the chunk holds, its packed
+    recency rank, and whether the policy was told it is idle. Kept on the chunk, a policy
+    operation on a key costs one lookup in the big ``chunks`` dict, or none when the caller
+    already holds the chunk. A chunk object holds one key for its whole life (a freed chunk
+    id gets a new object), so a lazy eviction entry may point at the chunk itself.
     """
 
-    __slots__ = ("ref_cnt", "chunk_id")
+    __slots__ = ("ref_cnt", "chunk_id", "key", "rank", "evictable")
 
     def __init__(self, chunk_id: int):
         self.ref_cnt = -1
         self.chunk_id = chunk_id
+        self.key: OffloadKey = ()
+        self.rank = 0
+        self.evictable = False
 
     def __repr__(self) -> str:
         return f"ChunkStatus(chunk_id={self.chunk_id}, ref_cnt={self.ref_cnt})"
@@ -50,16 +60,21 @@ class ChunkStatus:
         return self.ref_cnt >= 0
 
 
+def _nondecreasing(values: list[int]) -> bool:
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            return False
+    return True
+
+
 def sort_by_position(keys: Sequence[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
     """Keys head to tail by their end-token positions when every key has one, otherwise as
     given. Stable: keys at one position (one block in several groups) keep their order."""
-    get_position = req_context.get_offload_key_position
-    positions: list[int] = []
-    for key in keys:
-        position = get_position(key)
-        if position is None:
-            return list(keys)
-        positions.append(position)
+    positions = req_context.offload_key_positions(keys)
+    if positions is None:
+        return list(keys)
+    if _nondecreasing(positions):
+        return list(keys)  # keys mostly arrive head to tail already: nothing to sort
     # Sorting indices by a list lookup ties like the keys' own stable sort, without
     # hashing every key again.
     order = sorted(range(len(positions)), key=positions.__getitem__)
@@ -100,6 +115,9 @@ class CachePolicy:
 
     def __init__(self, cache_capacity: int) -> None:
         self.cache_capacity = cache_capacity
+        # False where on_store_miss does nothing: the manager then keeps no record of a
+        # request's store misses (which only spares a policy the same miss twice).
+        self.observes_store_misses = True
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         raise NotImplementedError
@@ -111,6 +129,11 @@ class CachePolicy:
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         raise NotImplementedError
+
+    def insert_all(self, keys: list[OffloadKey], chunks: list[ChunkStatus], req_context: ReqContext) -> None:
+        """``insert`` each key with its chunk, in order."""
+        for i in range(len(keys)):
+            self.insert(keys[i], chunks[i], req_context)
 
     def remove(self, key: OffloadKey) -> None:
         """Forget a chunk whose store failed (no ghost entry, no recency)."""
@@ -144,12 +167,12 @@ class CachePolicy:
     def clear(self) -> None:
         raise NotImplementedError
 
-    def mark_evictable(self, key: OffloadKey) -> None:
-        """The chunk's ref_cnt just became 0."""
+    def mark_evictable(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        """The chunk's ref_cnt just became 0 (``chunk`` is ``get(key)``)."""
         return
 
-    def mark_non_evictable(self, key: OffloadKey) -> None:
-        """The chunk's ref_cnt just left 0."""
+    def mark_non_evictable(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        """The chunk's ref_cnt just left 0 (``chunk`` is ``get(key)``)."""
         return
 
     def snapshot(self) -> dict:
@@ -181,13 +204,66 @@ class _RequestRank:
 # reorder the distinct live entries. (vLLM rebuilds its one heap at other moments, e.g. when
 # a quarter of the evictable keys change rank at once; by the same argument that decides
 # nothing.)
-_MIN_COMPACT_LEN = 64
-_HEAP_GROWTH = 8
+_MIN_COMPACT_LEN: Final = 64
+_HEAP_GROWTH: Final = 8
 
-# An eviction-order entry, ``(packed rank, key)``. A plain tuple on purpose, like OffloadKey:
-# mypyc would unbox ``tuple[int, OffloadKey]`` into a C struct and box a fresh tuple each time
-# an entry goes into the heap, the FIFO or a set.
-_Entry = tuple
+# The heap of out-of-order entries: two parallel lists, ``ranks[i]`` and ``chunks[i]`` (the
+# entry ``(ranks[i], chunks[i].key)``), kept as a binary min-heap by the functions below. No
+# entry object is allocated (a tuple per entry fed the garbage collector), and comparisons
+# are of native ints, the key only on a rank tie. Which of two equal entries comes first
+# decides nothing (equal entries are one key at one rank), so any correct heap pops the
+# distinct entries in the same order as heapq did.
+
+
+def _entry_less(rank_a: int, chunk_a: ChunkStatus, rank_b: int, chunk_b: ChunkStatus) -> bool:
+    return rank_a < rank_b or (rank_a == rank_b and chunk_a.key < chunk_b.key)
+
+
+def _heap_push(ranks: list[int], chunks: list[ChunkStatus], rank: int, chunk: ChunkStatus) -> None:
+    ranks.append(rank)
+    chunks.append(chunk)
+    pos = len(ranks) - 1
+    while pos > 0:
+        parent = (pos - 1) >> 1
+        if not _entry_less(rank, chunk, ranks[parent], chunks[parent]):
+            break
+        ranks[pos] = ranks[parent]
+        chunks[pos] = chunks[parent]
+        pos = parent
+    ranks[pos] = rank
+    chunks[pos] = chunk
+
+
+def _heap_sift_down(ranks: list[int], chunks: list[ChunkStatus], pos: int, rank: int, chunk: ChunkStatus) -> None:
+    """Put the entry ``(rank, chunk)`` at ``pos`` and move it down into heap order."""
+    n = len(ranks)
+    while True:
+        child = 2 * pos + 1
+        if child >= n:
+            break
+        right = child + 1
+        if right < n and _entry_less(ranks[right], chunks[right], ranks[child], chunks[child]):
+            child = right
+        if not _entry_less(ranks[child], chunks[child], rank, chunk):
+            break
+        ranks[pos] = ranks[child]
+        chunks[pos] = chunks[child]
+        pos = child
+    ranks[pos] = rank
+    chunks[pos] = chunk
+
+
+def _heap_remove_top(ranks: list[int], chunks: list[ChunkStatus]) -> None:
+    rank = ranks.pop()
+    chunk = chunks.pop()
+    if ranks:
+        _heap_sift_down(ranks, chunks, 0, rank, chunk)
+
+
+def _heapify(ranks: list[int], chunks: list[ChunkStatus]) -> None:
+    for pos in range(len(ranks) // 2 - 1, -1, -1):
+        _heap_sift_down(ranks, chunks, pos, ranks[pos], chunks[pos])
+
 
 # vLLM ranks a key by the pair ``(rank, -end_token)``; here the pair is packed into one int
 # that orders the same way, so the heap compares ints instead of nested tuples. End tokens
@@ -205,24 +281,34 @@ def packed_rank(rank: int, end_token: int) -> int:
 class LRUCachePolicy(CachePolicy):
     """vLLM's LRU: evict the idle key of least rank, ``(rank, key)`` breaking ties.
 
-    The evictable keys' ``(rank, key)`` entries are kept lazily (an entry is stale once its
-    key's rank changes or it stops being evictable) in two places whose union is what vLLM's
-    single heap holds: a FIFO of entries pushed in nondecreasing order, and a heap for the
-    rest. Fresh ranks only grow, so the entries of finished requests (most of them) queue
-    in order and leave from the front; only ranks given out of order (a running request's
-    provisional ranks, a pinned chunk released) need the heap. Eviction takes the least of
-    the two fronts, which pops the union in the heap's order."""
+    Each chunk carries its key's rank and whether it is evictable (``ChunkStatus``). The
+    evictable keys' ``(rank, key)`` entries are kept lazily (an entry is stale once its
+    chunk's rank changes, or the chunk stops being evictable or leaves the cache) in two
+    places whose union is what vLLM's single heap holds: a FIFO of entries pushed in
+    nondecreasing order, and a heap for the rest. Fresh ranks only grow, so the entries of
+    finished requests (most of them) queue in order and leave from the front; only ranks
+    given out of order (a running request's provisional ranks, a pinned chunk released)
+    need the heap. Eviction takes the least of the two fronts, which pops the union in the
+    heap's order.
+
+    The FIFO is two parallel lists read from ``_fifo_head`` on: the ranks, and the chunks
+    (whose ``key`` completes the entry); the heap is two such lists too (``_heap_push``).
+    Neither allocates an entry object, so queueing a key feeds the garbage collector
+    nothing. An entry is live while its chunk is evictable at the entry's rank."""
 
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
-        self._ranks: dict[OffloadKey, int] = {}  # packed_rank(rank, end_token)
-        self._evictable: set[OffloadKey] = set()
-        self._heap: list[_Entry] = []
-        self._in_order: deque[_Entry] = deque()  # nondecreasing
+        self._num_evictable = 0
+        self._heap_ranks: list[int] = []  # the heap (_heap_push)
+        self._heap_chunks: list[ChunkStatus] = []
+        self._fifo_ranks: list[int] = []  # nondecreasing with the keys, from _fifo_head on
+        self._fifo_chunks: list[ChunkStatus] = []
+        self._fifo_head = 0
         self._heap_compact_len = _MIN_COMPACT_LEN  # the heap's length at its next compaction
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation = 0
+        self.observes_store_misses = False  # on_store_miss: nothing to do
 
     def _new_rank(self) -> int:
         """The next rank ``r``, as ``packed_rank(r, 0)`` (by addition alone)."""
@@ -239,73 +325,93 @@ class LRUCachePolicy(CachePolicy):
 
     # -- the eviction order ----------------------------------------------------------
 
-    def _push(self, rank: int, key: OffloadKey) -> None:
-        in_order = self._in_order
-        entry: _Entry = (rank, key)
-        if not in_order or entry >= in_order[-1]:
-            in_order.append(entry)
-        else:
-            heapq.heappush(self._heap, entry)
+    def _push(self, chunk: ChunkStatus) -> None:
+        """Queue the evictable chunk's entry ``(chunk.rank, chunk.key)``."""
+        rank = chunk.rank
+        fifo_ranks = self._fifo_ranks
+        if self._fifo_head < len(fifo_ranks):
+            last_rank = fifo_ranks[-1]
+            # Out of order against the FIFO's back: into the heap.
+            if rank < last_rank or (rank == last_rank and chunk.key < self._fifo_chunks[-1].key):
+                _heap_push(self._heap_ranks, self._heap_chunks, rank, chunk)
+                return
+        fifo_ranks.append(rank)
+        self._fifo_chunks.append(chunk)
 
-    def _pop_least(self) -> _Entry | None:
-        heap = self._heap
-        in_order = self._in_order
-        if heap and (not in_order or heap[0] <= in_order[0]):
-            return heapq.heappop(heap)
-        if in_order:
-            return in_order.popleft()
-        return None
+    def _heap_goes_first(self) -> bool:
+        """Whether the heap's front entry is the least of the two fronts (both non-empty).
+        Ties go to the heap, as they did when the FIFO's entries were tuples."""
+        head = self._fifo_head
+        return not _entry_less(self._fifo_ranks[head], self._fifo_chunks[head], self._heap_ranks[0], self._heap_chunks[0])
 
     def _maybe_compact(self) -> None:
-        if len(self._heap) >= self._heap_compact_len:
+        if len(self._heap_ranks) >= self._heap_compact_len:
             self._compact_heap()
-        num_in_order = len(self._in_order)
-        if num_in_order >= _MIN_COMPACT_LEN and num_in_order >= 2 * len(self._evictable):
-            self._in_order = deque(self._live_entries(self._in_order))  # still in order
+        num_in_fifo = len(self._fifo_ranks) - self._fifo_head
+        if num_in_fifo >= _MIN_COMPACT_LEN and num_in_fifo >= 2 * self._num_evictable:
+            self._compact_fifo()
+        elif self._fifo_head >= _MIN_COMPACT_LEN and 2 * self._fifo_head >= len(self._fifo_ranks):
+            # Mostly popped: drop the consumed front so the lists stay short.
+            del self._fifo_ranks[:self._fifo_head]
+            del self._fifo_chunks[:self._fifo_head]
+            self._fifo_head = 0
 
     def _compact_heap(self) -> None:
-        heap = self._live_entries(self._heap)
-        heapq.heapify(heap)
-        self._heap = heap
-        self._heap_compact_len = max(_MIN_COMPACT_LEN, _HEAP_GROWTH * len(heap))
-
-    def _live_entries(self, entries: Iterable[_Entry]) -> list[_Entry]:
-        """The live ones among ``entries``, one per key (a key's live entries are equal:
-        each carries its current rank), in their order."""
-        ranks = self._ranks
-        evictable = self._evictable
+        """Keep the heap's live entries, one per chunk, and restore heap order."""
+        heap_ranks = self._heap_ranks
+        heap_chunks = self._heap_chunks
+        ranks: list[int] = []
+        live: list[ChunkStatus] = []
         kept: set[OffloadKey] = set()
-        live = []
-        for entry in entries:
-            rank, key = entry
-            # As _is_live, inline: this runs over every entry.
-            if ranks.get(key) == rank and key in evictable and key not in kept:
-                kept.add(key)
-                live.append(entry)
-        return live
+        for i in range(len(heap_chunks)):
+            chunk = heap_chunks[i]
+            rank = heap_ranks[i]
+            # Live: the chunk is idle at this very rank (an evicted chunk never is). A
+            # chunk's live entries are equal (each carries its current rank): keep one.
+            if chunk.rank == rank and chunk.evictable and chunk.key not in kept:
+                kept.add(chunk.key)
+                ranks.append(rank)
+                live.append(chunk)
+        _heapify(ranks, live)
+        self._heap_ranks = ranks
+        self._heap_chunks = live
+        self._heap_compact_len = max(_MIN_COMPACT_LEN, _HEAP_GROWTH * len(live))
 
-    def _is_live(self, entry: _Entry) -> bool:
-        rank, key = entry
-        # The rank first: a stale entry (most are) is told by one lookup.
-        return self._ranks.get(key) == rank and key in self._evictable
+    def _compact_fifo(self) -> None:
+        """Keep the FIFO's live entries, one per chunk, in their order."""
+        fifo_chunks = self._fifo_chunks
+        ranks: list[int] = []
+        live: list[ChunkStatus] = []
+        kept: set[OffloadKey] = set()
+        for i in range(self._fifo_head, len(fifo_chunks)):
+            chunk = fifo_chunks[i]
+            rank = self._fifo_ranks[i]
+            if chunk.rank == rank and chunk.evictable and chunk.key not in kept:
+                kept.add(chunk.key)
+                ranks.append(rank)
+                live.append(chunk)
+        self._fifo_ranks = ranks
+        self._fifo_chunks = live
+        self._fifo_head = 0
 
-    def _give_fresh_ranks(self, keys_last_first: Iterable[OffloadKey]) -> None:
-        # The last key given a rank is the most recent: callers pass tails first. Ranks
-        # are consecutive, so they are counted here rather than asked for one by one; each
-        # exceeds every rank given before, so its entry joins the FIFO at the back.
+    def _give_fresh_ranks(self, keys: list[OffloadKey]) -> None:
+        """Fresh ranks to ``keys`` from the last to the first: the last one given is the
+        most recent, so callers pass keys head to tail. Ranks are consecutive, so they are
+        counted here rather than asked for one by one; each exceeds every rank given
+        before, so its entry joins the FIFO at the back."""
         chunks = self.chunks
-        ranks = self._ranks
-        evictable = self._evictable
-        in_order = self._in_order
+        fifo_ranks = self._fifo_ranks
+        fifo_chunks = self._fifo_chunks
         rank = self._next_packed_rank
-        for key in keys_last_first:
-            if key not in chunks:
+        for i in range(len(keys) - 1, -1, -1):
+            chunk = chunks.get(keys[i])
+            if chunk is None:
                 continue
             rank += _RANK_STRIDE
-            ranks[key] = rank
-            if key in evictable:
-                entry: _Entry = (rank, key)
-                in_order.append(entry)
+            chunk.rank = rank
+            if chunk.evictable:
+                fifo_ranks.append(rank)
+                fifo_chunks.append(chunk)
         self._next_packed_rank = rank
         self._maybe_compact()
 
@@ -317,22 +423,47 @@ class LRUCachePolicy(CachePolicy):
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         self.chunks[key] = chunk
+        chunk.key = key
         position = req_context.get_offload_key_position(key)
         if position is None:
-            self._ranks[key] = self._new_rank()
+            chunk.rank = self._new_rank()
         else:
-            self._ranks[key] = self._request_rank(req_context) - position
+            chunk.rank = self._request_rank(req_context) - position
         if chunk.ref_cnt == 0:
-            self._evictable.add(key)
-            self._push(self._ranks[key], key)
+            chunk.evictable = True
+            self._num_evictable += 1
+            self._push(chunk)
+
+    def insert_all(self, keys: list[OffloadKey], chunks: list[ChunkStatus], req_context: ReqContext) -> None:
+        """``insert`` of each key in turn, with the request's rank looked up once (when the
+        first key with a position needs it, as ``insert`` would)."""
+        positions = req_context.offload_key_positions(keys)
+        request_rank = -1
+        for i in range(len(keys)):
+            key = keys[i]
+            chunk = chunks[i]
+            self.chunks[key] = chunk
+            chunk.key = key
+            position = positions[i] if positions is not None else req_context.get_offload_key_position(key)
+            if position is None:
+                chunk.rank = self._new_rank()
+            else:
+                if request_rank < 0:
+                    request_rank = self._request_rank(req_context)
+                chunk.rank = request_rank - position
+            if chunk.ref_cnt == 0:
+                chunk.evictable = True
+                self._num_evictable += 1
+                self._push(chunk)
 
     def remove(self, key: OffloadKey) -> None:
-        del self.chunks[key]
-        self._ranks.pop(key, None)
-        self._evictable.discard(key)
+        chunk = self.chunks.pop(key)
+        if chunk.evictable:
+            chunk.evictable = False
+            self._num_evictable -= 1
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        self._give_fresh_ranks(_last_first(keys))
+        self._give_fresh_ranks(list(keys))
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Nothing: vLLM's LRU touches store misses, but they are absent keys, which have
@@ -342,10 +473,10 @@ class LRUCachePolicy(CachePolicy):
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         request_rank = self._request_rank(req_context)
         get_position = req_context.get_offload_key_position
-        ranks = self._ranks
+        chunks = self.chunks
         for key in keys:
-            old_rank = ranks.get(key)  # None: not resident
-            if old_rank is None:
+            chunk = chunks.get(key)  # None: not resident
+            if chunk is None:
                 continue
             position = get_position(key)
             if position is None:
@@ -353,11 +484,11 @@ class LRUCachePolicy(CachePolicy):
             rank = request_rank - position
             # Never move a key back in time: a key already ranked by a later request
             # (or a later position of this one) keeps its rank.
-            if old_rank >= rank:
+            if chunk.rank >= rank:
                 continue
-            ranks[key] = rank
-            if key in self._evictable:
-                self._push(rank, key)
+            chunk.rank = rank
+            if chunk.evictable:
+                self._push(chunk)
         self._maybe_compact()
 
     def on_request_finished(
@@ -367,72 +498,98 @@ class LRUCachePolicy(CachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        self._give_fresh_ranks(_last_first(order_request_keys(key_groups, req_context)))
+        if len(key_groups) == 1:
+            # One group comes already ordered (order_request_keys): no copy of a list.
+            keys = key_groups[0]
+            self._give_fresh_ranks(keys if isinstance(keys, list) else list(keys))
+        else:
+            self._give_fresh_ranks(order_request_keys(key_groups, req_context))
 
     def clear(self) -> None:
+        for chunk in self.chunks.values():
+            chunk.evictable = False  # a caller's chunk object outlives the cache
         self.chunks.clear()
-        self._ranks.clear()
-        self._evictable.clear()
-        self._heap.clear()
-        self._in_order.clear()
+        self._num_evictable = 0
+        self._heap_ranks.clear()
+        self._heap_chunks.clear()
+        self._fifo_ranks.clear()
+        self._fifo_chunks.clear()
+        self._fifo_head = 0
         self._heap_compact_len = _MIN_COMPACT_LEN
         self._next_packed_rank = _POSITION_SPAN  # packed_rank(0, 0): no rank given yet
         self._cache_generation += 1
 
+    def _pop_live(self) -> ChunkStatus | None:
+        """Pop the least entry of the FIFO and the heap together; the chunk when the entry
+        is live (the chunk is idle at that rank), None when it is stale. (Call only with an
+        entry left.)"""
+        if self._heap_ranks and (self._fifo_head == len(self._fifo_ranks) or self._heap_goes_first()):
+            rank = self._heap_ranks[0]
+            chunk = self._heap_chunks[0]
+            _heap_remove_top(self._heap_ranks, self._heap_chunks)
+        else:
+            head = self._fifo_head
+            self._fifo_head = head + 1
+            rank = self._fifo_ranks[head]
+            chunk = self._fifo_chunks[head]
+        if chunk.rank != rank or not chunk.evictable:
+            return None
+        return chunk
+
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        selected: list[tuple[_Entry, ChunkStatus]] = []
+        selected: list[ChunkStatus] = []
         selected_keys: set[OffloadKey] = set()
-        skipped: list[_Entry] = []
-        while len(selected) < n:
-            entry = self._pop_least()
-            if entry is None:
-                break
-            if not self._is_live(entry):
+        skipped: list[ChunkStatus] = []
+        while len(selected) < n and (self._heap_ranks or self._fifo_head < len(self._fifo_ranks)):
+            chunk = self._pop_live()
+            if chunk is None:
                 continue
-            key = entry[1]
+            key = chunk.key
             # A chunk pinned and released without a rank change has two equal live
             # entries; it is still one chunk.
             if key in selected_keys:
                 continue
             if key in protected:
-                skipped.append(entry)
+                skipped.append(chunk)
                 continue
-            chunk = self.chunks[key]
             assert chunk.ref_cnt == 0, f"evictable chunk {key!r} is in use"
-            selected.append((entry, chunk))
+            selected.append(chunk)
             selected_keys.add(key)
 
+        # The entries popped and not taken go back (into the heap: live, so their rank
+        # is still the chunk's).
         if len(selected) < n:
-            for entry, _ in selected:
-                heapq.heappush(self._heap, entry)
-            for entry in skipped:
-                heapq.heappush(self._heap, entry)
+            skipped += selected
+            selected = []
+        for chunk in skipped:
+            _heap_push(self._heap_ranks, self._heap_chunks, chunk.rank, chunk)
+        if not selected:
             return None
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
 
         evicted = []
-        for (_, key), chunk in selected:
-            self._evictable.remove(key)
-            del self.chunks[key]
-            del self._ranks[key]
-            evicted.append((key, chunk))
+        for chunk in selected:
+            chunk.evictable = False
+            del self.chunks[chunk.key]
+            evicted.append((chunk.key, chunk))
+        self._num_evictable -= len(selected)
         self._maybe_compact()
         return evicted
 
-    def mark_evictable(self, key: OffloadKey) -> None:
-        self._evictable.add(key)
-        self._push(self._ranks[key], key)
+    def mark_evictable(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        chunk.evictable = True
+        self._num_evictable += 1
+        self._push(chunk)
         self._maybe_compact()
 
-    def mark_non_evictable(self, key: OffloadKey) -> None:
-        self._evictable.remove(key)
+    def mark_non_evictable(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        chunk.evictable = False
+        self._num_evictable -= 1
 
     def snapshot(self) -> dict:
         """Resident chunks from least to most recent (``[key, chunk_id, ref_cnt]``)."""
-        order = sorted(self.chunks, key=lambda key: (self._ranks[key], key))
+        order = sorted(self.chunks, key=lambda key: (self.chunks[key].rank, key))
         return {"lru": [_chunk_row(key, self.chunks[key]) for key in order]}
 
 

@@ -108,7 +108,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import Protocol
 
 from kvtwin.sim.core.errors import require
@@ -251,6 +251,9 @@ class _DiskView(ReqContext):
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         return self._base.get_offload_key_position(key)
 
+    def offload_key_positions(self, keys: Sequence[OffloadKey]) -> list[int] | None:
+        return self._base.offload_key_positions(keys)
+
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
         self._base.set_offload_key_position(key, end_token)
 
@@ -322,13 +325,13 @@ class _DiskTier:
             assert chunk is not None and chunk.ref_cnt == -1, f"disk write of {key!r} finished twice"
             chunk.ref_cnt = 0
             self.num_evictable += 1
-            self.policy.mark_evictable(key)
+            self.policy.mark_evictable(key, chunk)
 
     def pin(self, key: OffloadKey) -> None:
         chunk = self.policy.get(key)
         assert chunk is not None and chunk.is_ready, f"disk read of {key!r}, which is not on disk"
         if chunk.ref_cnt == 0:
-            self.policy.mark_non_evictable(key)
+            self.policy.mark_non_evictable(key, chunk)
             self.num_evictable -= 1
         chunk.ref_cnt += 1
 
@@ -338,7 +341,7 @@ class _DiskTier:
         chunk.ref_cnt -= 1
         if chunk.ref_cnt == 0:
             self.num_evictable += 1
-            self.policy.mark_evictable(key)
+            self.policy.mark_evictable(key, chunk)
 
 
 class _Job:

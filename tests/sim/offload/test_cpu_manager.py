@@ -273,8 +273,8 @@ def test_lru_released_pin_of_an_older_rank_goes_first():
     policy.on_request_finished(((old_key,),), set(), set(), old)
     policy.insert(new_key, ChunkStatus(1), new)
     policy.get(new_key).ref_cnt = 0
-    policy.mark_evictable(new_key)
+    policy.mark_evictable(new_key, policy.get(new_key))
     policy.on_request_finished(((new_key,),), set(), set(), new)
     policy.get(old_key).ref_cnt = 0
-    policy.mark_evictable(old_key)  # the store completes after the newer request finished
+    policy.mark_evictable(old_key, policy.get(old_key))  # the store completes after the newer request finished
     assert [key for key, _ in policy.evict(1, set())] == [old_key]
