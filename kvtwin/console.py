@@ -4,7 +4,9 @@ Also the two ways a command ends early that are not errors in the command: Ctrl-
 130, with one line saying what was and was not written) and a closed stdout, as in
 ``kvtwin replay | head -2`` (quietly, exit 0). ``guarded`` wraps every command once, in
 ``kvtwin/cli.py``; a command that knows more about its state says so with
-``interrupt_note``.
+``interrupt_note``. A command runs with the garbage collector at a run's pace
+(``relaxed_collection``): reading a trace and building block pools allocate hundreds of
+thousands of long-lived objects, which the default pace walks again and again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 import typer
 
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.replay.clock.collector import relaxed_collection
 from kvtwin.traces.errors import TraceError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -115,7 +118,8 @@ def guarded(command: Callable) -> Callable:
     @functools.wraps(command)
     def run(*args, **kwargs):
         try:
-            result = command(*args, **kwargs)
+            with relaxed_collection():
+                result = command(*args, **kwargs)
             # Output still buffered would otherwise meet a closed pipe at exit, outside this guard.
             sys.stdout.flush()
             return result

@@ -61,3 +61,14 @@ def test_a_larger_threshold_and_a_nested_run_are_left_alone(thresholds):
             assert gc.get_threshold()[0] == RUN_YOUNG_THRESHOLD
         assert gc.get_threshold()[0] == RUN_YOUNG_THRESHOLD
     assert gc.get_threshold()[0] == 700
+
+
+def test_a_command_runs_at_the_runs_pace(thresholds):
+    """Every CLI command is ``guarded``: reading a trace and building pools allocate
+    hundreds of thousands of long-lived objects before any run starts."""
+    from kvtwin.console import guarded
+
+    seen = []
+    guarded(lambda: seen.append(gc.get_threshold()))()
+    assert seen == [(RUN_YOUNG_THRESHOLD, 10, 10)]
+    assert gc.get_threshold() == (700, 10, 10)
