@@ -11,6 +11,7 @@ Help texts are plain text (``rich_markup_mode=None``): they name TOML tables suc
 
 from __future__ import annotations
 
+import gc
 import importlib
 from dataclasses import dataclass
 
@@ -118,5 +119,17 @@ def main(
     """kvtwin: plan, replay and validate vLLM KV cache behaviour."""
 
 
+def console_main() -> None:
+    """The installed ``kvtwin`` script: the app, then an exit without the collector's final
+    walk over every object the command built (``gc.freeze``; 0.2-0.3 s of a 10-request
+    replay, whose pools alone hold 600,000 blocks). Nothing is left to collect that
+    matters: outputs are written and closed by then. Tests call ``app`` itself, keeping
+    their process's collector as it was."""
+    try:
+        app()
+    finally:
+        gc.freeze()
+
+
 if __name__ == "__main__":
-    app()
+    console_main()

@@ -6,10 +6,11 @@ Reproduces vLLM 0.33's ``vllm/v1/kv_offload/cpu/policies`` (``base.py``, ``lru.p
 * ``LRUCachePolicy`` — recency as a rank per key, evictable keys as lazily invalidated
   ``(rank, key)`` entries, popped least first (vLLM's min-heap; here a FIFO for entries that
   arrive in order, a heap for the rest). The rank and the evictable flag live on the
-  ``ChunkStatus`` (vLLM: a dict and a set beside the chunks), one lookup per key. A running request holds one provisional rank for all its
-  keys, ordered ``(request_rank, -end_token)`` so its tail goes before its head; finishing
-  the request gives its keys fresh ranks tail-first. Pinning a chunk does not change its
-  rank, so a chunk released after a transfer keeps the recency its request gave it.
+  ``ChunkStatus`` (vLLM: a dict and a set beside the chunks), one lookup per key. A running
+  request holds one provisional rank for all its keys, ordered ``(request_rank,
+  -end_token)`` so its tail goes before its head; finishing the request gives its keys
+  fresh ranks tail-first. Pinning a chunk does not change its rank, so a chunk released
+  after a transfer keeps the recency its request gave it.
 * ``ARCCachePolicy`` — adaptive replacement: T1 (seen once), T2 (reused), ghost lists B1
   and B2 of recently evicted keys, and ``target_t1_size`` moved by ghost hits on stores.
   Storing never promotes; a request's reuse of a ready chunk promotes it once, when the
@@ -147,7 +148,9 @@ class CachePolicy:
         self.touch(keys, req_context)
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        """A request's first sight of keys (resident or not), before it finishes."""
+        """A request's first sight of keys, before it finishes. The manager may leave out
+        keys it knows to be absent: a first sight has no recency to change for them (ARC
+        learns from absent keys through ``on_store_miss``)."""
         return
 
     def on_request_finished(
@@ -342,7 +345,8 @@ class LRUCachePolicy(CachePolicy):
         """Whether the heap's front entry is the least of the two fronts (both non-empty).
         Ties go to the heap, as they did when the FIFO's entries were tuples."""
         head = self._fifo_head
-        return not _entry_less(self._fifo_ranks[head], self._fifo_chunks[head], self._heap_ranks[0], self._heap_chunks[0])
+        return not _entry_less(self._fifo_ranks[head], self._fifo_chunks[head],
+                               self._heap_ranks[0], self._heap_chunks[0])
 
     def _maybe_compact(self) -> None:
         if len(self._heap_ranks) >= self._heap_compact_len:
