@@ -181,7 +181,9 @@ def check_tables(engine: EngineCore) -> None:
 
             # SWA-BOUND / MAMBA-BOUND (chunked local shares the admission cap's bound).
             if isinstance(manager, (SlidingWindowManager, ChunkedLocalAttentionManager)):
-                cap = spec.max_admission_blocks_per_request(cfg.max_in_flight_tokens, cfg.max_model_len)
+                # vLLM's cap counts the batches' tokens in flight; with drafts the slots of
+                # rejected drafts and a head's lookahead (the spare above) lie past them.
+                cap = spec.max_admission_blocks_per_request(cfg.max_in_flight_tokens + spare, cfg.max_model_len)
                 if len(real) > cap:
                     _fail("SWA-BOUND", f"group {gid} ({spec.kind}) request {rid} holds {len(real)} real blocks > "
                                        f"admission cap {cap}: {[b.block_id for b in table]}")

@@ -236,6 +236,28 @@ def test_engine_invariants_hold_with_drafts(scenario):
     run_scenario(scenario, check=True)
 
 
+def test_a_heads_lookahead_may_reach_past_the_sliding_window_admission_cap():
+    """Found by the test above: with a 4-token budget and an EAGLE head's 3 lookahead slots,
+    a request holds 3 sliding-window blocks where vLLM's admission cap (window plus the
+    batches' tokens in flight, lookahead not counted) gives 2. SWA-BOUND counts the draft
+    slots past the computed tokens, as TABLE-LEN does; the invariants hold."""
+    page = dict(block_size=16, num_kv_heads=1, head_size=128, dtype_bytes=2)
+    kv = KVCacheConfig(num_blocks=15, groups=(
+        KVCacheGroupSpec(("full",), FullAttentionSpec(**page)),
+        KVCacheGroupSpec(("swa",), SlidingWindowSpec(**page, sliding_window=8))), hash_block_size=16)
+    scheduler = SchedulerConfig(max_model_len=48, max_num_seqs=1, max_num_batched_tokens=4,
+                                enable_chunked_prefill=True, async_scheduling=True, num_speculative_tokens=3,
+                                num_lookahead_tokens=3, num_prefill_lookahead_tokens=1)
+    digits = "1101211111202010021222010202112011122021122021"
+    requests = (
+        CaseRequest("r0", 3, tuple(int(d) for d in digits), (2, 1), priority=2),
+        CaseRequest("r1", 3, tuple(int(d) for d in "1101211110002"),
+                    tuple(int(d) for d in "210121202120222110211201000022"), priority=1,
+                    num_accepted_tokens=(0, 2)),
+    )
+    run_scenario(Scenario(kv, scheduler, CacheConfig(enable_prefix_caching=False), requests), check=True)
+
+
 def _drive_with_spec_checks(s: Scenario) -> int:
     """Step the engine, checking SPEC-SLOTS after every schedule and SPEC-ROLLBACK after every
     update; returns the drafts rejected (so a test can see rollbacks happened)."""
