@@ -546,9 +546,30 @@ def spec_cases() -> dict:
     cfg = config([FULL], 96, 3, "k=3, long_prefill_token_threshold 24, budget 64")
     cfg["long_prefill_token_threshold"] = 24
     cases["spec_long_prefill_k3"] = (cfg, workload(903, 3))
+    cases["spec_async_eagle_swa8_budget4_k3"] = swa_lookahead_case()
     cases.update(mamba_cases())
     cases.update(eagle_cache_cases())
     return cases
+
+
+def swa_lookahead_case() -> tuple[dict, list[dict]]:
+    """A head's lookahead reaching past the sliding window's admission cap (found by the
+    twin's hypothesis tests): with a 4-token budget and 3 lookahead slots a request holds 3
+    window blocks, where the cap (window plus the batches' tokens in flight) gives 2."""
+    cfg = config([FULL, SWA(8)], 15, 3, "EAGLE k=3, asynchronous, caching off, a 4-token budget: the head's "
+                 "3 lookahead slots reach past the sliding window's admission cap", max_num_seqs=1, budget=4,
+                 max_model_len=48, async_scheduling=True, caching=False, method="eagle")
+
+    def digits(text: str) -> list[int]:
+        return [int(c) for c in text]
+
+    requests = [
+        dict(request_id="r0", arrival_step=3, prompt_token_ids=digits("1101211111202010021222010202112011122021122021"),
+             output_token_ids=[2, 1], priority=2, num_accepted_tokens=[]),
+        dict(request_id="r1", arrival_step=3, prompt_token_ids=digits("1101211110002"),
+             output_token_ids=digits("210121202120222110211201000022"), priority=1, num_accepted_tokens=[0, 2]),
+    ]
+    return cfg, requests
 
 
 def eagle_cache_cases() -> dict:
