@@ -166,9 +166,7 @@ class CPUOffloadingManager:
         any_first_sight = False
         group_idx = -1
         group: list[OffloadKey] = []
-        i = -1
-        for key in keys:
-            i += 1
+        for i, key in enumerate(keys):
             if key in seen_keys:
                 continue
             assert not state.finished, f"request {req_context.req_id!r} showed a new key after it finished"

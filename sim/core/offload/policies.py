@@ -263,6 +263,28 @@ def _heap_remove_top(ranks: list[int], chunks: list[ChunkStatus]) -> None:
         _heap_sift_down(ranks, chunks, 0, rank, chunk)
 
 
+def _is_live(rank: int, chunk: ChunkStatus) -> bool:
+    """Whether the entry ``(rank, chunk)`` still stands: the chunk is idle at this very rank
+    (an evicted chunk never is)."""
+    return chunk.rank == rank and chunk.evictable
+
+
+def _live_entries(ranks: list[int], chunks: list[ChunkStatus], start: int) -> tuple[list[int], list[ChunkStatus]]:
+    """The live entries from ``start`` on, in their order, one per chunk (a chunk's live
+    entries are equal: each carries its current rank)."""
+    live_ranks: list[int] = []
+    live_chunks: list[ChunkStatus] = []
+    kept: set[OffloadKey] = set()
+    for i in range(start, len(chunks)):
+        chunk = chunks[i]
+        rank = ranks[i]
+        if _is_live(rank, chunk) and chunk.key not in kept:
+            kept.add(chunk.key)
+            live_ranks.append(rank)
+            live_chunks.append(chunk)
+    return live_ranks, live_chunks
+
+
 def _heapify(ranks: list[int], chunks: list[ChunkStatus]) -> None:
     for pos in range(len(ranks) // 2 - 1, -1, -1):
         _heap_sift_down(ranks, chunks, pos, ranks[pos], chunks[pos])
@@ -362,20 +384,7 @@ class LRUCachePolicy(CachePolicy):
 
     def _compact_heap(self) -> None:
         """Keep the heap's live entries, one per chunk, and restore heap order."""
-        heap_ranks = self._heap_ranks
-        heap_chunks = self._heap_chunks
-        ranks: list[int] = []
-        live: list[ChunkStatus] = []
-        kept: set[OffloadKey] = set()
-        for i in range(len(heap_chunks)):
-            chunk = heap_chunks[i]
-            rank = heap_ranks[i]
-            # Live: the chunk is idle at this very rank (an evicted chunk never is). A
-            # chunk's live entries are equal (each carries its current rank): keep one.
-            if chunk.rank == rank and chunk.evictable and chunk.key not in kept:
-                kept.add(chunk.key)
-                ranks.append(rank)
-                live.append(chunk)
+        ranks, live = _live_entries(self._heap_ranks, self._heap_chunks, 0)
         _heapify(ranks, live)
         self._heap_ranks = ranks
         self._heap_chunks = live
@@ -383,19 +392,7 @@ class LRUCachePolicy(CachePolicy):
 
     def _compact_fifo(self) -> None:
         """Keep the FIFO's live entries, one per chunk, in their order."""
-        fifo_chunks = self._fifo_chunks
-        ranks: list[int] = []
-        live: list[ChunkStatus] = []
-        kept: set[OffloadKey] = set()
-        for i in range(self._fifo_head, len(fifo_chunks)):
-            chunk = fifo_chunks[i]
-            rank = self._fifo_ranks[i]
-            if chunk.rank == rank and chunk.evictable and chunk.key not in kept:
-                kept.add(chunk.key)
-                ranks.append(rank)
-                live.append(chunk)
-        self._fifo_ranks = ranks
-        self._fifo_chunks = live
+        self._fifo_ranks, self._fifo_chunks = _live_entries(self._fifo_ranks, self._fifo_chunks, self._fifo_head)
         self._fifo_head = 0
 
     def _give_fresh_ranks(self, keys: list[OffloadKey]) -> None:
@@ -426,21 +423,12 @@ class LRUCachePolicy(CachePolicy):
         return _resident_prefix(self.chunks.get, keys)  # the dict's own get: no method call per key
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
-        self.chunks[key] = chunk
-        chunk.key = key
-        position = req_context.get_offload_key_position(key)
-        if position is None:
-            chunk.rank = self._new_rank()
-        else:
-            chunk.rank = self._request_rank(req_context) - position
-        if chunk.ref_cnt == 0:
-            chunk.evictable = True
-            self._num_evictable += 1
-            self._push(chunk)
+        self.insert_all([key], [chunk], req_context)
 
     def insert_all(self, keys: list[OffloadKey], chunks: list[ChunkStatus], req_context: ReqContext) -> None:
-        """``insert`` of each key in turn, with the request's rank looked up once (when the
-        first key with a position needs it, as ``insert`` would)."""
+        """Each key into the cache with its chunk, in order: a key with a position ranks
+        at the request's rank less it (the rank looked up once, when the first such key
+        needs it), one without takes a fresh rank; an idle chunk queues for eviction."""
         positions = req_context.offload_key_positions(keys)
         request_rank = -1
         for i in range(len(keys)):
@@ -536,9 +524,7 @@ class LRUCachePolicy(CachePolicy):
             self._fifo_head = head + 1
             rank = self._fifo_ranks[head]
             chunk = self._fifo_chunks[head]
-        if chunk.rank != rank or not chunk.evictable:
-            return None
-        return chunk
+        return chunk if _is_live(rank, chunk) else None
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
