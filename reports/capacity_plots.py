@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
 
 from kvtwin.reports import plots
-from kvtwin.reports.html_page import figure
+from kvtwin.reports.figure_jobs import PendingFigure, render_figures
 from kvtwin.reports.sweep_frame import (KV_KEY, OFFLOAD_KEY, RATE_KEY, ROUTER_KEY, combo_label, finite,
                                         finite_mask, lines_by_combo, numbers, records, rows_where, sweep_keys,
                                         texts, varying, with_column)
@@ -29,10 +30,10 @@ def capacity_figures(frame: pa.Table, hit_curve: pa.Table | None, plan: dict | N
     out += _offload_figures(ok, varied) if OFFLOAD_KEY in keys else []
     out += _replicas_needed_figures(ok, varied)
     out += _router_figures(ok, varied) if ROUTER_KEY in keys and ok.num_rows else []
-    return out
+    return render_figures(out)
 
 
-def _rate_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
+def _rate_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
     others = [k for k in varied if k != RATE_KEY]
     by = " (one line per " + ", ".join(others) + ")" if others else ""
     out = []
@@ -47,8 +48,9 @@ def _rate_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
         caption = (f"{title}: {column} at each {RATE_KEY} (arrival-rate multiplier){by}."
                    + (" Output token throughput is in the table below." if column == "request_throughput"
                       else ""))
-        out.append(figure(plots.lines(series, xlabel=f"{RATE_KEY} (x the trace's rate)", ylabel=ylabel,
-                                      title=title, percent=percent), caption, title))
+        draw = partial(plots.lines, series, xlabel=f"{RATE_KEY} (x the trace's rate)", ylabel=ylabel, title=title,
+                       percent=percent)
+        out.append(PendingFigure(draw, caption, title))
     return out
 
 
@@ -97,18 +99,19 @@ def _curve(hit_curve: pa.Table | None):
             hit_curve.column("hit_rate").to_numpy(zero_copy_only=False).astype(float)[order], x_name)
 
 
-def _kv_capacity_figures(ok: pa.Table, hit_curve: pa.Table | None, points) -> list[str]:
+def _kv_capacity_figures(ok: pa.Table, hit_curve: pa.Table | None, points) -> list[PendingFigure]:
     curve = _curve(hit_curve)
     if curve is None and points is None:
         return []
     if points is not None and not points[2]:  # the points' axis is memory: apart from the curve
         out = []
         if curve is not None:
-            out.append(figure(plots.hit_rate_vs_capacity(curve[:2], None, xlabel=_X_LABELS[curve[2]]),
-                              "One-pass prefix-cache hit-rate curve (hit_curve.parquet).", "hit-rate curve"))
-        out.append(figure(plots.hit_rate_vs_capacity(None, points[:2], xlabel="KV cache memory (GiB)"),
-                          f"Prefix cache hit rate of each replayed sweep point against its {KV_KEY} (no plan "
-                          f"to put them on the curve's axis).", "hit rate vs KV capacity"))
+            draw = partial(plots.hit_rate_vs_capacity, curve[:2], None, xlabel=_X_LABELS[curve[2]])
+            out.append(PendingFigure(draw, "One-pass prefix-cache hit-rate curve (hit_curve.parquet).",
+                                     "hit-rate curve"))
+        draw = partial(plots.hit_rate_vs_capacity, None, points[:2], xlabel="KV cache memory (GiB)")
+        out.append(PendingFigure(draw, f"Prefix cache hit rate of each replayed sweep point against its {KV_KEY} "
+                                       "(no plan to put them on the curve's axis).", "hit rate vs KV capacity"))
         return out
     xlabel = _X_LABELS[curve[2]] if curve is not None else "KV cache (tokens)"
     what = []
@@ -116,10 +119,10 @@ def _kv_capacity_figures(ok: pa.Table, hit_curve: pa.Table | None, points) -> li
         what.append("the line is the one-pass curve (hit_curve.parquet)")
     if points is not None:
         what.append(f"the dots are sweep points replayed exactly at each {KV_KEY}")
-    return [figure(plots.hit_rate_vs_capacity(curve[:2] if curve else None,
-                                              points[:2] if points else None, xlabel=xlabel),
-                   "Prefix cache hit rate vs KV cache capacity: " + "; ".join(what) + ".",
-                   "hit rate vs KV capacity")]
+    return [PendingFigure(partial(plots.hit_rate_vs_capacity, curve[:2] if curve else None,
+                                  points[:2] if points else None, xlabel=xlabel),
+                          "Prefix cache hit rate vs KV cache capacity: " + "; ".join(what) + ".",
+                          "hit rate vs KV capacity")]
 
 
 def _nan_as(values: np.ndarray, fill) -> np.ndarray:
@@ -127,7 +130,7 @@ def _nan_as(values: np.ndarray, fill) -> np.ndarray:
     return np.where(np.isnan(values), fill, values)
 
 
-def _offload_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
+def _offload_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
     """Hit rate per tier and TTFT against the CPU tier's size (one line per other varying
     key), next to the KV-capacity curve: what host memory buys on this trace."""
     data = with_column(ok, "offload_gib", _nan_as(numbers(ok, OFFLOAD_KEY), 0.0) / 2**30)
@@ -146,22 +149,23 @@ def _offload_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
             series += [(f"{label} from CPU".strip(), x, y)
                        for label, x, y in lines_by_combo(data, "offload_gib", "hit_rate_cpu", others)]
         if series:
-            out.append(figure(plots.lines(series, xlabel="CPU offload tier (GiB)", ylabel="prompt tokens hit (%)",
-                                          title="Hit rate vs CPU offload size", percent=True),
-                              f"Prompt tokens served from a cache against {OFFLOAD_KEY}: all tiers together, and "
-                              f"the part loaded from the CPU tier{by}. 0 GiB is the run without offloading.",
-                              "hit rate vs offload size"))
+            draw = partial(plots.lines, series, xlabel="CPU offload tier (GiB)", ylabel="prompt tokens hit (%)",
+                           title="Hit rate vs CPU offload size", percent=True)
+            out.append(PendingFigure(draw, f"Prompt tokens served from a cache against {OFFLOAD_KEY}: all tiers "
+                                           f"together, and the part loaded from the CPU tier{by}. 0 GiB is the run "
+                                           "without offloading.", "hit rate vs offload size"))
     ttft = [(c, label) for c, label in (("median_ttft_ms", "median"), ("p99_ttft_ms", "p99")) if c in data.column_names]
     series = [(f"{label} {name}".strip(), x, y) for column, name in ttft
               for label, x, y in lines_by_combo(data, "offload_gib", column, others)]
     if series:
-        out.append(figure(plots.lines(series, xlabel="CPU offload tier (GiB)", ylabel="TTFT (ms)",
-                                      title="TTFT vs CPU offload size"),
-                          f"Time to first token (median, p99) against {OFFLOAD_KEY}{by}.", "TTFT vs offload size"))
+        draw = partial(plots.lines, series, xlabel="CPU offload tier (GiB)", ylabel="TTFT (ms)",
+                       title="TTFT vs CPU offload size")
+        out.append(PendingFigure(draw, f"Time to first token (median, p99) against {OFFLOAD_KEY}{by}.",
+                                 "TTFT vs offload size"))
     return out
 
 
-def _replicas_needed_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
+def _replicas_needed_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
     needed = [c for c in ("replicas_needed_trace_rate", "replicas_needed_target_rate")
               if c in ok.column_names and finite_mask(ok, c).any()]
     if not needed:
@@ -170,12 +174,12 @@ def _replicas_needed_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
     labels = [combo_label(r, varied) if varied else f"point {r.get('point', i)}"
               for i, r in enumerate(records(data))]
     groups = [(c.replace("replicas_needed_", "at the ").replace("_", " "), numbers(data, c)) for c in needed]
-    return [figure(plots.bars(labels, groups, ylabel="replicas", title="Replicas needed"),
-                   "Replicas needed to serve the trace's rate and the target rate within the SLO, per sweep "
-                   "point (" + ", ".join(needed) + ").", "replicas needed")]
+    return [PendingFigure(partial(plots.bars, labels, groups, ylabel="replicas", title="Replicas needed"),
+                          "Replicas needed to serve the trace's rate and the target rate within the SLO, per sweep "
+                          "point (" + ", ".join(needed) + ").", "replicas needed")]
 
 
-def _router_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
+def _router_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
     routers = list(dict.fromkeys(_router_of(ok)))
     others = [k for k in varied if k != ROUTER_KEY]
     metrics = [(c, t, y, p) for c, t, y, p in (
@@ -186,10 +190,10 @@ def _router_figures(ok: pa.Table, varied: Sequence[str]) -> list[str]:
     if not metrics:
         return []
     panels = _router_panels(ok, routers, others, metrics)
-    return [figure(plots.bars(routers, [], ylabel="", title="", panels=panels),
-                   "Router comparison: " + ", ".join(m[0] for m in metrics) + f" per {ROUTER_KEY}"
-                   + (" (one bar per " + ", ".join(others) + ")" if others else "") + ".",
-                   "router comparison")]
+    return [PendingFigure(partial(plots.bars, routers, [], ylabel="", title="", panels=panels),
+                          "Router comparison: " + ", ".join(m[0] for m in metrics) + f" per {ROUTER_KEY}"
+                          + (" (one bar per " + ", ".join(others) + ")" if others else "") + ".",
+                          "router comparison")]
 
 
 def _router_of(ok: pa.Table) -> list:

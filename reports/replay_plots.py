@@ -5,6 +5,7 @@ on each. Steps are binned first (``TIME_BINS`` bins over the run)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +13,7 @@ import pyarrow as pa
 from kvtwin.reports import plots
 from kvtwin.reports.binning import (bin_index, cdf_values, column_array, combined_state, replica_ids, select_columns,
                                     usage_matrix)
-from kvtwin.reports.html_page import figure
+from kvtwin.reports.figure_jobs import PendingFigure, render_figures
 from kvtwin.reports.summary_text import missing
 
 TIME_BINS = 400       # state over time (KV usage, queues, preemptions)
@@ -61,12 +62,12 @@ def replay_figures(requests: pa.Table, steps: pa.Table, s: dict, plan: dict | No
     steps = select_columns(steps, STEP_COLUMNS)
     requests = select_columns(requests, REQUEST_COLUMNS)
     timeline = _Timeline.of(steps, float(s.get("duration_s") or 0.0))
-    out = [_usage_figure(timeline, plan), _hit_rate_figure(requests, timeline.t_end, s), *_queue_figures(timeline),
-           _latency_figure(requests, s)]
+    pending = [_usage_figure(timeline, plan), _hit_rate_figure(requests, timeline.t_end, s),
+               *_queue_figures(timeline), _latency_figure(requests, s)]
     req_replica = replica_ids(requests)
     if req_replica is not None:
-        out.append(_replica_load_figure(requests, req_replica))
-    return out
+        pending.append(_replica_load_figure(requests, req_replica))
+    return render_figures(pending)
 
 
 def _group_labels(plan: dict | None, count: int) -> list[str]:
@@ -82,7 +83,7 @@ def _group_labels(plan: dict | None, count: int) -> list[str]:
     return labels
 
 
-def _usage_figure(tl: _Timeline, plan: dict | None) -> str:
+def _usage_figure(tl: _Timeline, plan: dict | None) -> PendingFigure:
     usage, width = usage_matrix(tl.steps)
     if tl.has_steps:
         per_group = np.column_stack([combined_state(tl.idx, usage[:, g], tl.nbins, tl.step_replica, "mean")[0]
@@ -90,15 +91,15 @@ def _usage_figure(tl: _Timeline, plan: dict | None) -> str:
         peak = combined_state(tl.idx, usage.sum(axis=1), tl.nbins, tl.step_replica, "mean")[2]
     else:
         per_group, peak = np.zeros((0, width)), None
-    return figure(plots.kv_usage_by_group(tl.centers, per_group, _group_labels(plan, width), peak),
-                  f"KV cache usage by KV cache group over time, stacked: blocks in use over the usable blocks "
-                  f"(steps.parquet kv_cache_usage_by_group), mean per {tl.bin_s:,.3g} s bin, with the highest "
-                  f"total in each bin as a line"
-                  + (", averaged over replicas" if tl.step_replica is not None else "") + ".",
-                  "KV cache usage by group")
+    return PendingFigure(partial(plots.kv_usage_by_group, tl.centers, per_group, _group_labels(plan, width), peak),
+                         f"KV cache usage by KV cache group over time, stacked: blocks in use over the usable blocks "
+                         f"(steps.parquet kv_cache_usage_by_group), mean per {tl.bin_s:,.3g} s bin, with the highest "
+                         f"total in each bin as a line"
+                         + (", averaged over replicas" if tl.step_replica is not None else "") + ".",
+                         "KV cache usage by group")
 
 
-def _hit_rate_figure(requests: pa.Table, t_end: float, s: dict) -> str:
+def _hit_rate_figure(requests: pa.Table, t_end: float, s: dict) -> PendingFigure:
     sched = column_array(requests, "first_scheduled_time_s") if requests.num_rows else np.zeros(0)
     seen = np.isfinite(sched)
     hbins = HIT_RATE_BINS
@@ -109,15 +110,15 @@ def _hit_rate_figure(requests: pa.Table, t_end: float, s: dict) -> str:
     rate = np.full(hbins, np.nan)
     np.divide(hits, queries, out=rate, where=queries > 0)
     h_centers = (np.arange(hbins) + 0.5) * (t_end / hbins) if seen.any() else np.zeros(0)
-    return figure(plots.hit_rate_over_time(h_centers, rate if seen.any() else np.zeros(0),
-                                           s.get("prefix_cache_hit_rate"), s.get("prefix_reuse_upper_bound")),
-                  f"Prefix cache hit rate over time: prompt tokens found over tokens looked up, summed over the "
-                  f"requests first scheduled in each {t_end / hbins:,.3g} s bin (requests.parquet "
-                  f"prefix_cache_hits / prefix_cache_queries), with the whole run's rate and the trace's "
-                  f"infinite-cache bound.", "prefix cache hit rate over time")
+    return PendingFigure(partial(plots.hit_rate_over_time, h_centers, rate if seen.any() else np.zeros(0),
+                                 s.get("prefix_cache_hit_rate"), s.get("prefix_reuse_upper_bound")),
+                         f"Prefix cache hit rate over time: prompt tokens found over tokens looked up, summed over the "
+                         f"requests first scheduled in each {t_end / hbins:,.3g} s bin (requests.parquet "
+                         f"prefix_cache_hits / prefix_cache_queries), with the whole run's rate and the trace's "
+                         f"infinite-cache bound.", "prefix cache hit rate over time")
 
 
-def _queue_figures(tl: _Timeline) -> list[str]:
+def _queue_figures(tl: _Timeline) -> list[PendingFigure]:
     if tl.has_steps:
         running, *running_range = tl.state("num_running", "sum")
         waiting, *waiting_range = tl.state("num_waiting", "sum")
@@ -126,17 +127,17 @@ def _queue_figures(tl: _Timeline) -> list[str]:
     else:
         running = waiting = preempted = np.zeros(0)
         ranges = (None, None)
-    return [figure(plots.queues_over_time(tl.centers, running, waiting, *ranges),
-                   f"Running and waiting requests after each step, mean per {tl.bin_s:,.3g} s bin (lines) and "
-                   "the least to the most in the bin (bands)"
-                   + (", summed over replicas" if tl.step_replica is not None else "") + ".",
-                   "running and waiting queues"),
-            figure(plots.preemptions_over_time(tl.centers, preempted, tl.bin_s),
-                   f"Preemptions (recompute) per {tl.bin_s:,.3g} s bin (steps.parquet num_preempted).",
-                   "preemptions over time")]
+    return [PendingFigure(partial(plots.queues_over_time, tl.centers, running, waiting, *ranges),
+                          f"Running and waiting requests after each step, mean per {tl.bin_s:,.3g} s bin (lines) and "
+                          "the least to the most in the bin (bands)"
+                          + (", summed over replicas" if tl.step_replica is not None else "") + ".",
+                          "running and waiting queues"),
+            PendingFigure(partial(plots.preemptions_over_time, tl.centers, preempted, tl.bin_s),
+                          f"Preemptions (recompute) per {tl.bin_s:,.3g} s bin (steps.parquet num_preempted).",
+                          "preemptions over time")]
 
 
-def _latency_figure(requests: pa.Table, s: dict) -> str:
+def _latency_figure(requests: pa.Table, s: dict) -> PendingFigure:
     finished = (np.asarray(requests.column("status").to_pylist()) == "finished") if requests.num_rows else \
         np.zeros(0, dtype=bool)
     series = [(name, cdf_values(column_array(requests, col)[finished] * 1000) if requests.num_rows else np.zeros(0))
@@ -149,17 +150,17 @@ def _latency_figure(requests: pa.Table, s: dict) -> str:
     clock = (f" Shaded: the band the clock's calibration ({s.get('calibration')}) implies from its held-out "
              "error." if band else " The clock is uncalibrated: no error band." if s.get("calibration") ==
              "uncalibrated" else "")
-    return figure(plots.latency_cdfs(series, slo, band),
-                  "Cumulative distributions of TTFT, TPOT and end-to-end latency over finished requests "
-                  "(dashed: the scenario's SLO)." + clock, "latency CDFs")
+    return PendingFigure(partial(plots.latency_cdfs, series, slo, band),
+                         "Cumulative distributions of TTFT, TPOT and end-to-end latency over finished requests "
+                         "(dashed: the scenario's SLO)." + clock, "latency CDFs")
 
 
-def _replica_load_figure(requests: pa.Table, req_replica: np.ndarray) -> str:
+def _replica_load_figure(requests: pa.Table, req_replica: np.ndarray) -> PendingFigure:
     ids = np.unique(req_replica)
     counts = np.array([(req_replica == r).sum() for r in ids])
     tokens = (np.array([column_array(requests, "prompt_tokens", np.int64)[req_replica == r].sum() for r in ids])
               if "prompt_tokens" in requests.column_names else None)
-    return figure(plots.replica_load([str(r) for r in ids], counts, tokens),
-                  f"Load per replica: requests routed to each of the {len(ids)} replicas"
-                  + (" and their prompt tokens" if tokens is not None else "") + ".",
-                  "per-replica load")
+    return PendingFigure(partial(plots.replica_load, [str(r) for r in ids], counts, tokens),
+                         f"Load per replica: requests routed to each of the {len(ids)} replicas"
+                         + (" and their prompt tokens" if tokens is not None else "") + ".",
+                         "per-replica load")

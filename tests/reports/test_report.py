@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from kvtwin.cli import COMMANDS, app as kvtwin_app
 from kvtwin.commands.report import report as report_command
-from kvtwin.reports import plots
+from kvtwin.reports import figure_jobs, plots
 from kvtwin.reports.binning import minmax_points, state_bins
 from kvtwin.reports.capacity_report import render_capacity_report
 from kvtwin.reports.html import render_report_dir, write_report
@@ -162,8 +162,10 @@ def test_empty_run_still_renders():
 
 
 def _drawn(monkeypatch) -> list:
-    """Every figure the plots encode from now on (``plots._png`` still encodes them)."""
+    """Every figure the plots encode from now on (``plots._png`` still encodes them), all
+    drawn in this process (no forked helper draws any)."""
     figures = []
+    monkeypatch.setattr(figure_jobs, "_can_fork", lambda: False)
     encode = plots._png
 
     def keep(fig):
