@@ -54,9 +54,11 @@ if python -c "import sys, zipfile; sys.exit(not any(n.endswith('.so') for n in z
 fi
 
 # The suite on the compiled core ...
-python -m pytest -q
+# (on every core, up to four: pytest-xdist workers; CI's two cores nearly halve its time)
+PARALLEL=(-n auto --maxprocesses 4)
+python -m pytest -q "${PARALLEL[@]}"
 # ... on the Python source of the same modules ...
-KVTWIN_INTERPRETED=1 python -m pytest -q
+KVTWIN_INTERPRETED=1 python -m pytest -q "${PARALLEL[@]}"
 # ... and the kernels on the oldest declared Triton, shadowing the newest for this run only.
 python -m pip install --quiet --no-deps --target "$scratch/triton-oldest" "triton==$TRITON_OLDEST" "numpy<2.4"
 PYTHONPATH="$scratch/triton-oldest" python -c "import triton; assert triton.__version__ == '$TRITON_OLDEST'"
