@@ -14,6 +14,7 @@ itself: forking only ever saves time.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import sys
@@ -49,6 +50,9 @@ def draw_all(draws: Sequence[Callable[[], bytes]], *, fork: bool | None = None) 
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: draw its share, send it, and leave without any clean-up
+        # No collections: one would walk (and so copy) the parent's every object, a whole
+        # replay's after `kvtwin replay`; the child lives for a few figures.
+        gc.disable()
         os.close(read_end)
         try:
             data = pickle.dumps([draws[i]() for i in child_share], protocol=pickle.HIGHEST_PROTOCOL)
