@@ -48,7 +48,12 @@ def draw_all(draws: Sequence[Callable[[], bytes]], *, fork: bool | None = None) 
         return [draw() for draw in draws]
     child_share = list(range(0, len(draws), 2))
     read_end, write_end = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:  # no process to spare (a limit, a sandbox): draw them all here
+        os.close(read_end)
+        os.close(write_end)
+        return [draw() for draw in draws]
     if pid == 0:  # the child: draw its share, send it, and leave without any clean-up
         # No collections: one would walk (and so copy) the parent's every object, a whole
         # replay's after `kvtwin replay`; the child lives for a few figures.

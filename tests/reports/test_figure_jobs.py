@@ -86,3 +86,15 @@ def test_usage_lists_read_through_their_offsets():
     even = pa.array([[0.9, 0.8], [0.1, 0.2], [0.3, 0.4]]).slice(1)
     usage, width = usage_matrix(pa.table({"kv_cache_usage_by_group": even}))
     np.testing.assert_array_equal(usage, [[0.1, 0.2], [0.3, 0.4]])
+
+
+@needs_fork
+def test_a_refused_fork_draws_everything_here(monkeypatch):
+    def refused():
+        raise BlockingIOError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", refused)
+    draws = _draws(3)
+    open_fds = len(os.listdir("/proc/self/fd"))
+    assert draw_all(draws, fork=True) == [d() for d in draws]
+    assert len(os.listdir("/proc/self/fd")) == open_fds  # the pipe is closed again
