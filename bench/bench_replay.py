@@ -40,6 +40,8 @@ steps per second, peak RSS, and its target:
   3,000 requests) on the bundled offload scenario (``scenarios/mooncake-llama8b-b200-offload.toml``,
   one replica on two B200s), with its 1 TB CPU tier and without one. The target is the
   ratio: an offload replay at most 1.5x the same replay without offload (``vs baseline``).
+  Measured at 4.2x (2026-12-03). ``bench/experiments/README.md`` shows why no Python tier
+  reaches the target: a minimal tier that still answers exactly costs 2.5x.
 
 Writes one parquet row per workload to ``bench/out/bench_replay.parquet``.
 ``--no-decode-windows`` times the replays with every batch scheduled one by one (the same
