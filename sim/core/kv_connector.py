@@ -8,7 +8,7 @@ engine's side of the same seam is ``KVTransferWorker``, which runs the jobs a st
 metadata describes and reports which finished; the base class itself stands in for it
 when the engine has no connector, so an engine step needs no branch on offloading.
 
-The order and effects of the calls are those of docs/semantics.md#kv-connector.
+The order and effects of the calls are those of docs/semantics.md#kv-offloading.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Without a connector every queue and set here stays empty and every flag is off, so the
 scheduler reads them without asking first whether a connector is present. Where each
-one matters: docs/semantics.md#kv-connector.
+one matters: docs/semantics.md#kv-offloading.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The v1 continuous-batching scheduler (vLLM ``v1/core/sched/scheduler.py``).
 
-One ``schedule()`` call per engine step (docs/semantics.md#scheduling):
+One ``schedule()`` call per engine step (docs/semantics.md#scheduler):
 
 1. Running requests first, in running order, while token budget remains: each gets what
    it still lacks (the rest of its prefill, or one decode token), clipped by the budget,
