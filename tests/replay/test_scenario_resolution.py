@@ -195,3 +195,25 @@ def test_a_model_that_does_not_fit_is_refused_before_the_trace_is_read(scenario,
                        "131072", "--quiet", "--out", str(out)), "model: expected a layout that fits",
                    "would fit: tensor_parallel_size = 8")
     assert not out.exists()
+
+
+# -- nothing to replay ---------------------------------------------------------------------
+
+
+def test_a_trace_with_a_header_and_no_rows_is_refused(tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    out = tmp_path / "run"
+    result = run("replay", "--trace", str(empty), "--quiet", "--out", str(out))
+    one_error_line(result, f"kvtwin: error: {empty}: requests: expected at least one request")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("cut, key", [("start_s = 1e9", "workload.start_s"),
+                                      ("end_s = 0.000001", "workload.end_s"),
+                                      ("end_s = 0.000001\nstart_s = 0.0", "workload.start_s and workload.end_s")])
+def test_a_cut_that_leaves_no_request_is_refused_naming_it(tmp_path, cut, key):
+    path = tmp_path / "s.toml"
+    path.write_text(SCENARIO.replace("limit = 40", cut))
+    result = run("replay", str(path), "--quiet", "--out", str(tmp_path / "run"))
+    one_error_line(result, f"kvtwin: error: {key}: expected a cut that leaves at least one of the")
