@@ -13,7 +13,8 @@ the comparison) is this script's.
 The grid mixes KV cache groups (full attention; sliding window 32-1024; chunked local;
 Mamba "align" with and without prefill checkpoints; three-group hybrids), both policies,
 watermark, ``scheduler_reserve_full_isl``, ``long_prefill_token_threshold``, chunked
-prefill on and off, prefix caching on and off and asynchronous scheduling on and off.
+prefill on and off, prefix caching on and off, asynchronous scheduling on and off, and
+prefix-cache retention (vLLM's default 0, dense, or every 64-512 tokens).
 Each workload mixes fresh prompts, shared prefixes (block-aligned and not), resent prompts
 and follow-ups built from an earlier prompt and its output, under enough pool pressure to
 preempt. Writes ``OUT/cases/<name>/`` (a complete golden case each) and
@@ -129,6 +130,12 @@ def _config(rng: random.Random, index: int) -> tuple[str, dict]:
         knobs.append(f"wm{config['watermark']:g}")
     if not config["scheduler_reserve_full_isl"]:
         knobs.append("noreserve")
+    # vLLM's engine default (0), dense (null: every earlier case) or periodic; a positive
+    # interval only where a sliding-window or Mamba group can use it.
+    thinnable = any(g["kind"] in ("sliding_window", "mamba") for g in groups)
+    retention = rng.choice((0, 0, None, 64, 256, 512) if thinnable else (0, None))
+    config["prefix_cache_retention_interval"] = retention
+    knobs.append("dense" if retention is None else f"retention{retention}")
     config["description"] = "conformance sweep: " + ", ".join(knobs)
     return f"c{index:03d}_{layout_name}", config
 
