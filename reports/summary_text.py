@@ -50,6 +50,8 @@ def plan_line(plan) -> str:
     if plan.fits:
         line += (f", {plan.kv_cache_tokens:,} KV cache tokens, max concurrency {plan.max_concurrency:,.2f}x "
                  f"requests of {plan.engine.max_model_len:,} tokens")
+    if plan.thins_prefix_cache:
+        line += f"; prefix-cache retention: {plan.retention}"
     return line
 
 

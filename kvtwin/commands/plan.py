@@ -58,6 +58,8 @@ def render_plan(p: Plan) -> str:
                  f"{_on(eng.async_scheduling)} ({_n(eng.max_in_flight_tokens)} tokens in flight) | prefix caching "
                  f"{_on(eng.enable_prefix_caching)}"
                  + (f" | mamba cache mode {eng.mamba_cache_mode}" if p.model.state is not None else ""))
+    if eng.enable_prefix_caching:
+        lines.append(f"  prefix-cache retention {p.retention}")
     if p.layers.hybrid_block is not None:
         hb = p.layers.hybrid_block
         lines.append(f"  attention block size {hb.block_size} tokens so one page ({_n(hb.attention_page_bytes)} B) "
@@ -177,7 +179,8 @@ def render_compare(comparison: HybridComparison) -> str:
 @knob_flags("engine.tensor_parallel_size", "engine.max_model_len", "engine.max_num_batched_tokens",
             "engine.max_num_seqs", "engine.block_size", "engine.kv_cache_dtype", "engine.gpu_memory_utilization",
             "engine.kv_cache_memory_bytes", "engine.hybrid_kv_cache", "engine.async_scheduling",
-            "engine.enable_prefix_caching", "engine.mamba_cache_mode", "engine.mamba_cache_dtype",
+            "engine.enable_prefix_caching", "engine.prefix_cache_retention_interval", "engine.mamba_cache_mode",
+            "engine.mamba_cache_dtype",
             "engine.mamba_ssm_cache_dtype")
 def plan(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),

@@ -2,7 +2,7 @@
 ``v1/core/sched/async_scheduler.py``, vLLM's default; ``EngineCore.step_async``).
 
 A batch is scheduled before the previous one's tokens are known. This changes only what
-the scheduler counts (docs/semantics.md#async-scheduling), so the subclass overrides two
+the scheduler counts (docs/semantics.md#asynchronous-scheduling), so the subclass overrides two
 methods: how a batch's computed counts advance, and how its update is applied.
 
 * A request that samples in a batch holds an *output placeholder* until that batch's
@@ -175,7 +175,7 @@ class AsyncScheduler(Scheduler):
                     # request; every group's blocks end on hash-block boundaries.
                     processed = request.num_computed_tokens
                     if processed // hash_block_size != (processed - num_tokens) // hash_block_size:
-                        coordinator.cache_blocks(request_id, request.block_hashes, processed)
+                        coordinator.cache_blocks(request, processed)
             if done:
                 self._finish(request, finished)
         if finished:

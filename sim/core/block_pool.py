@@ -158,13 +158,19 @@ class BlockPool:
     # -- caching -------------------------------------------------------------------
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: BlockHashes, num_cached_blocks: int,
-                          num_full_blocks: int, group_id: int) -> None:
-        """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a table under their hashes."""
+                          num_full_blocks: int, group_id: int, mask: list[bool] | None = None) -> None:
+        """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a table under their
+        hashes; where ``mask`` (one flag per block of the range) is False, the block stays
+        unhashed, as a null block does (docs/semantics.md#prefix-cache-retention)."""
         if num_cached_blocks >= num_full_blocks:
             return
         cache = self.cached_block_hash_to_block[group_id]
         hashes = hashes_in_range(block_hashes, num_cached_blocks, num_full_blocks)
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        if mask is not None:
+            # Masked-out blocks are dropped from both lists, so the dense loop below is the only one.
+            hashes = [h for h, keep in zip(hashes, mask) if keep]
+            new_blocks = [b for b, keep in zip(new_blocks, mask) if keep]
         for block, block_hash in zip(new_blocks, hashes):
             if block.is_null:
                 continue

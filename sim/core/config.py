@@ -51,6 +51,9 @@ SCHEDULER_KNOBS: dict[str, Rule] = {
 CACHE_KNOBS: dict[str, Rule] = {
     "enable_prefix_caching": _BOOL,
     "prefix_caching_hash_algo": (lambda v: v in HASH_FUNCTIONS, f"one of {', '.join(HASH_FUNCTIONS)}"),
+    # None here is a value (dense retention), not "the default": ``check_knobs`` skips it.
+    "prefix_cache_retention_interval": (lambda v: is_int(v) and v >= 0,
+                                        "a non-negative number of tokens (0: semantic checkpoints only), or dense"),
 }
 
 
@@ -152,6 +155,12 @@ class SchedulerConfig:
 class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "builtin"
+    # vLLM's ``CacheConfig.prefix_cache_retention_interval``, the engine's setting: 0 by
+    # default (sliding-window and Mamba groups keep semantic checkpoints only), N also every
+    # N tokens, None every block. The planner copies it into the ``KVCacheConfig`` the KV
+    # cache manager runs on; an offload connector reads it here
+    # (docs/semantics.md#prefix-cache-retention).
+    prefix_cache_retention_interval: int | None = 0
 
     def __post_init__(self) -> None:
         check_knobs({name: getattr(self, name) for name in CACHE_KNOBS}, CACHE_KNOBS)

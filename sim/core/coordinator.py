@@ -22,6 +22,8 @@ from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
 from kvtwin.sim.core.hashing import BlockHashes, CoarseBlockHashes
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.managers import SingleTypeKVCacheManager, manager_class_for
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.retention import validate_retention_interval
 from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, cdiv
 
 
@@ -49,9 +51,13 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.replaced_block_ids = self.replaced_block_ids
         self.scheduler_block_size = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
-        # Hits land on this grid, so a Mamba prefill checkpoint is placed on it too.
+        # Hits land on this grid, so a Mamba prefill checkpoint is placed on it too, and
+        # retention keeps the blocks a hit on it can stand on.
+        self.retention_interval = kv_cache_config.prefix_cache_retention_interval
+        validate_retention_interval(self.retention_interval, self.scheduler_block_size, kv_cache_config.specs)
         for manager in self.managers:
             manager.cache_hit_alignment_tokens = self.scheduler_block_size
+            manager.set_retention(self.retention_interval)
         # Whether every group's horizon is exact. A Mamba group's is only a lower bound
         # (tokens in flight delay its releases; "none" mode has none): past it, the
         # KV cache manager asks ``is_noop`` before taking the full path.
@@ -70,11 +76,16 @@ class KVCacheCoordinator:
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks,
                                    total_computed_tokens: int, num_tokens_main_model: int,
-                                   apply_admission_cap: bool = False) -> int:
+                                   apply_admission_cap: bool = False, prefill_end: int = 0) -> int:
+        """The managers' sum. ``prefill_end`` matters only under retention interval 0, where
+        a Mamba prefill checkpoint is reserved only by the chunk that ends the prefill
+        (docs/semantics.md#prefix-cache-retention)."""
         blocks = new_computed_blocks.blocks
+        if self.retention_interval != 0:
+            prefill_end = 0
         return sum(
             m.get_num_blocks_to_allocate(request_id, num_tokens, blocks[i], total_computed_tokens,
-                                         num_tokens_main_model, apply_admission_cap)
+                                         num_tokens_main_model, apply_admission_cap, prefill_end)
             for i, m in enumerate(self.managers))
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks,
@@ -116,11 +127,12 @@ class KVCacheCoordinator:
         tables since the last call, in the order made, or None if there were none; forgets them."""
         return self.replaced_block_ids.pop(request_id, None)
 
-    def cache_blocks(self, request_id: str, block_hashes: BlockHashes, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if self.num_reprefillable_tokens:
             num_tokens = max(0, num_tokens - self.num_reprefillable_tokens)
+        block_hashes = request.block_hashes
         for m in self.managers:
-            m.cache_blocks(self.hashes_for(block_hashes, m), request_id, num_tokens)
+            m.cache_blocks(self.hashes_for(block_hashes, m), request, num_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.managers:

@@ -391,7 +391,8 @@ class DecodeWindow:
             if computed + chunk > self.kv_cache_manager.noop_horizon.get(prefilling.request_id, -1):
                 needed += self.kv_cache_manager.coordinator.get_num_blocks_to_allocate(
                     prefilling.request_id, min(computed + chunk, self.scheduler.config.max_model_len),
-                    self.kv_cache_manager.empty_blocks, computed, computed + chunk)
+                    self.kv_cache_manager.empty_blocks, computed, computed + chunk, False,
+                    max(prefilling.num_prompt_tokens, prefilling.num_tokens - 1))
         if needed > self.kv_cache_manager.block_pool.get_num_free_blocks():
             return END
         admitted = self.schedule(index, due, chunk)

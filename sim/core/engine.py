@@ -198,8 +198,8 @@ class EngineCore:
         # vLLM would keep such a request at the head of the queue forever.
         kv_cache_manager = self.kv_cache_manager
         needed = kv_cache_manager.coordinator.get_num_blocks_to_allocate(
-            request.request_id, total_tokens, kv_cache_manager.empty_blocks, 0, total_tokens,
-            apply_admission_cap=True)
+            request.request_id, total_tokens, kv_cache_manager.empty_blocks, 0, total_tokens, True,
+            request.num_prompt_tokens)
         usable = kv_cache_manager.block_pool.num_gpu_blocks - 1
         if needed > usable:
             return self._reject(request, "exceeds_kv_pool", f"needs {needed} KV blocks, more than the pool's {usable}")

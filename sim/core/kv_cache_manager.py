@@ -156,10 +156,13 @@ class KVCacheManager:
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
 
+        # Where the scheduler's prefill ends (past the prompt for a resumed request replaying
+        # its outputs): a Mamba group's checkpoint may depend on it.
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             needed = coordinator.get_num_blocks_to_allocate(request_id, full_num_tokens, hit_blocks, total_computed,
-                                                            full_num_tokens, apply_admission_cap=True)
+                                                            full_num_tokens, True, prefill_end)
             if needed + watermark_blocks > pool.get_num_free_blocks():
                 return None
 
@@ -172,7 +175,7 @@ class KVCacheManager:
 
         needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hit_blocks,
                                                         num_local_computed + num_external_computed_tokens,
-                                                        num_tokens_main_model)
+                                                        num_tokens_main_model, False, prefill_end)
         if needed + watermark_blocks > pool.get_num_free_blocks() - reserved_blocks:
             return None
 
@@ -184,8 +187,7 @@ class KVCacheManager:
             return new_blocks
 
         if self.enable_caching:
-            coordinator.cache_blocks(request_id, request.block_hashes,
-                                     min(total_computed + num_new_tokens, request.num_tokens))
+            coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         if fast:
             self.noop_horizon[request_id] = coordinator.noop_horizon(request_id)
         return new_blocks
@@ -207,7 +209,7 @@ class KVCacheManager:
             return None
         new = manager.allocate_new_blocks(request_id, num_tokens_need_slot, num_tokens_main_model)
         if self.enable_caching:
-            manager.cache_blocks(self.coordinator.hashes_for(request.block_hashes, manager), request_id,
+            manager.cache_blocks(self.coordinator.hashes_for(request.block_hashes, manager), request,
                                  min(num_tokens_main_model, request.num_tokens))
         self.noop_horizon[request_id] = manager.noop_horizon(request_id)
         return KVCacheBlocks((new,)) if new else self.empty_blocks
@@ -257,15 +259,15 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's blocks full within ``num_computed_tokens`` (after a load)."""
         if self.enable_caching:
-            self.coordinator.cache_blocks(request.request_id, request.block_hashes, num_computed_tokens)
+            self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def remaining_blocks(self, request: Request) -> int:
         """Blocks the request still needs to hold its whole sequence (vLLM's
         ``_request_remaining_blocks``): what an in-flight prefill has reserved."""
         num_tokens = min(request.num_tokens, self.max_model_len)
-        return self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens, self.empty_blocks,
-                                                           request.num_computed_tokens, num_tokens,
-                                                           apply_admission_cap=True)
+        return self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens, self.empty_blocks, request.num_computed_tokens, num_tokens, True,
+            max(request.num_prompt_tokens, request.num_tokens - 1))
 
     def free(self, request: Request) -> None:
         self.noop_horizon.pop(request.request_id, None)

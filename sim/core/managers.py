@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
-
-NULL_BLOCK_ID = 0  # the pool's first block is the null block
 from kvtwin.sim.core.hashing import BlockHashes, hashes_in_range
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.retention import mamba_mask, reachable_boundaries, sliding_window_mask, thins_caching
 from kvtwin.sim.core.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -33,6 +33,8 @@ from kvtwin.sim.core.spec import (
     get_mamba_prefill_checkpoint_position,
     is_mamba_prefill_checkpoint_valid,
 )
+
+NULL_BLOCK_ID = 0  # the pool's first block is the null block
 
 
 class SingleTypeKVCacheManager:
@@ -68,6 +70,15 @@ class SingleTypeKVCacheManager:
         # of these from the scheduler output. The coordinator makes all its managers share
         # one dict, so "nothing changed" is one emptiness test.
         self.replaced_block_ids: dict[str, list[tuple[int, int, int]]] = {}
+        # Prefix-cache retention (docs/semantics.md#prefix-cache-retention), set by the
+        # coordinator once the hit grid is known; ``thins_caching`` is False where every
+        # mask would be None, so caching never builds one.
+        self.retention_interval: int | None = None
+        self.thins_caching = False
+
+    def set_retention(self, interval: int | None) -> None:
+        self.retention_interval = interval
+        self.thins_caching = self.enable_caching and thins_caching(self.spec, self.cache_hit_alignment_tokens, interval)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -77,7 +88,11 @@ class SingleTypeKVCacheManager:
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[KVCacheBlock], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False) -> int:
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   prefill_end: int = 0) -> int:
+        """Blocks the pool must give for ``num_tokens`` slots. ``prefill_end`` (0: every
+        chunk) is where the request's prefill ends, for a Mamba group that reserves a
+        prefill checkpoint only on the chunk reaching it."""
         num_required = cdiv(num_tokens, self.block_size)
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             num_required = min(num_required, self.max_admission_blocks_per_request)
@@ -138,14 +153,31 @@ class SingleTypeKVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, block_hashes: BlockHashes, request_id: str, num_tokens: int) -> None:
-        """Register blocks that are full once ``num_tokens`` tokens are computed."""
+    def cache_blocks(self, block_hashes: BlockHashes, request: Request, num_tokens: int) -> None:
+        """Register blocks that are full once ``num_tokens`` tokens are computed, those the
+        retention mode keeps (docs/semantics.md#caching-blocks)."""
+        request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)
         num_full = min(num_tokens, len(block_hashes) * self.block_size) // self.block_size
         if num_full > num_cached:
+            mask = self.retained_blocks(request, num_cached, num_full) if self.thins_caching else None
             self.block_pool.cache_full_blocks(self.req_to_blocks[request_id], block_hashes, num_cached,
-                                              num_full, self.group_id)
+                                              num_full, self.group_id, mask)
         self.num_cached_block[request_id] = max(num_full, num_cached)
+
+    def retained_blocks(self, request: Request, start_block: int, end_block: int) -> list[bool] | None:
+        """Which of the request's blocks ``[start, end)`` enter the prefix cache (None: all)."""
+        return type(self).reachable_block_mask(
+            start_block, end_block, self.cache_hit_alignment_tokens, self.spec, self.retention_interval,
+            reachable_boundaries(request.num_prompt_tokens, request.shared_prefix_boundary))
+
+    @classmethod
+    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int, spec: KVCacheSpec,
+                             retention_interval: int | None, boundaries: Sequence[int],
+                             final_segment_end_block: int | None = None) -> list[bool] | None:
+        """Blocks ``[start, end)`` a later hit can stand on under the retention mode (None:
+        every block). Full attention and chunked local need every block."""
+        return None
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace blocks the request can no longer read with the null block, highest first."""
@@ -301,6 +333,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return (self._leading_nulls(request_id, table) + 1) * self.block_size + self.spec.sliding_window - 1
 
     @classmethod
+    def reachable_block_mask(cls, start_block, end_block, alignment_tokens, spec, retention_interval, boundaries,
+                             final_segment_end_block=None):
+        assert isinstance(spec, SlidingWindowSpec)
+        return sliding_window_mask(start_block, end_block, alignment_tokens, spec.sliding_window, spec.block_size,
+                                   retention_interval, boundaries, final_segment_end_block)
+
+    @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
         assert isinstance(spec, SlidingWindowSpec)
         block_size = spec.block_size
@@ -404,6 +443,11 @@ class MambaManager(SingleTypeKVCacheManager):
         return num_computed_tokens - 1
 
     @classmethod
+    def reachable_block_mask(cls, start_block, end_block, alignment_tokens, spec, retention_interval, boundaries,
+                             final_segment_end_block=None):
+        return mamba_mask(start_block, end_block, alignment_tokens, spec.block_size, retention_interval, boundaries)
+
+    @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, block_pool, spec, alignment_tokens):
         block_size = spec.block_size
         computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
@@ -422,7 +466,7 @@ class MambaManager(SingleTypeKVCacheManager):
         return computed, 0
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                                   num_tokens_main_model, apply_admission_cap=False):
+                                   num_tokens_main_model, apply_admission_cap=False, prefill_end=0):
         if new_computed_blocks and new_computed_blocks[-1].block_hash in self.cached_blocks_this_step:
             # More than the pool holds: the allocation fails and the request waits a step.
             return self.block_pool.num_gpu_blocks + 1
@@ -431,14 +475,18 @@ class MambaManager(SingleTypeKVCacheManager):
                 num_tokens += self.block_size * self.num_speculative_blocks
             return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
                                                       total_computed_tokens, num_tokens_main_model,
-                                                      apply_admission_cap)
+                                                      apply_admission_cap, prefill_end)
         # Align mode ignores lookahead tokens: they would break block alignment.
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         table = self.req_to_blocks.get(request_id)
         num_new = num_required - len(new_computed_blocks) - (len(table) if table else 0)
         checkpoint = 0
         if self.has_prefill_checkpoint_blocks:
-            checkpoint = self._checkpoint_index(request_id, table, total_computed_tokens, num_tokens_main_model) >= 0
+            # Under retention interval 0 only the chunk that ends the prefill reserves one
+            # (prefill_end; 0 otherwise: every chunk), docs/semantics.md#prefix-cache-retention.
+            checkpoint = (num_tokens_main_model >= prefill_end
+                          and self._checkpoint_index(request_id, table, total_computed_tokens,
+                                                     num_tokens_main_model) >= 0)
             # The whole-sequence check only counts; the per-step count decides.
             if not apply_admission_cap:
                 if checkpoint:
@@ -460,7 +508,8 @@ class MambaManager(SingleTypeKVCacheManager):
         """Where the chunk ``[query_start, query_end)`` exports a prefill checkpoint: the
         block before the running state's, holding the state at the last hit-grid boundary
         before ``query_end``; -1 if it exports none. vLLM 0.33 reserves one for every
-        qualifying chunk, not only the prompt's last (dense retention)."""
+        qualifying chunk under dense or periodic retention; under interval 0 the caller
+        asks only for the chunk reaching the prefill end."""
         position = get_mamba_prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens,
                                                          self.drop_eagle_checkpoint_block)
         if not is_mamba_prefill_checkpoint_valid(query_start, query_end, position, self.hash_block_size,
@@ -557,9 +606,10 @@ class MambaManager(SingleTypeKVCacheManager):
                 table[last_idx] = self.null_block
                 self._record_nulled(request_id, (last_idx,))
 
-    def cache_blocks(self, block_hashes, request_id, num_tokens):
+    def cache_blocks(self, block_hashes, request, num_tokens):
+        request_id = request.request_id
         before = self.num_cached_block.get(request_id, 0)
-        super().cache_blocks(block_hashes, request_id, num_tokens)
+        super().cache_blocks(block_hashes, request, num_tokens)
         after = self.num_cached_block[request_id]
         if after > before:
             offers = self.boundary_state_offloads

@@ -504,6 +504,11 @@ class KVCacheConfig:
     num_blocks: int
     groups: tuple[KVCacheGroupSpec, ...]
     hash_block_size: int = field(default=0)
+    # Which sliding-window and Mamba blocks enter the prefix cache (vLLM's resolved
+    # ``prefix_cache_retention_interval``): None caches every full block, as this
+    # dataclass defaults in vLLM; an engine passes its ``CacheConfig`` value, 0 by default
+    # (docs/semantics.md#prefix-cache-retention).
+    prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.num_blocks, int) and self.num_blocks >= 2, "num_blocks",
@@ -511,6 +516,9 @@ class KVCacheConfig:
         require(len(self.groups) > 0, "kv_cache_groups", "at least one group", len(self.groups))
         if not self.hash_block_size:
             object.__setattr__(self, "hash_block_size", min(g.spec.block_size for g in self.groups))
+        interval = self.prefix_cache_retention_interval
+        require(interval is None or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 0),
+                "prefix_cache_retention_interval", "a non-negative integer, or dense", interval)
         for gid, group in enumerate(self.groups):
             require(group.spec.block_size % self.hash_block_size == 0,
                     f"kv_cache_groups[{gid}].block_size",

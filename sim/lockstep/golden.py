@@ -21,6 +21,7 @@ _CONFIG_FIELDS = {
     "long_prefill_token_threshold", "enable_chunked_prefill", "scheduling_policy", "watermark",
     "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo", "async_scheduling",
     "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload", "speculative",
+    "prefix_cache_retention_interval",
 }
 # The ``speculative`` table of a speculative-decoding case (scripts/oracle/gen_spec_golden.py).
 # "eagle", "eagle3", "mtp" (single-module): a draft head with its own KV, k lookahead slots
@@ -107,8 +108,10 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             KVCacheGroupSpec((f"group{i}",), with_speculative_blocks(
                 spec_from_dict(g, block_size=block_size, where=f"kv_cache_groups[{i}]"), num_spec_tokens))
             for i, g in enumerate(groups_raw))
+        retention = _retention(data)
         kv_cache_config = KVCacheConfig(num_blocks=_typed(data, "num_blocks", int, source=source), groups=groups,
-                                        hash_block_size=block_size)
+                                        hash_block_size=block_size,
+                                        prefix_cache_retention_interval=retention if retention != "absent" else None)
         scheduler_config = SchedulerConfig(
             max_model_len=_typed(data, "max_model_len", int, source=source),
             max_num_seqs=_typed(data, "max_num_seqs", int, 128, source=source),
@@ -128,10 +131,25 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
             prefix_caching_hash_algo=hash_algo or _typed(data, "prefix_caching_hash_algo", str, "sha256",
                                                          source=source),
+            **({} if retention == "absent" else {"prefix_cache_retention_interval": retention}),
         )
     except ConfigError as err:
         raise err if err.source else err.with_source(source) from None
     return kv_cache_config, scheduler_config, cache_config, data.get("description", "")
+
+
+def _retention(data: dict) -> int | None | str:
+    """The case's ``prefix_cache_retention_interval``, set on vLLM's ``CacheConfig`` and
+    copied into its ``KVCacheConfig``; ``"absent"`` for a case made before the key existed:
+    a dense GPU cache beside vLLM's ``CacheConfig`` default (0), which only an offload
+    connector reads (docs/semantics.md#prefix-cache-retention)."""
+    if "prefix_cache_retention_interval" not in data:
+        return "absent"
+    value = data["prefix_cache_retention_interval"]
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ConfigError("prefix_cache_retention_interval", "null, 0 or a positive multiple of the block size",
+                          value)
+    return value
 
 
 def _speculative_tokens(data: dict, source: str) -> int:

@@ -28,6 +28,7 @@ from kvtwin.sim.core.config import (
     is_number,
 )
 from kvtwin.sim.core.errors import ConfigError, config_from_table, require
+from kvtwin.sim.core.retention import parse_retention_setting
 from kvtwin.sim.planner.hardware import GIB, GPUSpec
 from kvtwin.sim.planner.models import DTYPE_BYTES, KV_HEAD_KINDS, ModelPreset
 
@@ -58,6 +59,10 @@ class EngineConfig:
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "builtin"
+    # Which sliding-window and Mamba blocks the prefix cache keeps: 0 (vLLM's engine
+    # default: semantic checkpoints only), N (also every N tokens) or "dense" (every block);
+    # docs/semantics.md#prefix-cache-retention.
+    prefix_cache_retention_interval: int | str = 0
     mamba_cache_mode: str | None = None
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
@@ -92,11 +97,20 @@ class EngineConfig:
         if self.hybrid_kv_cache is not None:
             require(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", "true or false", self.hybrid_kv_cache)
         check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
-        check_knobs({name: getattr(self, name) for name in CACHE_KNOBS}, CACHE_KNOBS)
+        # One spelling whatever the source (a flag or a sweep gives digits as text).
+        interval = parse_retention_setting(self.prefix_cache_retention_interval)
+        object.__setattr__(self, "prefix_cache_retention_interval", "dense" if interval is None else interval)
+        check_knobs(self._cache_settings(), CACHE_KNOBS)
         for name in ("activation_peak_bytes", "cuda_graph_bytes", "non_torch_bytes"):
             value = getattr(self, name)
             if value is not None:
                 require(is_int(value) and value >= 0, name, "a non-negative number of bytes", value)
+
+    def _cache_settings(self) -> dict[str, object]:
+        """The ``CacheConfig`` fields as the core takes them (``dense`` is None there)."""
+        values = {name: getattr(self, name) for name in CACHE_KNOBS}
+        values["prefix_cache_retention_interval"] = parse_retention_setting(self.prefix_cache_retention_interval)
+        return values
 
     def resolve(self, model: ModelPreset, gpu: GPUSpec) -> ResolvedEngineConfig:
         """vLLM 0.33's defaults filled in, and the settings checked against the model."""
@@ -123,7 +137,7 @@ class EngineConfig:
         scheduler = SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             **{name: getattr(self, name) for name in SCHEDULER_KNOBS})
-        cache = CacheConfig(**{name: getattr(self, name) for name in CACHE_KNOBS})
+        cache = CacheConfig(**self._cache_settings())
         return ResolvedEngineConfig(
             tensor_parallel_size=tp, user_block_size=self.block_size or DEFAULT_BLOCK_SIZE,
             user_specified_block_size=self.block_size is not None, kv_cache_dtype=self.kv_cache_dtype,

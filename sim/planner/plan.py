@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.core.retention import describe_retention, is_sparse_kind, validate_retention_interval
 from kvtwin.sim.planner.draft_head import DraftHeadShape
 from kvtwin.sim.planner.grouping import Grouping, PlannedGroup, group_layers
 from kvtwin.sim.planner.engine_config import EngineConfig, ResolvedEngineConfig
@@ -251,7 +252,8 @@ class Plan:
             return None
         groups = tuple(KVCacheGroupSpec(g.layer_names, g.spec, g.num_padding_layers) for g in self.groups)
         hash_block_size = reduce(math.gcd, (g.spec.block_size for g in self.groups))
-        return KVCacheConfig(num_blocks=self.num_blocks, groups=groups, hash_block_size=hash_block_size)
+        return KVCacheConfig(num_blocks=self.num_blocks, groups=groups, hash_block_size=hash_block_size,
+                             prefix_cache_retention_interval=self.engine.cache.prefix_cache_retention_interval)
 
     def require_fits(self) -> KVCacheConfig:
         """The layout to run, or a ``ConfigError`` saying what would fit (vLLM refuses to start)."""
@@ -316,6 +318,20 @@ class Plan:
         out.update(spec.describe())
         return out
 
+    @property
+    def thins_prefix_cache(self) -> bool:
+        """Whether the retention setting applies: caching on, and a sliding-window or Mamba group."""
+        return self.engine.enable_prefix_caching and any(is_sparse_kind(g.spec) for g in self.groups)
+
+    @property
+    def retention(self) -> str:
+        """What the prefix cache keeps of this layout, in words (docs/semantics.md#prefix-cache-retention)."""
+        if not self.engine.enable_prefix_caching:
+            return "none (prefix caching off)"
+        if not self.thins_prefix_cache:
+            return "every block (no sliding-window or Mamba group to thin)"
+        return describe_retention(self.engine.cache.prefix_cache_retention_interval)
+
     def to_json(self) -> dict:
         eng = self.engine
         concurrency = self.max_concurrency
@@ -338,6 +354,8 @@ class Plan:
             "async_scheduling": eng.async_scheduling,
             "max_in_flight_tokens": eng.max_in_flight_tokens,
             "enable_prefix_caching": eng.enable_prefix_caching,
+            "prefix_cache_retention_interval": eng.cache.prefix_cache_retention_interval,
+            "prefix_cache_retention": self.retention,
             "mamba_cache_mode": eng.mamba_cache_mode if self.model.state is not None else None,
             "user_block_size": eng.user_block_size,
             "block_size": self.layers.attention_block_size,
@@ -413,6 +431,11 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
                                draft_head=draft_head)
     grouping = group_layers(layers.cached_specs, hybrid_kv_cache=eng.hybrid_kv_cache)
     bytes_per_block = max(g.bytes_per_block for g in grouping.groups)
+    # vLLM refuses a retention interval its layout cannot use when the KV cache manager
+    # starts; the plan refuses it first (docs/semantics.md#retention-setting).
+    validate_retention_interval(eng.cache.prefix_cache_retention_interval,
+                                reduce(math.lcm, (g.spec.block_size for g in grouping.groups)),
+                                [g.spec for g in grouping.groups])
 
     estimate = estimate_memory(model, gpu, tp=eng.tensor_parallel_size,
                                gpu_memory_utilization=eng.gpu_memory_utilization,

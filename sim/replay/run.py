@@ -30,6 +30,7 @@ from kvtwin.sim.core.acceptance import AcceptanceModel
 from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.decode_window import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
+from kvtwin.sim.core.retention import retention_label
 from kvtwin.sim.core.offload.build import DiskTierSpec, OffloadTier, build_offload_tier
 from kvtwin.sim.core.offload.tiered_manager import TimedPromotions
 from kvtwin.sim.core.offload.transfers import TimedTransfers
@@ -286,7 +287,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     steps = metrics.steps_table()
     facts = offload.describe() if offload is not None else None
     summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace, num_replicas=len(engines),
-                        router=router, offload=facts)
+                        router=router, offload=facts, prefix_cache_retention=retention_label(
+                            eng.cache.prefix_cache_retention_interval))
     per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
                                      cluster_summary=summary, offload=facts)
     return ReplayResult(requests, steps, summary, end_s, per_replica)
@@ -308,7 +310,8 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     steps = metrics.steps_table()
     router = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
     summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace,
-                        num_replicas=disaggregation.num_replicas, router=router)
+                        num_replicas=disaggregation.num_replicas, router=router,
+                        prefix_cache_retention=retention_label(plan.engine.cache.prefix_cache_retention_interval))
     for name, value in {**disaggregation.describe(), **pd_summary_columns(requests)}.items():
         summary = summary.append_column(name, pa.array([value]))
     # The balance that means something here: each side's own (requests by prefill and by

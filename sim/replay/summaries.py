@@ -73,7 +73,7 @@ def _saturation(queue_p90_s: float, attainment: float, has_slo: bool, completed:
 
 def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float, *,
               trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin",
-              offload: dict | None = None) -> pa.Table:
+              offload: dict | None = None, prefix_cache_retention: str = "0") -> pa.Table:
     """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms).
 
     ``trace`` is the replayed trace: it gives the requests that never arrived (a time
@@ -82,7 +82,8 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     is computed from the requests' ``replica`` column (``load_imbalance``). With offload
     tiers (the tables have their columns) the offload figures follow
     (``OFFLOAD_SUMMARY_COLUMNS``); ``offload`` is the tiers' settings
-    (``ResolvedOffload.describe()``).
+    (``ResolvedOffload.describe()``). ``prefix_cache_retention`` is the engine's setting as
+    a scenario spells it (``retention_label``: docs/semantics.md#retention-setting).
     """
     status = requests.column("status").to_numpy(zero_copy_only=False)
     done = status == "finished"
@@ -109,7 +110,8 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     last_arrival_s = float(arrival.max()) if arrival.size else 0.0
     row.update(_trace_figures(requests, trace, last_arrival_s, _saturation_of(row, slo, end_time_s, last_arrival_s)))
     row.update({"num_replicas": num_replicas, "router": router,
-                "load_imbalance": load_imbalance(requests, num_replicas)})
+                "load_imbalance": load_imbalance(requests, num_replicas),
+                "prefix_cache_retention": prefix_cache_retention})
     if "accepted_draft_tokens" in requests.column_names:
         row.update(spec_summary(requests))
     if "cpu_hit_tokens" in requests.column_names:
@@ -287,7 +289,7 @@ def load_imbalance(requests: pa.Table, num_replicas: int) -> float:
 
 
 # Cluster-level columns of ``summarize`` that a per-replica row does not repeat.
-_CLUSTER_ONLY = ("num_replicas", "router", "load_imbalance")
+_CLUSTER_ONLY = ("num_replicas", "router", "load_imbalance", "prefix_cache_retention")
 
 
 def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list[array], slo: SLO,

@@ -82,6 +82,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "engine.hybrid_kv_cache": (("--hybrid-kv-cache",), "Hybrid KV cache manager (default: vLLM's per model)."),
     "engine.async_scheduling": (("--async-scheduling",), "Two batches in flight (vLLM default on)."),
     "engine.enable_prefix_caching": (("--enable-prefix-caching", "--prefix-caching"), "Prefix caching (default on)."),
+    "engine.prefix_cache_retention_interval": (("--prefix-cache-retention-interval",),
+                                               "Sliding-window/Mamba prefix-cache checkpoints: 0 (vLLM default: "
+                                               "semantic only), N (also every N tokens) or dense."),
     "engine.mamba_cache_mode": (("--mamba-cache-mode",), "none or align."),
     "engine.mamba_cache_dtype": (("--mamba-cache-dtype",), "Conv state dtype."),
     "engine.mamba_ssm_cache_dtype": (("--mamba-ssm-cache-dtype",), "SSM state dtype."),
@@ -103,6 +106,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
 def _kind_of(annotation: object) -> tuple[str, bool]:
     text = str(annotation)
     optional = "None" in text
+    if "str" in text and ("int" in text or "float" in text):
+        return "str", optional  # a number or a word: its config type reads the text
     for kind in ("bool", "int", "float", "str"):
         if kind in text:
             return kind, optional

@@ -152,14 +152,15 @@ _HYBRIDS = [("gemma-3-12b", 1, 3.0), ("gpt-oss-20b", 1, 0.6), ("mistral-7b-v0.1"
 @settings(max_examples=14, deadline=None)
 @given(seed=st.integers(0, 10_000), hybrid=st.sampled_from(_HYBRIDS), rate_per_s=st.sampled_from([2.0, 8.0, 30.0]),
        kv_scale=st.sampled_from([1.0, 3.0]), policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
-       cut=st.booleans(), budget=st.sampled_from([256, 1024, None]))
+       cut=st.booleans(), budget=st.sampled_from([256, 1024, None]),
+       retention=st.sampled_from([0, 0, "dense", 2048]))
 def test_random_overloads_of_hybrid_layouts_replay_the_same(seed, hybrid, rate_per_s, kv_scale, policy, caching, cut,
-                                                             budget):
+                                                             budget, retention):
     model, tp, kv_gib = hybrid
     planned = plan(get_model(model), get_gpu("h100"),
                    EngineConfig(max_model_len=4096, tensor_parallel_size=tp, kv_cache_memory_bytes=int(kv_scale * kv_gib * 2**30),
                                 max_num_seqs=64, scheduling_policy=policy, enable_prefix_caching=caching,
-                                max_num_batched_tokens=budget))
+                                max_num_batched_tokens=budget, prefix_cache_retention_interval=retention))
     trace = _overload_trace(seed, rate_per_s, 80)
     time_limit_s = None
     if cut:

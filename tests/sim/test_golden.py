@@ -2,6 +2,7 @@
 reproduced exactly: admissions and hits, preemptions, first/finish steps, and per step the
 scheduled tokens, preempted and finished sets, free blocks and cached blocks."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ CASES = sorted(p.name for p in CASES_DIR.iterdir() if (p / "config.json").exists
 # directory may hold more (cases generated with the oracle for further rules).
 PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mamba_align", "multiturn",
                 "no_chunking", "priority", "swa128", "three_groups", "hybrid_priority", "mamba_checkpoint",
-                "async_pressure", "offload_nocache_lru"}
+                "async_pressure", "offload_nocache_lru",
+                # vLLM's engine-default prefix-cache retention (interval 0) and a periodic one.
+                "retention_swa_r0", "retention_mamba_r0", "retention_three_groups_r0_async", "retention_swa_r512"}
 
 
 # Asynchronous scheduling (vLLM's default AsyncScheduler, two batches in flight), produced
@@ -29,6 +32,7 @@ PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mam
 # batches (budget 8192, up to 29 requests and ~3k tokens per batch).
 ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba_align", "async_hybrid_priority",
                "async_priority", "async_no_chunking", "async_multiturn", "async_big_batches",
+               "retention_three_groups_r0_async",
                # vLLM's native CPU offloading under asynchronous scheduling (our own harness,
                # scripts/oracle/gen_offload_golden.py).
                "offload_async_full_lru", "offload_async_swa_arc", "offload_async_mamba_lru",
@@ -64,8 +68,21 @@ SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3"
               # a head's lookahead past the sliding window's admission cap (SWA-BOUND)
               "spec_async_eagle_swa8_budget4_k3"}
 
-def test_all_fourteen_public_golden_cases_are_listed():
-    assert len(PUBLIC_CASES) == 14
+def test_all_eighteen_public_golden_cases_are_listed():
+    assert len(PUBLIC_CASES) == 18
+
+
+def test_a_case_runs_the_retention_its_config_names():
+    """The key sets vLLM's ``CacheConfig`` and ``KVCacheConfig`` alike; a case made before it
+    existed ran a dense GPU cache beside ``CacheConfig``'s default 0, which only an offload
+    connector reads. Every ``retention_*`` case names its interval."""
+    for name in CASES:
+        raw = json.loads((CASES_DIR / name / "config.json").read_text())
+        case = load_case(CASES_DIR / name)
+        assert name.startswith("retention_") <= ("prefix_cache_retention_interval" in raw), name
+        expected = raw.get("prefix_cache_retention_interval")
+        assert case.kv_cache_config.prefix_cache_retention_interval == expected, name
+        assert case.cache_config.prefix_cache_retention_interval == raw.get("prefix_cache_retention_interval", 0)
 
 
 def test_every_public_golden_case_is_present():

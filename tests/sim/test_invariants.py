@@ -12,6 +12,7 @@ The invariants and the tests that check them are listed in ``docs/invariants.md`
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -134,9 +135,16 @@ def scenarios(draw, *, caching: bool | None = None, rejects: bool = True) -> Sce
                      if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align")
     extra = draw(st.sampled_from([0, 1, 2] if burst else [0, 1, 3, 8, worst // 2, 2 * worst]))
     num_blocks = 1 + worst + extra
-    kv = KVCacheConfig(num_blocks=num_blocks, groups=groups, hash_block_size=hash_block_size)
+    # Prefix-cache retention: dense, vLLM's engine default (semantic checkpoints only), or
+    # periodic on the hit grid where a sliding-window or Mamba group can be thinned.
+    thinnable = any(isinstance(g.spec, (SlidingWindowSpec, MambaSpec)) for g in groups)
+    grid = math.lcm(*(g.spec.block_size for g in groups))
+    retention = draw(st.sampled_from([None, 0, 0] + ([grid, 2 * grid, 4 * grid] if thinnable else [])))
+    kv = KVCacheConfig(num_blocks=num_blocks, groups=groups, hash_block_size=hash_block_size,
+                       prefix_cache_retention_interval=retention)
     enable_caching = draw(st.integers(0, 4)) > 0 if caching is None else caching
-    cache = CacheConfig(enable_prefix_caching=enable_caching, prefix_caching_hash_algo="builtin")
+    cache = CacheConfig(enable_prefix_caching=enable_caching, prefix_caching_hash_algo="builtin",
+                        prefix_cache_retention_interval=retention)
 
     # Workload: tokens from a tiny alphabet, shared prefixes and resends, so hits happen.
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))

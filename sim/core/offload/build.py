@@ -48,5 +48,6 @@ def build_offload_tier(kv_cache_config: KVCacheConfig, cache_config: CacheConfig
     manager: CPUOffloadingManager | TieredOffloadingManager = cpu
     if disk is not None:
         manager = TieredOffloadingManager(cpu, disk.num_chunks, policy, disk.promotion, chunk_bytes=disk.chunk_bytes)
-    connector = OffloadingConnector(kv_cache_config, manager, cache_config.enable_prefix_caching, blocks_per_chunk)
+    connector = OffloadingConnector(kv_cache_config, manager, cache_config.enable_prefix_caching, blocks_per_chunk,
+                                    cache_config.prefix_cache_retention_interval)
     return OffloadTier(manager, transfers, connector)

@@ -24,8 +24,8 @@ worker does before that step's forward pass.
 
 Left out, as vLLM's defaults leave them off or our layouts never reach them: partial-tail
 (sub-chunk) hits and stores, synchronous loads within a step, EAGLE drafter groups,
-``max_load_tokens`` / ``max_offload_tokens``, retention intervals other than vLLM's default 0, decode
-context parallelism, cache resets and KV events. Only prompt tokens are offloaded
+``max_load_tokens`` / ``max_offload_tokens``, decode context parallelism, cache resets and KV
+events. Only prompt tokens are offloaded
 (vLLM's ``offload_prompt_only`` default).
 """
 
@@ -33,11 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.hashing import hashes_in_range
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
+from kvtwin.sim.core.managers import manager_class_for
 from kvtwin.sim.core.offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.retention import reachable_boundaries, thins_caching
 from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutput
 from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheSpec,
                                   MambaSpec, SlidingWindowSpec, cdiv)
@@ -151,7 +154,7 @@ class OffloadingConnector:
     supports_divergent_local_hybrid_hits: bool = False
 
     def __init__(self, kv_cache_config: KVCacheConfig, manager, enable_prefix_caching: bool = True,
-                 blocks_per_chunk: int = 1):
+                 blocks_per_chunk: int = 1, retention_interval: int | None = 0):
         self.manager = manager
         # A tier whose lookups are pure and never RETRY scans a prefix in one call (the
         # waiting queue's head is looked up again every step it cannot be admitted).
@@ -186,6 +189,19 @@ class OffloadingConnector:
         mamba_sizes = {c.tokens_per_chunk for c in configs if c.requires_cow_source}
         assert len(mamba_sizes) <= 1
         self._mamba_align_size: int | None = mamba_sizes.pop() if mamba_sizes else None
+        # Which chunks a store offers (docs/semantics.md#prefix-cache-retention): the
+        # engine's ``CacheConfig`` setting, whatever the GPU cache runs. A Mamba group's
+        # states come from the KV cache manager, already thinned by its own retention.
+        self.retention_interval = retention_interval
+        if retention_interval is not None:
+            for c in configs:
+                require(not isinstance(c.spec, SlidingWindowSpec) or retention_interval % c.tokens_per_chunk == 0,
+                        "prefix_cache_retention_interval",
+                        f"a multiple of the offload chunk ({c.tokens_per_chunk} tokens)", retention_interval)
+        alignment = self.alignment_tokens
+        self._thinned_groups = tuple(
+            alignment is not None and not c.requires_cow_source
+            and thins_caching(c.spec, alignment, retention_interval) for c in configs)
 
         self._req_status: dict[str, RequestOffloadState] = {}
         self._jobs: dict[int, TransferJobStatus] = {}
@@ -593,29 +609,25 @@ class OffloadingConnector:
 
     def _reachable_block_mask(self, config: GroupOffloadConfig, start_chunk: int, end_chunk: int,
                               req: Request) -> list[bool] | None:
-        """Which blocks of chunks ``[start, end)`` a later hit can reach (None: all).
-
-        Only a sliding window is sparse: a hit needs the window's blocks before its end.
-        vLLM 0.33 retains windowed history only at semantic boundaries by default
-        (``prefix_cache_retention_interval`` 0): the window before the prompt's last token
-        and before a shared-prefix junction, each on the alignment grid."""
-        spec = config.spec
-        alignment = self.alignment_tokens
-        if not isinstance(spec, SlidingWindowSpec) or alignment is None or alignment % spec.block_size:
+        """Which blocks of chunks ``[start, end)`` a later hit can reach (None: all), as the
+        group's manager decides it for the GPU cache, on the connector's hit grid
+        (docs/semantics.md#prefix-cache-retention). Dense retention keeps the tail of the
+        prompt's last, partial segment (the store horizon: only prompt tokens are stored);
+        sparse retention keeps the semantic checkpoints instead."""
+        if not self._thinned_groups[config.group_idx]:
             return None
+        alignment = self.alignment_tokens
+        assert alignment is not None  # a thinned group has a grid
         per_chunk = self.blocks_per_chunk
-        start_block, end_block = start_chunk * per_chunk, end_chunk * per_chunk
-        need = cdiv(spec.sliding_window - 1, spec.block_size)
-        # Where a later request can resume: the prompt's last token, and where this
-        # request's prefix stops being shared.
-        boundaries = (req.num_prompt_tokens - 1,) + ((req.shared_prefix_boundary,)
-                                                     if req.shared_prefix_boundary else ())
-        mask = [False] * (end_block - start_block)
-        for boundary in boundaries:
-            end = boundary // alignment * alignment // spec.block_size
-            for i in range(max(start_block, end - need), min(end_block, end)):
-                mask[i - start_block] = True
-        return mask
+        interval = self.retention_interval
+        boundaries: tuple[int, ...] = ()
+        horizon: int | None = None
+        if interval is None:
+            horizon = req.num_prompt_tokens // config.tokens_per_chunk * per_chunk
+        else:
+            boundaries = reachable_boundaries(req.num_prompt_tokens, req.shared_prefix_boundary)
+        return manager_class_for(config.spec).reachable_block_mask(
+            start_chunk * per_chunk, end_chunk * per_chunk, alignment, config.spec, interval, boundaries, horizon)
 
     def _build_store_jobs(self, output: SchedulerOutput) -> dict[int, TransferJob]:
         """The store jobs for the prompt chunks this step computes, or that a request
