@@ -31,7 +31,8 @@ the free block count, and every live request's block table (block ids per group;
 prefill request whose blocks wait for the read included).
 
 Usage (the oracle venv's python, PYTHONWARNINGS=ignore):
-  gen_pd_golden.py make [--out DIR]      build the cases, write DIR/<name>.json
+  gen_pd_golden.py make [--out DIR] [--only NAME,...]
+                                         build the cases, write DIR/<name>.json
   gen_pd_golden.py --check FILE ...      re-run, SAME / DIFFERENT
 """
 
@@ -357,6 +358,18 @@ def cases() -> list[dict]:
                       description=f"{name}: 1P1D, NIXL pull, asynchronous scheduling (two batches in "
                                   f"flight), reads land {read_steps} batches after they are issued")
         out.append(dict(name=name, config=config, requests=requests))
+    # Prompts no longer than the backoff: the prefill side keeps them whole and the decode
+    # side loads all of them (one token), then recomputes that token.
+    rng = random.Random(38)
+    requests = [req(rng, f"r{i}", i, [rng.randrange(1000, 60000) for _ in range(n)], rng.randrange(2, 5))
+                for i, n in enumerate((1, 2, 1, 17, 1, 16, 3, 1, 33))]
+    config = dict(vllm_version=base.VLLM_VERSION, block_size=16,
+                  kv_cache_groups=[{"kind": "full_attention"}, {"kind": "mamba", "mamba_cache_mode": "align"}],
+                  prefill_num_blocks=64, decode_num_blocks=64, max_model_len=512, max_num_seqs=4,
+                  max_num_batched_tokens=64, read_steps=1,
+                  description="pd_hybrid_mamba_short_prompts: 1P1D, NIXL pull, synchronous; one-token prompts "
+                              "on a Mamba hybrid (backoff 1)")
+    out.append(dict(name="pd_hybrid_mamba_short_prompts", config=config, requests=requests))
     return out
 
 
@@ -369,6 +382,7 @@ def main(argv=None) -> int:
     ap.add_argument("cmd", nargs="*")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--only", default="", help="make: only these cases (comma-separated names)")
     args = ap.parse_args(argv)
     if args.check:
         bad = 0
@@ -382,7 +396,13 @@ def main(argv=None) -> int:
     if args.cmd != ["make"]:
         ap.error("make, or --check FILE ...")
     os.makedirs(args.out, exist_ok=True)
+    only = {n for n in args.only.split(",") if n}
+    unknown = only - {c["name"] for c in cases()}
+    if unknown:
+        ap.error(f"--only: no case named {sorted(unknown)[0]}")
     for case in cases():
+        if only and case["name"] not in only:
+            continue
         case["expected_ticks"] = runner(case)(case)
         path = os.path.join(args.out, case["name"] + ".json")
         with open(path, "w") as f:

@@ -70,6 +70,16 @@ def prefill_backoff_tokens(kv_cache_config: KVCacheConfig) -> int:
     return 1 if any(isinstance(g.spec, MambaSpec) for g in kv_cache_config.groups) else 0
 
 
+def remote_prefill_tokens(num_prompt_tokens: int, backoff_tokens: int) -> int:
+    """Prompt tokens the decode side loads from the prefill side: all but the trailing
+    ``backoff_tokens``, or the whole prompt when it is no longer than the backoff (the
+    prefill side then keeps it whole too; vLLM ``_get_remote_prefill_token_count``,
+    docs/semantics.md#disaggregated-prefill-and-decode)."""
+    if backoff_tokens > 0 and num_prompt_tokens > backoff_tokens:
+        return num_prompt_tokens - backoff_tokens
+    return num_prompt_tokens
+
+
 def read_blocks_by_group(kv_cache_config: KVCacheConfig, local_hit_tokens: int, num_tokens: int) -> tuple[int, ...]:
     """Blocks of each group a read of tokens ``[local_hit_tokens, num_tokens)`` moves: the
     fresh blocks, clipped as vLLM's ``get_exchange_clipped_blocks`` clips them (a sliding

@@ -13,7 +13,7 @@ import pytest
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, Execution, PDTier
 from kvtwin.sim.core.hashing import TokenPrompt
-from kvtwin.sim.core.pd_connector import PDConnector, StepPDTransfers
+from kvtwin.sim.core.pd_connector import PDConnector, StepPDTransfers, remote_prefill_tokens
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from kvtwin.sim.replay.clock.pd_cluster import truncated_prompt
@@ -121,8 +121,9 @@ def run(case: dict, divergent_hits: bool = True) -> list[dict]:
             p.add_request(Request(r["request_id"], prompt, 1))
         p_record = step(p, model, tick)
         for rid in p_record["finished"]:
-            # vLLM's remote_num_tokens: what the prefill side computed (its prompt, less the backoff).
-            d.pd.connector.expect_remote_prefill(rid, len(prompts[rid]) - d.pd.connector.prefill_backoff_tokens)
+            # What the prefill side computed: the prompt less the backoff, a prompt no longer than it whole.
+            d.pd.connector.expect_remote_prefill(rid, remote_prefill_tokens(len(prompts[rid]),
+                                                                            d.pd.connector.prefill_backoff_tokens))
             d.add_request(Request(rid, TokenPrompt(prompts[rid]), len(outputs[rid])))
         d_record = step(d, model, tick)
         for rid, _ in d_record["reads"]:
@@ -160,7 +161,8 @@ def run_async(case: dict, model: Model, p: EngineCore, d: EngineCore) -> list[di
             arrive(p, pending.pop(0))
         p_record = step_p(model, tick)
         for rid in p_record["finished"]:
-            d.pd.connector.expect_remote_prefill(rid, len(prompts[rid]) - d.pd.connector.prefill_backoff_tokens)
+            d.pd.connector.expect_remote_prefill(rid, remote_prefill_tokens(len(prompts[rid]),
+                                                                            d.pd.connector.prefill_backoff_tokens))
             d.add_request(Request(rid, TokenPrompt(prompts[rid]), len(model.outputs[rid])))
         d_record = step_d(model, tick)
         for rid, _ in d_record["reads"]:
