@@ -39,8 +39,7 @@ from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutput
-from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec,
-                                  SlidingWindowSpec, cdiv)
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec, cdiv
 
 
 class RemoteRead:
@@ -80,22 +79,35 @@ def remote_prefill_tokens(num_prompt_tokens: int, backoff_tokens: int) -> int:
     return num_prompt_tokens
 
 
-def read_blocks_by_group(kv_cache_config: KVCacheConfig, local_hit_tokens: int, num_tokens: int) -> tuple[int, ...]:
-    """Blocks of each group a read of tokens ``[local_hit_tokens, num_tokens)`` moves: the
-    fresh blocks, clipped as vLLM's ``get_exchange_clipped_blocks`` clips them (a sliding
-    window or local-chunk group its window tail plus one, a Mamba group its state block)."""
+def read_blocks_by_group(kv_cache_config: KVCacheConfig, blocks: KVCacheBlocks,
+                         num_external_tokens: int) -> tuple[int, ...]:
+    """Blocks of each group the decode side reads for a request whose admission just
+    loaded ``num_external_tokens`` tokens, ``blocks`` being its whole block table then
+    (docs/semantics.md#disaggregated-prefill-and-decode, "D side, read size").
+
+    The read is what the admission took from the pool: the table's blocks that are
+    neither null nor cached (the local hit is cached; the positions a sliding-window or
+    chunked-local group skipped are null, so a long prompt costs such a group only its
+    window or its current chunk), clipped as vLLM's ``get_exchange_clipped_blocks`` clips
+    them once any group is not full attention (a sliding-window group to its window plus
+    one block, a Mamba group to its state block). Nothing is read without external
+    tokens."""
+    groups = kv_cache_config.groups
+    if num_external_tokens <= 0:
+        return (0,) * len(groups)
+    clips = any(not isinstance(g.spec, FullAttentionSpec) for g in groups)
     counts = []
-    for group in kv_cache_config.groups:
+    for group, table in zip(groups, blocks.blocks):
+        fresh = 0
+        for block in table:
+            if not block.is_null and block.block_hash is None:
+                fresh += 1
         spec = group.spec
-        block_size = spec.block_size
-        fresh = max(cdiv(num_tokens, block_size) - local_hit_tokens // block_size, 0)
-        if isinstance(spec, SlidingWindowSpec):
-            fresh = min(fresh, cdiv(spec.sliding_window, block_size) + 1)
-        elif isinstance(spec, ChunkedLocalAttentionSpec):
-            fresh = min(fresh, cdiv(spec.attention_chunk_size, block_size) + 1)
-        elif isinstance(spec, MambaSpec):
+        if clips and isinstance(spec, SlidingWindowSpec):
+            fresh = min(fresh, cdiv(spec.sliding_window, spec.block_size) + 1)
+        elif clips and isinstance(spec, MambaSpec):
             fresh = min(fresh, 1)
-        counts.append(fresh if num_tokens > local_hit_tokens else 0)
+        counts.append(fresh)
     return tuple(counts)
 
 
@@ -117,8 +129,6 @@ class PDConnector:
         self._block_bytes = group_block_bytes(kv_cache_config)
         # Decode side: request id -> prompt tokens its prefill side computed (to be read).
         self._remote_prefill: dict[str, int] = {}
-        # Decode side: the local hit each remote request was last looked up with.
-        self._local_hit: dict[str, int] = {}
         # Prefill side: requests whose blocks a decode side will read.
         self._remote_decode: set[str] = set()
         # Reads queued since the last step's metadata.
@@ -148,7 +158,6 @@ class PDConnector:
         remote = self._remote_prefill.get(request.request_id)
         if remote is None:
             return 0, False
-        self._local_hit[request.request_id] = num_computed_tokens
         count = remote - num_computed_tokens
         if count > 0:
             return count, True
@@ -161,9 +170,7 @@ class PDConnector:
             return
         # One read per request (vLLM clears do_remote_prefill here); a full local hit
         # still reads nothing, which tells the prefill side to free its blocks.
-        local_hit = self._local_hit.pop(request_id, 0)
-        end = local_hit + num_external_tokens
-        counts = read_blocks_by_group(self.kv_cache_config, local_hit, end)
+        counts = read_blocks_by_group(self.kv_cache_config, blocks, num_external_tokens)
         num_bytes = sum(n * b for n, b in zip(counts, self._block_bytes))
         self._reads.append(RemoteRead(request_id, num_external_tokens, counts, num_bytes))
         if num_external_tokens:

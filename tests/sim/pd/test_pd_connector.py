@@ -9,12 +9,12 @@ from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, PDTier
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.pd_connector import (PDConnector, PDConnectorMetadata, PDLink, PDTransfers,
-                                          prefill_backoff_tokens, read_blocks_by_group, remote_prefill_tokens)
+                                          prefill_backoff_tokens, remote_prefill_tokens)
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
-from kvtwin.sim.core.spec import MambaSpec, SlidingWindowSpec
+from kvtwin.sim.core.spec import MambaSpec
 from kvtwin.sim.replay.clock.pd_cluster import truncated_prompt
 from tests.sim.builders import EchoModel, full, kv_config, tokens
 
@@ -132,13 +132,6 @@ def test_one_read_per_request_even_after_preemption():
     assert connector.get_num_new_matched_tokens(req, 0) == (40, True)
     connector.update_state_after_alloc(req, KVCacheBlocks.empty(1), 40)
     assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
-
-
-def test_read_blocks_are_clipped_like_nixl():
-    config = kv_config(full(), SlidingWindowSpec(block_size=16, sliding_window=32), num_blocks=64)
-    assert read_blocks_by_group(config, 0, 160) == (10, 3)
-    assert read_blocks_by_group(config, 32, 160) == (8, 3)
-    assert read_blocks_by_group(config, 160, 160) == (0, 0)
 
 
 def test_backoff_for_mamba_only():

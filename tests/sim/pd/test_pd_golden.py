@@ -15,7 +15,8 @@ from kvtwin.sim.core.engine import EngineCore, Execution, PDTier
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.pd_connector import PDConnector, StepPDTransfers, remote_prefill_tokens
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                  MambaSpec, SlidingWindowSpec)
 from kvtwin.sim.replay.clock.pd_cluster import truncated_prompt
 
 CASES = sorted((Path(__file__).resolve().parents[2] / "golden" / "pd").glob("*.json"))
@@ -39,6 +40,9 @@ def build(cfg: dict, num_blocks: int) -> EngineCore:
             specs.append(FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8))
         elif g["kind"] == "mamba":
             specs.append(MambaSpec(block_size=bs, shapes=((4, 8),), dtype_bytes=(4,), mamba_cache_mode="align"))
+        elif g["kind"] == "chunked_local":
+            specs.append(ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8,
+                                                   attention_chunk_size=g["attention_chunk_size"]))
         else:
             specs.append(SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=8,
                                            sliding_window=g["sliding_window"]))
