@@ -252,3 +252,43 @@ def test_every_pd_column_is_documented_in_the_schema(pd_result):
                         ("summary", pd_result.summary)):
         missing = [c for c in table.column_names if f"`{c}`" not in schema_doc]
         assert not missing, f"{name} columns missing from reports/SCHEMA.md: {missing}"
+
+
+def test_a_pool_too_small_for_one_request_is_refused_up_front(tmp_path):
+    """The replay path refuses a P/D deployment whose engines' KV cache cannot hold one
+    request of max_model_len with one ``kvtwin: error:`` line and exit code 2 before
+    anything runs, as vLLM refuses to start it (docs/semantics.md#room-for-one-request)."""
+    from typer.testing import CliRunner
+
+    from kvtwin.cli import app
+
+    scenario = tmp_path / "pd.toml"
+    scenario.write_text("""\
+[model]
+preset = "llama-3.1-8b"
+[hardware]
+gpu = "h100"
+[engine]
+max_model_len = 16896
+kv_cache_memory_bytes = 1000000
+[disaggregation]
+prefill_replicas = 1
+decode_replicas = 1
+[workload]
+kind = "chat"
+seed = 3
+num_requests = 10
+block_tokens = 16
+arrival = { process = "poisson", rate_per_s = 1.0 }
+turns = { dist = "zipf", s = 1.2, max = 4 }
+user_tokens = { dist = "lognormal", mean = 300, sigma = 0.5 }
+output_tokens = { dist = "lognormal", mean = 100, sigma = 0.5 }
+turn_gap_s = { dist = "exponential", mean = 10 }
+""")
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["replay", str(scenario), "-q", "--no-report", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error:"), res.output
+    assert "for one request of 16,896 tokens" in lines[0]
+    assert not out.exists()
