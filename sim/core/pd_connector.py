@@ -44,15 +44,18 @@ from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, Sl
 
 class RemoteRead:
     """One read the decode side runs: ``num_tokens`` prompt tokens of ``req_id`` from its
-    prefill replica, ``num_blocks`` blocks per KV cache group, ``num_bytes`` in all."""
+    prefill replica, past the ``hit_tokens`` of its own prefix cache, ``num_blocks``
+    blocks per KV cache group, ``num_bytes`` in all."""
 
-    __slots__ = ("req_id", "num_tokens", "num_blocks", "num_bytes")
+    __slots__ = ("req_id", "num_tokens", "num_blocks", "num_bytes", "hit_tokens")
 
-    def __init__(self, req_id: str, num_tokens: int, num_blocks: tuple[int, ...], num_bytes: int):
+    def __init__(self, req_id: str, num_tokens: int, num_blocks: tuple[int, ...], num_bytes: int,
+                 hit_tokens: int = 0):
         self.req_id = req_id
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks
         self.num_bytes = num_bytes
+        self.hit_tokens = hit_tokens
 
 
 class PDConnectorMetadata(KVConnectorMetadata):
@@ -129,6 +132,9 @@ class PDConnector:
         self._block_bytes = group_block_bytes(kv_cache_config)
         # Decode side: request id -> prompt tokens its prefill side computed (to be read).
         self._remote_prefill: dict[str, int] = {}
+        # Decode side: the local hit each remote request was last looked up with (the
+        # read's metrics; the admission that follows reports none, its tokens computed).
+        self._local_hit: dict[str, int] = {}
         # Prefill side: requests whose blocks a decode side will read.
         self._remote_decode: set[str] = set()
         # Reads queued since the last step's metadata.
@@ -158,6 +164,7 @@ class PDConnector:
         remote = self._remote_prefill.get(request.request_id)
         if remote is None:
             return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
         count = remote - num_computed_tokens
         if count > 0:
             return count, True
@@ -172,7 +179,8 @@ class PDConnector:
         # still reads nothing, which tells the prefill side to free its blocks.
         counts = read_blocks_by_group(self.kv_cache_config, blocks, num_external_tokens)
         num_bytes = sum(n * b for n, b in zip(counts, self._block_bytes))
-        self._reads.append(RemoteRead(request_id, num_external_tokens, counts, num_bytes))
+        self._reads.append(RemoteRead(request_id, num_external_tokens, counts, num_bytes,
+                                      self._local_hit.pop(request_id, 0)))
         if num_external_tokens:
             self.receiving.add(request_id)
 
@@ -197,6 +205,7 @@ class PDConnector:
         request_id = request.request_id
         if request_id not in self._remote_decode:
             self._remote_prefill.pop(request_id, None)
+            self._local_hit.pop(request_id, None)
             return False
         self._remote_decode.discard(request_id)
         if request.num_computed_tokens <= 0:

@@ -127,6 +127,7 @@ def test_read_is_what_the_admission_took(specs):
             read, taken = read_of(engine, specs, request_id, prompt)
             num_tokens = remote_prefill_tokens(len(prompt), engine.pd.connector.prefill_backoff_tokens)
             hit = num_tokens - read.num_tokens
+            assert read.hit_tokens == hit or not read.num_tokens
             assert hit == min(hit_blocks * BS, (len(prompt) - 1) // BS * BS) or any(
                 isinstance(s, MambaSpec) for s in specs), (hit_blocks, length, hit)
             expected = expected_counts(specs, hit, num_tokens)
