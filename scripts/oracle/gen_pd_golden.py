@@ -31,7 +31,8 @@ the free block count, and every live request's block table (block ids per group;
 prefill request whose blocks wait for the read included).
 
 Usage (the oracle venv's python, PYTHONWARNINGS=ignore):
-  gen_pd_golden.py make [--out DIR]      build the cases, write DIR/<name>.json
+  gen_pd_golden.py make [--out DIR] [--only NAME,...]
+                                         build the cases, write DIR/<name>.json
   gen_pd_golden.py --check FILE ...      re-run, SAME / DIFFERENT
 """
 
@@ -58,16 +59,31 @@ from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_has
                                          resolve_kv_cache_block_sizes)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 
+def build_groups(group_cfgs: list[dict], block_size: int) -> list:
+    """``gen_offload_golden.build_groups``, plus ``"kind": "chunked_local"`` groups (with
+    ``attention_chunk_size``; same page as the other attention groups)."""
+    groups = []
+    for i, g in enumerate(group_cfgs):
+        if g.get("kind") == "chunked_local":
+            spec = ChunkedLocalAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
+                                             dtype=base.torch.float16,
+                                             attention_chunk_size=int(g["attention_chunk_size"]))
+        else:
+            spec = base.build_groups([g], block_size)[0].kv_cache_spec
+        groups.append(KVCacheGroupSpec(layer_names=[f"layer{i}"], kv_cache_spec=spec))
+    return groups
+
+
 def build(cfg: dict, num_blocks: int, engine_id: str):
     """One engine's scheduler with the NIXL connector's scheduler half."""
     bs = int(cfg["block_size"])
-    groups = base.build_groups(cfg["kv_cache_groups"], bs)
+    groups = build_groups(cfg["kv_cache_groups"], bs)
     model_config = ModelConfig(model=base.tiny_model_dir(), skip_tokenizer_init=True,
                                max_model_len=int(cfg["max_model_len"]), dtype="float16")
     cache_config = CacheConfig(block_size=bs, enable_prefix_caching=True, prefix_caching_hash_algo="sha256")
@@ -357,6 +373,46 @@ def cases() -> list[dict]:
                       description=f"{name}: 1P1D, NIXL pull, asynchronous scheduling (two batches in "
                                   f"flight), reads land {read_steps} batches after they are issued")
         out.append(dict(name=name, config=config, requests=requests))
+    # Read sizes: a decode side whose own cache hits prefixes of several lengths (earlier
+    # requests' prompts, cached once their reads landed), prompts of every length up to
+    # ten blocks past them, against windows and chunks of several sizes; the last case
+    # adds a Mamba group, whose per-group local hits let the sliding window's hit lag.
+    for name, groups, seed in (
+            ("pd_swa8_reads", [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 8}], 31),
+            ("pd_swa24_reads", [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 24}], 32),
+            ("pd_swa40_reads", [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 40}], 33),
+            ("pd_swa64_reads", [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 64}], 34),
+            ("pd_chunked32_reads", [{"kind": "full_attention"}, {"kind": "chunked_local", "attention_chunk_size": 32}],
+             35),
+            ("pd_chunked40_reads", [{"kind": "full_attention"}, {"kind": "chunked_local", "attention_chunk_size": 40}],
+             36),
+            ("pd_swa32_mamba_reads", [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 32},
+                                      {"kind": "mamba", "mamba_cache_mode": "align"}], 37)):
+        rng = random.Random(seed)
+        system = [rng.randrange(1000, 60000) for _ in range(160)]
+        requests = []
+        for i in range(16):
+            shared = system[:16 * rng.randrange(0, 11)]
+            prompt = shared + [rng.randrange(1000, 60000) for _ in range(rng.randrange(1, 60))]
+            requests.append(req(rng, f"r{i}", 3 * i, prompt, rng.randrange(2, 5)))
+        config = dict(vllm_version=base.VLLM_VERSION, block_size=16, kv_cache_groups=groups,
+                      prefill_num_blocks=128, decode_num_blocks=128, max_model_len=512,
+                      max_num_seqs=4, max_num_batched_tokens=64, read_steps=1,
+                      description=f"{name}: 1P1D, NIXL pull, synchronous; the blocks each read moves "
+                                  "past the decode side's own hit and skipped prefix")
+        out.append(dict(name=name, config=config, requests=requests))
+    # Prompts no longer than the backoff: the prefill side keeps them whole and the decode
+    # side loads all of them (one token), then recomputes that token.
+    rng = random.Random(38)
+    requests = [req(rng, f"r{i}", i, [rng.randrange(1000, 60000) for _ in range(n)], rng.randrange(2, 5))
+                for i, n in enumerate((1, 2, 1, 17, 1, 16, 3, 1, 33))]
+    config = dict(vllm_version=base.VLLM_VERSION, block_size=16,
+                  kv_cache_groups=[{"kind": "full_attention"}, {"kind": "mamba", "mamba_cache_mode": "align"}],
+                  prefill_num_blocks=64, decode_num_blocks=64, max_model_len=512, max_num_seqs=4,
+                  max_num_batched_tokens=64, read_steps=1,
+                  description="pd_hybrid_mamba_short_prompts: 1P1D, NIXL pull, synchronous; one-token prompts "
+                              "on a Mamba hybrid (backoff 1)")
+    out.append(dict(name="pd_hybrid_mamba_short_prompts", config=config, requests=requests))
     return out
 
 
@@ -369,6 +425,7 @@ def main(argv=None) -> int:
     ap.add_argument("cmd", nargs="*")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--only", default="", help="make: only these cases (comma-separated names)")
     args = ap.parse_args(argv)
     if args.check:
         bad = 0
@@ -382,7 +439,13 @@ def main(argv=None) -> int:
     if args.cmd != ["make"]:
         ap.error("make, or --check FILE ...")
     os.makedirs(args.out, exist_ok=True)
+    only = {n for n in args.only.split(",") if n}
+    unknown = only - {c["name"] for c in cases()}
+    if unknown:
+        ap.error(f"--only: no case named {sorted(unknown)[0]}")
     for case in cases():
+        if only and case["name"] not in only:
+            continue
         case["expected_ticks"] = runner(case)(case)
         path = os.path.join(args.out, case["name"] + ".json")
         with open(path, "w") as f:

@@ -28,6 +28,7 @@ from typing import Protocol
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine_stats import EngineStats, offload_tier_counters, pool_stats
+from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.offload.build import OffloadTier
 from kvtwin.sim.core.pd_connector import PDConnector, PDTransfers, StepPDTransfers
@@ -196,15 +197,32 @@ class EngineCore:
             return self._reject(request, "exceeds_max_model_len",
                                 f"prompt + output = {total_tokens} tokens exceeds max_model_len {max_model_len}")
         # vLLM would keep such a request at the head of the queue forever.
-        kv_cache_manager = self.kv_cache_manager
-        needed = kv_cache_manager.coordinator.get_num_blocks_to_allocate(
-            request.request_id, total_tokens, kv_cache_manager.empty_blocks, 0, total_tokens, True,
-            request.num_prompt_tokens)
-        usable = kv_cache_manager.block_pool.num_gpu_blocks - 1
+        needed = self.blocks_to_hold(total_tokens, request.request_id)
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         if needed > usable:
             return self._reject(request, "exceeds_kv_pool", f"needs {needed} KV blocks, more than the pool's {usable}")
         self.scheduler.add_request(request)
         return True
+
+    def blocks_to_hold(self, num_tokens: int, request_id: str = "") -> int:
+        """Blocks a new request of ``num_tokens`` tokens (prompt and output), nothing of it
+        cached, takes from the pool at most: the whole sequence under the sliding-window
+        and chunked admission caps, as admission checks it (docs/semantics.md#allocate-slots)."""
+        kv_cache_manager = self.kv_cache_manager
+        return kv_cache_manager.coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens, kv_cache_manager.empty_blocks, 0, num_tokens, apply_admission_cap=True)
+
+    def require_pool_holds(self, num_tokens: int, field: str) -> None:
+        """Refuse with a ``ConfigError`` on ``field`` a pool that cannot hold one request of
+        ``num_tokens`` tokens besides the null block: every such request would be rejected
+        (in vLLM, wait forever), so the configuration is refused before anything runs, as
+        vLLM refuses to start without room for one request of ``max_model_len``
+        (docs/semantics.md#room-for-one-request)."""
+        needed = self.blocks_to_hold(num_tokens)
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        require(needed <= usable, field,
+                f"a KV pool that holds one request of {num_tokens} tokens ({needed} blocks besides the null block)",
+                usable)
 
     def _reject(self, request: Request, code: str, detail: str) -> bool:
         request.status = RequestStatus.REJECTED

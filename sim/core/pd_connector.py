@@ -39,21 +39,23 @@ from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutput
-from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec,
-                                  SlidingWindowSpec, cdiv)
+from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec, cdiv
 
 
 class RemoteRead:
     """One read the decode side runs: ``num_tokens`` prompt tokens of ``req_id`` from its
-    prefill replica, ``num_blocks`` blocks per KV cache group, ``num_bytes`` in all."""
+    prefill replica, past the ``hit_tokens`` of its own prefix cache, ``num_blocks``
+    blocks per KV cache group, ``num_bytes`` in all."""
 
-    __slots__ = ("req_id", "num_tokens", "num_blocks", "num_bytes")
+    __slots__ = ("req_id", "num_tokens", "num_blocks", "num_bytes", "hit_tokens")
 
-    def __init__(self, req_id: str, num_tokens: int, num_blocks: tuple[int, ...], num_bytes: int):
+    def __init__(self, req_id: str, num_tokens: int, num_blocks: tuple[int, ...], num_bytes: int,
+                 hit_tokens: int = 0):
         self.req_id = req_id
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks
         self.num_bytes = num_bytes
+        self.hit_tokens = hit_tokens
 
 
 class PDConnectorMetadata(KVConnectorMetadata):
@@ -70,22 +72,45 @@ def prefill_backoff_tokens(kv_cache_config: KVCacheConfig) -> int:
     return 1 if any(isinstance(g.spec, MambaSpec) for g in kv_cache_config.groups) else 0
 
 
-def read_blocks_by_group(kv_cache_config: KVCacheConfig, local_hit_tokens: int, num_tokens: int) -> tuple[int, ...]:
-    """Blocks of each group a read of tokens ``[local_hit_tokens, num_tokens)`` moves: the
-    fresh blocks, clipped as vLLM's ``get_exchange_clipped_blocks`` clips them (a sliding
-    window or local-chunk group its window tail plus one, a Mamba group its state block)."""
+def remote_prefill_tokens(num_prompt_tokens: int, backoff_tokens: int) -> int:
+    """Prompt tokens the decode side loads from the prefill side: all but the trailing
+    ``backoff_tokens``, or the whole prompt when it is no longer than the backoff (the
+    prefill side then keeps it whole too; vLLM ``_get_remote_prefill_token_count``,
+    docs/semantics.md#disaggregated-prefill-and-decode)."""
+    if backoff_tokens > 0 and num_prompt_tokens > backoff_tokens:
+        return num_prompt_tokens - backoff_tokens
+    return num_prompt_tokens
+
+
+def read_blocks_by_group(kv_cache_config: KVCacheConfig, blocks: KVCacheBlocks,
+                         num_external_tokens: int) -> tuple[int, ...]:
+    """Blocks of each group the decode side reads for a request whose admission just
+    loaded ``num_external_tokens`` tokens, ``blocks`` being its whole block table then
+    (docs/semantics.md#disaggregated-prefill-and-decode, "D side, read size").
+
+    The read is what the admission took from the pool: the table's blocks that are
+    neither null nor cached (the local hit is cached; the positions a sliding-window or
+    chunked-local group skipped are null, so a long prompt costs such a group only its
+    window or its current chunk), clipped as vLLM's ``get_exchange_clipped_blocks`` clips
+    them once any group is not full attention (a sliding-window group to its window plus
+    one block, a Mamba group to its state block). Nothing is read without external
+    tokens."""
+    groups = kv_cache_config.groups
+    if num_external_tokens <= 0:
+        return (0,) * len(groups)
+    clips = any(not isinstance(g.spec, FullAttentionSpec) for g in groups)
     counts = []
-    for group in kv_cache_config.groups:
+    for group, table in zip(groups, blocks.blocks):
+        fresh = 0
+        for block in table:
+            if not block.is_null and block.block_hash is None:
+                fresh += 1
         spec = group.spec
-        block_size = spec.block_size
-        fresh = max(cdiv(num_tokens, block_size) - local_hit_tokens // block_size, 0)
-        if isinstance(spec, SlidingWindowSpec):
-            fresh = min(fresh, cdiv(spec.sliding_window, block_size) + 1)
-        elif isinstance(spec, ChunkedLocalAttentionSpec):
-            fresh = min(fresh, cdiv(spec.attention_chunk_size, block_size) + 1)
-        elif isinstance(spec, MambaSpec):
+        if clips and isinstance(spec, SlidingWindowSpec):
+            fresh = min(fresh, cdiv(spec.sliding_window, spec.block_size) + 1)
+        elif clips and isinstance(spec, MambaSpec):
             fresh = min(fresh, 1)
-        counts.append(fresh if num_tokens > local_hit_tokens else 0)
+        counts.append(fresh)
     return tuple(counts)
 
 
@@ -107,7 +132,8 @@ class PDConnector:
         self._block_bytes = group_block_bytes(kv_cache_config)
         # Decode side: request id -> prompt tokens its prefill side computed (to be read).
         self._remote_prefill: dict[str, int] = {}
-        # Decode side: the local hit each remote request was last looked up with.
+        # Decode side: the local hit each remote request was last looked up with (the
+        # read's metrics; the admission that follows reports none, its tokens computed).
         self._local_hit: dict[str, int] = {}
         # Prefill side: requests whose blocks a decode side will read.
         self._remote_decode: set[str] = set()
@@ -151,11 +177,10 @@ class PDConnector:
             return
         # One read per request (vLLM clears do_remote_prefill here); a full local hit
         # still reads nothing, which tells the prefill side to free its blocks.
-        local_hit = self._local_hit.pop(request_id, 0)
-        end = local_hit + num_external_tokens
-        counts = read_blocks_by_group(self.kv_cache_config, local_hit, end)
+        counts = read_blocks_by_group(self.kv_cache_config, blocks, num_external_tokens)
         num_bytes = sum(n * b for n, b in zip(counts, self._block_bytes))
-        self._reads.append(RemoteRead(request_id, num_external_tokens, counts, num_bytes))
+        self._reads.append(RemoteRead(request_id, num_external_tokens, counts, num_bytes,
+                                      self._local_hit.pop(request_id, 0)))
         if num_external_tokens:
             self.receiving.add(request_id)
 
@@ -180,6 +205,7 @@ class PDConnector:
         request_id = request.request_id
         if request_id not in self._remote_decode:
             self._remote_prefill.pop(request_id, None)
+            self._local_hit.pop(request_id, None)
             return False
         self._remote_decode.discard(request_id)
         if request.num_computed_tokens <= 0:

@@ -87,7 +87,7 @@ class _OffloadRecord:
 class _PDRecord:
     """A disaggregated request's prefill side and the read of its KV."""
 
-    __slots__ = ("prefill_replica", "prefill", "prefill_finish_s", "transfer_bytes", "transfer_s")
+    __slots__ = ("prefill_replica", "prefill", "prefill_finish_s", "transfer_bytes", "transfer_s", "decode_hit_tokens")
 
     def __init__(self, prefill_replica: int, prefill: _RequestRecord):
         self.prefill_replica = prefill_replica
@@ -95,6 +95,9 @@ class _PDRecord:
         self.prefill_finish_s = math.nan
         self.transfer_bytes = 0
         self.transfer_s = math.nan
+        # The decode side's own hit when its read loaded tokens (None: no load, and its
+        # admission's hit is the one).
+        self.decode_hit_tokens: int | None = None
 
 
 # Per-step offload columns (``reports/SCHEMA.md``): counter deltas of the step, except the
@@ -246,11 +249,14 @@ class MetricsRecorder:
     def prefill_done(self, request_id: str, end_s: float) -> None:
         self._pd[request_id].prefill_finish_s = end_s
 
-    def pd_transfer(self, request_id: str, num_bytes: int, seconds: float) -> None:
-        """The decode side's read of a request's KV: its bytes (every worker) and seconds."""
+    def pd_transfer(self, request_id: str, num_bytes: int, seconds: float, hit_tokens: int | None = None) -> None:
+        """The decode side's read of a request's KV: its bytes (every worker) and seconds,
+        and the decode side's own prefix hit it starts after when it loads tokens (the
+        request is admitted after the load, its tokens computed, with no hit of its own)."""
         pd = self._pd[request_id]
         pd.transfer_bytes = num_bytes
         pd.transfer_s = seconds
+        pd.decode_hit_tokens = hit_tokens
 
     def rejected(self, request: Request, rejection: Rejection) -> None:
         record = self.records[request.request_id]
@@ -570,7 +576,9 @@ class MetricsRecorder:
         columns are the prefill side's (where the prompt is computed); the decode side's
         own first hit is ``decode_prefix_hit_tokens``."""
         pds = [self._pd.get(r.request_id) for r in rows]
-        decode_hits = table.column("prefix_hit_tokens")
+        admission_hits = table.column("prefix_hit_tokens").to_pylist()
+        decode_hits = pa.array([p.decode_hit_tokens if p is not None and p.decode_hit_tokens is not None else hit
+                                for p, hit in zip(pds, admission_hits)], pa.int64())
         for name, attr in (("prefix_hit_tokens", "hit_tokens"), ("prefix_cache_queries", "queried_tokens"),
                            ("prefix_cache_hits", "hit_tokens_total")):
             values = [getattr(p.prefill, attr) if p else 0 for p in pds]

@@ -215,14 +215,21 @@ def test_outputs_have_the_pd_columns(pd_result):
 
 def test_transfer_bytes_are_every_layer_of_the_prompt(pd_result):
     # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x (K and V) x 2 bytes per token, in whole
-    # 16-token blocks past the decode side's own hit (none here: one decode replica
-    # starts cold, then hits its own earlier decodes' prompts).
+    # 16-token blocks past the decode side's own hit (none for the first request: one
+    # decode replica starts cold, then hits its own earlier decodes' prompts).
     requests = pd_result.requests.to_pydict()
     per_token = 32 * 8 * 128 * 2 * 2
-    first = 0
-    blocks = math.ceil(requests["prompt_tokens"][first] / 16)
-    assert requests["decode_prefix_hit_tokens"][first] == 0
-    assert requests["transfer_bytes"][first] == blocks * 16 * per_token
+    assert requests["decode_prefix_hit_tokens"][0] == 0
+    hits = 0
+    for i, status in enumerate(requests["status"]):
+        if status != "finished":
+            continue
+        hit = requests["decode_prefix_hit_tokens"][i]
+        assert hit % 16 == 0 and hit < requests["prompt_tokens"][i]
+        blocks = math.ceil(requests["prompt_tokens"][i] / 16) - hit // 16
+        assert requests["transfer_bytes"][i] == blocks * 16 * per_token, i
+        hits += hit > 0
+    assert hits > 10  # the decode side's own hits are reported (they used to read 0)
 
 
 def test_deterministic(chat):
@@ -252,3 +259,72 @@ def test_every_pd_column_is_documented_in_the_schema(pd_result):
                         ("summary", pd_result.summary)):
         missing = [c for c in table.column_names if f"`{c}`" not in schema_doc]
         assert not missing, f"{name} columns missing from reports/SCHEMA.md: {missing}"
+
+
+def test_a_pool_too_small_for_one_request_is_refused_up_front(tmp_path):
+    """The replay path refuses a P/D deployment whose engines' KV cache cannot hold one
+    request of max_model_len with one ``kvtwin: error:`` line and exit code 2 before
+    anything runs, as vLLM refuses to start it (docs/semantics.md#room-for-one-request)."""
+    from typer.testing import CliRunner
+
+    from kvtwin.cli import app
+
+    scenario = tmp_path / "pd.toml"
+    scenario.write_text("""\
+[model]
+preset = "llama-3.1-8b"
+[hardware]
+gpu = "h100"
+[engine]
+max_model_len = 16896
+kv_cache_memory_bytes = 1000000
+[disaggregation]
+prefill_replicas = 1
+decode_replicas = 1
+[workload]
+kind = "chat"
+seed = 3
+num_requests = 10
+block_tokens = 16
+arrival = { process = "poisson", rate_per_s = 1.0 }
+turns = { dist = "zipf", s = 1.2, max = 4 }
+user_tokens = { dist = "lognormal", mean = 300, sigma = 0.5 }
+output_tokens = { dist = "lognormal", mean = 100, sigma = 0.5 }
+turn_gap_s = { dist = "exponential", mean = 10 }
+""")
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["replay", str(scenario), "-q", "--no-report", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error:"), res.output
+    assert "for one request of 16,896 tokens" in lines[0]
+    assert not out.exists()
+
+
+def test_transfer_bytes_of_a_sliding_window_model():
+    """gpt-oss-20b (full attention and a 128-token window): each read moves, per group,
+    the blocks the decode side's admission allocated past its own hit, the window's group
+    none of the prefix it skips (docs/semantics.md#disaggregated-prefill-and-decode), so
+    a long prompt's window group reads 8 or 9 blocks as its length falls on the grid."""
+    from kvtwin.sim.core.pd_connector import group_block_bytes
+    from kvtwin.sim.planner.engine_config import EngineConfig
+    from kvtwin.sim.planner.models import get_model
+    from kvtwin.sim.planner.plan import plan as make_plan
+    from kvtwin.sim.replay.pd_run import link_copies
+    from tests.sim.pd.test_pd_reads import expected_counts
+
+    gpt_oss = make_plan(get_model("gpt-oss-20b"), get_gpu("h100"), EngineConfig(max_model_len=16896))
+    config = gpt_oss.require_fits()
+    specs = [g.spec for g in config.groups]
+    assert any(getattr(s, "sliding_window", None) == 128 for s in specs)
+    block_bytes = group_block_bytes(config)
+    result = run_replay(gpt_oss, chat_trace(40), disaggregation=Disaggregation())
+    requests = result.requests.to_pydict()
+    window_blocks = set()
+    for i, status in enumerate(requests["status"]):
+        assert status == "finished"
+        counts = expected_counts(specs, requests["decode_prefix_hit_tokens"][i], requests["prompt_tokens"][i])
+        expected = link_copies(gpt_oss) * sum(n * b for n, b in zip(counts, block_bytes))
+        assert requests["transfer_bytes"][i] == expected, i
+        window_blocks |= {n for n, s in zip(counts, specs) if getattr(s, "sliding_window", None)}
+    assert {8, 9} <= window_blocks

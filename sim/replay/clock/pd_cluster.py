@@ -189,7 +189,8 @@ class PDCluster:
         """A decode worker issued its read of a request's blocks: the prefill side learns
         when it lands (and frees them then)."""
         flight = self._by_id.pop(read.req_id)
-        self.recorder.pd_transfer(read.req_id, read.num_bytes * self.copies, done_s - issued_s)
+        self.recorder.pd_transfer(read.req_id, read.num_bytes * self.copies, done_s - issued_s,
+                                  read.hit_tokens if read.num_tokens else None)
         self._send_done(flight, done_s)
 
     def _send_done(self, flight: _InFlight, at_s: float) -> None:

@@ -9,12 +9,13 @@ from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, PDTier
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.pd_connector import (PDConnector, PDConnectorMetadata, PDLink, PDTransfers,
-                                          prefill_backoff_tokens, read_blocks_by_group)
+                                          prefill_backoff_tokens, remote_prefill_tokens)
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
-from kvtwin.sim.core.spec import MambaSpec, SlidingWindowSpec
+from kvtwin.sim.core.spec import MambaSpec
+from kvtwin.sim.replay.clock.pd_cluster import truncated_prompt
 from tests.sim.builders import EchoModel, full, kv_config, tokens
 
 
@@ -133,17 +134,19 @@ def test_one_read_per_request_even_after_preemption():
     assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
-def test_read_blocks_are_clipped_like_nixl():
-    config = kv_config(full(), SlidingWindowSpec(block_size=16, sliding_window=32), num_blocks=64)
-    assert read_blocks_by_group(config, 0, 160) == (10, 3)
-    assert read_blocks_by_group(config, 32, 160) == (8, 3)
-    assert read_blocks_by_group(config, 160, 160) == (0, 0)
-
-
 def test_backoff_for_mamba_only():
     assert prefill_backoff_tokens(kv_config(full())) == 0
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtype_bytes=(2,))
     assert prefill_backoff_tokens(kv_config(full(), mamba)) == 1
+
+
+def test_a_prompt_no_longer_than_the_backoff_is_loaded_whole():
+    """vLLM's decode side loads the prompt less the backoff, or all of it when it is no
+    longer than the backoff, as the prefill side then computes it whole."""
+    assert [remote_prefill_tokens(n, 1) for n in (1, 2, 3, 17)] == [1, 1, 2, 16]
+    assert [remote_prefill_tokens(n, 0) for n in (1, 2)] == [1, 2]
+    for n in (1, 2, 3):
+        assert truncated_prompt(TokenPrompt(tokens(0, n)), 1).num_tokens == remote_prefill_tokens(n, 1)
 
 
 def test_link_is_fifo():
