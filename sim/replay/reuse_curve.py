@@ -37,8 +37,11 @@ report of the bundled traces, ``bench/bench_capacity.py``):
   requests that arrived later.
 * Sliding-window and chunked-local groups free blocks outside their window while a request
   runs and only cache what is still held; Mamba groups cache a state per block boundary
-  only in ``align`` mode. This curve models a single full-attention group; for hybrid
-  models read it as the full-attention group's hit rate, an upper bound on the model's.
+  only in ``align`` mode; and under vLLM's default prefix-cache retention (interval 0) both
+  cache only the blocks a hit at a prompt's end or at a shared-prefix junction needs
+  (docs/semantics.md#prefix-cache-retention). This curve models a single full-attention
+  group; for hybrid models read it as the full-attention group's hit rate, an upper bound
+  on the model's.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ model's general form, to the bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 from dataclasses import astuple
 
@@ -153,14 +155,19 @@ _HYBRIDS = [("gemma-3-12b", 1, 3.0), ("gpt-oss-20b", 1, 0.6), ("mistral-7b-v0.1"
 @given(seed=st.integers(0, 10_000), hybrid=st.sampled_from(_HYBRIDS), rate_per_s=st.sampled_from([2.0, 8.0, 30.0]),
        kv_scale=st.sampled_from([1.0, 3.0]), policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
        cut=st.booleans(), budget=st.sampled_from([256, 1024, None]),
-       retention=st.sampled_from([0, 0, "dense", 2048]))
+       retention=st.sampled_from([0, 0, "dense", "periodic"]))
 def test_random_overloads_of_hybrid_layouts_replay_the_same(seed, hybrid, rate_per_s, kv_scale, policy, caching, cut,
                                                              budget, retention):
     model, tp, kv_gib = hybrid
-    planned = plan(get_model(model), get_gpu("h100"),
-                   EngineConfig(max_model_len=4096, tensor_parallel_size=tp, kv_cache_memory_bytes=int(kv_scale * kv_gib * 2**30),
-                                max_num_seqs=64, scheduling_policy=policy, enable_prefix_caching=caching,
-                                max_num_batched_tokens=budget, prefix_cache_retention_interval=retention))
+    engine = EngineConfig(max_model_len=4096, tensor_parallel_size=tp, kv_cache_memory_bytes=int(kv_scale * kv_gib * 2**30),
+                          max_num_seqs=64, scheduling_policy=policy, enable_prefix_caching=caching,
+                          max_num_batched_tokens=budget)
+    planned = plan(get_model(model), get_gpu("h100"), engine)
+    if retention != 0:
+        # A periodic interval must land on the layout's hit grid (twice it here).
+        interval = 2 * planned.to_json()["scheduler_block_size"] if retention == "periodic" else retention
+        planned = plan(get_model(model), get_gpu("h100"),
+                       dataclasses.replace(engine, prefix_cache_retention_interval=interval))
     trace = _overload_trace(seed, rate_per_s, 80)
     time_limit_s = None
     if cut:
