@@ -42,8 +42,8 @@ from kvtwin.sim.core.kv_connector_state import KVConnectorState
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, get_mamba_prefill_checkpoint_position,
-                                  is_mamba_prefill_checkpoint_valid)
+from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, SlidingWindowSpec,
+                                  get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid)
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
@@ -114,6 +114,14 @@ class Scheduler:
             require(connector is None, "num_speculative_tokens", "0 with a KV offload tier (not modelled yet)",
                     self.num_spec_tokens)
             self._check_draft_head(kv_cache_config, cache_config, mamba_specs)
+        # vLLM's planner retains a multi-module MTP drafter's re-prefillable tail below every
+        # sliding window (docs/semantics.md#sliding-window): a layout built for another
+        # drafter would free window blocks at other steps.
+        extra_retained = max(0, scheduler_config.num_prefill_lookahead_tokens - 1)
+        windows = [g.spec for g in kv_cache_config.groups if isinstance(g.spec, SlidingWindowSpec)]
+        require(all(s.extra_retained_tokens == extra_retained for s in windows), "extra_retained_tokens",
+                f"{extra_retained} (num_prefill_lookahead_tokens - 1, at least 0) on every sliding-window KV cache "
+                "group", [s.extra_retained_tokens for s in windows])
         # Multi-module MTP: no prefill chunk ends within this many tokens of the prefill end
         # (0: the rule is off; vLLM's rule changes nothing for a lookahead of 1).
         self.num_prefill_lookahead = (scheduler_config.num_prefill_lookahead_tokens

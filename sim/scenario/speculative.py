@@ -64,6 +64,13 @@ class SpeculativeConfig:
         """KV slots reserved past the drafts (vLLM: k for a draft head, 0 for n-gram)."""
         return self.num_speculative_tokens if self.method in HEAD_METHODS else 0
 
+    @property
+    def num_prefill_lookahead_tokens(self) -> int:
+        """Prefill tokens past a chunk the drafter reads (vLLM: 1 for a draft head, 0 for
+        n-gram; k only for multi-module MTP, which a replay does not model). The planner
+        sizes sliding-window retention from it (docs/semantics.md#sliding-window)."""
+        return 1 if self.method in HEAD_METHODS else 0
+
     def num_hash_lookahead_tokens(self, enable_prefix_caching: bool) -> int:
         """Tokens after each block its hash covers (vLLM 0.33: 1 for a single-module draft
         head with prefix caching on, docs/semantics.md#draft-heads-and-prefix-caching; else 0)."""

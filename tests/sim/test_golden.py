@@ -40,7 +40,7 @@ ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba
                "spec_async_k3", "spec_async_pressure_k3", "spec_async_swa_full_k5", "spec_async_padding_k3",
                "spec_async_priority_pressure_k1", "spec_async_eagle_nocache_k5", "spec_async_mamba_full_k3",
                "spec_async_eagle_cache_k3", "spec_async_eagle_cache_pressure_k1", "spec_async_mtp3_cache_pressure_k3",
-               "spec_async_eagle_swa8_budget4_k3"}
+               "spec_async_eagle_swa8_budget4_k3", "spec_async_mtp3_swa_pressure_nocache_k3"}
 
 # Speculative decoding (n-gram drafts, k = 1, 3, 5; scripts/oracle/gen_spec_golden.py): full
 # attention, sliding window + full, pressure with preemptions (FCFS and priority), drafts
@@ -61,6 +61,9 @@ SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3"
               # multi-module MTP: k-token hash lookahead, re-prefillable tail, prefill-lookahead chunks
               "spec_mtp3_cache_k3", "spec_async_mtp3_cache_pressure_k3", "spec_mtp2_cache_swa_full_k3",
               "spec_mtp3_nocache_k3",
+              # multi-module MTP on sliding windows: the retained re-prefillable tail
+              "spec_mtp3_cache_swa_pressure_k3", "spec_async_mtp3_swa_pressure_nocache_k3",
+              "spec_mtp3_swa_only_nocache_k3",
               # a head's lookahead past the sliding window's admission cap (SWA-BOUND)
               "spec_async_eagle_swa8_budget4_k3"}
 

@@ -23,7 +23,7 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
-                                  cdiv)
+                                  cdiv, with_prefill_lookahead)
 from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
 from kvtwin.sim.lockstep.runner import SpecScriptedModel
 from tests.sim.test_invariants import COMMON, Scenario, examples, run_scenario
@@ -125,6 +125,37 @@ def test_multi_module_mtp_limits_are_refused_naming_the_field():
     assert engine.scheduler.hasher.lookahead == 5 and engine.kv_cache_manager.coordinator.num_reprefillable_tokens == 4
 
 
+def test_multi_module_mtp_sliding_windows_retain_the_re_prefillable_tail(tmp_path):
+    """docs/semantics.md#sliding-window: a case's sliding-window groups retain k - 1 tokens
+    below the window for multi-module MTP, as vLLM's planner sets them; a group that states
+    another value, or a scheduler built on a window without the tail, is refused naming the field."""
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mtp3_swa_only_nocache_k3", case)
+    loaded = load_case(case)
+    assert loaded.scheduler_config.num_prefill_lookahead_tokens == 3
+    assert loaded.kv_cache_config.groups[0].spec.extra_retained_tokens == 2
+    config = json.loads((case / "config.json").read_text())
+    config["kv_cache_groups"][0]["extra_retained_tokens"] = 2
+    (case / "config.json").write_text(json.dumps(config))
+    assert load_case(case).kv_cache_config == loaded.kv_cache_config
+    config["kv_cache_groups"][0]["extra_retained_tokens"] = 0
+    (case / "config.json").write_text(json.dumps(config))
+    res = CliRunner().invoke(app, ["lockstep", str(case), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"kvtwin: error: {case / 'config.json'}: kv_cache_groups[0].extra_retained_tokens"), lines
+    # Single-module heads and n-gram retain nothing extra.
+    for name in ("spec_eagle_cache_swa_full_k3", "spec_swa_full_k3"):
+        spec = load_case(CASES / name).kv_cache_config.groups[0].spec
+        assert isinstance(spec, SlidingWindowSpec) and spec.extra_retained_tokens == 0
+    plain = dataclasses.replace(loaded.kv_cache_config, groups=(
+        KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=BS, sliding_window=32)),))
+    with pytest.raises(ConfigError) as err:
+        EngineCore(plain, loaded.scheduler_config, loaded.cache_config)
+    assert err.value.field == "extra_retained_tokens"
+
+
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     case = tmp_path / "case"
     shutil.copytree(CASES / "spec_full_k3", case)
@@ -195,13 +226,6 @@ def spec_scenarios(draw) -> Scenario:
     max_model_len = draw(st.integers(48, 160))
     budget = draw(st.integers(k + 1, 96))
     swa = draw(st.booleans())
-    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS))]
-    if swa:
-        groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=BS,
-                                                                     sliding_window=draw(st.sampled_from([8, 16, 33])))))
-    worst = cdiv(max_model_len, BS) * len(groups) + 4 * len(groups)
-    num_blocks = draw(st.integers(worst + 1, worst + 40))
-    kv = KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=BS)
     sched = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=draw(st.integers(1, 8)),
                             max_num_batched_tokens=budget, async_scheduling=is_async,
                             scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
@@ -209,10 +233,18 @@ def spec_scenarios(draw) -> Scenario:
     cache = CacheConfig(enable_prefix_caching=draw(st.booleans()))
     if draw(st.booleans()):
         # A draft head: k lookahead slots and, with caching on, lookahead block hashes.
-        # Multi-module MTP (k > 1) reads k tokens ahead: chunk rule, k-token hashes, re-prefillable tail.
+        # Multi-module MTP (k > 1) reads k tokens ahead: chunk rule, k-token hashes, re-prefillable tail,
+        # and sliding windows that retain k - 1 more tokens.
         prefill = k if k > 1 and draw(st.booleans()) else 1
         sched = dataclasses.replace(sched, num_lookahead_tokens=k, num_prefill_lookahead_tokens=prefill,
                                     num_hash_lookahead_tokens=prefill if cache.enable_prefix_caching else 0)
+    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS))]
+    if swa:
+        window = SlidingWindowSpec(block_size=BS, sliding_window=draw(st.sampled_from([8, 16, 33])))
+        groups.append(KVCacheGroupSpec(("swa",), with_prefill_lookahead(window, sched.num_prefill_lookahead_tokens)))
+    worst = cdiv(max_model_len, BS) * len(groups) + 4 * len(groups)
+    num_blocks = draw(st.integers(worst + 1, worst + 40))
+    kv = KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=BS)
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     base = [rng.randrange(3) for _ in range(max_model_len)]
     requests = []
