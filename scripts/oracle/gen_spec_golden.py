@@ -120,6 +120,13 @@ def validate_config(cfg: dict) -> None:
             ("num_nextn_predict_layers" in sp and (sp["method"] != "mtp" or int(sp["num_nextn_predict_layers"]) < 1)):
         raise CaseError("config.json speculative: {method: 'ngram', 'eagle', 'eagle3' or 'mtp', "
                         "num_speculative_tokens >= 1, for mtp optionally num_nextn_predict_layers >= 1}")
+    k, mtp_layers = int(sp["num_speculative_tokens"]), int(sp.get("num_nextn_predict_layers", 1))
+    if k > mtp_layers and k % mtp_layers:
+        # vLLM's SpeculativeConfig refuses this for an MTP draft model (config/speculative.py
+        # ~l.1600-1612: k must divide evenly over the n_predict modules it reuses); as_draft_head
+        # bypasses that validation, so the harness applies it.
+        raise CaseError(f"config.json speculative: num_speculative_tokens {k} must be at most "
+                        f"num_nextn_predict_layers {mtp_layers} or a multiple of it (vLLM refuses it)")
     if cfg["vllm_version"] != vllm.__version__:
         raise CaseError(f"vllm_version {cfg['vllm_version']} but vllm {vllm.__version__} is installed")
 
@@ -644,10 +651,11 @@ def eagle_cache_cases() -> dict:
         "spec_async_mtp3_cache_pressure_k3": (
             cfg([FULL], 16, 3, "3-module MTP k=3, asynchronous, 15 usable blocks: preemptions", method="mtp",
                 budget=40, mtp_layers=3, async_scheduling=True), eagle_cache_workload(1211, 3, gap=1, near=1)),
-        "spec_mtp2_cache_swa_full_k3": (
-            cfg([SWA(32), FULL], 120, 3, "2-module MTP k=3 (still a lookahead of k = 3), sliding window 32 + full: "
-                "the hybrid coordinator caches the re-prefillable tail", method="mtp", budget=40, mtp_layers=2),
-            eagle_cache_workload(1212, 3, near=2)),
+        "spec_mtp2_cache_swa_full_k4": (
+            cfg([SWA(32), FULL], 120, 4, "2-module MTP k=4 (each module runs twice; still a lookahead of k = 4), "
+                "sliding window 32 + full: the hybrid coordinator caches the re-prefillable tail, the window "
+                "retains it", method="mtp", budget=40, mtp_layers=2),
+            eagle_cache_workload(1212, 4, near=2)),
         "spec_mtp3_nocache_k3": (
             config([FULL], 40, 3, "3-module MTP k=3, caching off: only the prefill-lookahead chunk rule",
                    method="mtp", budget=40, mtp_layers=3, caching=False), eagle_cache_workload(1213, 3)),

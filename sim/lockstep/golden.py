@@ -171,6 +171,11 @@ def _speculative_tokens(data: dict, source: str) -> int:
     k = spec["num_speculative_tokens"]
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError("speculative.num_speculative_tokens", "a positive integer", k, source=source)
+    if k > layers and k % layers:
+        # vLLM runs the MTP modules in turn, so k must not end part-way through a round
+        # (docs/semantics.md#configuration).
+        raise ConfigError("speculative.num_speculative_tokens", f"at most num_nextn_predict_layers ({layers}) or "
+                          f"a multiple of it (vLLM refuses k that is neither)", k, source=source)
     return k
 
 

@@ -49,6 +49,13 @@ class SpeculativeConfig:
         if self.draft_layers is not None:
             require(is_int(self.draft_layers) and self.draft_layers >= 0, "draft_layers",
                     "a non-negative integer (layers of the draft head)", self.draft_layers)
+        if self.method == "mtp" and self.num_draft_layers > 1:
+            # An MTP head's layers are its modules, which vLLM runs in turn: k must not end
+            # part-way through a round (docs/semantics.md#configuration).
+            modules = self.num_draft_layers
+            require(k <= modules or k % modules == 0, "num_speculative_tokens",
+                    f"at most draft_layers ({modules}, the MTP modules) or a multiple of it (vLLM refuses k that "
+                    "is neither)", k)
         if self.acceptance is None:
             require(default_acceptance(self.method, k) is not None, "acceptance",
                     f"a rate in [0, 1] or a table of {k} rates ('{self.method}' has no published default: its "

@@ -175,6 +175,11 @@ def test_speculative_fields_are_sweep_keys():
     ('method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\nbogus = 1\n', ("speculative.bogus",)),
     ('method = "ngram"\nnum_speculative_tokens = 2048\nacceptance = 0.5\n',
      ("speculative.num_speculative_tokens", "max_num_batched_tokens - 1 = 2047")),
+    # An MTP head's layers are its modules: vLLM refuses k neither <= them nor a multiple of them.
+    ('method = "mtp"\nnum_speculative_tokens = 3\ndraft_layers = 2\n',
+     ("speculative.num_speculative_tokens", "at most draft_layers (2", "multiple")),
+    ('method = "mtp"\nnum_speculative_tokens = 5\ndraft_layers = 3\n',
+     ("speculative.num_speculative_tokens", "at most draft_layers (3")),
 ])
 def test_bad_speculative_settings_are_one_error_line(tmp_path, spec, fragments):
     _one_error_line(_replay_cli(_scenario(tmp_path, spec), "--out", tmp_path / "out"), *fragments)

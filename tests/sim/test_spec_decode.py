@@ -156,6 +156,26 @@ def test_multi_module_mtp_sliding_windows_retain_the_re_prefillable_tail(tmp_pat
     assert err.value.field == "extra_retained_tokens"
 
 
+def test_mtp_modules_must_divide_k_and_the_cli_says_so_in_one_line(tmp_path):
+    """vLLM 0.33 (``config/speculative.py``) refuses an MTP k above the module count that is
+    not a multiple of it; k at most the modules, or a multiple, is accepted."""
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mtp3_cache_k3", case)
+    config = json.loads((case / "config.json").read_text())
+    for layers, k in ((3, 1), (3, 2), (2, 4), (2, 6), (4, 3)):
+        config["speculative"].update(num_nextn_predict_layers=layers, num_speculative_tokens=k)
+        (case / "config.json").write_text(json.dumps(config))
+        assert load_case(case).scheduler_config.num_speculative_tokens == k
+    config["speculative"].update(num_nextn_predict_layers=2, num_speculative_tokens=3)
+    (case / "config.json").write_text(json.dumps(config))
+    res = CliRunner().invoke(app, ["lockstep", str(case), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"kvtwin: error: {case / 'config.json'}: speculative.num_speculative_tokens"), lines
+    assert "num_nextn_predict_layers (2)" in lines[0]
+
+
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     case = tmp_path / "case"
     shutil.copytree(CASES / "spec_full_k3", case)
@@ -172,6 +192,9 @@ def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     ({"method": "medusa", "num_speculative_tokens": 3}, "speculative.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative"),
+    # vLLM reuses the MTP modules in turn: k must be at most their number or a multiple of it.
+    ({"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 2}, "speculative.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 5, "num_nextn_predict_layers": 3}, "speculative.num_speculative_tokens"),
 ])
 def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
     case = tmp_path / "case"
