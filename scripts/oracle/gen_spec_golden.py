@@ -717,12 +717,23 @@ def mamba_cases() -> dict:
                    "group ignores the lookahead slots, and the trailing-block drop moves the checkpoint stop "
                    "one block earlier", caching=False, budget=96, method="eagle"),
             workload(1105, 3, n=16, gap=1)),
+        "spec_mamba_long_prefill2_k3": (
+            long_prefill(config([FULL, MAMBA], 120, 3, "k=3, full attention + Mamba (align), "
+                                "long_prefill_token_threshold 2 below 1 + k: a padded one-token admission cut by "
+                                "the threshold schedules its one token unpadded"), 2),
+            padding_workload(1107, 3)),
         "spec_eagle_mamba_checkpoint_nocache_k3": (
             config([FULL, MAMBA_CHECKPOINT], 60, 3, "EAGLE k=3, full attention + Mamba-2 style (align, one prefill "
                    "checkpoint block), caching off: the trailing-block drop moves the exported checkpoint one "
                    "block earlier", caching=False, budget=96, method="eagle"),
             workload(1106, 3, n=18, gap=1)),
     }
+
+
+def long_prefill(cfg: dict, threshold: int) -> dict:
+    """``cfg`` with a long-prefill token threshold."""
+    cfg["long_prefill_token_threshold"] = threshold
+    return cfg
 
 
 def padding_workload(seed: int, k: int) -> list[dict]:

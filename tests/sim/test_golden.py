@@ -54,6 +54,7 @@ SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3"
               "spec_eagle_swa_nocache_k3", "spec_mamba_full_k3", "spec_async_mamba_full_k3",
               "spec_mamba_pressure_k3", "spec_mamba_checkpoint_k3", "spec_eagle_mamba_nocache_k3",
               "spec_eagle_mamba_checkpoint_nocache_k3",  # caching off: the trailing-block drop
+              "spec_mamba_long_prefill2_k3",  # a padded admission cut by the threshold: padding dropped
               # draft heads with prefix caching on: lookahead block hashes
               "spec_eagle_cache_k1", "spec_eagle_cache_k3", "spec_async_eagle_cache_k3",
               "spec_eagle_cache_pressure_k3", "spec_async_eagle_cache_pressure_k1", "spec_mtp_cache_k3",

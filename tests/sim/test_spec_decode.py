@@ -25,7 +25,7 @@ from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
                                   cdiv, with_prefill_lookahead)
 from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
-from kvtwin.sim.lockstep.runner import SpecScriptedModel
+from kvtwin.sim.lockstep.runner import SpecScriptedModel, run_case
 from tests.sim.test_invariants import COMMON, Scenario, examples, run_scenario
 
 CASES = Path(__file__).parent.parent / "golden" / "cases"
@@ -174,6 +174,34 @@ def test_mtp_modules_must_divide_k_and_the_cli_says_so_in_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(
         f"kvtwin: error: {case / 'config.json'}: speculative.num_speculative_tokens"), lines
     assert "num_nextn_predict_layers (2)" in lines[0]
+
+
+def test_a_padded_admission_cut_by_the_long_prefill_threshold(tmp_path):
+    """docs/semantics.md#scheduling-drafts: a one-token admission padded to 1 + k rows and cut
+    by a long-prefill threshold below 1 + k. On a Mamba align-mode layout vLLM 0.33 drops the
+    padding and schedules the one token (golden case spec_mamba_long_prefill2_k3); without
+    Mamba it fails an assertion, so kvtwin stops there with one error line naming the setting."""
+    case = load_case(CASES / "spec_mamba_long_prefill2_k3")
+    result = run_case(case)
+    admitted_with_hit = {(a["step"], r["request_id"]) for r in result.requests for a in r["admissions"]
+                         if a["hit_tokens"]}
+    cut = [(s["scheduled"][rid], s["spec_decode_tokens"].get(rid, 0)) for s in result.steps
+           for rid in s["scheduled"] if (s["step"], rid) in admitted_with_hit]
+    # One-token admissions went unpadded; none kept a shortened padded row.
+    assert (1, 0) in cut and all(n == 1 + d == 4 for n, d in cut if d)
+    full_only = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mamba_long_prefill2_k3", full_only)
+    config = json.loads((full_only / "config.json").read_text())
+    config["kv_cache_groups"] = [{"kind": "full_attention"}]
+    (full_only / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        run_case(load_case(full_only))
+    assert err.value.field == "long_prefill_token_threshold" and err.value.got == 2
+    res = CliRunner().invoke(app, ["lockstep", str(full_only), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "long_prefill_token_threshold: expected 0 or at least 1 + num_speculative_tokens = 4" \
+        in lines[0] and lines[0].startswith("kvtwin: error:"), lines
 
 
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
