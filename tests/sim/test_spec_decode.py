@@ -204,6 +204,45 @@ def test_a_padded_admission_cut_by_the_long_prefill_threshold(tmp_path):
         in lines[0] and lines[0].startswith("kvtwin: error:"), lines
 
 
+@pytest.mark.parametrize("async_scheduling, prompt_tokens", [(False, 10), (True, 10), (False, 3)])
+def test_a_livelock_is_one_error_line_not_a_crash(tmp_path, async_scheduling, prompt_tokens):
+    """docs/semantics.md#no-progress: multi-module MTP (k = 3) under a long-prefill threshold
+    of 2 livelocks, in vLLM 0.33 too (checked with the oracle: no end after 20000 steps).
+    Running (10-token prompts stop 3 tokens short) or set aside while waiting (3-token
+    prompts), the requests are never scheduled again; the lockstep run stops with one
+    error line naming the threshold and a stuck request."""
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mtp3_nocache_k3", case, ignore=shutil.ignore_patterns("expected_*"))
+    config = json.loads((case / "config.json").read_text())
+    config.update(long_prefill_token_threshold=2, async_scheduling=async_scheduling)
+    (case / "config.json").write_text(json.dumps(config))
+    rows = [dict(request_id=f"r{i}", arrival_step=0, output_token_ids=[5, 6, 7], priority=0,
+                 prompt_token_ids=list(range(100 * i + 1, 100 * i + 1 + prompt_tokens))) for i in range(2)]
+    (case / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as err:
+        run_case(load_case(case), max_idle_steps=20)
+    assert err.value.field == "long_prefill_token_threshold" and err.value.got == 2
+    stuck = 7 if prompt_tokens == 10 else 0
+    assert f"request r0 {'is running' if stuck else 'waits'} with {stuck} of its {prompt_tokens} tokens" \
+        in str(err.value)
+    res = CliRunner().invoke(app, ["lockstep", str(case), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error: case: long_prefill_token_threshold"), lines
+
+
+def test_no_progress_without_a_known_cause_blames_the_workload():
+    """The no-progress error names the first stuck request and, with no known cause, the
+    workload (here a waiting request stuck behind a full pool, set up by hand)."""
+    kv = KVCacheConfig(num_blocks=8, groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS)),),
+                       hash_block_size=BS)
+    engine = EngineCore(kv, SchedulerConfig(max_model_len=256))
+    engine.add_request(Request("w", TokenPrompt(tuple(range(1, 41))), 4))
+    err = engine.no_progress_error("requests.jsonl")
+    assert err.field == "requests.jsonl"
+    assert "request w waits with 0 of its 40 tokens computed and is never scheduled again" in str(err)
+
+
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     case = tmp_path / "case"
     shutil.copytree(CASES / "spec_full_k3", case)
@@ -221,8 +260,10 @@ def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative"),
     # vLLM reuses the MTP modules in turn: k must be at most their number or a multiple of it.
-    ({"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 2}, "speculative.num_speculative_tokens"),
-    ({"method": "mtp", "num_speculative_tokens": 5, "num_nextn_predict_layers": 3}, "speculative.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 2},
+     "speculative.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 5, "num_nextn_predict_layers": 3},
+     "speculative.num_speculative_tokens"),
 ])
 def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
     case = tmp_path / "case"
