@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import random
@@ -119,6 +120,13 @@ def validate_config(cfg: dict) -> None:
             ("num_nextn_predict_layers" in sp and (sp["method"] != "mtp" or int(sp["num_nextn_predict_layers"]) < 1)):
         raise CaseError("config.json speculative: {method: 'ngram', 'eagle', 'eagle3' or 'mtp', "
                         "num_speculative_tokens >= 1, for mtp optionally num_nextn_predict_layers >= 1}")
+    k, mtp_layers = int(sp["num_speculative_tokens"]), int(sp.get("num_nextn_predict_layers", 1))
+    if k > mtp_layers and k % mtp_layers:
+        # vLLM's SpeculativeConfig refuses this for an MTP draft model (config/speculative.py
+        # ~l.1600-1612: k must divide evenly over the n_predict modules it reuses); as_draft_head
+        # bypasses that validation, so the harness applies it.
+        raise CaseError(f"config.json speculative: num_speculative_tokens {k} must be at most "
+                        f"num_nextn_predict_layers {mtp_layers} or a multiple of it (vLLM refuses it)")
     if cfg["vllm_version"] != vllm.__version__:
         raise CaseError(f"vllm_version {cfg['vllm_version']} but vllm {vllm.__version__} is installed")
 
@@ -156,6 +164,7 @@ def build_scheduler(cfg: dict):
             vllm_config.cache_config.mamba_cache_mode = g.kv_cache_spec.mamba_cache_mode
     if method in HEAD_METHODS:
         as_draft_head(spec_config, method, mtp_layers)
+    retain_prefill_lookahead(groups, vllm_config)
     kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     cls = AsyncScheduler if is_async else Scheduler
@@ -177,6 +186,11 @@ def build_scheduler(cfg: dict):
                   block_drop=(sched.use_eagle_block_drop, head and not caching),
                   reprefillable=(sched.kv_cache_manager.coordinator.num_reprefillable_tokens,
                                  max(0, prefill_lookahead - 1)),
+                  extra_retained_tokens=([m.extra_retained_tokens
+                                          for m in sched.kv_cache_manager.coordinator.single_type_managers
+                                          if hasattr(m, "extra_retained_tokens")],
+                                         [max(0, prefill_lookahead - 1)] * sum(
+                                             g.get("kind") == "sliding_window" for g in cfg["kv_cache_groups"])),
                   draft_slots=(spec_config.max_num_new_slots_for_drafting, 0),
                   max_num_scheduled_tokens=(sched.max_num_scheduled_tokens, sc.max_num_batched_tokens),
                   max_num_batched_tokens=(sc.max_num_batched_tokens, int(cfg["max_num_batched_tokens"])),
@@ -193,6 +207,19 @@ def build_scheduler(cfg: dict):
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens)
     return sched, hasher, k
+
+
+def retain_prefill_lookahead(groups: list[KVCacheGroupSpec], vllm_config: VllmConfig) -> None:
+    """What vLLM 0.33's planner does to the layer specs before grouping them
+    (``v1/core/kv_cache_planning.py`` ~l.1636): every ``SlidingWindowSpec`` gets
+    ``extra_retained_tokens = max(0, num_prefill_lookahead_tokens - 1)`` (k - 1 for
+    multi-module MTP, else 0). The harness builds its groups by hand instead of running the
+    planner, so it sets the field the same way, from the ``VllmConfig`` (after
+    ``as_draft_head``, which decides the prefill lookahead)."""
+    extra = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
+    for g in groups:
+        if isinstance(g.kv_cache_spec, SlidingWindowSpec):
+            g.kv_cache_spec = dataclasses.replace(g.kv_cache_spec, extra_retained_tokens=extra)
 
 
 def as_draft_head(spec_config, method: str, mtp_layers: int = 1) -> None:
@@ -549,7 +576,30 @@ def spec_cases() -> dict:
     cases["spec_async_eagle_swa8_budget4_k3"] = swa_lookahead_case()
     cases.update(mamba_cases())
     cases.update(eagle_cache_cases())
+    cases.update(mtp_swa_cases())
     return cases
+
+
+def mtp_swa_cases() -> dict:
+    """Multi-module MTP on sliding-window layouts under pressure: vLLM's planner makes every
+    sliding-window group retain the ``k - 1`` tokens below its window that the drafter may
+    re-prefill (``extra_retained_tokens``, ``retain_prefill_lookahead``), so window blocks
+    are freed later and the admission cap is larger. Each case differs from the same run
+    without the retained tail (admissions, scheduled tokens, free blocks)."""
+    text = "3-module MTP k=3, the sliding window retains 2 more tokens: "
+    return {
+        "spec_mtp3_cache_swa_pressure_k3": (
+            config([SWA(32), FULL], 24, 3, text + "sliding window 32 + full, 23 usable blocks, preemptions",
+                   method="mtp", budget=48, mtp_layers=3), workload(1301, 3, n=16, gap=1)),
+        "spec_async_mtp3_swa_pressure_nocache_k3": (
+            config([SWA(32), FULL], 24, 3, text + "asynchronous, caching off, sliding window 32 + full, 23 usable "
+                   "blocks, preemptions", method="mtp", budget=48, mtp_layers=3, caching=False,
+                   async_scheduling=True), workload(1302, 3, n=16, gap=1)),
+        "spec_mtp3_swa_only_nocache_k3": (
+            config([SWA(32)], 8, 3, text + "sliding window 32 alone, caching off, 7 usable blocks: the admission "
+                   "cap (7 blocks, 6 without the tail) is the whole pool", method="mtp", budget=48, mtp_layers=3,
+                   caching=False), workload(1303, 3, n=12, gap=1)),
+    }
 
 
 def swa_lookahead_case() -> tuple[dict, list[dict]]:
@@ -601,10 +651,11 @@ def eagle_cache_cases() -> dict:
         "spec_async_mtp3_cache_pressure_k3": (
             cfg([FULL], 16, 3, "3-module MTP k=3, asynchronous, 15 usable blocks: preemptions", method="mtp",
                 budget=40, mtp_layers=3, async_scheduling=True), eagle_cache_workload(1211, 3, gap=1, near=1)),
-        "spec_mtp2_cache_swa_full_k3": (
-            cfg([SWA(32), FULL], 120, 3, "2-module MTP k=3 (still a lookahead of k = 3), sliding window 32 + full: "
-                "the hybrid coordinator caches the re-prefillable tail", method="mtp", budget=40, mtp_layers=2),
-            eagle_cache_workload(1212, 3, near=2)),
+        "spec_mtp2_cache_swa_full_k4": (
+            cfg([SWA(32), FULL], 120, 4, "2-module MTP k=4 (each module runs twice; still a lookahead of k = 4), "
+                "sliding window 32 + full: the hybrid coordinator caches the re-prefillable tail, the window "
+                "retains it", method="mtp", budget=40, mtp_layers=2),
+            eagle_cache_workload(1212, 4, near=2)),
         "spec_mtp3_nocache_k3": (
             config([FULL], 40, 3, "3-module MTP k=3, caching off: only the prefill-lookahead chunk rule",
                    method="mtp", budget=40, mtp_layers=3, caching=False), eagle_cache_workload(1213, 3)),
@@ -666,12 +717,23 @@ def mamba_cases() -> dict:
                    "group ignores the lookahead slots, and the trailing-block drop moves the checkpoint stop "
                    "one block earlier", caching=False, budget=96, method="eagle"),
             workload(1105, 3, n=16, gap=1)),
+        "spec_mamba_long_prefill2_k3": (
+            long_prefill(config([FULL, MAMBA], 120, 3, "k=3, full attention + Mamba (align), "
+                                "long_prefill_token_threshold 2 below 1 + k: a padded one-token admission cut by "
+                                "the threshold schedules its one token unpadded"), 2),
+            padding_workload(1107, 3)),
         "spec_eagle_mamba_checkpoint_nocache_k3": (
             config([FULL, MAMBA_CHECKPOINT], 60, 3, "EAGLE k=3, full attention + Mamba-2 style (align, one prefill "
                    "checkpoint block), caching off: the trailing-block drop moves the exported checkpoint one "
                    "block earlier", caching=False, budget=96, method="eagle"),
             workload(1106, 3, n=18, gap=1)),
     }
+
+
+def long_prefill(cfg: dict, threshold: int) -> dict:
+    """``cfg`` with a long-prefill token threshold."""
+    cfg["long_prefill_token_threshold"] = threshold
+    return cfg
 
 
 def padding_workload(seed: int, k: int) -> list[dict]:

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.engine_stats import EngineStats, offload_tier_counters, pool_stats
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
@@ -158,6 +159,11 @@ def make_scheduler(kv_cache_config: KVCacheConfig, scheduler_config: SchedulerCo
     if scheduler_config.async_scheduling:
         return AsyncScheduler(kv_cache_config, scheduler_config, cache_config, connector)
     return Scheduler(kv_cache_config, scheduler_config, cache_config, connector)
+
+
+def _stuck(request: Request, where: str) -> str:
+    return (f"request {request.request_id} {where} with {request.num_computed_tokens} of its {request.num_tokens} "
+            "tokens computed and is never scheduled again")
 
 
 class EngineCore:
@@ -314,6 +320,35 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def no_progress_error(self, workload_field: str) -> ConfigError:
+        """The error a clock raises when nothing can be scheduled again and requests are
+        unfinished: no arrival, transfer or batch in flight is left to change the state, so
+        stepping on would loop for ever (docs/semantics.md#no-progress). It names a stuck
+        request, and the setting when the cause is known: multi-module MTP with a
+        long-prefill threshold below its prefill lookahead, where vLLM 0.33 livelocks too.
+        Otherwise the workload (``workload_field``: what the clock calls it) is blamed."""
+        scheduler = self.scheduler
+        stuck: list[tuple[Request, str]] = [(r, "is running") for r in scheduler.running]
+        stuck.extend((r, "waits") for r in scheduler.waiting)
+        stuck.extend((r, "waits for its KV") for r in scheduler.connector_state.kv_holding_waiting)
+        if not stuck:
+            return ConfigError(workload_field, "a workload that can make progress (nothing is left to schedule, yet "
+                               "the engine reports unfinished requests)")
+        lookahead = scheduler.num_prefill_lookahead
+        threshold = scheduler.long_prefill_threshold()
+        if lookahead and 0 < threshold < lookahead:
+            for request, where in stuck:
+                if threshold < request.num_tokens - request.num_computed_tokens <= lookahead:
+                    # No chunk may end within `lookahead` tokens of the prefill end, none may
+                    # exceed `threshold`: the last `lookahead` prefill tokens never fit.
+                    return ConfigError(
+                        "long_prefill_token_threshold",
+                        f"0 or at least num_prefill_lookahead_tokens = {lookahead} (multi-module MTP): a prefill chunk "
+                        f"may neither end within {lookahead} tokens of the prefill end nor be longer than the "
+                        f"threshold, so {_stuck(request, where)}; vLLM 0.33 livelocks too", threshold)
+        request, where = stuck[0]
+        return ConfigError(workload_field, f"a workload that can make progress: {_stuck(request, where)}")
 
     def make_stats(self) -> EngineStats:
         """The queues and the pool as they are now, and the offload tier's counters (vLLM's

@@ -324,13 +324,20 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     spec: SlidingWindowSpec
 
+    def __init__(self, spec: SlidingWindowSpec, block_pool: BlockPool, group_id: int, enable_caching: bool,
+                 hash_block_size: int, max_admission_blocks_per_request: int | None = None):
+        super().__init__(spec, block_pool, group_id, enable_caching, hash_block_size,
+                         max_admission_blocks_per_request)
+        # The next token attends the last `window` tokens including itself; a multi-module
+        # MTP drafter's re-prefillable tail is kept below that (docs/semantics.md#sliding-window).
+        self.num_retained_tokens = spec.num_retained_tokens
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        # The next token attends the last `window` tokens including itself.
-        return max(0, num_computed_tokens - self.spec.sliding_window + 1)
+        return max(0, num_computed_tokens - self.num_retained_tokens)
 
     def _skip_horizon(self, request_id: str, table: list[KVCacheBlock]) -> int:
-        # One more block drops once computed - window + 1 reaches the end of the next block.
-        return (self._leading_nulls(request_id, table) + 1) * self.block_size + self.spec.sliding_window - 1
+        # One more block drops once computed - retained reaches the end of the next block.
+        return (self._leading_nulls(request_id, table) + 1) * self.block_size + self.num_retained_tokens
 
     @classmethod
     def reachable_block_mask(cls, start_block, end_block, alignment_tokens, spec, retention_interval, boundaries,

@@ -33,7 +33,7 @@ from __future__ import annotations
 from math import lcm
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
-from kvtwin.sim.core.errors import require
+from kvtwin.sim.core.errors import ConfigError, require
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
@@ -42,8 +42,8 @@ from kvtwin.sim.core.kv_connector_state import KVConnectorState
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, get_mamba_prefill_checkpoint_position,
-                                  is_mamba_prefill_checkpoint_valid)
+from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, SlidingWindowSpec,
+                                  get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid)
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
@@ -114,6 +114,14 @@ class Scheduler:
             require(connector is None, "num_speculative_tokens", "0 with a KV offload tier (not modelled yet)",
                     self.num_spec_tokens)
             self._check_draft_head(kv_cache_config, cache_config, mamba_specs)
+        # vLLM's planner retains a multi-module MTP drafter's re-prefillable tail below every
+        # sliding window (docs/semantics.md#sliding-window): a layout built for another
+        # drafter would free window blocks at other steps.
+        extra_retained = max(0, scheduler_config.num_prefill_lookahead_tokens - 1)
+        windows = [g.spec for g in kv_cache_config.groups if isinstance(g.spec, SlidingWindowSpec)]
+        require(all(s.extra_retained_tokens == extra_retained for s in windows), "extra_retained_tokens",
+                f"{extra_retained} (num_prefill_lookahead_tokens - 1, at least 0) on every sliding-window KV cache "
+                "group", [s.extra_retained_tokens for s in windows])
         # Multi-module MTP: no prefill chunk ends within this many tokens of the prefill end
         # (0: the rule is off; vLLM's rule changes nothing for a lookahead of 1).
         self.num_prefill_lookahead = (scheduler_config.num_prefill_lookahead_tokens
@@ -424,6 +432,7 @@ class Scheduler:
         """Tokens a waiting request may schedule now, past its hit; 0 stops admission (no
         chunked prefill and the rest does not fit the budget, or no Mamba-aligned chunk)."""
         num_new = request.num_tokens - num_computed
+        padded = 0
         if num_new == 1 and self.num_spec_tokens and self._pad_admissions and (
                 self._running_scheduled or num_computed > 0):
             # One token left (a full hit, a resumed request): vLLM pads it to a uniform
@@ -435,6 +444,8 @@ class Scheduler:
                 if padded > token_budget:
                     return 0
                 num_new = padded
+            else:
+                padded = 0
         if 0 < long_prefill < num_new:
             num_new = long_prefill
         if not self.config.enable_chunked_prefill and num_new > token_budget:
@@ -442,6 +453,12 @@ class Scheduler:
         num_new = min(num_new, token_budget)
         if self.mamba_block_size:
             num_new = self.mamba_block_aligned_split(request, num_new, num_new_computed)
+            if padded and num_new and num_new != padded:
+                # A Mamba align-mode layout never keeps a shortened padded row (the
+                # long-prefill threshold or the split cut it): the sampler needs all 1 + k
+                # rows, so the padding is dropped and the one real token is scheduled
+                # (docs/semantics.md#scheduling-drafts).
+                num_new = 1
         return num_new
 
     def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int,
@@ -462,6 +479,14 @@ class Scheduler:
         num_padding = num_new - (request.num_tokens - num_computed)
         if num_padding > 0:
             # Padded to a verify step (``_first_chunk``): placeholder drafts, never accepted.
+            if num_padding != self.num_spec_tokens:
+                # Only the long-prefill threshold shortens a padded row, and only without a
+                # Mamba align-mode layout (which drops the padding instead); vLLM 0.33 then
+                # fails an assertion and its engine stops (docs/semantics.md#scheduling-drafts).
+                raise ConfigError("long_prefill_token_threshold",
+                                  f"0 or at least 1 + num_speculative_tokens = {1 + self.num_spec_tokens} (request "
+                                  f"{request_id}'s one-token admission, padded to a verify step, was cut to {num_new} "
+                                  "tokens, where vLLM 0.33 fails an assertion)", self.config.long_prefill_token_threshold)
             assert out.scheduled_spec_decode_tokens is not None
             out.scheduled_spec_decode_tokens[request_id] = [-1] * num_padding
 

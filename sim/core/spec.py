@@ -247,22 +247,37 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
-    """The next token attends the last ``sliding_window`` tokens, itself included."""
+    """The next token attends the last ``sliding_window`` tokens, itself included.
+
+    ``extra_retained_tokens`` keeps that many more tokens' blocks below the window, never
+    attended: a multi-module MTP drafter may re-prefill the last ``k - 1`` computed tokens,
+    so the planner sets it to ``max(0, num_prefill_lookahead_tokens - 1)`` on every
+    sliding-window layer (``with_prefill_lookahead``; docs/semantics.md#sliding-window).
+    """
 
     kind: ClassVar[str] = "sliding_window"
     pattern_letter: ClassVar[str] = "S"
     caps_admission: ClassVar[bool] = True
     sliding_window: int
+    extra_retained_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(isinstance(self.sliding_window, int) and self.sliding_window > 0,
                 "sliding_window", "a positive integer number of tokens", self.sliding_window)
+        require(_is_int(self.extra_retained_tokens) and self.extra_retained_tokens >= 0,
+                "extra_retained_tokens", "a non-negative integer number of tokens", self.extra_retained_tokens)
+
+    @property
+    def num_retained_tokens(self) -> int:
+        """Computed tokens whose blocks a request keeps below its next token: the window
+        less the token itself, plus the extra retained tail."""
+        return self.sliding_window - 1 + self.extra_retained_tokens
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
-        # The window plus every scheduled-but-unsettled token, and +1 because the window
-        # rarely starts on a block boundary.
-        num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        # The retained tokens plus every scheduled-but-unsettled token, and +1 because the
+        # window rarely starts on a block boundary.
+        num_tokens = min(self.num_retained_tokens + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size) + 1
 
     def attended_keys(self, start: int, end: int) -> int:
@@ -281,7 +296,10 @@ class SlidingWindowSpec(AttentionSpec):
         return _promoted(self, block_size, sliding_window=self.sliding_window)
 
     def describe(self) -> dict:
-        return {"sliding_window": self.sliding_window, **super().describe()}
+        out = {"sliding_window": self.sliding_window, **super().describe()}
+        if self.extra_retained_tokens:
+            out["extra_retained_tokens"] = self.extra_retained_tokens
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -535,6 +553,19 @@ def with_speculative_blocks(spec: KVCacheSpec, num_speculative_tokens: int) -> K
     any other spec is unchanged (docs/semantics.md#speculative-decoding)."""
     if isinstance(spec, MambaSpec) and spec.num_speculative_blocks != num_speculative_tokens:
         return dataclasses.replace(spec, num_speculative_blocks=num_speculative_tokens)
+    return spec
+
+
+def with_prefill_lookahead(spec: KVCacheSpec, num_prefill_lookahead_tokens: int) -> KVCacheSpec:
+    """``spec`` as vLLM 0.33's planner leaves it for a drafter that reads
+    ``num_prefill_lookahead_tokens`` prefill tokens ahead: a sliding-window spec retains
+    ``max(0, lookahead - 1)`` more tokens below its window (the tail multi-module MTP may
+    re-prefill; ``v1/core/kv_cache_planning.py`` ~l.1636), any other spec is unchanged
+    (docs/semantics.md#sliding-window)."""
+    if isinstance(spec, SlidingWindowSpec):
+        extra = max(0, num_prefill_lookahead_tokens - 1)
+        if spec.extra_retained_tokens != extra:
+            return dataclasses.replace(spec, extra_retained_tokens=extra)
     return spec
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.core.spec import KVCacheConfig, KVCacheGroupSpec, spec_from_dict, with_speculative_blocks
+from kvtwin.sim.core.spec import (KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, spec_from_dict, with_prefill_lookahead,
+                                  with_speculative_blocks)
 
 _CONFIG_FIELDS = {
     "kv_cache_groups", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -104,9 +105,10 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
         block_size = _typed(data, "block_size", int, source=source)
         groups_raw = _typed(data, "kv_cache_groups", list, source=source)
         num_spec_tokens = _speculative_tokens(data, source)
+        lookaheads = _head_lookaheads(data, num_spec_tokens)
+        prefill_lookahead = lookaheads.get("num_prefill_lookahead_tokens", 0)
         groups = tuple(
-            KVCacheGroupSpec((f"group{i}",), with_speculative_blocks(
-                spec_from_dict(g, block_size=block_size, where=f"kv_cache_groups[{i}]"), num_spec_tokens))
+            KVCacheGroupSpec((f"group{i}",), _drafting_spec(g, i, block_size, num_spec_tokens, prefill_lookahead))
             for i, g in enumerate(groups_raw))
         retention = _retention(data)
         kv_cache_config = KVCacheConfig(num_blocks=_typed(data, "num_blocks", int, source=source), groups=groups,
@@ -125,7 +127,7 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             scheduler_reserve_full_isl=_typed(data, "scheduler_reserve_full_isl", bool, True, source=source),
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
             num_speculative_tokens=num_spec_tokens,
-            **_head_lookaheads(data, num_spec_tokens),
+            **lookaheads,
         )
         cache_config = CacheConfig(
             enable_prefix_caching=_typed(data, "enable_prefix_caching", bool, True, source=source),
@@ -152,6 +154,22 @@ def _retention(data: dict) -> int | None | str:
     return value
 
 
+def _drafting_spec(entry: object, index: int, block_size: int, num_spec_tokens: int,
+                   prefill_lookahead: int) -> KVCacheSpec:
+    """Group ``index``'s spec as vLLM 0.33 builds it for the case's drafter: a Mamba group
+    with k speculative state blocks, a sliding window retaining a multi-module MTP head's
+    re-prefillable tail (docs/semantics.md#sliding-window). Both follow from the
+    ``speculative`` table; a group that states the retained tail must agree with it."""
+    where = f"kv_cache_groups[{index}]"
+    spec = spec_from_dict(entry, block_size=block_size, where=where)
+    planned = with_prefill_lookahead(with_speculative_blocks(spec, num_spec_tokens), prefill_lookahead)
+    if isinstance(entry, dict) and "extra_retained_tokens" in entry and planned != spec:
+        raise ConfigError(f"{where}.extra_retained_tokens", f"{max(0, prefill_lookahead - 1)} (what vLLM's planner "
+                          "sets for the speculative table: num_prefill_lookahead_tokens - 1, at least 0)",
+                          entry["extra_retained_tokens"])
+    return planned
+
+
 def _speculative_tokens(data: dict, source: str) -> int:
     """k of a case's ``speculative`` table ({"method": "ngram", "num_speculative_tokens": k}); 0 without one."""
     spec = data.get("speculative")
@@ -171,6 +189,11 @@ def _speculative_tokens(data: dict, source: str) -> int:
     k = spec["num_speculative_tokens"]
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError("speculative.num_speculative_tokens", "a positive integer", k, source=source)
+    if k > layers and k % layers:
+        # vLLM runs the MTP modules in turn, so k must not end part-way through a round
+        # (docs/semantics.md#configuration).
+        raise ConfigError("speculative.num_speculative_tokens", f"at most num_nextn_predict_layers ({layers}) or "
+                          f"a multiple of it (vLLM refuses k that is neither)", k, source=source)
     return k
 
 

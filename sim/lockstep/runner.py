@@ -232,9 +232,8 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
         idle = not out.num_scheduled_tokens and not any(b.executed for b in engine.batch_queue)
         idle_steps = idle_steps + 1 if (all_arrived and idle) else 0
         if idle_steps > max_idle_steps:
-            stuck = scheduler.waiting.peek().request_id
-            raise ConfigError("requests.jsonl", f"a workload that can make progress: request {stuck} waits "
-                              f"forever (it can never fit the pool of {case.kv_cache_config.num_blocks} blocks)",
-                              source=case.name)
+            # Nothing was scheduled for that long with every request arrived: the state no
+            # longer changes (docs/semantics.md#no-progress).
+            raise engine.no_progress_error("requests.jsonl").with_source(case.name)
         step += 1
     return LockstepResult([records[r.request_id].to_json() for r in case.requests], steps)

@@ -47,6 +47,7 @@ from kvtwin.sim.core.spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
     cdiv,
+    with_prefill_lookahead,
 )
 
 # --------------------------------------------------------------------------------------
@@ -125,10 +126,13 @@ LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
 
 
 def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, *,
-                      num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None) -> LayerSpecs:
+                      num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None,
+                      num_prefill_lookahead_tokens: int = 0) -> LayerSpecs:
     """One spec per cached layer, as one GPU of the TP group sees it (``num_speculative_tokens``:
     the drafts per step, which size a recurrent state's speculative blocks; ``draft_head``:
-    its layers are cached too, ``sim/planner/draft_head.py``)."""
+    its layers are cached too, ``sim/planner/draft_head.py``; ``num_prefill_lookahead_tokens``:
+    the prefill tokens the drafter reads ahead, whose tail less one every sliding-window layer
+    retains below its window, docs/semantics.md#sliding-window)."""
     tp = eng.tensor_parallel_size
     kv_bytes = eng.kv_cache_dtype_bytes
     kv_heads = max(1, model.num_kv_heads // tp)
@@ -180,7 +184,7 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
     for i, kind in enumerate(model.layer_kinds):
         if kind is None:
             continue
-        spec = LAYER_SPEC_BUILDERS[kind](layer)
+        spec = with_prefill_lookahead(LAYER_SPEC_BUILDERS[kind](layer), num_prefill_lookahead_tokens)
         name = _layer_name(i)
         specs[name] = spec
         index[name] = i
@@ -189,7 +193,7 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
         builder = LAYER_SPEC_BUILDERS[draft_head.layer_kind(model)]
         for i in range(len(model.layer_kinds), len(model.layer_kinds) + draft_head.num_layers):
             name = _layer_name(i)
-            draft_specs[name] = builder(layer)
+            draft_specs[name] = with_prefill_lookahead(builder(layer), num_prefill_lookahead_tokens)
             index[name] = i
     return LayerSpecs(specs, index, block_size, hybrid_block, kv_heads, kernel_alignment, draft_specs)
 
@@ -422,13 +426,16 @@ def _estimate_max_model_len(grouping: Grouping, bytes_per_block: int, *, in_flig
 
 
 def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: bool = True,
-         num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None) -> Plan:
+         num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None,
+         num_prefill_lookahead_tokens: int = 0) -> Plan:
     """vLLM 0.33's KV cache layout and capacity for ``model`` on ``gpu`` with ``engine``; with
     ``num_speculative_tokens`` k > 0 every Mamba layer keeps k more state blocks per request;
-    a ``draft_head`` adds its layers to the KV cache and its weights to the memory taken."""
+    a ``draft_head`` adds its layers to the KV cache and its weights to the memory taken; a
+    drafter reading ``num_prefill_lookahead_tokens`` > 1 prefill tokens ahead (multi-module
+    MTP) makes every sliding-window layer retain that many less one below its window."""
     eng = engine.resolve(model, gpu)
     layers = build_layer_specs(model, gpu, eng, num_speculative_tokens=num_speculative_tokens,
-                               draft_head=draft_head)
+                               draft_head=draft_head, num_prefill_lookahead_tokens=num_prefill_lookahead_tokens)
     grouping = group_layers(layers.cached_specs, hybrid_kv_cache=eng.hybrid_kv_cache)
     bytes_per_block = max(g.bytes_per_block for g in grouping.groups)
     # vLLM refuses a retention interval its layout cannot use when the KV cache manager
@@ -476,12 +483,14 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
                   estimated_max_model_len=estimated_len, warnings=tuple(warnings), draft_head=draft_head)
     if not fits and suggest:
         result = dataclasses.replace(result, suggestions=tuple(_suggestions(model, gpu, engine, result,
-                                                                            num_speculative_tokens, draft_head)))
+                                                                            num_speculative_tokens, draft_head,
+                                                                            num_prefill_lookahead_tokens)))
     return result
 
 
 def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed: Plan,
-                 num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None) -> list[dict]:
+                 num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None,
+                 num_prefill_lookahead_tokens: int = 0) -> list[dict]:
     """What would fit instead: a shorter max_model_len, an fp8 KV cache, more GPUs."""
     out: list[dict] = []
     if failed.estimated_max_model_len > 0:
@@ -490,7 +499,8 @@ def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed:
     if failed.engine.kv_cache_dtype_bytes > 1:
         try:
             alt = plan(model, gpu, dataclasses.replace(engine, kv_cache_dtype="fp8"), suggest=False,
-                       num_speculative_tokens=num_speculative_tokens, draft_head=draft_head)
+                       num_speculative_tokens=num_speculative_tokens, draft_head=draft_head,
+                       num_prefill_lookahead_tokens=num_prefill_lookahead_tokens)
         except ConfigError:
             alt = None
         if alt is not None and alt.fits:
@@ -499,7 +509,8 @@ def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed:
     for more in (2 * tp, 4 * tp, 8 * tp):
         try:
             alt = plan(model, gpu, dataclasses.replace(engine, tensor_parallel_size=more), suggest=False,
-                       num_speculative_tokens=num_speculative_tokens, draft_head=draft_head)
+                       num_speculative_tokens=num_speculative_tokens, draft_head=draft_head,
+                       num_prefill_lookahead_tokens=num_prefill_lookahead_tokens)
         except ConfigError:
             continue
         if alt.fits:

@@ -125,7 +125,8 @@ class ResolvedScenario:
         # a draft head's layers and weights take their share of the GPU.
         drafts = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
         planned = plan(self.model, self.gpu, self.engine, num_speculative_tokens=drafts,
-                       draft_head=self.speculative.draft_head)
+                       draft_head=self.speculative.draft_head,
+                       num_prefill_lookahead_tokens=self.speculative.num_prefill_lookahead_tokens)
         return with_speculative(planned, self.speculative, self.where, self.overrides)
 
     def offload_for(self, planned: Plan) -> ResolvedOffload | None:
@@ -250,7 +251,8 @@ def with_speculative(planned: Plan, speculative: SpeculativeConfig, where: str |
     try:
         scheduler = dataclasses.replace(scheduler, num_speculative_tokens=speculative.num_speculative_tokens,
                                         num_lookahead_tokens=speculative.num_lookahead_tokens,
-                                        num_hash_lookahead_tokens=hash_lookahead)
+                                        num_hash_lookahead_tokens=hash_lookahead,
+                                        num_prefill_lookahead_tokens=speculative.num_prefill_lookahead_tokens)
     except ConfigError as err:
         raise ConfigError(setting, err.expected, err.got, source=None if from_flag else where) from None
     return dataclasses.replace(planned, engine=dataclasses.replace(planned.engine, scheduler=scheduler))

@@ -49,6 +49,13 @@ class SpeculativeConfig:
         if self.draft_layers is not None:
             require(is_int(self.draft_layers) and self.draft_layers >= 0, "draft_layers",
                     "a non-negative integer (layers of the draft head)", self.draft_layers)
+        if self.method == "mtp" and self.num_draft_layers > 1:
+            # An MTP head's layers are its modules, which vLLM runs in turn: k must not end
+            # part-way through a round (docs/semantics.md#configuration).
+            modules = self.num_draft_layers
+            require(k <= modules or k % modules == 0, "num_speculative_tokens",
+                    f"at most draft_layers ({modules}, the MTP modules) or a multiple of it (vLLM refuses k that "
+                    "is neither)", k)
         if self.acceptance is None:
             require(default_acceptance(self.method, k) is not None, "acceptance",
                     f"a rate in [0, 1] or a table of {k} rates ('{self.method}' has no published default: its "
@@ -63,6 +70,13 @@ class SpeculativeConfig:
     def num_lookahead_tokens(self) -> int:
         """KV slots reserved past the drafts (vLLM: k for a draft head, 0 for n-gram)."""
         return self.num_speculative_tokens if self.method in HEAD_METHODS else 0
+
+    @property
+    def num_prefill_lookahead_tokens(self) -> int:
+        """Prefill tokens past a chunk the drafter reads (vLLM: 1 for a draft head, 0 for
+        n-gram; k only for multi-module MTP, which a replay does not model). The planner
+        sizes sliding-window retention from it (docs/semantics.md#sliding-window)."""
+        return 1 if self.method in HEAD_METHODS else 0
 
     def num_hash_lookahead_tokens(self, enable_prefix_caching: bool) -> int:
         """Tokens after each block its hash covers (vLLM 0.33: 1 for a single-module draft

@@ -316,6 +316,26 @@ def test_mistral_all_sliding_stays_sliding_with_hybrid_off():
     assert on.blocks_per_request == cdiv(min(4095 + 8192, 32768), 16) + 1 == 769
 
 
+def test_a_prefill_lookahead_makes_every_sliding_window_retain_its_tail():
+    """vLLM's planner: extra_retained_tokens = max(0, num_prefill_lookahead_tokens - 1) on every
+    sliding-window layer (docs/semantics.md#sliding-window), in the admission cap too."""
+    model, gpu = get_model("gemma-3-27b"), get_gpu("h200")
+    base = plan(model, gpu, sync(max_model_len=32768))
+    for lookahead in (0, 1):
+        same = plan(model, gpu, sync(max_model_len=32768), num_prefill_lookahead_tokens=lookahead)
+        assert same.groups == base.groups and same.blocks_per_request == base.blocks_per_request
+    # 3-module MTP: k = 3, 2 tokens more below each window (1023 + 2 + 8192 = 9217 tokens).
+    mtp = plan(model, gpu, sync(max_model_len=32768), num_prefill_lookahead_tokens=3)
+    windows = [g.spec for g in mtp.groups if g.spec.kind == "sliding_window"]
+    assert len(windows) == 6 and {s.extra_retained_tokens for s in windows} == {2}
+    assert mtp.blocks_per_request == cdiv(32768, 16) + 6 * (cdiv(1024 - 1 + 2 + 8192, 16) + 1)
+    assert mtp.blocks_per_request == base.blocks_per_request + 6
+    # Promoted to full attention (hybrid manager off) the tail is moot: vLLM drops it.
+    off = plan(model, gpu, sync(max_model_len=32768, hybrid_kv_cache=False, kv_cache_memory_bytes=100 * GIB),
+               num_prefill_lookahead_tokens=3)
+    assert off.groups[0].spec.kind == "full_attention" and not hasattr(off.groups[0].spec, "extra_retained_tokens")
+
+
 # ---------------------------------------------------------------------------- rules
 
 @pytest.mark.parametrize("sizes,expected", [([10, 52], 10), ([12, 12], 12), ([12, 13], 13), ([10, 14], 14),

@@ -175,6 +175,11 @@ def test_speculative_fields_are_sweep_keys():
     ('method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\nbogus = 1\n', ("speculative.bogus",)),
     ('method = "ngram"\nnum_speculative_tokens = 2048\nacceptance = 0.5\n',
      ("speculative.num_speculative_tokens", "max_num_batched_tokens - 1 = 2047")),
+    # An MTP head's layers are its modules: vLLM refuses k neither <= them nor a multiple of them.
+    ('method = "mtp"\nnum_speculative_tokens = 3\ndraft_layers = 2\n',
+     ("speculative.num_speculative_tokens", "at most draft_layers (2", "multiple")),
+    ('method = "mtp"\nnum_speculative_tokens = 5\ndraft_layers = 3\n',
+     ("speculative.num_speculative_tokens", "at most draft_layers (3")),
 ])
 def test_bad_speculative_settings_are_one_error_line(tmp_path, spec, fragments):
     _one_error_line(_replay_cli(_scenario(tmp_path, spec), "--out", tmp_path / "out"), *fragments)
@@ -322,3 +327,31 @@ def test_a_draft_head_takes_its_layers_and_weights_out_of_the_pool(tmp_path):
     assert [len(p.groups[0].layer_names) for p in (ngram, head, two)] == [32, 33, 34]
     assert ngram.num_blocks > head.num_blocks > two.num_blocks
     assert ngram.memory.weights_bytes < head.memory.weights_bytes < two.memory.weights_bytes
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_replay_that_cannot_make_progress_stops_with_one_error(tmp_path, async_scheduling):
+    """docs/semantics.md#no-progress: a scheduler that can never schedule its requests again
+    (multi-module MTP, k = 3, under a long-prefill threshold of 2: no prefill chunk may end
+    within 3 tokens of the prefill end, none may exceed 2 tokens; vLLM 0.33 livelocks too)
+    stops the replay with a ConfigError naming the setting and a stuck request, instead of
+    ending with requests silently unfinished."""
+    import dataclasses
+
+    from kvtwin.sim.core.errors import ConfigError
+
+    spec = 'method = "mtp"\nnum_speculative_tokens = 3\nacceptance = 0.5\ndraft_layers = 3\n'
+    resolved = resolve_scenario(_scenario(tmp_path, spec, async_scheduling=async_scheduling), Overrides())
+    planned = resolved.plan()
+    # A replay's MTP head is single-module; give the plan's scheduler the multi-module lookahead.
+    scheduler = dataclasses.replace(planned.engine.scheduler, num_prefill_lookahead_tokens=3,
+                                    long_prefill_token_threshold=2)
+    planned = dataclasses.replace(planned, engine=dataclasses.replace(planned.engine, scheduler=scheduler))
+    table = col.build_table({col.REQUEST_ID: ["a", "b"], col.ARRIVAL_TIME_S: [0.0, 0.0],
+                             col.PROMPT_TOKENS: [10, 10], col.OUTPUT_TOKENS: [4, 4],
+                             col.PROMPT_TOKEN_IDS: [list(range(100, 110)), list(range(200, 210))]},
+                            col.TraceMeta(source_format="test"))
+    with pytest.raises(ConfigError) as err:
+        run_replay(planned, table, efficiency=resolved.efficiency, speculative=resolved.speculative)
+    assert err.value.field == "long_prefill_token_threshold" and err.value.got == 2
+    assert "never scheduled again" in str(err.value) and "livelocks" in str(err.value)

@@ -44,12 +44,12 @@ ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba
                "spec_async_k3", "spec_async_pressure_k3", "spec_async_swa_full_k5", "spec_async_padding_k3",
                "spec_async_priority_pressure_k1", "spec_async_eagle_nocache_k5", "spec_async_mamba_full_k3",
                "spec_async_eagle_cache_k3", "spec_async_eagle_cache_pressure_k1", "spec_async_mtp3_cache_pressure_k3",
-               "spec_async_eagle_swa8_budget4_k3"}
+               "spec_async_eagle_swa8_budget4_k3", "spec_async_mtp3_swa_pressure_nocache_k3"}
 
-# Speculative decoding (n-gram drafts, k = 1, 3, 5; scripts/oracle/gen_spec_golden.py): full
-# attention, sliding window + full, pressure with preemptions (FCFS and priority), drafts
-# clipped by max_model_len and by the budget, padded one-token admissions, caching off,
-# chunked prefill off, a long-prefill threshold.
+# Speculative decoding (n-gram drafts and draft heads, k = 1, 3, 5, and 4 for a 2-module MTP
+# head; scripts/oracle/gen_spec_golden.py): full attention, sliding window + full, pressure
+# with preemptions (FCFS and priority), drafts clipped by max_model_len and by the budget,
+# padded one-token admissions, caching off, chunked prefill off, a long-prefill threshold.
 SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3", "spec_pressure_k3",
               "spec_priority_pressure_k5", "spec_max_model_len_k5", "spec_budget_k5", "spec_padding_k3",
               "spec_nocache_k3", "spec_async_k3", "spec_async_pressure_k3", "spec_async_swa_full_k5",
@@ -58,13 +58,17 @@ SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3"
               "spec_eagle_swa_nocache_k3", "spec_mamba_full_k3", "spec_async_mamba_full_k3",
               "spec_mamba_pressure_k3", "spec_mamba_checkpoint_k3", "spec_eagle_mamba_nocache_k3",
               "spec_eagle_mamba_checkpoint_nocache_k3",  # caching off: the trailing-block drop
+              "spec_mamba_long_prefill2_k3",  # a padded admission cut by the threshold: padding dropped
               # draft heads with prefix caching on: lookahead block hashes
               "spec_eagle_cache_k1", "spec_eagle_cache_k3", "spec_async_eagle_cache_k3",
               "spec_eagle_cache_pressure_k3", "spec_async_eagle_cache_pressure_k1", "spec_mtp_cache_k3",
               "spec_eagle_cache_swa_full_k3", "spec_eagle_cache_mamba_full_k3", "spec_eagle_cache_mamba_checkpoint_k3",
               # multi-module MTP: k-token hash lookahead, re-prefillable tail, prefill-lookahead chunks
-              "spec_mtp3_cache_k3", "spec_async_mtp3_cache_pressure_k3", "spec_mtp2_cache_swa_full_k3",
+              "spec_mtp3_cache_k3", "spec_async_mtp3_cache_pressure_k3", "spec_mtp2_cache_swa_full_k4",
               "spec_mtp3_nocache_k3",
+              # multi-module MTP on sliding windows: the retained re-prefillable tail
+              "spec_mtp3_cache_swa_pressure_k3", "spec_async_mtp3_swa_pressure_nocache_k3",
+              "spec_mtp3_swa_only_nocache_k3",
               # a head's lookahead past the sliding window's admission cap (SWA-BOUND)
               "spec_async_eagle_swa8_budget4_k3"}
 
@@ -100,7 +104,7 @@ def test_every_spec_golden_case_is_present_and_speculative():
     for name in CASES:
         k = load_case(CASES_DIR / name).scheduler_config.num_speculative_tokens
         assert (k > 0) == (name in SPEC_CASES), name
-    assert {load_case(CASES_DIR / n).scheduler_config.num_speculative_tokens for n in SPEC_CASES} == {1, 3, 5}
+    assert {load_case(CASES_DIR / n).scheduler_config.num_speculative_tokens for n in SPEC_CASES} == {1, 3, 4, 5}
 
 
 @pytest.mark.parametrize("name", CASES)

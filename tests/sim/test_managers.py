@@ -133,3 +133,48 @@ def test_sliding_window_admission_cap_bounds_the_whole_sequence_check():
     # The whole 2000-token sequence would need 125 blocks, but a window group never holds
     # more than its cap, so the request is admitted with its first chunk.
     assert kvm.allocate_slots(r, 256, full_sequence_must_fit=True) is not None
+
+
+def test_sliding_window_retains_the_extra_tail_below_the_window():
+    """docs/semantics.md#sliding-window: with extra_retained_tokens = 2 (3-module MTP) the
+    window's blocks leave 2 tokens later than without, and the admission cap counts them."""
+    spec = SlidingWindowSpec(block_size=16, sliding_window=32, extra_retained_tokens=2)
+    assert spec.num_retained_tokens == 33
+    # min(32 - 1 + 2 + 48, 4096) = 81 tokens → cdiv(81, 16) + 1 = 7 blocks (6 without the tail).
+    assert spec.max_admission_blocks_per_request(48, 4096) == 7
+    assert swa(32).max_admission_blocks_per_request(48, 4096) == 6
+    kvm = kv_manager(spec, num_blocks=32)
+    manager = kvm.coordinator.managers[0]
+    assert manager.get_num_skipped_tokens(70) == 37 and manager.get_num_skipped_tokens(33) == 0
+    r = request("a", tokens(1000, 70), max_tokens=20)
+    kvm.allocate_slots(r, 70)
+    r.num_computed_tokens = 70
+    r.append_output_token_ids([60_000])
+    kvm.allocate_slots(r, 1)  # processed = 70: 37 skipped tokens, 2 whole blocks
+    assert block_ids(kvm, "a")[:5] == [0, 0, 3, 4, 5]
+    r.num_computed_tokens += 1
+    r.append_output_token_ids([60_001])
+    _decode_to(kvm, r, 82)  # processed = 80 skips 47 tokens: still 2 blocks
+    assert block_ids(kvm, "a")[:3] == [0, 0, 3]
+    _decode_to(kvm, r, 83)  # processed = 81 skips 48: block 3 leaves (at 79 without the tail)
+    assert block_ids(kvm, "a")[:3] == [0, 0, 0]
+
+
+def test_sliding_window_skip_horizon_matches_the_skipped_tokens():
+    """The decode fast path's horizon (``_skip_horizon``) is exactly the first computed count
+    at which ``remove_skipped_blocks`` would drop another block, with or without a retained tail."""
+    for window in (1, 8, 16, 17, 32, 33):
+        for extra in (0, 1, 2, 4, 15, 16):
+            kvm = kv_manager(SlidingWindowSpec(block_size=16, sliding_window=window, extra_retained_tokens=extra),
+                             num_blocks=64)
+            manager = kvm.coordinator.managers[0]
+            r = request("a", tokens(1000, 200), max_tokens=4)
+            kvm.allocate_slots(r, 200)
+            table = manager.req_to_blocks["a"]
+            for computed in range(0, 200):
+                manager.remove_skipped_blocks("a", computed)
+                horizon = manager._skip_horizon("a", table)
+                assert manager._nothing_to_skip(table, computed)
+                assert all(manager._nothing_to_skip(table, n) for n in range(computed, min(horizon, 201)))
+                if horizon <= 200:
+                    assert not manager._nothing_to_skip(table, horizon), (window, extra, computed, horizon)

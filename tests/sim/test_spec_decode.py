@@ -23,9 +23,9 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
-                                  cdiv)
+                                  cdiv, with_prefill_lookahead)
 from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
-from kvtwin.sim.lockstep.runner import SpecScriptedModel
+from kvtwin.sim.lockstep.runner import SpecScriptedModel, run_case
 from tests.sim.test_invariants import COMMON, Scenario, examples, run_scenario
 
 CASES = Path(__file__).parent.parent / "golden" / "cases"
@@ -125,6 +125,124 @@ def test_multi_module_mtp_limits_are_refused_naming_the_field():
     assert engine.scheduler.hasher.lookahead == 5 and engine.kv_cache_manager.coordinator.num_reprefillable_tokens == 4
 
 
+def test_multi_module_mtp_sliding_windows_retain_the_re_prefillable_tail(tmp_path):
+    """docs/semantics.md#sliding-window: a case's sliding-window groups retain k - 1 tokens
+    below the window for multi-module MTP, as vLLM's planner sets them; a group that states
+    another value, or a scheduler built on a window without the tail, is refused naming the field."""
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mtp3_swa_only_nocache_k3", case)
+    loaded = load_case(case)
+    assert loaded.scheduler_config.num_prefill_lookahead_tokens == 3
+    assert loaded.kv_cache_config.groups[0].spec.extra_retained_tokens == 2
+    config = json.loads((case / "config.json").read_text())
+    config["kv_cache_groups"][0]["extra_retained_tokens"] = 2
+    (case / "config.json").write_text(json.dumps(config))
+    assert load_case(case).kv_cache_config == loaded.kv_cache_config
+    config["kv_cache_groups"][0]["extra_retained_tokens"] = 0
+    (case / "config.json").write_text(json.dumps(config))
+    res = CliRunner().invoke(app, ["lockstep", str(case), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"kvtwin: error: {case / 'config.json'}: kv_cache_groups[0].extra_retained_tokens"), lines
+    # Single-module heads and n-gram retain nothing extra.
+    for name in ("spec_eagle_cache_swa_full_k3", "spec_swa_full_k3"):
+        spec = load_case(CASES / name).kv_cache_config.groups[0].spec
+        assert isinstance(spec, SlidingWindowSpec) and spec.extra_retained_tokens == 0
+    plain = dataclasses.replace(loaded.kv_cache_config, groups=(
+        KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=BS, sliding_window=32)),))
+    with pytest.raises(ConfigError) as err:
+        EngineCore(plain, loaded.scheduler_config, loaded.cache_config)
+    assert err.value.field == "extra_retained_tokens"
+
+
+def test_mtp_modules_must_divide_k_and_the_cli_says_so_in_one_line(tmp_path):
+    """vLLM 0.33 (``config/speculative.py``) refuses an MTP k above the module count that is
+    not a multiple of it; k at most the modules, or a multiple, is accepted."""
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mtp3_cache_k3", case)
+    config = json.loads((case / "config.json").read_text())
+    for layers, k in ((3, 1), (3, 2), (2, 4), (2, 6), (4, 3)):
+        config["speculative"].update(num_nextn_predict_layers=layers, num_speculative_tokens=k)
+        (case / "config.json").write_text(json.dumps(config))
+        assert load_case(case).scheduler_config.num_speculative_tokens == k
+    config["speculative"].update(num_nextn_predict_layers=2, num_speculative_tokens=3)
+    (case / "config.json").write_text(json.dumps(config))
+    res = CliRunner().invoke(app, ["lockstep", str(case), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"kvtwin: error: {case / 'config.json'}: speculative.num_speculative_tokens"), lines
+    assert "num_nextn_predict_layers (2)" in lines[0]
+
+
+def test_a_padded_admission_cut_by_the_long_prefill_threshold(tmp_path):
+    """docs/semantics.md#scheduling-drafts: a one-token admission padded to 1 + k rows and cut
+    by a long-prefill threshold below 1 + k. On a Mamba align-mode layout vLLM 0.33 drops the
+    padding and schedules the one token (golden case spec_mamba_long_prefill2_k3); without
+    Mamba it fails an assertion, so kvtwin stops there with one error line naming the setting."""
+    case = load_case(CASES / "spec_mamba_long_prefill2_k3")
+    result = run_case(case)
+    admitted_with_hit = {(a["step"], r["request_id"]) for r in result.requests for a in r["admissions"]
+                         if a["hit_tokens"]}
+    cut = [(s["scheduled"][rid], s["spec_decode_tokens"].get(rid, 0)) for s in result.steps
+           for rid in s["scheduled"] if (s["step"], rid) in admitted_with_hit]
+    # One-token admissions went unpadded; none kept a shortened padded row.
+    assert (1, 0) in cut and all(n == 1 + d == 4 for n, d in cut if d)
+    full_only = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mamba_long_prefill2_k3", full_only)
+    config = json.loads((full_only / "config.json").read_text())
+    config["kv_cache_groups"] = [{"kind": "full_attention"}]
+    (full_only / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        run_case(load_case(full_only))
+    assert err.value.field == "long_prefill_token_threshold" and err.value.got == 2
+    res = CliRunner().invoke(app, ["lockstep", str(full_only), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "long_prefill_token_threshold: expected 0 or at least 1 + num_speculative_tokens = 4" \
+        in lines[0] and lines[0].startswith("kvtwin: error:"), lines
+
+
+@pytest.mark.parametrize("async_scheduling, prompt_tokens", [(False, 10), (True, 10), (False, 3)])
+def test_a_livelock_is_one_error_line_not_a_crash(tmp_path, async_scheduling, prompt_tokens):
+    """docs/semantics.md#no-progress: multi-module MTP (k = 3) under a long-prefill threshold
+    of 2 livelocks, in vLLM 0.33 too (checked with the oracle: no end after 20000 steps).
+    Running (10-token prompts stop 3 tokens short) or set aside while waiting (3-token
+    prompts), the requests are never scheduled again; the lockstep run stops with one
+    error line naming the threshold and a stuck request."""
+    case = tmp_path / "case"
+    shutil.copytree(CASES / "spec_mtp3_nocache_k3", case, ignore=shutil.ignore_patterns("expected_*"))
+    config = json.loads((case / "config.json").read_text())
+    config.update(long_prefill_token_threshold=2, async_scheduling=async_scheduling)
+    (case / "config.json").write_text(json.dumps(config))
+    rows = [dict(request_id=f"r{i}", arrival_step=0, output_token_ids=[5, 6, 7], priority=0,
+                 prompt_token_ids=list(range(100 * i + 1, 100 * i + 1 + prompt_tokens))) for i in range(2)]
+    (case / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as err:
+        run_case(load_case(case), max_idle_steps=20)
+    assert err.value.field == "long_prefill_token_threshold" and err.value.got == 2
+    stuck = 7 if prompt_tokens == 10 else 0
+    assert f"request r0 {'is running' if stuck else 'waits'} with {stuck} of its {prompt_tokens} tokens" \
+        in str(err.value)
+    res = CliRunner().invoke(app, ["lockstep", str(case), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error: case: long_prefill_token_threshold"), lines
+
+
+def test_no_progress_without_a_known_cause_blames_the_workload():
+    """The no-progress error names the first stuck request and, with no known cause, the
+    workload (here a waiting request stuck behind a full pool, set up by hand)."""
+    kv = KVCacheConfig(num_blocks=8, groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS)),),
+                       hash_block_size=BS)
+    engine = EngineCore(kv, SchedulerConfig(max_model_len=256))
+    engine.add_request(Request("w", TokenPrompt(tuple(range(1, 41))), 4))
+    err = engine.no_progress_error("requests.jsonl")
+    assert err.field == "requests.jsonl"
+    assert "request w waits with 0 of its 40 tokens computed and is never scheduled again" in str(err)
+
+
 def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     case = tmp_path / "case"
     shutil.copytree(CASES / "spec_full_k3", case)
@@ -141,6 +259,11 @@ def test_cli_refuses_k_over_the_budget_in_one_line(tmp_path):
     ({"method": "medusa", "num_speculative_tokens": 3}, "speculative.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative"),
+    # vLLM reuses the MTP modules in turn: k must be at most their number or a multiple of it.
+    ({"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 2},
+     "speculative.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 5, "num_nextn_predict_layers": 3},
+     "speculative.num_speculative_tokens"),
 ])
 def test_bad_speculative_table_in_a_case(tmp_path, speculative, field):
     case = tmp_path / "case"
@@ -195,13 +318,6 @@ def spec_scenarios(draw) -> Scenario:
     max_model_len = draw(st.integers(48, 160))
     budget = draw(st.integers(k + 1, 96))
     swa = draw(st.booleans())
-    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS))]
-    if swa:
-        groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=BS,
-                                                                     sliding_window=draw(st.sampled_from([8, 16, 33])))))
-    worst = cdiv(max_model_len, BS) * len(groups) + 4 * len(groups)
-    num_blocks = draw(st.integers(worst + 1, worst + 40))
-    kv = KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=BS)
     sched = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=draw(st.integers(1, 8)),
                             max_num_batched_tokens=budget, async_scheduling=is_async,
                             scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
@@ -209,10 +325,18 @@ def spec_scenarios(draw) -> Scenario:
     cache = CacheConfig(enable_prefix_caching=draw(st.booleans()))
     if draw(st.booleans()):
         # A draft head: k lookahead slots and, with caching on, lookahead block hashes.
-        # Multi-module MTP (k > 1) reads k tokens ahead: chunk rule, k-token hashes, re-prefillable tail.
+        # Multi-module MTP (k > 1) reads k tokens ahead: chunk rule, k-token hashes, re-prefillable tail,
+        # and sliding windows that retain k - 1 more tokens.
         prefill = k if k > 1 and draw(st.booleans()) else 1
         sched = dataclasses.replace(sched, num_lookahead_tokens=k, num_prefill_lookahead_tokens=prefill,
                                     num_hash_lookahead_tokens=prefill if cache.enable_prefix_caching else 0)
+    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS))]
+    if swa:
+        window = SlidingWindowSpec(block_size=BS, sliding_window=draw(st.sampled_from([8, 16, 33])))
+        groups.append(KVCacheGroupSpec(("swa",), with_prefill_lookahead(window, sched.num_prefill_lookahead_tokens)))
+    worst = cdiv(max_model_len, BS) * len(groups) + 4 * len(groups)
+    num_blocks = draw(st.integers(worst + 1, worst + 40))
+    kv = KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=BS)
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     base = [rng.randrange(3) for _ in range(max_model_len)]
     requests = []

@@ -56,6 +56,7 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
     engine = replica.engine
     executor = replica.executor
     connector = engine.has_connector
+    stalled = False  # the last step scheduled nothing with nothing left to wait for
     while True:
         # With a connector a step also reports finished requests (an offload tier's last
         # stores; P/D's reads of a prefill side's blocks).
@@ -68,16 +69,28 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
         result = engine.step(executor)
         duration_s = result.execution.duration_s
         cluster.applied(replica, result, BatchTimes(start_s, start_s, start_s + duration_s), synchronous=True)
+        if result.output.num_scheduled_tokens:
+            stalled = False
         if duration_s > 0:
             yield env.timeout(duration_s)
         elif not result.output.num_scheduled_tokens:
             if connector and _waits_for_transfers(engine):
                 if (yield from _wait_for_transfers(cluster, replica, _reported(result))):
+                    stalled = False
                     continue
             # Nothing could be scheduled and no time passes: wait for an arrival rather
             # than spin (the waiting head cannot fit until something changes).
             if cluster.arrivals_done:
-                return
+                if not engine.has_unfinished_requests():
+                    return
+                # Nothing will arrive or finish any more: the state changes only by what a
+                # step does, so a second empty step in a row (blocks cached in the first are
+                # hits in the second) means no progress is possible.
+                if stalled and not result.output.preempted:
+                    raise engine.no_progress_error("workload")
+                stalled = True
+                continue
+            stalled = False
             yield replica.sleep(env)
 
 
@@ -88,6 +101,7 @@ def async_engine_process(cluster: ClusterView, replica: Replica):
     timeline = replica.timeline
     size = engine.batch_queue_size
     limit_s = cluster.time_limit_s
+    stalled = False  # the last idle pass found nothing left to wait for
     while True:
         if not engine.has_requests() and not batches.in_flight:
             if cluster.arrivals_done:
@@ -102,15 +116,24 @@ def async_engine_process(cluster: ClusterView, replica: Replica):
             if launch.closed_window is not None:
                 cluster.window_closed(replica, launch.closed_window)
             if launch.executed:
+                stalled = False
                 timeline.launch(now, launch.duration_s)
             else:
                 timeline.launch_empty(now)
                 if not launch.preempted and not batches.any_executed():
                     # Nothing could be scheduled and nothing runs: apply what is queued (it
                     # computed nothing) and wait rather than spin.
-                    if (yield from _idle(cluster, replica)):
-                        continue
-                    return
+                    waited = yield from _idle(cluster, replica)
+                    if waited is _DONE:
+                        return
+                    if waited is _STALLED:
+                        # As in the synchronous process: twice in a row, no progress is possible.
+                        if stalled:
+                            raise engine.no_progress_error("workload")
+                        stalled = True
+                    else:
+                        stalled = False
+                    continue
             if batches.in_flight < size and (launch.executed or engine.has_requests()):
                 continue  # the queue has room: schedule the next batch at once
         times = timeline.take_oldest()
@@ -119,9 +142,17 @@ def async_engine_process(cluster: ClusterView, replica: Replica):
         cluster.applied(replica, batches.update(), times)
 
 
+# What an idle replica found (``_idle``): it waited for something and goes on; it is done;
+# or nothing is left to wait for although requests are unfinished (it goes on once more).
+_WAITED = "waited"
+_DONE = "done"
+_STALLED = "stalled"
+
+
 def _idle(cluster: ClusterView, replica: Replica):
     """Apply the batches queued (none computes anything), then wait for a transfer or an
-    arrival: True to go on, False when the replica is done."""
+    arrival: ``_WAITED`` to go on, ``_DONE`` when the replica is done, ``_STALLED`` when
+    arrivals are done and nothing is in flight, yet requests are unfinished."""
     engine = replica.engine
     reported = False
     while replica.batches.in_flight:
@@ -130,11 +161,11 @@ def _idle(cluster: ClusterView, replica: Replica):
         reported |= _reported(result)
     if engine.has_connector and _waits_for_transfers(engine):
         if (yield from _wait_for_transfers(cluster, replica, reported)):
-            return True
+            return _WAITED
     if cluster.arrivals_done:
-        return False
+        return _STALLED if engine.has_unfinished_requests() else _DONE
     yield replica.sleep(cluster.env)
-    return True
+    return _WAITED
 
 
 def _waits_for_transfers(engine) -> bool:
