@@ -383,9 +383,9 @@ def cases() -> dict:
          "full + sliding window 64, prefix_cache_retention_interval 0: window tails at the "
          "replay boundary (num_prompt_tokens - 1) and junctions of blocks hashed with the "
          "token after them")
-    spec("retention_spec_async_mtp_swa_r0", [FULL, SWA(64)], 160, 2, "mtp", 7602,
+    spec("retention_spec_async_mtp_swa_r0", [FULL, SWA(64)], 160, 1, "mtp", 7602,
          async_scheduling=True,
-         desc="asynchronous, single-module MTP k=2, prefix caching on, full + sliding window "
+         desc="asynchronous, single-module MTP k=1, prefix caching on, full + sliding window "
          "64, prefix_cache_retention_interval 0")
     spec("retention_spec_mtp_mamba_r0", [FULL, MAMBA], 160, 3, "mtp", 7603,
          desc="single-module MTP k=3, prefix caching on, full + mamba (align, 3 speculative "
