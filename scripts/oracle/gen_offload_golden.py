@@ -101,6 +101,11 @@ CONFIG_KEYS = [
     "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo",
     "async_scheduling", "description", "kv_offload",
 ]
+# Optional keys: written to config.json only when the case has them.
+# prefix_cache_retention_interval: absent or null = dense (None on CacheConfig and
+# KVCacheConfig, so also for the connector), 0 (vLLM's engine default) or a positive
+# multiple of block_size (README "Prefix-cache retention").
+OPTIONAL_CONFIG_KEYS = ["prefix_cache_retention_interval"]
 OFFLOAD_KEYS = ["cpu_bytes_to_use", "eviction_policy", "kv_bytes_per_chunk",
                 "num_cpu_chunks", "load_steps", "store_steps"]
 REQUEST_KEYS = ["request_id", "arrival_step", "prompt_token_ids", "output_token_ids",
@@ -144,9 +149,10 @@ def build_groups(group_cfgs: list[dict], block_size: int) -> list[KVCacheGroupSp
 
 def validate_config(cfg: dict) -> None:
     missing = [k for k in CONFIG_KEYS if k not in cfg]
-    extra = [k for k in cfg if k not in CONFIG_KEYS]
+    extra = [k for k in cfg if k not in CONFIG_KEYS + OPTIONAL_CONFIG_KEYS]
     if missing or extra:
         raise CaseError(f"config.json: missing keys {missing}, unknown keys {extra}")
+    validate_retention(cfg)
     ko = cfg["kv_offload"]
     missing = [k for k in OFFLOAD_KEYS if k not in ko]
     extra = [k for k in ko if k not in OFFLOAD_KEYS]
@@ -166,6 +172,19 @@ def validate_config(cfg: dict) -> None:
         raise CaseError("config.json: async_scheduling must be true or false")
 
 
+def validate_retention(cfg: dict) -> None:
+    """prefix_cache_retention_interval: absent / null, 0, or a positive multiple of
+    block_size (vLLM raises for other values, and for a positive one without a
+    sliding-window or Mamba group)."""
+    ri = cfg.get("prefix_cache_retention_interval")
+    if ri is None:
+        return
+    if not isinstance(ri, int) or isinstance(ri, bool) or ri < 0 or \
+            (ri > 0 and ri % int(cfg["block_size"]) != 0):
+        raise CaseError(f"config.json: prefix_cache_retention_interval {ri!r} is not null, 0 "
+                        f"or a positive multiple of block_size {cfg['block_size']}")
+
+
 def build_scheduler(cfg: dict):
     """vLLM's Scheduler (``AsyncScheduler`` when ``async_scheduling``) with the
     OffloadingConnector (scheduler role).  kv_offload.kv_bytes_per_chunk /
@@ -183,10 +202,12 @@ def build_scheduler(cfg: dict):
         max_model_len=int(cfg["max_model_len"]),
         dtype="float16",
     )
+    retention = cfg.get("prefix_cache_retention_interval")
     cache_config = CacheConfig(
         block_size=bs,
         enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
         prefix_caching_hash_algo=cfg["prefix_caching_hash_algo"],
+        prefix_cache_retention_interval=retention,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=int(cfg["max_num_seqs"]),
@@ -219,8 +240,12 @@ def build_scheduler(cfg: dict):
     vllm_config.cache_config.num_gpu_blocks = int(cfg["num_blocks"])
     if has_mamba:
         vllm_config.cache_config.mamba_cache_mode = "align"
+    # one setting on both sides: the engine's planner copies the CacheConfig value into
+    # the KVCacheConfig (kv_cache_planning.get_kv_cache_config_from_groups); the GPU
+    # coordinator reads the latter, the offloading connector the former.
     kv_cache_config = KVCacheConfig(
-        num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups
+        num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups,
+        prefix_cache_retention_interval=vllm_config.cache_config.prefix_cache_retention_interval,
     )
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     # The Scheduler creates the connector itself (KVConnectorRole.SCHEDULER,
@@ -271,6 +296,11 @@ def build_scheduler(cfg: dict):
             raise CaseError(f"vLLM changed {k}: asked {cfg[k]!r}, effective {v!r}")
     if sched_bs != bs or hash_bs != bs:
         raise CaseError(f"unexpected scheduler/hash block size {sched_bs}/{hash_bs}")
+    if vllm_config.cache_config.prefix_cache_retention_interval != retention or \
+            sched.kv_cache_manager.coordinator.retention_interval != retention:
+        raise CaseError(f"vLLM runs prefix_cache_retention_interval "
+                        f"{sched.kv_cache_manager.coordinator.retention_interval!r}, case "
+                        f"asks {retention!r}")
     # EngineCore.step_with_batch_queue is used with max_concurrent_batches > 1
     batches = vllm_config.max_concurrent_batches
     if batches != (2 if is_async else 1):
@@ -295,7 +325,7 @@ def build_scheduler(cfg: dict):
     # What this harness (and the README) assume about the connector config.
     expect = dict(num_workers=1, blocks_per_chunk=1, tokens_per_hash=bs,
                   offload_prompt_only=True, sync_load_budget_bytes=0,
-                  retention_interval=0, supports_partial_tail=False)
+                  retention_interval=retention, supports_partial_tail=False)
     for k, v in expect.items():
         if getattr(oc, k) != v:
             raise CaseError(f"connector config {k} = {getattr(oc, k)!r}, expected {v!r}")
@@ -811,6 +841,7 @@ def _resident_keys(manager) -> list:
 # --------------------------------------------------------------------------
 def full_config(cfg: dict, geometry: dict) -> dict:
     out = {k: cfg[k] for k in CONFIG_KEYS}
+    out.update({k: cfg[k] for k in OPTIONAL_CONFIG_KEYS if k in cfg})
     ko = dict(cfg["kv_offload"])
     ko["kv_bytes_per_chunk"] = geometry["kv_bytes_per_chunk"]
     ko["num_cpu_chunks"] = geometry["num_cpu_chunks"]
@@ -976,7 +1007,10 @@ def SWA(w):
 
 def config(groups, num_blocks, max_num_seqs, budget, description, *, cpu_chunks,
            policy, load_steps=1, store_steps=1, bytes_per_chunk, max_model_len=2048,
-           reserve=True, async_scheduling=False):
+           reserve=True, async_scheduling=False, retention=0):
+    """``retention``: prefix_cache_retention_interval on both sides (CacheConfig, so the
+    connector, and KVCacheConfig, so the GPU cache): vLLM's engine default 0; None =
+    dense (written as null)."""
     return {
         "vllm_version": VLLM_VERSION,
         "kv_cache_groups": groups,
@@ -1003,6 +1037,7 @@ def config(groups, num_blocks, max_num_seqs, budget, description, *, cpu_chunks,
             "load_steps": load_steps,
             "store_steps": store_steps,
         },
+        "prefix_cache_retention_interval": retention,
     }
 
 
@@ -1116,6 +1151,22 @@ def offload_cases():
     cases["offload_async_swa_arc"] = a_swa("arc", 9102, n_conv=18)
     cases["offload_async_mamba_lru"] = a_mamba("lru", 9103)
     cases["offload_async_full_arc_slow"] = a_full_slow
+
+    # dense retention (prefix_cache_retention_interval null on both sides: every
+    # reachable sliding-window chunk and Mamba state is cached on the GPU and offered
+    # to the connector), the same workloads as their retention-0 namesakes
+    def dense(make):
+        def fn():
+            cfg, wl = make()
+            cfg = dict(cfg, prefix_cache_retention_interval=None,
+                       description=cfg["description"] + "; dense retention "
+                       "(prefix_cache_retention_interval null: GPU cache and connector)")
+            return cfg, wl
+        return fn
+
+    cases["offload_swa_lru_dense"] = dense(swa("lru", 9102))
+    cases["offload_mamba_lru_dense"] = dense(mamba("lru", 9103))
+    cases["offload_async_mamba_lru_dense"] = dense(a_mamba("lru", 9103))
     return cases
 
 

@@ -71,6 +71,9 @@ CONFIG_KEYS = [
     "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo",
     "async_scheduling", "description", "speculative",
 ]
+# Optional: prefix_cache_retention_interval (absent / null = dense, 0, or a positive multiple
+# of block_size), set on CacheConfig and copied into KVCacheConfig as vLLM's planner does.
+OPTIONAL_CONFIG_KEYS = ["prefix_cache_retention_interval"]
 SPEC_KEYS = ["method", "num_speculative_tokens"]
 REQUEST_KEYS = ["request_id", "arrival_step", "prompt_token_ids", "output_token_ids",
                 "priority", "num_accepted_tokens"]
@@ -110,9 +113,13 @@ HEAD_METHODS = ("eagle", "eagle3", "mtp")  # draft heads with their own KV (vLLM
 
 def validate_config(cfg: dict) -> None:
     missing = [k for k in CONFIG_KEYS if k not in cfg]
-    extra = [k for k in cfg if k not in CONFIG_KEYS]
+    extra = [k for k in cfg if k not in CONFIG_KEYS + OPTIONAL_CONFIG_KEYS]
     if missing or extra:
         raise CaseError(f"config.json: missing keys {missing}, unknown keys {extra}")
+    ri = cfg.get("prefix_cache_retention_interval")
+    if ri is not None and (not isinstance(ri, int) or isinstance(ri, bool) or ri < 0
+                           or ri % int(cfg["block_size"]) != 0):
+        raise CaseError(f"prefix_cache_retention_interval {ri!r}: null, 0 or a positive multiple of block_size")
     sp = cfg["speculative"]
     keys = sorted(k for k in sp if k != "num_nextn_predict_layers")
     if keys != sorted(SPEC_KEYS) or sp["method"] not in ("ngram", *HEAD_METHODS) or \
@@ -155,7 +162,9 @@ def build_scheduler(cfg: dict):
     caching = bool(cfg["enable_prefix_caching"])
     vllm_config = VllmConfig(model_config=model_config,
                              cache_config=CacheConfig(block_size=bs, enable_prefix_caching=caching,
-                                                      prefix_caching_hash_algo=cfg["prefix_caching_hash_algo"]),
+                                                      prefix_caching_hash_algo=cfg["prefix_caching_hash_algo"],
+                                                      prefix_cache_retention_interval=cfg.get(
+                                                          "prefix_cache_retention_interval")),
                              scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
                              speculative_config=spec_config)
     vllm_config.cache_config.num_gpu_blocks = int(cfg["num_blocks"])
@@ -165,7 +174,9 @@ def build_scheduler(cfg: dict):
     if method in HEAD_METHODS:
         as_draft_head(spec_config, method, mtp_layers)
     retain_prefill_lookahead(groups, vllm_config)
-    kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups)
+    kv_cache_config = KVCacheConfig(num_blocks=int(cfg["num_blocks"]), kv_cache_tensors=[], kv_cache_groups=groups,
+                                    prefix_cache_retention_interval=(  # as kv_cache_planning sets it
+                                        vllm_config.cache_config.prefix_cache_retention_interval))
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     cls = AsyncScheduler if is_async else Scheduler
     sched = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
@@ -199,7 +210,10 @@ def build_scheduler(cfg: dict):
                                                 int(cfg["long_prefill_token_threshold"])),
                   enable_chunked_prefill=(sc.enable_chunked_prefill, bool(cfg["enable_chunked_prefill"])),
                   enable_prefix_caching=(vllm_config.cache_config.enable_prefix_caching, caching),
-                  block_sizes=((sched_bs, hash_bs), (bs, bs)))
+                  block_sizes=((sched_bs, hash_bs), (bs, bs)),
+                  retention=((vllm_config.cache_config.prefix_cache_retention_interval,
+                              sched.kv_cache_manager.coordinator.retention_interval),
+                             (cfg.get("prefix_cache_retention_interval"),) * 2))
     for name, (got, want) in checks.items():
         if got != want:
             raise CaseError(f"vLLM changed {name}: asked {want!r}, effective {got!r}")
@@ -449,7 +463,8 @@ def run_case(cfg: dict, requests: list[dict]):
 def write_case(case_dir: str, cfg: dict, requests: list[dict], exp_requests: list[dict],
                exp_steps: list[dict]) -> None:
     os.makedirs(case_dir, exist_ok=True)
-    atomic_write(os.path.join(case_dir, "config.json"), json.dumps({k: cfg[k] for k in CONFIG_KEYS}, indent=1) + "\n")
+    atomic_write(os.path.join(case_dir, "config.json"), json.dumps(
+        {k: cfg[k] for k in CONFIG_KEYS + [k for k in OPTIONAL_CONFIG_KEYS if k in cfg]}, indent=1) + "\n")
     write_jsonl(os.path.join(case_dir, "requests.jsonl"), [{k: r[k] for k in REQUEST_KEYS} for r in requests])
     write_jsonl(os.path.join(case_dir, "expected_requests.jsonl"), exp_requests)
     write_jsonl(os.path.join(case_dir, "expected_steps.jsonl"), exp_steps)
