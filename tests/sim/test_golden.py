@@ -33,6 +33,12 @@ PUBLIC_CASES = {"chunked64", "full_basic", "full_nocache", "full_pressure", "mam
 ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba_align", "async_hybrid_priority",
                "async_priority", "async_no_chunking", "async_multiturn", "async_big_batches",
                "retention_three_groups_r0_async",
+               # Prefix-cache retention (scripts/oracle/gen_retention_cases.py and the offload
+               # and spec harnesses): sparse caching under asynchronous scheduling.
+               "retention_swa_r0_async", "retention_mamba_r0_async", "retention_mamba_ckpt_r0_async",
+               "retention_three_groups_r0_pressure_async", "retention_offload_swa_r0_async",
+               "retention_offload_mamba_r0_async", "retention_spec_async_mtp_swa_r0",
+               "retention_spec_async_eagle_mamba_r0", "offload_async_mamba_lru_dense",
                # vLLM's native CPU offloading under asynchronous scheduling (our own harness,
                # scripts/oracle/gen_offload_golden.py).
                "offload_async_full_lru", "offload_async_swa_arc", "offload_async_mamba_lru",
@@ -69,6 +75,9 @@ SPEC_CASES = {"spec_full_k1", "spec_full_k3", "spec_full_k5", "spec_swa_full_k3"
               # multi-module MTP on sliding windows: the retained re-prefillable tail
               "spec_mtp3_cache_swa_pressure_k3", "spec_async_mtp3_swa_pressure_nocache_k3",
               "spec_mtp3_swa_only_nocache_k3",
+              # draft heads with prefix caching under vLLM's default retention (interval 0)
+              "retention_spec_eagle_swa_r0", "retention_spec_async_mtp_swa_r0", "retention_spec_mtp_mamba_r0",
+              "retention_spec_async_eagle_mamba_r0",
               # a head's lookahead past the sliding window's admission cap (SWA-BOUND)
               "spec_async_eagle_swa8_budget4_k3"}
 
