@@ -50,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from oracle_common import (  # noqa: E402  (standard library only)
-    GOLDEN_CASES as DEFAULT_OUT, CaseError, prepare_environment, read_jsonl, write_json,
+    GOLDEN_CASES as DEFAULT_OUT, CaseError, accept_script, prepare_environment, read_jsonl, write_json,
     write_jsonl,
 )
 
@@ -208,16 +208,9 @@ class Chat:
         return [r for r in new if r]
 
 
-def accept_script(rid: str, seed: int, k: int, n: int, rate: float = 0.6) -> list[int]:
-    """Drafts accepted per verify step (speculative cases): the first rejection ends a run."""
-    rng = random.Random(f"retention-accept-{seed}-{rid}")
-    out = []
-    for _ in range(n):
-        a = 0
-        while a < k and rng.random() < rate:
-            a += 1
-        out.append(a)
-    return out
+def request_accept_script(rid: str, seed: int, k: int, n: int, rate: float = 0.6) -> list[int]:
+    """Drafts accepted per verify step of one request (speculative cases), from its own draw."""
+    return accept_script(random.Random(f"retention-accept-{seed}-{rid}"), k, rate, n)
 
 
 # --------------------------------------------------------------------------
@@ -578,7 +571,7 @@ def build(name: str, entry: dict, out: str) -> str:
     reqs = arrivals_plain(cfg, entry["wl"]())
     if entry["kind"] == "spec":
         seed = entry["wl"]().seed
-        reqs = [dict(r, num_accepted_tokens=accept_script(
+        reqs = [dict(r, num_accepted_tokens=request_accept_script(
             r["request_id"], seed, entry["k"], len(r["output_token_ids"]))) for r in reqs]
         keys = REQUEST_KEYS + ["num_accepted_tokens"]
     else:

@@ -40,7 +40,7 @@ import time
 import types
 
 from oracle_common import (  # noqa: E402  (standard library only: before torch and vLLM)
-    GOLDEN_CASES as DEFAULT_OUT, CaseError, atomic_write, prepare_environment, read_jsonl,
+    GOLDEN_CASES as DEFAULT_OUT, CaseError, accept_script, atomic_write, prepare_environment, read_jsonl,
     tiny_model_dir as _tiny_model_dir, write_jsonl,
 )
 
@@ -489,17 +489,6 @@ MAMBA_CHECKPOINT = {**MAMBA, "num_prefill_checkpoint_blocks": 1, "prefill_checkp
 
 def SWA(window: int) -> dict:
     return {"kind": "sliding_window", "sliding_window": window}
-
-
-def accept_script(rng: random.Random, k: int, rate: float, n: int) -> list[int]:
-    """Accepted drafts per verify step: the first rejection ends the run (rate per position)."""
-    out = []
-    for _ in range(n):
-        a = 0
-        while a < k and rng.random() < rate:
-            a += 1
-        out.append(a)
-    return out
 
 
 def workload(seed: int, k: int, *, n: int = 16, prompt=(20, 90), output=(6, 40), gap: int = 2,

@@ -85,3 +85,15 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 def write_json(path: str, obj: dict) -> None:
     atomic_write(path, json.dumps(obj, indent=1) + "\n")
+
+
+def accept_script(rng, k: int, rate: float, n: int) -> list[int]:
+    """Drafts a scripted model accepts at each of ``n`` verify steps (speculative cases): at
+    each of the ``k`` positions with probability ``rate``, the first rejection ending the run."""
+    out = []
+    for _ in range(n):
+        accepted = 0
+        while accepted < k and rng.random() < rate:
+            accepted += 1
+        out.append(accepted)
+    return out
