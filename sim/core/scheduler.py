@@ -250,6 +250,12 @@ class Scheduler:
                     # The ones after it rank higher and may fit in what it freed; it left
                     # ``self.running``, so ``req_index`` already points at the next one.
                     continue
+                if replaced_log and request.status is RequestStatus.RUNNING:
+                    # It waits, unscheduled, for a victim's blocks a batch in flight still
+                    # holds; what its failed attempt released goes out now all the same.
+                    replaced = replaced_log.pop(request_id, None)
+                    if replaced is not None:
+                        cached.replaced_block_ids[request_id] = replaced
                 break
             if new_blocks is not empty_blocks:
                 cached.new_blocks[request_id] = new_blocks

@@ -25,13 +25,15 @@ Keeping the tables, in this order, once per output:
    (positions changed in place: windowed blocks that slid out, Mamba state blocks moved or
    released, all of them the null block today; every such position exists before this
    step's appends), then appends its ``new_block_ids``. A request absent from both dicts
-   kept its tables.
+   kept its tables. A running request may have replacements without being scheduled (below).
 
 ``EngineCore.step`` hands the executor every output that has something in it, also one
 that computes nothing but drops tables. In-place changes made by an allocation that failed
 (skipped blocks are released before the capacity check) are reported with the request's
-successful allocation later in the same step, or moot because it was preempted: a running
-request whose allocation fails is one or the other before the step ends.
+successful allocation later in the same step, or moot because it was preempted, or, when it
+stays running unscheduled because the blocks a preemption would free are still read by a
+batch in flight (a KV connector's deferred free), reported in this output without a
+schedule: every change reaches the executor in the step that made it.
 
 Block ids are made when first read, from the blocks the scheduler kept (a snapshot of a
 new request's table, the lists an allocation returned; a block's id never changes), so a

@@ -123,8 +123,9 @@ class BlockTableMirror:
             _fail(f"requests both new and cached: {sorted(cached_ids & new_ids)}")
         cached = output.scheduled_cached_reqs
         for rid, changes in cached.replaced_block_ids.items():
-            if rid not in cached_ids:
-                _fail(f"replacements for {rid}, which is not a scheduled running request")
+            # A running request waiting unscheduled for a deferred free gets its changes too.
+            if rid in new_ids or rid not in self.tables:
+                _fail(f"replacements for {rid}, which is not a running request")
             tables = self.tables[rid]
             for gid, position, block_id in changes:
                 if not 0 <= position < len(tables[gid]):
@@ -164,8 +165,8 @@ class BlockTableMirror:
         self._apply_rejections(result)
         kvm = engine.kv_cache_manager
         if kvm.replaced_block_ids:
-            # A running request whose allocation failed is either scheduled in the same step
-            # or preempted, so no in-place change may wait past the step.
+            # A running request whose allocation failed is scheduled in the same step,
+            # preempted, or waits with its changes delivered: none may wait past the step.
             _fail(f"in-place changes left undelivered: {kvm.replaced_block_ids}")
         running = {r.request_id: r for r in engine.scheduler.running}
         finished = {r.request_id for r in result.finished}

@@ -16,7 +16,9 @@ from kvtwin.sim.lockstep.runner import ScriptedModel, build_engine, step_record
 from tests.sim.block_table_mirror import BlockTableMirror
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "golden" / "cases"
-OFFLOAD_CASES = sorted(p.name for p in CASES_DIR.glob("offload_*") if (p / "config.json").exists())
+# Every case with a CPU tier (a ``kv_offload`` table): ``offload_*`` and ``retention_offload_*``.
+OFFLOAD_CASES = sorted(p.name for p in CASES_DIR.iterdir()
+                       if (p / "config.json").exists() and '"kv_offload"' in (p / "config.json").read_text())
 
 
 def test_the_offload_cases_cover_full_swa_and_mamba_with_both_policies_and_both_schedulers():
