@@ -55,9 +55,16 @@ class KVCacheCoordinator:
         # retention keeps the blocks a hit on it can stand on.
         self.retention_interval = kv_cache_config.prefix_cache_retention_interval
         validate_retention_interval(self.retention_interval, self.scheduler_block_size, kv_cache_config.specs)
+        # Groups of equal specs thin their blocks alike: one mask per call serves them all.
+        self.mask_memo: dict[tuple[int, int, int], list[bool] | None] = {}
+        mask_classes: list[object] = []
         for manager in self.managers:
             manager.cache_hit_alignment_tokens = self.scheduler_block_size
             manager.set_retention(self.retention_interval)
+            if manager.spec not in mask_classes:
+                mask_classes.append(manager.spec)
+            manager.mask_class = mask_classes.index(manager.spec)
+            manager.mask_memo = self.mask_memo
         # Whether every group's horizon is exact. A Mamba group's is only a lower bound
         # (tokens in flight delay its releases; "none" mode has none): past it, the
         # KV cache manager asks ``is_noop`` before taking the full path.
@@ -131,8 +138,13 @@ class KVCacheCoordinator:
         if self.num_reprefillable_tokens:
             num_tokens = max(0, num_tokens - self.num_reprefillable_tokens)
         block_hashes = request.block_hashes
+        memo = self.mask_memo
+        if memo:
+            memo.clear()  # a mask holds for one request's blocks in one call only
         for m in self.managers:
             m.cache_blocks(self.hashes_for(block_hashes, m), request, num_tokens)
+        if memo:
+            memo.clear()
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.managers:

@@ -75,6 +75,10 @@ class SingleTypeKVCacheManager:
         # mask would be None, so caching never builds one.
         self.retention_interval: int | None = None
         self.thins_caching = False
+        # Managers of equal specs compute equal masks for one request's blocks; the
+        # coordinator gives them one class id and a memo it empties per caching call.
+        self.mask_class = 0
+        self.mask_memo: dict[tuple[int, int, int], list[bool] | None] = {}
 
     def set_retention(self, interval: int | None) -> None:
         self.retention_interval = interval
@@ -160,7 +164,14 @@ class SingleTypeKVCacheManager:
         num_cached = self.num_cached_block.get(request_id, 0)
         num_full = min(num_tokens, len(block_hashes) * self.block_size) // self.block_size
         if num_full > num_cached:
-            mask = self.retained_blocks(request, num_cached, num_full) if self.thins_caching else None
+            mask: list[bool] | None = None
+            if self.thins_caching:
+                key = (self.mask_class, num_cached, num_full)
+                memo = self.mask_memo
+                if key in memo:
+                    mask = memo[key]
+                else:
+                    mask = memo[key] = self.retained_blocks(request, num_cached, num_full)
             self.block_pool.cache_full_blocks(self.req_to_blocks[request_id], block_hashes, num_cached,
                                               num_full, self.group_id, mask)
         self.num_cached_block[request_id] = max(num_full, num_cached)
