@@ -12,10 +12,11 @@ from kvtwin.reports.capacity_plots import capacity_figures
 from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, frame_table, kv_table
 from kvtwin.reports.paths import CAPACITY_FILES  # noqa: F401  (re-exported: where the files are named)
-from kvtwin.reports.run_facts import header, plan_section, scenario_facts
+from kvtwin.reports.run_facts import clock_note, header, plan_section, scenario_facts
 from kvtwin.reports.summary_text import format_percent, missing
 from kvtwin.reports.sweep_frame import (column_values, finite_mask, key_value, numbers, rows_where, sweep_keys,
                                         sweep_table, texts)
+from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS, points_clocks
 
 
 # (column, best is its max or min, label): the sweep's best point by each figure.
@@ -41,12 +42,23 @@ def render_capacity_report(capacity: pa.Table, hit_curve: pa.Table | None, metad
     metadata = metadata or {}
     sources = sources or (("capacity.parquet",) + (("hit_curve.parquet",) if hit_curve is not None else ()))
     figures = capacity_figures(frame, hit_curve, plan)
-    sections = [header("capacity", metadata, sources), plan_section(plan) if plan else "",
+    sections = [header("capacity", metadata, sources), clock_note(_clocks(frame, calibrated=False)),
+                plan_section(plan) if plan else "",
                 "<h2>Key metrics</h2>" + kv_table(_capacity_metrics(frame)),
                 "<h2>Plots</h2>", *(figures or ['<p class="note">no sweep key this report plots</p>']),
                 *_pd_section(frame),
                 "<h2>All sweep points</h2>", _capacity_table(frame)]
     return page(f"kvtwin capacity report: {scenario_facts(metadata)[0]}", sections)
+
+
+def _clocks(frame: pa.Table, *, calibrated: bool) -> list[str]:
+    """The calibrated (or the uncalibrated) clocks of the points, as ``kvtwin capacity``
+    printed them; none for a capacity.parquet written before the clock columns."""
+    if not set(CLOCK_COLUMNS) <= set(frame.column_names):
+        return []
+    clocks = points_clocks(frame.select(["point", *CLOCK_COLUMNS]).to_pylist(),
+                           slow_edge="max_rate_scale" in frame.column_names)
+    return [line for ok, line in clocks if ok == calibrated]
 
 
 def _capacity_metrics(frame: pa.Table) -> list[tuple[str, str]]:
@@ -57,6 +69,7 @@ def _capacity_metrics(frame: pa.Table) -> list[tuple[str, str]]:
     for key in sweep_keys(frame):
         values = list(dict.fromkeys(key_value(key, v) for v in column_values(frame, key)))
         rows.append((f"swept: {key}", ", ".join(values)))
+    rows += [("clock calibration", line.removeprefix("clock: ")) for line in _clocks(frame, calibrated=True)]
     for column, how, label in _BEST:
         if column in ok.column_names and finite_mask(ok, column).any():
             values = _finite_values(ok, column)

@@ -24,7 +24,7 @@ td:first-child,th:first-child{text-align:left}
 figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eee}
 figcaption{font-size:.85em;color:#555;margin-top:.3em}
 pre{background:#f7f7f7;padding:.6em;font-size:.8em;overflow-x:auto}
-.note{color:#555;font-size:.9em}
+.note{color:#555;font-size:.9em}.warning{color:#8a3b00;font-weight:600}
 """
 
 LOADED_SCRIPT = """

@@ -10,8 +10,10 @@ import pyarrow as pa
 from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, kv_table
 from kvtwin.reports.replay_plots import replay_figures
-from kvtwin.reports.run_facts import header, plan_section, scenario_facts
+from kvtwin.reports.run_facts import clock_note, header, plan_section, scenario_facts
 from kvtwin.reports.summary_text import format_bytes, format_duration_ms, format_duration_s, format_percent, missing
+from kvtwin.sim.replay.calibration_data import uncalibrated_line
+from kvtwin.sim.scenario.calibration_file import UNCALIBRATED
 
 REPLAY_FILES = ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json")
 
@@ -24,7 +26,7 @@ def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dic
     extra = [("requests replayed", fmt_cell(s.get("num_requests")))]
     if s.get("num_trace_requests") is not None:
         extra.append(("trace requests (after the scenario's cuts)", fmt_cell(s.get("num_trace_requests"))))
-    sections = [header("replay", metadata, sources, extra), plan_section(plan),
+    sections = [header("replay", metadata, sources, extra), clock_note(_clock_lines(s)), plan_section(plan),
                 "<h2>Key metrics</h2>" + kv_table(_replay_metrics(s), "meta"),
                 "<h2>Plots</h2>", *replay_figures(requests, steps, s, plan)]
     return page(f"kvtwin replay report: {scenario_facts(metadata)[0]}", sections)
@@ -37,11 +39,20 @@ def _summary_row(summary) -> dict:
     return dict(summary)
 
 
+def _clock_lines(s: dict) -> list[str]:
+    """The uncalibrated line, when the clock ran on the default factors (none otherwise)."""
+    if s.get("calibration") == UNCALIBRATED or s.get("calibration_note"):
+        return [uncalibrated_line(s.get("calibration_note") or "")]
+    return []
+
+
 def _clock_text(s: dict) -> str:
     """The calibration and the band on each p99 (summary.parquet's band columns)."""
     name = s.get("calibration")
     if missing(name):
         return "-"
+    if s.get("calibration_note"):
+        return f"{name}: {s['calibration_note']}"
     bands = [f"{label} {format_duration_ms(s[f'p99_{key}_ms_low'])}-{format_duration_ms(s[f'p99_{key}_ms_high'])}"
              for label, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2el"))
              if not missing(s.get(f"p99_{key}_ms_low"))]

@@ -42,6 +42,12 @@ def header(kind: str, metadata: dict, sources: Sequence[str], extra: Sequence[tu
     return out
 
 
+def clock_note(lines: Sequence[str]) -> str:
+    """What the command printed about a clock that is not calibrated, under the header: the
+    figures below use default factors and have no band (empty when every clock is calibrated)."""
+    return "".join(f'<p class="note warning">{escape(line)}</p>' for line in lines)
+
+
 def plan_section(plan: dict | None) -> str:
     if not plan:
         return "<h2>Plan</h2><p class=\"note\">no plan recorded</p>"

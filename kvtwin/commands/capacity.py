@@ -57,6 +57,7 @@ def capacity(
     # The sweep machinery loads here, not with the command line: other commands never need it.
     from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
     from kvtwin.sim.replay.capacity_sweep import hit_curve as make_hit_curve, prepare_sweep
+    from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS, points_clocks
     from kvtwin.sim.replay.capacity_table import capacity_table
     from kvtwin.sim.replay.sweep_backends import check_backend, default_jobs, import_ray, run_points
 
@@ -89,6 +90,9 @@ def capacity(
         paths = write_dir(out, tables=tables, text_files=text_files, run_metadata=metadata)
     with interrupt_note(lambda: f"interrupted while printing; {out} was written whole"):
         print_points(table, sweep.axes, search is not None)
+        for _, line in points_clocks(table.select(["point", *CLOCK_COLUMNS]).to_pylist(),
+                                     slow_edge=search is not None):
+            print(line)
         for blocks, predicted, hit in comparison:
             print(f"hit curve at {blocks:,} blocks: {summary_text.format_percent(predicted)} "
                   f"(replay: {summary_text.format_percent(hit)})")

@@ -87,7 +87,7 @@ def replay(
             deployment = f"{resolved.deployment.replicas} replicas of {deployment}"
         print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
         print(summary_text.plan_line(planned) + (" per replica" if resolved.deployment.replicas > 1 else ""))
-        for line in band_lines(summary, resolved.calibration, chosen_gpu.name, chosen_model.name):
+        for line in band_lines(summary, resolved.calibration):
             print(line)
         for line in (summary_text.replicas_line(summary, result.replicas), summary_text.offload_line(summary),
                      summary_text.rejections_line(summary),

@@ -52,6 +52,7 @@ def validate(
     """Run the engine on a device and check prefix hits, memory and step times against the simulator."""
     with user_errors(), interrupt_note(lambda: f"interrupted; nothing written to {out}"):
         from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
+        from kvtwin.sim.replay.calibration_data import uncalibrated_line
 
         check_out_dir(out)
         chosen = _checks(checks)
@@ -83,6 +84,9 @@ def validate(
                           run_metadata=metadata)
     for verdict in result.verdicts:
         print(verdict.line)
+    if not resolved.calibration.calibrated:
+        # The predictions checked above ran on this clock.
+        print(uncalibrated_line(resolved.calibration.note))
     print(f"{trace.num_rows:,} requests of {planned.model.name} on {device} (--size {sizing.name}); wrote "
           f"{', '.join(p.name for p in paths)} to {out} in {time.perf_counter() - started:,.1f} s")
     if result.failed:

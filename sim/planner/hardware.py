@@ -10,6 +10,10 @@ The GPU also decides a few block-size constraints vLLM takes from the attention 
 recurrent-state kernels it picks for that device (``attention_kernel_block_alignment_tokens``
 and ``gdn_prefill_checkpoint_alignment_tokens``): the planner asks the preset rather than
 hard-coding them.
+
+A preset's bundled calibration (``sim/replay/data/calibration``) was fitted on that chip's
+kernels, as fractions of its peaks: it holds while the ``STEP_TIME_FIELDS`` keep the
+preset's values, whatever else a scenario overrides (``step_time_changes``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class GPUSpec:
     nic_bytes_per_s: float = 0.0
     # USD per GPU-hour, for cost figures (``kvtwin capacity``); presets leave it unset.
     price_per_hour: float | None = None
+    # The preset this GPU is (or was overridden from); "" for a GPU described inline. Not
+    # a [hardware] key: ``gpu = NAME`` sets it.
+    preset: str = ""
 
     def __post_init__(self) -> None:
         if self.price_per_hour is not None:
@@ -65,6 +72,14 @@ class GPUSpec:
     @property
     def memory_gib(self) -> float:
         return self.memory_bytes / GIB
+
+    def step_time_changes(self) -> tuple[str, ...]:
+        """The ``STEP_TIME_FIELDS`` whose values differ from this GPU's preset (none for an
+        inline GPU, which has no preset to differ from)."""
+        base = GPU_PRESETS.get(self.preset)
+        if base is None:
+            return ()
+        return tuple(name for name in STEP_TIME_FIELDS if getattr(self, name) != getattr(base, name))
 
     def _sm_major(self) -> int | None:
         if self.vendor != "nvidia" or not self.compute_capability:
@@ -111,12 +126,28 @@ class GPUSpec:
         return 64 if self.is_hopper else None
 
 
+# What a step's time depends on, so what a calibration fitted on the preset's kernels holds
+# for: the two peaks the cost model's factors are fractions of, the peer link the
+# all-reduce runs over (its measured curves came from that link), and the chip's kind
+# (which kernels vLLM picks, and so which kernels were timed).
+STEP_TIME_FIELDS = ("bf16_flops", "hbm_bandwidth_bytes_per_s", "interconnect_bytes_per_s", "vendor",
+                    "compute_capability")
+# What no step's time depends on, so a calibration survives a change of it: names, the
+# price; the memory (it moves the plan, not a step's speed); fp8_flops (the cost model
+# prices every GEMM at bf16_flops; FP8 weights only halve the bytes read); the host link and
+# the NIC (the offload tiers' and the P/D link's transfers, priced from the figure itself,
+# outside the step and outside any fit).
+CALIBRATION_NEUTRAL_FIELDS = ("name", "description", "memory_bytes", "memory_datasheet", "fp8_flops",
+                              "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s", "nic_bytes_per_s", "price_per_hour",
+                              "preset")
+
+
 def _load_presets() -> dict[str, GPUSpec]:
     raw = tomllib.loads(resources.files("kvtwin.sim.planner.data").joinpath("gpus.toml").read_text())
     presets: dict[str, GPUSpec] = {}
     for name, entry in raw.items():
         fields = {k: v for k, v in entry.items() if k != "aliases"}
-        presets[name] = GPUSpec(name=name, **fields)
+        presets[name] = GPUSpec(name=name, preset=name, **fields)
     return presets
 
 
@@ -141,7 +172,8 @@ def get_gpu(name: str, *, field: str = "--gpu") -> GPUSpec:
     return GPU_PRESETS[key]
 
 
-_GPU_FIELDS = {f.name for f in dataclasses.fields(GPUSpec)}
+# What a [hardware] table may set (``preset`` comes from ``gpu = NAME``).
+_GPU_FIELDS = {f.name for f in dataclasses.fields(GPUSpec)} - {"preset"}
 
 
 def gpu_from_mapping(entry: dict[str, Any], *, where: str = "hardware") -> GPUSpec:

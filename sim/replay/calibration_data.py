@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
-from kvtwin.sim.scenario.calibration_file import BANDED_FIGURES, Calibration, bundled_gpus
+from kvtwin.sim.scenario.calibration_file import BANDED_FIGURES, UNCALIBRATED, Calibration
 from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
 
 
-def uncalibrated_line(gpu_name: str, model_name: str) -> str:
-    have = ", ".join(bundled_gpus()) or "none"
-    return (f"uncalibrated: no calibration for {model_name} on {gpu_name} (bundled: {have}); times use the "
-            f"default cost-model factors and carry no error band. Fit one with `kvtwin calibrate`.")
+def uncalibrated_line(note: str, *, slow_edge: bool = False) -> str:
+    """The one line an uncalibrated clock gets in every command: why (``Calibration.note``),
+    and what it costs (``slow_edge``: a capacity search also loses its pessimistic edge)."""
+    why = note or "no calibration named or bundled"
+    band = "no error band and no slow edge" if slow_edge else "no error band"
+    return (f"uncalibrated: {why}; times use the default cost-model factors and carry {band}. "
+            f"Fit one with `kvtwin calibrate`.")
 
 
 def band(value: float, error: float | None) -> tuple[float, float]:
@@ -33,7 +37,7 @@ def band(value: float, error: float | None) -> tuple[float, float]:
 def band_columns(row: dict, calibration: Calibration) -> dict:
     """Summary columns: the calibration's name and, for p99 TTFT, TPOT, ITL and E2E, the
     band its held-out error implies (NaN when it states none)."""
-    out: dict = {"calibration": calibration.label}
+    out: dict = {"calibration": calibration.label, "calibration_note": calibration.note}
     for figure in BANDED_FIGURES:
         error = calibration.error_for(figure)
         low, high = band(row.get(f"p99_{figure}", math.nan), error)
@@ -58,10 +62,10 @@ def _span_ms(low_ms: float, high_ms: float) -> str:
     return f"{low_ms:,.1f}-{high_ms:,.1f} ms"
 
 
-def band_lines(row: dict, calibration: Calibration, gpu_name: str, model_name: str) -> list[str]:
+def band_lines(row: dict, calibration: Calibration) -> list[str]:
     """What a command prints about its clock: the band on each p99, or the uncalibrated line."""
     if not calibration.calibrated:
-        return [uncalibrated_line(gpu_name, model_name)]
+        return [uncalibrated_line(calibration.note)]
     parts = []
     for name, figure in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2el_ms")):
         low, high = row.get(f"p99_{figure}_low", math.nan), row.get(f"p99_{figure}_high", math.nan)
@@ -69,6 +73,30 @@ def band_lines(row: dict, calibration: Calibration, gpu_name: str, model_name: s
             parts.append(f"{name} {_span_ms(low, high)} (±{calibration.error_for(figure):.0%})")
     band_text = "p99 within the held-out error: " + ", ".join(parts) if parts else "no held-out error stated"
     return [f"clock: {calibration.label}; {band_text}"]
+
+
+# A capacity point's clock (``capacity.parquet``): the calibration's label and its note
+# (null where a point failed before its clock was chosen).
+CLOCK_COLUMNS = ("calibration", "calibration_note")
+
+
+def points_clocks(rows: Sequence[dict], *, slow_edge: bool = False) -> list[tuple[bool, str]]:
+    """What a sweep says about its clocks (``capacity.parquet`` rows: ``point`` and the
+    ``CLOCK_COLUMNS``): (calibrated, line) per distinct calibration, the line naming its
+    points when not every point shares it."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for row in rows:
+        if row.get("calibration") is not None:
+            groups.setdefault((row["calibration"], row.get("calibration_note") or ""), []).append(row["point"])
+    out = []
+    for (label, note), points in groups.items():
+        where = "" if len(points) == len(rows) else f"point{'s' if len(points) > 1 else ''} " \
+                                                     f"{', '.join(str(p) for p in points)}: "
+        if note or label == UNCALIBRATED:
+            out.append((False, where + uncalibrated_line(note, slow_edge=slow_edge)))
+        else:
+            out.append((True, f"{where}clock: {label}"))
+    return out
 
 
 def step_error(calibration: Calibration) -> float | None:

@@ -149,6 +149,9 @@ def run_point(task: PointTask) -> dict:
 def _point_row(task: PointTask) -> dict:
     row: dict = {"point": task.index, "status": "ok", "error": None, "summary": None}
     resolved = resolve_scenario(Path(task.scenario_path), data=task.data)
+    # Which clock the point runs on, and why not a calibrated one (its hardware may differ).
+    row["calibration"] = resolved.calibration.label
+    row["calibration_note"] = resolved.calibration.note
     workload = resolved.require_workload()
     planned = resolved.plan()
     kv_config = planned.require_fits()

@@ -1,5 +1,5 @@
 """``capacity.parquet``: one row per sweep point (point, status, error, one column per sweep
-key, the replay's summary columns, and with a rate search the rate and cost columns of
+key, the replay's summary columns, the point's clock, and with a rate search the rate and cost columns of
 ``capacity_points``). Each point's search (scale, holds) is kept in the schema metadata
 under ``kvtwin.capacity``."""
 
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 
+from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, summarize
@@ -68,6 +69,8 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
             continue
         values = [(r["summary"] or {}).get(field.name) if r["summary"] is not None else None for r in rows]
         columns[field.name] = pa.array(values, field.type)
+    for name in CLOCK_COLUMNS:
+        columns[name] = pa.array([r.get(name) for r in rows], pa.string())
     # The offload columns, when a point ran with offloading (null in the points without).
     if any(r["summary"] is not None and "hit_rate_total" in r["summary"] for r in rows):
         for name, kind in OFFLOAD_SUMMARY_COLUMNS.items():

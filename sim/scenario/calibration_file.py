@@ -37,6 +37,8 @@ ERROR_KINDS = ("prefill_step", "decode_step", "ttft", "tpot", "e2e")
 BANDED_FIGURES = {"ttft_ms": ("ttft", "prefill_step"), "tpot_ms": ("tpot", "decode_step"),
                   "itl_ms": ("tpot", "decode_step"), "e2el_ms": ("e2e", "tpot", "decode_step")}
 _SOURCE_KEYS = ("repository", "path", "commit", "licence", "engine", "gpu", "notes")
+# The label of a clock on the default factors.
+UNCALIBRATED = "uncalibrated"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class Calibration:
     path: str | None = None
     errors: dict[str, float] = field(default_factory=dict)  # kind -> held-out |relative error|
     sources: tuple[dict[str, str], ...] = ()
+    # Why an uncalibrated clock has no calibration, in words ("" when calibrated or not known):
+    # every command that prints times says it (``kvtwin.sim.scenario.gpu_calibration``).
+    note: str = ""
 
     @property
     def calibrated(self) -> bool:
@@ -66,11 +71,11 @@ class Calibration:
         if not entry:
             return self
         return Calibration(efficiency_from_mapping(entry, where=where, base=self.efficiency), self.label, self.path,
-                           self.errors, self.sources)
+                           self.errors, self.sources, self.note)
 
 
-def uncalibrated(efficiency: Efficiency = Efficiency()) -> Calibration:
-    return Calibration(efficiency, "uncalibrated")
+def uncalibrated(efficiency: Efficiency = Efficiency(), note: str = "") -> Calibration:
+    return Calibration(efficiency, UNCALIBRATED, note=note)
 
 
 def read_calibration(path: Path | str, *, label: str | None = None, base: Efficiency = Efficiency()) -> Calibration:

@@ -125,8 +125,8 @@ def _declared() -> list[Knob]:
     knobs += [Knob("cost_model", name, "float") for name in SCALAR_EFFICIENCY_FIELDS]
     knobs += [Knob("workload", name, kind, rule=rule) for name, (kind, rule) in _CUT_RULES.items()]
     knobs.append(Knob("run", "time_limit_s", "float", rule=validators.POSITIVE_SIMULATED_SECONDS))
-    knobs += _fields("hardware", GPUSpec, skip=("name",)) + [Knob("hardware", "gpu", "str"),
-                                                              Knob("model", "preset", "str")]
+    knobs += _fields("hardware", GPUSpec, skip=("name", "preset")) + [Knob("hardware", "gpu", "str"),
+                                                                        Knob("model", "preset", "str")]
     # Disaggregated prefill/decode; ``shape`` (xPyD, or none: aggregated) is a sweep's only.
     knobs += _fields("disaggregation", Disaggregation) + [Knob("disaggregation", "shape", "str", optional=True)]
     out = {}

@@ -16,7 +16,8 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
   ``--speculative-method``, ``--num-speculative-tokens``, ``--spec-acceptance`` given; the
   plan's scheduler gets its k drafts and lookahead slots (``ResolvedScenario.plan``);
 * cost model: the file ``[cost_model] calibration`` names, else the GPU preset's bundled
-  calibration, else the defaults (uncalibrated); the table's other keys go on top.
+  calibration (while no field a step's time depends on differs from the preset), else the
+  defaults (uncalibrated, and why); the table's other keys go on top.
 
 Every flag is checked here, before any trace is read or any step simulated, and refused with
 the flag's name.
@@ -36,10 +37,11 @@ from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
-from kvtwin.sim.scenario.calibration_file import Calibration, bundled_calibration, uncalibrated
+from kvtwin.sim.scenario.calibration_file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.scenario.gpu_calibration import bundled_for
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
 from kvtwin.sim.scenario.knobs import flag_for, knob
@@ -259,18 +261,15 @@ def with_speculative(planned: Plan, speculative: SpeculativeConfig, where: str |
 
 
 def choose_calibration(scenario: Scenario, model: ModelPreset, gpu: GPUSpec, where: str | None) -> Calibration:
-    """The file the scenario names; else the bundled one of an unchanged GPU preset; else
-    the default factors, marked uncalibrated. The scenario's [cost_model] keys go on top."""
+    """The file the scenario names; else the bundled one of the GPU's preset while no field
+    a step's time depends on is changed; else the default factors, marked uncalibrated with
+    the reason (``gpu_calibration``). The scenario's [cost_model] keys go on top."""
     if scenario.calibration is not None:
         return scenario.calibration.with_overrides(dict(scenario.cost_overrides))
+    chosen = bundled_for(gpu, model.name, scenario.efficiency)
+    if not chosen.calibrated:
+        return chosen
     try:
-        preset = get_gpu(gpu.name, field="hardware.gpu")
-    except ConfigError:
-        preset = None
-    bundled = bundled_calibration(gpu.name, model.name) if preset == gpu else None
-    if bundled is None:
-        return uncalibrated(scenario.efficiency)
-    try:
-        return bundled.with_overrides(dict(scenario.cost_overrides))
+        return chosen.with_overrides(dict(scenario.cost_overrides))
     except ConfigError as err:
         raise (err if err.source or where is None else err.with_source(where)) from None

@@ -80,6 +80,16 @@ def test_validate_writes_the_directory_and_a_verdict_per_check(scenario, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["plan.json", "steps.parquet", "validation.parquet"]
 
 
+def test_validate_says_when_its_predictions_ran_on_an_uncalibrated_clock(scenario, tmp_path):
+    scenario.write_text(SCENARIO.replace('gpu = "h100"', 'gpu = "h100"\nhbm_bandwidth_bytes_per_s = 2e12'))
+    result = _invoke(scenario, "--out", tmp_path / "run", "--quiet", "--checks", "predicted_hits_are_executed")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if "calibrat" in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        "uncalibrated: the bundled h100 calibration no longer applies: [hardware] sets hbm_bandwidth_bytes_per_s = "
+        "2e+12 (the preset's: 3.35e+12), which step times depend on"), lines
+
+
 def test_a_failed_check_exits_1(scenario, tmp_path, monkeypatch):
     real = validate_module.validate
 

@@ -119,7 +119,7 @@ def test_a_scenario_gets_the_named_file_else_the_gpu_bundled_one_else_none(tmp_p
                                    "s3.toml"))
     assert tuned.calibration.label == "bundled h100" and tuned.efficiency.layer_fixed_s == 1e-5
 
-    # No file for the GPU, or a preset with a field changed: the default factors, said so.
+    # No file for the GPU, or a preset with a step-time field changed: the default factors, said so.
     other = resolve_scenario(write(tmp_path, scenario_text(gpu="l40s"), "s4.toml"))
     assert not other.calibration.calibrated and other.efficiency == Efficiency()
     changed = resolve_scenario(write(tmp_path, scenario_text() + '\n', "s5.toml"),
@@ -140,11 +140,13 @@ def test_band_columns_follow_the_held_out_error(tmp_path):
     # An error over 100% (a prediction twice the measurement) leaves the band at 0 below.
     wide = band_columns(row, Calibration(cal.efficiency, "wide", "w.toml", {"ttft": 1.3}))
     assert (wide["p99_ttft_ms_low"], wide["p99_ttft_ms_high"]) == pytest.approx((0.0, 460.0))
-    none = band_columns(row, uncalibrated())
+    none = band_columns(row, uncalibrated(note="why not"))
     assert none["calibration"] == "uncalibrated" and math.isnan(none["p99_ttft_ms_low"])
-    assert band_lines(row, uncalibrated(), "l40s", "llama-3.1-8b")[0].startswith(
-        "uncalibrated: no calibration for llama-3.1-8b on l40s")
-    assert "TTFT 180.0-220.0 ms (±10%)" in band_lines({**row, **band}, cal, "h100", "llama-3.1-8b")[0]
+    assert none["calibration_note"] == "why not" and band["calibration_note"] == ""
+    assert band_lines(row, uncalibrated(note="why not")) == [
+        "uncalibrated: why not; times use the default cost-model factors and carry no error band. Fit one with "
+        "`kvtwin calibrate`."]
+    assert "TTFT 180.0-220.0 ms (±10%)" in band_lines({**row, **band}, cal)[0]
 
 
 def test_the_pessimistic_edge_slows_every_step_by_the_step_error():

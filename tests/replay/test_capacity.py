@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from kvtwin.commands.capacity import capacity
 from kvtwin.scenarios import SCENARIOS_DIR
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import CAPACITY_METADATA_KEY, summary_schema
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, bracket_and_bisect, slo_holds
@@ -105,7 +106,7 @@ def test_sweep_rows_and_columns(tmp_path):
     assert table.num_rows == 4
     names = table.column_names
     assert names[:5] == ["point", "status", "error", "engine.max_num_seqs", "hardware.gpu"]
-    assert names[5:] == summary_schema().names
+    assert names[5:] == summary_schema().names + list(CLOCK_COLUMNS)
     assert str(table.schema.field("point").type) == "int64"
     assert str(table.schema.field("engine.max_num_seqs").type) == "int64"
     assert str(table.schema.field("hardware.gpu").type) == "string"
@@ -113,6 +114,10 @@ def test_sweep_rows_and_columns(tmp_path):
     assert [(r["engine.max_num_seqs"], r["hardware.gpu"]) for r in rows] == [
         (8, "h100"), (8, "h200"), (64, "h100"), (64, "h200")]
     assert all(r["status"] == "ok" and r["error"] is None and r["num_requests"] == 40 for r in rows)
+    # Each point on its GPU's bundled clock, said once per clock.
+    assert [r["calibration"].split()[:2] for r in rows] == [["bundled", gpu] for gpu in ("h100", "h200") * 2]
+    assert [line for line in result.output.splitlines() if "clock: " in line] == [
+        "points 0, 2: clock: " + rows[0]["calibration"], "points 1, 3: clock: " + rows[1]["calibration"]]
     assert "capacity.parquet" in result.output
 
 

@@ -56,7 +56,7 @@ def test_a_bundled_gpu_replays_on_its_calibration_with_a_band(tmp_path):
 def test_a_custom_gpu_is_uncalibrated_and_says_so(tmp_path):
     stdout, out = replay(tmp_path, hardware='name = "mine"\nmemory_gib = 80\nhbm_bandwidth_bytes_per_s = 3e12\n'
                                             'bf16_flops = 9e14')
-    assert "uncalibrated: no calibration for llama-3.1-8b on mine" in stdout
+    assert "uncalibrated: mine is a GPU described inline, not a preset, so no bundled calibration applies" in stdout
     summary = pq.read_table(out / "summary.parquet").to_pylist()[0]
     assert summary["calibration"] == "uncalibrated" and math.isnan(summary["p99_ttft_ms_low"])
 
