@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import sys
 import time
@@ -65,6 +66,19 @@ def progress_display(name: str, total: int, *, quiet: bool, started: float, done
             bar.update(task, completed=done(), info=info())
 
         yield update
+
+
+def require_extra(module: str, extra: str, *, field: str, needed_for: str) -> None:
+    """Refuse a command (or an option, ``field``) whose ``module`` comes with an optional
+    extra of kvtwin (``pyproject.toml``) that is not installed: one line naming the extra,
+    before the command does anything that would import it."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install, or a module hidden as None
+        found = False
+    if not found:
+        raise ConfigError(field, f"{module} installed for {needed_for}: pip install 'kvtwin[{extra}]'",
+                          f"no {module}")
 
 
 @contextlib.contextmanager

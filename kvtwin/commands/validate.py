@@ -23,7 +23,7 @@ from typing import Optional
 
 import typer
 
-from kvtwin.console import interrupt_note, user_errors
+from kvtwin.console import interrupt_note, require_extra, user_errors
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.core.errors import ConfigError
 
@@ -54,13 +54,14 @@ def validate(
         from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
         from kvtwin.sim.replay.calibration_data import uncalibrated_line
 
+        # First: every other step imports the executor, which runs on torch.
+        require_extra("torch", "kernels", field="validate", needed_for="the device executor")
         check_out_dir(out)
         chosen = _checks(checks)
         path = scenario_path or DEFAULT_SCENARIO
         resolved, trace, overrides, sizing = _sized_inputs(path, device, size, requests)
         planned = resolved.plan()
         planned.require_fits()
-        _require_torch()
         from kvtwin.executor.device_replay import ExecutorOptions, check_pool_fits, require_device
         from kvtwin.executor.validate import ValidateOptions
         from kvtwin.executor.validate import validate as run_validation
@@ -163,11 +164,3 @@ def _checks(value: str | None) -> tuple[str, ...]:
     if unknown or not chosen:
         raise ConfigError("--checks", f"a comma-separated subset of {', '.join(CHECKS)}", value)
     return chosen
-
-
-def _require_torch() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        raise ConfigError("--device", "torch installed for the executor (pip install 'kvtwin[kernels]')",
-                          "no torch")

@@ -87,7 +87,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ConfigError("--backend", "ray installed in this environment (pip install 'ray[default]'), "
+        raise ConfigError("--backend", "ray installed for a Ray cluster: pip install 'kvtwin[cluster]', "
                                        "or --backend process", "ray") from None
     return ray
 
