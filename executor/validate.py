@@ -41,6 +41,7 @@ from kvtwin.executor.device_executor import Faults
 from kvtwin.executor.device_replay import ExecutorOptions, ExecutorRun, run_executor, torch_dtype
 # Re-exported: the command and the tests read the checks' names and columns from here.
 from kvtwin.executor.verdicts import CHECKS, VALIDATION_COLUMNS, Validation, Verdict  # noqa: F401
+from kvtwin.sim.calibrate.steps_device import MeasuredOn, device_warning
 from kvtwin.sim.core.engine import Execution, ModelExecutor
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.planner.plan import Plan, plan as make_plan
@@ -110,7 +111,7 @@ def validate(resolved: ResolvedScenario, trace: pa.Table, options: ValidateOptio
     if "prefix_hits_are_real" in options.checks or "predicted_hits_are_executed" in options.checks:
         progress(STAGE_ON)
         run_on = run_executor(plan, trace, options.executor, efficiency=resolved.efficiency)
-        out.executor_steps = executor_steps_table(run_on)
+        out.executor_steps = executor_steps_table(run_on, options.executor)
     if "prefix_hits_are_real" in options.checks:
         release_device_memory()
         progress(STAGE_OFF)
@@ -291,10 +292,17 @@ def _first_difference(expected: list, observed: list) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def executor_steps_table(run: ExecutorRun) -> pa.Table:
-    """One row per executed batch: its shape, measured and predicted seconds."""
+def measured_on(options: ExecutorOptions) -> MeasuredOn:
+    """The device the executor times its steps on, as steps.parquet records it."""
+    name = torch.cuda.get_device_name() if options.device == "cuda" else options.device
+    return MeasuredOn(options.device, name, options.is_scaled)
+
+
+def executor_steps_table(run: ExecutorRun, options: ExecutorOptions) -> pa.Table:
+    """One row per executed batch: its shape, measured and predicted seconds; the schema
+    metadata says which device measured them (``kvtwin calibrate --steps`` checks it)."""
     steps = run.state.steps
-    return pa.table({
+    table = pa.table({
         "step": pa.array([s.step for s in steps], pa.int64()),
         "num_requests": pa.array([s.num_requests for s in steps], pa.int32()),
         "decode_tokens": pa.array([s.num_decode_tokens for s in steps], pa.int64()),
@@ -307,6 +315,7 @@ def executor_steps_table(run: ExecutorRun) -> pa.Table:
         **{column: pa.array([step_terms(s.predicted)[column] for s in steps], pa.float64())
            for column in STEP_TERM_COLUMNS.values()},
     })
+    return table.replace_schema_metadata(measured_on(options).metadata())
 
 
 def split_trace(trace: pa.Table, holdout_fraction: float) -> tuple[pa.Table, pa.Table]:
@@ -379,9 +388,11 @@ def check_step_latency(out: Validation, plan: Plan, trace: pa.Table, efficiency:
         out.row(name, "held_out", f"{metric}_median_ape", float(np.nanmean(s[ok])) if ape.size else None,
                 float(np.nanmean(t[ok])) if ape.size else None, median, passed,
                 f"{int(ok.sum())} requests; expected/observed are the simulated/executed means")
-    # The file carries the held-out error, so that a replay on it shows its band.
+    # The file carries the held-out error, so that a replay on it shows its band, and says
+    # when its device is not the scenario's GPU (a CPU run's factors are the CPU's).
     out.calibration_toml = calibration_text(fit, comment_lines=[comment], errors=held_out_p90,
-                                            label=f"kvtwin validate on {options.executor.device}")
+                                            label=f"kvtwin validate on {options.executor.device}",
+                                            warning=device_warning(measured_on(options.executor), plan.gpu))
     summary = (f"held-out {held.num_rows} requests, calibrated simulator vs executor: median error TTFT "
                f"{errors['ttft_s']:.1%}, TPOT {errors['tpot_s']:.1%}, E2E {errors['e2el_s']:.1%}; step error "
                f"median {errors_by_kind['before calibration'][0]['median_ape']:.0%} before, {fit.median_ape:.1%} after "

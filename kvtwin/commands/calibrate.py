@@ -9,7 +9,8 @@ One kind of measurement per run:
   ``/metrics`` around a load, and the load as a trace. The replay is fitted to the TTFT
   and ITL histograms between them.
 * ``--steps FILE``: `kvtwin validate`'s steps.parquet; the factors are refitted from the
-  measured steps.
+  measured steps. Steps timed on a CPU, or on a device that is not the scenario's GPU, get
+  one ``kvtwin: warning:`` line and a ``warning`` in the file (``steps_device``).
 
 The scenario gives the model, GPU and engine (its calibration, bundled or named, is the
 starting point). Writes ``--out`` (a TOML a scenario names as ``[cost_model] calibration``)
@@ -67,6 +68,8 @@ def calibrate(
         job = fit_report.prepare(scenario_path or DEFAULT_SCENARIO, bench_serve=bench_serve or (),
                                  metrics_before=metrics_before, metrics_after=metrics_after, model_name=model_name,
                                  steps=steps, trace=trace)
+        if job.warning is not None:
+            typer.echo(f"kvtwin: warning: --steps: {job.warning}", err=True)
         started = time.perf_counter()
 
         def on_replay(count: int, loss: float) -> None:

@@ -18,6 +18,7 @@ import pyarrow as pa
 from kvtwin.sim.calibrate.bench_serve import BenchServeResult, read_bench_serve_all
 from kvtwin.sim.calibrate.prometheus import ServerMetrics, read_scrape, scrape_delta
 from kvtwin.sim.calibrate.serving_fit import ServingFit, fit_bench_serve, fit_scrape, measured_requests
+from kvtwin.sim.calibrate.steps_device import device_warning, read_measured_on
 from kvtwin.sim.calibrate.steps_fit import StepsFit, fit_steps, read_steps
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.replay.calibration import StepSample, write_calibration
@@ -35,6 +36,10 @@ class CalibrationJob:
     metrics: ServerMetrics | None = None
     steps: list[StepSample] | None = None
     trace: pa.Table | None = None
+    # Why the measurements may not describe the scenario's GPU (steps timed on a CPU or on
+    # another device: ``steps_device``); None when nothing is known against them.
+    warning: str | None = None
+    measured_on: str | None = None  # the device that measured the steps, as the file says
 
     def run(self, on_replay: Callable[[int, float], None] | None = None) -> CalibrationResult:
         resolved = self.resolved
@@ -61,7 +66,11 @@ class CalibrationResult:
     @property
     def label(self) -> str:
         r = self.job.resolved
-        return f"kvtwin calibrate ({self.job.kind}) for {r.model.name} on {r.gpu.name}"
+        label = f"kvtwin calibrate ({self.job.kind}) for {r.model.name} on {r.gpu.name}"
+        if self.job.warning is not None:
+            # Every replay on the file prints its label: the device goes with it.
+            label += f" (measured on {self.job.measured_on or 'an unknown device'})"
+        return label
 
     def errors(self) -> dict[str, float]:
         return self.fit.p90_errors()
@@ -69,9 +78,15 @@ class CalibrationResult:
     def lines(self) -> list[str]:
         r = self.job.resolved
         fit = self.fit
+        calibration = r.calibration
+        if calibration is not None and calibration.calibrated:
+            started = calibration.label
+        else:
+            started = "the default factors" + (f" ({calibration.note})" if calibration and calibration.note else "")
         out = [f"calibrated {r.model.name} on {r.engine.tensor_parallel_size}x {r.gpu.name} from "
-               f"{len(self.job.sources)} file(s) ({self.job.kind}); started from "
-               f"{r.calibration.label if r.calibration else 'the default factors'}"]
+               f"{len(self.job.sources)} file(s) ({self.job.kind}); started from {started}"]
+        if self.job.warning is not None:
+            out.append(f"warning: {self.job.warning}")
         if isinstance(fit, ServingFit):
             k = fit.knobs
             out.append(f"fit after {fit.replays} replays: prefill x{k.prefill_scale:.3f}, decode x{k.decode_scale:.3f}"
@@ -105,7 +120,11 @@ def prepare(scenario_path: Path, *, bench_serve: Sequence[Path] = (), metrics_be
     resolved.plan().require_fits()
     table = _trace(trace) if trace is not None else None
     if steps is not None:
-        return CalibrationJob(resolved, "steps", (str(steps),), steps=read_steps(steps))
+        samples = read_steps(steps)
+        measured = read_measured_on(steps)
+        return CalibrationJob(resolved, "steps", (str(steps),), steps=samples,
+                              warning=device_warning(measured, resolved.gpu),
+                              measured_on=measured.name if measured is not None else None)
     if metrics_before is not None or metrics_after is not None:
         if metrics_before is None or metrics_after is None:
             raise ConfigError("--metrics-before/--metrics-after", "both scrapes, before and after the load")
@@ -124,6 +143,8 @@ def _trace(spec: str) -> pa.Table:
 
 
 def write(result: CalibrationResult, out: Path) -> Path:
-    sources = [{"path": path, "notes": f"{result.job.kind} measurements"} for path in result.job.sources]
+    job = result.job
+    device = {"gpu": job.measured_on} if job.measured_on is not None else {}
+    sources = [{"path": path, **device, "notes": f"{job.kind} measurements"} for path in job.sources]
     return write_calibration(out, result.fit.efficiency, label=result.label, errors=result.errors(),
-                             sources=sources, comment_lines=result.lines())
+                             sources=sources, comment_lines=result.lines(), warning=job.warning)

@@ -376,10 +376,11 @@ def _comment(line: str) -> str:
 
 def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iterable[str] = (),
                      label: str | None = None, errors: dict[str, float] | None = None,
-                     sources: Sequence[dict[str, str]] = ()) -> str:
-    """The calibration TOML ``write_calibration`` writes, as text: ``label``, the
-    ``[cost_model]`` factors, the held-out ``errors`` (``[error]``: kind -> p90 absolute
-    relative error, as ``calibration_data`` reads them) and the ``sources`` measured."""
+                     sources: Sequence[dict[str, str]] = (), warning: str | None = None) -> str:
+    """The calibration TOML ``write_calibration`` writes, as text: ``label``, a ``warning``
+    about the measurements, the ``[cost_model]`` factors, the held-out ``errors``
+    (``[error]``: kind -> p90 absolute relative error, as ``calibration_data`` reads them)
+    and the ``sources`` measured."""
     if isinstance(fit_or_efficiency, Fit):
         fit, efficiency = fit_or_efficiency, fit_or_efficiency.efficiency
     else:
@@ -396,7 +397,11 @@ def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iter
         header += str(line).splitlines() or [""]
     text = "\n".join(_comment(line) for line in header) + "\n\n"
     if label:
-        text += f"label = {_toml_string(label)}\n\n"
+        text += f"label = {_toml_string(label)}\n"
+    if warning:
+        text += f"warning = {_toml_string(warning)}\n"
+    if label or warning:
+        text += "\n"
     text += "[cost_model]\n"
     text += "".join(f"{name} = {_toml_float(getattr(efficiency, name))}\n" for name in SCALAR_EFFICIENCY_FIELDS)
     if not efficiency.allreduce:
@@ -423,13 +428,14 @@ def _toml_string(value: str) -> str:
 
 def write_calibration(path: Path | str, fit_or_efficiency: Fit | Efficiency, *,
                       comment_lines: Iterable[str] = (), label: str | None = None,
-                      errors: dict[str, float] | None = None, sources: Sequence[dict[str, str]] = ()) -> Path:
+                      errors: dict[str, float] | None = None, sources: Sequence[dict[str, str]] = (),
+                      warning: str | None = None) -> Path:
     """Write a calibration TOML (``[cost_model]``, every Efficiency field) that
     ``kvtwin.sim.scenario.calibration_file.read_calibration`` reads back to the same Efficiency. The file is replaced whole or
     not at all. Returns the path written."""
     path = Path(path)
     text = calibration_text(fit_or_efficiency, comment_lines=comment_lines, label=label, errors=errors,
-                            sources=sources)
+                            sources=sources, warning=warning)
 
     # A temporary file in the same directory, so that os.replace is a rename on one
     # file system; os.open with 0o666 lets the umask decide the mode, as for any file.

@@ -9,7 +9,9 @@ also carry
   (``kvtwin.sim.replay.calibration_data``);
 * ``[[source]]``: each measurement set the fit used (repository, path, commit, licence,
   engine version);
-* ``label``: one line naming the fit.
+* ``label``: one line naming the fit;
+* ``warning``: why the measurements may not describe the GPU the file is for (``kvtwin
+  calibrate --steps`` on steps timed on a CPU or another device).
 
 kvtwin ships one file per GPU preset it has public measurements for, in
 ``sim/replay/data/calibration/<gpu>.toml`` (and ``<gpu>.<model>.toml`` where a model
@@ -53,6 +55,8 @@ class Calibration:
     # Why an uncalibrated clock has no calibration, in words ("" when calibrated or not known):
     # every command that prints times says it (``kvtwin.sim.scenario.gpu_calibration``).
     note: str = ""
+    # The file's own ``warning`` about its measurements ("" when none).
+    warning: str = ""
 
     @property
     def calibrated(self) -> bool:
@@ -71,7 +75,7 @@ class Calibration:
         if not entry:
             return self
         return Calibration(efficiency_from_mapping(entry, where=where, base=self.efficiency), self.label, self.path,
-                           self.errors, self.sources, self.note)
+                           self.errors, self.sources, self.note, self.warning)
 
 
 def uncalibrated(efficiency: Efficiency = Efficiency(), note: str = "") -> Calibration:
@@ -99,7 +103,7 @@ def read_calibration(path: Path | str, *, label: str | None = None, base: Effici
 def _calibration_from_data(data: dict, path: Path, label: str | None, base: Efficiency) -> Calibration:
     # Older files (kvtwin validate's) may hold the factors at the top level.
     entry = data["cost_model"] if "cost_model" in data else \
-        {k: v for k, v in data.items() if k not in ("error", "source", "label")}
+        {k: v for k, v in data.items() if k not in ("error", "source", "label", "warning")}
     efficiency = efficiency_from_mapping(entry, base=base)
     errors = data.get("error", {})
     if not isinstance(errors, dict):
@@ -120,8 +124,11 @@ def _calibration_from_data(data: dict, path: Path, label: str | None, base: Effi
     file_label = data.get("label", "")
     if not isinstance(file_label, str):
         raise ConfigError("label", "a string", file_label)
+    warning = data.get("warning", "")
+    if not isinstance(warning, str):
+        raise ConfigError("warning", "a string", warning)
     return Calibration(efficiency, label or file_label or str(path), str(path),
-                       {k: float(v) for k, v in errors.items()}, tuple(dict(s) for s in sources))
+                       {k: float(v) for k, v in errors.items()}, tuple(dict(s) for s in sources), warning=warning)
 
 
 def _bundled_dir():

@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 
 from kvtwin.cli import app
 from kvtwin.sim.calibrate.serving_fit import Knobs
+from kvtwin.sim.calibrate.steps_device import MeasuredOn, device_warning, is_same_gpu
+from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.replay.calibration import STEP_TERM_COLUMNS, batch_kind, step_terms
 from kvtwin.sim.scenario.calibration_file import read_calibration
 from kvtwin.sim.replay.run import plan_cost_model, run_replay
@@ -169,9 +171,9 @@ def scrape_text(observations: dict[str, list[float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_calibrate_from_validate_steps_recovers_the_factors(setup, tmp_path):
-    scenario, resolved = setup
-    # The factors a step fit solves for moved; the rest (floors, curves) as the base has them.
+def measured_steps(resolved, measured_on: MeasuredOn | None) -> pa.Table:
+    """Steps as `kvtwin validate` writes them, "measured" by a clock whose step factors
+    moved (the rest, floors and curves, as the base has them), on ``measured_on``."""
     truth_eff = dataclasses.replace(resolved.efficiency, matmul_flops_fraction=0.7, attention_flops_fraction=0.5,
                                     hbm_bandwidth_fraction=0.7, step_overhead_s=1e-3, per_request_overhead_s=2e-5)
     planned = resolved.plan()
@@ -186,8 +188,14 @@ def test_calibrate_from_validate_steps_recovers_the_factors(setup, tmp_path):
         rows.append({"step": i, "decode_tokens": len(decodes), "prefill_tokens": sum(n for n, _ in prefills),
                      "batch_kind": batch_kind(len(decodes), sum(n for n, _ in prefills)), "measured_s": measured,
                      **step_terms(cost)})
+    table = pa.Table.from_pylist(rows)
+    return table if measured_on is None else table.replace_schema_metadata(measured_on.metadata())
+
+
+def test_calibrate_from_validate_steps_recovers_the_factors(setup, tmp_path):
+    scenario, resolved = setup
     steps = tmp_path / "steps.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), steps)
+    pq.write_table(measured_steps(resolved, MeasuredOn("cuda", "NVIDIA L40S", False)), steps)
     out = tmp_path / "steps.toml"
     code, stdout, stderr = invoke(scenario, "--steps", steps, "-o", out)
     assert code == 0, stderr
@@ -196,6 +204,41 @@ def test_calibrate_from_validate_steps_recovers_the_factors(setup, tmp_path):
     assert cal.efficiency.hbm_bandwidth_fraction == pytest.approx(0.7, rel=0.02)
     assert set(cal.errors) == {"decode_step", "prefill_step"} and max(cal.errors.values()) < 0.01
     assert "decode-only" in stdout
+    # Measured on the scenario's GPU: nothing to warn about.
+    assert "warning" not in stderr and cal.warning == "" and cal.label.endswith("on l40s")
+    assert [s.get("gpu") for s in cal.sources] == ["NVIDIA L40S"]
+
+
+@pytest.mark.parametrize("measured_on, says", [
+    (MeasuredOn("cpu", "cpu", True), "the steps were measured on a CPU (kvtwin validate --device cpu, a "
+                                     "scaled-down model), not on a l40s"),
+    (MeasuredOn("cuda", "NVIDIA H100 80GB HBM3", False), "the steps were measured on NVIDIA H100 80GB HBM3, "
+                                                         "not on a l40s"),
+    (None, "the steps file does not say which device measured it"),
+], ids=["cpu", "another gpu", "unknown"])
+def test_steps_measured_elsewhere_warn_once_and_in_the_file(setup, tmp_path, measured_on, says):
+    scenario, resolved = setup
+    steps = tmp_path / "steps.parquet"
+    pq.write_table(measured_steps(resolved, measured_on), steps)
+    out = tmp_path / "steps.toml"
+    code, stdout, stderr = invoke(scenario, "--steps", steps, "-o", out)
+    assert code == 0, stderr
+    warnings = [line for line in stderr.splitlines() if line.startswith("kvtwin: warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"kvtwin: warning: --steps: {says}"), stderr
+    cal = read_calibration(out)
+    assert cal.warning.startswith(says)
+    where = measured_on.name if measured_on is not None else "an unknown device"
+    assert cal.label == f"kvtwin calibrate (steps) for llama-3.1-8b on l40s (measured on {where})"
+    assert f"warning: {says}" in stdout
+
+
+def test_a_gpu_name_is_matched_word_by_word():
+    a100_80 = get_gpu("a100-80gb")
+    assert is_same_gpu("NVIDIA A100-SXM4-80GB", a100_80) and is_same_gpu("NVIDIA A100 80GB PCIe", a100_80)
+    assert not is_same_gpu("NVIDIA A100-SXM4-40GB", a100_80)
+    assert is_same_gpu("NVIDIA H100 80GB HBM3", get_gpu("h100")) and not is_same_gpu("NVIDIA H200", get_gpu("h100"))
+    assert is_same_gpu("AMD Instinct MI300X", get_gpu("mi300x"))
+    assert device_warning(MeasuredOn("cuda", "NVIDIA B200", False), get_gpu("b200")) is None
 
 
 @pytest.mark.parametrize("args, field", [

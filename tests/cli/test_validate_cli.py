@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 import kvtwin.executor.validate as validate_module  # noqa: E402
 from kvtwin.cli import app  # noqa: E402
 from kvtwin.executor.device_executor import Faults  # noqa: E402
+from kvtwin.sim.calibrate.steps_device import MeasuredOn, read_measured_on  # noqa: E402
 from kvtwin.sim.scenario.calibration_file import read_calibration  # noqa: E402
 
 # Llama-3.1-8B pages are 2 MiB: 128 MiB of KV cache is a 64-block pool, small enough that
@@ -71,9 +72,21 @@ def test_validate_writes_the_directory_and_a_verdict_per_check(scenario, tmp_pat
     table = pq.read_table(out / "validation.parquet")
     assert table.column_names == list(validate_module.VALIDATION_COLUMNS)
     assert set(table.column("check").to_pylist()) == set(validate_module.CHECKS)
-    read_calibration(out / "calibration.toml")  # kvtwin replay accepts it
+    own = read_calibration(out / "calibration.toml")  # kvtwin replay accepts it
+    assert own.warning.startswith("the steps were measured on a CPU")  # and it says whose factors they are
     steps = pq.read_table(out / "steps.parquet")
     assert steps.num_rows > 0 and min(steps.column("measured_s").to_pylist()) > 0
+    # The steps say they were timed on a CPU, so a calibration filed for the scenario's H100
+    # from them is said to be the CPU's, on stderr and in the file.
+    assert read_measured_on(out / "steps.parquet") == MeasuredOn("cpu", "cpu", True)
+    calibrated = CliRunner().invoke(app, ["calibrate", str(scenario), "--steps", str(out / "steps.parquet"),
+                                          "-o", str(tmp_path / "cpu.toml")])
+    assert calibrated.exit_code == 0, calibrated.output
+    warnings = [line for line in calibrated.stderr.splitlines() if line.startswith("kvtwin: warning:")]
+    assert warnings == ["kvtwin: warning: --steps: the steps were measured on a CPU (kvtwin validate --device cpu, "
+                        "a scaled-down model), not on a h100: the fitted factors describe that CPU, not the h100 the "
+                        "calibration is for"]
+    assert read_calibration(tmp_path / "cpu.toml").warning == warnings[0].removeprefix("kvtwin: warning: --steps: ")
     # A validation directory is replaced whole by the next validation.
     again = _invoke(scenario, "--out", out, "--quiet", "--checks", "prefix_hits_are_real")
     assert again.exit_code == 0, again.output
