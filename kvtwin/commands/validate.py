@@ -54,12 +54,13 @@ def validate(
         from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
         from kvtwin.sim.replay.calibration_data import uncalibrated_line
 
-        # First: every other step imports the executor, which runs on torch.
-        require_extra("torch", "kernels", field="validate", needed_for="the device executor")
         check_out_dir(out)
         chosen = _checks(checks)
         path = scenario_path or DEFAULT_SCENARIO
-        resolved, trace, overrides, sizing = _sized_inputs(path, device, size, requests)
+        resolved, overrides, sizing = _checked_scenario(path, device, size, requests)
+        # The flags and the scenario are checked; before the trace is read, the executor's torch.
+        require_extra("torch", "kernels", field="validate", needed_for="the device executor")
+        resolved, trace = _sized_inputs(resolved, sizing)
         planned = resolved.plan()
         planned.require_fits()
         from kvtwin.executor.device_replay import ExecutorOptions, check_pool_fits, require_device
@@ -94,10 +95,10 @@ def validate(
         raise typer.Exit(code=1)
 
 
-def _sized_inputs(path: Path, device: str, size: str | None, requests: int | None):
-    """The scenario and its trace at the run's size (``executor.sizes``): (resolved, trace,
-    overrides, the size). Refuses what the device executor cannot run."""
-    from kvtwin.executor.sizes import DEFAULT_SIZE, requests_of, run_size, sized_scenario, sized_trace
+def _checked_scenario(path: Path, device: str, size: str | None, requests: int | None):
+    """The scenario with the run's requests (``executor.sizes``): (resolved, overrides, the
+    size). Refuses what the device executor cannot run; reads no trace."""
+    from kvtwin.executor.sizes import DEFAULT_SIZE, requests_of, run_size
     from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 
     if device not in DEFAULT_SIZE:  # checked here too: the size's default depends on it
@@ -106,8 +107,15 @@ def _sized_inputs(path: Path, device: str, size: str | None, requests: int | Non
     overrides = Overrides(limit=requests_of(chosen, device, requests))
     resolved = resolve_scenario(path, overrides)
     _require_one_plain_engine(resolved)
+    return resolved, overrides, chosen
+
+
+def _sized_inputs(resolved, chosen):
+    """The scenario and its trace at the run's size: (resolved, trace)."""
+    from kvtwin.executor.sizes import sized_scenario, sized_trace
+
     trace = sized_trace(resolved.require_workload().load(), chosen)
-    return sized_scenario(resolved, trace, chosen), trace, overrides, chosen
+    return sized_scenario(resolved, trace, chosen), trace
 
 
 def _require_one_plain_engine(resolved) -> None:
@@ -155,7 +163,7 @@ def _stage_progress(options, quiet: bool, started: float) -> Iterator[Callable[[
 
 
 def _checks(value: str | None) -> tuple[str, ...]:
-    from kvtwin.executor.validate import CHECKS
+    from kvtwin.executor.verdicts import CHECKS  # not validate's module: that one imports torch
 
     if value is None:
         return CHECKS
