@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,10 +221,9 @@ def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
     validate(table, str(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = _new_temp_file(path)
     except OSError as err:
         raise _unwritable(path, err) from None
-    os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
         os.replace(tmp, path)
@@ -234,6 +233,20 @@ def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
             raise _unwritable(path, err) from None
         raise
     return path
+
+
+def _new_temp_file(path: Path) -> Path:
+    """An empty file beside ``path`` that the rename will turn into it. Created with mode
+    0o666, so the umask decides its mode as for any new file (mkstemp's 0o600 would leave
+    every trace readable by its owner only)."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(17, "no free temporary name", str(path.parent))
 
 
 def _unwritable(path: Path, err: OSError) -> TraceError:

@@ -1,6 +1,8 @@
 """``kvtwin trace info/convert/synth`` through the CLI: output shape and one-line errors."""
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,17 @@ def test_trace_list_names_every_bundled_trace_with_its_rows():
     listed = json.loads(_run("list", "--json").stdout)
     assert [t["name"] for t in listed] == [f"bundled:{name}" for name in BUNDLED]
     assert all(t["rows"] > 0 and t["description"] for t in listed)
+
+
+@pytest.mark.parametrize("command", ["convert", "synth"])
+def test_written_traces_get_the_mode_the_umask_gives_any_new_file(tmp_path: Path, command):
+    out = tmp_path / "t.parquet"
+    args = (("convert", FIXTURES / "mooncake_small.jsonl") if command == "convert" else ("synth", _spec(tmp_path)))
+    old = os.umask(0o022)
+    try:
+        result = _run(*args, "-o", out)
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
