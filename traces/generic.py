@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from kvtwin.traces import schema as s
 from kvtwin.traces.azure import format_utc_ns
@@ -132,7 +131,7 @@ def _read_csv(path: str, columns: ColumnMap, skip_bad: bool) -> tuple[dict, BadL
 
 
 def _read_parquet(path: str, columns: ColumnMap, skip_bad: bool) -> tuple[dict, BadLines]:
-    table = pq.read_table(path)
+    table = s.read_parquet_file(path)
     wanted = {
         s.ARRIVAL_TIME_S: (columns.arrival_time_s, True),
         s.PROMPT_TOKENS: (columns.prompt_tokens, True),

@@ -256,9 +256,7 @@ def _unwritable(path: Path, err: OSError) -> TraceError:
 
 def read_parquet(path: str | os.PathLike) -> pa.Table:
     """Read a trace parquet file written by ``write_parquet`` and check it."""
-    # One file (what write_parquet writes): read without Arrow's dataset layer and its import.
-    with pq.ParquetFile(path) as parquet:
-        table = parquet.read()
+    table = read_parquet_file(path)
     if METADATA_KEY not in (table.schema.metadata or {}):
         raise TraceError(str(path), "schema metadata", f"a {METADATA_KEY.decode()} provenance record "
                          "(a parquet file not written by kvtwin: load it with the generic loader and a column map)")
@@ -268,5 +266,23 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
 
 def is_trace_parquet(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a parquet file carrying kvtwin trace metadata."""
-    metadata = pq.read_schema(path).metadata or {}
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except pa.ArrowException as err:
+        raise _not_parquet(path, err) from None
     return METADATA_KEY in metadata
+
+
+def read_parquet_file(path: str | os.PathLike) -> pa.Table:
+    """Every column of the parquet file at ``path``; a file that is not parquet (whatever its
+    name says) is a TraceError naming it, not Arrow's exception."""
+    try:
+        # One file: read without Arrow's dataset layer and its import.
+        with pq.ParquetFile(path) as parquet:
+            return parquet.read()
+    except pa.ArrowException as err:
+        raise _not_parquet(path, err) from None
+
+
+def _not_parquet(path: str | os.PathLike, err: Exception) -> TraceError:
+    return TraceError(os.fspath(path), "file", "a parquet file", got=str(err).strip())

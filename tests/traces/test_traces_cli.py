@@ -202,3 +202,21 @@ def test_written_traces_get_the_mode_the_umask_gives_any_new_file(tmp_path: Path
     assert result.exit_code == 0, result.output
     assert stat.S_IMODE(out.stat().st_mode) == 0o644
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("content", [b"a,b\n1,2\n", b"", b"PAR1 not really PAR1"], ids=["csv", "empty", "magic"])
+def test_a_file_named_parquet_that_is_not_parquet_is_one_error_line(tmp_path: Path, content):
+    from kvtwin.cli import app
+
+    fake = tmp_path / "log.parquet"
+    fake.write_bytes(content)
+    for args in (["trace", "info", fake], ["trace", "convert", fake, "-o", tmp_path / "out.parquet"],
+                 ["trace", "info", fake, "--map", "arrival_time_s=a", "--map", "prompt_tokens=b",
+                  "--map", "output_tokens=b"],
+                 ["replay", "--trace", fake, "--quiet", "--out", tmp_path / "run"]):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kvtwin: error: {fake}: file: expected a parquet file, got "), \
+            (args, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.parquet"]
