@@ -101,3 +101,11 @@ def load_trace(path: str | os.PathLike, options: LoadOptions = LoadOptions()) ->
             raise TraceError(path, "assume_session_history", "a trace without content identity",
                              got=str(err)) from None
     return table
+
+
+def require_requests(table: pa.Table, path: str | os.PathLike) -> pa.Table:
+    """``table``, read from ``path``, if it holds a request: a trace without one is bad
+    input wherever it is to be replayed or written."""
+    if table.num_rows == 0:
+        raise TraceError(os.fspath(path), "requests", "at least one request (the trace has none)")
+    return table

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from kvtwin.console import user_errors
+from kvtwin.sim.core.errors import ConfigError
 from kvtwin.reports.paths import check_out_file
 from kvtwin.traces import bundled
 from kvtwin.traces.options import BURST, FORMATS, SPREAD, LoadOptions
@@ -158,42 +159,45 @@ def convert(
     fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = SPREAD, seed: SeedOpt = 0,
     assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = "s",
     hash_block_tokens: HashBlockOpt = None, per_block: PerBlockOpt = False,
-    start_s: Annotated[Optional[float], typer.Option("--start-s", min=0, help="Keep arrivals from here (s); "
-                                                                             "times shift to start at 0.")] = None,
+    start_s: Annotated[Optional[float], typer.Option("--start-s", help="Keep arrivals from here (s); "
+                                                                       "times shift to start at 0.")] = None,
     end_s: Annotated[Optional[float], typer.Option("--end-s", help="Keep arrivals before this (s).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="Keep the first N requests.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Keep the first N requests.")] = None,
     rate_scale: Annotated[Optional[float], typer.Option("--rate-scale", help=(
         "Multiply the arrival rate (2 = twice as fast)."))] = None,
-    sample_sessions: Annotated[Optional[float], typer.Option("--sample-sessions", min=0.0, max=1.0, help=(
+    sample_sessions: Annotated[Optional[float], typer.Option("--sample-sessions", help=(
         "Keep this fraction of sessions (whole sessions, chosen with --sample-seed)."))] = None,
-    sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed for --sample-sessions.")] = 0,
+    sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed for --sample-sessions.")] = None,
     gap_s: Annotated[float, typer.Option("--gap-s", min=0, help="Pause between concatenated traces (s).")] = 0.0,
 ) -> None:
     """Read traces in any supported format and write one kvtwin trace parquet file."""
+    from kvtwin.sim.scenario.knobs import knob
     from kvtwin.traces import schema, transforms
-    from kvtwin.traces.load import load_trace
+    from kvtwin.traces.load import load_trace, require_requests
 
+    cuts = {key: value for key, value in (("start_s", start_s), ("end_s", end_s), ("sample_sessions", sample_sessions),
+                                          ("sample_seed", sample_seed), ("rate_scale", rate_scale), ("limit", limit))
+            if value is not None}
     with user_errors():
         check_out_file(output, "--output")
         options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
-        if rate_scale is not None and not rate_scale > 0:
-            raise typer.BadParameter("expected a factor > 0", param_hint="--rate-scale")
-        if end_s is not None and end_s <= (start_s or 0.0):
-            raise typer.BadParameter("expected a time after --start-s", param_hint="--end-s")
-        tables = [load_trace(path, options) for path in inputs]
+        for key, value in cuts.items():
+            # A scenario's cuts and these flags are checked by the same rules.
+            knob(f"workload.{key}").check(value, _CUT_FLAGS[key])
+        tables = [require_requests(load_trace(path, options), path) for path in inputs]
         for table in tables:
             _report_notes(table)
         table = tables[0] if len(tables) == 1 else transforms.concat(tables, gap_s=gap_s)
-        if start_s is not None or end_s is not None:
-            table = transforms.time_window(table, start_s or 0.0, end_s)
-        if sample_sessions is not None:
-            table = transforms.sample_sessions(table, sample_sessions, sample_seed)
-        if rate_scale is not None:
-            table = transforms.scale_rate(table, rate_scale)
-        if limit is not None:
-            table = transforms.limit(table, limit)
+        try:
+            table = transforms.apply_cuts(table, cuts)
+        except transforms.CutError as err:
+            raise ConfigError(" and ".join(_CUT_FLAGS[k] for k in err.keys), err.expected, err.got) from None
         schema.write_parquet(table, output)
         print(f"wrote {output}: {table.num_rows:,} requests", file=sys.stderr)
+
+
+_CUT_FLAGS = {"start_s": "--start-s", "end_s": "--end-s", "sample_sessions": "--sample-sessions",
+              "sample_seed": "--sample-seed", "rate_scale": "--rate-scale", "limit": "--limit"}
 
 
 @trace_app.command("synth")
@@ -209,7 +213,7 @@ def synth(
     with user_errors():
         check_out_file(output, "--output")
         parsed = read_spec(spec)
-        table = synthesize(parsed, base_dir=spec.parent, source_file=spec.name)
+        table = synthesize(parsed, base_dir=spec.parent, source_file=spec.name, where=str(spec))
         schema.write_parquet(table, output)
         print(f"wrote {output}: {table.num_rows:,} requests ({parsed.kind}, seed {parsed.seed})", file=sys.stderr)
 

@@ -63,42 +63,22 @@ class Workload:
         once). A source without a single request is bad input: nothing could be replayed."""
         # The reader or the generator (pyarrow, NumPy) loads here, when there are requests to make.
         if self.trace is not None:
-            from kvtwin.traces.load import load_trace
+            from kvtwin.traces.load import load_trace, require_requests
 
-            table = load_trace(self.trace, self.load_options)
-            if table.num_rows == 0:
-                raise ConfigError("requests", "at least one request (the trace has none)", 0, source=str(self.trace))
-            return table
+            return require_requests(load_trace(self.trace, self.load_options), self.trace)
         from kvtwin.traces.synth import synthesize
 
-        return synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload")
+        return synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload", where="workload")
 
     def cut(self, table: pa.Table) -> pa.Table:
         """This workload's cuts, in their order, applied to ``table``; a cut that leaves no
         request is refused, naming it."""
         from kvtwin.traces import transforms  # NumPy and pyarrow, only when there is a table to cut
 
-        t = self.transforms
-
-        def nonempty(before: pa.Table, after: pa.Table, *keys: str) -> pa.Table:
-            if after.num_rows == 0 and before.num_rows > 0:
-                given = [k for k in keys if k in t]
-                raise ConfigError(" and ".join(f"workload.{k}" for k in given),
-                                  f"a cut that leaves at least one of the {before.num_rows:,} requests",
-                                  t[given[0]] if len(given) == 1 else tuple(t[k] for k in given))
-            return after
-
-        if "start_s" in t or "end_s" in t:
-            table = nonempty(table, transforms.time_window(table, t.get("start_s", 0.0), t.get("end_s")),
-                             "start_s", "end_s")
-        if "sample_sessions" in t:
-            table = nonempty(table, transforms.sample_sessions(table, t["sample_sessions"], t.get("sample_seed", 0)),
-                             "sample_sessions")
-        if "rate_scale" in t:
-            table = transforms.scale_rate(table, t["rate_scale"])
-        if "limit" in t:
-            table = transforms.limit(table, t["limit"])
-        return table
+        try:
+            return transforms.apply_cuts(table, self.transforms)
+        except transforms.CutError as err:
+            raise ConfigError(" and ".join(f"workload.{k}" for k in err.keys), err.expected, err.got) from None
 
 
 @dataclass(frozen=True)

@@ -220,3 +220,49 @@ def test_a_file_named_parquet_that_is_not_parquet_is_one_error_line(tmp_path: Pa
         assert len(lines) == 1 and lines[0].startswith(f"kvtwin: error: {fake}: file: expected a parquet file, got "), \
             (args, result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.parquet"]
+
+
+def _one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error: ") and "Traceback" not in result.output, \
+        result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--limit", "0"], "kvtwin: error: --limit: expected a positive number of requests, got 0"),
+    (["--limit", "-2"], "kvtwin: error: --limit: expected a positive number of requests, got -2"),
+    (["--start-s", "100"], "kvtwin: error: --start-s: expected a cut that leaves at least one of the 6 requests, "
+                           "got 100.0"),
+    (["--start-s", "1", "--end-s", "2"], "kvtwin: error: --start-s and --end-s: expected a cut that leaves at "
+                                         "least one of the 6 requests, got (1.0, 2.0)"),
+    (["--sample-sessions", "0"], "kvtwin: error: --sample-sessions: expected a fraction of sessions in (0, 1], "
+                                 "got 0.0"),
+])
+def test_convert_refuses_to_write_a_trace_without_requests(tmp_path: Path, flags, expected):
+    out = tmp_path / "out.parquet"
+    result = _run("convert", FIXTURES / "mooncake_small.jsonl", "-o", out, "--arrivals", "burst", *flags)
+    assert _one_error_line(result) == expected
+    assert not out.exists()
+
+
+def test_convert_refuses_an_input_without_requests(tmp_path: Path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    out = tmp_path / "out.parquet"
+    line = _one_error_line(_run("convert", FIXTURES / "azure_small.csv", empty, "-o", out))
+    assert line == f"kvtwin: error: {empty}: requests: expected at least one request (the trace has none)"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("stop", ["duration_s = 60", "num_requests = 5"])
+def test_synth_refuses_a_spec_that_generates_no_request(tmp_path: Path, stop):
+    spec = tmp_path / "w.toml"
+    spec.write_text(f'kind = "chat"\nseed = 1\n{stop}\narrival = {{ rate_per_s = 1 }}\n'
+                    'turns = 3\nuser_tokens = 500\noutput_tokens = 10\nturn_gap_s = 5\nmax_prompt_tokens = 100\n')
+    out = tmp_path / "out.parquet"
+    line = _one_error_line(_run("synth", spec, "-o", out))
+    assert line.startswith(f"kvtwin: error: {spec}: max_prompt_tokens: expected a limit that lets at least one "
+                           "request through"), line
+    assert not out.exists()
