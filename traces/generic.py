@@ -23,7 +23,7 @@ from kvtwin.traces import schema as s
 from kvtwin.traces.azure import format_utc_ns
 from kvtwin.traces.bad_lines import BadLines
 from kvtwin.traces.errors import TraceError
-from kvtwin.traces.fields import DATETIME, FLOAT, INT, STR, Field
+from kvtwin.traces.fields import DATETIME, FLOAT, INT, STR, Field, RowCheck, repeats
 from kvtwin.traces.hashing import chain_lists
 from kvtwin.traces.readers import read_csv
 
@@ -124,10 +124,17 @@ def _read_csv(path: str, columns: ColumnMap, skip_bad: bool) -> tuple[dict, BadL
         s.PRIORITY: Field(columns.priority, INT, required=False) if columns.priority else None,
     }
     wanted = {target: field for target, field in wanted.items() if field is not None}
-    read = read_csv(path, list(wanted.values()), skip_bad=skip_bad)
+    read = read_csv(path, list(wanted.values()), skip_bad=skip_bad, row_checks=_unique_ids(columns, "line"))
     values = {target: read.values[field.name] for target, field in wanted.items()}
     values[s.ARRIVAL_TIME_S] = values[s.ARRIVAL_TIME_S].to_numpy(zero_copy_only=False)
     return values, read.bad
+
+
+def _unique_ids(columns: ColumnMap, unit: str) -> tuple[RowCheck, ...]:
+    if columns.request_id is None:
+        return ()  # ids are then row numbers, unique by construction
+    return (RowCheck(columns.request_id, f"a request id not used by an earlier {unit}",
+                     lambda values: repeats(values[columns.request_id]), shows_value=True),)
 
 
 def _read_parquet(path: str, columns: ColumnMap, skip_bad: bool) -> tuple[dict, BadLines]:
@@ -159,6 +166,14 @@ def _read_parquet(path: str, columns: ColumnMap, skip_bad: bool) -> tuple[dict, 
                                        got=column[int(row)].as_py()))
         bad_rows |= broken
         values[target] = column
+    if columns.request_id is not None:
+        ids = values[s.REQUEST_ID]
+        repeated = repeats(ids.filter(pa.array(~bad_rows))) if bad_rows.any() else repeats(ids)
+        rows = np.flatnonzero(~bad_rows)[repeated] if bad_rows.any() else np.flatnonzero(repeated)
+        for row in rows[:1]:
+            problems.append(TraceError(path, columns.request_id, "a request id not used by an earlier row",
+                                       line=int(row) + 1, got=ids[int(row)].as_py()))
+        bad_rows[rows] = True
     bad = BadLines(path, skip_bad)
     if bad_rows.any():
         if not skip_bad:

@@ -177,7 +177,11 @@ def validate(table: pa.Table, path: str = "<table>") -> None:
         if len(counts) and counts.min() < 1:
             raise TraceError(path, name, "an integer >= 1", line=_first_row(counts < 1))
     if pc.count_distinct(table.column(REQUEST_ID)).as_py() != table.num_rows:
-        raise TraceError(path, REQUEST_ID, "unique request ids")
+        ids = table.column(REQUEST_ID).combine_chunks()
+        codes = ids.dictionary_encode().indices.to_numpy(zero_copy_only=False)
+        _, first = np.unique(codes, return_index=True)
+        row = int(np.setdiff1d(np.arange(len(codes)), first)[0])
+        raise TraceError(path, REQUEST_ID, "unique request ids", line=row + 1, got=ids[row].as_py())
     _validate_identity(table, path)
 
 

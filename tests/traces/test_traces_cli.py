@@ -266,3 +266,42 @@ def test_synth_refuses_a_spec_that_generates_no_request(tmp_path: Path, stop):
     assert line.startswith(f"kvtwin: error: {spec}: max_prompt_tokens: expected a limit that lets at least one "
                            "request through"), line
     assert not out.exists()
+
+
+def test_a_repeated_request_id_names_the_input_file_and_its_line_or_row(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    csv = tmp_path / "log.csv"
+    csv.write_text("ts,in,out,rid\n0,10,1,a\n1,10,1,b\n\n2,10,1,a\n")
+    maps = ["--map", "arrival_time_s=ts", "--map", "prompt_tokens=in", "--map", "output_tokens=out",
+            "--map", "request_id=rid"]
+    out = tmp_path / "out.parquet"
+    line = _one_error_line(_run("convert", csv, "-o", out, *maps))
+    assert line == f"kvtwin: error: {csv}:5: rid: expected a request id not used by an earlier line, got 'a'"
+    skipped = _run("convert", csv, "-o", out, *maps, "--skip-bad")
+    assert skipped.exit_code == 0, skipped.output
+    assert s.read_parquet(out).column(s.REQUEST_ID).to_pylist() == ["a", "b"]
+    out.unlink()
+
+    log = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"ts": [0.0, 1.0, 2.0], "in": [10, 10, 10], "out": [1, 1, 1], "rid": [7, 8, 7]}), log)
+    line = _one_error_line(_run("convert", log, "-o", out, *maps))
+    assert line == f"kvtwin: error: {log}:3: rid: expected a request id not used by an earlier row, got '7'"
+
+    # A kvtwin trace file edited by hand: the row is named too.
+    table = s.read_parquet(s.write_parquet(load_small_mooncake(), tmp_path / "t.parquet"))
+    ids = table.column(s.REQUEST_ID).to_pylist()
+    ids[4] = ids[1]
+    edited = table.set_column(0, s.TRACE_SCHEMA.field(s.REQUEST_ID), pa.array(ids, pa.string()))
+    pq.write_table(edited, tmp_path / "edited.parquet")
+    line = _one_error_line(_run("info", tmp_path / "edited.parquet"))
+    assert line == (f"kvtwin: error: {tmp_path / 'edited.parquet'}:5: request_id: expected unique request ids, "
+                    f"got {ids[1]!r}")
+    assert not out.exists()
+
+
+def load_small_mooncake():
+    from kvtwin.traces.load import load_trace
+
+    return load_trace(FIXTURES / "mooncake_small.jsonl")
