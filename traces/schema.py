@@ -19,21 +19,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+# The names are re-exported: ``schema.REQUEST_ID`` and the rest are what the loaders use.
+from kvtwin.traces.columns import (ARRIVAL_TIME_S, BLOCK_HASHES, HASH_BLOCK_TOKENS, OUTPUT_TOKENS, PRIORITY,
+                                  PROMPT_TOKEN_IDS, PROMPT_TOKENS, REQUEST_ID, SESSION_ID, TURN)
 from kvtwin.traces.errors import TraceError
 
 SCHEMA_VERSION = 1
 METADATA_KEY = b"kvtwin.trace"
-
-REQUEST_ID = "request_id"
-ARRIVAL_TIME_S = "arrival_time_s"
-PROMPT_TOKENS = "prompt_tokens"
-OUTPUT_TOKENS = "output_tokens"
-SESSION_ID = "session_id"
-TURN = "turn"
-PRIORITY = "priority"
-BLOCK_HASHES = "block_hashes"
-HASH_BLOCK_TOKENS = "hash_block_tokens"
-PROMPT_TOKEN_IDS = "prompt_token_ids"
 
 REQUEST_ID_TYPE = pa.string()
 ARRIVAL_TIME_TYPE = pa.float64()

@@ -29,10 +29,11 @@ from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
 from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SPECULATIVE_KEYS, SpeculativeConfig
+from kvtwin.sim.scenario.trace_source import trace_options
 from kvtwin.sim.scenario.validators import check_keys, fields_under, table_of
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.errors import TraceError
-from kvtwin.traces.options import LoadOptions
+from kvtwin.traces.options import OPTIONS, SCENARIO, LoadOptions
 from kvtwin.traces.synth_spec import parse_spec
 
 if TYPE_CHECKING:  # a type only: reading a scenario (kvtwin plan) loads no trace, nor pyarrow
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # a type only: reading a scenario (kvtwin plan) loads no trac
 
 SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload",
             "disaggregation", "speculative")
-TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
+TRACE_KEYS = ("trace",) + tuple(OPTIONS)  # the trace, and how to read it (traces/options.py)
 SLO_KEYS = tuple(section_knobs("slo"))
 RUN_KEYS = tuple(section_knobs("run"))
 
@@ -57,6 +58,14 @@ class Workload:
 
     def load(self) -> pa.Table:
         return self.cut(self.load_source())
+
+    def check_source(self) -> None:
+        """Refuse a trace that cannot be read as asked (its format, a generic file's column
+        map) without reading its requests: before a run of many replays, not in each."""
+        if self.trace is not None:
+            from kvtwin.traces.load import check_source
+
+            check_source(self.trace, self.load_options)
 
     def load_source(self) -> pa.Table:
         """The requests before any cut (a caller replaying many cuts of one source loads it
@@ -147,12 +156,7 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
         check_transform(key, value, f"workload.{key}")
     if "trace" in table:
         check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
-        skip_bad = table.get("skip_bad", False)
-        if not isinstance(skip_bad, bool):
-            raise ConfigError("workload.skip_bad", "true or false", skip_bad)
-        options = LoadOptions(format=table.get("format"), skip_bad=skip_bad,
-                              **({"arrivals": table["arrivals"]} if "arrivals" in table else {}),
-                              **({"seed": table["arrival_seed"]} if "arrival_seed" in table else {}))
+        options = trace_options({k: table[k] for k in OPTIONS if k in table}, SCENARIO)
         try:
             trace = resolve(table["trace"], base_dir)
         except TraceError as err:

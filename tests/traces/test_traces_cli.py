@@ -305,3 +305,137 @@ def load_small_mooncake():
     from kvtwin.traces.load import load_trace
 
     return load_trace(FIXTURES / "mooncake_small.jsonl")
+
+
+# -- a user's own file: columns named as the trace schema's need no map ----------------------
+
+SCHEMA_NAMED = FIXTURES / "schema_named.csv"
+
+
+def _schema_named_copies(tmp_path: Path) -> dict[str, Path]:
+    """The same four requests as a CSV, a JSONL and a (non-kvtwin) parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [dict(request_id="a", arrival_time_s=0.0, prompt_tokens=120, output_tokens=12, session_id="s1", turn=1,
+                 priority=0),
+            dict(request_id="b", arrival_time_s=0.5, prompt_tokens=300, output_tokens=20, session_id="s2", turn=1,
+                 priority=1),
+            dict(request_id="c", arrival_time_s=1.25, prompt_tokens=180, output_tokens=8, session_id="s1", turn=2,
+                 priority=0),
+            dict(request_id="d", arrival_time_s=2.0, prompt_tokens=64, output_tokens=4, session_id=None, turn=None,
+                 priority=None)]
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    parquet = tmp_path / "mine.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    return {"csv": SCHEMA_NAMED, "jsonl": jsonl, "parquet": parquet}
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet"])
+def test_a_file_with_the_schemas_column_names_needs_no_map(tmp_path: Path, kind):
+    path = _schema_named_copies(tmp_path)[kind]
+    info = _run("info", path, "--json")
+    assert info.exit_code == 0, info.output
+    assert json.loads(info.stdout)["requests"] == 4 and json.loads(info.stdout)["format"] == "generic"
+    out = tmp_path / "out.parquet"
+    converted = _run("convert", path, "-o", out)
+    assert converted.exit_code == 0, converted.output
+    table = s.read_parquet(out)
+    assert table.column(s.REQUEST_ID).to_pylist() == ["a", "b", "c", "d"]
+    assert table.column(s.ARRIVAL_TIME_S).to_pylist() == [0.0, 0.5, 1.25, 2.0]
+    assert table.column(s.SESSION_ID).to_pylist() == ["s1", "s2", "s1", None]
+    assert table.column(s.TURN).to_pylist() == [1, 1, 2, None]
+    assert table.column(s.PRIORITY).to_pylist() == [0, 1, 0, None]
+
+
+def test_a_map_names_only_the_columns_whose_names_differ(tmp_path: Path):
+    path = tmp_path / "log.csv"
+    path.write_text("ts_ms,prompt_tokens,output_tokens\n1000,10,2\n3500,20,3\n")
+    info = _run("info", path, "--json", "--map", "arrival_time_s=ts_ms", "--time-unit", "ms")
+    assert info.exit_code == 0, info.output
+    assert json.loads(info.stdout)["duration_s"] == 2.5
+
+
+def test_a_file_it_cannot_map_names_the_flags_that_map_it():
+    line = _one_error_line(_run("info", FIXTURES / "generic_small.csv"))
+    assert line == (f"kvtwin: error: {FIXTURES / 'generic_small.csv'}: columns: expected columns named "
+                    "arrival_time_s, prompt_tokens, output_tokens (the trace schema's names) or a column map "
+                    "(--map arrival_time_s=COLUMN --map prompt_tokens=COLUMN --map output_tokens=COLUMN), "
+                    "got 'ts_ms, prompt, completion, user, prio, rid'")
+    partial = _one_error_line(_run("info", FIXTURES / "generic_small.csv", "--map", "arrival_time_s=ts_ms"))
+    assert "(--map prompt_tokens=COLUMN --map output_tokens=COLUMN)" in partial
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--map", "prompt_tokens=input_length", "--format", "mooncake"],
+     "kvtwin: error: --map: expected no map with format mooncake (only a generic file reads it), "
+     "got {'prompt_tokens': 'input_length'}"),
+    (["--map", "prompt_tokens"], "kvtwin: error: --map: expected TRACE_COLUMN=SOURCE_COLUMN"),
+    (["--map", "prompt_tokens=a", "--map", "prompt_tokens=b"], "kvtwin: error: --map: expected one source for "
+                                                              "prompt_tokens, got 'prompt_tokens=b'"),
+    (["--time-unit", "hours"], "kvtwin: error: --time-unit: expected one of s, ms, us, ns, datetime, got 'hours'"),
+    (["--arrivals", "sometimes"], "kvtwin: error: --arrivals: expected one of auto, spread, burst, got 'sometimes'"),
+    (["--seed", "-1"], "kvtwin: error: --seed: expected an integer seed >= 0, got -1"),
+    (["--hash-block-tokens", "16"], f"kvtwin: error: {SCHEMA_NAMED}: --hash-block-tokens: expected block hashes "
+                                    "for it to describe"),
+])
+def test_bad_reading_flags_are_one_error_line_naming_the_flag(args, expected):
+    path = FIXTURES / ("mooncake_small.jsonl" if "--format" in args or "--arrivals" in args or "--seed" in args
+                       else "schema_named.csv")
+    assert _one_error_line(_run("info", path, *args)).startswith(expected)
+
+
+def test_a_jsonl_files_first_line_names_its_columns(tmp_path: Path):
+    path = tmp_path / "late.jsonl"
+    path.write_text('{"arrival_time_s": 0, "prompt_tokens": 5, "output_tokens": 1}\n'
+                    '{"arrival_time_s": 1, "prompt_tokens": 5, "output_tokens": 1, "session_id": "x"}\n')
+    assert _one_error_line(_run("info", path)) == (
+        f"kvtwin: error: {path}:2: session_id: expected no session_id (the first line, which names the columns, "
+        "has none)")
+
+
+def test_block_hashes_by_name_take_their_size_from_a_one_valued_column(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "hashed.parquet"
+    columns = {"arrival_time_s": [0.0, 1.0], "prompt_tokens": [32, 20], "output_tokens": [1, 1],
+               "block_hashes": [[5, 6], [5, 7]], "hash_block_tokens": [16, 16]}
+    pq.write_table(pa.table(columns), path)
+    info = json.loads(_run("info", path, "--json").stdout)
+    assert info["block_tokens"] == 16 and info["prefix_reuse"]["reused_blocks"] == 1
+    pq.write_table(pa.table({**columns, "hash_block_tokens": [16, 32]}), path)
+    assert _one_error_line(_run("info", path)) == (
+        f"kvtwin: error: {path}:2: hash_block_tokens: expected one number of tokens >= 1 in every row with block "
+        "hashes, got 32")
+    pq.write_table(pa.table({k: v for k, v in columns.items() if k != "hash_block_tokens"}), path)
+    assert "--hash-block-tokens N" in _one_error_line(_run("info", path))
+    info = json.loads(_run("info", path, "--json", "--hash-block-tokens", "16").stdout)
+    assert info["block_tokens"] == 16
+
+
+def test_millisecond_mooncake_timestamps_are_kept_with_a_note():
+    result = _run("info", FIXTURES / "mooncake_ms.jsonl", "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert info["duration_s"] == 7.455 and info["arrivals"].startswith("as recorded")
+    notes = [line for line in result.stderr.splitlines() if line.startswith("kvtwin: note: ")]
+    assert len(notes) == 1 and "not bucketed" in notes[0] and "--arrivals spread" in notes[0], result.stderr
+    forced = json.loads(_run("info", FIXTURES / "mooncake_ms.jsonl", "--json", "--arrivals", "spread").stdout)
+    assert forced["arrivals"].startswith("spread") and forced["duration_s"] != 7.455
+
+
+def test_jsonl_block_hashes_by_name_with_their_size_column(tmp_path: Path):
+    path = tmp_path / "hashed.jsonl"
+    lines = ['{"arrival_time_s": 0, "prompt_tokens": 32, "output_tokens": 1, "block_hashes": [5, 6], '
+             '"hash_block_tokens": 16}',
+             '{"arrival_time_s": 1, "prompt_tokens": 20, "output_tokens": 1, "block_hashes": [5, 7], '
+             '"hash_block_tokens": 16}']
+    path.write_text("\n".join(lines) + "\n")
+    info = json.loads(_run("info", path, "--json").stdout)
+    assert info["block_tokens"] == 16 and info["prefix_reuse"]["reused_blocks"] == 1
+    path.write_text(lines[0] + "\n\n" + lines[1].replace('"hash_block_tokens": 16', '"hash_block_tokens": 8') + "\n")
+    assert _one_error_line(_run("info", path)) == (
+        f"kvtwin: error: {path}:3: hash_block_tokens: expected one number of tokens >= 1 in every line with block "
+        "hashes, got 8")
