@@ -100,6 +100,18 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(code=2) from None
 
 
+def report_trace_notes(table) -> None:
+    """A trace's notes and skipped-line reasons (``TraceMeta``), one plain line each on
+    stderr, never wrapped: what reading it assumed or changed, said before it is used."""
+    from kvtwin.traces import schema  # pyarrow: only where a trace was read
+
+    meta = schema.trace_meta(table)
+    for note in meta.notes:
+        print(f"kvtwin: note: {note}", file=sys.stderr)
+    for reason in meta.bad_line_reasons:
+        print(f"kvtwin: skipped: {reason}", file=sys.stderr)
+
+
 def _interrupted(text: str) -> None:
     print(f"kvtwin: {text}", file=sys.stderr)
     raise typer.Exit(code=EXIT_INTERRUPTED)

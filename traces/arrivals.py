@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kvtwin.traces.synth_spec import GAMMA, POISSON  # the spec's names, kept free of NumPy there
@@ -60,3 +62,48 @@ def spread_within_buckets(times_s: np.ndarray, seed: int, bucket_s: float | None
     # rows its draws in increasing order.
     ordered = draws[np.lexsort((draws, bucket_of_row))]
     return times_s + ordered * widths[bucket_of_row], bucket_s
+
+
+# A bucketed clock puts every timestamp on a grid of one width, to within this fraction of
+# it (Mooncake's 3 s buckets: within 3 ms, 0.1%) ...
+BUCKET_JITTER = 0.01
+# ... and is coarse enough that requests share its ticks: on average at least this many
+# requests per distinct timestamp (Mooncake's hour: 10.2). A steady one-per-tick rate is
+# not bucketed, whatever its regularity.
+BUCKET_MIN_REQUESTS = 2.0
+
+
+@dataclass(frozen=True)
+class Bucketing:
+    """Whether a trace's timestamps come in buckets: ``width_s`` when they do, else None and
+    ``reason``, the rule they break."""
+
+    width_s: float | None
+    reason: str = ""
+
+
+def bucketing(times_s: np.ndarray) -> Bucketing:
+    """Whether ``times_s`` were recorded on a bucketed clock, and its width.
+
+    With d the distinct timestamps, sorted, and w the median gap between consecutive ones,
+    the timestamps are bucketed when (1) there are at least two distinct ones, (2) there
+    are at least ``BUCKET_MIN_REQUESTS`` requests per distinct timestamp on average, and
+    (3) every gap between consecutive distinct timestamps is within ``BUCKET_JITTER`` x w
+    of a whole multiple k >= 1 of w (k > 1: buckets that got no request). The width is w.
+    """
+    times_s = np.asarray(times_s, dtype=np.float64)
+    distinct = np.unique(times_s)
+    if len(distinct) < 2:
+        return Bucketing(None, "fewer than two distinct timestamps")
+    per_time = len(times_s) / len(distinct)
+    if per_time < BUCKET_MIN_REQUESTS:
+        return Bucketing(None, f"{per_time:.2g} requests per distinct timestamp, fewer than "
+                               f"{BUCKET_MIN_REQUESTS:g}")
+    gaps = np.diff(distinct)
+    width_s = float(np.median(gaps))
+    multiples = np.maximum(np.round(gaps / width_s), 1.0)
+    off = np.abs(gaps - multiples * width_s)
+    worst = int(np.argmax(off))
+    if off[worst] > BUCKET_JITTER * width_s:
+        return Bucketing(None, f"a gap of {gaps[worst]:.6g} s is no multiple of the median gap {width_s:.6g} s")
+    return Bucketing(width_s)

@@ -58,6 +58,16 @@ class RowCheck:
     field: str
     expected: str
     bad: Callable[[dict[str, pa.Array]], np.ndarray]
+    shows_value: bool = False  # the error quotes the row's value of ``field`` (short values only)
+
+
+def repeats(column: pa.Array) -> np.ndarray:
+    """Mask of the rows whose value an earlier row already holds (nulls repeat nothing)."""
+    codes = column.dictionary_encode().indices.fill_null(-1).to_numpy(zero_copy_only=False)
+    _, first = np.unique(codes, return_index=True)
+    mask = np.ones(len(codes), dtype=bool)
+    mask[first] = False
+    return mask & (codes >= 0)
 
 
 class BadValue(Exception):

@@ -177,7 +177,8 @@ def _finish(path: str, fields: list[Field], rows: list[dict], lines: list[int], 
     keep = np.ones(len(rows), dtype=bool)
     for check in row_checks:
         for index in np.flatnonzero(check.bad(values) & keep):
-            errors.append(TraceError(path, check.field, check.expected, line=int(line_numbers[index])))
+            got = values[check.field][int(index)].as_py() if check.shows_value else None
+            errors.append(TraceError(path, check.field, check.expected, line=int(line_numbers[index]), got=got))
             keep[index] = False
     bad = BadLines(path, skip_bad)
     for err in sorted(errors, key=lambda e: e.line or 0):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,21 +19,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+# The names are re-exported: ``schema.REQUEST_ID`` and the rest are what the loaders use.
+from kvtwin.traces.columns import (ARRIVAL_TIME_S, BLOCK_HASHES, HASH_BLOCK_TOKENS, OUTPUT_TOKENS, PRIORITY,
+                                  PROMPT_TOKEN_IDS, PROMPT_TOKENS, REQUEST_ID, SESSION_ID, TURN)
 from kvtwin.traces.errors import TraceError
 
 SCHEMA_VERSION = 1
 METADATA_KEY = b"kvtwin.trace"
-
-REQUEST_ID = "request_id"
-ARRIVAL_TIME_S = "arrival_time_s"
-PROMPT_TOKENS = "prompt_tokens"
-OUTPUT_TOKENS = "output_tokens"
-SESSION_ID = "session_id"
-TURN = "turn"
-PRIORITY = "priority"
-BLOCK_HASHES = "block_hashes"
-HASH_BLOCK_TOKENS = "hash_block_tokens"
-PROMPT_TOKEN_IDS = "prompt_token_ids"
 
 REQUEST_ID_TYPE = pa.string()
 ARRIVAL_TIME_TYPE = pa.float64()
@@ -177,7 +169,11 @@ def validate(table: pa.Table, path: str = "<table>") -> None:
         if len(counts) and counts.min() < 1:
             raise TraceError(path, name, "an integer >= 1", line=_first_row(counts < 1))
     if pc.count_distinct(table.column(REQUEST_ID)).as_py() != table.num_rows:
-        raise TraceError(path, REQUEST_ID, "unique request ids")
+        ids = table.column(REQUEST_ID).combine_chunks()
+        codes = ids.dictionary_encode().indices.to_numpy(zero_copy_only=False)
+        _, first = np.unique(codes, return_index=True)
+        row = int(np.setdiff1d(np.arange(len(codes)), first)[0])
+        raise TraceError(path, REQUEST_ID, "unique request ids", line=row + 1, got=ids[row].as_py())
     _validate_identity(table, path)
 
 
@@ -221,10 +217,9 @@ def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
     validate(table, str(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = _new_temp_file(path)
     except OSError as err:
         raise _unwritable(path, err) from None
-    os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
         os.replace(tmp, path)
@@ -236,6 +231,20 @@ def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
     return path
 
 
+def _new_temp_file(path: Path) -> Path:
+    """An empty file beside ``path`` that the rename will turn into it. Created with mode
+    0o666, so the umask decides its mode as for any new file (mkstemp's 0o600 would leave
+    every trace readable by its owner only)."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(17, "no free temporary name", str(path.parent))
+
+
 def _unwritable(path: Path, err: OSError) -> TraceError:
     # Named after the path the user gave, not the temp file the error happened on.
     return TraceError(str(path), "output", "a file path kvtwin can write", got=err.strerror or str(err))
@@ -243,9 +252,7 @@ def _unwritable(path: Path, err: OSError) -> TraceError:
 
 def read_parquet(path: str | os.PathLike) -> pa.Table:
     """Read a trace parquet file written by ``write_parquet`` and check it."""
-    # One file (what write_parquet writes): read without Arrow's dataset layer and its import.
-    with pq.ParquetFile(path) as parquet:
-        table = parquet.read()
+    table = read_parquet_file(path)
     if METADATA_KEY not in (table.schema.metadata or {}):
         raise TraceError(str(path), "schema metadata", f"a {METADATA_KEY.decode()} provenance record "
                          "(a parquet file not written by kvtwin: load it with the generic loader and a column map)")
@@ -255,5 +262,23 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
 
 def is_trace_parquet(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a parquet file carrying kvtwin trace metadata."""
-    metadata = pq.read_schema(path).metadata or {}
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except pa.ArrowException as err:
+        raise _not_parquet(path, err) from None
     return METADATA_KEY in metadata
+
+
+def read_parquet_file(path: str | os.PathLike) -> pa.Table:
+    """Every column of the parquet file at ``path``; a file that is not parquet (whatever its
+    name says) is a TraceError naming it, not Arrow's exception."""
+    try:
+        # One file: read without Arrow's dataset layer and its import.
+        with pq.ParquetFile(path) as parquet:
+            return parquet.read()
+    except pa.ArrowException as err:
+        raise _not_parquet(path, err) from None
+
+
+def _not_parquet(path: str | os.PathLike, err: Exception) -> TraceError:
+    return TraceError(os.fspath(path), "file", "a parquet file", got=str(err).strip())

@@ -22,6 +22,7 @@ from kvtwin.traces import schema as s
 from kvtwin.traces.arrivals import arrival_times_s, interarrival_gaps_s
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.distributions import sampler, token_counts
+from kvtwin.traces.errors import TraceError
 from kvtwin.traces.hashing import ROOT, mix64
 from kvtwin.traces.load import load_trace
 from kvtwin.traces.synth_spec import REQUESTS, SynthSpec
@@ -30,6 +31,8 @@ _PREFIX_SALT = np.uint64(0x50FE_F1C5_0000_0001)
 _UNIQUE_SALT = np.uint64(0x50FE_F1C5_0000_0002)
 _STREAMS = ("arrival", "prefix", "prompt", "output", "turns", "gap", "prefix_tokens")
 _SESSION_BATCH = 64
+# Sessions without a single request after which a spec is taken to generate none.
+_FRUITLESS_SESSIONS = 10_000
 
 
 @dataclass
@@ -73,8 +76,11 @@ class _UniqueIds:
         return mix64(_UNIQUE_SALT, np.uint64(self.next))
 
 
-def synthesize(spec: SynthSpec, base_dir: Path = Path("."), source_file: str = "") -> pa.Table:
-    """Generate the workload of ``spec``; empirical traces resolve relative to ``base_dir``."""
+def synthesize(spec: SynthSpec, base_dir: Path = Path("."), source_file: str = "", *,
+               where: str | None = None) -> pa.Table:
+    """Generate the workload of ``spec``; empirical traces resolve relative to ``base_dir``.
+    A spec that generates no request is a TraceError named after ``where`` (the spec's path;
+    default ``source_file``)."""
     rngs = dict(zip(_STREAMS, (np.random.default_rng(seq) for seq in np.random.SeedSequence(spec.seed).spawn(
         len(_STREAMS)))))
 
@@ -91,6 +97,15 @@ def synthesize(spec: SynthSpec, base_dir: Path = Path("."), source_file: str = "
                                 f"({'requests' if spec.kind == REQUESTS else 'session starts'})",
                        notes=(f"kind {spec.kind}, seed {spec.seed}",) + notes)
     count = len(rows["time"])
+    if count == 0:
+        # Only the prompt limit can cut every request: the first arrival is at 0, and its first
+        # turn is kept otherwise.
+        if spec.max_prompt_tokens is None:
+            raise TraceError(where or source_file or "<spec>", "num_requests", "a spec that generates a request")
+        raise TraceError(where or source_file or "<spec>", "max_prompt_tokens",
+                         "a limit that lets at least one request through (every session's first prompt was "
+                         "longer)",
+                         got=spec.max_prompt_tokens)
     lengths = np.array([len(ids) for ids in rows["hashes"]], dtype=np.int64)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     flat = np.concatenate(rows["hashes"]) if count else np.zeros(0, np.uint64)
@@ -203,7 +218,8 @@ def _sessions(spec: SynthSpec, rngs: dict, prefixes: _Prefixes, load_column) -> 
                 time_s += gap_s
             session += 1
         else:
-            if not _enough(spec, rows["time"], start_s):
+            # A prompt limit below every first prompt would otherwise generate sessions forever.
+            if not _enough(spec, rows["time"], start_s) and (rows["time"] or session < _FRUITLESS_SESSIONS):
                 continue
         break
     keep = np.argsort(np.asarray(rows["time"]), kind="stable")

@@ -6,7 +6,7 @@ Each returns a new schema-conforming table and records itself in the trace's pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +17,50 @@ from kvtwin.traces.hashing import mix64
 
 IDENTITY_MIXED = "mixed"
 _PART_SALT = np.uint64(0xC0_4CA7_0000_0000)
+
+
+# The cuts of a workload (a scenario's [workload] keys, ``trace convert``'s flags), in the
+# order they apply.
+CUTS = ("start_s", "end_s", "sample_sessions", "sample_seed", "rate_scale", "limit")
+
+
+class CutError(ValueError):
+    """Cuts that cannot apply to a trace: ``keys`` the settings at fault (as in ``CUTS``),
+    for the caller to name as its user spelt them."""
+
+    def __init__(self, keys: tuple[str, ...], expected: str, got: object):
+        super().__init__(f"{' and '.join(keys)}: expected {expected}, got {got!r}")
+        self.keys = keys
+        self.expected = expected
+        self.got = got
+
+
+def apply_cuts(table: pa.Table, cuts: Mapping[str, object]) -> pa.Table:
+    """``table`` cut as ``cuts`` (keys of ``CUTS``, values already checked one by one) says,
+    in ``CUTS`` order: window, session sample, rate, limit. A cut that leaves none of a
+    non-empty trace's requests is a ``CutError``: nothing written or replayed from it could
+    answer anything."""
+
+    def nonempty(after: pa.Table, *keys: str) -> pa.Table:
+        if after.num_rows == 0 and table.num_rows > 0:
+            given = tuple(k for k in keys if k in cuts)
+            raise CutError(given, f"a cut that leaves at least one of the {table.num_rows:,} requests",
+                           cuts[given[0]] if len(given) == 1 else tuple(cuts[k] for k in given))
+        return after
+
+    if "start_s" in cuts or "end_s" in cuts:
+        start_s, end_s = cuts.get("start_s", 0.0), cuts.get("end_s")
+        if end_s is not None and end_s <= start_s:
+            raise CutError(("end_s",), f"a time after start_s ({start_s:g} s)", end_s)
+        table = nonempty(time_window(table, start_s, end_s), "start_s", "end_s")
+    if "sample_sessions" in cuts:
+        table = nonempty(sample_sessions(table, cuts["sample_sessions"], cuts.get("sample_seed", 0)),
+                         "sample_sessions")
+    if "rate_scale" in cuts:
+        table = scale_rate(table, cuts["rate_scale"])
+    if "limit" in cuts:
+        table = nonempty(limit(table, cuts["limit"]), "limit")
+    return table
 
 
 def _record(table: pa.Table, description: str) -> pa.Table:

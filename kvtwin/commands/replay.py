@@ -12,16 +12,17 @@ import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
 from kvtwin.knob_options import knob_flags
-from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
+from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, report_trace_notes, user_errors
 from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from kvtwin.trace_options import given_options, reading_option
 
 
 @knob_flags("engine.tensor_parallel_size", "workload.rate_scale", "workload.limit", "engine.max_model_len",
@@ -33,6 +34,12 @@ def replay(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
                                                    help="Scenario file (default: scenarios/default.toml)."),
     trace: Optional[str] = typer.Option(None, "--trace", help="Replay this trace instead (a file or bundled:NAME)."),
+    fmt: Optional[str] = reading_option("format"),
+    maps: Optional[List[str]] = reading_option("map", metavar="COLUMN=SOURCE"),
+    time_unit: Optional[str] = reading_option("time_unit"),
+    hash_block_tokens: Optional[int] = reading_option("hash_block_tokens"),
+    per_block: bool = reading_option("per_block_hashes", False),
+    arrivals: Optional[str] = reading_option("arrivals"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
     knobs: Optional[dict] = None,
@@ -51,7 +58,9 @@ def replay(
         # Before anything slow: a bad --out must not cost a whole simulation.
         check_out_dir(out)
         path = scenario_path or DEFAULT_SCENARIO
-        overrides = Overrides.from_knobs(knobs or {}, model=model, gpu=gpu, trace=trace)
+        reading = given_options(fmt=fmt, maps=maps, time_unit=time_unit, hash_block_tokens=hash_block_tokens,
+                                per_block=per_block, arrivals=arrivals)
+        overrides = Overrides.from_knobs(knobs or {}, model=model, gpu=gpu, trace=trace, trace_options=reading)
         resolved = resolve_scenario(path, overrides)
         chosen_model, chosen_gpu = resolved.model, resolved.gpu
         workload = resolved.require_workload()
@@ -59,6 +68,7 @@ def replay(
         planned.require_fits()  # before the trace is read
         offload = resolved.offload_for(planned)
         table = workload.load()
+        report_trace_notes(table)
         started = time.perf_counter()
         seen["replaying"] = True
         with _progress(table.num_rows, quiet, started, seen) as on_progress:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -10,10 +11,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from kvtwin.console import user_errors
+from kvtwin.console import report_trace_notes, user_errors
 from kvtwin.reports.paths import check_out_file
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.trace_options import (ArrivalsOpt, FormatOpt, HashBlockOpt, MapOpt, PerBlockOpt, SeedOpt, SkipBadOpt,
+                                  TimeUnitOpt, checked_options, given_options)
 from kvtwin.traces import bundled
-from kvtwin.traces.options import BURST, FORMATS, SPREAD, LoadOptions
+from kvtwin.traces.options import LoadOptions
 
 # The readers, statistics and writers load pyarrow and NumPy: each subcommand imports
 # what it uses, so the command line's help and `trace list` load neither.
@@ -25,58 +29,17 @@ if TYPE_CHECKING:
 trace_app = typer.Typer(help="Inspect, convert and synthesise request traces.", no_args_is_help=True,
                         rich_markup_mode=None)
 
-FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Input format: {', '.join(FORMATS)} "
-                                                                   "(default: detected from the file).")]
-SkipBadOpt = Annotated[bool, typer.Option("--skip-bad", help="Skip malformed lines (counted and reported) "
-                                                             "instead of stopping at the first.")]
-ArrivalsOpt = Annotated[str, typer.Option("--arrivals", help="Mooncake: 'spread' requests uniformly within their "
-                                                             "~3 s timestamp bucket (seeded) or keep each "
-                                                             "bucket a 'burst'.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for spreading Mooncake arrivals.")]
 AssumeOpt = Annotated[Optional[int], typer.Option(
     "--assume-session-history", metavar="BLOCK_TOKENS",
     help="For traces without content identity: ASSUME each turn re-sends its session's history and "
          "derive block hashes of this many tokens from it.")]
-MapOpt = Annotated[Optional[list[str]], typer.Option(
-    "--map", metavar="COLUMN=SOURCE", help="Generic format: trace column from source column "
-                                           "(arrival_time_s, prompt_tokens, output_tokens required).")]
-TimeUnitOpt = Annotated[str, typer.Option("--time-unit", help="Generic format: unit of the arrival column "
-                                                              "(s, ms, us, ns, datetime).")]
-HashBlockOpt = Annotated[Optional[int], typer.Option("--hash-block-tokens",
-                                                     help="Generic format: tokens each block hash covers.")]
-PerBlockOpt = Annotated[bool, typer.Option("--per-block-hashes", help="Generic format: the block hashes are "
-                                                                      "per block, not chained; chain them.")]
 
 
-def _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block) -> LoadOptions:
-    if arrivals not in (SPREAD, BURST):
-        raise typer.BadParameter(f"expected {SPREAD} or {BURST}", param_hint="--arrivals")
-    if fmt is not None and fmt not in FORMATS:
-        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}", param_hint="--format")
+def _options(assume: int | None, **flags) -> LoadOptions:
     if assume is not None and assume < 1:
-        raise typer.BadParameter("expected a block size >= 1", param_hint="--assume-session-history")
-    columns = None
-    if maps:
-        from kvtwin.traces.generic import ColumnMap
-
-        try:
-            columns = ColumnMap.from_pairs(maps, time_unit=time_unit, hash_block_tokens=hash_block_tokens,
-                                           hashes_chained=not per_block)
-        except ValueError as err:
-            raise typer.BadParameter(str(err), param_hint="--map") from None
-    return LoadOptions(format=fmt, skip_bad=skip_bad, arrivals=arrivals, seed=seed, columns=columns,
-                       assume_session_history=assume)
-
-
-def _report_notes(table) -> None:
-    """Notes and skipped-line reasons, one plain line each on stderr (never wrapped)."""
-    from kvtwin.traces import schema
-
-    meta = schema.trace_meta(table)
-    for note in meta.notes:
-        print(f"kvtwin: note: {note}", file=sys.stderr)
-    for reason in meta.bad_line_reasons:
-        print(f"kvtwin: skipped: {reason}", file=sys.stderr)
+        raise ConfigError("--assume-session-history", "a block size >= 1", assume)
+    options = checked_options(given_options(**flags))
+    return dataclasses.replace(options, assume_session_history=assume)
 
 
 @trace_app.command("info")
@@ -85,8 +48,8 @@ def info(
     block_tokens: Annotated[Optional[int], typer.Option("--block-tokens", min=1, help=(
         "Block size for the prefix-reuse bound (default: the trace's hash block size, else 16)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = SPREAD, seed: SeedOpt = 0,
-    assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = "s",
+    fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = None, seed: SeedOpt = None,
+    assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = None,
     hash_block_tokens: HashBlockOpt = None, per_block: PerBlockOpt = False,
 ) -> None:
     """Requests, duration, rate, length percentiles, sessions and the prefix-reuse upper bound."""
@@ -95,11 +58,12 @@ def info(
     from kvtwin.traces.stats import summarize
 
     with user_errors():
-        options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
+        options = _options(assume, fmt=fmt, skip_bad=skip_bad, arrivals=arrivals, seed=seed, maps=maps,
+                           time_unit=time_unit, hash_block_tokens=hash_block_tokens, per_block=per_block)
         table = load_trace(path, options)
         stats = summarize(table, block_tokens)
         meta = schema.trace_meta(table)
-        _report_notes(table)
+        report_trace_notes(table)
         if as_json:
             out = stats.to_json()
             out.update(path=path, format=meta.source_format, arrivals=meta.arrivals,
@@ -155,45 +119,49 @@ def _print_info(path: str, stats: TraceStats, meta: TraceMeta) -> None:
 def convert(
     inputs: Annotated[list[str], typer.Argument(help="Trace file(s); several are played one after another.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Parquet file to write.")],
-    fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = SPREAD, seed: SeedOpt = 0,
-    assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = "s",
+    fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = None, seed: SeedOpt = None,
+    assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = None,
     hash_block_tokens: HashBlockOpt = None, per_block: PerBlockOpt = False,
-    start_s: Annotated[Optional[float], typer.Option("--start-s", min=0, help="Keep arrivals from here (s); "
-                                                                             "times shift to start at 0.")] = None,
+    start_s: Annotated[Optional[float], typer.Option("--start-s", help="Keep arrivals from here (s); "
+                                                                       "times shift to start at 0.")] = None,
     end_s: Annotated[Optional[float], typer.Option("--end-s", help="Keep arrivals before this (s).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="Keep the first N requests.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Keep the first N requests.")] = None,
     rate_scale: Annotated[Optional[float], typer.Option("--rate-scale", help=(
         "Multiply the arrival rate (2 = twice as fast)."))] = None,
-    sample_sessions: Annotated[Optional[float], typer.Option("--sample-sessions", min=0.0, max=1.0, help=(
+    sample_sessions: Annotated[Optional[float], typer.Option("--sample-sessions", help=(
         "Keep this fraction of sessions (whole sessions, chosen with --sample-seed)."))] = None,
-    sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed for --sample-sessions.")] = 0,
+    sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed for --sample-sessions.")] = None,
     gap_s: Annotated[float, typer.Option("--gap-s", min=0, help="Pause between concatenated traces (s).")] = 0.0,
 ) -> None:
     """Read traces in any supported format and write one kvtwin trace parquet file."""
+    from kvtwin.sim.scenario.knobs import knob
     from kvtwin.traces import schema, transforms
-    from kvtwin.traces.load import load_trace
+    from kvtwin.traces.load import load_trace, require_requests
 
+    cuts = {key: value for key, value in (("start_s", start_s), ("end_s", end_s), ("sample_sessions", sample_sessions),
+                                          ("sample_seed", sample_seed), ("rate_scale", rate_scale), ("limit", limit))
+            if value is not None}
     with user_errors():
         check_out_file(output, "--output")
-        options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
-        if rate_scale is not None and not rate_scale > 0:
-            raise typer.BadParameter("expected a factor > 0", param_hint="--rate-scale")
-        if end_s is not None and end_s <= (start_s or 0.0):
-            raise typer.BadParameter("expected a time after --start-s", param_hint="--end-s")
-        tables = [load_trace(path, options) for path in inputs]
+        options = _options(assume, fmt=fmt, skip_bad=skip_bad, arrivals=arrivals, seed=seed, maps=maps,
+                           time_unit=time_unit, hash_block_tokens=hash_block_tokens, per_block=per_block)
+        for key, value in cuts.items():
+            # A scenario's cuts and these flags are checked by the same rules.
+            knob(f"workload.{key}").check(value, _CUT_FLAGS[key])
+        tables = [require_requests(load_trace(path, options), path) for path in inputs]
         for table in tables:
-            _report_notes(table)
+            report_trace_notes(table)
         table = tables[0] if len(tables) == 1 else transforms.concat(tables, gap_s=gap_s)
-        if start_s is not None or end_s is not None:
-            table = transforms.time_window(table, start_s or 0.0, end_s)
-        if sample_sessions is not None:
-            table = transforms.sample_sessions(table, sample_sessions, sample_seed)
-        if rate_scale is not None:
-            table = transforms.scale_rate(table, rate_scale)
-        if limit is not None:
-            table = transforms.limit(table, limit)
+        try:
+            table = transforms.apply_cuts(table, cuts)
+        except transforms.CutError as err:
+            raise ConfigError(" and ".join(_CUT_FLAGS[k] for k in err.keys), err.expected, err.got) from None
         schema.write_parquet(table, output)
         print(f"wrote {output}: {table.num_rows:,} requests", file=sys.stderr)
+
+
+_CUT_FLAGS = {"start_s": "--start-s", "end_s": "--end-s", "sample_sessions": "--sample-sessions",
+              "sample_seed": "--sample-seed", "rate_scale": "--rate-scale", "limit": "--limit"}
 
 
 @trace_app.command("synth")
@@ -209,7 +177,7 @@ def synth(
     with user_errors():
         check_out_file(output, "--output")
         parsed = read_spec(spec)
-        table = synthesize(parsed, base_dir=spec.parent, source_file=spec.name)
+        table = synthesize(parsed, base_dir=spec.parent, source_file=spec.name, where=str(spec))
         schema.write_parquet(table, output)
         print(f"wrote {output}: {table.num_rows:,} requests ({parsed.kind}, seed {parsed.seed})", file=sys.stderr)
 

@@ -45,7 +45,7 @@ def prepare_sweep(path: Path, sweeps: Sequence[str], *, limit: int | None = None
     data = with_limit(load_scenario_data(path), limit)
     axes = parse_sweeps(sweeps)
     base = resolve_scenario(path, data=data)  # the scenario itself, checked whole
-    base.require_workload()
+    base.require_workload().check_source()
     if search is not None and base.slo.ttft_s is None and base.slo.tpot_s is None \
             and not any(a.key.section == "slo" for a in axes):
         raise ConfigError("--find-max-rate", "a scenario with an [slo] table (ttft_s, tpot_s)", source=base.where)

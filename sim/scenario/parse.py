@@ -29,10 +29,11 @@ from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
 from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SPECULATIVE_KEYS, SpeculativeConfig
+from kvtwin.sim.scenario.trace_source import trace_options
 from kvtwin.sim.scenario.validators import check_keys, fields_under, table_of
 from kvtwin.traces.bundled import resolve
 from kvtwin.traces.errors import TraceError
-from kvtwin.traces.options import LoadOptions
+from kvtwin.traces.options import OPTIONS, SCENARIO, LoadOptions
 from kvtwin.traces.synth_spec import parse_spec
 
 if TYPE_CHECKING:  # a type only: reading a scenario (kvtwin plan) loads no trace, nor pyarrow
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # a type only: reading a scenario (kvtwin plan) loads no trac
 
 SECTIONS = ("description", "model", "hardware", "engine", "workload", "slo", "cost_model", "run", "offload",
             "disaggregation", "speculative")
-TRACE_KEYS = ("trace", "format", "arrivals", "arrival_seed", "skip_bad")
+TRACE_KEYS = ("trace",) + tuple(OPTIONS)  # the trace, and how to read it (traces/options.py)
 SLO_KEYS = tuple(section_knobs("slo"))
 RUN_KEYS = tuple(section_knobs("run"))
 
@@ -58,47 +59,35 @@ class Workload:
     def load(self) -> pa.Table:
         return self.cut(self.load_source())
 
+    def check_source(self) -> None:
+        """Refuse a trace that cannot be read as asked (its format, a generic file's column
+        map) without reading its requests: before a run of many replays, not in each."""
+        if self.trace is not None:
+            from kvtwin.traces.load import check_source
+
+            check_source(self.trace, self.load_options)
+
     def load_source(self) -> pa.Table:
         """The requests before any cut (a caller replaying many cuts of one source loads it
         once). A source without a single request is bad input: nothing could be replayed."""
         # The reader or the generator (pyarrow, NumPy) loads here, when there are requests to make.
         if self.trace is not None:
-            from kvtwin.traces.load import load_trace
+            from kvtwin.traces.load import load_trace, require_requests
 
-            table = load_trace(self.trace, self.load_options)
-            if table.num_rows == 0:
-                raise ConfigError("requests", "at least one request (the trace has none)", 0, source=str(self.trace))
-            return table
+            return require_requests(load_trace(self.trace, self.load_options), self.trace)
         from kvtwin.traces.synth import synthesize
 
-        return synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload")
+        return synthesize(parse_spec(self.synth, "workload"), self.base_dir, "scenario workload", where="workload")
 
     def cut(self, table: pa.Table) -> pa.Table:
         """This workload's cuts, in their order, applied to ``table``; a cut that leaves no
         request is refused, naming it."""
         from kvtwin.traces import transforms  # NumPy and pyarrow, only when there is a table to cut
 
-        t = self.transforms
-
-        def nonempty(before: pa.Table, after: pa.Table, *keys: str) -> pa.Table:
-            if after.num_rows == 0 and before.num_rows > 0:
-                given = [k for k in keys if k in t]
-                raise ConfigError(" and ".join(f"workload.{k}" for k in given),
-                                  f"a cut that leaves at least one of the {before.num_rows:,} requests",
-                                  t[given[0]] if len(given) == 1 else tuple(t[k] for k in given))
-            return after
-
-        if "start_s" in t or "end_s" in t:
-            table = nonempty(table, transforms.time_window(table, t.get("start_s", 0.0), t.get("end_s")),
-                             "start_s", "end_s")
-        if "sample_sessions" in t:
-            table = nonempty(table, transforms.sample_sessions(table, t["sample_sessions"], t.get("sample_seed", 0)),
-                             "sample_sessions")
-        if "rate_scale" in t:
-            table = transforms.scale_rate(table, t["rate_scale"])
-        if "limit" in t:
-            table = transforms.limit(table, t["limit"])
-        return table
+        try:
+            return transforms.apply_cuts(table, self.transforms)
+        except transforms.CutError as err:
+            raise ConfigError(" and ".join(f"workload.{k}" for k in err.keys), err.expected, err.got) from None
 
 
 @dataclass(frozen=True)
@@ -167,12 +156,7 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
         check_transform(key, value, f"workload.{key}")
     if "trace" in table:
         check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
-        skip_bad = table.get("skip_bad", False)
-        if not isinstance(skip_bad, bool):
-            raise ConfigError("workload.skip_bad", "true or false", skip_bad)
-        options = LoadOptions(format=table.get("format"), skip_bad=skip_bad,
-                              **({"arrivals": table["arrivals"]} if "arrivals" in table else {}),
-                              **({"seed": table["arrival_seed"]} if "arrival_seed" in table else {}))
+        options = trace_options({k: table[k] for k in OPTIONS if k in table}, SCENARIO)
         try:
             trace = resolve(table["trace"], base_dir)
         except TraceError as err:

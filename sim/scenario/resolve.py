@@ -7,7 +7,9 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
 * GPU: ``--gpu PRESET``, else ``[hardware]``;
 * engine: the scenario's ``[engine]`` table, then each engine flag given;
 * workload: ``--trace`` replaces the scenario's source but keeps its cuts (``limit``,
-  ``rate_scale``, ...); ``--limit`` and ``--rate-scale`` replace those cuts;
+  ``rate_scale``, ...); ``--limit`` and ``--rate-scale`` replace those cuts; the reading
+  flags (``--format``, ``--map``, ``--time-unit``, ``--arrivals``, ...) say how to read
+  ``--trace``, or, without it, override the scenario's ``[workload]`` keys of those names;
 * ``--time-limit-s`` wins over ``[run] time_limit_s``;
 * offload: the scenario's ``[offload]`` table, then each ``--offload-*`` flag given
   (``--offload-cpu-bytes``, ``--offload-policy``, ``--offload-disk-bytes``,
@@ -46,7 +48,9 @@ from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
 from kvtwin.sim.scenario.knobs import flag_for, knob
 from kvtwin.sim.scenario.parse import Scenario, Workload, load_scenario, scenario_from_data
+from kvtwin.sim.scenario.trace_source import trace_options
 from kvtwin.traces.bundled import resolve as resolve_trace
+from kvtwin.traces.options import FLAGS, OPTIONS
 
 @dataclass(frozen=True)
 class Overrides:
@@ -62,6 +66,8 @@ class Overrides:
     time_limit_s: float | None = None
     offload: Mapping[str, object] = field(default_factory=dict)  # OffloadConfig field -> value
     speculative: Mapping[str, object] = field(default_factory=dict)  # SpeculativeConfig field -> value
+    # How to read the trace (``kvtwin.traces.options.OPTIONS`` name -> value).
+    trace_options: Mapping[str, object] = field(default_factory=dict)
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, object], **sources: object) -> Overrides:
@@ -84,15 +90,17 @@ class Overrides:
                            ("run.time_limit_s", self.time_limit_s)):
             if value is not None:
                 knob(key).check(value, knob(key).flag or key)
+        trace_options(self.trace_options, FLAGS)
 
     def given(self) -> dict:
         """The flags that were given, for a run's metadata."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("engine", "offload", "speculative")}
+               if f.name not in ("engine", "offload", "speculative", "trace_options")}
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None}
         out.update({k: v for k, v in self.engine.items() if v is not None})
         out.update({f"offload_{k}": v for k, v in self.offload.items() if v is not None})
         out.update({f"speculative_{k}": v for k, v in self.speculative.items() if v is not None})
+        out.update({f"trace_{k}": v for k, v in self.trace_options.items()})
         return out
 
 
@@ -189,8 +197,16 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
 
     workload = scenario.workload
     if overrides.trace is not None:
-        workload = Workload(trace=resolve_trace(overrides.trace),
+        workload = Workload(trace=resolve_trace(overrides.trace), load_options=trace_options(overrides.trace_options,
+                                                                                              FLAGS),
                             transforms=dict(workload.transforms) if workload is not None else {})
+    elif overrides.trace_options:
+        if workload is None or workload.trace is None:
+            flag = OPTIONS[next(iter(overrides.trace_options))].flag
+            raise ConfigError(flag, "a trace to read (--trace, or a scenario whose [workload] names a trace)",
+                              source=where)
+        workload = dataclasses.replace(workload, load_options=trace_options(overrides.trace_options, FLAGS,
+                                                                            workload.load_options))
     if workload is not None and (overrides.rate_scale is not None or overrides.limit is not None):
         cuts = dict(workload.transforms)
         if overrides.rate_scale is not None:

@@ -217,3 +217,123 @@ def test_a_cut_that_leaves_no_request_is_refused_naming_it(tmp_path, cut, key):
     path.write_text(SCENARIO.replace("limit = 40", cut))
     result = run("replay", str(path), "--quiet", "--out", str(tmp_path / "run"))
     one_error_line(result, f"kvtwin: error: {key}: expected a cut that leaves at least one of the")
+
+
+# -- a user's own trace: columns named as the schema's, format and map ----------------------
+
+TRACE_FIXTURES = Path(__file__).parents[1] / "traces" / "fixtures"
+SCHEMA_NAMED = TRACE_FIXTURES / "schema_named.csv"  # the trace schema's own column names
+UNNAMED = TRACE_FIXTURES / "generic_small.csv"  # ts_ms, prompt, completion, ...
+
+
+def _own_trace_scenario(tmp_path: Path, workload: str) -> Path:
+    path = tmp_path / "own.toml"
+    path.write_text(SCENARIO.split("[workload]")[0] + "[workload]\n" + workload + "\n[slo]\nttft_s = 2.0\n")
+    return path
+
+
+def test_replay_reads_a_csv_with_the_schemas_column_names_without_a_map(tmp_path):
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "run"
+    result = run("replay", "--trace", str(SCHEMA_NAMED), "--quiet", "--no-report", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out / "requests.parquet").num_rows == 4
+
+
+def test_a_scenario_reads_its_own_csv_by_name_or_through_its_map(tmp_path):
+    by_name = _own_trace_scenario(tmp_path, f'trace = "{SCHEMA_NAMED}"')
+    assert resolve_scenario(by_name).workload.load().num_rows == 4
+    mapped = _own_trace_scenario(tmp_path, f'trace = "{UNNAMED}"\ntime_unit = "ms"\n'
+                                           'map = { arrival_time_s = "ts_ms", prompt_tokens = "prompt", '
+                                           'output_tokens = "completion", request_id = "rid" }')
+    table = resolve_scenario(mapped).workload.load()
+    assert table.column("request_id").to_pylist() == ["b", "a", "c"]
+    assert table.column("arrival_time_s").to_pylist() == [0.0, 1.0, 2.5]
+
+
+def test_replay_flags_map_the_trace(tmp_path):
+    r = resolve_scenario(None, Overrides(model="llama-3.1-8b", gpu="h100", trace=str(UNNAMED), trace_options={
+        "map": {"arrival_time_s": "ts_ms", "prompt_tokens": "prompt", "output_tokens": "completion"},
+        "time_unit": "ms"}))
+    assert r.workload.load().column("arrival_time_s").to_pylist() == [0.0, 1.0, 2.5]
+
+
+def test_capacity_sweeps_a_scenario_of_its_own_csv(tmp_path):
+    import pyarrow.parquet as pq
+
+    path = _own_trace_scenario(tmp_path, f'trace = "{SCHEMA_NAMED}"')
+    out = tmp_path / "sweep"
+    result = run("capacity", str(path), "--sweep", "engine.max_num_seqs=8,16", "--jobs", "1", "-q", "--no-report",
+                 "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out / "capacity.parquet").column("status").to_pylist() == ["ok", "ok"]
+
+
+def test_a_trace_without_a_map_names_the_flags_or_keys_of_the_command(tmp_path):
+    out = tmp_path / "run"
+    missing = "arrival_time_s, prompt_tokens, output_tokens (the trace schema's names) or a column map"
+    one_error_line(run("replay", "--trace", str(UNNAMED), "--quiet", "--out", str(out)),
+                   f"kvtwin: error: {UNNAMED}: columns: expected columns named {missing} "
+                   "(--map arrival_time_s=COLUMN --map prompt_tokens=COLUMN --map output_tokens=COLUMN)")
+    path = _own_trace_scenario(tmp_path, f'trace = "{UNNAMED}"')
+    keys = ('(workload.map = { arrival_time_s = "COLUMN", prompt_tokens = "COLUMN", output_tokens = "COLUMN" })')
+    one_error_line(run("replay", str(path), "--quiet", "--out", str(out)), f"{UNNAMED}: columns: ", keys)
+    # capacity refuses it before the first point, not once per point.
+    one_error_line(run("capacity", str(path), "--sweep", "engine.max_num_seqs=8,16", "--jobs", "1", "-q",
+                       "--out", str(tmp_path / "sweep")), f"{UNNAMED}: columns: ", keys)
+    assert not out.exists() and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('map = "ts_ms"', "workload.map: expected a table of trace column = source column, got 'ts_ms'"),
+    ('map = { arrival = "ts_ms" }', "workload.map.arrival: expected a trace column (arrival_time_s, "),
+    ('map = { arrival_time_s = 3 }', "workload.map.arrival_time_s: expected the name of a column of the file, "
+                                     "got 3"),
+    ('time_unit = "hours"', "workload.time_unit: expected one of s, ms, us, ns, datetime, got 'hours'"),
+    ('arrivals = "sometimes"', "workload.arrivals: expected one of auto, spread, burst, got 'sometimes'"),
+    ('arrival_seed = -1', "workload.arrival_seed: expected an integer seed >= 0, got -1"),
+    ('format = "csv"', "workload.format: expected one of parquet, mooncake, bailian, azure, burstgpt, generic, "
+                       "got 'csv'"),
+    ('format = "mooncake"\nmap = { prompt_tokens = "input_length" }',
+     "workload.map: expected no map with format mooncake (only a generic file reads it)"),
+    ("hash_block_tokens = 0", "workload.hash_block_tokens: expected a number of tokens >= 1, got 0"),
+    ("per_block_hashes = 'yes'", "workload.per_block_hashes: expected true or false, got 'yes'"),
+])
+def test_bad_reading_keys_of_a_scenario_name_the_key(tmp_path, line, expected):
+    path = _own_trace_scenario(tmp_path, f'trace = "{SCHEMA_NAMED}"\n{line}')
+    one_error_line(run("replay", str(path), "--quiet", "--out", str(tmp_path / "run")), f"{path}: {expected}")
+    one_error_line(run("plan", "--scenario", str(path)), f"{path}: {expected}")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--map", "nonsense"], "kvtwin: error: --map: expected TRACE_COLUMN=SOURCE_COLUMN"),
+    (["--arrivals", "sometimes"], "kvtwin: error: --arrivals: expected one of auto, spread, burst"),
+    (["--format", "generic", "--time-unit", "hours"], "kvtwin: error: --time-unit: expected one of s, ms"),
+])
+def test_bad_reading_flags_of_replay_name_the_flag(scenario, tmp_path, args, expected):
+    out = tmp_path / "run"
+    one_error_line(run("replay", str(scenario), *args, "--quiet", "--out", str(out)), expected)
+    assert not out.exists()
+
+
+def test_reading_flags_need_a_trace_to_read(tmp_path):
+    synth = _own_trace_scenario(tmp_path, 'kind = "requests"\nseed = 1\nnum_requests = 4\n'
+                                          'arrival = { rate_per_s = 1 }\nprompt_tokens = 10\noutput_tokens = 2')
+    one_error_line(run("replay", str(synth), "--format", "generic", "--quiet", "--out", str(tmp_path / "run")),
+                   "--format: expected a trace to read (--trace, or a scenario whose [workload] names a trace)")
+
+
+def test_replay_says_when_it_keeps_a_traces_unbucketed_timestamps(tmp_path):
+    ms = TRACE_FIXTURES / "mooncake_ms.jsonl"
+    result = run("replay", "--trace", str(ms), "--quiet", "--no-report", "--out", str(tmp_path / "a"))
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("kvtwin: note: ")]
+    assert len(notes) == 1 and "arrival times kept as recorded" in notes[0] and "--arrivals spread" in notes[0]
+    path = _own_trace_scenario(tmp_path, f'trace = "{ms}"')
+    result = run("replay", str(path), "--quiet", "--no-report", "--out", str(tmp_path / "b"))
+    assert result.exit_code == 0, result.output
+    assert 'workload.arrivals = "spread"' in result.stderr
+    forced = run("replay", "--trace", str(ms), "--arrivals", "spread", "--quiet", "--no-report", "--out",
+                 str(tmp_path / "c"))
+    assert forced.exit_code == 0 and "kvtwin: note:" not in forced.stderr

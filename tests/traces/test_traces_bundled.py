@@ -12,7 +12,7 @@ from kvtwin.traces import bundled
 from kvtwin.traces import schema as s
 from kvtwin.traces.burstgpt import FIELDS as BURSTGPT_FIELDS
 from kvtwin.traces.load import LoadOptions, load_trace
-from kvtwin.traces.mooncake import BURST, ids_are_chained
+from kvtwin.traces.mooncake import BURST, SPREAD, ids_are_chained
 from kvtwin.traces.readers import read_csv
 from kvtwin.traces.stats import distribution, summarize
 
@@ -141,3 +141,13 @@ def test_burstgpt3_published_session_structure():
     assert (len(sessions), len(counts), int((counts >= 2).sum()), counts.max()) == (394, 135, 76, 24)
     loaded = summarize(load_trace(bundled.bundled_path(bundled.BURSTGPT3_FIRST400)))
     assert loaded.sessions.max_turns == 24 and loaded.prefix_reuse is None
+
+
+def test_mooncake_default_arrivals_are_the_spread_ones_exactly():
+    """The bundled hour is bucketed: the default reads it exactly as forced spreading does
+    (the figures of the default scenario do not move)."""
+    path = bundled.bundled_path(bundled.MOONCAKE_CONVERSATION)
+    default = load_trace(path)
+    forced = load_trace(path, LoadOptions(arrivals=SPREAD))
+    assert default.column(s.ARRIVAL_TIME_S).equals(forced.column(s.ARRIVAL_TIME_S))
+    assert s.trace_meta(default).arrivals == "spread uniformly within 3 s buckets (seed 0)"

@@ -4,9 +4,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from kvtwin.traces import schema as s
-from kvtwin.traces.mooncake import BURST, load_mooncake
+from kvtwin.traces.arrivals import bucketing
+from kvtwin.traces.mooncake import BURST, SPREAD, load_mooncake
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = FIXTURES / "mooncake_small.jsonl"
@@ -70,3 +72,49 @@ def test_empty_file_loads_as_an_empty_trace(tmp_path: Path):
     assert table.num_rows == 0
     assert table.schema.remove_metadata() == s.TRACE_SCHEMA
     assert isinstance(table.column(s.BLOCK_HASHES).type, pa.ListType)
+
+
+MS = FIXTURES / "mooncake_ms.jsonl"  # Mooncake's fields, real millisecond arrival times (no buckets)
+
+
+def test_millisecond_timestamps_are_kept_by_default_and_a_note_says_so():
+    recorded = [t / 1000 for t in (0, 412, 413, 1250, 1250, 2718, 3140, 4099, 5287, 5288, 6020, 7455)]
+    table = load_mooncake(MS)
+    assert table.column(s.ARRIVAL_TIME_S).to_pylist() == recorded
+    meta = s.trace_meta(table)
+    assert meta.arrivals.startswith("as recorded")
+    notes = [note for note in meta.notes if "not bucketed" in note]
+    assert len(notes) == 1 and "--arrivals spread" in notes[0], meta.notes
+    forced = load_mooncake(MS, arrivals=SPREAD).column(s.ARRIVAL_TIME_S).to_pylist()
+    assert forced != recorded and s.trace_meta(load_mooncake(MS, arrivals=SPREAD)).notes == ()
+    assert load_mooncake(MS, arrivals=BURST).column(s.ARRIVAL_TIME_S).to_pylist() == recorded
+
+
+def test_bucketed_timestamps_are_spread_by_default_as_when_forced():
+    default = load_mooncake(SMALL, seed=3)
+    forced = load_mooncake(SMALL, seed=3, arrivals=SPREAD)
+    assert default.column(s.ARRIVAL_TIME_S).equals(forced.column(s.ARRIVAL_TIME_S))
+    assert s.trace_meta(default).arrivals == s.trace_meta(forced).arrivals == \
+        "spread uniformly within 3 s buckets (seed 3)"
+
+
+@pytest.mark.parametrize("times_ms, width_s", [
+    # Mooncake's clock: 3 s buckets, a few ms of jitter, several requests each.
+    ([0, 0, 0, 3001, 3001, 5999, 5999, 9000, 9000], 3.0),
+    # An empty bucket is a gap of two widths.
+    ([0, 0, 3000, 3000, 9000, 9000, 12_000, 12_000], 3.0),
+    # Whole seconds, several requests per second.
+    ([0, 0, 0, 1000, 1000, 2000, 4000, 4000], 1.0),
+    # Gaps off the grid by more than 1% of the width: not a bucketed clock.
+    ([0, 0, 3000, 3000, 6100, 6100, 9000, 9000], None),
+    # One request per tick: a clock that groups nothing (a steady rate is not a bucket).
+    ([0, 1000, 2000, 3000, 4000, 5000], None),
+    # Real arrival times.
+    ([0, 412, 413, 1250, 1250, 2718, 3140, 4099], None),
+    # One timestamp: no width to tell.
+    ([500, 500, 500], None),
+    ([], None),
+])
+def test_bucket_width_detects_a_bucketed_clock(times_ms, width_s):
+    found = bucketing(np.asarray(times_ms, dtype=np.float64) / 1000).width_s
+    assert found == (None if width_s is None else pytest.approx(width_s, abs=0.005))
