@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 
+from kvtwin.sim.scenario.slo import admitted_attainment
+
 # Tried in order: the first unit in which the value is at least 1 is the one it reads best in.
 _UNITS_S = ((3600.0, "h"), (60.0, "min"), (1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
 
@@ -142,7 +144,7 @@ def saturation_hint(row: dict) -> str | None:
     if "queueing" in reasons:
         words.append(f"p90 wait to be first scheduled {format_duration_ms(row['p90_queue_delay_ms'])}")
     if "slo" in reasons:
-        words.append(f"only {format_percent(row['slo_attainment'])} of requests met the SLO")
+        words.append(f"only {format_percent(admitted_attainment(row))} of the requests admitted met the SLO")
     if "drain" in reasons:
         words.append(f"the last request arrived at {format_duration_s(row['last_arrival_s'])} but the engine "
                      f"needed until {format_duration_s(row['duration_s'])}")
