@@ -65,7 +65,8 @@ def plan_section(plan: dict | None) -> str:
             ("KV cache tokens", fmt_cell(plan.get("kv_cache_tokens"))),
             ("max concurrency (requests of max_model_len)", fmt_cell(plan.get("max_concurrency"))),
             ("steady-state concurrency", fmt_cell(plan.get("steady_state_concurrency"))),
-            ("concurrency limit", fmt_cell(plan.get("concurrency_limit"))),
+            ("requests of max_model_len at once (steady state, at most max_num_seqs)",
+             fmt_cell(plan.get("concurrency_limit"))),
             ("fits", fmt_cell(plan.get("fits")))]
     out = "<h2>Plan</h2>" + kv_table([(k, v) for k, v in rows if str(v) not in ("-", "- / -")])
     return out + _groups_table(plan.get("groups") or [])

@@ -8,6 +8,7 @@ over vLLM's defaults); this module prints the result as a table or one JSON obje
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -85,9 +86,9 @@ def render_plan(p: Plan) -> str:
         lines.append(f"  KV cache tokens       {_n(p.kv_cache_tokens)}  (vLLM's \"GPU KV cache size\")")
         lines.append(f"  max concurrency       {p.max_concurrency:,.2f}x requests of {_n(eng.max_model_len)} tokens "
                      f"(vLLM's figure; {_n(p.blocks_per_request)} blocks per request)")
-        lines.append(f"  steady state          {p.steady_state_concurrency:,.2f}x once prefills are done "
-                     f"({_n(p.steady_state_blocks_per_request)} blocks per request); running requests limited to "
-                     f"{_n(j['concurrency_limit'])} (max_num_seqs {_n(eng.max_num_seqs)})")
+        lines.append(f"  steady state          {p.steady_state_concurrency:,.2f}x requests of {_n(eng.max_model_len)} "
+                     f"tokens once prefills are done ({_n(p.steady_state_blocks_per_request)} blocks per request)")
+        lines.append(f"  at once               {_at_once(j['concurrency_limit'], p.steady_state_concurrency, eng)}")
     lines.append("")
     lines += _memory_lines(p, j)
     w = j["waste"]
@@ -112,6 +113,18 @@ def render_plan(p: Plan) -> str:
     for text in p.warnings:
         lines.append(f"warning: {text}")
     return "\n".join(lines)
+
+
+def _at_once(limit: int, steady: float, eng) -> str:
+    """How many requests run together, said as what bounds it: the pool holds ``limit``
+    requests of max_model_len (a request that size is rare; shorter ones fit more), or
+    max_num_seqs is the cap whatever their length. Read as a cap, the pool's figure made
+    users think a server of 3 "max_model_len requests" ran 3 requests."""
+    if limit < eng.max_num_seqs:
+        return (f"{_n(limit)} requests of {_n(eng.max_model_len)} tokens fit together once prefilled "
+                f"(shorter ones: more, up to max_num_seqs {_n(eng.max_num_seqs)})")
+    return (f"max_num_seqs {_n(eng.max_num_seqs)} running requests at most (the pool would hold "
+            f"{_n(math.floor(steady))} of {_n(eng.max_model_len)} tokens once prefilled)")
 
 
 def _memory_lines(p: Plan, j: dict) -> list[str]:
