@@ -5,7 +5,9 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
 
 * model: ``--model PRESET`` or ``--hf-config PATH`` (not both), else the scenario's ``[model]``;
 * GPU: ``--gpu PRESET``, else ``[hardware]``;
-* engine: the scenario's ``[engine]`` table, then each engine flag given;
+* engine: the scenario's ``[engine]`` table, then each engine flag given; the deployment's
+  ``--replicas`` and ``--router`` likewise (refused beside a ``[disaggregation]`` table,
+  whose prefill and decode replicas are the deployment);
 * workload: ``--trace`` replaces the scenario's source but keeps its cuts (``limit``,
   ``rate_scale``, ...); ``--limit`` and ``--rate-scale`` replace those cuts;
 * ``--time-limit-s`` wins over ``[run] time_limit_s``;
@@ -42,7 +44,7 @@ from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
-from kvtwin.sim.scenario.knobs import flag_for, knob
+from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, flag_for, knob
 from kvtwin.sim.scenario.parse import Scenario, Workload, load_scenario, scenario_from_data
 from kvtwin.traces.bundled import resolve as resolve_trace
 
@@ -60,17 +62,20 @@ class Overrides:
     time_limit_s: float | None = None
     offload: Mapping[str, object] = field(default_factory=dict)  # OffloadConfig field -> value
     speculative: Mapping[str, object] = field(default_factory=dict)  # SpeculativeConfig field -> value
+    deployment: Mapping[str, object] = field(default_factory=dict)  # Deployment field -> value
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, object], **sources: object) -> Overrides:
         """The overrides of a command's knob flags (``section.name`` -> value, None: not
         given) beside its source flags (``model``, ``gpu``, ``trace``, ...)."""
         engine = {k.removeprefix("engine."): v for k, v in knobs.items() if k.startswith("engine.")}
+        # ``[engine] replicas`` and ``router`` sit in the engine's table but configure the deployment.
+        deployment = {name: engine.pop(name) for name in DEPLOYMENT_FIELDS if name in engine}
         offload = {k.removeprefix("offload."): v for k, v in knobs.items() if k.startswith("offload.")}
         speculative = {k.removeprefix("speculative."): v for k, v in knobs.items()
                        if k.startswith("speculative.") and v is not None}
         return cls(**sources, engine=engine, offload={k: v for k, v in offload.items() if v is not None},
-                   speculative=speculative,
+                   speculative=speculative, deployment=deployment,
                    rate_scale=knobs.get("workload.rate_scale"), limit=knobs.get("workload.limit"),
                    time_limit_s=knobs.get("run.time_limit_s"))
 
@@ -86,9 +91,10 @@ class Overrides:
     def given(self) -> dict:
         """The flags that were given, for a run's metadata."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("engine", "offload", "speculative")}
+               if f.name not in ("engine", "offload", "speculative", "deployment")}
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None}
         out.update({k: v for k, v in self.engine.items() if v is not None})
+        out.update({k: v for k, v in self.deployment.items() if v is not None})
         out.update({f"offload_{k}": v for k, v in self.offload.items() if v is not None})
         out.update({f"speculative_{k}": v for k, v in self.speculative.items() if v is not None})
         return out
@@ -210,14 +216,31 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             raise ConfigError(f"{flag_for('offload', err.field)} or [offload] {err.field}", err.expected,
                               err.got) from None
 
+    deployment = _deployment(scenario, overrides)
     speculative = _speculative(scenario.speculative, overrides)
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     calibration = choose_calibration(scenario, model, gpu, where)
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
-                            deployment=scenario.deployment, workload=workload, slo=scenario.slo,
+                            deployment=deployment, workload=workload, slo=scenario.slo,
                             efficiency=calibration.efficiency,
                             time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration,
                             disaggregation=scenario.disaggregation, speculative=speculative)
+
+
+def _deployment(scenario: Scenario, overrides: Overrides) -> Deployment:
+    """The scenario's replicas and router with ``--replicas`` and ``--router`` on top; errors
+    name the flag."""
+    given = {name: value for name, value in overrides.deployment.items() if value is not None}
+    if not given:
+        return scenario.deployment
+    if scenario.disaggregation is not None:
+        name = sorted(given)[0]
+        raise ConfigError(flag_for("engine", name), "no [disaggregation] table in the scenario (its "
+                          "prefill_replicas, decode_replicas and routers are the deployment there)", given[name])
+    try:
+        return dataclasses.replace(scenario.deployment, **given)
+    except ConfigError as err:
+        raise ConfigError(flag_for("engine", err.field), err.expected, err.got) from None
 
 
 def _speculative(config: SpeculativeConfig, overrides: Overrides) -> SpeculativeConfig:
