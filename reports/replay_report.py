@@ -10,8 +10,9 @@ import pyarrow as pa
 from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, kv_table
 from kvtwin.reports.replay_plots import replay_figures
-from kvtwin.reports.run_facts import header, plan_section, scenario_facts
-from kvtwin.reports.summary_text import format_bytes, format_duration_ms, format_duration_s, format_percent, missing
+from kvtwin.reports.run_facts import header, plan_section, run_settings
+from kvtwin.reports.summary_text import (format_bytes, format_duration_ms, format_duration_s, format_percent, missing,
+                                         run_headline)
 
 REPLAY_FILES = ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json")
 
@@ -24,10 +25,11 @@ def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dic
     extra = [("requests replayed", fmt_cell(s.get("num_requests")))]
     if s.get("num_trace_requests") is not None:
         extra.append(("trace requests (after the scenario's cuts)", fmt_cell(s.get("num_trace_requests"))))
-    sections = [header("replay", metadata, sources, extra), plan_section(plan),
+    headline = run_headline(run_settings(metadata, plan, s))
+    sections = [header("replay", metadata, sources, extra, headline=headline), plan_section(plan),
                 "<h2>Key metrics</h2>" + kv_table(_replay_metrics(s), "meta"),
                 "<h2>Plots</h2>", *replay_figures(requests, steps, s, plan)]
-    return page(f"kvtwin replay report: {scenario_facts(metadata)[0]}", sections)
+    return page(f"kvtwin replay report: {headline}", sections)
 
 
 def _summary_row(summary) -> dict:

@@ -45,6 +45,31 @@ def format_percent(fraction: float | None, digits: int = 1) -> str:
     return "-" if missing(fraction) else f"{fraction * 100:.{digits}f} %"
 
 
+def run_headline(resolved: dict) -> str:
+    """What ran, in one line, from the resolved settings (``ResolvedScenario.describe``):
+    ``qwen3-8b on 2 replicas of 2x h200 behind prefix_aware, CPU KV offload 1.0 TB (lru)``."""
+    gpus = f"{resolved.get('tensor_parallel_size') or 1}x {resolved.get('gpu')}"
+    pd = resolved.get("disaggregation")
+    if pd:
+        where = f"{pd['prefill_replicas']}P{pd['decode_replicas']}D of {gpus} over {pd['link']}"
+    elif (resolved.get("replicas") or 1) > 1:
+        where = f"{resolved['replicas']} replicas of {gpus} behind {resolved.get('router')}"
+    else:
+        where = gpus
+    parts = [f"{resolved.get('model')} on {where}"]
+    offload = resolved.get("offload")
+    if offload:
+        tiers = f"CPU KV offload {format_bytes(offload['cpu_bytes'])}"
+        if offload.get("disk_bytes"):
+            tiers += f" + disk {format_bytes(offload['disk_bytes'])}"
+        parts.append(f"{tiers} ({offload['policy']})")
+    spec = resolved.get("speculative")
+    if spec:
+        k = spec.get("num_speculative_tokens")
+        parts.append(f"speculative {spec['method']}" + (f" k={k}" if k else ""))
+    return ", ".join(parts)
+
+
 def plan_line(plan) -> str:
     """The KV cache layout a run used, in one line: blocks, KV tokens, max concurrency."""
     usable = max(plan.num_blocks - 1, 0)

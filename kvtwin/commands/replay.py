@@ -68,7 +68,7 @@ def replay(
                                 speculative=resolved.speculative)
         wall_s = time.perf_counter() - started
         result.summary = with_band(result.summary, resolved.calibration)
-        metadata = run_metadata(path, overrides.given())
+        metadata = run_metadata(path, overrides.given(), resolved.describe())
         plan_json = planned.to_json()
         text_files = None
         if not no_report:
@@ -82,10 +82,7 @@ def replay(
                           text_files=text_files)
     with interrupt_note(lambda: f"interrupted while printing the summary; {out} was written whole"):
         summary = result.summary.to_pylist()[0]
-        deployment = f"{planned.engine.tensor_parallel_size}x {chosen_gpu.name}"
-        if resolved.deployment.replicas > 1:
-            deployment = f"{resolved.deployment.replicas} replicas of {deployment}"
-        print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
+        print_summary(summary, title=f"{summary_text.run_headline(metadata['resolved'])}, {table.num_rows:,} requests")
         print(summary_text.plan_line(planned) + (" per replica" if resolved.deployment.replicas > 1 else ""))
         for line in band_lines(summary, resolved.calibration, chosen_gpu.name, chosen_model.name):
             print(line)

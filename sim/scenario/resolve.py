@@ -148,6 +148,40 @@ class ResolvedScenario:
                 raise ConfigError(flag_for("offload", name), err.expected, err.got) from None
             raise err if err.source or self.where is None else err.with_source(self.where) from None
 
+    def describe(self) -> dict:
+        """What runs, every choice made (flags over file over defaults), in JSON types: the
+        run directory records it (``reports/SCHEMA.md``, metadata ``resolved``) so that a
+        report's headline and ``kvtwin diff`` say what ran, not what the file described.
+        Engine sizes are the plan's (``plan.json``); these are the rest."""
+        workload = self.workload
+        source = None
+        if workload is not None:
+            # The file's name only: an absolute path would differ between two checkouts of one run.
+            source = workload.trace.name if workload.trace is not None else f"synthetic {workload.synth.get('kind')}"
+        pd = self.disaggregation
+        return {
+            "model": self.model.name,
+            "gpu": self.gpu.name,
+            "tensor_parallel_size": self.engine.tensor_parallel_size,
+            "replicas": None if pd is not None else self.deployment.replicas,
+            "router": None if pd is not None else self.deployment.router,
+            "disaggregation": None if pd is None else {
+                "prefill_replicas": pd.prefill_replicas, "decode_replicas": pd.decode_replicas, "link": pd.link,
+                "prefill_router": pd.prefill_router, "decode_router": pd.decode_router},
+            "offload": None if not self.offload.enabled else {
+                "cpu_bytes": self.offload.cpu_bytes, "disk_bytes": self.offload.disk_bytes,
+                "policy": self.offload.policy},
+            "speculative": None if not self.speculative.enabled else {
+                "method": self.speculative.method,
+                "num_speculative_tokens": self.speculative.num_speculative_tokens},
+            "workload": source,
+            "workload_cuts": dict(sorted(workload.transforms.items())) if workload is not None else {},
+            "slo_ttft_s": self.slo.ttft_s,
+            "slo_tpot_s": self.slo.tpot_s,
+            "calibration": self.calibration.label if self.calibration is not None else None,
+            "time_limit_s": self.time_limit_s,
+        }
+
     def require_workload(self) -> Workload:
         if self.workload is None:
             raise ConfigError("workload", "a [workload] table in the scenario or --trace", source=self.where)
