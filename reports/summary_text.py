@@ -160,6 +160,40 @@ def not_arrived_line(row: dict) -> str | None:
             f"and are not in the figures")
 
 
+def slo_verdict(row: dict) -> str:
+    """The run against its SLO in one line, from a ``summary.parquet`` row: ``SLO met: p99
+    TTFT 1.4 s ≤ 2.0 s, p99 TPOT 16 ms ≤ 100 ms (99.5 % of requests within both)``, or ``SLO
+    not met:`` and what binds, the bound exceeded by the largest factor first, then the
+    requests refused or left unfinished (misses too, as in ``slo_attainment``), or ``no SLO
+    set``; a saturated run says so at the end."""
+    bounds = [(name, row.get(f"p99_{key}_ms"), row.get(f"slo_{key}_ms")) for name, key in (("TTFT", "ttft"),
+                                                                                         ("TPOT", "tpot"))
+              if not missing(row.get(f"slo_{key}_ms"))]
+    saturated = "; the deployment is saturated" if row.get("saturated") else ""
+    if not bounds:
+        return "no SLO set" + saturated
+    # A TPOT no request has (every output one token) bounds nothing, as in the rate search.
+    held = [(name, p99, bound) for name, p99, bound in bounds if missing(p99) or p99 <= bound]
+    exceeded = sorted(((name, p99, bound) for name, p99, bound in bounds if not (missing(p99) or p99 <= bound)),
+                      key=lambda b: -b[1] / b[2])
+    within = (f"{format_percent(row.get('slo_attainment'))} of requests within "
+              f"{'both' if len(bounds) == 2 else 'it'}")
+    refused = []
+    if row.get("rejected"):
+        share = row.get("rejected_share")
+        refused.append(f"{row['rejected']:,} rejected" + ("" if missing(share) else f" ({format_percent(share)})"))
+    if row.get("unfinished"):
+        refused.append(f"{row['unfinished']:,} unfinished at the time limit")
+    if not row.get("completed"):
+        refused.append("no request completed")
+    if not exceeded and not refused:
+        shown = ", ".join(f"p99 {name} {format_duration_ms(p99)} ≤ {format_duration_ms(bound)}"
+                          for name, p99, bound in held if not missing(p99))
+        return f"SLO met: {shown} ({within}){saturated}"
+    binding = [f"p99 {name} {format_duration_ms(p99)} > {format_duration_ms(bound)}" for name, p99, bound in exceeded]
+    return f"SLO not met: {', '.join(binding + refused)} ({within}){saturated}"
+
+
 def saturation_hint(row: dict) -> str | None:
     """Why the run counts as saturated (``saturation_reason``), in words; None when it does not."""
     if not row.get("saturated"):

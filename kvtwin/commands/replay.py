@@ -94,6 +94,7 @@ def replay(
                 print(line)
         print(f"simulated {summary_text.format_duration_s(result.end_time_s)} in {wall_s:,.1f} s wall; wrote "
               f"{', '.join(p.name for p in paths)} to {out}")
+        print(summary_text.slo_verdict(summary))
 
 
 
