@@ -38,6 +38,8 @@ COMMANDS = (
     CommandEntry("models", "presets", "models",
                  "The model presets --model and [model] preset accept, one line of facts each."),
     CommandEntry("gpus", "presets", "gpus", "The GPU presets --gpu and [hardware] gpu accept, one line of facts each."),
+    CommandEntry("scenarios", "scenarios", "scenarios",
+                 "The bundled scenarios, which every command accepts by name."),
     CommandEntry("plan", "plan", "plan",
                  "What fits: KV cache groups, blocks, tokens, concurrency and memory, as vLLM 0.33 plans them."),
     CommandEntry("replay", "replay", "replay",

@@ -20,13 +20,15 @@ import typer
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
 from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
 
 
 def capacity(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
-                                                   help="Scenario file (default: scenarios/default.toml)."),
+                                                   help="Scenario file, or a bundled scenario's name (kvtwin "
+                                                        "scenarios; default: default)."),
     sweeps: List[str] = typer.Option([], "--sweep", metavar="KEY=V1,V2,...",
                                      help="Sweep a scenario key (engine.<field>, hardware.gpu, model.preset, "
                                           "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, "
@@ -69,7 +71,7 @@ def capacity(
         search = _rate_search(find_max_rate, target_rate, rate_tolerance, goodput, max_replays)
         if backend == "ray":
             import_ray()  # before any work: say now that it is missing
-        path = scenario_path or DEFAULT_SCENARIO
+        path = find_scenario(scenario_path) or DEFAULT_SCENARIO
         sweep = prepare_sweep(path, sweeps, limit=limit, search=search)
         workers = jobs if jobs is not None else default_jobs(len(sweep.tasks))
         started = time.perf_counter()

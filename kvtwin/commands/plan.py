@@ -16,6 +16,7 @@ import typer
 
 from kvtwin.console import user_errors
 from kvtwin.knob_options import knob_flags
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
 from kvtwin.sim.planner.hardware import GIB
@@ -199,7 +200,8 @@ def plan(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML with [model], [hardware], "
-                                                                      "[engine] (scenarios/README.md)."),
+                                                                      "[engine] (scenarios/README.md), or a "
+                                                                      "bundled scenario's name (kvtwin scenarios)."),
     hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="A local Hugging Face config.json (or its "
                                                                        "directory) instead of a preset."),
     knobs: Optional[dict] = None,
@@ -209,7 +211,7 @@ def plan(
     """What fits: KV cache groups, blocks, tokens, concurrency and memory, as vLLM 0.33 plans them."""
     with user_errors():
         overrides = Overrides.from_knobs(knobs or {}, model=model, hf_config=hf_config, gpu=gpu)
-        resolved = resolve_scenario(scenario, overrides)
+        resolved = resolve_scenario(find_scenario(scenario, "--scenario"), overrides)
         chosen_model, chosen_gpu, engine = resolved.model, resolved.gpu, resolved.engine
         if compare_hybrid:
             comparison = compare_hybrid_layouts(chosen_model, chosen_gpu, engine)

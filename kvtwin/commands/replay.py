@@ -21,6 +21,7 @@ from kvtwin.knob_options import knob_flags
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
 from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 
 
@@ -31,7 +32,8 @@ from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
             "speculative.method", "speculative.num_speculative_tokens", "speculative.acceptance")
 def replay(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
-                                                   help="Scenario file (default: scenarios/default.toml)."),
+                                                   help="Scenario file, or a bundled scenario's name (kvtwin "
+                                                        "scenarios; default: default)."),
     trace: Optional[str] = typer.Option(None, "--trace", help="Replay this trace instead (a file or bundled:NAME)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
@@ -50,7 +52,7 @@ def replay(
     with user_errors(), interrupt_note(lambda: _interrupted_before_writing(seen, out)):
         # Before anything slow: a bad --out must not cost a whole simulation.
         check_out_dir(out)
-        path = scenario_path or DEFAULT_SCENARIO
+        path = find_scenario(scenario_path) or DEFAULT_SCENARIO
         overrides = Overrides.from_knobs(knobs or {}, model=model, gpu=gpu, trace=trace)
         resolved = resolve_scenario(path, overrides)
         chosen_model, chosen_gpu = resolved.model, resolved.gpu

@@ -25,12 +25,14 @@ import typer
 
 from kvtwin.console import interrupt_note, user_errors
 from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
 
 
 def validate(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
-                                                   help="Scenario file (default: scenarios/default.toml)."),
+                                                   help="Scenario file, or a bundled scenario's name (kvtwin "
+                                                        "scenarios; default: default)."),
     device: str = typer.Option("cpu", "--device", help="cuda (real sizes) or cpu (a scaled-down model)."),
     size: Optional[str] = typer.Option(None, "--size",
                                        help="small (the default on cpu: 32 requests cut to 1,024 prompt and 32 "
@@ -54,8 +56,8 @@ def validate(
         from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
 
         check_out_dir(out)
+        path = find_scenario(scenario_path) or DEFAULT_SCENARIO
         chosen = _checks(checks)
-        path = scenario_path or DEFAULT_SCENARIO
         resolved, trace, overrides, sizing = _sized_inputs(path, device, size, requests)
         planned = resolved.plan()
         planned.require_fits()
