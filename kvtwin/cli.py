@@ -50,6 +50,8 @@ COMMANDS = (
                  "Run the engine on a device and check prefix hits, memory and step times against the simulator."),
     CommandEntry("calibrate", "calibrate", "calibrate",
                  "Fit the cost model to your server's measurements and write a calibration file."),
+    CommandEntry("diff", "diff", "diff",
+                 "Compare two replay runs: every figure side by side with its change, and what differs."),
     CommandEntry("report", "report", "report",
                  "Write DIR/report.html: the plan, key metrics and plots of a replay or capacity run."),
     CommandEntry("trace", "trace", "trace_app", "Inspect, convert and synthesise request traces."),

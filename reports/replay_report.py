@@ -9,12 +9,12 @@ import pyarrow as pa
 
 from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, kv_table
+from kvtwin.reports.paths import REPLAY_FILES
 from kvtwin.reports.replay_plots import replay_figures
 from kvtwin.reports.run_facts import header, plan_section, run_settings
 from kvtwin.reports.summary_text import (format_bytes, format_duration_ms, format_duration_s, format_percent, missing,
                                          run_headline)
 
-REPLAY_FILES = ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json")
 
 
 def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dict, metadata: dict, *,
