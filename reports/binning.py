@@ -133,6 +133,23 @@ def replica_ids(table: pa.Table) -> np.ndarray | None:
     return ids if len(np.unique(ids)) > 1 else None
 
 
+def hit_rate_bins(requests: pa.Table, t_end: float, nbins: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prefix-cache hit rate per time bin: prompt tokens found over tokens looked up,
+    summed over the requests first scheduled in each bin (NaN where none looked up);
+    the bins' middles and the rates, both empty when no request was scheduled."""
+    sched = column_array(requests, "first_scheduled_time_s") if requests.num_rows else np.zeros(0)
+    seen = np.isfinite(sched)
+    if not seen.any():
+        return np.zeros(0), np.zeros(0)
+    idx = bin_index(sched[seen], t_end, nbins)
+    queries = np.bincount(idx, weights=column_array(requests, "prefix_cache_queries", np.int64)[seen],
+                          minlength=nbins)
+    hits = np.bincount(idx, weights=column_array(requests, "prefix_cache_hits", np.int64)[seen], minlength=nbins)
+    rate = np.full(nbins, np.nan)
+    np.divide(hits, queries, out=rate, where=queries > 0)
+    return (np.arange(nbins) + 0.5) * (t_end / nbins), rate
+
+
 def cdf_values(values: np.ndarray) -> np.ndarray:
     values = np.sort(values[np.isfinite(values)])
     if len(values) > CDF_POINTS:

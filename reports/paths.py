@@ -18,8 +18,10 @@ from kvtwin.sim.core.errors import ConfigError
 # not replaced, because replacing a run directory removes the previous one whole.
 RUN_DIR_FILES = frozenset({"requests.parquet", "steps.parquet", "summary.parquet", "plan.json", "replicas.parquet",
                            "capacity.parquet", "hit_curve.parquet", "report.html",
-                           "validation.parquet", "calibration.toml"})
-# The files that make a directory a capacity (sweep) directory for ``kvtwin report``.
+                           "validation.parquet", "calibration.toml", "diff.parquet", "diff.html"})
+# The files that make a directory a replay run directory, and a capacity (sweep) directory,
+# for ``kvtwin report`` and ``kvtwin diff``.
+REPLAY_FILES = ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json")
 CAPACITY_FILES = ("capacity.parquet",)
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvtwin.reports import plots
-from kvtwin.reports.binning import (bin_index, cdf_values, column_array, combined_state, replica_ids, select_columns,
-                                    usage_matrix)
+from kvtwin.reports.binning import (bin_index, cdf_values, column_array, combined_state, hit_rate_bins, replica_ids,
+                                    select_columns, usage_matrix)
 from kvtwin.reports.figure_jobs import PendingFigure, render_figures
 from kvtwin.reports.summary_text import missing
 
@@ -100,17 +100,9 @@ def _usage_figure(tl: _Timeline, plan: dict | None) -> PendingFigure:
 
 
 def _hit_rate_figure(requests: pa.Table, t_end: float, s: dict) -> PendingFigure:
-    sched = column_array(requests, "first_scheduled_time_s") if requests.num_rows else np.zeros(0)
-    seen = np.isfinite(sched)
     hbins = HIT_RATE_BINS
-    h_idx = bin_index(sched[seen], t_end, hbins)
-    queries = np.bincount(h_idx, weights=column_array(requests, "prefix_cache_queries", np.int64)[seen],
-                          minlength=hbins)
-    hits = np.bincount(h_idx, weights=column_array(requests, "prefix_cache_hits", np.int64)[seen], minlength=hbins)
-    rate = np.full(hbins, np.nan)
-    np.divide(hits, queries, out=rate, where=queries > 0)
-    h_centers = (np.arange(hbins) + 0.5) * (t_end / hbins) if seen.any() else np.zeros(0)
-    return PendingFigure(partial(plots.hit_rate_over_time, h_centers, rate if seen.any() else np.zeros(0),
+    h_centers, rate = hit_rate_bins(requests, t_end, hbins)
+    return PendingFigure(partial(plots.hit_rate_over_time, h_centers, rate,
                                  s.get("prefix_cache_hit_rate"), s.get("prefix_reuse_upper_bound")),
                          f"Prefix cache hit rate over time: prompt tokens found over tokens looked up, summed over the "
                          f"requests first scheduled in each {t_end / hbins:,.3g} s bin (requests.parquet "

@@ -9,13 +9,14 @@ import pyarrow as pa
 
 from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, kv_table
+from kvtwin.reports.paths import REPLAY_FILES
 from kvtwin.reports.replay_plots import replay_figures
-from kvtwin.reports.run_facts import clock_note, header, plan_section, scenario_facts
-from kvtwin.reports.summary_text import format_bytes, format_duration_ms, format_duration_s, format_percent, missing
+from kvtwin.reports.run_facts import clock_note, header, plan_section, run_settings
+from kvtwin.reports.summary_text import (format_bytes, format_duration_ms, format_duration_s, format_percent, missing,
+                                         run_headline)
 from kvtwin.sim.replay.calibration_data import uncalibrated_line
 from kvtwin.sim.scenario.calibration_file import UNCALIBRATED
 
-REPLAY_FILES = ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json")
 
 
 def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dict, metadata: dict, *,
@@ -26,10 +27,12 @@ def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dic
     extra = [("requests replayed", fmt_cell(s.get("num_requests")))]
     if s.get("num_trace_requests") is not None:
         extra.append(("trace requests (after the scenario's cuts)", fmt_cell(s.get("num_trace_requests"))))
-    sections = [header("replay", metadata, sources, extra), clock_note(_clock_lines(s)), plan_section(plan),
+    headline = run_headline(run_settings(metadata, plan, s))
+    sections = [header("replay", metadata, sources, extra, headline=headline), clock_note(_clock_lines(s)),
+                plan_section(plan),
                 "<h2>Key metrics</h2>" + kv_table(_replay_metrics(s), "meta"),
                 "<h2>Plots</h2>", *replay_figures(requests, steps, s, plan)]
-    return page(f"kvtwin replay report: {scenario_facts(metadata)[0]}", sections)
+    return page(f"kvtwin replay report: {headline}", sections)
 
 
 def _summary_row(summary) -> dict:
@@ -87,8 +90,9 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
     if any(not missing(s.get(k)) for k in ("slo_ttft_ms", "slo_tpot_ms")):
         rows += [("SLO: TTFT / TPOT at most",
                   f"{format_duration_ms(s.get('slo_ttft_ms'))} / {format_duration_ms(s.get('slo_tpot_ms'))}"),
-                 ("SLO attainment / goodput (req/s)",
-                  f"{format_percent(s.get('slo_attainment'))} / {fmt_cell(s.get('request_goodput'))}")]
+                 ("SLO attainment (all requests) / rejected",
+                  f"{format_percent(s.get('slo_attainment'))} / {format_percent(s.get('rejected_share'))}"),
+                 ("goodput (req/s within the SLO)", fmt_cell(s.get("request_goodput")))]
     if s.get("hit_rate_total") is not None:
         rows += _offload_metrics(s)
     if "saturated" in s:

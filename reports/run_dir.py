@@ -47,15 +47,19 @@ def write_json(obj: dict, path: Path) -> None:
     _atomic_write_bytes(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n"))
 
 
-def run_metadata(scenario_path: Path, overrides: dict) -> dict:
-    """What every parquet file of a run records about how it was made (``reports/SCHEMA.md``)."""
+def run_metadata(scenario_path: Path, overrides: dict, resolved: dict | None = None) -> dict:
+    """What every parquet file of a run records about how it was made (``reports/SCHEMA.md``);
+    ``resolved`` is what ran (``ResolvedScenario.describe``), where one scenario ran."""
     scenario_path = Path(scenario_path)
-    return {
+    metadata = {
         "kvtwin_version": __version__,
         "scenario": scenario_path.read_text() if scenario_path.exists() else "",
         "scenario_file": scenario_path.name,
         "overrides": dict(overrides),
     }
+    if resolved is not None:
+        metadata["resolved"] = resolved
+    return metadata
 
 
 def _swap_in(staging: Path, target: Path) -> None:

@@ -25,10 +25,39 @@ def scenario_facts(metadata: dict) -> tuple[str, str]:
     return str(description), str(trace)
 
 
-def header(kind: str, metadata: dict, sources: Sequence[str], extra: Sequence[tuple[str, object]] = ()) -> str:
+def run_settings(metadata: dict, plan: dict | None, summary: dict) -> dict:
+    """What a replay ran (``ResolvedScenario.describe``'s keys): as its run directory
+    recorded it (metadata ``resolved``), else, for a directory written before kvtwin recorded
+    it, what ``plan.json`` and the summary columns still tell."""
+    if isinstance(metadata.get("resolved"), dict):
+        return metadata["resolved"]
+    plan = (plan or {}).get("hybrid_on", plan) or {}
+    pd = None
+    if summary.get("pd_prefill_replicas") is not None:
+        prefill_router, _, decode_router = str(summary.get("router") or "").removeprefix("pd:").partition("/")
+        pd = {"prefill_replicas": summary["pd_prefill_replicas"], "decode_replicas": summary["pd_decode_replicas"],
+              "link": summary.get("pd_link"), "prefill_router": prefill_router, "decode_router": decode_router}
+    offload = None
+    if summary.get("offload_cpu_bytes"):
+        offload = {"cpu_bytes": summary["offload_cpu_bytes"], "disk_bytes": summary.get("offload_disk_bytes") or 0,
+                   "policy": summary.get("offload_policy")}
+    head = plan.get("draft_head")
+    _, trace = scenario_facts(metadata)
+    return {"model": plan.get("model"), "gpu": plan.get("gpu"), "tensor_parallel_size": plan.get("tensor_parallel_size"),
+            "replicas": None if pd else summary.get("num_replicas"), "router": None if pd else summary.get("router"),
+            "disaggregation": pd, "offload": offload,
+            "speculative": {"method": head["method"], "num_speculative_tokens": None} if head else None,
+            "workload": trace}
+
+
+def header(kind: str, metadata: dict, sources: Sequence[str], extra: Sequence[tuple[str, object]] = (),
+           headline: str | None = None) -> str:
+    """What was run. ``headline`` (a replay's: the run itself, ``summary_text.run_headline``)
+    leads where given; the scenario file's description is shown as the file's words."""
     description, trace = scenario_facts(metadata)
     overrides = metadata.get("overrides") or {}
-    rows = [("scenario", description),
+    rows = [*((("what ran", headline),) if headline else ()),
+            ("scenario file's description", description),
             ("scenario file", metadata.get("scenario_file") or "-"),
             ("trace", trace),
             ("command-line overrides", ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "none"),
@@ -36,7 +65,8 @@ def header(kind: str, metadata: dict, sources: Sequence[str], extra: Sequence[tu
             ("kvtwin version (report)", __version__),
             ("generated from", ", ".join(sources)),
             *extra]
-    out = f"<h1>kvtwin {escape(kind)} report</h1><p class=\"note\">{escape(description)}</p>" + kv_table(rows)
+    lead = headline or description
+    out = f"<h1>kvtwin {escape(kind)} report</h1><p class=\"note\">{escape(lead)}</p>" + kv_table(rows)
     if metadata.get("scenario"):
         out += ("<details><summary>scenario file text</summary><pre>" + escape(metadata["scenario"]) + "</pre></details>")
     return out
@@ -71,7 +101,8 @@ def plan_section(plan: dict | None) -> str:
             ("KV cache tokens", fmt_cell(plan.get("kv_cache_tokens"))),
             ("max concurrency (requests of max_model_len)", fmt_cell(plan.get("max_concurrency"))),
             ("steady-state concurrency", fmt_cell(plan.get("steady_state_concurrency"))),
-            ("concurrency limit", fmt_cell(plan.get("concurrency_limit"))),
+            ("requests of max_model_len at once (steady state, at most max_num_seqs)",
+             fmt_cell(plan.get("concurrency_limit"))),
             ("fits", fmt_cell(plan.get("fits")))]
     out = "<h2>Plan</h2>" + kv_table([(k, v) for k, v in rows if str(v) not in ("-", "- / -")])
     return out + _groups_table(plan.get("groups") or [])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 
+from kvtwin.sim.scenario.slo import admitted_attainment
+
 # Tried in order: the first unit in which the value is at least 1 is the one it reads best in.
 _UNITS_S = ((3600.0, "h"), (60.0, "min"), (1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
 
@@ -41,6 +43,31 @@ def format_duration_ms(milliseconds: float | None) -> str:
 
 def format_percent(fraction: float | None, digits: int = 1) -> str:
     return "-" if missing(fraction) else f"{fraction * 100:.{digits}f} %"
+
+
+def run_headline(resolved: dict) -> str:
+    """What ran, in one line, from the resolved settings (``ResolvedScenario.describe``):
+    ``qwen3-8b on 2 replicas of 2x h200 behind prefix_aware, CPU KV offload 1.0 TB (lru)``."""
+    gpus = f"{resolved.get('tensor_parallel_size') or 1}x {resolved.get('gpu')}"
+    pd = resolved.get("disaggregation")
+    if pd:
+        where = f"{pd['prefill_replicas']}P{pd['decode_replicas']}D of {gpus} over {pd['link']}"
+    elif (resolved.get("replicas") or 1) > 1:
+        where = f"{resolved['replicas']} replicas of {gpus} behind {resolved.get('router')}"
+    else:
+        where = gpus
+    parts = [f"{resolved.get('model')} on {where}"]
+    offload = resolved.get("offload")
+    if offload:
+        tiers = f"CPU KV offload {format_bytes(offload['cpu_bytes'])}"
+        if offload.get("disk_bytes"):
+            tiers += f" + disk {format_bytes(offload['disk_bytes'])}"
+        parts.append(f"{tiers} ({offload['policy']})")
+    spec = resolved.get("speculative")
+    if spec:
+        k = spec.get("num_speculative_tokens")
+        parts.append(f"speculative {spec['method']}" + (f" k={k}" if k else ""))
+    return ", ".join(parts)
 
 
 def plan_line(plan) -> str:
@@ -133,6 +160,40 @@ def not_arrived_line(row: dict) -> str | None:
             f"and are not in the figures")
 
 
+def slo_verdict(row: dict) -> str:
+    """The run against its SLO in one line, from a ``summary.parquet`` row: ``SLO met: p99
+    TTFT 1.4 s ≤ 2.0 s, p99 TPOT 16 ms ≤ 100 ms (99.5 % of requests within both)``, or ``SLO
+    not met:`` and what binds, the bound exceeded by the largest factor first, then the
+    requests refused or left unfinished (misses too, as in ``slo_attainment``), or ``no SLO
+    set``; a saturated run says so at the end."""
+    bounds = [(name, row.get(f"p99_{key}_ms"), row.get(f"slo_{key}_ms")) for name, key in (("TTFT", "ttft"),
+                                                                                         ("TPOT", "tpot"))
+              if not missing(row.get(f"slo_{key}_ms"))]
+    saturated = "; the deployment is saturated" if row.get("saturated") else ""
+    if not bounds:
+        return "no SLO set" + saturated
+    # A TPOT no request has (every output one token) bounds nothing, as in the rate search.
+    held = [(name, p99, bound) for name, p99, bound in bounds if missing(p99) or p99 <= bound]
+    exceeded = sorted(((name, p99, bound) for name, p99, bound in bounds if not (missing(p99) or p99 <= bound)),
+                      key=lambda b: -b[1] / b[2])
+    within = (f"{format_percent(row.get('slo_attainment'))} of requests within "
+              f"{'both' if len(bounds) == 2 else 'it'}")
+    refused = []
+    if row.get("rejected"):
+        share = row.get("rejected_share")
+        refused.append(f"{row['rejected']:,} rejected" + ("" if missing(share) else f" ({format_percent(share)})"))
+    if row.get("unfinished"):
+        refused.append(f"{row['unfinished']:,} unfinished at the time limit")
+    if not row.get("completed"):
+        refused.append("no request completed")
+    if not exceeded and not refused:
+        shown = ", ".join(f"p99 {name} {format_duration_ms(p99)} ≤ {format_duration_ms(bound)}"
+                          for name, p99, bound in held if not missing(p99))
+        return f"SLO met: {shown} ({within}){saturated}"
+    binding = [f"p99 {name} {format_duration_ms(p99)} > {format_duration_ms(bound)}" for name, p99, bound in exceeded]
+    return f"SLO not met: {', '.join(binding + refused)} ({within}){saturated}"
+
+
 def saturation_hint(row: dict) -> str | None:
     """Why the run counts as saturated (``saturation_reason``), in words; None when it does not."""
     if not row.get("saturated"):
@@ -142,7 +203,7 @@ def saturation_hint(row: dict) -> str | None:
     if "queueing" in reasons:
         words.append(f"p90 wait to be first scheduled {format_duration_ms(row['p90_queue_delay_ms'])}")
     if "slo" in reasons:
-        words.append(f"only {format_percent(row['slo_attainment'])} of requests met the SLO")
+        words.append(f"only {format_percent(admitted_attainment(row))} of the requests admitted met the SLO")
     if "drain" in reasons:
         words.append(f"the last request arrived at {format_duration_s(row['last_arrival_s'])} but the engine "
                      f"needed until {format_duration_s(row['duration_s'])}")

@@ -27,13 +27,14 @@ import typer
 
 from kvtwin.console import user_errors
 from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
 
 
 def calibrate(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
-                                                   help="The server's model, GPU and engine (default: "
-                                                        "scenarios/default.toml)."),
+                                                   help="The server's model, GPU and engine: a scenario file or a "
+                                                        "bundled scenario's name (default: default)."),
     bench_serve: Optional[List[Path]] = typer.Option(None, "--bench-serve",
                                                      help="A `vllm bench serve --save-result --save-detailed` "
                                                           "JSON file (repeat for several runs; the last is held "
@@ -65,7 +66,7 @@ def calibrate(
                               "--metrics-after, or --steps", ", ".join(kinds) or "none")
         check_out_file(out, "--out")
         # Everything read and checked before the first replay.
-        job = fit_report.prepare(scenario_path or DEFAULT_SCENARIO, bench_serve=bench_serve or (),
+        job = fit_report.prepare(find_scenario(scenario_path) or DEFAULT_SCENARIO, bench_serve=bench_serve or (),
                                  metrics_before=metrics_before, metrics_after=metrics_after, model_name=model_name,
                                  steps=steps, trace=trace)
         if job.warning is not None:

@@ -20,13 +20,15 @@ import typer
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
 from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
 
 
 def capacity(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
-                                                   help="Scenario file (default: scenarios/default.toml)."),
+                                                   help="Scenario file, or a bundled scenario's name (kvtwin "
+                                                        "scenarios; default: default)."),
     sweeps: List[str] = typer.Option([], "--sweep", metavar="KEY=V1,V2,...",
                                      help="Sweep a scenario key (engine.<field>, hardware.gpu, model.preset, "
                                           "workload.rate_scale, workload.limit, slo.ttft_s, slo.tpot_s, "
@@ -39,8 +41,9 @@ def capacity(
     rate_tolerance: float = typer.Option(DEFAULT_RATE_TOLERANCE, "--rate-tolerance",
                                          help="Relative tolerance of the rate search."),
     goodput: Optional[float] = typer.Option(None, "--goodput",
-                                            help="SLO holds when this fraction of requests meets it "
-                                                 "(default: p99 TTFT and p99 TPOT within the SLO)."),
+                                            help="SLO holds when this fraction of the requests admitted "
+                                                 "(not rejected) meets it (default: p99 TTFT and p99 TPOT "
+                                                 "within the SLO)."),
     max_replays: int = typer.Option(DEFAULT_MAX_REPLAYS, "--max-replays",
                                     help="Most replays per point in the rate search."),
     hit_curve: bool = typer.Option(False, "--hit-curve",
@@ -69,7 +72,7 @@ def capacity(
         search = _rate_search(find_max_rate, target_rate, rate_tolerance, goodput, max_replays)
         if backend == "ray":
             import_ray()  # before any work: say now that it is missing
-        path = scenario_path or DEFAULT_SCENARIO
+        path = find_scenario(scenario_path) or DEFAULT_SCENARIO
         sweep = prepare_sweep(path, sweeps, limit=limit, search=search)
         workers = jobs if jobs is not None else default_jobs(len(sweep.tasks))
         started = time.perf_counter()
@@ -170,6 +173,9 @@ def print_points(table, axes, find_max_rate: bool) -> None:
         # Disaggregated points beside aggregated ones: their GPUs and the read's share of TTFT.
         figures[:0] = [("GPUs", "num_gpus")]
         figures.append(("xfer/TTFT", "pd_transfer_share_of_ttft"))
+    if any(share for share in table.column("rejected_share").to_pylist() if share is not None and share == share):
+        # Beside the attainment it lowers.
+        figures.insert(figures.index(("SLO met", "slo_attainment")) + 1, ("rejected", "rejected_share"))
     if find_max_rate:
         figures += [("max rate x", "max_rate_scale"), ("max req/s", "max_request_rate"),
                     ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
@@ -189,7 +195,7 @@ def print_points(table, axes, find_max_rate: bool) -> None:
             value = row[column]
             if column.endswith("_ms"):
                 cells.append(summary_text.format_duration_ms(value) if value is not None else "-")
-            elif column in ("slo_attainment", "prefix_cache_hit_rate", "step_error",
+            elif column in ("slo_attainment", "rejected_share", "prefix_cache_hit_rate", "step_error",
                             "pd_transfer_share_of_ttft") or column.startswith("hit_rate_"):
                 cells.append(summary_text.format_percent(value) if value is not None else "-")
             else:

@@ -8,6 +8,7 @@ over vLLM's defaults); this module prints the result as a table or one JSON obje
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +16,7 @@ import typer
 
 from kvtwin.console import user_errors
 from kvtwin.knob_options import knob_flags
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.commands.presets import GPU_CHOICES, MODEL_CHOICES
 from kvtwin.sim.planner.hardware import GIB
@@ -85,9 +87,9 @@ def render_plan(p: Plan) -> str:
         lines.append(f"  KV cache tokens       {_n(p.kv_cache_tokens)}  (vLLM's \"GPU KV cache size\")")
         lines.append(f"  max concurrency       {p.max_concurrency:,.2f}x requests of {_n(eng.max_model_len)} tokens "
                      f"(vLLM's figure; {_n(p.blocks_per_request)} blocks per request)")
-        lines.append(f"  steady state          {p.steady_state_concurrency:,.2f}x once prefills are done "
-                     f"({_n(p.steady_state_blocks_per_request)} blocks per request); running requests limited to "
-                     f"{_n(j['concurrency_limit'])} (max_num_seqs {_n(eng.max_num_seqs)})")
+        lines.append(f"  steady state          {p.steady_state_concurrency:,.2f}x requests of {_n(eng.max_model_len)} "
+                     f"tokens once prefills are done ({_n(p.steady_state_blocks_per_request)} blocks per request)")
+        lines.append(f"  at once               {_at_once(j['concurrency_limit'], p.steady_state_concurrency, eng)}")
     lines.append("")
     lines += _memory_lines(p, j)
     w = j["waste"]
@@ -112,6 +114,18 @@ def render_plan(p: Plan) -> str:
     for text in p.warnings:
         lines.append(f"warning: {text}")
     return "\n".join(lines)
+
+
+def _at_once(limit: int, steady: float, eng) -> str:
+    """How many requests run together, said as what bounds it: the pool holds ``limit``
+    requests of max_model_len (a request that size is rare; shorter ones fit more), or
+    max_num_seqs is the cap whatever their length. Read as a cap, the pool's figure made
+    users think a server of 3 "max_model_len requests" ran 3 requests."""
+    if limit < eng.max_num_seqs:
+        return (f"{_n(limit)} requests of {_n(eng.max_model_len)} tokens fit together once prefilled "
+                f"(shorter ones: more, up to max_num_seqs {_n(eng.max_num_seqs)})")
+    return (f"max_num_seqs {_n(eng.max_num_seqs)} running requests at most (the pool would hold "
+            f"{_n(math.floor(steady))} of {_n(eng.max_model_len)} tokens once prefilled)")
 
 
 def _memory_lines(p: Plan, j: dict) -> list[str]:
@@ -186,7 +200,8 @@ def plan(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=f"Model preset: {MODEL_CHOICES}."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help=f"GPU preset: {GPU_CHOICES}."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML with [model], [hardware], "
-                                                                      "[engine] (scenarios/README.md)."),
+                                                                      "[engine] (scenarios/README.md), or a "
+                                                                      "bundled scenario's name (kvtwin scenarios)."),
     hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="A local Hugging Face config.json (or its "
                                                                        "directory) instead of a preset."),
     knobs: Optional[dict] = None,
@@ -196,7 +211,7 @@ def plan(
     """What fits: KV cache groups, blocks, tokens, concurrency and memory, as vLLM 0.33 plans them."""
     with user_errors():
         overrides = Overrides.from_knobs(knobs or {}, model=model, hf_config=hf_config, gpu=gpu)
-        resolved = resolve_scenario(scenario, overrides)
+        resolved = resolve_scenario(find_scenario(scenario, "--scenario"), overrides)
         chosen_model, chosen_gpu, engine = resolved.model, resolved.gpu, resolved.engine
         if compare_hybrid:
             comparison = compare_hybrid_layouts(chosen_model, chosen_gpu, engine)

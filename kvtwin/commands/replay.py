@@ -21,18 +21,20 @@ from kvtwin.knob_options import knob_flags
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, report_trace_notes, user_errors
 from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.trace_options import given_options, reading_option
 
 
-@knob_flags("engine.tensor_parallel_size", "workload.rate_scale", "workload.limit", "engine.max_model_len",
+@knob_flags("engine.tensor_parallel_size", "engine.replicas", "engine.router", "workload.rate_scale", "workload.limit", "engine.max_model_len",
             "engine.enable_prefix_caching", "engine.prefix_cache_retention_interval", "run.time_limit_s",
             "offload.cpu_bytes", "offload.policy",
             "offload.disk_bytes", "offload.disk_bandwidth_bytes_per_s", "offload.disk_latency_s",
             "speculative.method", "speculative.num_speculative_tokens", "speculative.acceptance")
 def replay(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
-                                                   help="Scenario file (default: scenarios/default.toml)."),
+                                                   help="Scenario file, or a bundled scenario's name (kvtwin "
+                                                        "scenarios; default: default)."),
     trace: Optional[str] = typer.Option(None, "--trace", help="Replay this trace instead (a file or bundled:NAME)."),
     fmt: Optional[str] = reading_option("format"),
     maps: Optional[List[str]] = reading_option("map", metavar="COLUMN=SOURCE"),
@@ -57,7 +59,7 @@ def replay(
     with user_errors(), interrupt_note(lambda: _interrupted_before_writing(seen, out)):
         # Before anything slow: a bad --out must not cost a whole simulation.
         check_out_dir(out)
-        path = scenario_path or DEFAULT_SCENARIO
+        path = find_scenario(scenario_path) or DEFAULT_SCENARIO
         reading = given_options(fmt=fmt, maps=maps, time_unit=time_unit, hash_block_tokens=hash_block_tokens,
                                 per_block=per_block, arrivals=arrivals)
         overrides = Overrides.from_knobs(knobs or {}, model=model, gpu=gpu, trace=trace, trace_options=reading)
@@ -78,7 +80,7 @@ def replay(
                                 speculative=resolved.speculative)
         wall_s = time.perf_counter() - started
         result.summary = with_band(result.summary, resolved.calibration)
-        metadata = run_metadata(path, overrides.given())
+        metadata = run_metadata(path, overrides.given(), resolved.describe())
         plan_json = planned.to_json()
         text_files = None
         if not no_report:
@@ -92,10 +94,7 @@ def replay(
                           text_files=text_files)
     with interrupt_note(lambda: f"interrupted while printing the summary; {out} was written whole"):
         summary = result.summary.to_pylist()[0]
-        deployment = f"{planned.engine.tensor_parallel_size}x {chosen_gpu.name}"
-        if resolved.deployment.replicas > 1:
-            deployment = f"{resolved.deployment.replicas} replicas of {deployment}"
-        print_summary(summary, title=f"{chosen_model.name} on {deployment}, {table.num_rows:,} requests")
+        print_summary(summary, title=f"{summary_text.run_headline(metadata['resolved'])}, {table.num_rows:,} requests")
         print(summary_text.plan_line(planned) + (" per replica" if resolved.deployment.replicas > 1 else ""))
         for line in band_lines(summary, resolved.calibration):
             print(line)
@@ -107,6 +106,7 @@ def replay(
                 print(line)
         print(f"simulated {summary_text.format_duration_s(result.end_time_s)} in {wall_s:,.1f} s wall; wrote "
               f"{', '.join(p.name for p in paths)} to {out}")
+        print(summary_text.slo_verdict(summary))
 
 
 
@@ -192,9 +192,10 @@ def print_summary(row: dict, title: str) -> None:
         ("SLO: TTFT / TPOT at most",
          f"{summary_text.format_duration_ms(row['slo_ttft_ms'])} / "
          f"{summary_text.format_duration_ms(row['slo_tpot_ms'])}" if has_slo else "no SLO set"),
-        ("SLO attainment / goodput (req/s)",
-         f"{summary_text.format_percent(row['slo_attainment'])} / {_fmt(row['request_goodput'], 3)}"
-         if has_slo else "-"),
+        ("SLO attainment (all requests) / rejected",
+         f"{summary_text.format_percent(row['slo_attainment'])} / "
+         f"{summary_text.format_percent(row['rejected_share'])}" if has_slo else "-"),
+        ("goodput (req/s within the SLO)", _fmt(row["request_goodput"], 3) if has_slo else "-"),
     ):
         facts.add_row(name, value)
     Console().print(facts)

@@ -25,12 +25,14 @@ import typer
 
 from kvtwin.console import interrupt_note, require_extra, user_errors
 from kvtwin.scenarios import DEFAULT_SCENARIO
+from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
 
 
 def validate(
     scenario_path: Optional[Path] = typer.Argument(None, metavar="SCENARIO.toml",
-                                                   help="Scenario file (default: scenarios/default.toml)."),
+                                                   help="Scenario file, or a bundled scenario's name (kvtwin "
+                                                        "scenarios; default: default)."),
     device: str = typer.Option("cpu", "--device", help="cuda (real sizes) or cpu (a scaled-down model)."),
     size: Optional[str] = typer.Option(None, "--size",
                                        help="small (the default on cpu: 32 requests cut to 1,024 prompt and 32 "
@@ -55,8 +57,8 @@ def validate(
         from kvtwin.sim.replay.calibration_data import uncalibrated_line
 
         check_out_dir(out)
+        path = find_scenario(scenario_path) or DEFAULT_SCENARIO
         chosen = _checks(checks)
-        path = scenario_path or DEFAULT_SCENARIO
         resolved, overrides, sizing = _checked_scenario(path, device, size, requests)
         # The flags and the scenario are checked; before the trace is read, the executor's torch.
         require_extra("torch", "kernels", field="validate", needed_for="the device executor")

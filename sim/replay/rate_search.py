@@ -7,11 +7,13 @@ The SLO *holds* for a replay when at least one request completed and
   p99 TPOT at most ``slo.tpot_s`` (each where set), and no request was left unfinished (by a
   ``time_limit_s``);
 * with ``goodput = G``: at least the fraction G of the requests that were admitted
-  (completed or unfinished) completed within both bounds (``slo_attainment`` counted over
-  them, unfinished ones as misses).
+  (completed or unfinished) completed within both bounds (``admitted_attainment``:
+  unfinished ones count as misses).
 
 Rejected requests (refused at admission, e.g. longer than ``max_model_len``) do not depend on
-the rate and are left out of both. The search assumes the SLO holds below some rate and fails
+the rate and are left out of both: counted as misses, a trace with 2% of prompts too long
+would hold a 99% goodput at no rate at all. A point's ``slo_attainment`` (over every
+request) and ``rejected_share`` still show them. The search assumes the SLO holds below some rate and fails
 above it. It replays the point at its own rate scale (1 unless the scenario or the sweep sets
 ``workload.rate_scale``), doubles the scale while the SLO holds (or halves it while it fails)
 until a failing and a holding scale bracket the threshold, then bisects (geometric midpoint)
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.slo import SLO, admitted_attainment
 
 if TYPE_CHECKING:  # a type only: `kvtwin capacity --help` reads this module's defaults
     import pyarrow as pa
@@ -67,9 +69,7 @@ def slo_holds(summary: dict, slo: SLO, goodput: float | None = None) -> bool:
     if completed == 0:
         return False
     if goodput is not None:
-        met = summary["slo_attainment"] * completed
-        admitted = completed + summary["unfinished"]
-        return met >= goodput * admitted - 1e-9
+        return admitted_attainment(summary) >= goodput - 1e-9
     if summary["unfinished"]:
         return False
     ttft, tpot = summary["p99_ttft_ms"], summary["p99_tpot_ms"]

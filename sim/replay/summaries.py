@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtwin.sim.scenario.slo import SLO
+from kvtwin.sim.scenario.slo import SLO, admitted_attainment
 from kvtwin.traces.expand import table_block_ids
 from kvtwin.traces.schema import hash_block_tokens_of
 from kvtwin.traces.stats import DEFAULT_BLOCK_TOKENS, prefix_reuse
@@ -60,6 +60,8 @@ def _reuse_upper_bound(trace: pa.Table) -> float:
 
 def _saturation(queue_p90_s: float, attainment: float, has_slo: bool, completed: int, duration_s: float,
                 last_arrival_s: float) -> list[str]:
+    """``attainment`` is over the requests admitted (``admitted_attainment``): whether the
+    deployment keeps up, which the requests it refuses outright say nothing about."""
     reasons = []
     if queue_p90_s > SATURATION_QUEUE_P90_S:
         reasons.append("queueing")
@@ -95,12 +97,15 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     row.update(_stats(np.frombuffer(itl_s, dtype=np.float64) if len(itl_s) else np.zeros(0), "itl_ms"))
     row.update(_stats(requests.column("e2el_s").to_numpy()[done], "e2el_ms"))
     row.update(_cache_and_step_figures(requests, steps))
-    met = np.array([slo.met(a, b) for a, b in zip(ttft[done], tpot[done])], dtype=bool)
+    met = int(np.array([slo.met(a, b) for a, b in zip(ttft[done], tpot[done])], dtype=bool).sum())
+    arrived = requests.num_rows
     row.update({
         "slo_ttft_ms": slo.ttft_s * 1000 if slo.ttft_s is not None else math.nan,
         "slo_tpot_ms": slo.tpot_s * 1000 if slo.tpot_s is not None else math.nan,
-        "slo_attainment": float(met.mean()) if met.size else math.nan,
-        "request_goodput": float(met.sum()) / end_time_s if end_time_s > 0 else math.nan,
+        # Over every arrival: a request refused or never finished was not served within the SLO.
+        "slo_attainment": met / arrived if arrived else math.nan,
+        "rejected_share": row["rejected"] / arrived if arrived else math.nan,
+        "request_goodput": met / end_time_s if end_time_s > 0 else math.nan,
     })
     arrival = requests.column("arrival_time_s").to_numpy()
     scheduled = requests.column("first_scheduled_time_s").to_numpy()
@@ -180,7 +185,8 @@ def _cache_and_step_figures(requests: pa.Table, steps: pa.Table) -> dict:
 def _saturation_of(row: dict, slo: SLO, duration_s: float, last_arrival_s: float) -> list[str]:
     has_slo = slo.ttft_s is not None or slo.tpot_s is not None
     queue_p90_s = row["p90_queue_delay_ms"] / 1000 if not math.isnan(row["p90_queue_delay_ms"]) else 0.0
-    return _saturation(queue_p90_s, row["slo_attainment"], has_slo, row["completed"], duration_s, last_arrival_s)
+    return _saturation(queue_p90_s, admitted_attainment(row), has_slo, row["completed"], duration_s,
+                       last_arrival_s)
 
 
 def _trace_figures(requests: pa.Table, trace: pa.Table | None, last_arrival_s: float,

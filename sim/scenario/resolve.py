@@ -5,7 +5,9 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
 
 * model: ``--model PRESET`` or ``--hf-config PATH`` (not both), else the scenario's ``[model]``;
 * GPU: ``--gpu PRESET``, else ``[hardware]``;
-* engine: the scenario's ``[engine]`` table, then each engine flag given;
+* engine: the scenario's ``[engine]`` table, then each engine flag given; the deployment's
+  ``--replicas`` and ``--router`` likewise (refused beside a ``[disaggregation]`` table,
+  whose prefill and decode replicas are the deployment);
 * workload: ``--trace`` replaces the scenario's source but keeps its cuts (``limit``,
   ``rate_scale``, ...); ``--limit`` and ``--rate-scale`` replace those cuts; the reading
   flags (``--format``, ``--map``, ``--time-unit``, ``--arrivals``, ...) say how to read
@@ -46,7 +48,7 @@ from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.gpu_calibration import bundled_for
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
-from kvtwin.sim.scenario.knobs import flag_for, knob
+from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, flag_for, knob
 from kvtwin.sim.scenario.parse import Scenario, Workload, load_scenario, scenario_from_data
 from kvtwin.sim.scenario.trace_source import trace_options
 from kvtwin.traces.bundled import resolve as resolve_trace
@@ -68,17 +70,20 @@ class Overrides:
     speculative: Mapping[str, object] = field(default_factory=dict)  # SpeculativeConfig field -> value
     # How to read the trace (``kvtwin.traces.options.OPTIONS`` name -> value).
     trace_options: Mapping[str, object] = field(default_factory=dict)
+    deployment: Mapping[str, object] = field(default_factory=dict)  # Deployment field -> value
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, object], **sources: object) -> Overrides:
         """The overrides of a command's knob flags (``section.name`` -> value, None: not
         given) beside its source flags (``model``, ``gpu``, ``trace``, ...)."""
         engine = {k.removeprefix("engine."): v for k, v in knobs.items() if k.startswith("engine.")}
+        # ``[engine] replicas`` and ``router`` sit in the engine's table but configure the deployment.
+        deployment = {name: engine.pop(name) for name in DEPLOYMENT_FIELDS if name in engine}
         offload = {k.removeprefix("offload."): v for k, v in knobs.items() if k.startswith("offload.")}
         speculative = {k.removeprefix("speculative."): v for k, v in knobs.items()
                        if k.startswith("speculative.") and v is not None}
         return cls(**sources, engine=engine, offload={k: v for k, v in offload.items() if v is not None},
-                   speculative=speculative,
+                   speculative=speculative, deployment=deployment,
                    rate_scale=knobs.get("workload.rate_scale"), limit=knobs.get("workload.limit"),
                    time_limit_s=knobs.get("run.time_limit_s"))
 
@@ -95,9 +100,10 @@ class Overrides:
     def given(self) -> dict:
         """The flags that were given, for a run's metadata."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("engine", "offload", "speculative", "trace_options")}
+               if f.name not in ("engine", "offload", "speculative", "trace_options", "deployment")}
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None}
         out.update({k: v for k, v in self.engine.items() if v is not None})
+        out.update({k: v for k, v in self.deployment.items() if v is not None})
         out.update({f"offload_{k}": v for k, v in self.offload.items() if v is not None})
         out.update({f"speculative_{k}": v for k, v in self.speculative.items() if v is not None})
         out.update({f"trace_{k}": v for k, v in self.trace_options.items()})
@@ -151,6 +157,40 @@ class ResolvedScenario:
             if self.overrides.offload.get(name) is not None:
                 raise ConfigError(flag_for("offload", name), err.expected, err.got) from None
             raise err if err.source or self.where is None else err.with_source(self.where) from None
+
+    def describe(self) -> dict:
+        """What runs, every choice made (flags over file over defaults), in JSON types: the
+        run directory records it (``reports/SCHEMA.md``, metadata ``resolved``) so that a
+        report's headline and ``kvtwin diff`` say what ran, not what the file described.
+        Engine sizes are the plan's (``plan.json``); these are the rest."""
+        workload = self.workload
+        source = None
+        if workload is not None:
+            # The file's name only: an absolute path would differ between two checkouts of one run.
+            source = workload.trace.name if workload.trace is not None else f"synthetic {workload.synth.get('kind')}"
+        pd = self.disaggregation
+        return {
+            "model": self.model.name,
+            "gpu": self.gpu.name,
+            "tensor_parallel_size": self.engine.tensor_parallel_size,
+            "replicas": None if pd is not None else self.deployment.replicas,
+            "router": None if pd is not None else self.deployment.router,
+            "disaggregation": None if pd is None else {
+                "prefill_replicas": pd.prefill_replicas, "decode_replicas": pd.decode_replicas, "link": pd.link,
+                "prefill_router": pd.prefill_router, "decode_router": pd.decode_router},
+            "offload": None if not self.offload.enabled else {
+                "cpu_bytes": self.offload.cpu_bytes, "disk_bytes": self.offload.disk_bytes,
+                "policy": self.offload.policy},
+            "speculative": None if not self.speculative.enabled else {
+                "method": self.speculative.method,
+                "num_speculative_tokens": self.speculative.num_speculative_tokens},
+            "workload": source,
+            "workload_cuts": dict(sorted(workload.transforms.items())) if workload is not None else {},
+            "slo_ttft_s": self.slo.ttft_s,
+            "slo_tpot_s": self.slo.tpot_s,
+            "calibration": self.calibration.label if self.calibration is not None else None,
+            "time_limit_s": self.time_limit_s,
+        }
 
     def require_workload(self) -> Workload:
         if self.workload is None:
@@ -228,14 +268,31 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             raise ConfigError(f"{flag_for('offload', err.field)} or [offload] {err.field}", err.expected,
                               err.got) from None
 
+    deployment = _deployment(scenario, overrides)
     speculative = _speculative(scenario.speculative, overrides)
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     calibration = choose_calibration(scenario, model, gpu, where)
     return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
-                            deployment=scenario.deployment, workload=workload, slo=scenario.slo,
+                            deployment=deployment, workload=workload, slo=scenario.slo,
                             efficiency=calibration.efficiency,
                             time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration,
                             disaggregation=scenario.disaggregation, speculative=speculative)
+
+
+def _deployment(scenario: Scenario, overrides: Overrides) -> Deployment:
+    """The scenario's replicas and router with ``--replicas`` and ``--router`` on top; errors
+    name the flag."""
+    given = {name: value for name, value in overrides.deployment.items() if value is not None}
+    if not given:
+        return scenario.deployment
+    if scenario.disaggregation is not None:
+        name = sorted(given)[0]
+        raise ConfigError(flag_for("engine", name), "no [disaggregation] table in the scenario (its "
+                          "prefill_replicas, decode_replicas and routers are the deployment there)", given[name])
+    try:
+        return dataclasses.replace(scenario.deployment, **given)
+    except ConfigError as err:
+        raise ConfigError(flag_for("engine", err.field), err.expected, err.got) from None
 
 
 def _speculative(config: SpeculativeConfig, overrides: Overrides) -> SpeculativeConfig:

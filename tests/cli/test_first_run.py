@@ -21,6 +21,7 @@ from kvtwin.sim.planner.hardware import get_gpu, gpu_names
 from kvtwin.sim.planner.models import get_model, model_names
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.run import run_replay
+from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.traces import stats, transforms
 from kvtwin.traces.bundled import bundled_path
 from kvtwin.traces.load import load_trace
@@ -162,7 +163,8 @@ def test_plan_exits_1_when_the_model_does_not_fit():
 def test_reports_build_the_run_metadata(default_run):
     _, _, out = default_run
     written = read_run_metadata(out / "summary.parquet")
-    assert written == run_metadata(DEFAULT_SCENARIO, written["overrides"])
+    resolved = resolve_scenario(DEFAULT_SCENARIO, Overrides(limit=300)).describe()
+    assert written == run_metadata(DEFAULT_SCENARIO, written["overrides"], resolved)
     assert written["scenario_file"] == "default.toml" and written["overrides"]["limit"] == 300
 
 

@@ -1,5 +1,5 @@
-"""A command loads only the libraries it uses (issue 25): the help, ``plan``, the presets
-and ``trace list`` answer without pyarrow, NumPy, SimPy, pandas, matplotlib or rich; a
+"""A command loads only the libraries it uses (issue 25): the help, ``plan``, the presets,
+``scenarios`` and ``trace list`` answer without pyarrow, NumPy, SimPy, pandas, matplotlib or rich; a
 replay without a report loads no matplotlib. Each command runs in a fresh interpreter, as
 ``kvtwin`` does, which then lists the top-level packages it imported.
 
@@ -70,7 +70,7 @@ def imported_by(tmp_path: Path, *args: str, pandas: bool = True) -> set[str]:
 @pytest.mark.parametrize("args", [
     ["--help"], ["plan", "--help"], ["replay", "--help"], ["capacity", "--help"], ["trace", "info", "--help"],
     ["plan", "--scenario", DEFAULT_SCENARIO], ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--json"],
-    ["models"], ["gpus"], ["trace", "list"],
+    ["models"], ["gpus"], ["trace", "list"], ["scenarios"], ["plan", "--scenario", "gemma3-27b-h100-tp2"],
 ], ids=lambda args: " ".join(a if "/" not in a else Path(a).name for a in args))
 def test_help_and_plan_load_none_of_the_heavy_libraries(tmp_path, args):
     assert imported_by(tmp_path, *args) & HEAVY == set()

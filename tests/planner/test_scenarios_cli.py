@@ -77,6 +77,27 @@ def test_table_output(run_plan):
         assert needle in text
 
 
+def test_the_concurrency_line_reads_as_what_fits_not_as_a_cap(run_plan):
+    """Issue 37 (9e): the pool's count of max_model_len requests is what fits together once
+    prefilled, beside max_num_seqs, not a limit on running requests."""
+    pool_bound = run_plan("--model", "llama-3.1-8b", "--gpu", "h100", "--json").json()
+    fits = int(pool_bound["steady_state_concurrency"])
+    assert fits < pool_bound["max_num_seqs"]
+    text = run_plan("--model", "llama-3.1-8b", "--gpu", "h100").stdout
+    assert "limited to" not in text
+    line = next(line for line in text.splitlines() if line.strip().startswith("at once"))
+    assert (f"{fits} requests of {pool_bound['max_model_len']:,} tokens fit together once prefilled "
+            f"(shorter ones: more, up to max_num_seqs {pool_bound['max_num_seqs']:,})") in line
+    seqs_bound = run_plan("--model", "llama-3.1-8b", "--gpu", "h100", "--max-model-len", "2048", "--max-num-seqs",
+                          "64", "--json").json()
+    assert int(seqs_bound["steady_state_concurrency"]) > 64
+    text = run_plan("--model", "llama-3.1-8b", "--gpu", "h100", "--max-model-len", "2048", "--max-num-seqs",
+                    "64").stdout
+    line = next(line for line in text.splitlines() if line.strip().startswith("at once"))
+    assert (f"max_num_seqs 64 running requests at most (the pool would hold "
+            f"{int(seqs_bound['steady_state_concurrency']):,} of 2,048 tokens once prefilled)") in line
+
+
 def test_does_not_fit_is_printed_and_exits_1(run_plan):
     result = run_plan("--model", "llama-3.1-70b", "--gpu", "h100", "--max-model-len", "131072")
     assert result.exit_code == 1  # scripts gate on it; 2 is bad input

@@ -169,13 +169,18 @@ def test_bracket_and_bisect_on_a_known_predicate():
 
 
 def test_slo_criterion():
-    base = {"completed": 10, "unfinished": 0, "p99_ttft_ms": 900.0, "p99_tpot_ms": 40.0, "slo_attainment": 0.9}
+    base = {"num_requests": 10, "completed": 10, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 900.0,
+            "p99_tpot_ms": 40.0, "slo_attainment": 0.9}
     slo = SLO(ttft_s=1.0, tpot_s=0.05)
     assert slo_holds(base, slo)
     assert not slo_holds({**base, "p99_tpot_ms": 51.0}, slo)
     assert not slo_holds({**base, "unfinished": 1}, slo)
     assert slo_holds({**base, "p99_tpot_ms": 99.0}, slo, goodput=0.9)
-    assert not slo_holds({**base, "unfinished": 2}, slo, goodput=0.9)
+    # 9 met of 12 arrivals; 2 unfinished count as misses, the 2 rejected do not.
+    assert not slo_holds({**base, "num_requests": 12, "completed": 10, "unfinished": 2, "slo_attainment": 0.75},
+                         slo, goodput=0.9)
+    rejected = {**base, "num_requests": 12, "rejected": 2, "slo_attainment": 0.75}
+    assert slo_holds(rejected, slo, goodput=0.9) and not slo_holds(rejected, slo, goodput=0.95)
 
 
 def _exact_lru_hit_rate(trace, block_size: int, capacity_blocks: int, include_outputs: bool) -> float:

@@ -180,6 +180,25 @@ def test_slo_attainment_and_goodput(replayed):
     assert s["request_goodput"] == pytest.approx(sum(met) / s["duration_s"])
 
 
+def test_slo_attainment_counts_rejected_requests_as_misses(mooncake_head):
+    """Issue 37 (7): one rejection of 50 must not read 100 %: the attainment is over every
+    arrival, the rejected share beside it; saturation judges the requests admitted."""
+    short = plan(get_model("llama-3.1-8b"), get_gpu("h100"), EngineConfig(max_model_len=16384))
+    result = run_replay(short, mooncake_head, slo=SLO(ttft_s=60.0, tpot_s=1.0))
+    s = result.summary.to_pylist()[0]
+    status = result.requests.column("status").to_pylist()
+    ttft = result.requests.column("ttft_s").to_pylist()
+    tpot = result.requests.column("tpot_s").to_pylist()
+    rejected = status.count("rejected")
+    # A one-token output has no TPOT (NaN): only its TTFT is bounded.
+    met = sum(1 for st, a, b in zip(status, ttft, tpot) if st == "finished" and a <= 60.0 and not b > 1.0)
+    assert 0 < rejected < len(status) and met == len(status) - rejected  # every admitted request met it
+    assert s["slo_attainment"] == pytest.approx(met / len(status)) and met < len(status)
+    assert s["rejected_share"] == pytest.approx(rejected / len(status))
+    assert s["request_goodput"] == pytest.approx(met / s["duration_s"])
+    assert "slo" not in s["saturation_reason"]
+
+
 def test_trace_without_identity_shares_nothing(llama_plan):
     table = transforms.limit(load_trace(bundled_path("AzureLLMInferenceTrace_conv.csv")), 80)
     result = run_replay(llama_plan, table)
