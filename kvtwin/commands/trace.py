@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from kvtwin.console import user_errors
+from kvtwin.knob_options import number_option
 from kvtwin.reports.paths import check_out_file
+from kvtwin.sim.core.config import is_int
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.scenario import validators
 from kvtwin.traces import bundled
 from kvtwin.traces.options import BURST, FORMATS, SPREAD, LoadOptions
 
@@ -32,29 +36,29 @@ SkipBadOpt = Annotated[bool, typer.Option("--skip-bad", help="Skip malformed lin
 ArrivalsOpt = Annotated[str, typer.Option("--arrivals", help="Mooncake: 'spread' requests uniformly within their "
                                                              "~3 s timestamp bucket (seeded) or keep each "
                                                              "bucket a 'burst'.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for spreading Mooncake arrivals.")]
-AssumeOpt = Annotated[Optional[int], typer.Option(
-    "--assume-session-history", metavar="BLOCK_TOKENS",
+_POSITIVE_TOKENS: validators.Rule = (lambda v: is_int(v) and v >= 1, "a positive number of tokens")
+_NON_NEGATIVE_REQUESTS: validators.Rule = (lambda v: is_int(v) and v >= 0, "a non-negative number of requests")
+SeedOpt = Annotated[int, number_option("--seed", kind="int", help="Seed for spreading Mooncake arrivals.")]
+AssumeOpt = Annotated[Optional[int], number_option(
+    "--assume-session-history", kind="int", rule=_POSITIVE_TOKENS,
     help="For traces without content identity: ASSUME each turn re-sends its session's history and "
-         "derive block hashes of this many tokens from it.")]
+         "derive block hashes of this many tokens from it (BLOCK_TOKENS).")]
 MapOpt = Annotated[Optional[list[str]], typer.Option(
     "--map", metavar="COLUMN=SOURCE", help="Generic format: trace column from source column "
                                            "(arrival_time_s, prompt_tokens, output_tokens required).")]
 TimeUnitOpt = Annotated[str, typer.Option("--time-unit", help="Generic format: unit of the arrival column "
                                                               "(s, ms, us, ns, datetime).")]
-HashBlockOpt = Annotated[Optional[int], typer.Option("--hash-block-tokens",
-                                                     help="Generic format: tokens each block hash covers.")]
+HashBlockOpt = Annotated[Optional[int], number_option("--hash-block-tokens", kind="int", rule=_POSITIVE_TOKENS,
+                                                      help="Generic format: tokens each block hash covers.")]
 PerBlockOpt = Annotated[bool, typer.Option("--per-block-hashes", help="Generic format: the block hashes are "
                                                                       "per block, not chained; chain them.")]
 
 
 def _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block) -> LoadOptions:
     if arrivals not in (SPREAD, BURST):
-        raise typer.BadParameter(f"expected {SPREAD} or {BURST}", param_hint="--arrivals")
+        raise ConfigError("--arrivals", f"{SPREAD} or {BURST}", arrivals)
     if fmt is not None and fmt not in FORMATS:
-        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}", param_hint="--format")
-    if assume is not None and assume < 1:
-        raise typer.BadParameter("expected a block size >= 1", param_hint="--assume-session-history")
+        raise ConfigError("--format", f"one of {', '.join(FORMATS)}", fmt)
     columns = None
     if maps:
         from kvtwin.traces.generic import ColumnMap
@@ -82,7 +86,7 @@ def _report_notes(table) -> None:
 @trace_app.command("info")
 def info(
     path: Annotated[str, typer.Argument(help="Trace file (or bundled:NAME).")],
-    block_tokens: Annotated[Optional[int], typer.Option("--block-tokens", min=1, help=(
+    block_tokens: Annotated[Optional[int], number_option("--block-tokens", kind="int", rule=_POSITIVE_TOKENS, help=(
         "Block size for the prefix-reuse bound (default: the trace's hash block size, else 16)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = SPREAD, seed: SeedOpt = 0,
@@ -158,16 +162,21 @@ def convert(
     fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = SPREAD, seed: SeedOpt = 0,
     assume: AssumeOpt = None, maps: MapOpt = None, time_unit: TimeUnitOpt = "s",
     hash_block_tokens: HashBlockOpt = None, per_block: PerBlockOpt = False,
-    start_s: Annotated[Optional[float], typer.Option("--start-s", min=0, help="Keep arrivals from here (s); "
-                                                                             "times shift to start at 0.")] = None,
-    end_s: Annotated[Optional[float], typer.Option("--end-s", help="Keep arrivals before this (s).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="Keep the first N requests.")] = None,
-    rate_scale: Annotated[Optional[float], typer.Option("--rate-scale", help=(
-        "Multiply the arrival rate (2 = twice as fast)."))] = None,
-    sample_sessions: Annotated[Optional[float], typer.Option("--sample-sessions", min=0.0, max=1.0, help=(
-        "Keep this fraction of sessions (whole sessions, chosen with --sample-seed)."))] = None,
-    sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed for --sample-sessions.")] = 0,
-    gap_s: Annotated[float, typer.Option("--gap-s", min=0, help="Pause between concatenated traces (s).")] = 0.0,
+    start_s: Annotated[Optional[float], number_option(
+        "--start-s", kind="float", rule=validators.NON_NEGATIVE_SECONDS,
+        help="Keep arrivals from here (s); times shift to start at 0.")] = None,
+    end_s: Annotated[Optional[float], number_option("--end-s", kind="float", rule=validators.POSITIVE_SECONDS,
+                                                    help="Keep arrivals before this (s).")] = None,
+    limit: Annotated[Optional[int], number_option("--limit", kind="int", rule=_NON_NEGATIVE_REQUESTS,
+                                                  help="Keep the first N requests.")] = None,
+    rate_scale: Annotated[Optional[float], number_option("--rate-scale", kind="float", rule=validators.POSITIVE_FACTOR,
+                                                         help="Multiply the arrival rate (2 = twice as fast).")] = None,
+    sample_sessions: Annotated[Optional[float], number_option(
+        "--sample-sessions", kind="float", rule=validators.FRACTION_OF_SESSIONS,
+        help="Keep this fraction of sessions (whole sessions, chosen with --sample-seed).")] = None,
+    sample_seed: Annotated[int, number_option("--sample-seed", kind="int", help="Seed for --sample-sessions.")] = 0,
+    gap_s: Annotated[float, number_option("--gap-s", kind="float", rule=validators.NON_NEGATIVE_SECONDS,
+                                          help="Pause between concatenated traces (s).")] = 0.0,
 ) -> None:
     """Read traces in any supported format and write one kvtwin trace parquet file."""
     from kvtwin.traces import schema, transforms
@@ -176,10 +185,8 @@ def convert(
     with user_errors():
         check_out_file(output, "--output")
         options = _options(fmt, skip_bad, arrivals, seed, assume, maps, time_unit, hash_block_tokens, per_block)
-        if rate_scale is not None and not rate_scale > 0:
-            raise typer.BadParameter("expected a factor > 0", param_hint="--rate-scale")
         if end_s is not None and end_s <= (start_s or 0.0):
-            raise typer.BadParameter("expected a time after --start-s", param_hint="--end-s")
+            raise ConfigError("--end-s", f"a time after --start-s ({start_s or 0.0:g} s)", end_s)
         tables = [load_trace(path, options) for path in inputs]
         for table in tables:
             _report_notes(table)

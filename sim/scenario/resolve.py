@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.engine_config import EngineConfig
-from kvtwin.sim.planner.hardware import GPUSpec, get_gpu
+from kvtwin.sim.planner.hardware import GPUSpec, get_gpu, require_cost_model_inputs
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
@@ -143,8 +143,14 @@ class ResolvedScenario:
             raise err if err.source or self.where is None else err.with_source(self.where) from None
 
     def require_workload(self) -> Workload:
+        """The workload to replay; and since a replay prices its steps, a GPU the cost model
+        can price them on (an inline one may plan without a bandwidth, not replay)."""
         if self.workload is None:
             raise ConfigError("workload", "a [workload] table in the scenario or --trace", source=self.where)
+        try:
+            require_cost_model_inputs(self.gpu)
+        except ConfigError as err:
+            raise err.with_source(self.where) if self.where else err from None
         return self.workload
 
 
