@@ -60,6 +60,7 @@ def validate(
         resolved, trace, overrides, sizing = _sized_inputs(path, device, size, requests)
         planned = resolved.plan()
         planned.require_fits()
+        resolved.require_host_memory(planned)
         _require_torch()
         from kvtwin.executor.device_replay import ExecutorOptions, check_pool_fits, require_device
         from kvtwin.executor.validate import ValidateOptions

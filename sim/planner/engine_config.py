@@ -141,6 +141,8 @@ class EngineConfig:
                               "set enable_prefix_caching = false for 'none')", "none")
         hybrid = model.default_hybrid_kv_cache if self.hybrid_kv_cache is None else self.hybrid_kv_cache
         _check_model_fits_settings(model, tp=tp, max_model_len=max_model_len)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes > gpu.memory_bytes:
+            raise ConfigError("kv_cache_memory_bytes", kv_cache_memory_limit(gpu), self.kv_cache_memory_bytes)
         scheduler = SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             **{name: getattr(self, name) for name in SCHEDULER_KNOBS})
@@ -209,6 +211,13 @@ class ResolvedEngineConfig:
     def decode_in_flight_tokens(self) -> int:
         """Tokens one request has in flight once its prefill is done (one per batch)."""
         return self.scheduler.max_concurrent_batches
+
+
+def kv_cache_memory_limit(gpu: GPUSpec) -> str:
+    """What ``kv_cache_memory_bytes`` may be on ``gpu``: vLLM allocates it on every GPU of
+    the tensor-parallel group, so no GPU count raises the bound."""
+    return (f"at most {gpu.name}'s memory, {gpu.memory_bytes:,} bytes ({gpu.memory_gib:,.1f} GiB): it is the KV "
+            "cache of each GPU, whatever the tensor parallelism")
 
 
 def _mamba_dtypes(model: ModelPreset, engine: EngineConfig) -> dict[str, str]:
