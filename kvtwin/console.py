@@ -99,7 +99,7 @@ def _param_name(err: BaseException) -> str | None:
     if param is not None:
         opts = [opt for opt in getattr(param, "opts", ()) if opt.startswith("-")]
         if opts:
-            return max(opts[:1] + [o for o in opts if o.startswith("--")][:1], key=lambda o: o.startswith("--"))
+            return ([opt for opt in opts if opt.startswith("--")] or opts)[0]
         return getattr(param, "metavar", None) or str(getattr(param, "name", "")).upper() or None
     hint = getattr(err, "param_hint", None) or getattr(err, "option_name", None)
     if hint is None or isinstance(hint, str):
@@ -145,7 +145,7 @@ def one_line_usage_errors() -> Iterator[None]:
         if not _is_click_error(err) or type(err).__name__ == "NoArgsIsHelpError":
             raise
         print(usage_error_line(err), file=sys.stderr)
-        raise typer.Exit(code=getattr(err, "exit_code", 2)) from None
+        raise typer.Exit(code=2) from None
 
 
 def _interrupted(text: str) -> None:

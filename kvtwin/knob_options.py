@@ -53,10 +53,11 @@ _ANNOTATED = object()  # no default: the option sits in an ``Annotated[...]`` wi
 
 
 def number_option(*flags: str, kind: str, default: Any = _ANNOTATED, rule: Rule | None = None, unit: str = "",
-                  help: str = "") -> Any:
+                  help: str = "", metavar: str | None = None) -> Any:
     """A typer option for a number (``kind`` int or float, or a byte ``unit``) read by
     ``text_parser``: for the flags of a command that are not settings of the table."""
-    settings = dict(help=help, parser=text_parser(kind, unit=unit, rule=rule), metavar=_METAVARS[unit or kind])
+    settings = dict(help=help, parser=text_parser(kind, unit=unit, rule=rule),
+                    metavar=metavar or _METAVARS[unit or kind])
     if default is _ANNOTATED:
         return typer.Option(*flags, **settings)
     return typer.Option(default, *flags, **settings)

@@ -40,9 +40,9 @@ _POSITIVE_TOKENS: validators.Rule = (lambda v: is_int(v) and v >= 1, "a positive
 _NON_NEGATIVE_REQUESTS: validators.Rule = (lambda v: is_int(v) and v >= 0, "a non-negative number of requests")
 SeedOpt = Annotated[int, number_option("--seed", kind="int", help="Seed for spreading Mooncake arrivals.")]
 AssumeOpt = Annotated[Optional[int], number_option(
-    "--assume-session-history", kind="int", rule=_POSITIVE_TOKENS,
+    "--assume-session-history", kind="int", rule=_POSITIVE_TOKENS, metavar="BLOCK_TOKENS",
     help="For traces without content identity: ASSUME each turn re-sends its session's history and "
-         "derive block hashes of this many tokens from it (BLOCK_TOKENS).")]
+         "derive block hashes of this many tokens from it.")]
 MapOpt = Annotated[Optional[list[str]], typer.Option(
     "--map", metavar="COLUMN=SOURCE", help="Generic format: trace column from source column "
                                            "(arrival_time_s, prompt_tokens, output_tokens required).")]
