@@ -20,7 +20,7 @@ import typer.main
 from typer.core import TyperCommand, TyperGroup
 
 from kvtwin import CORE_BUILD, __version__
-from kvtwin.console import guard_all, guarded
+from kvtwin.console import guard_all, guarded, one_line_usage_errors
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,23 @@ class _NotLoaded(TyperCommand):
 
 class LazyGroup(TyperGroup):
     """The top-level group: typer's own, with each command loaded on first use. The
-    listing, the "Did you mean" suggestions and the usage errors read the stand-ins."""
+    listing, the "Did you mean" suggestions and the usage errors read the stand-ins. A
+    usage error anywhere below it is one ``kvtwin: error:`` line (``console.usage_error_line``)."""
 
     def __init__(self, **settings):
         super().__init__(**settings)
         for entry in COMMANDS:
             self.commands.setdefault(entry.name, _NotLoaded(entry))
+
+    # Reading the command line happens in these two: the group's own options here, a
+    # command's flags (and the command itself) inside ``invoke``.
+    def make_context(self, info_name, args, parent=None, **extra):
+        with one_line_usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with one_line_usage_errors():
+            return super().invoke(ctx)
 
     def get_command(self, ctx, cmd_name: str):
         command = self.commands.get(cmd_name)

@@ -112,6 +112,68 @@ def report_trace_notes(table) -> None:
         print(f"kvtwin: skipped: {reason}", file=sys.stderr)
 
 
+def _is_click_error(err: BaseException) -> bool:
+    # typer has shipped click as a dependency and as its own copy (``typer._click``): the
+    # class is known by name, whichever module holds it.
+    return any(cls.__name__ == "ClickException" for cls in type(err).__mro__)
+
+
+def _param_name(err: BaseException) -> str | None:
+    """The flag (its first spelling, as the settings table names it) or argument an error
+    is about, if it says."""
+    param = getattr(err, "param", None)
+    if param is not None:
+        opts = [opt for opt in getattr(param, "opts", ()) if opt.startswith("-")]
+        if opts:
+            return ([opt for opt in opts if opt.startswith("--")] or opts)[0]
+        return getattr(param, "metavar", None) or str(getattr(param, "name", "")).upper() or None
+    hint = getattr(err, "param_hint", None) or getattr(err, "option_name", None)
+    if hint is None or isinstance(hint, str):
+        return hint
+    return " / ".join(hint)
+
+
+def usage_error_line(err: BaseException) -> str:
+    """One ``kvtwin: error:`` line for an error typer (click) raised while reading the
+    command line: a flag's value it refused, an unknown option, a missing value."""
+    ctx = getattr(err, "ctx", None)
+    command = getattr(ctx, "command_path", None) or "kvtwin"
+    message = " ".join(str(getattr(err, "message", None) or err).split())
+    name = _param_name(err)
+    kind = type(err).__name__
+    if kind == "MissingParameter":
+        text = f"{name or command}: expected a value (it is required; {command} --help)"
+    elif kind == "NoSuchOption":
+        option = getattr(err, "option_name", None) or name or "?"
+        maybe = sorted(getattr(err, "possibilities", None) or ())
+        hint = f"; did you mean {' or '.join(maybe)}?" if maybe else ""
+        text = f"{option}: expected an option of {command} ({command} --help lists them{hint}), got {option!r}"
+    elif kind == "BadOptionUsage" and "requires an argument" in message:
+        text = f"{name}: expected a value after it"
+    elif message.startswith("No such command"):
+        got = message.removeprefix("No such command").strip(" .")
+        text = f"{command}: expected one of its commands ({command} --help lists them), got {got}"
+    elif name:
+        text = f"{name}: {message if message.startswith('expected') else f'expected a valid value ({message})'}"
+    else:
+        text = f"{command}: {message} ({command} --help)"
+    return f"kvtwin: error: {text}"
+
+
+@contextlib.contextmanager
+def one_line_usage_errors() -> Iterator[None]:
+    """Print what typer would show as a usage block and an ``Error:`` line as one
+    ``kvtwin: error:`` line instead, exit code 2 (README, Exit codes). ``--help`` and a
+    bare group's help pass through."""
+    try:
+        yield
+    except Exception as err:
+        if not _is_click_error(err) or type(err).__name__ == "NoArgsIsHelpError":
+            raise
+        print(usage_error_line(err), file=sys.stderr)
+        raise typer.Exit(code=2) from None
+
+
 def _interrupted(text: str) -> None:
     print(f"kvtwin: {text}", file=sys.stderr)
     raise typer.Exit(code=EXIT_INTERRUPTED)

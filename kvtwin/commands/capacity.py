@@ -18,6 +18,7 @@ from typing import List, Optional
 import typer
 
 from kvtwin.console import PLAIN_PROGRESS_EVERY_S, interrupt_note, progress_display, user_errors
+from kvtwin.knob_options import number_option
 from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.bundled import find_scenario
@@ -36,22 +37,24 @@ def capacity(
                                           "the product."),
     find_max_rate: bool = typer.Option(False, "--find-max-rate",
                                        help="Per point, search the largest workload.rate_scale that holds the SLO."),
-    target_rate: Optional[float] = typer.Option(None, "--target-rate",
-                                                help="Requests/s to size replicas for (with --find-max-rate)."),
-    rate_tolerance: float = typer.Option(DEFAULT_RATE_TOLERANCE, "--rate-tolerance",
-                                         help="Relative tolerance of the rate search."),
-    goodput: Optional[float] = typer.Option(None, "--goodput",
-                                            help="SLO holds when this fraction of the requests admitted "
-                                                 "(not rejected) meets it (default: p99 TTFT and p99 TPOT "
-                                                 "within the SLO)."),
-    max_replays: int = typer.Option(DEFAULT_MAX_REPLAYS, "--max-replays",
-                                    help="Most replays per point in the rate search."),
+    target_rate: Optional[float] = number_option("--target-rate", kind="float", default=None,
+                                                 help="Requests/s to size replicas for (with --find-max-rate)."),
+    rate_tolerance: float = number_option("--rate-tolerance", kind="float", default=DEFAULT_RATE_TOLERANCE,
+                                          help="Relative tolerance of the rate search."),
+    goodput: Optional[float] = number_option("--goodput", kind="float", default=None,
+                                             help="SLO holds when this fraction of the requests admitted "
+                                                  "(not rejected) meets it (default: p99 TTFT and p99 TPOT "
+                                                  "within the SLO)."),
+    max_replays: int = number_option("--max-replays", kind="int", default=DEFAULT_MAX_REPLAYS,
+                                     help="Most replays per point in the rate search."),
     hit_curve: bool = typer.Option(False, "--hit-curve",
                                    help="Also write hit_curve.parquet: LRU hit rate against KV cache size."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Points run at once (default: CPUs)."),
+    jobs: Optional[int] = number_option("--jobs", "-j", kind="int", default=None,
+                                        help="Points run at once (default: CPUs)."),
     backend: str = typer.Option("process", "--backend", help="process (a local pool) or ray."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join this Ray cluster."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests per point."),
+    limit: Optional[int] = number_option("--limit", kind="int", default=None,
+                                         help="Replay only the first N requests per point."),
     out: Path = typer.Option(Path("runs/capacity"), "--out", "-o", help="Capacity directory to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the directory."),

@@ -13,7 +13,10 @@ from pathlib import Path
 import typer
 
 from kvtwin.console import user_errors
+from kvtwin.knob_options import number_option
 from kvtwin.sim.core.hashing import HASH_FUNCTIONS
+
+_NON_NEGATIVE = (lambda v: isinstance(v, int) and v >= 0, "a non-negative number of differences")
 
 
 def lockstep(
@@ -22,7 +25,8 @@ def lockstep(
     check: bool = typer.Option(True, "--check/--no-check", help="Compare with expected_*.jsonl when present."),
     hash_algo: str = typer.Option(None, "--hash-algo",
                                   help=f"Block hash function ({', '.join(HASH_FUNCTIONS)}); default: the case's."),
-    max_diffs: int = typer.Option(10, "--max-diffs", help="How many differences to print."),
+    max_diffs: int = number_option("--max-diffs", kind="int", default=10, rule=_NON_NEGATIVE,
+                                   help="How many differences to print."),
 ) -> None:
     """Run a golden case through kvtwin's scheduler with a step clock and a scripted model."""
     # Loaded here, not with the command line: the scheduler and rich's progress bar.

@@ -52,8 +52,6 @@ def replay(
     """Replay a trace against vLLM's KV cache manager and scheduler in simulated time."""
     # Loaded here, not with the command line: the simulator pulls in pyarrow, numpy and SimPy.
     from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_run
-    from kvtwin.sim.replay.calibration_data import band_lines, with_band
-    from kvtwin.sim.replay.run import run_replay
 
     seen = {"now_s": None, "replaying": False, "out_existed": out.exists()}
     with user_errors(), interrupt_note(lambda: _interrupted_before_writing(seen, out)):
@@ -68,6 +66,11 @@ def replay(
         workload = resolved.require_workload()
         planned = resolved.plan()
         planned.require_fits()  # before the trace is read
+        resolved.require_host_memory(planned)  # and before any block pool is built
+        # The simulator (SimPy, the recorder: most of a second) loads once the input is good.
+        from kvtwin.sim.replay.calibration_data import band_lines, with_band
+        from kvtwin.sim.replay.run import run_replay
+
         offload = resolved.offload_for(planned)
         table = workload.load()
         report_trace_notes(table)

@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from kvtwin.console import report_trace_notes, user_errors
+from kvtwin.knob_options import number_option
 from kvtwin.reports.paths import check_out_file
+from kvtwin.sim.core.config import is_int
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.scenario import validators
 from kvtwin.trace_options import (ArrivalsOpt, FormatOpt, HashBlockOpt, MapOpt, PerBlockOpt, SeedOpt, SkipBadOpt,
                                   TimeUnitOpt, checked_options, given_options)
 from kvtwin.traces import bundled
@@ -29,15 +32,14 @@ if TYPE_CHECKING:
 trace_app = typer.Typer(help="Inspect, convert and synthesise request traces.", no_args_is_help=True,
                         rich_markup_mode=None)
 
-AssumeOpt = Annotated[Optional[int], typer.Option(
-    "--assume-session-history", metavar="BLOCK_TOKENS",
+_POSITIVE_TOKENS: validators.Rule = (lambda v: is_int(v) and v >= 1, "a positive number of tokens")
+AssumeOpt = Annotated[Optional[int], number_option(
+    "--assume-session-history", kind="int", rule=_POSITIVE_TOKENS, metavar="BLOCK_TOKENS",
     help="For traces without content identity: ASSUME each turn re-sends its session's history and "
          "derive block hashes of this many tokens from it.")]
 
 
 def _options(assume: int | None, **flags) -> LoadOptions:
-    if assume is not None and assume < 1:
-        raise ConfigError("--assume-session-history", "a block size >= 1", assume)
     options = checked_options(given_options(**flags))
     return dataclasses.replace(options, assume_session_history=assume)
 
@@ -45,7 +47,7 @@ def _options(assume: int | None, **flags) -> LoadOptions:
 @trace_app.command("info")
 def info(
     path: Annotated[str, typer.Argument(help="Trace file (or bundled:NAME).")],
-    block_tokens: Annotated[Optional[int], typer.Option("--block-tokens", min=1, help=(
+    block_tokens: Annotated[Optional[int], number_option("--block-tokens", kind="int", rule=_POSITIVE_TOKENS, help=(
         "Block size for the prefix-reuse bound (default: the trace's hash block size, else 16)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     fmt: FormatOpt = None, skip_bad: SkipBadOpt = False, arrivals: ArrivalsOpt = None, seed: SeedOpt = None,

@@ -24,6 +24,7 @@ from typing import Optional
 import typer
 
 from kvtwin.console import interrupt_note, require_extra, user_errors
+from kvtwin.knob_options import number_option
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
@@ -39,15 +40,15 @@ def validate(
                                             "output tokens, arriving together, on a pool that evicts and preempts; "
                                             "under two minutes on two cores) or full (the default on cuda: the "
                                             "scenario's requests, lengths, times and pool)."),
-    requests: Optional[int] = typer.Option(None, "--requests", "-n",
-                                           help="Validate on the first N requests of the trace (default: 32 at "
-                                                "--size small; at --size full 100 on cuda, 8 on cpu; each check "
-                                                "runs the workload again)."),
+    requests: Optional[int] = number_option("--requests", "-n", kind="int", default=None,
+                                            help="Validate on the first N requests of the trace (default: 32 at "
+                                                 "--size small; at --size full 100 on cuda, 8 on cpu; each check "
+                                                 "runs the workload again)."),
     checks: Optional[str] = typer.Option(None, "--checks",
                                          help="Comma-separated subset of: prefix_hits_are_real, "
                                               "predicted_hits_are_executed, memory, step_latency."),
     clock: str = typer.Option("measured", "--clock", help="measured (step time = device time) or wall."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    seed: int = number_option("--seed", kind="int", default=0, help="Seed of the random weights."),
     out: Path = typer.Option(Path("runs/validate"), "--out", "-o", help="Directory to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
@@ -65,6 +66,7 @@ def validate(
         resolved, trace = _sized_inputs(resolved, sizing)
         planned = resolved.plan()
         planned.require_fits()
+        resolved.require_host_memory(planned)
         from kvtwin.executor.device_replay import ExecutorOptions, check_pool_fits, require_device
         from kvtwin.executor.validate import ValidateOptions
         from kvtwin.executor.validate import validate as run_validation

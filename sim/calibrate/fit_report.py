@@ -117,7 +117,9 @@ def prepare(scenario_path: Path, *, bench_serve: Sequence[Path] = (), metrics_be
         # The fits replay without drafts: a fit against a drafting server would be off.
         raise ConfigError("speculative.method", "no [speculative] table for kvtwin calibrate (the fits replay "
                           "without drafts)", resolved.speculative.method, source=resolved.where)
-    resolved.plan().require_fits()
+    planned = resolved.plan()
+    planned.require_fits()
+    resolved.require_host_memory(planned)
     table = _trace(trace) if trace is not None else None
     if steps is not None:
         samples = read_steps(steps)

@@ -12,8 +12,11 @@ refused with the same words wherever it comes from. Strings are never booleans.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 from kvtwin.sim.core.errors import require
@@ -28,7 +31,69 @@ def is_int(value: object) -> bool:
 
 
 def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float: an infinite or NaN setting would pass a range check (``inf > 0``)
+    and then make nonsense of every figure computed from it."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, float) and math.isfinite(value)
+
+
+# Byte sizes, as scenario values, flags and sweep values all accept them: decimal units as
+# disks and DRAM are sold, binary ones as GPUs and vLLM's logs count.
+BYTE_UNITS: dict[str, int] = {"kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+BYTE_FORMS = "an integer, 1e9, or a number and a unit of kB, MB, GB, TB, KiB, MiB, GiB or TiB: 500GB, 1.5 TiB"
+# At most a three-digit exponent: "1e999999999" would otherwise be a billion-digit integer.
+_BYTES_TEXT = re.compile(r"\s*([-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]{1,3})?)\s*"
+                         r"([A-Za-z]*)(/s)?\s*")
+
+
+def byte_amount(value: object, *, per_second: bool = False) -> Fraction | None:
+    """``value`` as an exact number of bytes (bytes per second with ``per_second``, where a
+    unit may end in ``/s``), or None when it is not one: an int, a finite float, or text
+    such as ``"1e9"``, ``"500GB"``, ``"1.5 TiB"``. Exact, so that ``1.5TB`` is a whole
+    number of bytes and ``0.1`` is not; the sign is the caller's to judge."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return Fraction(value)
+    if isinstance(value, float):
+        return Fraction(value) if math.isfinite(value) else None
+    if not isinstance(value, str):
+        return None
+    match = _BYTES_TEXT.fullmatch(value)
+    if match is None or (match.group(3) and not per_second):
+        return None
+    number, unit = match.group(1).replace("_", ""), match.group(2)
+    if unit and unit not in BYTE_UNITS:
+        return None
+    try:
+        amount = Fraction(number)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return amount * BYTE_UNITS[unit] if unit else amount
+
+
+def byte_count(value: object, field: str, expected: str, *, minimum: int = 0) -> int:
+    """``value`` as a whole number of bytes, at least ``minimum``; else a ``ConfigError``
+    naming ``field`` (``expected`` says what it wanted)."""
+    amount = byte_amount(value)
+    require(amount is not None and amount.denominator == 1 and amount >= minimum, field, expected, value)
+    assert amount is not None
+    return int(amount)
+
+
+def byte_rate(value: object, field: str, expected: str, *, positive: bool = False) -> float | int:
+    """``value`` as bytes per second (non-negative; positive with ``positive``); a number
+    comes back as it was given, text as a float."""
+    amount = byte_amount(value, per_second=True)
+    require(amount is not None and (amount > 0 if positive else amount >= 0), field, expected, value)
+    assert amount is not None
+    if isinstance(value, (int, float)):
+        return value
+    return int(amount) if amount.denominator == 1 else float(amount)
 
 
 def _is_bool(value: object) -> bool:

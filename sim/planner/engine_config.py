@@ -19,10 +19,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvtwin.sim.core.config import (
+    BYTE_FORMS,
     CACHE_KNOBS,
     SCHEDULER_KNOBS,
     CacheConfig,
     SchedulerConfig,
+    byte_count,
     check_knobs,
     is_int,
     is_number,
@@ -79,11 +81,20 @@ class EngineConfig:
     non_torch_bytes: int | None = None
     def __post_init__(self) -> None:
         _positive(self.tensor_parallel_size, "tensor_parallel_size")
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
-                     "kv_cache_memory_bytes"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if value is not None:
                 _positive(value, name)
+        # Byte sizes in any of their forms (500GB, 1e9), one spelling after: an int.
+        if self.kv_cache_memory_bytes is not None:
+            object.__setattr__(self, "kv_cache_memory_bytes", byte_count(
+                self.kv_cache_memory_bytes, "kv_cache_memory_bytes", f"a positive number of bytes ({BYTE_FORMS})",
+                minimum=1))
+        for name in ("activation_peak_bytes", "cuda_graph_bytes", "non_torch_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, byte_count(value, name,
+                                                          f"a non-negative number of bytes ({BYTE_FORMS})"))
         util = self.gpu_memory_utilization
         require(is_number(util) and 0 < util <= 1, "gpu_memory_utilization", "a fraction in (0, 1]", util)
         require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}",
@@ -101,10 +112,6 @@ class EngineConfig:
         interval = parse_retention_setting(self.prefix_cache_retention_interval)
         object.__setattr__(self, "prefix_cache_retention_interval", "dense" if interval is None else interval)
         check_knobs(self._cache_settings(), CACHE_KNOBS)
-        for name in ("activation_peak_bytes", "cuda_graph_bytes", "non_torch_bytes"):
-            value = getattr(self, name)
-            if value is not None:
-                require(is_int(value) and value >= 0, name, "a non-negative number of bytes", value)
 
     def _cache_settings(self) -> dict[str, object]:
         """The ``CacheConfig`` fields as the core takes them (``dense`` is None there)."""
@@ -134,6 +141,8 @@ class EngineConfig:
                               "set enable_prefix_caching = false for 'none')", "none")
         hybrid = model.default_hybrid_kv_cache if self.hybrid_kv_cache is None else self.hybrid_kv_cache
         _check_model_fits_settings(model, tp=tp, max_model_len=max_model_len)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes > gpu.memory_bytes:
+            raise ConfigError("kv_cache_memory_bytes", kv_cache_memory_limit(gpu), self.kv_cache_memory_bytes)
         scheduler = SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             **{name: getattr(self, name) for name in SCHEDULER_KNOBS})
@@ -202,6 +211,13 @@ class ResolvedEngineConfig:
     def decode_in_flight_tokens(self) -> int:
         """Tokens one request has in flight once its prefill is done (one per batch)."""
         return self.scheduler.max_concurrent_batches
+
+
+def kv_cache_memory_limit(gpu: GPUSpec) -> str:
+    """What ``kv_cache_memory_bytes`` may be on ``gpu``: vLLM allocates it on every GPU of
+    the tensor-parallel group, so no GPU count raises the bound."""
+    return (f"at most {gpu.name}'s memory, {gpu.memory_bytes:,} bytes ({gpu.memory_gib:,.1f} GiB): it is the KV "
+            "cache of each GPU, whatever the tensor parallelism")
 
 
 def _mamba_dtypes(model: ModelPreset, engine: EngineConfig) -> dict[str, str]:

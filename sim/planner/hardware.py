@@ -24,9 +24,17 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from kvtwin.sim.core.config import BYTE_FORMS, byte_count, byte_rate, is_number
 from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 
 GIB = 1 << 30
+BANDWIDTH_FIELDS = ("hbm_bandwidth_bytes_per_s", "interconnect_bytes_per_s", "pcie_h2d_bytes_per_s",
+                    "pcie_d2h_bytes_per_s", "nic_bytes_per_s")
+FLOPS_FIELDS = ("bf16_flops", "fp8_flops")
+# A preset leaves these 0 for "none" (no FP8 tensor cores, no published NIC); a table that
+# gives any other rate as 0 has made a mistake the cost model would divide by, or silently
+# price as free.
+ZERO_MEANS_NONE = ("fp8_flops", "nic_bytes_per_s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,15 +67,16 @@ class GPUSpec:
 
     def __post_init__(self) -> None:
         if self.price_per_hour is not None:
-            require(isinstance(self.price_per_hour, (int, float)) and not isinstance(self.price_per_hour, bool)
-                    and self.price_per_hour >= 0, "price_per_hour", "a non-negative price in USD per GPU-hour",
-                    self.price_per_hour)
-        require(isinstance(self.memory_bytes, int) and self.memory_bytes > 0, "memory_bytes",
-                "a positive number of bytes", self.memory_bytes)
-        for name in ("hbm_bandwidth_bytes_per_s", "bf16_flops", "fp8_flops", "interconnect_bytes_per_s",
-                     "pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s", "nic_bytes_per_s"):
+            require(is_number(self.price_per_hour) and self.price_per_hour >= 0, "price_per_hour",
+                    "a non-negative price in USD per GPU-hour", self.price_per_hour)
+        object.__setattr__(self, "memory_bytes", byte_count(
+            self.memory_bytes, "memory_bytes", f"a positive number of bytes ({BYTE_FORMS})", minimum=1))
+        for name in BANDWIDTH_FIELDS:
+            object.__setattr__(self, name, byte_rate(getattr(self, name), name, "a non-negative number of bytes per "
+                                                     "second (3.35e12, or with a unit: 3.35TB/s)"))
+        for name in FLOPS_FIELDS:
             value = getattr(self, name)
-            require(isinstance(value, (int, float)) and value >= 0, name, "a non-negative number", value)
+            require(is_number(value) and value >= 0, name, "a non-negative number of FLOP/s", value)
 
     @property
     def memory_gib(self) -> float:
@@ -176,6 +185,23 @@ def get_gpu(name: str, *, field: str = "--gpu") -> GPUSpec:
 _GPU_FIELDS = {f.name for f in dataclasses.fields(GPUSpec)} - {"preset"}
 
 
+def _require_positive_rate(value: object, field: str) -> None:
+    if field.endswith("_flops"):
+        require(is_number(value) and value > 0, field, "a positive number of FLOP/s", value)
+    else:
+        byte_rate(value, field, "a positive number of bytes per second (3.35e12, or with a unit: 3.35TB/s)",
+                  positive=True)
+
+
+def require_cost_model_inputs(gpu: GPUSpec) -> None:
+    """Refuse a GPU the cost model cannot price a step on (an inline ``[hardware]`` table
+    that plans without them but gives no bandwidth or FLOP/s), naming the field."""
+    for name, unit in (("hbm_bandwidth_bytes_per_s", "bytes per second"), ("bf16_flops", "FLOP/s")):
+        value = getattr(gpu, name)
+        require(value > 0, f"hardware.{name}", f"a positive number of {unit}: the cost model prices every step "
+                f"with it, and {gpu.name} has none (an inline [hardware] table must give it)", value)
+
+
 def gpu_from_mapping(entry: dict[str, Any], *, where: str = "hardware") -> GPUSpec:
     """A GPU from a scenario's ``[hardware]`` table.
 
@@ -189,10 +215,14 @@ def gpu_from_mapping(entry: dict[str, Any], *, where: str = "hardware") -> GPUSp
     preset_name = params.pop("gpu", None)
     if "memory_gib" in params:
         gib = params.pop("memory_gib")
-        require(isinstance(gib, (int, float)) and gib > 0, f"{where}.memory_gib", "a positive number", gib)
+        require(is_number(gib) and gib > 0 and is_number(gib * GIB), f"{where}.memory_gib", "a positive number",
+                gib)
         params["memory_bytes"] = int(gib * GIB)
     reject_unknown_keys(params, _GPU_FIELDS, where=where,
                         expected=f"a hardware field ({', '.join(sorted(_GPU_FIELDS | {'gpu', 'memory_gib'}))})")
+    for name in BANDWIDTH_FIELDS + FLOPS_FIELDS:
+        if name in params and name not in ZERO_MEANS_NONE:
+            _require_positive_rate(params[name], f"{where}.{name}")
     try:
         if preset_name is not None:
             base = get_gpu(preset_name, field=f"{where}.gpu")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvtwin.sim.core.config import is_number
 from kvtwin.sim.core.errors import ConfigError, config_from_table, reject_unknown_keys, require
 from kvtwin.sim.core.spec import SPEC_CLASSES
 
@@ -288,9 +289,9 @@ class ModelPreset:
         _positive_int(self.head_dim_v, "head_dim_v")
         if self.params_active is None:
             object.__setattr__(self, "params_active", self.params_total)
-        require(isinstance(self.params_total, (int, float)) and self.params_total > 0, "params_total",
+        require(is_number(self.params_total) and self.params_total > 0, "params_total",
                 "a positive parameter count", self.params_total)
-        require(isinstance(self.params_active, (int, float)) and 0 < self.params_active <= self.params_total,
+        require(is_number(self.params_active) and 0 < self.params_active <= self.params_total,
                 "params_active", f"a positive count no larger than params_total ({self.params_total:g})",
                 self.params_active)
         require(isinstance(self.layer_pattern, str) and self.layer_pattern != ""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvtwin.sim.core.config import is_int, is_number
+from kvtwin.sim.core.config import BYTE_FORMS, byte_count, byte_rate, is_number
 from kvtwin.sim.core.errors import ConfigError, config_from_table, require
 
 OFFLOAD_POLICIES = ("lru", "arc")
@@ -57,16 +57,18 @@ class OffloadConfig:
     disk_latency_s: float = DEFAULT_DISK_LATENCY_S
 
     def __post_init__(self) -> None:
-        require(is_int(self.cpu_bytes) and self.cpu_bytes >= 0, "cpu_bytes",
-                "a non-negative integer number of bytes of host memory (0 = no offloading)", self.cpu_bytes)
+        # Byte sizes in any of their forms (1TB, 1e12), one spelling after: an int.
+        object.__setattr__(self, "cpu_bytes", byte_count(
+            self.cpu_bytes, "cpu_bytes", f"a non-negative number of bytes of host memory, 0 = no offloading "
+            f"({BYTE_FORMS})"))
         require(isinstance(self.policy, str) and self.policy in OFFLOAD_POLICIES, "policy",
                 f"one of {', '.join(OFFLOAD_POLICIES)}", self.policy)
-        require(is_int(self.disk_bytes) and self.disk_bytes >= 0, "disk_bytes",
-                "a non-negative integer number of bytes of disk (0 = no disk tier)", self.disk_bytes)
+        object.__setattr__(self, "disk_bytes", byte_count(
+            self.disk_bytes, "disk_bytes", f"a non-negative number of bytes of disk, 0 = no disk tier ({BYTE_FORMS})"))
         if self.disk_bandwidth_bytes_per_s is not None:
-            require(is_number(self.disk_bandwidth_bytes_per_s) and self.disk_bandwidth_bytes_per_s > 0,
-                    "disk_bandwidth_bytes_per_s", "a positive number of bytes per second",
-                    self.disk_bandwidth_bytes_per_s)
+            object.__setattr__(self, "disk_bandwidth_bytes_per_s", byte_rate(
+                self.disk_bandwidth_bytes_per_s, "disk_bandwidth_bytes_per_s",
+                "a positive number of bytes per second (2e9, or with a unit: 2GB/s)", positive=True))
         require(is_number(self.disk_latency_s) and self.disk_latency_s >= 0, "disk_latency_s",
                 "a non-negative number of seconds", self.disk_latency_s)
         if self.disk_bytes > 0:

@@ -155,6 +155,7 @@ def _point_row(task: PointTask) -> dict:
     workload = resolved.require_workload()
     planned = resolved.plan()
     kv_config = planned.require_fits()
+    resolved.require_host_memory(planned)
     row["kv_cache_blocks"] = kv_config.num_blocks - 1  # less the null block
     row["num_gpus"] = resolved.engine.tensor_parallel_size * point_replicas(resolved)
     replays = PointReplays(resolved, planned, resolved.offload_for(planned), _SOURCES.get(workload))

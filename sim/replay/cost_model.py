@@ -50,8 +50,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvtwin.sim.core.errors import require
-from kvtwin.sim.planner.hardware import GPUSpec
+from kvtwin.sim.planner.hardware import GPUSpec, require_cost_model_inputs
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
 from kvtwin.sim.core.decode_window import CHUNK_KEYS, FULL_KEYS, NO_KEYS, WINDOW_KEYS
@@ -173,8 +172,7 @@ class CostModel:
                  async_scheduling: bool, tensor_parallel_size: int = 1, efficiency: Efficiency = Efficiency(),
                  draft_head: DraftHead | None = None):
         """``async_scheduling`` has no default here: the engine config's is the one."""
-        require(gpu.hbm_bandwidth_bytes_per_s > 0 and gpu.bf16_flops > 0, f"hardware {gpu.name}",
-                "hbm_bandwidth_bytes_per_s and bf16_flops for the cost model", gpu.name)
+        require_cost_model_inputs(gpu)
         self.model = model
         self.gpu = gpu
         self.tp = tensor_parallel_size

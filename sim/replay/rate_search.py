@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtwin.sim.core.config import is_int, is_number
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.scenario.slo import SLO, admitted_attainment
 
@@ -52,14 +53,13 @@ class RateSearch:
     target_rate: float | None = None
 
     def check(self) -> None:
-        if not (isinstance(self.tolerance, (int, float)) and 0 < self.tolerance < 1):
+        if not (is_number(self.tolerance) and 0 < self.tolerance < 1):
             raise ConfigError("--rate-tolerance", "a relative tolerance in (0, 1)", self.tolerance)
-        if self.goodput is not None and not (isinstance(self.goodput, (int, float)) and 0 < self.goodput <= 1):
+        if self.goodput is not None and not (is_number(self.goodput) and 0 < self.goodput <= 1):
             raise ConfigError("--goodput", "a fraction of requests in (0, 1]", self.goodput)
-        if not (isinstance(self.max_replays, int) and self.max_replays >= 2):
+        if not (is_int(self.max_replays) and self.max_replays >= 2):
             raise ConfigError("--max-replays", "at least 2 replays", self.max_replays)
-        if self.target_rate is not None and not (isinstance(self.target_rate, (int, float))
-                                                 and self.target_rate > 0):
+        if self.target_rate is not None and not (is_number(self.target_rate) and self.target_rate > 0):
             raise ConfigError("--target-rate", "a positive rate in requests per second", self.target_rate)
 
 

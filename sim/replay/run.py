@@ -38,6 +38,7 @@ from kvtwin.sim.core.spec import KVCacheConfig
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import summarize, summarize_replicas
 from kvtwin.sim.replay.router import make_router
+from kvtwin.sim.planner.host_memory import require_host_memory
 from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
@@ -218,6 +219,7 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     ``speculative`` (enabled: the plan's scheduler drafts, ``ResolvedScenario.plan``) gives
     each replica's executor its acceptance draws (seed plus the replica's index) and its
     cost model the draft head."""
+    _require_pools_fit(plan, disaggregation.num_replicas if disaggregation is not None else deployment.replicas)
     if disaggregation is not None:
         if speculative.enabled:
             raise ValueError("P/D with speculative decoding is not modelled (the scenario refuses it)")
@@ -235,6 +237,15 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     result.requests, result.summary = with_client_side(result.requests, result.summary,
                                                        efficiency.client_overhead_s)
     return result
+
+
+def _require_pools_fit(plan: Plan, num_replicas: int) -> None:
+    """Refuse a run whose pools would not fit in memory before any is built (commands
+    check it sooner, naming the scenario's setting: ``ResolvedScenario.require_host_memory``)."""
+    if num_replicas > 1:
+        require_host_memory(plan.num_blocks, num_replicas, field="replicas", got=num_replicas)
+    else:
+        require_host_memory(plan.num_blocks, num_replicas, field="num_blocks", got=plan.num_blocks)
 
 
 def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency(), draft_head: DraftHead | None = None) -> CostModel:
@@ -270,6 +281,7 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     turns decode windows off (``sim/core/decode_window.py``; the results are the same, only
     slower)."""
     kv_cache_config = plan.require_fits()
+    _require_pools_fit(plan, len(executors))
     eng = plan.engine
     tiers: list[OffloadTier | None] = [None] * len(executors)
     if offload is not None:
@@ -300,6 +312,8 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       decode_windows: bool = True, env: simpy.Environment | None = None) -> ReplayResult:
     """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first)."""
     from kvtwin.sim.replay.pd_run import pd_load_imbalance, pd_summary_columns, run_pd_simulation
+
+    _require_pools_fit(plan, len(executors))
 
     def pricing(executor: ModelExecutor) -> WindowPricing | None:
         return window_pricing(executor) if decode_windows else None

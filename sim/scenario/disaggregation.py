@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvtwin.sim.core.config import is_int
+from kvtwin.sim.core.config import is_int, is_number
 from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 from kvtwin.sim.scenario.deployment import ROUTER_NAMES
 
@@ -39,10 +39,6 @@ LINKS = ("nvlink", "rdma")
 NVLINK_LATENCY_US = 5.0
 RDMA_BANDWIDTH_GBPS = 400.0
 RDMA_LATENCY_US = 10.0
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -64,10 +60,10 @@ class Disaggregation:
                     value)
         require(isinstance(self.link, str) and self.link in LINKS, "link", f"one of {', '.join(LINKS)}", self.link)
         if self.bandwidth_gbps is not None:
-            require(_number(self.bandwidth_gbps) and self.bandwidth_gbps > 0, "bandwidth_gbps",
+            require(is_number(self.bandwidth_gbps) and self.bandwidth_gbps > 0, "bandwidth_gbps",
                     "a positive link bandwidth in gigabits per second", self.bandwidth_gbps)
         if self.latency_us is not None:
-            require(_number(self.latency_us) and self.latency_us >= 0, "latency_us",
+            require(is_number(self.latency_us) and self.latency_us >= 0, "latency_us",
                     "a non-negative link latency in microseconds", self.latency_us)
         for name in ("prefill_router", "decode_router"):
             value = getattr(self, name)

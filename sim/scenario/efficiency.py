@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, fields, replace
 
+from kvtwin.sim.core.config import is_number
 from kvtwin.sim.core.errors import ConfigError, reject_unknown_keys, require
 
 
@@ -36,7 +37,7 @@ class AllReduceCurve:
                 "cost_model.allreduce.message_bytes", "as many message sizes as seconds (at least one)", sizes)
         for name, values in (("message_bytes", sizes), ("seconds", times)):
             for value in values:
-                require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                require(is_number(value) and value >= 0,
                         f"cost_model.allreduce.{name}", "non-negative numbers", value)
         require(all(a < b for a, b in zip(sizes, sizes[1:])), "cost_model.allreduce.message_bytes",
                 "strictly increasing message sizes", sizes)
@@ -96,8 +97,8 @@ class Efficiency:
                 degrees = [c.tensor_parallel_size for c in value]
                 require(len(set(degrees)) == len(degrees), "cost_model.allreduce",
                         "one curve per tensor_parallel_size", degrees)
-            elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"cost_model.{f.name}", "a number", value)
+            elif not is_number(value):
+                raise ConfigError(f"cost_model.{f.name}", "a finite number", value)
             elif f.name.endswith("_fraction"):
                 require(0 < value <= 1, f"cost_model.{f.name}", "a fraction in (0, 1]", value)
             elif f.name.endswith("_tokens"):
@@ -151,8 +152,8 @@ def efficiency_from_mapping(entry: dict, *, where: str = "cost_model", base: Eff
     for key, value in entry.items():
         # Checked here, not only in __post_init__: the compiled dataclass turns a bool into
         # a float on its way into a float field.
-        if key != "allreduce" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{where}.{key}", "a number", value)
+        if key != "allreduce" and not is_number(value):
+            raise ConfigError(f"{where}.{key}", "a finite number", value)
     if "allreduce" in entry:
         entry["allreduce"] = _allreduce_curves(entry["allreduce"], where)
     try:

@@ -39,6 +39,9 @@ class Knob:
     flags: tuple[str, ...] = ()  # command-line spellings, the first the one errors name
     help: str = ""
     rule: Rule | None = None  # checked where the config type does not check it itself
+    # "bytes" (a size: 500GB, 1e9) or "bytes_per_s" (a rate: 2GB/s), read by
+    # ``validators.parse_text``; named by the field's suffix, as every unit is.
+    unit: str = ""
 
     @property
     def key(self) -> str:
@@ -117,8 +120,15 @@ def _kind_of(annotation: object) -> tuple[str, bool]:
     return "str", optional
 
 
+def _unit_of(name: str) -> str:
+    if name.endswith("_bytes"):
+        return "bytes"
+    return "bytes_per_s" if name.endswith("_bytes_per_s") else ""
+
+
 def _fields(section: str, cls, skip: tuple[str, ...] = ()) -> list[Knob]:
-    return [Knob(section, f.name, *_kind_of(f.type)) for f in dataclasses.fields(cls) if f.name not in skip]
+    return [Knob(section, f.name, *_kind_of(f.type), unit=_unit_of(f.name)) for f in dataclasses.fields(cls)
+            if f.name not in skip]
 
 
 def _declared() -> list[Knob]:

@@ -154,6 +154,9 @@ def _workload(table: dict, base_dir: Path) -> Workload | None:
     transform = {k: table[k] for k in TRANSFORM_KEYS if k in table}
     for key, value in transform.items():
         check_transform(key, value, f"workload.{key}")
+    if "end_s" in transform and transform["end_s"] <= transform.get("start_s", 0.0):
+        raise ConfigError("workload.end_s", f"a time after workload.start_s ({transform.get('start_s', 0.0):g} s)",
+                          transform["end_s"])
     if "trace" in table:
         check_keys(table, TRACE_KEYS + TRANSFORM_KEYS, "workload")
         options = trace_options({k: table[k] for k in OPTIONS if k in table}, SCENARIO)

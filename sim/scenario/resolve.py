@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.planner.engine_config import EngineConfig
-from kvtwin.sim.planner.hardware import GPUSpec, get_gpu
+from kvtwin.sim.planner.engine_config import EngineConfig, kv_cache_memory_limit
+from kvtwin.sim.planner.hardware import GPUSpec, get_gpu, require_cost_model_inputs
 from kvtwin.sim.planner.hf_config import load_hf_config
+from kvtwin.sim.planner.host_memory import HostMemoryEstimate, require_host_memory
 from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
@@ -193,9 +194,45 @@ class ResolvedScenario:
         }
 
     def require_workload(self) -> Workload:
+        """The workload to replay; and since a replay prices its steps, a GPU the cost model
+        can price them on (an inline one may plan without a bandwidth, not replay)."""
         if self.workload is None:
             raise ConfigError("workload", "a [workload] table in the scenario or --trace", source=self.where)
+        try:
+            require_cost_model_inputs(self.gpu)
+        except ConfigError as err:
+            raise err.with_source(self.where) if self.where else err from None
         return self.workload
+
+    @property
+    def num_replicas(self) -> int:
+        """Engines the replay builds: the prefill and decode replicas when disaggregated."""
+        if self.disaggregation is not None:
+            return self.disaggregation.num_replicas
+        return self.deployment.replicas
+
+    def require_host_memory(self, planned: Plan, available_bytes: int | None = None) -> HostMemoryEstimate:
+        """Refuse, before any pool is built, a run whose block pools would not fit in this
+        machine's memory (``sim/planner/host_memory.py``), naming the setting to change: the
+        replicas when there are several, else what sized the KV cache."""
+        where: str | None = self.where
+        if self.disaggregation is not None:
+            field = "disaggregation.prefill_replicas + decode_replicas"
+            got: object = self.disaggregation.num_replicas
+        elif self.deployment.replicas > 1:
+            field, got = "engine.replicas", self.deployment.replicas
+            if self.overrides.deployment.get("replicas") is not None:
+                field, where = flag_for("engine", "replicas"), None
+        elif self.engine.kv_cache_memory_bytes is not None:
+            field, got = "engine.kv_cache_memory_bytes", self.engine.kv_cache_memory_bytes
+            if self.overrides.engine.get("kv_cache_memory_bytes") is not None:
+                field, where = flag_for("engine", "kv_cache_memory_bytes"), None
+        else:
+            field, got = "hardware.memory_bytes", self.gpu.memory_bytes
+            if self.overrides.gpu is not None:
+                field, got, where = "--gpu", self.overrides.gpu, None
+        return require_host_memory(planned.num_blocks, self.num_replicas, field=field, got=got, source=where,
+                                   available_bytes=available_bytes)
 
 
 def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
@@ -234,6 +271,8 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             engine = dataclasses.replace(engine, **{name: value})
         except ConfigError as err:
             raise ConfigError(flag_for("engine", name), err.expected, err.got) from None
+
+    _check_kv_cache_memory(engine, gpu, overrides, where)
 
     workload = scenario.workload
     if overrides.trace is not None:
@@ -293,6 +332,17 @@ def _deployment(scenario: Scenario, overrides: Overrides) -> Deployment:
         return dataclasses.replace(scenario.deployment, **given)
     except ConfigError as err:
         raise ConfigError(flag_for("engine", err.field), err.expected, err.got) from None
+
+
+def _check_kv_cache_memory(engine: EngineConfig, gpu: GPUSpec, overrides: Overrides, where: str | None) -> None:
+    """A KV cache larger than the GPU is refused here, named where it was set, before the
+    planner would make a pool of that many blocks."""
+    kv = engine.kv_cache_memory_bytes
+    if kv is None or kv <= gpu.memory_bytes:
+        return
+    if overrides.engine.get("kv_cache_memory_bytes") is not None:
+        raise ConfigError(flag_for("engine", "kv_cache_memory_bytes"), kv_cache_memory_limit(gpu), kv)
+    raise ConfigError("engine.kv_cache_memory_bytes", kv_cache_memory_limit(gpu), kv, source=where)
 
 
 def _speculative(config: SpeculativeConfig, overrides: Overrides) -> SpeculativeConfig:

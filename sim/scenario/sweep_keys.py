@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +43,9 @@ from pathlib import Path
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.scenario.knobs import Knob, knob, section_knobs
 from kvtwin.sim.scenario.parse import scenario_from_data
+from kvtwin.sim.scenario.validators import parse_text
 
 FLAG = "--sweep"
-_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
 
 # The scenario tables a sweep may vary (``[run]`` is the command's, not a point's).
@@ -70,32 +69,17 @@ def sweep_key(key: str) -> Knob:
 
 
 def parse_value(axis: Knob, raw: str) -> object:
-    """``raw`` as the axis's type; ``None`` for ``none`` on an optional field."""
-    text = raw.strip()
+    """``raw`` as the axis's type (``validators.parse_text``, as a flag is read); ``None`` for
+    ``none`` on an optional field."""
     where = f"{FLAG} {axis.key}"
-    if axis.optional and text.lower() == "none":
+    if axis.optional and raw.strip().lower() == "none":
         return None
-    expected = _EXPECTED[axis.kind] + (" (or none for the default)" if axis.optional else "")
-    if axis.kind == "bool":
-        if text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        raise ConfigError(where, expected, raw)
-    if axis.kind == "int":
-        try:
-            return int(text.replace("_", ""))
-        except ValueError:
-            raise ConfigError(where, expected, raw) from None
-    if axis.kind == "float":
-        try:
-            value = float(text.replace("_", ""))
-        except ValueError:
-            raise ConfigError(where, expected, raw) from None
-        if not math.isfinite(value):
-            raise ConfigError(where, "a finite number", raw)
-        return value
-    if not text:
-        raise ConfigError(where, expected, raw)
-    return text
+    try:
+        return parse_text(raw, axis.kind, where, unit=axis.unit)
+    except ConfigError as err:
+        if not axis.optional:
+            raise
+        raise ConfigError(where, f"{err.expected} (or none for the default)", raw) from None
 
 
 @dataclass(frozen=True)

@@ -99,13 +99,15 @@ def test_cpu_bytes_zero_gives_exactly_the_run_without_offload(tmp_path):
 
 
 @pytest.mark.parametrize("extra, flags, fragments", [
-    ('[offload]\ncpu_bytes = "8GiB"\n', [], ["s.toml: offload.cpu_bytes", "non-negative integer", "'8GiB'"]),
+    ('[offload]\ncpu_bytes = "8 gigs"\n', [], ["s.toml: offload.cpu_bytes", "non-negative number of bytes", "'8 gigs'"]),
+    ("[offload]\ncpu_bytes = 1.5e9\ndisk_bytes = 0.5\n", [], ["s.toml: offload.disk_bytes", "got 0.5"]),
     ("[offload]\ncpu_bytes = 1000\ncpu_gib = 8\n", [], ["s.toml: offload.cpu_gib"]),
     ("[offload]\ncpu_bytes = 1000\n", [], ["s.toml: offload.cpu_bytes", "at least one CPU chunk: 2,097,152 bytes"]),
     ("[offload]\ncpu_bytes = 1000000000\ndisk_bytes = 1000000000\n", [],
      ["s.toml: offload.disk_bandwidth_bytes_per_s", "when disk_bytes > 0"]),
     ("", ["--offload-policy", "fifo"], ["--offload-policy: expected one of lru, arc, got 'fifo'"]),
-    ("", ["--offload-cpu-bytes", -5], ["--offload-cpu-bytes: expected a non-negative integer"]),
+    ("", ["--offload-cpu-bytes", -5], ["--offload-cpu-bytes: expected a non-negative number of bytes"]),
+    ("", ["--offload-cpu-bytes", "1.5"], ["--offload-cpu-bytes: expected a non-negative number of bytes", "got 1.5"]),
     ("", ["--offload-cpu-bytes", 1000], ["--offload-cpu-bytes: expected at least one CPU chunk"]),
     ("", ["--offload-cpu-bytes", CPU_BYTES, "--offload-disk-bytes", 2**33],
      ["--offload-disk-bandwidth or [offload] disk_bandwidth_bytes_per_s"]),

@@ -75,10 +75,10 @@ def _summary(result) -> dict:
 
 
 @pytest.mark.parametrize("table, field", [
-    ({"cpu_bytes": "8GiB"}, "offload.cpu_bytes"),
+    ({"cpu_bytes": "8 gigs"}, "offload.cpu_bytes"),
     ({"cpu_bytes": True}, "offload.cpu_bytes"),
     ({"cpu_bytes": -1}, "offload.cpu_bytes"),
-    ({"cpu_bytes": 8.5e9}, "offload.cpu_bytes"),
+    ({"cpu_bytes": 8.5}, "offload.cpu_bytes"),
     ({"cpu_bytes": GIB, "policy": "fifo"}, "offload.policy"),
     ({"cpu_bytes": GIB, "policy": True}, "offload.policy"),
     ({"cpu_bytes": GIB, "disk_bytes": -5}, "offload.disk_bytes"),
