@@ -133,7 +133,8 @@ def convert(
     sample_sessions: Annotated[Optional[float], typer.Option("--sample-sessions", help=(
         "Keep this fraction of sessions (whole sessions, chosen with --sample-seed)."))] = None,
     sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed for --sample-sessions.")] = None,
-    gap_s: Annotated[float, typer.Option("--gap-s", min=0, help="Pause between concatenated traces (s).")] = 0.0,
+    gap_s: Annotated[float, number_option("--gap-s", kind="float", rule=validators.NON_NEGATIVE_SECONDS,
+                                          help="Pause between concatenated traces (s).")] = 0.0,
 ) -> None:
     """Read traces in any supported format and write one kvtwin trace parquet file."""
     from kvtwin.sim.scenario.knobs import knob
@@ -150,6 +151,8 @@ def convert(
         for key, value in cuts.items():
             # A scenario's cuts and these flags are checked by the same rules.
             knob(f"workload.{key}").check(value, _CUT_FLAGS[key])
+        if end_s is not None and end_s <= (start_s or 0.0):
+            raise ConfigError("--end-s", f"a time after --start-s ({start_s or 0.0:g} s)", end_s)
         tables = [require_requests(load_trace(path, options), path) for path in inputs]
         for table in tables:
             report_trace_notes(table)

@@ -36,4 +36,7 @@ def bundled_for(gpu: GPUSpec, model_name: str, efficiency: Efficiency) -> Calibr
 
 
 def _shown(value: object) -> str:
-    return f"{value:g}" if isinstance(value, float) else repr(value)
+    # Rates read as whole numbers (a byte rate in a sweep) or floats print alike.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}"
+    return repr(value)

@@ -294,19 +294,7 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
             cuts["limit"] = overrides.limit
         workload = dataclasses.replace(workload, transforms=cuts)
 
-    offload = scenario.offload
-    given = {name: value for name, value in overrides.offload.items() if value is not None}
-    if given:
-        # All at once: a disk tier's size and bandwidth are checked together.
-        try:
-            offload = dataclasses.replace(offload, **given)
-        except ConfigError as err:
-            if err.field in given:
-                raise ConfigError(flag_for("offload", err.field), err.expected, err.got) from None
-            # A scenario value (or default) the flags made inconsistent: both ways to set it.
-            raise ConfigError(f"{flag_for('offload', err.field)} or [offload] {err.field}", err.expected,
-                              err.got) from None
-
+    offload = _offload(scenario, overrides)
     deployment = _deployment(scenario, overrides)
     speculative = _speculative(scenario.speculative, overrides)
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
@@ -316,6 +304,22 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
                             efficiency=calibration.efficiency,
                             time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration,
                             disaggregation=scenario.disaggregation, speculative=speculative)
+
+
+def _offload(scenario: Scenario, overrides: Overrides) -> OffloadConfig:
+    """The scenario's offload tiers with the offload flags on top; errors name the flag."""
+    given = {name: value for name, value in overrides.offload.items() if value is not None}
+    if not given:
+        return scenario.offload
+    # All at once: a disk tier's size and bandwidth are checked together.
+    try:
+        return dataclasses.replace(scenario.offload, **given)
+    except ConfigError as err:
+        if err.field in given:
+            raise ConfigError(flag_for("offload", err.field), err.expected, err.got) from None
+        # A scenario value (or default) the flags made inconsistent: both ways to set it.
+        raise ConfigError(f"{flag_for('offload', err.field)} or [offload] {err.field}", err.expected,
+                          err.got) from None
 
 
 def _deployment(scenario: Scenario, overrides: Overrides) -> Deployment:
