@@ -94,6 +94,10 @@ def _offload_metrics(s: dict) -> list[tuple[str, str]]:
              + f" ({s.get('offload_policy')})"),
             ("hit rate GPU / CPU / disk / total (prompt tokens)",
              " / ".join(format_percent(s.get(f"hit_rate_{t}")) for t in ("gpu", "cpu", "disk", "total"))),
-            ("loads; wait mean / p50 / p90 / p99", f"{fmt_cell(s.get('num_loads'))}; {_ms(s, 'load_wait')}"),
+            ("loads / waits for KV; wait mean / p50 / p90 / p99",
+             f"{fmt_cell(s.get('num_loads'))} / {fmt_cell(s.get('num_load_waits'))}; {_ms(s, 'load_wait')}"),
+            ("of which before the load was issued (disk promotion, store) mean / p50 / p90 / p99",
+             _ms(s, "load_defer")),
+            ("of which the transfer mean / p50 / p90 / p99", _ms(s, "load_transfer")),
             ("KV loaded / stored over PCIe",
              f"{format_bytes(s.get('kv_offload_load_bytes'))} / {format_bytes(s.get('kv_offload_store_bytes'))}")]

@@ -93,9 +93,10 @@ def format_bytes(num_bytes: float | None) -> str:
 
 def offload_line(row: dict) -> str | None:
     """``offload: 200 GB CPU (lru, 12,207 chunks): hits GPU 17.1 % + CPU 9.8 % = 26.9 % of
-    prompt tokens; 1,234 loads, wait p50 8 ms, p99 15 ms (transfer p99 9 ms); 1.2 TB loaded,
-    3.4 TB stored``; None
-    without offload tiers."""
+    prompt tokens; 1,234 loads, 1,240 waits for KV: p50 8 ms, p99 15 ms (before the load p99
+    0 s, transfer p99 9 ms); 1.2 TB loaded, 3.4 TB stored``; None without offload tiers. A
+    wait runs from the first lookup that found the hit in a tier (``load_wait_s``): "before
+    the load" is a disk promotion's or a store's time before the load could start."""
     if row.get("hit_rate_total") is None:
         return None
     tiers = f"{format_bytes(row['offload_cpu_bytes'])} CPU"
@@ -106,9 +107,11 @@ def offload_line(row: dict) -> str | None:
         hits += f" + disk {format_percent(row['hit_rate_disk'])}"
     line = (f"offload: {tiers} ({row['offload_policy']}, {row['offload_cpu_chunks']:,} chunks): hits {hits} = "
             f"{format_percent(row['hit_rate_total'])} of prompt tokens")
-    if row["num_loads"]:
-        line += (f"; {row['num_loads']:,} loads, wait p50 {format_duration_ms(row['median_load_wait_ms'])}, "
-                 f"p99 {format_duration_ms(row['p99_load_wait_ms'])} (transfer p99 "
+    if row.get("num_load_waits") or row["num_loads"]:
+        line += (f"; {row['num_loads']:,} loads, {row.get('num_load_waits', row['num_loads']):,} waits for KV: "
+                 f"p50 {format_duration_ms(row['median_load_wait_ms'])}, "
+                 f"p99 {format_duration_ms(row['p99_load_wait_ms'])} (before the load p99 "
+                 f"{format_duration_ms(row.get('p99_load_defer_ms'))}, transfer p99 "
                  f"{format_duration_ms(row['p99_load_transfer_ms'])})")
     return (line + f"; {format_bytes(row['kv_offload_load_bytes'])} loaded, "
             f"{format_bytes(row['kv_offload_store_bytes'])} stored")

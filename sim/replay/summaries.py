@@ -219,6 +219,7 @@ OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
     "hit_rate_disk": pa.float64(),
     "hit_rate_total": pa.float64(),
     "num_loads": pa.int64(),
+    "num_load_waits": pa.int64(),
     "mean_load_wait_ms": pa.float64(),
     "median_load_wait_ms": pa.float64(),
     "p90_load_wait_ms": pa.float64(),
@@ -227,6 +228,10 @@ OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
     "median_load_transfer_ms": pa.float64(),
     "p90_load_transfer_ms": pa.float64(),
     "p99_load_transfer_ms": pa.float64(),
+    "mean_load_defer_ms": pa.float64(),
+    "median_load_defer_ms": pa.float64(),
+    "p90_load_defer_ms": pa.float64(),
+    "p99_load_defer_ms": pa.float64(),
     "kv_offload_load_bytes": pa.int64(),
     "kv_offload_store_bytes": pa.int64(),
     "offload_cpu_loaded_keys": pa.int64(),
@@ -240,8 +245,9 @@ OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
 
 def offload_summary(requests: pa.Table, steps: pa.Table, offload: dict | None = None) -> dict:
     """The offload figures of a run (``OFFLOAD_SUMMARY_COLUMNS``): hits per tier at first
-    admission over the prompt tokens of the requests admitted, the loads' waits, the
-    tiers' traffic (sums of the step columns; a disk column is 0 without a disk tier)."""
+    admission over the prompt tokens of the requests admitted, the waits for KV (with the
+    part before the load was issued, ``load_defer``, and the transfer), the tiers' traffic
+    (sums of the step columns; a disk column is 0 without a disk tier)."""
     row: dict[str, object] = {name: None for name in OFFLOAD_SUMMARY_COLUMNS}
     row.update(offload or {})
     status = requests.column("status").to_numpy(zero_copy_only=False)
@@ -255,9 +261,11 @@ def offload_summary(requests: pa.Table, steps: pa.Table, offload: dict | None = 
         row[f"hit_rate_{tier}"] = hits / prompt if prompt else math.nan
     row["hit_rate_total"] = total / prompt if prompt else math.nan
     wait = requests.column("load_wait_s").to_numpy()
-    row["num_loads"] = int(np.isfinite(wait).sum())
+    row["num_loads"] = int(np.isfinite(requests.column("load_transfer_s").to_numpy()).sum())
+    row["num_load_waits"] = int(np.isfinite(wait).sum())
     row.update(_stats(wait, "load_wait_ms"))
     row.update(_stats(requests.column("load_transfer_s").to_numpy(), "load_transfer_ms"))
+    row.update(_stats(requests.column("load_defer_s").to_numpy(), "load_defer_ms"))
     names = steps.column_names
 
     def total_of(column: str) -> int:
