@@ -57,14 +57,35 @@ def plan_line(plan) -> str:
 
 def replicas_line(row: dict, replicas) -> str | None:
     """``replicas: 2 behind prefix_aware: requests 6,137 / 5,894 (imbalance 1.02), hit rate ...``;
-    None with one replica. ``replicas`` is the per-replica table (``replicas.parquet``)."""
+    None with one replica. ``replicas`` is the per-replica table (``replicas.parquet``); with
+    a ``role`` column (P/D) each side is summed up on its own."""
     if (row.get("num_replicas") or 1) <= 1:
         return None
     per = replicas.to_pylist()
+    if "role" in replicas.column_names:
+        return _pd_replicas_line(row, per)
     counts = " / ".join(f"{r['num_requests']:,}" for r in per)
     hits = " / ".join(format_percent(r["prefix_cache_hit_rate"]) for r in per)
     return (f"replicas: {row['num_replicas']} behind {row['router']}: requests {counts} (imbalance "
             f"{row['load_imbalance']:.2f}), prefix cache hit rate {hits}")
+
+
+def _pd_replicas_line(row: dict, per: list[dict]) -> str:
+    """``replicas: 2 prefill + 1 decode behind pd:...: prefill requests 520 / 480 (imbalance
+    1.04), prefix cache hit rate ...; decode requests 1,000 (imbalance 1.00), ...``: each side
+    on its own, since every request visits one replica of each (their counts are not
+    comparable across sides)."""
+    sides = []
+    for role in ("prefill", "decode"):
+        mine = [r for r in per if r["role"] == role]
+        counts = " / ".join(f"{r['num_requests']:,}" for r in mine)
+        ratios = [r["load_ratio"] for r in mine if not missing(r["load_ratio"])]
+        imbalance = f"{max(ratios):.2f}" if ratios else "-"
+        hits = " / ".join(format_percent(r["prefix_cache_hit_rate"]) for r in mine)
+        sides.append((role, len(mine), f"{role} requests {counts} (imbalance {imbalance}), prefix cache hit "
+                                       f"rate {hits}"))
+    shape = " + ".join(f"{count} {role}" for role, count, _ in sides)
+    return f"replicas: {shape} behind {row['router']}: " + "; ".join(text for _, _, text in sides)
 
 
 def prefix_line(row: dict) -> str:

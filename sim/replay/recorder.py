@@ -618,6 +618,11 @@ class MetricsRecorder:
         admission_hits = table.column("prefix_hit_tokens").to_pylist()
         decode_hits = pa.array([p.decode_hit_tokens if p is not None and p.decode_hit_tokens is not None else hit
                                 for p, hit in zip(pds, admission_hits)], pa.int64())
+        # The decode side's lookups: an admission after a read finds nothing of its own
+        # (its hit came before the read, ``decode_hit_tokens``), so that hit is added.
+        decode_queries = table.column("prefix_cache_queries")
+        decode_hits_total = pa.array([r.hit_tokens_total + ((p.decode_hit_tokens or 0) if p is not None else 0)
+                                      for r, p in zip(rows, pds)], pa.int64())
         for name, attr in (("prefix_hit_tokens", "hit_tokens"), ("prefix_cache_queries", "queried_tokens"),
                            ("prefix_cache_hits", "hit_tokens_total")):
             values = [getattr(p.prefill, attr) if p else 0 for p in pds]
@@ -626,6 +631,8 @@ class MetricsRecorder:
             "prefill_replica": pa.array([p.prefill_replica if p else -1 for p in pds], pa.int32()),
             "decode_replica": pa.array([r.replica for r in rows], pa.int32()),
             "decode_prefix_hit_tokens": decode_hits,
+            "decode_prefix_cache_queries": decode_queries,
+            "decode_prefix_cache_hits": decode_hits_total,
             "prefill_finish_time_s": pa.array([p.prefill_finish_s if p else math.nan for p in pds], pa.float64()),
             "transfer_bytes": pa.array([p.transfer_bytes if p else 0 for p in pds], pa.int64()),
             "transfer_s": pa.array([p.transfer_s if p else math.nan for p in pds], pa.float64()),

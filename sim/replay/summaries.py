@@ -300,18 +300,47 @@ def load_imbalance(requests: pa.Table, num_replicas: int) -> float:
 _CLUSTER_ONLY = ("num_replicas", "router", "load_imbalance", "prefix_cache_retention")
 
 
+class ReplicaRequests:
+    """One replica's share of the requests table: the rows it served (``rows``, indices
+    into ``table``), as it saw them (``table``: the requests table, or a view of it with
+    that replica's own columns), and its load ratio (requests routed there over the mean
+    per replica of its kind)."""
+
+    def __init__(self, rows: np.ndarray, table: pa.Table, load_ratio: float):
+        self.rows = rows
+        self.table = table
+        self.load_ratio = load_ratio
+
+
+def routed_replica_requests(requests: pa.Table, num_replicas: int) -> list[ReplicaRequests]:
+    """Each data-parallel replica's requests: the rows routed there (column ``replica``)."""
+    counts = routed_counts(requests, num_replicas)
+    mean = counts.mean() if counts.size else 0.0
+    replica_of_request = (requests.column("replica").to_numpy() if "replica" in requests.column_names
+                          else np.zeros(requests.num_rows, np.int32))
+    return [ReplicaRequests(np.flatnonzero(replica_of_request == replica), requests,
+                            float(counts[replica] / mean) if mean > 0 else math.nan)
+            for replica in range(num_replicas)]
+
+
 def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list[array], slo: SLO,
                        end_time_s: float, *, trace: pa.Table | None = None,
-                       cluster_summary: pa.Table | None = None, offload: dict | None = None) -> pa.Table:
+                       cluster_summary: pa.Table | None = None, offload: dict | None = None,
+                       per_replica: list[ReplicaRequests] | None = None,
+                       roles: list[str] | None = None) -> pa.Table:
     """One row per replica: ``replica``, then ``summarize``'s figures over that replica's
     requests, steps and inter-token latencies (the cluster-only ``num_replicas``,
     ``router`` and ``load_imbalance`` left out), then ``load_ratio`` (requests routed
     there over the mean). Durations and rates use the cluster's ``end_time_s``; a
     replica's trace is the rows routed to it (so ``prefix_reuse_upper_bound`` is the
     reuse available within its own stream, and ``not_arrived`` is 0). With one replica
-    the row is ``cluster_summary``'s, if given (the same figures, not computed twice)."""
+    the row is ``cluster_summary``'s, if given (the same figures, not computed twice).
+
+    ``per_replica`` says which requests each replica served, as it saw them (default:
+    ``routed_replica_requests``; a P/D deployment's come from ``pd_run``), and ``roles``
+    adds each replica's role after ``replica``."""
     num_replicas = len(itl_by_replica)
-    if num_replicas == 1 and cluster_summary is not None:
+    if num_replicas == 1 and cluster_summary is not None and per_replica is None:
         row = cluster_summary.to_pylist()[0]
         row["not_arrived"] = 0
         row["num_trace_requests"] = requests.num_rows
@@ -319,24 +348,23 @@ def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list
             del row[name]
         table = pa.Table.from_pylist([{"replica": 0, **row, "load_ratio": 1.0 if requests.num_rows else math.nan}])
         return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))
-    counts = routed_counts(requests, num_replicas)
-    mean = counts.mean() if counts.size else 0.0
-    replica_of_request = (requests.column("replica").to_numpy() if "replica" in requests.column_names
-                          else np.zeros(requests.num_rows, np.int32))
+    if per_replica is None:
+        per_replica = routed_replica_requests(requests, num_replicas)
     replica_of_step = (steps.column("replica").to_numpy() if "replica" in steps.column_names
                        else np.zeros(steps.num_rows, np.int32))
     arrived = trace.slice(0, requests.num_rows) if trace is not None else None
     rows = []
-    for replica in range(num_replicas):
-        mine = np.flatnonzero(replica_of_request == replica)
-        sub_requests = requests.take(mine)
+    for replica, mine in enumerate(per_replica):
+        sub_requests = mine.table.take(mine.rows)
         sub_steps = steps.take(np.flatnonzero(replica_of_step == replica))
-        sub_trace = arrived.take(mine) if arrived is not None else None
+        sub_trace = arrived.take(mine.rows) if arrived is not None else None
         row = summarize(sub_requests, sub_steps, itl_by_replica[replica], slo, end_time_s,
                         trace=sub_trace, offload=offload).to_pylist()[0]
         for name in _CLUSTER_ONLY:
             del row[name]
-        rows.append({"replica": replica, **row,
-                     "load_ratio": float(counts[replica] / mean) if mean > 0 else math.nan})
+        head: dict[str, object] = {"replica": replica}
+        if roles is not None:
+            head["role"] = roles[replica]
+        rows.append({**head, **row, "load_ratio": mine.load_ratio})
     table = pa.Table.from_pylist(rows)
     return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))
