@@ -11,7 +11,8 @@ from kvtwin.reports.html_page import page
 from kvtwin.reports.html_tables import fmt_cell, kv_table
 from kvtwin.reports.replay_plots import replay_figures
 from kvtwin.reports.run_facts import header, plan_section, scenario_facts
-from kvtwin.reports.summary_text import format_bytes, format_duration_ms, format_duration_s, format_percent, missing
+from kvtwin.reports.summary_text import (format_acceptance_length, format_bytes, format_duration_ms, format_duration_s,
+                                         format_percent, missing)
 
 REPLAY_FILES = ("requests.parquet", "steps.parquet", "summary.parquet", "plan.json")
 
@@ -80,10 +81,26 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
                   f"{format_percent(s.get('slo_attainment'))} / {fmt_cell(s.get('request_goodput'))}")]
     if s.get("hit_rate_total") is not None:
         rows += _offload_metrics(s)
+    if "spec_acceptance_rate" in s:
+        rows += _spec_metrics(s)
     if "saturated" in s:
         rows.append(("saturated", ("yes: " + str(s.get("saturation_reason") or "")) if s.get("saturated") else "no"))
     if s.get("rejected_by_reason") not in (None, "", "{}"):
         rows.append(("rejected by reason", s["rejected_by_reason"]))
+    return rows
+
+
+def _spec_metrics(s: dict) -> list[tuple[str, str]]:
+    """Speculative decoding: how many drafts were accepted, overall and by position."""
+    rows = [("speculative decoding: acceptance rate (accepted / draft tokens)",
+             f"{format_percent(s.get('spec_acceptance_rate'))} ({fmt_cell(s.get('spec_accepted_tokens'))} / "
+             f"{fmt_cell(s.get('spec_draft_tokens'))})"),
+            ("mean acceptance length (tokens per verify step)",
+             format_acceptance_length(s.get("mean_acceptance_length")))]
+    by_position = s.get("spec_acceptance_by_position")
+    if by_position:
+        rows.append(("acceptance rate by draft position (1st, 2nd, ...)",
+                     " / ".join(format_percent(rate) for rate in by_position)))
     return rows
 
 

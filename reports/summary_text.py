@@ -138,6 +138,25 @@ def offload_line(row: dict) -> str | None:
             f"{format_bytes(row['kv_offload_store_bytes'])} stored")
 
 
+def spec_line(row: dict) -> str | None:
+    """``speculative decoding: acceptance rate 62.1 % (1,234 of 1,987 drafts), mean
+    acceptance length 2.86 tokens per verify step; by draft position 81.0 % / 62.3 % /
+    43.9 %``; None without drafts."""
+    if "spec_acceptance_rate" not in row:
+        return None
+    line = (f"speculative decoding: acceptance rate {format_percent(row['spec_acceptance_rate'])} "
+            f"({row['spec_accepted_tokens']:,} of {row['spec_draft_tokens']:,} drafts), mean acceptance length "
+            f"{format_acceptance_length(row['mean_acceptance_length'])} tokens per verify step")
+    by_position = row.get("spec_acceptance_by_position")
+    if by_position:
+        line += "; by draft position " + " / ".join(format_percent(rate) for rate in by_position)
+    return line
+
+
+def format_acceptance_length(value: float | None) -> str:
+    return "-" if missing(value) else f"{value:.2f}"
+
+
 def rejections_line(row: dict) -> str | None:
     """``rejected 3: exceeds_max_model_len 2, prompt_too_long 1``; None when nothing was rejected."""
     if not row["rejected"]:

@@ -90,7 +90,7 @@ def replay(
         for line in band_lines(summary, resolved.calibration, chosen_gpu.name, chosen_model.name):
             print(line)
         for line in (summary_text.replicas_line(summary, result.replicas), summary_text.offload_line(summary),
-                     summary_text.rejections_line(summary),
+                     summary_text.spec_line(summary), summary_text.rejections_line(summary),
                      summary_text.not_arrived_line(summary),
                      summary_text.saturation_hint(summary)):
             if line:

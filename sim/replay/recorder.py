@@ -192,25 +192,30 @@ class MetricsRecorder:
     """
 
     def __init__(self, num_groups: int, num_replicas: int = 1, offload=None, roles: list[str] | None = None,
-                 speculative: bool = False):
+                 num_speculative_tokens: int = 0):
         self.num_groups = num_groups
         # Disaggregated prefill/decode: each replica's role ("prefill" or "decode"), and per
         # client request its prefill side and read (None: not disaggregated).
         self.roles = roles
         self._pd: dict[str, _PDRecord] = {}
-        # Speculative decoding: verify rows count as decode tokens, and each request's drafts
-        # and accepted drafts are counted (requests columns ``SPEC_REQUEST_COLUMNS``).
-        self.speculative = speculative
+        # Speculative decoding (``num_speculative_tokens`` drafts a step at most): verify rows
+        # count as decode tokens, each request's drafts and accepted drafts are counted
+        # (requests columns ``SPEC_REQUEST_COLUMNS``), and each step's accepted drafts by
+        # position (``SPEC_STEP_COLUMN``).
+        self.speculative = num_speculative_tokens > 0
+        self.num_speculative_tokens = num_speculative_tokens
+        self._accepted_by_position = [0] * num_speculative_tokens
         self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
         self.order: list[_RequestRecord] = []
         self._itl = [Float64Buffer() for _ in range(num_replicas)]
         # The step table as doubles, a row of ``step_width`` values a step in
         # ``STEP_COLUMNS`` order (the step index aside; the per-group usage takes
-        # ``num_groups`` values; then any offload columns): 8 bytes a value instead of a
-        # Python object. Counts are exact in a double (below 2**53).
+        # ``num_groups`` values; then any offload columns, then any accepted drafts by
+        # position): 8 bytes a value instead of a Python object. Counts are exact in a
+        # double (below 2**53).
         self._step_values = Float64Buffer()
-        self.step_width = len(STEP_COLUMNS) - 2 + num_groups
+        self.step_width = len(STEP_COLUMNS) - 2 + num_groups + num_speculative_tokens
         self.step_replica = array("i")
         self._evictions_before = [0] * num_replicas
         # With offload tiers (a ``ResolvedOffload``): per request, what its admissions hit
@@ -356,6 +361,7 @@ class MetricsRecorder:
         every scheduled draft."""
         records = self.records
         spec = output.scheduled_spec_decode_tokens
+        by_position = self._accepted_by_position
         prefill_tokens = decode_tokens = 0
         for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
             record = records[request_id]
@@ -368,9 +374,13 @@ class MetricsRecorder:
                 prefill_tokens += num_new
             tokens = sampled.get(request_id)
             if num_drafts and tokens:
+                accepted = len(tokens) - 1
                 record.draft_tokens += num_drafts
-                record.accepted_draft_tokens += len(tokens) - 1
+                record.accepted_draft_tokens += accepted
                 record.verify_steps += 1
+                # A draft is accepted only if every draft before it was.
+                for position in range(accepted):
+                    by_position[position] += 1
         return prefill_tokens, decode_tokens
 
     def _sampled(self, sampled: dict[str, list[int]], end_s: float, itl_s: Float64Buffer) -> None:
@@ -465,6 +475,9 @@ class MetricsRecorder:
                 row.append(value if name in _OFFLOAD_GAUGES else value - before[name])
                 before[name] = value
             row.append(self._waiting_for_kv[replica])
+        if self.speculative:
+            row.extend(self._accepted_by_position)
+            self._accepted_by_position = [0] * self.num_speculative_tokens
 
     # -- offload tiers ----------------------------------------------------------------------
 
@@ -664,6 +677,12 @@ class MetricsRecorder:
             for name in self._offload_columns + (OFFLOAD_WAITING_COLUMN,):
                 columns[name] = pa.array(np.ascontiguousarray(rows[:, at]).astype(np.int64), pa.int64())
                 at += 1
+        if self.speculative:
+            k = self.num_speculative_tokens
+            offsets = np.arange(0, len(rows) * k + 1, k, dtype=np.int32)
+            columns[SPEC_STEP_COLUMN] = pa.ListArray.from_arrays(
+                pa.array(offsets, pa.int32()), pa.array(rows[:, at:at + k].ravel().astype(np.int64), pa.int64()))
+            at += k
         if self.roles is not None:
             roles = self.roles
             columns["role"] = pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()
@@ -672,6 +691,8 @@ class MetricsRecorder:
 
 # Requests columns of a run with speculative decoding (after the others, before any offload ones).
 SPEC_REQUEST_COLUMNS = ("draft_tokens", "accepted_draft_tokens", "verify_steps")
+# The step column of such a run: per draft position, the verify rows that accepted it.
+SPEC_STEP_COLUMN = "spec_accepted_by_position"
 # The last requests columns of a run with offload tiers: a request's wait for KV in a tier.
 OFFLOAD_WAIT_COLUMNS = ("load_wait_s", "load_transfer_s", "load_defer_s")
 

@@ -278,7 +278,7 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
     routing = make_router(router, engines)
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload,
-                              speculative=eng.scheduler.num_speculative_tokens > 0)
+                              num_speculative_tokens=eng.scheduler.num_speculative_tokens)
     replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
                 for engine, executor in zip(engines, executors)]
     end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=routing, time_limit_s=time_limit_s,

@@ -113,23 +113,33 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
                 "load_imbalance": load_imbalance(requests, num_replicas),
                 "prefix_cache_retention": prefix_cache_retention})
     if "accepted_draft_tokens" in requests.column_names:
-        row.update(spec_summary(requests))
+        row.update(spec_summary(requests, steps))
     if "cpu_hit_tokens" in requests.column_names:
         row.update(offload_summary(requests, steps, offload))
     return pa.Table.from_pylist([row])
 
 
-def spec_summary(requests: pa.Table) -> dict:
+def spec_summary(requests: pa.Table, steps: pa.Table | None = None) -> dict:
     """Speculative decoding's figures (only in runs with drafts), as vLLM's spec-decode
     metrics name them: drafts verified, drafts accepted, their ratio
-    (``spec_acceptance_rate``), and the tokens a verify step yields on average, its
-    sampled token included (``mean_acceptance_length``, vLLM's "mean acceptance length")."""
+    (``spec_acceptance_rate``), the tokens a verify step yields on average, its sampled
+    token included (``mean_acceptance_length``, vLLM's "mean acceptance length"), and
+    with the steps' ``spec_accepted_by_position`` each draft position's acceptance rate
+    (accepted there over verify steps, vLLM's "per-position acceptance rate")."""
     drafts = int(pc.sum(requests.column("draft_tokens")).as_py() or 0)
     accepted = int(pc.sum(requests.column("accepted_draft_tokens")).as_py() or 0)
-    steps = int(pc.sum(requests.column("verify_steps")).as_py() or 0)
-    return {"spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / drafts if drafts else math.nan,
-            "mean_acceptance_length": 1.0 + accepted / steps if steps else math.nan}
+    verify_steps = int(pc.sum(requests.column("verify_steps")).as_py() or 0)
+    row: dict[str, object] = {"spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
+                              "spec_acceptance_rate": accepted / drafts if drafts else math.nan,
+                              "mean_acceptance_length": 1.0 + accepted / verify_steps if verify_steps else math.nan}
+    if steps is not None and "spec_accepted_by_position" in steps.column_names:
+        lists = steps.column("spec_accepted_by_position").combine_chunks()
+        width = len(lists[0]) if len(lists) else 0
+        by_position = (lists.flatten().to_numpy().reshape(-1, width).sum(axis=0) if width
+                       else np.zeros(0, dtype=np.int64))
+        row["spec_acceptance_by_position"] = [float(n) / verify_steps if verify_steps else math.nan
+                                              for n in by_position]
+    return row
 
 
 def _throughput_figures(requests: pa.Table, status: np.ndarray, done: np.ndarray, duration_s: float) -> dict:
