@@ -197,19 +197,24 @@ def states_over_time(t: np.ndarray, series: Sequence[tuple[str, np.ndarray, np.n
     return _png(fig)
 
 
-def rates_over_time(t: np.ndarray, series: Sequence[tuple[str, np.ndarray]], *, ylabel: str, title: str) -> bytes:
-    """One line per (label, rate per bin), drawn as steps (a bin's rate holds over the bin)."""
-    fig, (ax,) = _figure()
-    if len(t) == 0 or not series:
-        _empty(ax)
-    else:
-        x = _time_axis(ax, t)
-        for i, (label, values) in enumerate(series):
-            ax.plot(x, values, color=COLORS[i % len(COLORS)], linewidth=1.1, drawstyle="steps-mid", label=label)
-        ax.set_ylim(bottom=0)
-        ax.legend(loc="upper left", fontsize=8)
-    ax.set_ylabel(ylabel)
-    _title(ax, title)
+def rates_over_time(t: np.ndarray, panels: Sequence[tuple[str, Sequence[tuple[str, np.ndarray]]]], *,
+                    ylabel: str) -> bytes:
+    """Panels side by side, each (title, series): one line per (label, rate per bin), drawn
+    as steps (a bin's rate holds over the bin), on one shared y scale."""
+    fig, axes = _figure(max(len(panels), 1))
+    top = max((float(np.nanmax(values)) for _, series in panels for _, values in series if len(values)),
+              default=0.0)
+    for ax, (title, series) in zip(axes, panels):
+        if len(t) == 0 or not series:
+            _empty(ax)
+        else:
+            x = _time_axis(ax, t)
+            for i, (label, values) in enumerate(series):
+                ax.plot(x, values, color=COLORS[i % len(COLORS)], linewidth=1.0, drawstyle="steps-mid", label=label)
+            ax.set_ylim(0, top * 1.05 if top > 0 else None)
+            ax.legend(loc="upper left", fontsize=8)
+        _title(ax, title)
+    axes[0].set_ylabel(ylabel)
     return _png(fig)
 
 

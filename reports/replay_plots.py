@@ -154,14 +154,18 @@ def _offload_figures(tl: _Timeline, s: dict) -> list[PendingFigure]:
             use.append((label, mean * 100 / capacity, low * 100 / capacity, high * 100 / capacity))
     chunk_bytes = s.get("offload_chunk_bytes") or 0
     traffic = []
-    for label, column, scale in (("loaded CPU → GPU", "offload_load_bytes", 1),
-                                 ("stored GPU → CPU", "offload_store_bytes", 1),
-                                 ("promoted disk → CPU", "offload_disk_loaded_keys", chunk_bytes),
-                                 ("written CPU → disk", "offload_disk_stored_keys", chunk_bytes)):
-        if column in tl.steps.column_names and tl.has_steps:
-            moved = np.bincount(tl.idx, weights=column_array(tl.steps, column, np.int64) * float(scale),
-                                minlength=tl.nbins)
-            traffic.append((label, moved / tl.bin_s / 1e9))
+    for title, lines in (("PCIe (GPU ↔ CPU)", (("loaded CPU → GPU", "offload_load_bytes", 1),
+                                               ("stored GPU → CPU", "offload_store_bytes", 1))),
+                         ("disk (CPU ↔ disk)", (("promoted disk → CPU", "offload_disk_loaded_keys", chunk_bytes),
+                                                ("written CPU → disk", "offload_disk_stored_keys", chunk_bytes)))):
+        series = []
+        for label, column, scale in lines:
+            if column in tl.steps.column_names and tl.has_steps:
+                moved = np.bincount(tl.idx, weights=column_array(tl.steps, column, np.int64) * float(scale),
+                                    minlength=tl.nbins)
+                series.append((label, moved / tl.bin_s / 1e9))
+        if series or title.startswith("PCIe"):
+            traffic.append((title, series))
     waiting = []
     if "num_waiting_for_kv" in tl.steps.column_names and tl.has_steps:
         waiting.append(("waiting for KV", *tl.state("num_waiting_for_kv", "sum")))
@@ -172,8 +176,7 @@ def _offload_figures(tl: _Timeline, s: dict) -> list[PendingFigure]:
                           f"offload_cpu_used_chunks, offload_disk_used_chunks), mean per {tl.bin_s:,.3g} s bin "
                           f"(lines) and the least to the most in the bin (bands)"
                           + (", averaged over replicas" if replicas else "") + ".", "offload tier use"),
-            PendingFigure(partial(plots.rates_over_time, tl.centers, traffic, ylabel="GB/s",
-                                  title="Offload traffic"),
+            PendingFigure(partial(plots.rates_over_time, tl.centers, traffic, ylabel="GB/s"),
                           f"Offload traffic per {tl.bin_s:,.3g} s bin, GB/s: KV loaded into and stored from the "
                           "GPUs over PCIe (steps.parquet offload_load_bytes, offload_store_bytes) and, with a disk "
                           "tier, chunks promoted from and written to the disk (offload_disk_loaded_keys, "

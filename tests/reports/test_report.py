@@ -451,7 +451,8 @@ def test_an_offload_run_plots_tier_use_traffic_and_waits_for_kv(monkeypatch, rep
                                ("promoted disk → CPU", "offload_disk_loaded_keys", 2**21),
                                ("written CPU → disk", "offload_disk_stored_keys", 2**21)):
         expected = np.bincount(idx, weights=column(name) * scale, minlength=TIME_BINS) / bin_s / 1e9
-        np.testing.assert_allclose(line("Offload traffic", label), expected)
+        np.testing.assert_allclose(line("disk (CPU ↔ disk)" if "disk" in label else "PCIe (GPU ↔ CPU)", label),
+                                   expected)
     # Means per bin over the bins every replica has a step in (the others hold the last state).
     every = np.all([np.bincount(idx[replica == r], minlength=TIME_BINS) > 0 for r in np.unique(replica)], axis=0)
 
