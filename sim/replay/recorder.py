@@ -23,6 +23,7 @@ from mypy_extensions import mypyc_attr
 
 from kvtwin.sim.core.engine import Rejection, StepResult
 from kvtwin.sim.core.engine_stats import EngineStats
+from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.replay.cost_model import StepCost
 
@@ -487,7 +488,7 @@ class MetricsRecorder:
         worker takes for them (``load_seconds`` by job; None on a step clock); also for a
         batch that computes nothing (no step row)."""
         meta = output.kv_connector_metadata
-        deferred = getattr(meta, "deferred_req_ids", None)
+        deferred = meta.deferred_req_ids if isinstance(meta, OffloadingConnectorMetadata) else None
         hits = output.external_hits
         if deferred is None and not hits:
             return

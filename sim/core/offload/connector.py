@@ -154,6 +154,16 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     # metrics: nothing in the step depends on it.
     deferred_req_ids: list[str] | None = None
 
+    # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python
+    # (one is made every step).
+    def __init__(self, load_jobs: dict[int, TransferJob] | None = None,
+                 store_jobs: dict[int, TransferJob] | None = None, jobs_to_flush: set[int] | None = None,
+                 deferred_req_ids: list[str] | None = None):
+        self.load_jobs = load_jobs if load_jobs is not None else {}
+        self.store_jobs = store_jobs if store_jobs is not None else {}
+        self.jobs_to_flush = jobs_to_flush if jobs_to_flush is not None else set()
+        self.deferred_req_ids = deferred_req_ids
+
 
 class OffloadingConnector:
     # The tier stores no Mamba state beside the blocks it loads (vLLM's offloading
@@ -794,10 +804,12 @@ class OffloadingConnector:
                 for job_id in pending[block_id])
         store_jobs = self._build_boundary_store_jobs(boundary_offloads) if boundary_offloads else {}
         store_jobs.update(self._build_store_jobs(output))
-        meta = OffloadingConnectorMetadata(self._current_batch_load_jobs, store_jobs, self._current_batch_jobs_to_flush)
+        deferred: list[str] | None = None
         if self._current_batch_deferred:
-            meta.deferred_req_ids = self._current_batch_deferred
+            deferred = self._current_batch_deferred
             self._current_batch_deferred = []
+        meta = OffloadingConnectorMetadata(self._current_batch_load_jobs, store_jobs, self._current_batch_jobs_to_flush,
+                                           deferred)
         for req_id in output.finished_req_ids:
             state = self._req_status.get(req_id)
             if state is None:
