@@ -30,7 +30,7 @@ from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 from kvtwin.reports.binning import minmax_points
 
 __all__ = ["bars", "hit_rate_over_time", "hit_rate_vs_capacity", "kv_usage_by_group", "latency_cdfs", "lines",
-           "preemptions_over_time", "queues_over_time", "replica_load"]
+           "preemptions_over_time", "queues_over_time", "rates_over_time", "replica_load", "states_over_time"]
 
 DPI = 100
 WIDTH_IN, HEIGHT_IN = 8.0, 3.6
@@ -174,6 +174,47 @@ def queues_over_time(t: np.ndarray, running: np.ndarray, waiting: np.ndarray,
         ax.legend(loc="upper left", fontsize=8)
     ax.set_ylabel("requests")
     _title(ax, "Running and waiting queues")
+    return _png(fig)
+
+
+def states_over_time(t: np.ndarray, series: Sequence[tuple[str, np.ndarray, np.ndarray, np.ndarray]], *,
+                     ylabel: str, title: str, top: float | None = None) -> bytes:
+    """Each (label, mean, min, max) per bin as a line over a light band from its minimum
+    to its maximum; ``top`` fixes the y axis' upper end (e.g. 100 for percentages)."""
+    fig, (ax,) = _figure()
+    if len(t) == 0 or not series:
+        _empty(ax)
+    else:
+        x = _time_axis(ax, t)
+        for i, (label, values, low, high) in enumerate(series):
+            color = COLORS[i % len(COLORS)]
+            ax.fill_between(x, low, high, color=color, alpha=0.18, linewidth=0)
+            ax.plot(x, values, color=color, linewidth=1.2, label=label)
+        ax.set_ylim(0, top)
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylabel(ylabel)
+    _title(ax, title)
+    return _png(fig)
+
+
+def rates_over_time(t: np.ndarray, panels: Sequence[tuple[str, Sequence[tuple[str, np.ndarray]]]], *,
+                    ylabel: str) -> bytes:
+    """Panels side by side, each (title, series): one line per (label, rate per bin), drawn
+    as steps (a bin's rate holds over the bin), on one shared y scale."""
+    fig, axes = _figure(max(len(panels), 1))
+    top = max((float(np.nanmax(values)) for _, series in panels for _, values in series if len(values)),
+              default=0.0)
+    for ax, (title, series) in zip(axes, panels):
+        if len(t) == 0 or not series:
+            _empty(ax)
+        else:
+            x = _time_axis(ax, t)
+            for i, (label, values) in enumerate(series):
+                ax.plot(x, values, color=COLORS[i % len(COLORS)], linewidth=1.0, drawstyle="steps-mid", label=label)
+            ax.set_ylim(0, top * 1.05 if top > 0 else None)
+            ax.legend(loc="upper left", fontsize=8)
+        _title(ax, title)
+    axes[0].set_ylabel(ylabel)
     return _png(fig)
 
 

@@ -1,6 +1,7 @@
 """The replay report's plots: KV cache usage per group, the prefix cache hit rate, the
-queues and preemptions over time, the latency CDFs and, with several replicas, the load
-on each. Steps are binned first (``TIME_BINS`` bins over the run)."""
+queues and preemptions over time, the latency CDFs, with offload tiers their use, their
+traffic and the requests waiting for KV, and with several replicas the load on each.
+Steps are binned first (``TIME_BINS`` bins over the run)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ HIT_RATE_BINS = 100   # per-request hit rate over time
 
 # The columns the plots read (the report reads no others of the two tables).
 STEP_COLUMNS = ("time_s", "duration_s", "num_running", "num_waiting", "num_preempted", "kv_cache_usage",
-                "kv_cache_usage_by_group", "replica")
+                "kv_cache_usage_by_group", "replica", "offload_cpu_used_chunks", "offload_disk_used_chunks",
+                "offload_load_bytes", "offload_store_bytes", "offload_disk_loaded_keys", "offload_disk_stored_keys",
+                "num_waiting_for_kv")
 REQUEST_COLUMNS = ("status", "arrival_time_s", "first_scheduled_time_s", "prompt_tokens", "prefix_cache_hits",
                    "prefix_cache_queries", "ttft_s", "tpot_s", "e2el_s", "replica")
 
@@ -64,6 +67,8 @@ def replay_figures(requests: pa.Table, steps: pa.Table, s: dict, plan: dict | No
     timeline = _Timeline.of(steps, float(s.get("duration_s") or 0.0))
     pending = [_usage_figure(timeline, plan), _hit_rate_figure(requests, timeline.t_end, s),
                *_queue_figures(timeline), _latency_figure(requests, s)]
+    if "offload_cpu_used_chunks" in steps.column_names:
+        pending += _offload_figures(timeline, s)
     req_replica = replica_ids(requests)
     if req_replica is not None:
         pending.append(_replica_load_figure(requests, req_replica))
@@ -127,6 +132,56 @@ def _queue_figures(tl: _Timeline) -> list[PendingFigure]:
             PendingFigure(partial(plots.preemptions_over_time, tl.centers, preempted, tl.bin_s),
                           f"Preemptions (recompute) per {tl.bin_s:,.3g} s bin (steps.parquet num_preempted).",
                           "preemptions over time")]
+
+
+def _offload_figures(tl: _Timeline, s: dict) -> list[PendingFigure]:
+    """The tiers' use (chunks in use over each tier's chunks, averaged over replicas), their
+    traffic (bytes per second of each bin, summed over replicas) and the requests waiting
+    for KV (summed over replicas)."""
+    use = []
+    for tier, label in (("cpu", "CPU tier"), ("disk", "disk tier")):
+        column, capacity = f"offload_{tier}_used_chunks", s.get(f"offload_{tier}_chunks")
+        if column in tl.steps.column_names and capacity and tl.has_steps:
+            mean, low, high = tl.state(column, "mean")
+            use.append((label, mean * 100 / capacity, low * 100 / capacity, high * 100 / capacity))
+    chunk_bytes = s.get("offload_chunk_bytes") or 0
+    traffic = []
+    for title, lines in (("PCIe (GPU ↔ CPU)", (("loaded CPU → GPU", "offload_load_bytes", 1),
+                                               ("stored GPU → CPU", "offload_store_bytes", 1))),
+                         ("disk (CPU ↔ disk)", (("promoted disk → CPU", "offload_disk_loaded_keys", chunk_bytes),
+                                                ("written CPU → disk", "offload_disk_stored_keys", chunk_bytes)))):
+        series = []
+        for label, column, scale in lines:
+            if column in tl.steps.column_names and tl.has_steps:
+                moved = np.bincount(tl.idx, weights=column_array(tl.steps, column, np.int64) * float(scale),
+                                    minlength=tl.nbins)
+                series.append((label, moved / tl.bin_s / 1e9))
+        if series or title.startswith("PCIe"):
+            traffic.append((title, series))
+    waiting = []
+    if "num_waiting_for_kv" in tl.steps.column_names and tl.has_steps:
+        waiting.append(("waiting for KV", *tl.state("num_waiting_for_kv", "sum")))
+    replicas = tl.step_replica is not None
+    return [PendingFigure(partial(plots.states_over_time, tl.centers, use, ylabel="chunks in use (%)",
+                                  title="Offload tier use", top=100),
+                          f"Offload tiers: chunks holding a key over the tier's chunks (steps.parquet "
+                          f"offload_cpu_used_chunks, offload_disk_used_chunks), mean per {tl.bin_s:,.3g} s bin "
+                          f"(lines) and the least to the most in the bin (bands)"
+                          + (", averaged over replicas" if replicas else "") + ".", "offload tier use"),
+            PendingFigure(partial(plots.rates_over_time, tl.centers, traffic, ylabel="GB/s"),
+                          f"Offload traffic per {tl.bin_s:,.3g} s bin, GB/s: KV loaded into and stored from the "
+                          "GPUs over PCIe (steps.parquet offload_load_bytes, offload_store_bytes) and, with a disk "
+                          "tier, chunks promoted from and written to the disk (offload_disk_loaded_keys, "
+                          "offload_disk_stored_keys, times offload_chunk_bytes), each counted in the step that "
+                          "issued (PCIe) or finished (disk) it" + (", summed over replicas" if replicas else "")
+                          + ".", "offload traffic"),
+            PendingFigure(partial(plots.states_over_time, tl.centers, waiting, ylabel="requests",
+                                  title="Requests waiting for KV from a tier"),
+                          f"Requests waiting for KV from an offload tier after each step (steps.parquet "
+                          f"num_waiting_for_kv: from the first lookup that found their hit in a tier, a disk "
+                          f"promotion or a store still running, until they are scheduled), mean per "
+                          f"{tl.bin_s:,.3g} s bin (line) and the least to the most in the bin (band)"
+                          + (", summed over replicas" if replicas else "") + ".", "requests waiting for KV")]
 
 
 def _latency_figure(requests: pa.Table, s: dict) -> PendingFigure:

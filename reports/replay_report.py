@@ -12,8 +12,8 @@ from kvtwin.reports.html_tables import fmt_cell, kv_table
 from kvtwin.reports.paths import REPLAY_FILES
 from kvtwin.reports.replay_plots import replay_figures
 from kvtwin.reports.run_facts import clock_note, header, plan_section, run_settings
-from kvtwin.reports.summary_text import (format_bytes, format_duration_ms, format_duration_s, format_percent, missing,
-                                         run_headline)
+from kvtwin.reports.summary_text import (format_acceptance_length, format_bytes, format_duration_ms, format_duration_s,
+                                         format_percent, missing, run_headline)
 from kvtwin.sim.replay.calibration_data import uncalibrated_line
 from kvtwin.sim.scenario.calibration_file import UNCALIBRATED
 
@@ -95,10 +95,26 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
                  ("goodput (req/s within the SLO)", fmt_cell(s.get("request_goodput")))]
     if s.get("hit_rate_total") is not None:
         rows += _offload_metrics(s)
+    if "spec_acceptance_rate" in s:
+        rows += _spec_metrics(s)
     if "saturated" in s:
         rows.append(("saturated", ("yes: " + str(s.get("saturation_reason") or "")) if s.get("saturated") else "no"))
     if s.get("rejected_by_reason") not in (None, "", "{}"):
         rows.append(("rejected by reason", s["rejected_by_reason"]))
+    return rows
+
+
+def _spec_metrics(s: dict) -> list[tuple[str, str]]:
+    """Speculative decoding: how many drafts were accepted, overall and by position."""
+    rows = [("speculative decoding: acceptance rate (accepted / draft tokens)",
+             f"{format_percent(s.get('spec_acceptance_rate'))} ({fmt_cell(s.get('spec_accepted_tokens'))} / "
+             f"{fmt_cell(s.get('spec_draft_tokens'))})"),
+            ("mean acceptance length (tokens per verify step)",
+             format_acceptance_length(s.get("mean_acceptance_length")))]
+    by_position = s.get("spec_acceptance_by_position")
+    if by_position:
+        rows.append(("acceptance rate by draft position (1st, 2nd, ...)",
+                     " / ".join(format_percent(rate) for rate in by_position)))
     return rows
 
 
@@ -109,6 +125,10 @@ def _offload_metrics(s: dict) -> list[tuple[str, str]]:
              + f" ({s.get('offload_policy')})"),
             ("hit rate GPU / CPU / disk / total (prompt tokens)",
              " / ".join(format_percent(s.get(f"hit_rate_{t}")) for t in ("gpu", "cpu", "disk", "total"))),
-            ("loads; wait mean / p50 / p90 / p99", f"{fmt_cell(s.get('num_loads'))}; {_ms(s, 'load_wait')}"),
+            ("loads / waits for KV; wait mean / p50 / p90 / p99",
+             f"{fmt_cell(s.get('num_loads'))} / {fmt_cell(s.get('num_load_waits'))}; {_ms(s, 'load_wait')}"),
+            ("of which before the load was issued (disk promotion, store) mean / p50 / p90 / p99",
+             _ms(s, "load_defer")),
+            ("of which the transfer mean / p50 / p90 / p99", _ms(s, "load_transfer")),
             ("KV loaded / stored over PCIe",
              f"{format_bytes(s.get('kv_offload_load_bytes'))} / {format_bytes(s.get('kv_offload_store_bytes'))}")]

@@ -84,14 +84,35 @@ def plan_line(plan) -> str:
 
 def replicas_line(row: dict, replicas) -> str | None:
     """``replicas: 2 behind prefix_aware: requests 6,137 / 5,894 (imbalance 1.02), hit rate ...``;
-    None with one replica. ``replicas`` is the per-replica table (``replicas.parquet``)."""
+    None with one replica. ``replicas`` is the per-replica table (``replicas.parquet``); with
+    a ``role`` column (P/D) each side is summed up on its own."""
     if (row.get("num_replicas") or 1) <= 1:
         return None
     per = replicas.to_pylist()
+    if "role" in replicas.column_names:
+        return _pd_replicas_line(row, per)
     counts = " / ".join(f"{r['num_requests']:,}" for r in per)
     hits = " / ".join(format_percent(r["prefix_cache_hit_rate"]) for r in per)
     return (f"replicas: {row['num_replicas']} behind {row['router']}: requests {counts} (imbalance "
             f"{row['load_imbalance']:.2f}), prefix cache hit rate {hits}")
+
+
+def _pd_replicas_line(row: dict, per: list[dict]) -> str:
+    """``replicas: 2 prefill + 1 decode behind pd:...: prefill requests 520 / 480 (imbalance
+    1.04), prefix cache hit rate ...; decode requests 1,000 (imbalance 1.00), ...``: each side
+    on its own, since every request visits one replica of each (their counts are not
+    comparable across sides)."""
+    sides = []
+    for role in ("prefill", "decode"):
+        mine = [r for r in per if r["role"] == role]
+        counts = " / ".join(f"{r['num_requests']:,}" for r in mine)
+        ratios = [r["load_ratio"] for r in mine if not missing(r["load_ratio"])]
+        imbalance = f"{max(ratios):.2f}" if ratios else "-"
+        hits = " / ".join(format_percent(r["prefix_cache_hit_rate"]) for r in mine)
+        sides.append((role, len(mine), f"{role} requests {counts} (imbalance {imbalance}), prefix cache hit "
+                                       f"rate {hits}"))
+    shape = " + ".join(f"{count} {role}" for role, count, _ in sides)
+    return f"replicas: {shape} behind {row['router']}: " + "; ".join(text for _, _, text in sides)
 
 
 def prefix_line(row: dict) -> str:
@@ -120,9 +141,10 @@ def format_bytes(num_bytes: float | None) -> str:
 
 def offload_line(row: dict) -> str | None:
     """``offload: 200 GB CPU (lru, 12,207 chunks): hits GPU 17.1 % + CPU 9.8 % = 26.9 % of
-    prompt tokens; 1,234 loads, wait p50 8 ms, p99 15 ms (transfer p99 9 ms); 1.2 TB loaded,
-    3.4 TB stored``; None
-    without offload tiers."""
+    prompt tokens; 1,234 loads, 1,240 waits for KV: p50 8 ms, p99 15 ms (before the load p99
+    0 s, transfer p99 9 ms); 1.2 TB loaded, 3.4 TB stored``; None without offload tiers. A
+    wait runs from the first lookup that found the hit in a tier (``load_wait_s``): "before
+    the load" is a disk promotion's or a store's time before the load could start."""
     if row.get("hit_rate_total") is None:
         return None
     tiers = f"{format_bytes(row['offload_cpu_bytes'])} CPU"
@@ -133,12 +155,33 @@ def offload_line(row: dict) -> str | None:
         hits += f" + disk {format_percent(row['hit_rate_disk'])}"
     line = (f"offload: {tiers} ({row['offload_policy']}, {row['offload_cpu_chunks']:,} chunks): hits {hits} = "
             f"{format_percent(row['hit_rate_total'])} of prompt tokens")
-    if row["num_loads"]:
-        line += (f"; {row['num_loads']:,} loads, wait p50 {format_duration_ms(row['median_load_wait_ms'])}, "
-                 f"p99 {format_duration_ms(row['p99_load_wait_ms'])} (transfer p99 "
+    if row.get("num_load_waits") or row["num_loads"]:
+        line += (f"; {row['num_loads']:,} loads, {row.get('num_load_waits', row['num_loads']):,} waits for KV: "
+                 f"p50 {format_duration_ms(row['median_load_wait_ms'])}, "
+                 f"p99 {format_duration_ms(row['p99_load_wait_ms'])} (before the load p99 "
+                 f"{format_duration_ms(row.get('p99_load_defer_ms'))}, transfer p99 "
                  f"{format_duration_ms(row['p99_load_transfer_ms'])})")
     return (line + f"; {format_bytes(row['kv_offload_load_bytes'])} loaded, "
             f"{format_bytes(row['kv_offload_store_bytes'])} stored")
+
+
+def spec_line(row: dict) -> str | None:
+    """``speculative decoding: acceptance rate 62.1 % (1,234 of 1,987 drafts), mean
+    acceptance length 2.86 tokens per verify step; by draft position 81.0 % / 62.3 % /
+    43.9 %``; None without drafts."""
+    if "spec_acceptance_rate" not in row:
+        return None
+    line = (f"speculative decoding: acceptance rate {format_percent(row['spec_acceptance_rate'])} "
+            f"({row['spec_accepted_tokens']:,} of {row['spec_draft_tokens']:,} drafts), mean acceptance length "
+            f"{format_acceptance_length(row['mean_acceptance_length'])} tokens per verify step")
+    by_position = row.get("spec_acceptance_by_position")
+    if by_position:
+        line += "; by draft position " + " / ".join(format_percent(rate) for rate in by_position)
+    return line
+
+
+def format_acceptance_length(value: float | None) -> str:
+    return "-" if missing(value) else f"{value:.2f}"
 
 
 def rejections_line(row: dict) -> str | None:

@@ -102,7 +102,7 @@ def replay(
         for line in band_lines(summary, resolved.calibration):
             print(line)
         for line in (summary_text.replicas_line(summary, result.replicas), summary_text.offload_line(summary),
-                     summary_text.rejections_line(summary),
+                     summary_text.spec_line(summary), summary_text.rejections_line(summary),
                      summary_text.not_arrived_line(summary),
                      summary_text.saturation_hint(summary)):
             if line:

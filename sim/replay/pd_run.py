@@ -11,8 +11,10 @@ requests between the roles; the outputs get the P/D columns (``reports/SCHEMA.md
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import simpy
 
 from kvtwin.sim.core.engine import EngineCore, ModelExecutor, PDTier
@@ -23,6 +25,7 @@ from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.pd_router import PDRouter
 from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.summaries import ReplicaRequests
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.scenario.disaggregation import Disaggregation
 
@@ -69,8 +72,6 @@ def pd_summary_columns(requests) -> dict[str, float]:
     """The summary's P/D figures over finished requests (``reports/SCHEMA.md``): mean read
     seconds and bytes, and the share of TTFT the read took (mean of per-request shares,
     and the total read time over the total TTFT)."""
-    import numpy as np
-
     status = requests.column("status").to_numpy(zero_copy_only=False)
     done = status == "finished"
     transfer = requests.column("transfer_s").to_numpy()[done]
@@ -78,7 +79,7 @@ def pd_summary_columns(requests) -> dict[str, float]:
     num_bytes = requests.column("transfer_bytes").to_numpy()[done]
     ok = ~np.isnan(transfer) & (ttft > 0)
     if not ok.any():
-        nan = float("nan")
+        nan = math.nan
         return {"pd_transfer_mean_ms": nan, "pd_transfer_bytes_mean": nan, "pd_transfer_share_of_ttft": nan,
                 "pd_transfer_share_of_ttft_total": nan}
     return {
@@ -89,20 +90,55 @@ def pd_summary_columns(requests) -> dict[str, float]:
     }
 
 
-def pd_load_imbalance(requests, disaggregation: Disaggregation) -> float:
-    """The worse of the prefill side's and the decode side's load imbalance (requests per
-    replica over the mean, each side over its own replicas; ``summaries.load_imbalance``)."""
-    import math
+# The prefix-cache request columns and the decode side's own counterparts.
+DECODE_SIDE_PREFIX_COLUMNS = {"prefix_hit_tokens": "decode_prefix_hit_tokens",
+                              "prefix_cache_queries": "decode_prefix_cache_queries",
+                              "prefix_cache_hits": "decode_prefix_cache_hits"}
 
-    import numpy as np
 
-    worst = math.nan
+def _side_counts(requests, column: str, first: int, count: int):
+    """Requests routed to each replica of one side (``column`` names the replica)."""
+    picked = requests.column(column).to_numpy()
+    picked = picked[picked >= 0] - first
+    return np.bincount(picked, minlength=count)[:count] if picked.size else np.zeros(count, np.int64)
+
+
+def pd_replica_requests(requests, disaggregation: Disaggregation) -> list:
+    """Each replica's requests as it saw them (``summaries.ReplicaRequests``): a prefill
+    replica the requests it prefilled, with their prefix-cache columns as they are (the
+    prefill side's); a decode replica the requests it decoded, with the decode side's own
+    lookups in their place (``DECODE_SIDE_PREFIX_COLUMNS``). Load ratios are over the mean
+    of the replica's own side."""
+    decode_view = requests
+    for name, source in DECODE_SIDE_PREFIX_COLUMNS.items():
+        decode_view = decode_view.set_column(decode_view.schema.get_field_index(name), name,
+                                             requests.column(source))
+    out = []
+    num_prefill = disaggregation.prefill_replicas
+    for column, first, count, table in (("prefill_replica", 0, num_prefill, requests),
+                                        ("decode_replica", num_prefill, disaggregation.decode_replicas, decode_view)):
+        counts = _side_counts(requests, column, first, count)
+        mean = counts.mean()
+        replica_of_request = requests.column(column).to_numpy()
+        for index in range(count):
+            out.append(ReplicaRequests(np.flatnonzero(replica_of_request == first + index), table,
+                                       float(counts[index] / mean) if mean > 0 else math.nan))
+    return out
+
+
+def pd_side_imbalance(requests, disaggregation: Disaggregation) -> tuple[float, float]:
+    """Each side's load imbalance: requests per prefill replica over their mean, and per
+    decode replica over theirs (``summaries.load_imbalance``); NaN for a side nothing reached."""
+    sides = []
     for column, first, count in (("prefill_replica", 0, disaggregation.prefill_replicas),
                                  ("decode_replica", disaggregation.prefill_replicas, disaggregation.decode_replicas)):
-        picked = requests.column(column).to_numpy()
-        picked = picked[picked >= 0] - first
-        counts = np.bincount(picked, minlength=count)[:count] if picked.size else np.zeros(count)
+        counts = _side_counts(requests, column, first, count)
         mean = counts.mean()
-        if mean > 0:
-            worst = max(float(counts.max() / mean), worst) if not math.isnan(worst) else float(counts.max() / mean)
-    return worst
+        sides.append(float(counts.max() / mean) if mean > 0 else math.nan)
+    return sides[0], sides[1]
+
+
+def pd_load_imbalance(requests, disaggregation: Disaggregation) -> float:
+    """The worse of the prefill side's and the decode side's load imbalance (``pd_side_imbalance``)."""
+    known = [side for side in pd_side_imbalance(requests, disaggregation) if not math.isnan(side)]
+    return max(known) if known else math.nan

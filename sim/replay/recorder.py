@@ -23,6 +23,7 @@ from mypy_extensions import mypyc_attr
 
 from kvtwin.sim.core.engine import Rejection, StepResult
 from kvtwin.sim.core.engine_stats import EngineStats
+from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.replay.cost_model import StepCost
 
@@ -69,19 +70,25 @@ class _RequestRecord:
 
 
 class _OffloadRecord:
-    """One request's offload hits (at its first admission) and its first load's times."""
+    """One request's offload hits (at its first admission) and its first wait for KV in a
+    tier: how long, how much of it before its load was issued, and the load's transfer."""
 
     __slots__ = ("admitted", "gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "load_wait_s",
-                 "load_transfer_s", "pending_issue_s", "pending_gpu_hit_tokens")
+                 "load_transfer_s", "load_defer_s", "pending_issue_s", "pending_gpu_hit_tokens", "wait_start_s")
 
     def __init__(self) -> None:
         self.admitted = False
         self.gpu_hit_tokens = self.cpu_hit_tokens = self.disk_hit_tokens = 0
         self.load_wait_s = math.nan
         self.load_transfer_s = math.nan
+        self.load_defer_s = math.nan
         # A load issued and its request not yet scheduled: when, and the GPU hit then.
         self.pending_issue_s: float | None = None
         self.pending_gpu_hit_tokens = 0
+        # When the request's current wait for KV in a tier began: the first lookup that
+        # deferred it (a disk promotion, a store or another's load of its chunks still
+        # running), else its load's issue; NaN while it does not wait.
+        self.wait_start_s = math.nan
 
 
 class _PDRecord:
@@ -108,9 +115,12 @@ _OFFLOAD_DISK_STEP_COLUMNS = ("offload_disk_loaded_keys", "offload_disk_stored_k
                               "offload_disk_used_chunks")
 _OFFLOAD_BYTES_STEP_COLUMNS = ("offload_load_bytes", "offload_store_bytes")
 _OFFLOAD_GAUGES = frozenset({"offload_cpu_used_chunks", "offload_disk_used_chunks"})
+# Kept by the recorder itself from the requests' waits, after the tier's counters.
+OFFLOAD_WAITING_COLUMN = "num_waiting_for_kv"
 
 
 def offload_step_columns(has_disk: bool) -> tuple[str, ...]:
+    """The tiers' step columns (their counters), without the recorder's own waiting gauge."""
     return (_OFFLOAD_CPU_STEP_COLUMNS + (_OFFLOAD_DISK_STEP_COLUMNS if has_disk else ())
             + _OFFLOAD_BYTES_STEP_COLUMNS)
 
@@ -183,25 +193,30 @@ class MetricsRecorder:
     """
 
     def __init__(self, num_groups: int, num_replicas: int = 1, offload=None, roles: list[str] | None = None,
-                 speculative: bool = False):
+                 num_speculative_tokens: int = 0):
         self.num_groups = num_groups
         # Disaggregated prefill/decode: each replica's role ("prefill" or "decode"), and per
         # client request its prefill side and read (None: not disaggregated).
         self.roles = roles
         self._pd: dict[str, _PDRecord] = {}
-        # Speculative decoding: verify rows count as decode tokens, and each request's drafts
-        # and accepted drafts are counted (requests columns ``SPEC_REQUEST_COLUMNS``).
-        self.speculative = speculative
+        # Speculative decoding (``num_speculative_tokens`` drafts a step at most): verify rows
+        # count as decode tokens, each request's drafts and accepted drafts are counted
+        # (requests columns ``SPEC_REQUEST_COLUMNS``), and each step's accepted drafts by
+        # position (``SPEC_STEP_COLUMN``).
+        self.speculative = num_speculative_tokens > 0
+        self.num_speculative_tokens = num_speculative_tokens
+        self._accepted_by_position = [0] * num_speculative_tokens
         self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
         self.order: list[_RequestRecord] = []
         self._itl = [Float64Buffer() for _ in range(num_replicas)]
         # The step table as doubles, a row of ``step_width`` values a step in
         # ``STEP_COLUMNS`` order (the step index aside; the per-group usage takes
-        # ``num_groups`` values; then any offload columns): 8 bytes a value instead of a
-        # Python object. Counts are exact in a double (below 2**53).
+        # ``num_groups`` values; then any offload columns, then any accepted drafts by
+        # position): 8 bytes a value instead of a Python object. Counts are exact in a
+        # double (below 2**53).
         self._step_values = Float64Buffer()
-        self.step_width = len(STEP_COLUMNS) - 2 + num_groups
+        self.step_width = len(STEP_COLUMNS) - 2 + num_groups + num_speculative_tokens
         self.step_replica = array("i")
         self._evictions_before = [0] * num_replicas
         # With offload tiers (a ``ResolvedOffload``): per request, what its admissions hit
@@ -209,10 +224,12 @@ class MetricsRecorder:
         self.offload = offload
         if offload is not None:
             self._offload_columns = offload_step_columns(offload.has_disk)
-            self.step_width += len(self._offload_columns)
+            self.step_width += len(self._offload_columns) + 1
             self._offload_before: list[dict[str, int]] = [dict.fromkeys(self._offload_columns, 0)
                                                           for _ in range(num_replicas)]
             self._loads: dict[str, _OffloadRecord] = {}
+            # Per replica: requests waiting for KV in a tier (``wait_start_s`` set).
+            self._waiting_for_kv = [0] * num_replicas
 
     @property
     def itl_by_replica(self) -> list[array]:
@@ -280,8 +297,8 @@ class MetricsRecorder:
         if synchronous or output.num_scheduled_tokens or output.preempted:
             self._batch(result, stats, times, replica)
             return True
-        if output.external_hits:
-            self.loads_issued(output, times.scheduled_s, stats.load_seconds)  # a batch that only starts loads
+        if self.offload is not None:  # a batch that only starts loads or waits
+            self.loads_issued(output, times.scheduled_s, stats.load_seconds, replica)
         return False
 
     def _batch(self, result: StepResult, stats: EngineStats, times: BatchTimes, replica: int) -> None:
@@ -289,7 +306,7 @@ class MetricsRecorder:
         output = result.output
         scheduled_s = times.scheduled_s
         if self.offload is not None:
-            self.loads_issued(output, scheduled_s, stats.load_seconds)
+            self.loads_issued(output, scheduled_s, stats.load_seconds, replica)
         self._admissions(output, scheduled_s)
         sampled = result.execution.sampled
         if self.speculative and output.scheduled_spec_decode_tokens is not None:
@@ -314,7 +331,7 @@ class MetricsRecorder:
             hit_tokens = admission.hit_tokens
             if loads is not None:
                 hit_tokens = self._offload_admission(admission.req_id, hit_tokens, scheduled_s,
-                                                     math.isnan(record.first_scheduled_s))
+                                                     math.isnan(record.first_scheduled_s), record.replica)
             if math.isnan(record.first_scheduled_s):
                 record.first_scheduled_s = scheduled_s
                 record.hit_tokens = hit_tokens
@@ -345,6 +362,7 @@ class MetricsRecorder:
         every scheduled draft."""
         records = self.records
         spec = output.scheduled_spec_decode_tokens
+        by_position = self._accepted_by_position
         prefill_tokens = decode_tokens = 0
         for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
             record = records[request_id]
@@ -357,9 +375,13 @@ class MetricsRecorder:
                 prefill_tokens += num_new
             tokens = sampled.get(request_id)
             if num_drafts and tokens:
+                accepted = len(tokens) - 1
                 record.draft_tokens += num_drafts
-                record.accepted_draft_tokens += len(tokens) - 1
+                record.accepted_draft_tokens += accepted
                 record.verify_steps += 1
+                # A draft is accepted only if every draft before it was.
+                for position in range(accepted):
+                    by_position[position] += 1
         return prefill_tokens, decode_tokens
 
     def _sampled(self, sampled: dict[str, list[int]], end_s: float, itl_s: Float64Buffer) -> None:
@@ -453,23 +475,42 @@ class MetricsRecorder:
                 value = counters[name]
                 row.append(value if name in _OFFLOAD_GAUGES else value - before[name])
                 before[name] = value
+            row.append(self._waiting_for_kv[replica])
+        if self.speculative:
+            row.extend(self._accepted_by_position)
+            self._accepted_by_position = [0] * self.num_speculative_tokens
 
     # -- offload tiers ----------------------------------------------------------------------
 
-    def loads_issued(self, output, start_s: float, load_seconds: dict[int, float] | None) -> None:
-        """The loads a schedule issued at ``start_s`` (its ``external_hits``), and how long
-        the worker takes for them (``load_seconds`` by job; None on a step clock); also for
-        a batch that computes nothing (no step row)."""
+    def loads_issued(self, output, start_s: float, load_seconds: dict[int, float] | None, replica: int = 0) -> None:
+        """The waits for KV that a schedule at ``start_s`` began on ``replica`` (requests
+        its lookups deferred), the loads it issued (its ``external_hits``), and how long the
+        worker takes for them (``load_seconds`` by job; None on a step clock); also for a
+        batch that computes nothing (no step row)."""
+        meta = output.kv_connector_metadata
+        deferred = meta.deferred_req_ids if isinstance(meta, OffloadingConnectorMetadata) else None
         hits = output.external_hits
-        if not hits or self.offload is None:
+        if deferred is None and not hits:
             return
         loads = self._loads
-        meta = output.kv_connector_metadata
+        waiting = self._waiting_for_kv
+        for request_id in deferred or ():
+            load = loads.get(request_id)
+            if load is None:
+                load = loads[request_id] = _OffloadRecord()
+            if math.isnan(load.wait_start_s):
+                load.wait_start_s = start_s
+                waiting[replica] += 1
+        if not hits:
+            return
         jobs = meta.load_jobs if meta is not None else {}
         for request, gpu_hit_tokens, loaded_tokens, sources in hits:
             load = loads.get(request.request_id)
             if load is None:
                 load = loads[request.request_id] = _OffloadRecord()
+            if math.isnan(load.wait_start_s):
+                load.wait_start_s = start_s
+                waiting[replica] += 1
             if not load.admitted:
                 # The first admission: its hits per tier. Tokens of the hit that no loaded
                 # chunk covers (sliding-window history it skips) go with the slowest tier read.
@@ -486,19 +527,31 @@ class MetricsRecorder:
             return  # a step clock: no seconds
         for job_id, job in jobs.items():
             load = loads.get(job.req_id)
-            if load is not None and math.isnan(load.load_transfer_s):
+            # Only the load that ends the request's first wait (``load_wait_s``).
+            if load is not None and math.isnan(load.load_wait_s) and math.isnan(load.load_transfer_s):
                 load.load_transfer_s = load_seconds.get(job_id, math.nan)
 
-    def _offload_admission(self, request_id: str, hit_tokens: int, scheduled_s: float, first: bool) -> int:
-        """A request scheduled: after its load, its GPU hit is the one found when the load
-        was issued (the admission now computes on from the loaded tokens)."""
+    def _offload_admission(self, request_id: str, hit_tokens: int, scheduled_s: float, first: bool,
+                           replica: int) -> int:
+        """A request scheduled: its wait for KV ends. After a load its GPU hit is the one
+        found when the load was issued (the admission now computes on from the loaded
+        tokens), and its first load's wait counts from the start of its wait: the lookups
+        that deferred it before the load was issued are part of it."""
         load = self._loads.get(request_id)
         if load is None:
             load = self._loads[request_id] = _OffloadRecord()
+        wait_start_s = load.wait_start_s
+        if not math.isnan(wait_start_s):
+            load.wait_start_s = math.nan
+            self._waiting_for_kv[replica] -= 1
+            if math.isnan(load.load_wait_s):
+                load.load_wait_s = scheduled_s - wait_start_s
+                # A wait may end with no load at all: the hit turned up on the GPU (another
+                # request loaded the chunks) or left the tier. It was all before a load.
+                issued_s = load.pending_issue_s if load.pending_issue_s is not None else scheduled_s
+                load.load_defer_s = issued_s - wait_start_s
         if load.pending_issue_s is not None:
             hit_tokens = load.pending_gpu_hit_tokens
-            if math.isnan(load.load_wait_s):
-                load.load_wait_s = scheduled_s - load.pending_issue_s
             load.pending_issue_s = None
         elif first and not load.admitted:
             load.admitted = True
@@ -567,7 +620,7 @@ class MetricsRecorder:
         per = [loads.get(r.request_id, empty) for r in rows]
         for name in ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens"):
             table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.int64)))
-        for name in ("load_wait_s", "load_transfer_s"):
+        for name in OFFLOAD_WAIT_COLUMNS:
             table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.float64)))
         return table
 
@@ -579,6 +632,11 @@ class MetricsRecorder:
         admission_hits = table.column("prefix_hit_tokens").to_pylist()
         decode_hits = pa.array([p.decode_hit_tokens if p is not None and p.decode_hit_tokens is not None else hit
                                 for p, hit in zip(pds, admission_hits)], pa.int64())
+        # The decode side's lookups: an admission after a read finds nothing of its own
+        # (its hit came before the read, ``decode_hit_tokens``), so that hit is added.
+        decode_queries = table.column("prefix_cache_queries")
+        decode_hits_total = pa.array([r.hit_tokens_total + ((p.decode_hit_tokens or 0) if p is not None else 0)
+                                      for r, p in zip(rows, pds)], pa.int64())
         for name, attr in (("prefix_hit_tokens", "hit_tokens"), ("prefix_cache_queries", "queried_tokens"),
                            ("prefix_cache_hits", "hit_tokens_total")):
             values = [getattr(p.prefill, attr) if p else 0 for p in pds]
@@ -587,6 +645,8 @@ class MetricsRecorder:
             "prefill_replica": pa.array([p.prefill_replica if p else -1 for p in pds], pa.int32()),
             "decode_replica": pa.array([r.replica for r in rows], pa.int32()),
             "decode_prefix_hit_tokens": decode_hits,
+            "decode_prefix_cache_queries": decode_queries,
+            "decode_prefix_cache_hits": decode_hits_total,
             "prefill_finish_time_s": pa.array([p.prefill_finish_s if p else math.nan for p in pds], pa.float64()),
             "transfer_bytes": pa.array([p.transfer_bytes if p else 0 for p in pds], pa.int64()),
             "transfer_s": pa.array([p.transfer_s if p else math.nan for p in pds], pa.float64()),
@@ -615,9 +675,15 @@ class MetricsRecorder:
         columns["replica"] = pa.array(np.frombuffer(self.step_replica, dtype=np.int32) if len(self.step_replica)
                                       else np.zeros(0, np.int32), pa.int32())
         if self.offload is not None:
-            for name in self._offload_columns:
+            for name in self._offload_columns + (OFFLOAD_WAITING_COLUMN,):
                 columns[name] = pa.array(np.ascontiguousarray(rows[:, at]).astype(np.int64), pa.int64())
                 at += 1
+        if self.speculative:
+            k = self.num_speculative_tokens
+            offsets = np.arange(0, len(rows) * k + 1, k, dtype=np.int32)
+            columns[SPEC_STEP_COLUMN] = pa.ListArray.from_arrays(
+                pa.array(offsets, pa.int32()), pa.array(rows[:, at:at + k].ravel().astype(np.int64), pa.int64()))
+            at += k
         if self.roles is not None:
             roles = self.roles
             columns["role"] = pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()
@@ -626,6 +692,10 @@ class MetricsRecorder:
 
 # Requests columns of a run with speculative decoding (after the others, before any offload ones).
 SPEC_REQUEST_COLUMNS = ("draft_tokens", "accepted_draft_tokens", "verify_steps")
+# The step column of such a run: per draft position, the verify rows that accepted it.
+SPEC_STEP_COLUMN = "spec_accepted_by_position"
+# The last requests columns of a run with offload tiers: a request's wait for KV in a tier.
+OFFLOAD_WAIT_COLUMNS = ("load_wait_s", "load_transfer_s", "load_defer_s")
 
 # Step column -> (its numpy type, its type in steps.parquet), in the order
 # ``MetricsRecorder.step`` records a row.

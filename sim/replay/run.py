@@ -290,7 +290,7 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
     routing = make_router(router, engines)
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload,
-                              speculative=eng.scheduler.num_speculative_tokens > 0)
+                              num_speculative_tokens=eng.scheduler.num_speculative_tokens)
     replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
                 for engine, executor in zip(engines, executors)]
     end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=routing, time_limit_s=time_limit_s,
@@ -311,7 +311,7 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       on_progress: Callable[[ReplayClock], None] | None = None,
                       decode_windows: bool = True, env: simpy.Environment | None = None) -> ReplayResult:
     """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first)."""
-    from kvtwin.sim.replay.pd_run import pd_load_imbalance, pd_summary_columns, run_pd_simulation
+    from kvtwin.sim.replay.pd_run import pd_load_imbalance, pd_replica_requests, pd_summary_columns, run_pd_simulation
 
     _require_pools_fit(plan, len(executors))
 
@@ -332,8 +332,10 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     # decode replica), the worse of the two.
     summary = summary.set_column(summary.schema.get_field_index("load_imbalance"), "load_imbalance",
                                  pa.array([pd_load_imbalance(requests, disaggregation)]))
+    # Each replica's own share: the requests it prefilled or decoded, with the prefix hits
+    # found there.
     per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
-                                     cluster_summary=summary)
+                                     per_replica=pd_replica_requests(requests, disaggregation), roles=metrics.roles)
     return ReplayResult(requests, steps, summary, end_s, per_replica)
 
 

@@ -118,23 +118,33 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
                 "load_imbalance": load_imbalance(requests, num_replicas),
                 "prefix_cache_retention": prefix_cache_retention})
     if "accepted_draft_tokens" in requests.column_names:
-        row.update(spec_summary(requests))
+        row.update(spec_summary(requests, steps))
     if "cpu_hit_tokens" in requests.column_names:
         row.update(offload_summary(requests, steps, offload))
     return pa.Table.from_pylist([row])
 
 
-def spec_summary(requests: pa.Table) -> dict:
+def spec_summary(requests: pa.Table, steps: pa.Table | None = None) -> dict:
     """Speculative decoding's figures (only in runs with drafts), as vLLM's spec-decode
     metrics name them: drafts verified, drafts accepted, their ratio
-    (``spec_acceptance_rate``), and the tokens a verify step yields on average, its
-    sampled token included (``mean_acceptance_length``, vLLM's "mean acceptance length")."""
+    (``spec_acceptance_rate``), the tokens a verify step yields on average, its sampled
+    token included (``mean_acceptance_length``, vLLM's "mean acceptance length"), and
+    with the steps' ``spec_accepted_by_position`` each draft position's acceptance rate
+    (accepted there over verify steps, vLLM's "per-position acceptance rate")."""
     drafts = int(pc.sum(requests.column("draft_tokens")).as_py() or 0)
     accepted = int(pc.sum(requests.column("accepted_draft_tokens")).as_py() or 0)
-    steps = int(pc.sum(requests.column("verify_steps")).as_py() or 0)
-    return {"spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / drafts if drafts else math.nan,
-            "mean_acceptance_length": 1.0 + accepted / steps if steps else math.nan}
+    verify_steps = int(pc.sum(requests.column("verify_steps")).as_py() or 0)
+    row: dict[str, object] = {"spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
+                              "spec_acceptance_rate": accepted / drafts if drafts else math.nan,
+                              "mean_acceptance_length": 1.0 + accepted / verify_steps if verify_steps else math.nan}
+    if steps is not None and "spec_accepted_by_position" in steps.column_names:
+        lists = steps.column("spec_accepted_by_position").combine_chunks()
+        width = len(lists[0]) if len(lists) else 0
+        by_position = (lists.flatten().to_numpy().reshape(-1, width).sum(axis=0) if width
+                       else np.zeros(0, dtype=np.int64))
+        row["spec_acceptance_by_position"] = [float(n) / verify_steps if verify_steps else math.nan
+                                              for n in by_position]
+    return row
 
 
 def _throughput_figures(requests: pa.Table, status: np.ndarray, done: np.ndarray, duration_s: float) -> dict:
@@ -225,6 +235,7 @@ OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
     "hit_rate_disk": pa.float64(),
     "hit_rate_total": pa.float64(),
     "num_loads": pa.int64(),
+    "num_load_waits": pa.int64(),
     "mean_load_wait_ms": pa.float64(),
     "median_load_wait_ms": pa.float64(),
     "p90_load_wait_ms": pa.float64(),
@@ -233,6 +244,10 @@ OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
     "median_load_transfer_ms": pa.float64(),
     "p90_load_transfer_ms": pa.float64(),
     "p99_load_transfer_ms": pa.float64(),
+    "mean_load_defer_ms": pa.float64(),
+    "median_load_defer_ms": pa.float64(),
+    "p90_load_defer_ms": pa.float64(),
+    "p99_load_defer_ms": pa.float64(),
     "kv_offload_load_bytes": pa.int64(),
     "kv_offload_store_bytes": pa.int64(),
     "offload_cpu_loaded_keys": pa.int64(),
@@ -246,8 +261,9 @@ OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
 
 def offload_summary(requests: pa.Table, steps: pa.Table, offload: dict | None = None) -> dict:
     """The offload figures of a run (``OFFLOAD_SUMMARY_COLUMNS``): hits per tier at first
-    admission over the prompt tokens of the requests admitted, the loads' waits, the
-    tiers' traffic (sums of the step columns; a disk column is 0 without a disk tier)."""
+    admission over the prompt tokens of the requests admitted, the waits for KV (with the
+    part before the load was issued, ``load_defer``, and the transfer), the tiers' traffic
+    (sums of the step columns; a disk column is 0 without a disk tier)."""
     row: dict[str, object] = {name: None for name in OFFLOAD_SUMMARY_COLUMNS}
     row.update(offload or {})
     status = requests.column("status").to_numpy(zero_copy_only=False)
@@ -261,9 +277,11 @@ def offload_summary(requests: pa.Table, steps: pa.Table, offload: dict | None = 
         row[f"hit_rate_{tier}"] = hits / prompt if prompt else math.nan
     row["hit_rate_total"] = total / prompt if prompt else math.nan
     wait = requests.column("load_wait_s").to_numpy()
-    row["num_loads"] = int(np.isfinite(wait).sum())
+    row["num_loads"] = int(np.isfinite(requests.column("load_transfer_s").to_numpy()).sum())
+    row["num_load_waits"] = int(np.isfinite(wait).sum())
     row.update(_stats(wait, "load_wait_ms"))
     row.update(_stats(requests.column("load_transfer_s").to_numpy(), "load_transfer_ms"))
+    row.update(_stats(requests.column("load_defer_s").to_numpy(), "load_defer_ms"))
     names = steps.column_names
 
     def total_of(column: str) -> int:
@@ -298,18 +316,47 @@ def load_imbalance(requests: pa.Table, num_replicas: int) -> float:
 _CLUSTER_ONLY = ("num_replicas", "router", "load_imbalance", "prefix_cache_retention")
 
 
+class ReplicaRequests:
+    """One replica's share of the requests table: the rows it served (``rows``, indices
+    into ``table``), as it saw them (``table``: the requests table, or a view of it with
+    that replica's own columns), and its load ratio (requests routed there over the mean
+    per replica of its kind)."""
+
+    def __init__(self, rows: np.ndarray, table: pa.Table, load_ratio: float):
+        self.rows = rows
+        self.table = table
+        self.load_ratio = load_ratio
+
+
+def routed_replica_requests(requests: pa.Table, num_replicas: int) -> list[ReplicaRequests]:
+    """Each data-parallel replica's requests: the rows routed there (column ``replica``)."""
+    counts = routed_counts(requests, num_replicas)
+    mean = counts.mean() if counts.size else 0.0
+    replica_of_request = (requests.column("replica").to_numpy() if "replica" in requests.column_names
+                          else np.zeros(requests.num_rows, np.int32))
+    return [ReplicaRequests(np.flatnonzero(replica_of_request == replica), requests,
+                            float(counts[replica] / mean) if mean > 0 else math.nan)
+            for replica in range(num_replicas)]
+
+
 def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list[array], slo: SLO,
                        end_time_s: float, *, trace: pa.Table | None = None,
-                       cluster_summary: pa.Table | None = None, offload: dict | None = None) -> pa.Table:
+                       cluster_summary: pa.Table | None = None, offload: dict | None = None,
+                       per_replica: list[ReplicaRequests] | None = None,
+                       roles: list[str] | None = None) -> pa.Table:
     """One row per replica: ``replica``, then ``summarize``'s figures over that replica's
     requests, steps and inter-token latencies (the cluster-only ``num_replicas``,
     ``router`` and ``load_imbalance`` left out), then ``load_ratio`` (requests routed
     there over the mean). Durations and rates use the cluster's ``end_time_s``; a
     replica's trace is the rows routed to it (so ``prefix_reuse_upper_bound`` is the
     reuse available within its own stream, and ``not_arrived`` is 0). With one replica
-    the row is ``cluster_summary``'s, if given (the same figures, not computed twice)."""
+    the row is ``cluster_summary``'s, if given (the same figures, not computed twice).
+
+    ``per_replica`` says which requests each replica served, as it saw them (default:
+    ``routed_replica_requests``; a P/D deployment's come from ``pd_run``), and ``roles``
+    adds each replica's role after ``replica``."""
     num_replicas = len(itl_by_replica)
-    if num_replicas == 1 and cluster_summary is not None:
+    if num_replicas == 1 and cluster_summary is not None and per_replica is None:
         row = cluster_summary.to_pylist()[0]
         row["not_arrived"] = 0
         row["num_trace_requests"] = requests.num_rows
@@ -317,24 +364,23 @@ def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list
             del row[name]
         table = pa.Table.from_pylist([{"replica": 0, **row, "load_ratio": 1.0 if requests.num_rows else math.nan}])
         return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))
-    counts = routed_counts(requests, num_replicas)
-    mean = counts.mean() if counts.size else 0.0
-    replica_of_request = (requests.column("replica").to_numpy() if "replica" in requests.column_names
-                          else np.zeros(requests.num_rows, np.int32))
+    if per_replica is None:
+        per_replica = routed_replica_requests(requests, num_replicas)
     replica_of_step = (steps.column("replica").to_numpy() if "replica" in steps.column_names
                        else np.zeros(steps.num_rows, np.int32))
     arrived = trace.slice(0, requests.num_rows) if trace is not None else None
     rows = []
-    for replica in range(num_replicas):
-        mine = np.flatnonzero(replica_of_request == replica)
-        sub_requests = requests.take(mine)
+    for replica, mine in enumerate(per_replica):
+        sub_requests = mine.table.take(mine.rows)
         sub_steps = steps.take(np.flatnonzero(replica_of_step == replica))
-        sub_trace = arrived.take(mine) if arrived is not None else None
+        sub_trace = arrived.take(mine.rows) if arrived is not None else None
         row = summarize(sub_requests, sub_steps, itl_by_replica[replica], slo, end_time_s,
                         trace=sub_trace, offload=offload).to_pylist()[0]
         for name in _CLUSTER_ONLY:
             del row[name]
-        rows.append({"replica": replica, **row,
-                     "load_ratio": float(counts[replica] / mean) if mean > 0 else math.nan})
+        head: dict[str, object] = {"replica": replica}
+        if roles is not None:
+            head["role"] = roles[replica]
+        rows.append({**head, **row, "load_ratio": mine.load_ratio})
     table = pa.Table.from_pylist(rows)
     return table.set_column(0, "replica", table.column("replica").cast(pa.int32()))

@@ -29,7 +29,8 @@ from tests.replay.chat_workload import chat_trace, llama_plan
 from tests.tables import assert_tables_equal
 
 GIB = 2**30
-OFFLOAD_REQUEST_COLUMNS = ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "load_wait_s", "load_transfer_s")
+OFFLOAD_REQUEST_COLUMNS = ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "load_wait_s", "load_transfer_s",
+                           "load_defer_s")
 
 
 def _plan(**engine):
@@ -167,7 +168,7 @@ def test_a_cpu_tier_catches_reuse_the_gpu_lost(runs):
 def test_offload_columns_add_up(runs, llama):
     on = runs(cpu_gib=6)
     r, steps, s = on.requests, on.steps, _summary(on)
-    assert r.column_names[-5:] == list(OFFLOAD_REQUEST_COLUMNS)
+    assert r.column_names[-len(OFFLOAD_REQUEST_COLUMNS):] == list(OFFLOAD_REQUEST_COLUMNS)
     gpu, cpu, disk = (r.column(f"{t}_hit_tokens").to_numpy() for t in ("gpu", "cpu", "disk"))
     prompt = r.column("prompt_tokens").to_numpy()
     assert (gpu + cpu + disk < prompt).all() and not disk.any()
@@ -252,6 +253,69 @@ def test_a_disk_tier_adds_disk_hits_when_the_cpu_tier_is_tiny(runs):
     assert tiered.steps.column("offload_disk_used_chunks").to_numpy().max() <= 4096
     disk = tiered.requests.column("disk_hit_tokens").to_numpy()
     assert np.isfinite(tiered.requests.column("load_wait_s").to_numpy()[disk > 0]).all()
+
+
+@pytest.fixture(scope="module")
+def slow_disk(chat, llama):
+    """A tiny CPU tier over a disk whose one queue (0.5 GB/s) the write-through keeps busy:
+    a disk hit's promotion waits behind the writes before its load can start."""
+    config = OffloadConfig(cpu_bytes=GIB // 4, disk_bytes=8 * GIB, disk_bandwidth_bytes_per_s=5e8)
+    return run_replay(llama, chat, offload=config.resolve(llama))
+
+
+def _requests(result) -> dict[str, np.ndarray]:
+    r = result.requests
+    return {name: r.column(name).to_numpy() for name in r.column_names
+            if name.endswith(("_s", "_tokens")) and name != "session_id"}
+
+
+def test_a_disk_hits_load_wait_holds_its_promotion(slow_disk):
+    """The wait for KV runs from the lookup that found the hit on disk (and started its
+    promotion) to the first schedule: it is a disk hit's whole time to first schedule, but
+    for the wait until its first lookup (the step running when it arrived)."""
+    r = _requests(slow_disk)
+    disk = r["disk_hit_tokens"] > 0
+    assert disk.sum() >= 10
+    queue = r["first_scheduled_time_s"] - r["arrival_time_s"]
+    wait, defer, transfer = r["load_wait_s"], r["load_defer_s"], r["load_transfer_s"]
+    longest_step = slow_disk.steps.column("duration_s").to_numpy().max()
+    gap = queue[disk] - wait[disk]
+    assert gap.min() >= -1e-12 and gap.max() <= longest_step
+    # Most of it is the promotion queued behind the writes, before the load was issued.
+    assert (defer[disk] > 0).all() and np.median(defer[disk]) > 0.1
+    assert np.median(queue[disk]) > 10 * np.median(transfer[disk])
+    # The wait is the time before the load, then the transfer, then the request's turn;
+    # one that found its hit on the GPU in the end (another request loaded the chunks)
+    # waited without a load.
+    waited, loaded = np.isfinite(wait), np.isfinite(transfer)
+    assert not (loaded & ~waited).any() and (waited & ~loaded).any()
+    assert (defer[waited] >= 0).all() and (transfer[loaded] <= wait[loaded] - defer[loaded] + 1e-12).all()
+    assert (defer[waited & ~loaded] == wait[waited & ~loaded]).all()
+    assert np.isnan(defer[~waited]).all()
+    s = _summary(slow_disk)
+    assert (s["num_loads"], s["num_load_waits"]) == (loaded.sum(), waited.sum())
+    for name, values in (("load_wait", wait[waited]), ("load_defer", defer[waited]),
+                         ("load_transfer", transfer[loaded])):
+        assert s[f"mean_{name}_ms"] == pytest.approx(values.mean() * 1000)
+        for stat, q in (("median", 50), ("p90", 90), ("p99", 99)):
+            assert s[f"{stat}_{name}_ms"] == pytest.approx(np.percentile(values, q) * 1000)
+
+
+def test_requests_waiting_for_kv_per_step_are_the_requests_rows_waits(slow_disk):
+    """``num_waiting_for_kv`` after each (synchronous) step: the requests whose wait for KV
+    (``load_wait_s`` before their first schedule) covers the step's start. Where several
+    steps start at one instant (empty steps reporting a transfer), after the last of them."""
+    r = _requests(slow_disk)
+    waited = np.isfinite(r["load_wait_s"])
+    end = r["first_scheduled_time_s"][waited]
+    start = end - r["load_wait_s"][waited]
+    t = slow_disk.steps.column("time_s").to_numpy()
+    last_at_instant = np.append(t[1:] != t[:-1], True)
+    t = t[last_at_instant]
+    expected = ((start[None, :] <= t[:, None] + 1e-12) & (t[:, None] < end[None, :] - 1e-12)).sum(axis=1)
+    gauge = slow_disk.steps.column("num_waiting_for_kv").to_numpy()[last_at_instant]
+    assert gauge.max() >= 3
+    np.testing.assert_array_equal(gauge, expected)
 
 
 def test_arc_keeps_more_of_a_small_tier_than_lru(runs):

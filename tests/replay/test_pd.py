@@ -213,6 +213,66 @@ def test_outputs_have_the_pd_columns(pd_result):
     assert summary["load_imbalance"] == pytest.approx(max(counts.max() / counts.mean(), 1.0))
 
 
+def test_each_replica_row_is_what_that_replica_did(pd_result):
+    """replicas.parquet of a P/D run: a prefill replica's row counts the requests it
+    prefilled and the prefix hits found there, a decode replica's the requests it decoded
+    and its own hits (before its read); load ratios are over each side's mean."""
+    r = {name: pd_result.requests.column(name).to_numpy(zero_copy_only=False)
+         for name in ("prefill_replica", "decode_replica", "prefix_hit_tokens", "prefix_cache_queries",
+                      "prefix_cache_hits", "decode_prefix_hit_tokens", "decode_prefix_cache_queries",
+                      "decode_prefix_cache_hits", "prompt_tokens", "num_preemptions", "status")}
+    rows = pd_result.replicas.to_pylist()
+    assert [row["role"] for row in rows] == ["prefill", "prefill", "decode"]
+    assert [row["replica"] for row in rows] == [0, 1, 2]
+    sides = {"prefill": ("prefill_replica", ""), "decode": ("decode_replica", "decode_")}
+    for row in rows:
+        column, prefix = sides[row["role"]]
+        mine = r[column] == row["replica"]
+        side = [n for n, (c, _) in sides.items() if c == column][0]
+        side_counts = np.array([(r[column] == other["replica"]).sum() for other in rows if other["role"] == side])
+        assert row["num_requests"] == mine.sum() > 0
+        assert row["load_ratio"] == pytest.approx(mine.sum() / side_counts.mean())
+        queries = r[f"{prefix}prefix_cache_queries"][mine].sum()
+        hits = r[f"{prefix}prefix_cache_hits"][mine].sum()
+        assert (row["prefix_cache_queries"], row["prefix_cache_hits"]) == (queries, hits)
+        assert row["prefix_cache_hit_rate"] == pytest.approx(hits / queries)
+    # Each side's requests add up to the run's; the prefill side's hits are the summary's.
+    summary = pd_result.summary.to_pylist()[0]
+    for role in sides:
+        assert sum(row["num_requests"] for row in rows if row["role"] == role) == summary["num_requests"]
+    assert sum(row["prefix_cache_hits"] for row in rows if row["role"] == "prefill") == summary["prefix_cache_hits"]
+    # The decode side looks its prompt up once (no preemption here) and finds its own hit.
+    # (Its tokens are counted when the admitting batch is applied: with two batches in
+    # flight it may have sampled its first token by then.)
+    decoded = (r["status"] == "finished") & (r["num_preemptions"] == 0)
+    assert decoded.sum() > 10
+    extra = r["decode_prefix_cache_queries"][decoded] - r["prompt_tokens"][decoded]
+    assert ((extra == 0) | (extra == 1)).all()
+    np.testing.assert_array_equal(r["decode_prefix_cache_hits"][decoded], r["decode_prefix_hit_tokens"][decoded])
+    assert r["decode_prefix_cache_hits"][decoded].sum() > 0
+
+
+def test_the_replicas_line_balances_each_side_on_its_own(pd_result):
+    """No run-wide "imbalance" beside counts that are uneven by construction: each side's
+    requests per replica and its own imbalance (largest over its mean)."""
+    from kvtwin.reports.summary_text import replicas_line
+
+    summary = pd_result.summary.to_pylist()[0]
+    line = replicas_line(summary, pd_result.replicas)
+    prefill = np.bincount(pd_result.requests.column("prefill_replica").to_numpy(), minlength=2)
+    decoded = pd_result.requests.num_rows
+    assert line == (f"replicas: 2 prefill + 1 decode behind {summary['router']}: prefill requests "
+                    f"{prefill[0]:,} / {prefill[1]:,} (imbalance {prefill.max() / prefill.mean():.2f}), prefix cache "
+                    f"hit rate {_percent(pd_result.replicas, 0)} / {_percent(pd_result.replicas, 1)}; decode "
+                    f"requests {decoded:,} (imbalance 1.00), prefix cache hit rate {_percent(pd_result.replicas, 2)}")
+    assert " 0 / 0 " not in line
+
+
+def _percent(replicas, index: int) -> str:
+    row = replicas.to_pylist()[index]
+    return f"{row['prefix_cache_hits'] / row['prefix_cache_queries'] * 100:.1f} %"
+
+
 def test_transfer_bytes_are_every_layer_of_the_prompt(pd_result):
     # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x (K and V) x 2 bytes per token, in whole
     # 16-token blocks past the decode side's own hit (none for the first request: one
@@ -256,7 +316,7 @@ def test_every_pd_column_is_documented_in_the_schema(pd_result):
 
     schema_doc = (Path(__file__).parents[2] / "reports" / "SCHEMA.md").read_text()
     for name, table in (("requests", pd_result.requests), ("steps", pd_result.steps),
-                        ("summary", pd_result.summary)):
+                        ("summary", pd_result.summary), ("replicas", pd_result.replicas)):
         missing = [c for c in table.column_names if f"`{c}`" not in schema_doc]
         assert not missing, f"{name} columns missing from reports/SCHEMA.md: {missing}"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -94,6 +95,39 @@ def test_a_spec_replay_finishes_every_request_and_counts_its_drafts(tmp_path, as
     # Verify rows are decodes: decode tokens include the drafts.
     steps = result.steps.to_pydict()
     assert sum(steps["decode_tokens"]) >= summary["spec_draft_tokens"]
+
+
+def test_the_console_and_the_report_show_the_acceptance(tmp_path):
+    """The acceptance rate, the mean acceptance length and the rate by draft position, as
+    recomputed from the requests' and steps' rows, in the console and in report.html."""
+    path = _scenario(tmp_path, 'method = "eagle3"\nnum_speculative_tokens = 3\nacceptance = [0.9, 0.5, 0.2]\n')
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["replay", str(path), "-q", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    requests = pq.read_table(out / "requests.parquet").to_pydict()
+    steps = pq.read_table(out / "steps.parquet").to_pydict()
+    drafts, accepted = sum(requests["draft_tokens"]), sum(requests["accepted_draft_tokens"])
+    verify_steps = sum(requests["verify_steps"])
+    by_step = np.array(steps["spec_accepted_by_position"])
+    assert by_step.shape == (len(steps["step"]), 3)
+    per_position = by_step.sum(axis=0)
+    # A draft is accepted only after the ones before it: the counts fall with the position
+    # and add up to the accepted drafts.
+    assert per_position.sum() == accepted and (np.diff(per_position) <= 0).all()
+    rates = per_position / verify_steps
+    # Position i is accepted with the product of the rates up to it.
+    assert rates == pytest.approx([0.9, 0.45, 0.09], abs=0.05)
+    summary = pq.read_table(out / "summary.parquet").to_pylist()[0]
+    assert summary["spec_acceptance_by_position"] == pytest.approx(list(rates))
+    rate, length = accepted / drafts, 1 + accepted / verify_steps
+    assert (summary["spec_acceptance_rate"], summary["mean_acceptance_length"]) == pytest.approx((rate, length))
+    percents = " / ".join(f"{r * 100:.1f} %" for r in rates)
+    line = (f"speculative decoding: acceptance rate {rate * 100:.1f} % ({accepted:,} of {drafts:,} drafts), mean "
+            f"acceptance length {length:.2f} tokens per verify step; by draft position {percents}")
+    assert line in res.output.splitlines()
+    report = (out / "report.html").read_text()
+    for fragment in (f"{rate * 100:.1f} % ({accepted:,} / {drafts:,})", f"<td>{length:.2f}</td>", percents):
+        assert fragment in report, fragment
 
 
 def test_a_spec_replay_is_deterministic(tmp_path):

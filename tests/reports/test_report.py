@@ -402,3 +402,67 @@ def test_capacity_report_plots_hit_rate_and_ttft_against_the_offload_size():
                                                           "hit_rate_"))} for r in rows]), None, {}, None)
     assert "offload" not in plain.lower()
     assert text.count(IMG) == plain.count(IMG) + 2
+
+
+def _with_offload(steps: pa.Table, summary: pa.Table, replicas: int = 1):
+    """The synthetic replay with a CPU and a disk tier's step columns and summary figures."""
+    rng = np.random.default_rng(2)
+    n = steps.num_rows
+    columns = {"offload_cpu_used_chunks": rng.integers(0, 1000, n), "offload_disk_used_chunks": rng.integers(0, 4000, n),
+               "offload_load_bytes": rng.integers(0, 10**9, n), "offload_store_bytes": rng.integers(0, 10**9, n),
+               "offload_disk_loaded_keys": rng.integers(0, 50, n), "offload_disk_stored_keys": rng.integers(0, 50, n),
+               "num_waiting_for_kv": rng.integers(0, 6, n)}
+    for name, values in columns.items():
+        steps = steps.append_column(name, pa.array(values.astype(np.int64)))
+    for name, value in (("offload_cpu_chunks", 1000), ("offload_disk_chunks", 4000), ("offload_chunk_bytes", 2**21),
+                        ("hit_rate_total", 0.3)):
+        summary = summary.append_column(name, pa.array([value]))
+    return steps, summary
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_offload_run_plots_tier_use_traffic_and_waits_for_kv(monkeypatch, replicas):
+    """Three more figures with offload tiers, drawn from the steps' offload columns: each
+    tier's chunks in use over its chunks, the bytes moved per second of each bin, and the
+    requests waiting for KV (summed over replicas)."""
+    requests, steps, summary, plan, metadata = _synthetic_replay(replicas=replicas)
+    plain = render_replay_report(requests, steps, summary, plan, metadata)
+    assert "Offload" not in plain and "waiting for KV" not in plain
+    steps, summary = _with_offload(steps, summary)
+    figures = _drawn(monkeypatch)
+    text = render_replay_report(requests, steps, summary, plan, metadata)
+    assert text.count(IMG) == plain.count(IMG) + 3
+    for caption in ("Offload tiers: chunks holding a key", "Offload traffic per", "Requests waiting for KV"):
+        assert caption in text
+    axes = {ax.get_title(): ax for fig in figures for ax in fig.axes}
+    t = steps.column("time_s").to_numpy()
+    t_end = max(600.0, float((t + steps.column("duration_s").to_numpy()).max()))
+    bin_s = t_end / TIME_BINS
+    idx = np.clip((t / bin_s).astype(np.int64), 0, TIME_BINS - 1)
+    replica = steps.column("replica").to_numpy() if replicas > 1 else np.zeros(len(t), np.int64)
+
+    def column(name):
+        return steps.column(name).to_numpy().astype(float)
+
+    def line(title, label):
+        return np.asarray(next(ln for ln in axes[title].lines if ln.get_label() == label).get_ydata())
+
+    for label, name, scale in (("loaded CPU → GPU", "offload_load_bytes", 1), ("stored GPU → CPU", "offload_store_bytes", 1),
+                               ("promoted disk → CPU", "offload_disk_loaded_keys", 2**21),
+                               ("written CPU → disk", "offload_disk_stored_keys", 2**21)):
+        expected = np.bincount(idx, weights=column(name) * scale, minlength=TIME_BINS) / bin_s / 1e9
+        np.testing.assert_allclose(line("disk (CPU ↔ disk)" if "disk" in label else "PCIe (GPU ↔ CPU)", label),
+                                   expected)
+    # Means per bin over the bins every replica has a step in (the others hold the last state).
+    every = np.all([np.bincount(idx[replica == r], minlength=TIME_BINS) > 0 for r in np.unique(replica)], axis=0)
+
+    def mean_per_bin(name):
+        return np.array([[column(name)[(idx == b) & (replica == r)].mean() for b in np.flatnonzero(every)]
+                         for r in np.unique(replica)])
+
+    np.testing.assert_allclose(line("Requests waiting for KV from a tier", "waiting for KV")[every],
+                               mean_per_bin("num_waiting_for_kv").sum(axis=0))
+    for label, name, chunks in (("CPU tier", "offload_cpu_used_chunks", 1000),
+                                ("disk tier", "offload_disk_used_chunks", 4000)):
+        np.testing.assert_allclose(line("Offload tier use", label)[every],
+                                   mean_per_bin(name).mean(axis=0) * 100 / chunks)

@@ -97,7 +97,7 @@ class RequestOffloadState:
     compiled build reads typed attributes natively."""
 
     __slots__ = ("req", "req_context", "group_states", "num_locally_computed_tokens", "transfer_jobs",
-                 "finished_signaled", "load_key_ranges", "settled_tokens", "num_hashes_keyed")
+                 "finished_signaled", "load_key_ranges", "settled_tokens", "num_hashes_keyed", "deferred")
 
     def __init__(self, request: Request, num_groups: int):
         self.req = request
@@ -115,6 +115,8 @@ class RequestOffloadState:
         # Block hashes already turned into offload keys: a decode step usually adds none,
         # so refreshing the keys then costs one comparison.
         self.num_hashes_keyed = 0
+        # Its last lookup asked it to wait: reported once per wait (``deferred_req_ids``).
+        self.deferred = False
 
 
 @dataclass
@@ -146,6 +148,21 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     load_jobs: dict[int, TransferJob] = field(default_factory=dict)
     store_jobs: dict[int, TransferJob] = field(default_factory=dict)
     jobs_to_flush: set[int] = field(default_factory=set)
+    # Requests whose lookup this step began a wait: their hit is in the tier but not yet
+    # loadable (a disk promotion, a store, or another request's load of its chunks still
+    # runs). Only the step that began the wait names them; None when none did. For
+    # metrics: nothing in the step depends on it.
+    deferred_req_ids: list[str] | None = None
+
+    # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python
+    # (one is made every step).
+    def __init__(self, load_jobs: dict[int, TransferJob] | None = None,
+                 store_jobs: dict[int, TransferJob] | None = None, jobs_to_flush: set[int] | None = None,
+                 deferred_req_ids: list[str] | None = None):
+        self.load_jobs = load_jobs if load_jobs is not None else {}
+        self.store_jobs = store_jobs if store_jobs is not None else {}
+        self.jobs_to_flush = jobs_to_flush if jobs_to_flush is not None else set()
+        self.deferred_req_ids = deferred_req_ids
 
 
 class OffloadingConnector:
@@ -211,6 +228,7 @@ class OffloadingConnector:
         self._current_batch_load_jobs: dict[int, TransferJob] = {}
         self._current_batch_jobs_to_flush: set[int] = set()
         self._current_batch_allocated_block_ids: set[int] = set()
+        self._current_batch_deferred: list[str] = []
         # With GPU prefix caching a chunk being loaded for one request is not loaded again
         # for another: that one waits and then hits on the GPU.
         self._chunks_being_loaded: set | None = set() if enable_prefix_caching else None
@@ -399,11 +417,17 @@ class OffloadingConnector:
             group_state.block_ids.clear()
             group_state.next_stored_chunk_idx = 0  # starting over: offer every chunk again
         state.settled_tokens = -1
-        if state.transfer_jobs:
+        num_hit_tokens: int | None = None
+        if not state.transfer_jobs:
+            self._update_offload_keys(state)
+            state.num_locally_computed_tokens = num_computed_tokens
+            num_hit_tokens = self._lookup(state)
+        if num_hit_tokens is None:
+            if not state.deferred:
+                state.deferred = True
+                self._current_batch_deferred.append(request.request_id)
             return None, False
-        self._update_offload_keys(state)
-        state.num_locally_computed_tokens = num_computed_tokens
-        num_hit_tokens = self._lookup(state)
+        state.deferred = False
         return num_hit_tokens, bool(num_hit_tokens)
 
     # -- loads ---------------------------------------------------------------------------
@@ -780,7 +804,12 @@ class OffloadingConnector:
                 for job_id in pending[block_id])
         store_jobs = self._build_boundary_store_jobs(boundary_offloads) if boundary_offloads else {}
         store_jobs.update(self._build_store_jobs(output))
-        meta = OffloadingConnectorMetadata(self._current_batch_load_jobs, store_jobs, self._current_batch_jobs_to_flush)
+        deferred: list[str] | None = None
+        if self._current_batch_deferred:
+            deferred = self._current_batch_deferred
+            self._current_batch_deferred = []
+        meta = OffloadingConnectorMetadata(self._current_batch_load_jobs, store_jobs, self._current_batch_jobs_to_flush,
+                                           deferred)
         for req_id in output.finished_req_ids:
             state = self._req_status.get(req_id)
             if state is None:
