@@ -249,7 +249,7 @@ def test_trace_convert_cuts_in_seconds(info_file, tmp_path):
     """--start-s/--end-s keep [start, end) of the converted seconds and shift start to 0;
     --rate-scale divides the times; the cut counts are what is printed."""
     out = tmp_path / "cut.parquet"
-    start_s, end_s, scale = 0.4, 4.0, 2.0
+    start_s, end_s, scale = 0.3, 4.0, 2.0  # 4.0 is an arrival: end excluded
     seconds = [t / 1000 for t in INFO_TIMES_MS]
     kept = [(t - start_s) / scale for t in seconds if start_s <= t < end_s]
     result = convert(info_file, "-o", out, "--start-s", start_s, "--end-s", end_s, "--rate-scale", scale)
