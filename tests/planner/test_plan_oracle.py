@@ -88,28 +88,30 @@ def test_llama_gqa_sizes(tp):
     assert f"KV cache              {kv_bytes / GIB:,.2f} GiB  (--kv-cache-memory-bytes {kv_bytes:,}" in text
 
 
-def test_llama_memory_estimate():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_memory_estimate(tp):
     """No --kv-cache-memory-bytes: the KV cache is what the GPU's usable share leaves after
     the weights, the profiled activation peak, CUDA graphs and non-torch memory
-    (docs/semantics.md#memory-budget), each term recomputed from Llama's shape."""
+    (docs/semantics.md#memory-budget), each term recomputed from Llama's shape; with TP
+    the weights and the activations are split over the ranks and NCCL adds 512 MiB."""
     util, batched, seqs = 0.9, 8192, 256
-    j = plan_json("--model", "llama-3.1-8b", "--gpu", "h100", "--gpu-memory-utilization", util,
+    j = plan_json("--model", "llama-3.1-8b", "--gpu", "h100", "--tp", tp, "--gpu-memory-utilization", util,
                   "--max-model-len", 8192, "--max-num-batched-tokens", batched, "--max-num-seqs", seqs)
     total = get_gpu("h100").memory_bytes
     requested = math.ceil(total * util)
-    weights = math.ceil(8.03e9 * 2)
+    weights = math.ceil(8.03e9 * 2 / tp)
     hidden, heads, kv_heads, head, inter, vocab = 4096, 32, 8, 128, 14336, 128256
     # Widest point of a layer: residual + normed hidden, QKV + attention output, gate/up/act.
-    per_token = (2 * hidden + (heads * head + 2 * kv_heads * head + heads * head) + 3 * inter) * BF16
+    per_token = (2 * hidden + (heads * head + 2 * kv_heads * head + heads * head) // tp + 3 * inter // tp) * BF16
     activation = max(batched * per_token, 2 * seqs * vocab * 4)
     # Graphs captured up to 256 tokens: 1, 2, 4, 8..248 by 8, 256 = 35 graphs.
     graphs = 256 * per_token + 35 * 2 * 2**20
-    non_torch = 256 * 2**20
+    non_torch = 256 * 2**20 + (512 * 2**20 if tp > 1 else 0)
     kv = requested - weights - activation - graphs - non_torch
     m = j["memory"]
     assert (m["requested_bytes"], m["weights_bytes"], m["activation_peak_bytes"], m["cuda_graph_bytes"],
             m["non_torch_bytes"], m["kv_cache_bytes"]) == (requested, weights, activation, graphs, non_torch, kv)
-    check_pool(j, kv_bytes=kv, bytes_per_block=32 * 16 * kv_heads * 2 * head * BF16, blocks_per_request=512,
+    check_pool(j, kv_bytes=kv, bytes_per_block=32 * 16 * (kv_heads // tp) * 2 * head * BF16, blocks_per_request=512,
                max_model_len=8192)
 
 
