@@ -170,7 +170,7 @@ def test_mooncake_milliseconds_kept_as_recorded(tmp_path):
 
 
 def test_bailian_seconds_kept(tmp_path):
-    raw = [0.0, 2.5, 1.25, 30.0]
+    raw = [5.0, 2.5, 1.25, 30.0]  # seconds from the trace start, kept: not made relative
     file = tmp_path / "bailian.jsonl"
     file.write_text("".join(json.dumps({"chat_id": 100 + i, "parent_chat_id": -1, "timestamp": t, "input_length": p,
                                         "output_length": o, "turn": 1, "type": "text", "hash_ids": [i]}) + "\n"
