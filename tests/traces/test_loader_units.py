@@ -106,10 +106,15 @@ def expected_from_dates(dates: list[str]) -> dict[str, float]:
     return {f"r{i}": float(v - origin) for i, v in enumerate(values)}
 
 
-def test_generic_csv_datetimes(tmp_path):
+@pytest.mark.parametrize("bad_line", [False, True])
+def test_generic_csv_datetimes(tmp_path, bad_line):
     file = write_generic(tmp_path, ".csv", DATES)
-    got = arrivals_by_id(load_trace(file, LoadOptions(columns=MAP, time_unit="datetime")))
+    if bad_line:  # a line with 0 output tokens, skipped: the file is read line by line
+        file.write_text(file.read_text() + "rbad,2024-03-01 00:00:02,5,0\n")
+    table = load_trace(file, LoadOptions(columns=MAP, time_unit="datetime", skip_bad=bad_line))
+    got = arrivals_by_id(table)
     want = expected_from_dates(DATES)
+    assert got.keys() == want.keys()
     for rid, seconds in want.items():
         assert got[rid] == pytest.approx(seconds, abs=1e-9), rid
     assert want["r3"] == pytest.approx(1e-9) and got["r3"] > 0  # one nanosecond after r1
@@ -132,16 +137,21 @@ def test_generic_parquet_timestamps(tmp_path, unit):
         assert got[f"r{i}"] == pytest.approx(float(v - origin), abs=1e-9), (unit, i)
 
 
-def test_azure_timestamps(tmp_path):
+@pytest.mark.parametrize("bad_line", [False, True])
+def test_azure_timestamps(tmp_path, bad_line):
+    """Read whole by the vectorised reader, or line by line (a bad line skipped sends the
+    file down the slow path, which parses the date-times itself): the same seconds."""
     stamps = ["2023-11-16 18:15:46.6805900", "2023-11-16 18:15:46.5000000", "2023-11-16 18:15:47.0000001",
               "2023-11-16 18:16:00.1234567"]
     file = tmp_path / "azure.csv"
-    file.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    bad = "2023-11-16 18:15:50.0000000,0,5\n" if bad_line else ""  # 0 context tokens: skipped
+    file.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + bad
                     + "".join(f"{t},{p},{o}\n" for t, p, o in zip(stamps, PROMPTS, OUTPUTS)))
-    table = load_trace(file)
+    table = load_trace(file, LoadOptions(skip_bad=bad_line))
     assert s.trace_meta(table).source_format == "azure"
+    assert s.trace_meta(table).skipped_bad_lines == int(bad_line)
     want = expected_from_dates(stamps)
-    # Azure ids are the 0-based rows: r{i} is row i.
+    # Azure ids are the 0-based rows of the requests kept: r{i} is stamps[i].
     got = {f"r{rid}": t for rid, t in arrivals_by_id(table).items()}
     for rid, seconds in want.items():
         assert got[rid] == pytest.approx(seconds, abs=1e-9), rid
