@@ -192,3 +192,32 @@ def test_send_done_is_reported_by_the_steps_end():
     clock.now_s = 0.5
     worker.submit(None)
     assert worker.finish_step(0.5).finished_sending == ["p"]  # step [0.5, 1.0]
+
+
+def test_a_read_of_nothing_has_no_transfer_seconds_and_is_left_out_of_the_summary():
+    """Nemotron-H (Mamba hybrid): the prefill side leaves the prompt's last token to the
+    decode side, so a prompt of 2 blocks + 1 the decode replica decoded before is all in
+    its own prefix cache: its read loads nothing (it only tells the prefill side to free).
+    Such a request has no transfer (``transfer_s`` NaN, 0 bytes; reports/SCHEMA.md), and
+    the summary's P/D figures are over the requests that read: here the first alone."""
+    from kvtwin.sim.planner.models import get_model
+
+    plan = make_plan(get_model("nemotron-h-8b"), get_gpu("h100"),
+                     EngineConfig(max_model_len=4096, kv_cache_memory_bytes=2 * 2**30))
+    block = max(g.spec.block_size for g in plan.require_fits().groups)
+    prompt = list(range(1000, 1000 + 2 * block + 1))
+    table = s.build_table({s.REQUEST_ID: ["a", "b"], s.ARRIVAL_TIME_S: [0.0, 5.0],
+                           s.PROMPT_TOKENS: [len(prompt)] * 2, s.OUTPUT_TOKENS: [3, 3],
+                           s.PROMPT_TOKEN_IDS: [prompt, prompt]},
+                          s.TraceMeta(source_format="test", content_identity=s.IDENTITY_TOKEN_IDS))
+    result = run_replay(plan, table, disaggregation=Disaggregation())
+    rows = result.requests.to_pydict()
+    assert rows["status"] == ["finished", "finished"]
+    assert rows["decode_prefix_hit_tokens"] == [0, 2 * block]  # all the prefill side computed
+    assert rows["transfer_bytes"][0] > 0 and rows["transfer_s"][0] > 0
+    assert rows["transfer_bytes"][1] == 0 and math.isnan(rows["transfer_s"][1])
+    summary = result.summary.to_pylist()[0]
+    assert summary["pd_transfer_mean_ms"] == pytest.approx(rows["transfer_s"][0] * 1000, rel=1e-12)
+    assert summary["pd_transfer_bytes_mean"] == rows["transfer_bytes"][0]
+    assert summary["pd_transfer_share_of_ttft"] == pytest.approx(rows["transfer_s"][0] / rows["ttft_s"][0])
+    assert summary["pd_transfer_share_of_ttft_total"] == pytest.approx(rows["transfer_s"][0] / rows["ttft_s"][0])
