@@ -26,6 +26,7 @@ the prefill side of an aborted request).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import simpy
@@ -189,7 +190,10 @@ class PDCluster:
         """A decode worker issued its read of a request's blocks: the prefill side learns
         when it lands (and frees them then)."""
         flight = self._by_id.pop(read.req_id)
-        self.recorder.pd_transfer(read.req_id, read.num_bytes * self.copies, done_s - issued_s,
+        # A read of no tokens (the decode side's own hit covered what it was to load) only
+        # tells the prefill side to free: no transfer, so no transfer seconds (NaN).
+        seconds = done_s - issued_s if read.num_tokens else math.nan
+        self.recorder.pd_transfer(read.req_id, read.num_bytes * self.copies, seconds,
                                   read.hit_tokens if read.num_tokens else None)
         self._send_done(flight, done_s)
 
