@@ -39,6 +39,7 @@ ROWS_H8 = [
     (30, 3, [1, 2, 4, 7]),  # shares three units with r1 (cap (30 - 1) // 4 = 7 blocks)
     (20, 6, [5, 6, 8]),
     (12, 2, [1, 9]),
+    (16, 2, [5, 6]),  # r2's prompt again: a hit up to the last block, which is computed
 ]
 
 
