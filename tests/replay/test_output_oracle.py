@@ -45,9 +45,11 @@ def _mixed_trace() -> list[TraceRequest]:
 
 
 def _pressure_trace() -> list[TraceRequest]:
-    """Three long-running requests in a pool too small for all of them: preemptions, and a
-    re-admission whose lookup includes the outputs it had generated."""
-    return [TraceRequest(f"r{i}", 0.002 * i, _prompt(1000 * (i + 1), 14), 14) for i in range(3)]
+    """Three long-running requests with a shared prefix in a pool too small for all of
+    them: preemptions, and a re-admission whose lookup includes the outputs it had
+    generated and hits again."""
+    shared = _prompt(0, 8)
+    return [TraceRequest(f"r{i}", 0.002 * i, shared + _prompt(1000 * (i + 1), 6), 14) for i in range(3)]
 
 
 CONFIGS = {
@@ -102,6 +104,8 @@ def test_the_replays_exercise_what_they_are_meant_to(run):
         # A re-admission's lookup covers the outputs generated before its preemption.
         assert any(len(lengths) > 1 and lengths[1] > lengths[0] for lengths in result.admitted_lengths.values())
         assert any(r["recomputed_tokens"] > 0 for r in oracle.request_rows)
+        # A request hit at its first admission and again at its re-admission.
+        assert any(0 < r["prefix_hit_tokens"] < r["prefix_cache_hits"] for r in oracle.request_rows)
     else:
         assert {"waiting", "running"} & {r["status"] for r in oracle.request_rows}
 
