@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, Execution
@@ -439,8 +440,6 @@ class OracleRun:
 
 def assert_same(actual: dict, expected: dict, names, where: str = "") -> None:
     """Each name's value equal (floats to 1e-12 relative, NaN equal to NaN)."""
-    import pytest
-
     for name in names:
         a, e = actual[name], expected[name]
         if isinstance(e, float) and math.isnan(e):

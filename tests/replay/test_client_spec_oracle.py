@@ -73,7 +73,11 @@ SPEC_SUMMARY = ("spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_ra
 
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def spec_run(request):
-    return replay(_trace(), async_scheduling=request.param, num_speculative_tokens=3)
+    # r5 repeats r0's prompt of 9 tokens: its 8 cached tokens leave 1 to compute, which the
+    # scheduler pads with placeholder drafts to a verify step (counted, never accepted)
+    # when no other request is mid-prompt, as at 0.12 s.
+    trace = _trace() + [TraceRequest("r5", 0.12, list(range(9)), 4)]
+    return replay(trace, async_scheduling=request.param, num_speculative_tokens=3)
 
 
 def test_the_spec_replay_verifies_and_accepts_at_every_depth(spec_run):
@@ -83,6 +87,8 @@ def test_the_spec_replay_verifies_and_accepts_at_every_depth(spec_run):
     # Every depth accepted at least once, and fewer at deeper positions.
     assert (positions > 0).all() and (np.diff(positions) <= 0).all() and positions[0] > positions[-1]
     assert all(r["status"] == "finished" for r in oracle.request_rows)
+    padded = [b for b in spec_run.batches if ("r5", 8) in b.admitted]
+    assert padded and padded[0].num_scheduled["r5"] == 4 and len(padded[0].spec["r5"]) == 3
 
 
 def test_spec_request_columns_are_recomputed(spec_run):
