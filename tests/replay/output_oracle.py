@@ -31,6 +31,7 @@ from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.replay.summaries import summarize, summarize_replicas
 from kvtwin.sim.scenario.slo import SLO
+from kvtwin.traces.schema import TRACE_SCHEMA
 from tests.sim.builders import full, kv_config
 
 BLOCK_TOKENS = 4
@@ -138,6 +139,20 @@ class Replay:
     itl_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
+def trace_table(trace: list[TraceRequest]) -> pa.Table:
+    """The trace as a trace table whose identity is chained hashes of ``BLOCK_TOKENS``-token
+    blocks (the last one partial): one id per distinct prompt prefix ending at a block end."""
+    ids: dict[tuple[int, ...], int] = {}
+    rows = []
+    for t in trace:
+        ends = [min(end, len(t.prompt)) for end in range(BLOCK_TOKENS, len(t.prompt) + BLOCK_TOKENS, BLOCK_TOKENS)]
+        hashes = [ids.setdefault(tuple(t.prompt[:end]), len(ids) + 1) for end in ends]
+        rows.append({"request_id": t.request_id, "arrival_time_s": t.arrival_s, "prompt_tokens": len(t.prompt),
+                     "output_tokens": t.max_tokens, "session_id": None, "turn": None, "priority": None,
+                     "block_hashes": hashes, "hash_block_tokens": BLOCK_TOKENS, "prompt_token_ids": None})
+    return pa.Table.from_pylist(rows, schema=TRACE_SCHEMA)
+
+
 def replay(trace: list[TraceRequest], *, num_blocks: int = 40, async_scheduling: bool = True,
            max_num_batched_tokens: int = 64, num_replicas: int = 1, slo: SLO = SLO(ttft_s=0.08, tpot_s=0.025),
            num_speculative_tokens: int = 0, max_model_len: int = 96, time_limit_s: float | None = None,
@@ -183,9 +198,10 @@ def replay(trace: list[TraceRequest], *, num_blocks: int = 40, async_scheduling:
                            time_limit_s=time_limit_s)
     requests_table = metrics.requests_table()
     steps_table = metrics.steps_table()
-    summary = summarize(requests_table, steps_table, metrics.all_itl_s(), slo, end_s, num_replicas=num_replicas,
-                        router="round_robin")
-    replicas = summarize_replicas(requests_table, steps_table, metrics.itl_by_replica, slo, end_s,
+    table = trace_table(trace)
+    summary = summarize(requests_table, steps_table, metrics.all_itl_s(), slo, end_s, trace=table,
+                        num_replicas=num_replicas, router="round_robin")
+    replicas = summarize_replicas(requests_table, steps_table, metrics.itl_by_replica, slo, end_s, trace=table,
                                   cluster_summary=summary)
     rejected = {rid for e in engines for rid in (r.request.request_id for r in e.rejected)}
     return Replay(trace, requests_table, steps_table, summary, replicas, end_s, batches, admitted_lengths,
@@ -349,6 +365,21 @@ class OracleRun:
             row["step"] = i
         return rows
 
+    def reuse_upper_bound(self) -> float:
+        """An infinite cache's share of the arrived prompts' tokens: each prompt's leading
+        blocks (the last one partial) whose content some earlier request's blocks had."""
+        seen: set[tuple[int, ...]] = set()
+        reused = total = 0
+        for t in self.trace:
+            blocks = [tuple(t.prompt[:end]) for end in range(BLOCK_TOKENS, len(t.prompt) + BLOCK_TOKENS, BLOCK_TOKENS)]
+            run = 0
+            while run < len(blocks) and blocks[run] in seen:
+                run += 1
+            reused += min(run * BLOCK_TOKENS, len(t.prompt))
+            total += len(t.prompt)
+            seen.update(blocks)
+        return reused / total if total else 0.0
+
     def itl_s(self) -> np.ndarray:
         """Every gap between consecutive tokens (streamed chunks) of a request."""
         gaps = [np.diff(r["_token_times"]) for r in self.request_rows]
@@ -407,7 +438,11 @@ class OracleRun:
             "slo_tpot_ms": slo.tpot_s * 1000 if slo.tpot_s is not None else math.nan,
             "slo_attainment": met / arrived, "rejected_share": row["rejected"] / arrived,
             "request_goodput": met / end, **_nan_stats(np.array(queue, dtype=float), "queue_delay_ms"),
-            "last_arrival_s": last_arrival, "num_trace_requests": len(r), "not_arrived": 0,
+            "last_arrival_s": last_arrival,
+            # A replica's trace is the requests routed to it; the cluster's the whole trace.
+            "num_trace_requests": len(self.run.trace) if self.replica is None else len(r),
+            "not_arrived": len(self.run.trace) - len(r) if self.replica is None else 0,
+            "prefix_reuse_upper_bound": self.reuse_upper_bound(),
         })
         reasons = []
         if (row["p90_queue_delay_ms"] if not math.isnan(row["p90_queue_delay_ms"]) else 0.0) > 60_000:

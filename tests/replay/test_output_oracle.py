@@ -83,7 +83,7 @@ SUMMARY_ORACLE = (
     "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_preemptions", "recomputed_tokens",
     "num_evictions", "num_steps", "prefill_tokens", "decode_tokens", "busy_time_s", "kv_cache_usage_peak",
     "kv_cache_usage_mean", "slo_ttft_ms", "slo_tpot_ms", "slo_attainment", "rejected_share", "request_goodput",
-    "last_arrival_s", "num_trace_requests", "not_arrived", "saturated", "saturation_reason", "num_replicas",
+    "last_arrival_s", "num_trace_requests", "not_arrived", "prefix_reuse_upper_bound", "saturated", "saturation_reason", "num_replicas",
     "router", "load_imbalance")
 
 
@@ -108,6 +108,8 @@ def test_the_replays_exercise_what_they_are_meant_to(run):
         assert any(0 < r["prefix_hit_tokens"] < r["prefix_cache_hits"] for r in oracle.request_rows)
     else:
         assert {"waiting", "running"} & {r["status"] for r in oracle.request_rows}
+        assert len(oracle.request_rows) < len(result.trace)  # a request never arrived
+    assert 0 < oracle.reuse_upper_bound() < 1 or name.startswith("pressure")
 
 
 def test_every_request_column_is_recomputed(run):
@@ -134,8 +136,6 @@ def test_every_summary_column_is_recomputed(run):
     expected = OracleRun(result).summary()
     actual["rejected_by_reason"] = json.loads(actual["rejected_by_reason"])
     assert_same(actual, expected, SUMMARY_ORACLE + ("rejected_by_reason",))
-    # No trace table was given: nothing to bound the reuse by.
-    assert math.isnan(actual["prefix_reuse_upper_bound"])
 
 
 def test_itl_gaps_are_the_gaps_between_a_requests_tokens(run):
@@ -147,7 +147,8 @@ def test_itl_gaps_are_the_gaps_between_a_requests_tokens(run):
 def test_the_one_replica_row_is_the_summary(run):
     result, _ = run
     row = result.replicas.to_pylist()[0]
-    summary = OracleRun(result).summary()
+    # The replica's share: every request that arrived (those a time limit cut off are not its).
+    summary = OracleRun(result, replica=0).summary()
     assert result.replicas.num_rows == 1 and row["replica"] == 0
     row["rejected_by_reason"] = json.loads(row["rejected_by_reason"])
     names = [n for n in SUMMARY_ORACLE if n not in ("num_replicas", "router", "load_imbalance")]
@@ -183,8 +184,6 @@ def test_a_single_token_request_meets_an_slo_on_its_ttft_alone():
 
 # Columns documented for these tables that the tests above do not recompute, and why.
 EXEMPT = {
-    # A trace's reuse bound: kvtwin.traces.stats.prefix_reuse (tests/traces); NaN here is checked.
-    "prefix_reuse_upper_bound",
     "prefix_cache_retention",  # the engine's setting echoed as a string (tests/replay/test_retention_cli.py)
     "e2el_client",  # SCHEMA's "the same for `e2el_client`": a name pattern (CLIENT_ORACLE has its columns)
     "reject_detail",  # the refusal in words (tests/replay/test_replay.py checks the numbers in it)
