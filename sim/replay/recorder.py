@@ -336,8 +336,9 @@ class MetricsRecorder:
                 record.first_scheduled_s = scheduled_s
                 record.hit_tokens = hit_tokens
             record.hit_tokens_total += hit_tokens
-            assert record.request is not None  # held until the request is done
-            record.queried_tokens += record.request.num_tokens
+            # Its length when the lookup ran (vLLM's PrefixCacheStats: request.num_tokens at
+            # get_computed_blocks), not now: the batch's own sampled token is applied already.
+            record.queried_tokens += admission.num_tokens
 
     def _scheduled(self, output) -> tuple[int, int]:
         """Count the batch's tokens into its requests' records: (prefill, decode) tokens."""
