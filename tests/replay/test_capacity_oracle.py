@@ -39,6 +39,8 @@ from kvtwin.commands.capacity import capacity
 from kvtwin.sim.replay import capacity_points
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import CAPACITY_METADATA_KEY
+from kvtwin.sim.replay.rate_search import slo_holds
+from kvtwin.sim.scenario.slo import SLO
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -281,3 +283,18 @@ def test_every_schema_column_is_recomputed():
     assert set(MAX_RATE_COLUMNS) <= set(listed), "a rate-search column SCHEMA.md does not list"
     for name in listed:
         assert name in checked or name in EXEMPT, f"{name}: no oracle in this module and no exemption"
+
+
+def test_the_slo_criterion_holds_at_its_bounds():
+    # Bounds in seconds, p99s in ms: a p99 equal to its bound holds, one just above fails.
+    slo = SLO(ttft_s=0.25, tpot_s=0.125)
+    row = {"num_requests": 8, "completed": 8, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 250.0,
+           "p99_tpot_ms": 125.0, "slo_attainment": 0.75}
+    assert slo_holds(row, slo)
+    assert not slo_holds({**row, "p99_ttft_ms": 250.001}, slo)
+    assert not slo_holds({**row, "p99_tpot_ms": 125.001}, slo)
+    # A goodput judged over the admitted requests: 6 of 8 arrived met it, 2 were rejected,
+    # so 6 of the 6 admitted did: 100 %; exactly at the goodput holds.
+    rejected = {**row, "rejected": 2, "completed": 6}
+    assert slo_holds(rejected, slo, goodput=1.0)
+    assert slo_holds(row, slo, goodput=0.75) and not slo_holds(row, slo, goodput=0.76)

@@ -26,7 +26,7 @@ import pytest
 from kvtwin.commands.capacity import print_points
 from kvtwin.reports import capacity_report, diff_plots, figure_jobs, plots, replay_report
 from kvtwin.reports.capacity_report import render_capacity_report
-from kvtwin.reports.diff import format_change, format_relative, format_value
+from kvtwin.reports.diff import FigureChange, format_change, format_relative, format_value
 from kvtwin.reports.html_tables import fmt_cell
 from kvtwin.reports.replay_plots import replay_figures
 from kvtwin.reports.replay_report import render_replay_report
@@ -288,6 +288,9 @@ def test_diff_values_and_changes():
     assert format_change("share", 0.30 - 0.25) == "+5.0 pt"
     assert format_change("ms", 12.0 - 20.0) == "−8.0 ms"
     assert format_relative((12.0 - 20.0) / 20.0) == "−40.0 %"
+    # The relative change is over A, the run compared from.
+    change = FigureChange("p99_ttft_ms", "TTFT p99", "ms", 20.0, 12.0)
+    assert (change.change, change.relative_change) == (12.0 - 20.0, (12.0 - 20.0) / 20.0)
 
 
 def test_slo_verdict_at_the_bound():
