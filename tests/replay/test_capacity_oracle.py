@@ -101,6 +101,8 @@ def _stub_replay(self, scale, efficiency=None):
                "p99_ttft_ms": SLO_TTFT_MS * load / P99_THRESHOLD, "p99_tpot_ms": math.nan,
                "slo_attainment": attainment, "rejected_share": 0.0,
                "request_throughput": rate, "total_token_throughput": TOKENS_PER_REQUEST * rate}
+    if self.resolved.disaggregation is not None:
+        summary["pd_link"] = self.resolved.disaggregation.link  # what puts num_gpus in the table
     trace = pa.table({"arrival_time_s": np.arange(N) / rate})
     return summary, trace
 
@@ -263,6 +265,24 @@ def test_the_replay_budget_stops_the_search(stubbed, tmp_path):
     search = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]
     assert [x for x, _ in search["tried"]] == [START, START / 2, START / 4] and not search["converged"]
     assert row["max_rate_scale"] == START / 4
+
+
+def test_disaggregated_points_count_prefill_and_decode_replicas(stubbed, tmp_path):
+    # 2P2D: 4 replicas of TP 2 (8 GPUs), beside the aggregated 3 replicas of TP 2 (6 GPUs).
+    pd = SCENARIO + '[disaggregation]\nprefill_replicas = 1\ndecode_replicas = 1\nlink = "rdma"\n'
+    (tmp_path / "pd.toml").write_text(pd)
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(tmp_path / "pd.toml"), "--find-max-rate", "--jobs", "1",
+                                         "--no-report", "--sweep", "disaggregation.shape=2P2D,none", "--out",
+                                         str(out)])
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "capacity.parquet").to_pylist()
+    for row, replicas in zip(rows, (2 + 2, REPLICAS)):
+        assert row["num_gpus"] == TP * replicas
+        assert row["cost_per_hour"] == PRICE * TP * replicas
+        assert row["max_request_rate_per_replica"] == pytest.approx(BASE_RATE * row["max_rate_scale"] / replicas)
+        assert row["replicas_needed_trace_rate"] == math.ceil(BASE_RATE * START / (BASE_RATE * row["max_rate_scale"]
+                                                                                  / replicas))
 
 
 def _schema_capacity_columns() -> list[str]:
