@@ -228,6 +228,36 @@ def test_capacity_rate_plots_in_their_units(drawn):
     assert [p.get_height() for p in ax.patches] == [4, 2, 7, 12, 9, 30]
 
 
+def test_kv_capacity_and_router_plots_in_their_units(drawn):
+    # Two KV sizes (1 and 2 GiB of 1 MiB blocks: 1023 and 2047 usable) by two routers.
+    gib = 2**30
+    table = pa.table({
+        "point": [0, 1, 2, 3], "status": ["ok"] * 4, "error": pa.array([None] * 4, pa.string()),
+        "engine.kv_cache_memory_bytes": [gib, gib, 2 * gib, 2 * gib],
+        "engine.router": ["round_robin", "prefix_aware"] * 2,
+        "slo_attainment": [0.9, 0.95, 0.97, 0.99], "prefix_cache_hit_rate": [0.2, 0.25, 0.3, 0.35],
+        "p99_ttft_ms": [1500.0, 1200.0, 900.0, 700.0], "request_throughput": [1.0, 2.0, 3.0, 4.0],
+    })
+    curve = pa.table({"kv_cache_blocks": [100, 1000, 10000], "kv_cache_tokens": [1600, 16000, 160000],
+                      "hit_rate": [0.1, 0.3, 0.5]})
+    render_capacity_report(table, curve, {}, {"model": "m", "bytes_per_block": 2**20, "groups": []})
+    axes = _by_title(drawn)
+    ax = axes["Prefix cache hit rate vs KV cache capacity"]
+    assert ax.get_xlabel() == "KV cache (tokens)" and "(%)" in ax.get_ylabel()
+    line, dots = ax.lines
+    assert np.allclose(line.get_xdata(), [1600, 16000, 160000]) and np.allclose(line.get_ydata(), [10, 30, 50])
+    # 16 tokens per block (the curve's), the blocks less the null block.
+    assert np.allclose(dots.get_xdata(), np.array([1023, 1023, 2047, 2047]) * 16)
+    assert np.allclose(dots.get_ydata(), [20, 25, 30, 35])
+    # Router comparison: per KV size, a bar per router; fractions in %, TTFT in ms.
+    for title, unit, heights in (("SLO attainment", "%", [90, 95, 97, 99]),
+                                 ("prefix cache hit rate", "%", [20, 25, 30, 35]),
+                                 ("p99 TTFT", "ms", [1500, 1200, 900, 700])):
+        ax = axes[title]
+        assert ax.get_ylabel() == unit
+        assert [p.get_height() for p in ax.patches] == pytest.approx(heights)
+
+
 def test_replay_key_metrics_from_known_values(monkeypatch):
     monkeypatch.setattr(replay_report, "replay_figures", lambda *args: [])
     summary = {"num_requests": 1000, "completed": 990, "rejected": 7, "unfinished": 3, "duration_s": 3125.0,
