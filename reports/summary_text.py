@@ -31,7 +31,9 @@ def format_duration_s(seconds: float | None) -> str:
         # Rounded first, so 0.9996 s reads "1.0 s", not "1,000 ms" (and 59 min stays minutes).
         if round(size / scale, 3) >= 1 or unit == "µs":
             value = seconds / scale
-            digits = 0 if abs(value) >= 100 or unit in ("ms", "µs") and abs(value) >= 10 else 1
+            # Judged on the value as shown to one decimal, so 99.96 s reads "100 s", not "100.0 s".
+            shown = round(abs(value), 1)
+            digits = 0 if shown >= 100 or unit in ("ms", "µs") and shown >= 10 else 1
             return f"{value:,.{digits}f} {unit}"
     raise AssertionError("unreachable")
 
@@ -135,7 +137,7 @@ def format_bytes(num_bytes: float | None) -> str:
     for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
         if abs(num_bytes) >= scale:
             value = num_bytes / scale
-            return f"{value:,.{0 if abs(value) >= 100 else 1}f} {unit}"
+            return f"{value:,.{0 if round(abs(value), 1) >= 100 else 1}f} {unit}"
     return f"{num_bytes:,.0f} B"
 
 

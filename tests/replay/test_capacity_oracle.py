@@ -1,0 +1,320 @@
+"""capacity.parquet's rate, replica and cost columns recomputed from first principles.
+
+The seam is the replay of one point at one rate scale (``PointReplays.replay``): it is
+replaced by a stub whose outcome is a known function of the load, so the threshold the
+rate search must find is known exactly. The stub's load is the rate scale times the step
+slowdown it is given (1 for the plain search; the pessimistic edge hands it an efficiency
+whose step overhead is ``1 + step_error`` times the scenario's), and
+
+* its p99 TTFT is ``SLO_TTFT_MS * load / P99_THRESHOLD``: the p99 criterion holds iff
+  ``load <= P99_THRESHOLD``;
+* its SLO attainment is ``1 - (1 - GOODPUT) * load / GOODPUT_THRESHOLD``: a ``--goodput
+  GOODPUT`` criterion holds iff ``load <= GOODPUT_THRESHOLD``;
+* its trace has ``N`` arrivals evenly ``1 / (BASE_RATE * scale)`` apart (``BASE_RATE *
+  scale`` requests per second), and its token throughput is ``TOKENS_PER_REQUEST`` times that.
+
+Everything else runs for real through ``kvtwin capacity`` (scenario resolution, the point's
+replicas and GPUs, its price and calibration, the search, the table, the printed rows). The
+test then recomputes each column from those definitions and the documented search
+(``sim/replay/rate_search.py``'s docstring: double or halve from the scenario's own rate
+scale, then bisect at the geometric midpoint until ``hi / lo - 1 <= tolerance``), and
+walks the list of columns in ``reports/SCHEMA.md`` so none is left unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kvtwin.commands.capacity import capacity
+from kvtwin.sim.replay import capacity_points
+from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
+from kvtwin.sim.replay.capacity_table import CAPACITY_METADATA_KEY
+from kvtwin.sim.replay.rate_search import slo_holds
+from kvtwin.sim.scenario.slo import SLO
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BASE_RATE = 10.0          # requests/s of the stub's trace at rate scale 1
+N = 50                    # requests of the stub's trace
+TOKENS_PER_REQUEST = 250  # the stub's token throughput per request/s
+SLO_TTFT_MS = 15.0        # the scenario's [slo] ttft_s, in ms
+P99_THRESHOLD = 0.55      # load up to which the p99 TTFT holds the SLO
+GOODPUT = 0.9
+GOODPUT_THRESHOLD = 0.37  # load up to which GOODPUT of the requests meet the SLO
+START = 1.25              # the scenario's own workload.rate_scale: where the search starts
+PRICE = 3.5               # $/GPU-hour
+TP, REPLICAS = 2, 3
+STEP_ERROR = 0.25         # the calibration's largest held-out step error (decode)
+SEARCH_START_SCALE_FLOOR = 1 / 1024  # halving gives up below this fraction of the start
+
+SCENARIO = f"""
+description = "a point whose replays a test replaces"
+[model]
+preset = "llama-3.1-8b"
+[hardware]
+name = "fast"
+memory_gib = 80
+hbm_bandwidth_bytes_per_s = 1e18
+bf16_flops = 1e20
+price_per_hour = {PRICE}
+[engine]
+max_model_len = 1024
+max_num_seqs = 4
+max_num_batched_tokens = 64
+kv_cache_memory_bytes = 268435456
+tensor_parallel_size = {TP}
+replicas = {REPLICAS}
+[workload]
+kind = "requests"
+seed = 1
+num_requests = 20
+arrival = {{ process = "poisson", rate_per_s = 10.0 }}
+prompt_tokens = 16
+output_tokens = 1
+rate_scale = {START}
+[slo]
+ttft_s = {SLO_TTFT_MS / 1000}
+[cost_model]
+step_overhead_s = 0.01
+"""
+CALIBRATION = 'label = "test"\n[cost_model]\n[error]\nprefill_step = 0.1\ndecode_step = 0.25\n'
+
+
+def _stub_replay(self, scale, efficiency=None):
+    """One replay, its outcome a known function of the load (module docstring)."""
+    scale = START if scale is None else scale
+    slow = 1.0 if efficiency is None else efficiency.step_overhead_s / self.resolved.efficiency.step_overhead_s
+    load = scale * slow
+    rate = BASE_RATE * scale
+    attainment = 1.0 - (1.0 - GOODPUT) * load / GOODPUT_THRESHOLD
+    summary = {"num_requests": N, "completed": N, "rejected": 0, "unfinished": 0,
+               "p99_ttft_ms": SLO_TTFT_MS * load / P99_THRESHOLD, "p99_tpot_ms": math.nan,
+               "slo_attainment": attainment, "rejected_share": 0.0,
+               "request_throughput": rate, "total_token_throughput": TOKENS_PER_REQUEST * rate}
+    if self.resolved.disaggregation is not None:
+        summary["pd_link"] = self.resolved.disaggregation.link  # what puts num_gpus in the table
+    trace = pa.table({"arrival_time_s": np.arange(N) / rate})
+    return summary, trace
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(capacity)
+
+    @app.callback()
+    def main() -> None:
+        pass
+
+    return app
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    monkeypatch.setattr(capacity_points.PointReplays, "replay", _stub_replay)
+
+
+def _run(tmp_path: Path, *args, calibrated: bool = True, scenario: str = SCENARIO):
+    (tmp_path / "cal.toml").write_text(CALIBRATION)
+    path = tmp_path / "point.toml"
+    path.write_text(scenario.replace("[cost_model]\n", '[cost_model]\ncalibration = "cal.toml"\n') if calibrated
+                    else scenario)
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--jobs", "1", "--no-report",
+                                         "--out", str(out), *map(str, args)])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out / "capacity.parquet")
+    return table, table.to_pylist()[0], result.output
+
+
+def _documented_search(holds, start: float, tolerance: float, max_replays: int) -> list[tuple[float, bool]]:
+    """The scales the documented search tries, in order, written out from its docstring."""
+    tried = []
+
+    def test(x):
+        tried.append((x, holds(x)))
+        return tried[-1][1]
+
+    lo = hi = None
+    if test(start):
+        lo = x = start
+        while len(tried) < max_replays:
+            x = 2 * x
+            if not test(x):
+                hi = x
+                break
+            lo = x
+    else:
+        hi = x = start
+        while len(tried) < max_replays and x / 2 >= start * SEARCH_START_SCALE_FLOOR:
+            x = x / 2
+            if test(x):
+                lo = x
+                break
+            hi = x
+    while lo is not None and hi is not None and hi / lo > 1 + tolerance and len(tried) < max_replays:
+        mid = (lo * hi) ** 0.5
+        if test(mid):
+            lo = mid
+        else:
+            hi = mid
+    return tried
+
+
+def _expected_columns(lo: float, lo_edge: float | None, target_rate: float | None) -> dict:
+    """Every rate, replica and cost column from the found scales, by their definitions."""
+    trace_rate = BASE_RATE * START  # the point's own trace: (N - 1) arrivals over their span
+    rate = BASE_RATE * lo
+    per_replica = rate / REPLICAS
+    cost_per_hour = PRICE * TP * REPLICAS
+    tokens_per_hour = TOKENS_PER_REQUEST * rate * 3600
+    expected = {"max_rate_scale": lo, "max_request_rate": rate, "max_request_rate_per_replica": per_replica,
+                "replicas_needed_trace_rate": math.ceil(trace_rate / per_replica),
+                "replicas_needed_target_rate": None if target_rate is None else math.ceil(target_rate / per_replica),
+                "cost_per_hour": cost_per_hour, "cost_per_million_tokens": cost_per_hour / tokens_per_hour * 1e6,
+                "step_error": None, "max_rate_scale_pessimistic": None, "max_request_rate_pessimistic": None,
+                "replicas_needed_trace_rate_pessimistic": None, "replicas_needed_target_rate_pessimistic": None}
+    if lo_edge is not None:
+        edge_per_replica = BASE_RATE * lo_edge / REPLICAS
+        expected.update(step_error=STEP_ERROR, max_rate_scale_pessimistic=lo_edge,
+                        max_request_rate_pessimistic=BASE_RATE * lo_edge,
+                        replicas_needed_trace_rate_pessimistic=math.ceil(trace_rate / edge_per_replica),
+                        replicas_needed_target_rate_pessimistic=None if target_rate is None
+                        else math.ceil(target_rate / edge_per_replica))
+    return expected
+
+
+def _assert_columns(row: dict, expected: dict) -> None:
+    for name, value in expected.items():
+        if value is None or isinstance(value, int):
+            assert row[name] == value, name
+        else:
+            assert row[name] == pytest.approx(value, rel=1e-9), name
+
+
+@pytest.mark.parametrize("goodput", [None, GOODPUT])
+def test_the_search_finds_the_known_threshold_and_every_column_follows(stubbed, tmp_path, goodput):
+    tolerance, target = 0.02, 40.0
+    flags = ["--rate-tolerance", tolerance, "--target-rate", target] + (["--goodput", goodput] if goodput else [])
+    table, row, output = _run(tmp_path, *flags)
+    threshold = P99_THRESHOLD if goodput is None else GOODPUT_THRESHOLD
+    # The slow edge: every step 1.25x as long, so the load reaches the threshold 1.25x sooner.
+    edge_threshold = threshold / (1 + STEP_ERROR)
+    tried = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]["tried"]
+    expected_tried = _documented_search(lambda x: x <= threshold, START, tolerance, 24)
+    assert [ok for _, ok in tried] == [ok for _, ok in expected_tried]
+    assert [x for x, _ in tried] == pytest.approx([x for x, _ in expected_tried], rel=1e-12)
+    lo = max(x for x, ok in expected_tried if ok)
+    hi = min(x for x, ok in expected_tried if not ok and x > lo)
+    assert lo <= threshold < hi and hi / lo - 1 <= tolerance
+    edge_tried = _documented_search(lambda x: x * (1 + STEP_ERROR) <= threshold, START, tolerance, 24)
+    lo_edge = max(x for x, ok in edge_tried if ok)
+    assert edge_threshold / (1 + tolerance) <= lo_edge <= edge_threshold
+    _assert_columns(row, _expected_columns(lo, lo_edge, target))
+    # The summary columns are the replay's at lo (its p99 TTFT is a known function of lo).
+    assert row["p99_ttft_ms"] == pytest.approx(SLO_TTFT_MS * lo / P99_THRESHOLD)
+    assert row["request_throughput"] == pytest.approx(BASE_RATE * lo)
+    # The printed row shows the same figures (four significant digits, "," thousands).
+    printed = next(line for line in output.splitlines() if line.strip().startswith("│ 0"))
+    cells = [c.strip() for c in printed.strip().strip("│").split("│")]
+    assert f"{BASE_RATE * lo:,.4g}" in cells and f"{lo:,.4g}" in cells
+    assert str(math.ceil(BASE_RATE * START / (BASE_RATE * lo / REPLICAS))) in cells
+    assert f"{BASE_RATE * lo_edge:,.4g}" in cells and f"{STEP_ERROR * 100:.1f} %" in cells
+
+
+def test_a_threshold_above_the_start_is_bracketed_by_doubling(stubbed, tmp_path):
+    # Loads up to 0.55 hold with a start at 0.2: 0.2, 0.4, 0.8 (fails), then bisect.
+    table, row, _ = _run(tmp_path, "--rate-tolerance", 0.05, calibrated=False,
+                         scenario=SCENARIO.replace(f"rate_scale = {START}", "rate_scale = 0.2"))
+    tried = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]["tried"]
+    assert [x for x, _ in tried[:3]] == [0.2, 0.4, 0.8] and [ok for _, ok in tried[:3]] == [True, True, False]
+    lo = row["max_rate_scale"]
+    assert P99_THRESHOLD / 1.05 <= lo <= P99_THRESHOLD
+    # Uncalibrated: no slow edge, and the trace rate is the point's own (at 0.2).
+    assert row["step_error"] is None and row["max_rate_scale_pessimistic"] is None
+    assert row["replicas_needed_trace_rate"] == math.ceil(BASE_RATE * 0.2 / (BASE_RATE * lo / REPLICAS))
+    assert row["replicas_needed_target_rate"] is None
+
+
+def test_no_scale_holds_down_to_the_floor(stubbed, tmp_path):
+    # Nothing holds at any load: the search halves from 1.25 down to 1.25 / 1024 (11 replays)
+    # and gives up; the rate columns are null, the price is still known.
+    never = SCENARIO.replace(f"ttft_s = {SLO_TTFT_MS / 1000}", "ttft_s = 0.000000001")
+    table, row, _ = _run(tmp_path, "--max-replays", 40, calibrated=False, scenario=never)
+    search = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]
+    assert [x for x, _ in search["tried"]] == pytest.approx([START / 2 ** k for k in range(11)])
+    assert not search["converged"] and not any(ok for _, ok in search["tried"])
+    assert all(row[name] is None for name in MAX_RATE_COLUMNS if name != "cost_per_hour")
+    assert row["cost_per_hour"] == PRICE * TP * REPLICAS
+    # The summary is the last replay's (the smallest scale tried).
+    assert row["request_throughput"] == pytest.approx(BASE_RATE * START / 1024)
+
+
+def test_the_replay_budget_stops_the_search(stubbed, tmp_path):
+    # Three replays: 1.25 fails, 0.625 fails, 0.3125 holds; no bisection is left.
+    table, row, _ = _run(tmp_path, "--max-replays", 3, calibrated=False)
+    search = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]
+    assert [x for x, _ in search["tried"]] == [START, START / 2, START / 4] and not search["converged"]
+    assert row["max_rate_scale"] == START / 4
+
+
+def test_disaggregated_points_count_prefill_and_decode_replicas(stubbed, tmp_path):
+    # 2P2D: 4 replicas of TP 2 (8 GPUs), beside the aggregated 3 replicas of TP 2 (6 GPUs).
+    pd = SCENARIO + '[disaggregation]\nprefill_replicas = 1\ndecode_replicas = 1\nlink = "rdma"\n'
+    (tmp_path / "pd.toml").write_text(pd)
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(tmp_path / "pd.toml"), "--find-max-rate", "--jobs", "1",
+                                         "--no-report", "--sweep", "disaggregation.shape=2P2D,none", "--out",
+                                         str(out)])
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "capacity.parquet").to_pylist()
+    for row, replicas in zip(rows, (2 + 2, REPLICAS)):
+        assert row["num_gpus"] == TP * replicas
+        assert row["cost_per_hour"] == PRICE * TP * replicas
+        assert row["max_request_rate_per_replica"] == pytest.approx(BASE_RATE * row["max_rate_scale"] / replicas)
+        assert row["replicas_needed_trace_rate"] == math.ceil(BASE_RATE * START / (BASE_RATE * row["max_rate_scale"]
+                                                                                  / replicas))
+
+
+def _schema_capacity_columns() -> list[str]:
+    """The columns reports/SCHEMA.md lists for capacity.parquet's rate search."""
+    text = (ROOT / "reports" / "SCHEMA.md").read_text()
+    section = text.split("## capacity.parquet", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [name for line in rows for name in re.findall(r"`([a-z_*]+)`", line.split("|")[1])]
+
+
+# Columns of the section checked elsewhere, with why.
+EXEMPT = {"calibration", "calibration_note"}  # the point's clock: tests/replay/test_capacity.py
+
+
+def test_every_schema_column_is_recomputed():
+    listed = _schema_capacity_columns()
+    checked = set(_expected_columns(1.0, 1.0, 1.0))
+    assert set(MAX_RATE_COLUMNS) <= set(listed), "a rate-search column SCHEMA.md does not list"
+    for name in listed:
+        assert name in checked or name in EXEMPT, f"{name}: no oracle in this module and no exemption"
+
+
+def test_the_slo_criterion_holds_at_its_bounds():
+    # Bounds in seconds, p99s in ms: a p99 equal to its bound holds, one just above fails.
+    slo = SLO(ttft_s=0.25, tpot_s=0.125)
+    row = {"num_requests": 8, "completed": 8, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 250.0,
+           "p99_tpot_ms": 125.0, "slo_attainment": 0.75}
+    assert slo_holds(row, slo)
+    assert not slo_holds({**row, "p99_ttft_ms": 250.001}, slo)
+    assert not slo_holds({**row, "p99_tpot_ms": 125.001}, slo)
+    # A goodput judged over the admitted requests: 6 of 8 arrived met it, 2 were rejected,
+    # so 6 of the 6 admitted did: 100 %; exactly at the goodput holds.
+    rejected = {**row, "rejected": 2, "completed": 6}
+    assert slo_holds(rejected, slo, goodput=1.0)
+    assert slo_holds(row, slo, goodput=0.75) and not slo_holds(row, slo, goodput=0.76)
