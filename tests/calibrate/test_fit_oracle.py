@@ -286,7 +286,9 @@ def true_step_s(c):
     return max(gpu, t["step"] + t["per_request"] * c.num_requests)
 
 
-def test_the_step_fit_recovers_the_factors_and_reports_the_held_out_steps():
+def step_samples():
+    """Steps of every kind measured on STEP_TRUTH; the held-out ones (odd positions) off by
+    a known, spread factor, the rest exact. Returns the samples, the truth, the factors."""
     shapes = [(d, 0, c) for d in (1, 4, 16, 64, 128) for c in (500, 4000)]
     shapes += [(d, p, c) for d in (2, 8, 30) for p in (64, 256) for c in (1000, 3000)]
     shapes += [(0, p, c) for p in (512, 2048, 4096, 8192) for c in (100, 2000)]
@@ -294,12 +296,15 @@ def test_the_step_fit_recovers_the_factors_and_reports_the_held_out_steps():
     kinds = ["decode-only" if p == 0 else ("prefill-heavy" if p >= 0.9 * (d + p) else "mixed")
              for d, p, _ in shapes]
     truth = np.array([true_step_s(c) for c in costs])
-    # Held out (odd positions) measured off by a known, spread factor; the rest exact.
     odd = np.arange(len(costs)) % 2 == 1
     factor = np.where(odd, 1 + np.linspace(0.0, 0.3, len(costs)), 1.0)
     samples = [StepSample(c, float(m), k) for c, m, k in zip(costs, truth * factor, kinds)]
-    base = Efficiency(step_gpu_fixed_s=0.0)
-    result = fit_steps(samples, flops_per_s=P, bytes_per_s=BW, async_scheduling=True, base=base)
+    return samples, truth, factor, odd, kinds
+
+
+def test_the_step_fit_recovers_the_factors_and_reports_the_held_out_steps():
+    samples, truth, factor, odd, kinds = step_samples()
+    result = fit_steps(samples, flops_per_s=P, bytes_per_s=BW, async_scheduling=True, base=Efficiency())
     fit = result.fit
     assert fit.efficiency.matmul_flops_fraction == pytest.approx(STEP_TRUTH["matmul"], rel=1e-6)
     assert fit.efficiency.hbm_bandwidth_fraction == pytest.approx(STEP_TRUTH["hbm"], rel=1e-6)
@@ -348,3 +353,26 @@ def test_the_report_prints_and_writes_the_held_out_numbers(tmp_path, known_clock
     out = write(result, tmp_path / "cal.toml")
     written = tomllib.loads(out.read_text())
     assert written["error"] == pytest.approx(printed, abs=1e-6)
+
+
+def test_the_report_prints_the_held_out_steps(tmp_path):
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('[model]\npreset = "llama-3.1-8b"\n\n[hardware]\ngpu = "l40s"\n')
+    samples, truth, factor, odd, kinds = step_samples()
+    fit = fit_steps(samples, flops_per_s=P, bytes_per_s=BW, async_scheduling=True, base=Efficiency())
+    job = CalibrationJob(resolve_scenario(scenario, Overrides()), "steps", ("steps.parquet",), steps=samples)
+    result = CalibrationResult(job, fit)
+    lines = result.lines()
+    assert f"held out: every other step ({int(odd.sum())}), fitted on the other {int((~odd).sum())}" in lines
+    kinds_array = np.array(kinds)
+    p90 = {}
+    for kind in ("all", "decode-only", "mixed", "prefill-heavy"):
+        pick = odd & ((kinds_array == kind) if kind != "all" else True)
+        measured = truth[pick] * factor[pick]
+        ape = np.abs(truth[pick] - measured) / measured
+        p90[kind] = float(np.percentile(ape, 90))
+        assert (f"  {kind:<13} median |error| {float(np.median(ape)):.1%}, p90 {p90[kind]:.1%} "
+                f"over {int(pick.sum())} steps") in lines
+    written = tomllib.loads(write(result, tmp_path / "cal.toml").read_text())
+    assert written["error"] == pytest.approx({"decode_step": p90["decode-only"],
+                                              "prefill_step": max(p90["mixed"], p90["prefill-heavy"])}, abs=1e-7)

@@ -222,3 +222,40 @@ def test_two_ranks_do_less_each_than_one(decodes, prefills):
     one, two = cost_model(1).split_step_cost(decodes, prefills), cost_model(2).split_step_cost(decodes, prefills)
     assert two.compute_s < one.compute_s and two.memory_s < one.memory_s and two.kv_bytes < one.kv_bytes
     assert two.communication_s > 0 == one.communication_s
+
+
+# -- MoE and MLA --------------------------------------------------------------------------
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_are_routed_to():
+    # gpt-oss-20b: 24 MoE layers of 32 experts, 4 per token, gate/up/down of 2880 x 2880 in
+    # MXFP4 (4.25 bits a parameter). Uniform routing: an expert is missed by a token with
+    # probability 1 - 4/32, so n tokens touch 32 (1 - (28/32)^n) experts in expectation.
+    model = get_model("gpt-oss-20b")
+    p = plan(model, GPU, EngineConfig(max_model_len=8192))
+    cm = CostModel(p.model, p.gpu, p.layers.specs, async_scheduling=True, efficiency=EFF)
+    expert_bytes = 3 * 2880 * 2880 * 4.25 / 8
+    all_experts = 32 * 24 * expert_bytes
+    for n in (1, 4, 64, 2048):
+        touched = 32 * (1 - (1 - 4 / 32) ** n)
+        expected = math.ceil(model.weights_bytes) - all_experts + touched * 24 * expert_bytes
+        cost = cm.split_step_cost([500] * n, [])
+        assert cost.weight_bytes == pytest.approx(expected, rel=1e-9)
+        assert cost.weight_bytes <= model.weights_bytes
+
+
+def test_mla_latent_kv_is_read_whole_on_every_rank():
+    # DeepSeek-V3's MLA keeps one latent (512) + rope key (64) per token and layer, the same
+    # on every TP rank: a rank's KV read does not shrink with TP, its query heads do.
+    model = get_model("deepseek-v3")
+    gpu = get_gpu("h200")
+    costs = {}
+    for tp in (1, 8):
+        p = plan(model, gpu, EngineConfig(tensor_parallel_size=tp, max_model_len=8192))
+        cm = CostModel(p.model, p.gpu, p.layers.specs, tensor_parallel_size=tp, async_scheduling=True,
+                       efficiency=EFF)
+        costs[tp] = cm.split_step_cost([1000, 3000], [])
+        assert costs[tp].kv_bytes == pytest.approx((1000 + 3000 + 2) * (512 + 64) * 2 * model.num_layers, rel=1e-12)
+        # (d_k + d_v) = 576 + 512 per attended key per query head on this rank.
+        assert costs[tp].attention_flops == pytest.approx(
+            2 * (model.num_attention_heads // tp) * (576 + 512) * model.num_layers * 4000, rel=1e-12)
