@@ -41,14 +41,15 @@ BASE = Efficiency()
 # exp(0.4) and exp(0.3): points the fit's search reaches exactly (steps 0.4, then 0.4 - 0.1).
 TRUTH = Knobs(prefill_scale=math.exp(0.4), decode_scale=math.exp(0.3), client_overhead_s=0.004)
 PREFILL_S_PER_TOKEN = 4e-5  # at the base GEMM fraction
-DECODE_S = 0.012  # per token at the base HBM fraction
+DECODE_S = 0.012  # per token of a short prompt at the base HBM fraction
 
 
 def clock(prompt, output, efficiency: Efficiency):
     """Server-side TTFT, TPOT and E2E of each request under ``efficiency``: the known clock."""
     prompt, output = np.asarray(prompt, float), np.asarray(output, float)
     ttft = prompt * PREFILL_S_PER_TOKEN * BASE.matmul_flops_fraction / efficiency.matmul_flops_fraction
-    tpot = np.full(len(prompt), DECODE_S * BASE.hbm_bandwidth_fraction / efficiency.hbm_bandwidth_fraction)
+    # A longer prompt decodes slower (more KV to read): TPOTs differ from request to request.
+    tpot = DECODE_S * (1 + prompt / 2000) * BASE.hbm_bandwidth_fraction / efficiency.hbm_bandwidth_fraction
     return ttft, tpot, ttft + (output - 1) * tpot
 
 
