@@ -203,3 +203,16 @@ def test_step_errors_are_relative_to_the_measured_steps(monkeypatch):
         assert before[kind]["detail"] == f"{kinds.count(kind)} steps"
     p90 = {r["item"]: r for r in out.rows if r["metric"] == "step_ape_p90: before calibration"}
     assert p90["all"]["error"] == pytest.approx(0.25, rel=1e-12)
+
+
+@pytest.mark.parametrize("e2e_error, status", [(0.01, "pass"), (0.08, "fail")])
+def test_single_token_outputs_leave_tpot_unjudged_and_e2e_decides(monkeypatch, e2e_error, status):
+    # Every held-out request generated one token: no TPOT on either side. Its row has no
+    # verdict, so the check's verdict is E2E's, whichever way E2E goes.
+    truth = {**TRUTH, "tpot_s": [math.nan] * 5}
+    errors = {k: held_out_errors(0.01) for k in TRUTH}
+    errors["e2el_s"] = held_out_errors(e2e_error)
+    out, _ = latency_check(monkeypatch, errors, truth=truth)
+    assert held_row(out, "tpot_s")["passed"] is None
+    assert held_row(out, "e2el_s")["passed"] is (status == "pass")
+    assert out.verdicts[-1].status == status
