@@ -216,3 +216,68 @@ def test_single_token_outputs_leave_tpot_unjudged_and_e2e_decides(monkeypatch, e
     assert held_row(out, "tpot_s")["passed"] is None
     assert held_row(out, "e2el_s")["passed"] is (status == "pass")
     assert out.verdicts[-1].status == status
+
+
+# -- check 2: predicted hits are executed hits -----------------------------------------------
+# The tolerance is none: one hit token or one preemption apart fails.
+
+EXECUTED = {"r0": 32, "r1": 0, "r2": 16}
+QUERIES = {"r0": 64, "r1": 40, "r2": 48}
+
+
+def hits_table(hits: dict) -> pa.Table:
+    return pa.table({"request_id": list(hits), "prefix_cache_hits": list(hits.values()),
+                     "prefix_cache_queries": [QUERIES[r] for r in hits]})
+
+
+def hits_check(monkeypatch, measured: dict, cost: dict, measured_preemptions, executed_preemptions=((3, "r1"),)):
+    run = SimpleNamespace(state=SimpleNamespace(preemptions=list(executed_preemptions),
+                                                steps=[SimpleNamespace(device_s=0.01)]),
+                          result=SimpleNamespace(requests=hits_table(EXECUTED)))
+    monkeypatch.setattr(validate, "plan_cost_model", lambda plan, efficiency: None)
+    monkeypatch.setattr(validate, "CostModelExecutor", lambda cost_model: "cost-model clock")
+    monkeypatch.setattr(validate, "RecordedClockExecutor", lambda cost_model, durations: "measured clock")
+
+    def replay(plan, trace, executors):
+        (executor,) = executors
+        if isinstance(executor, validate.PreemptionLog):  # the simulator on the measured clock
+            executor.preemptions = list(measured_preemptions)
+            return SimpleNamespace(requests=hits_table(measured))
+        return SimpleNamespace(requests=hits_table(cost))
+
+    monkeypatch.setattr(validate, "run_with_executor", replay)
+    out = Validation()
+    validate.check_predicted_hits(out, None, None, Efficiency(), run)
+    return out
+
+
+def test_hits_and_preemptions_as_executed_pass(monkeypatch):
+    cost = {"r0": 16, "r1": 0, "r2": 16}  # the cost-model clock's batches differ: informational
+    out = hits_check(monkeypatch, dict(EXECUTED), cost, [(3, "r1")])
+    assert out.verdicts[-1].status == "pass"
+    rows = {(r["item"], r["metric"]): r for r in out.rows}
+    assert rows[("r0", "prefix_cache_hits")]["passed"] is True
+    assert rows[("r0", "prefix_cache_hits: cost-model clock")]["error"] == 32 - 16
+    # Hit rates: hit tokens over queried tokens of all requests.
+    assert rows[("all", "hit_rate: executor (measured clock)")]["observed"] == pytest.approx(48 / 152)
+    assert rows[("all", "hit_rate: simulator (cost-model clock)")]["observed"] == pytest.approx(32 / 152)
+    assert rows[("all", "requests_differing: cost-model clock")]["observed"] == 1
+    assert "cost-model clock: 1 of 3 requests differ, hit rate 21.1% vs 31.6%" in out.verdicts[-1].line
+
+
+def test_one_hit_token_apart_fails_and_is_named(monkeypatch):
+    measured = {**EXECUTED, "r2": 15}
+    out = hits_check(monkeypatch, measured, dict(EXECUTED), [(3, "r1")])
+    assert out.verdicts[-1].status == "fail"
+    assert "1 requests' hits differ (first r2: simulated 15, executed 16)" in out.verdicts[-1].line
+    row = next(r for r in out.rows if r["item"] == "r2" and r["metric"] == "prefix_cache_hits")
+    # observed − expected: the executor's hits less the simulator's.
+    assert row["expected"] == 15 and row["observed"] == 16 and row["error"] == 1 and row["passed"] is False
+
+
+def test_a_preemption_one_step_apart_fails(monkeypatch):
+    out = hits_check(monkeypatch, dict(EXECUTED), dict(EXECUTED), [(4, "r1")])
+    assert out.verdicts[-1].status == "fail"
+    assert "preemption 0: simulated (step, request) (4, 'r1'), executed (3, 'r1')" in out.verdicts[-1].line
+    row = next(r for r in out.rows if r["metric"] == "num_preemptions")
+    assert row["passed"] is False and row["error"] == 0
