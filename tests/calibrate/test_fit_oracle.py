@@ -339,6 +339,8 @@ def test_the_report_prints_and_writes_the_held_out_numbers(tmp_path, known_clock
     fit = fit_bench_serve(None, measured_requests(job.bench), BASE)  # the clock's base, not the GPU's
     result = CalibrationResult(job, fit)
     lines = result.lines()
+    assert lines[0].startswith("calibrated llama-3.1-8b on 1x l40s from 1 file(s) (bench serve); started from ")
+    assert "held out: every other request (10), fitted on the rest" in lines
     assert lines[1].startswith(f"fit after {fit.replays} replays: prefill x{TRUTH.prefill_scale:.3f}, "
                                f"decode x{TRUTH.decode_scale:.3f}, client overhead 4.0 ms")
     ttft, tpot, _ = clock(prompt, output, TRUTH.apply(BASE))
