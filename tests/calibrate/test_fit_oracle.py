@@ -198,9 +198,9 @@ def test_several_runs_hold_out_the_last(tmp_path, known_clock):
 BOUNDS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
-def histogram_lines(name, values):
+def histogram_lines(name, values, bounds=BOUNDS):
     lines = [f"# TYPE {name} histogram"]
-    for bound in (*BOUNDS, math.inf):
+    for bound in (*bounds, math.inf):
         le = "+Inf" if bound == math.inf else repr(bound)
         lines.append(f'{name}_bucket{{engine="0",le="{le}",model_name="m"}} {float(np.sum(values <= bound))}')
     lines += [f'{name}_count{{engine="0",model_name="m"}} {float(len(values))}',
@@ -208,10 +208,10 @@ def histogram_lines(name, values):
     return lines
 
 
-def scrape(observations):
+def scrape(observations, bounds=BOUNDS):
     lines = []
     for name, values in observations.items():
-        lines += histogram_lines(name, np.asarray(values, float))
+        lines += histogram_lines(name, np.asarray(values, float), bounds)
     for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total"):
         lines += [f"# TYPE {name} counter", f'{name}{{engine="0",model_name="m"}} 1.0']
     lines += histogram_lines("vllm:iteration_tokens_total", np.array([]))
@@ -379,3 +379,23 @@ def test_the_report_prints_the_held_out_steps(tmp_path):
     written = tomllib.loads(write(result, tmp_path / "cal.toml").read_text())
     assert written["error"] == pytest.approx({"decode_step": p90["decode-only"],
                                               "prefill_step": max(p90["mixed"], p90["prefill-heavy"])}, abs=1e-7)
+
+
+def test_a_scrape_of_the_known_clock_gives_back_its_knobs(known_clock):
+    # Fine buckets: the histograms' quantiles are then the clock's own to a fraction of a
+    # percent, and so are the knobs fitted to them.
+    prompt, output = workload(60)
+    trace = col.build_table({col.REQUEST_ID: [f"r{i}" for i in range(60)],
+                             col.ARRIVAL_TIME_S: np.arange(60, dtype=float).tolist(),
+                             col.PROMPT_TOKENS: prompt.tolist(), col.OUTPUT_TOKENS: output.tolist()},
+                            col.TraceMeta(source_format="test"))
+    truth = Knobs(1.3, 1.2)
+    ttft, tpot, e2e = clock(prompt, output, truth.apply(BASE))
+    names = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+             "vllm:e2e_request_latency_seconds")
+    fine = tuple(float(b) for b in np.geomspace(0.001, 10.0, 800))
+    metrics = scrape_delta(scrape({n: [] for n in names}, fine),
+                           scrape(dict(zip(names, (ttft, np.repeat(tpot, output - 1), e2e))), fine))
+    fit = fit_scrape(None, trace, metrics, BASE)
+    assert fit.knobs.prefill_scale == pytest.approx(truth.prefill_scale, rel=0.01)
+    assert fit.knobs.decode_scale == pytest.approx(truth.decode_scale, rel=0.01)
