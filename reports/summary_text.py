@@ -252,5 +252,13 @@ def saturation_hint(row: dict) -> str | None:
     if "drain" in reasons:
         words.append(f"the last request arrived at {format_duration_s(row['last_arrival_s'])} but the engine "
                      f"needed until {format_duration_s(row['duration_s'])}")
+    # The sustained-load rules (docs/capacity.md#sustained-load), with the steady window's figures.
+    if "falling_behind" in reasons:
+        words.append(f"in the steady window {row['steady_completion_rate']:,.3g} requests/s finished of "
+                     f"{row['steady_arrival_rate']:,.3g} arriving")
+    if "queue_growth" in reasons:
+        words.append(f"the requests in the system grew by {row['steady_queue_growth']:,.1f} over the steady window")
+    if "long_drain" in reasons and "drain" not in reasons:
+        words.append(f"the engine ran {format_duration_s(row['drain_s'])} past the last arrival")
     return (f"saturated: {'; '.join(words)}. Try more GPUs (--tp), another --gpu or --model, "
             f"or --rate-scale < 1")

@@ -210,3 +210,6 @@ def print_points(table, axes, find_max_rate: bool) -> None:
     for row in table.to_pylist():
         if row["status"] != "ok":
             print(f"point {row['point']} failed: {row['error']}")
+        elif find_max_rate and row.get("rate_search_refusal"):
+            # A rate judged on too short a window is never printed as sustainable: say why.
+            print(f"point {row['point']}: {row['rate_search_refusal']}")

@@ -17,6 +17,15 @@ and the summary is the last replay's; otherwise the summary columns are those of
 at ``lo``. The ``*_pessimistic`` columns repeat the search with every step slower by the
 calibration's held-out step error (``calibration_data.pessimistic``); null for an
 uncalibrated clock.
+
+The search judges sustained load, never a burst (docs/capacity.md#enough-load). A
+``limit`` (``--limit N``) is read as a duration: the simulated time the point's first N
+requests span at its own rate scale; every scale the search tries replays the requests of
+the trace, scaled, that arrive within that time of the first (about N times the scale over
+the start), so the load lasts as long at every rate. A scale whose steady window is still
+too short to judge (``sustained_reason`` ``short_window``) counts as not holding, and
+``rate_search_refusal`` says what it lacked; where no scale was judged to hold, it says
+what the point needs instead of a rate.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from kvtwin.sim.replay.calibration_data import pessimistic, step_error
 from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, replicas_for, request_rate, \
     slo_holds
 from kvtwin.sim.replay.run import run_replay
+from kvtwin.sim.replay.sustained import SHORT_WINDOW, needs
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.parse import Workload
 from kvtwin.sim.scenario.resolve import ResolvedScenario, resolve_scenario
@@ -55,6 +65,7 @@ MAX_RATE_COLUMNS: dict[str, pa.DataType] = {
     "max_request_rate_pessimistic": pa.float64(),
     "replicas_needed_trace_rate_pessimistic": pa.int64(),
     "replicas_needed_target_rate_pessimistic": pa.int64(),
+    "rate_search_refusal": pa.string(),
 }
 
 
@@ -100,12 +111,36 @@ class PointReplays:
         self.offload = offload
         self.workload = resolved.require_workload()
         self.source = source
+        self._duration_s: float | None = None
+
+    def duration_s(self) -> float | None:
+        """A ``limit`` read as a duration (module docstring): the arrival span of the point's
+        own cut; None without a limit (the search then scales the whole cut)."""
+        if "limit" not in self.workload.transforms:
+            return None
+        if self._duration_s is None:
+            arrivals = self.workload.cut(self.source).column("arrival_time_s").to_numpy()
+            self._duration_s = float(arrivals.max() - arrivals.min())
+        return self._duration_s
+
+    def cut_at(self, scale: float | None) -> pa.Table:
+        """The trace a replay at ``scale`` runs (None: the workload's own cut)."""
+        if scale is None:
+            return self.workload.cut(self.source)
+        duration_s = self.duration_s()
+        transforms = {**self.workload.transforms, "rate_scale": scale}
+        if duration_s is None:
+            return dataclasses.replace(self.workload, transforms=transforms).cut(self.source)
+        del transforms["limit"]
+        scaled = dataclasses.replace(self.workload, transforms=transforms).cut(self.source)
+        arrivals = scaled.column("arrival_time_s").to_numpy()
+        # The span's own last request is kept at the start scale despite rounding.
+        keep = arrivals <= arrivals.min() + duration_s * (1 + 1e-12)
+        return scaled.filter(pa.array(keep))
 
     def replay(self, scale: float | None, efficiency: Efficiency | None = None) -> tuple[dict, pa.Table]:
         """The summary row and the cut trace of one replay (``scale`` None: the workload's own)."""
-        workload = self.workload if scale is None else dataclasses.replace(
-            self.workload, transforms={**self.workload.transforms, "rate_scale": scale})
-        trace = workload.cut(self.source)
+        trace = self.cut_at(scale)
         resolved = self.resolved
         result = run_replay(self.planned, trace, deployment=resolved.deployment,
                             efficiency=efficiency if efficiency is not None else resolved.efficiency,
@@ -122,10 +157,29 @@ class SLOProbe:
         self.goodput = goodput
         self.efficiency = efficiency
         self.runs: dict[float, tuple[dict, pa.Table]] = {}
+        # Scales whose steady window was too short to judge, and what each lacked.
+        self.short: dict[float, str] = {}
 
     def __call__(self, scale: float) -> bool:
         self.runs[scale] = self.replays.replay(scale, self.efficiency)
-        return slo_holds(self.runs[scale][0], self.replays.resolved.slo, self.goodput)
+        summary = self.runs[scale][0]
+        if SHORT_WINDOW in summary["sustained_reason"].split(","):
+            self.short[scale] = needs(summary)
+        return slo_holds(summary, self.replays.resolved.slo, self.goodput)
+
+    def refusal(self, found: SearchResult) -> str | None:
+        """One line when a scale could not be judged (docs/capacity.md#enough-load): no rate
+        at all, or the bracket above the answer is a window too short rather than a failure."""
+        if not self.short:
+            return None
+        if found.lo is None:
+            scale = max(self.short)
+            return (f"no rate judged to hold: at rate scale {scale:g} the replay needs {self.short[scale]}; "
+                    f"raise --limit (or workload.limit) or replay more of the trace")
+        if found.hi is not None and found.hi in self.short:
+            return (f"{found.lo:g} is a lower bound: rate scale {found.hi:g} could not be judged, it needs "
+                    f"{self.short[found.hi]}")
+        return None
 
 
 def point_replicas(resolved: ResolvedScenario) -> int:
@@ -175,6 +229,7 @@ def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:
     out: dict = dict.fromkeys(MAX_RATE_COLUMNS)
     out["search"] = {"start_rate_scale": start, "converged": found.converged,
                      "tried": [[x, ok] for x, ok in found.history]}
+    out["rate_search_refusal"] = probe.refusal(found)
     trace_rate = request_rate(probe.runs[start][1])
     replicas = point_replicas(resolved)
     price = resolved.gpu.price_per_hour

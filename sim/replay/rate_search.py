@@ -1,7 +1,10 @@
 """The largest arrival rate a deployment holds: the SLO criterion and the rate search of
 ``kvtwin capacity --find-max-rate``.
 
-The SLO *holds* for a replay when at least one request completed and
+The SLO *holds* for a replay when at least one request completed, the load was sustained
+(``sustained``: a steady window long enough to judge, in which the deployment kept pace
+with arrivals; docs/capacity.md#sustained-load), the run is not ``saturated`` (any rule of
+its ``saturation_reason``), and
 
 * without ``goodput``: the p99 TTFT of completed requests is at most ``slo.ttft_s`` and their
   p99 TPOT at most ``slo.tpot_s`` (each where set), and no request was left unfinished (by a
@@ -67,6 +70,9 @@ def slo_holds(summary: dict, slo: SLO, goodput: float | None = None) -> bool:
     """Whether a replay's summary meets the SLO criterion of the module docstring."""
     completed = summary["completed"]
     if completed == 0:
+        return False
+    # A burst worked off, or a queue that grows, holds nothing (docs/capacity.md#sustained-load).
+    if not summary["sustained"] or summary["saturated"]:
         return False
     if goodput is not None:
         return admitted_attainment(summary) >= goodput - 1e-9

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtwin.sim.replay.sustained import FAILURES, sustained_load
 from kvtwin.sim.scenario.slo import SLO, admitted_attainment
 from kvtwin.traces.expand import table_block_ids
 from kvtwin.traces.schema import hash_block_tokens_of
@@ -113,7 +114,13 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     queue_s = np.where(np.isnan(scheduled), end_time_s - arrival, scheduled - arrival)[status != "rejected"]
     row.update(_stats(queue_s, "queue_delay_ms"))
     last_arrival_s = float(arrival.max()) if arrival.size else 0.0
-    row.update(_trace_figures(requests, trace, last_arrival_s, _saturation_of(row, slo, end_time_s, last_arrival_s)))
+    sustained = sustained_load(requests, end_time_s)
+    # A load the deployment did not keep up with is saturation; a window too short to
+    # judge is not (docs/capacity.md#sustained-load).
+    saturation = _saturation_of(row, slo, end_time_s, last_arrival_s) + [
+        r for r in sustained.reasons if r in FAILURES]
+    row.update(_trace_figures(requests, trace, last_arrival_s, saturation))
+    row.update(sustained.columns())
     row.update({"num_replicas": num_replicas, "router": router,
                 "load_imbalance": load_imbalance(requests, num_replicas),
                 "prefix_cache_retention": prefix_cache_retention})

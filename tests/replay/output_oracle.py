@@ -452,6 +452,9 @@ class OracleRun:
             reasons.append("slo")
         if len(done) and end > 1.5 * max(last_arrival, 1.0) and end - last_arrival > 60:
             reasons.append("drain")
+        sustained = sustained_columns(r, end)
+        reasons += [x for x in sustained["sustained_reason"].split(",") if x and x != "short_window"]
+        row.update(sustained)
         by_reason: dict[str, int] = {}
         for x in r:
             if x["reject_reason"]:
@@ -485,3 +488,41 @@ def assert_same(actual: dict, expected: dict, names, where: str = "") -> None:
             assert a == pytest.approx(e, rel=1e-12), f"{where}{name}: {a} != {e}"
         else:
             assert a == e, f"{where}{name}: {a!r} != {e!r}"
+
+
+def sustained_columns(rows: list[dict], end: float) -> dict:
+    """summary.parquet's sustained-load columns, from SCHEMA.md's words: over the requests
+    not rejected, the window from 20% to 80% of the arrival span; each request in the system
+    from its arrival to its finish (the run's end when unfinished)."""
+    stays = [(x["arrival_time_s"], x["finish_time_s"] if x["status"] == "finished" else end,
+              x["first_scheduled_time_s"], x["status"] == "finished") for x in rows if x["status"] != "rejected"]
+    services = sorted(leave - scheduled for _, leave, scheduled, finished in stays if finished)
+    n = len(services)
+    median = (services[n // 2] if n % 2 else (services[n // 2 - 1] + services[n // 2]) / 2) if n else math.nan
+    if not stays:
+        return {"sustained": False, "sustained_reason": "short_window", "steady_window_s": 0.0,
+                "steady_arrival_rate": math.nan, "steady_completion_rate": math.nan, "steady_queue_growth": math.nan,
+                "drain_s": math.nan, "steady_median_service_s": median}
+    first = min(a for a, _, _, _ in stays)
+    last = max(a for a, _, _, _ in stays)
+    lo, hi = first + 0.2 * (last - first), first + 0.8 * (last - first)
+    width = hi - lo
+    arrived = sum(lo < a <= hi for a, _, _, _ in stays)
+    finished = sum(lo < leave <= hi for _, leave, _, f in stays if f)
+
+    def occupancy(u: float, v: float) -> float:
+        # Time in the system inside [u, v], summed over requests, over the interval's length.
+        return sum(max(0.0, min(leave, v) - max(a, u)) for a, leave, _, _ in stays) / (v - u)
+
+    growth = occupancy(hi - width / 4, hi) - occupancy(lo, lo + width / 4) if width > 0 else math.nan
+    drain = max(end - last, 0.0)
+    if arrived < 200 or width <= 0 or width < 5 * (median if not math.isnan(median) else 0.0):
+        reasons = ["short_window"]
+    else:
+        reasons = [name for name, failed in (("falling_behind", finished < 0.9 * arrived),
+                                              ("queue_growth", growth > 0.1 * arrived),
+                                              ("long_drain", drain > 0.25 * (last - first))) if failed]
+    return {"sustained": not reasons, "sustained_reason": ",".join(reasons), "steady_window_s": width,
+            "steady_arrival_rate": arrived / width if width > 0 else math.nan,
+            "steady_completion_rate": finished / width if width > 0 else math.nan,
+            "steady_queue_growth": growth, "drain_s": drain, "steady_median_service_s": median}

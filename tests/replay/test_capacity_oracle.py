@@ -8,6 +8,9 @@ whose step overhead is ``1 + step_error`` times the scenario's), and
 
 * its p99 TTFT is ``SLO_TTFT_MS * load / P99_THRESHOLD``: the p99 criterion holds iff
   ``load <= P99_THRESHOLD``;
+* it kept pace with its arrivals (``sustained``, not ``saturated``) iff ``load <=
+  SUSTAINED_THRESHOLD``, above which it fell behind (``falling_behind``); with ``SHORT`` set,
+  its steady window is too short to judge at every scale (``short_window``);
 * its SLO attainment is ``1 - (1 - GOODPUT) * load / GOODPUT_THRESHOLD``: a ``--goodput
   GOODPUT`` criterion holds iff ``load <= GOODPUT_THRESHOLD``;
 * its trace has ``N`` arrivals evenly ``1 / (BASE_RATE * scale)`` apart (``BASE_RATE *
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +53,7 @@ N = 50                    # requests of the stub's trace
 TOKENS_PER_REQUEST = 250  # the stub's token throughput per request/s
 SLO_TTFT_MS = 15.0        # the scenario's [slo] ttft_s, in ms
 P99_THRESHOLD = 0.55      # load up to which the p99 TTFT holds the SLO
+SUSTAINED_THRESHOLD = 0.5  # load up to which the deployment keeps pace with arrivals
 GOODPUT = 0.9
 GOODPUT_THRESHOLD = 0.37  # load up to which GOODPUT of the requests meet the SLO
 START = 1.25              # the scenario's own workload.rate_scale: where the search starts
@@ -90,6 +95,9 @@ step_overhead_s = 0.01
 CALIBRATION = 'label = "test"\n[cost_model]\n[error]\nprefill_step = 0.1\ndecode_step = 0.25\n'
 
 
+SHORT = False  # set by the short_stub fixture
+
+
 def _stub_replay(self, scale, efficiency=None):
     """One replay, its outcome a known function of the load (module docstring)."""
     scale = START if scale is None else scale
@@ -97,7 +105,12 @@ def _stub_replay(self, scale, efficiency=None):
     load = scale * slow
     rate = BASE_RATE * scale
     attainment = 1.0 - (1.0 - GOODPUT) * load / GOODPUT_THRESHOLD
+    kept_pace = load <= SUSTAINED_THRESHOLD
+    reason = "short_window" if SHORT else "" if kept_pace else "falling_behind"
     summary = {"num_requests": N, "completed": N, "rejected": 0, "unfinished": 0,
+               "sustained": reason == "", "sustained_reason": reason,
+               "saturated": reason == "falling_behind", "steady_window_s": 2.0, "steady_arrival_rate": 30.0,
+               "steady_median_service_s": 1.5,
                "p99_ttft_ms": SLO_TTFT_MS * load / P99_THRESHOLD, "p99_tpot_ms": math.nan,
                "slo_attainment": attainment, "rejected_share": 0.0,
                "request_throughput": rate, "total_token_throughput": TOKENS_PER_REQUEST * rate}
@@ -121,6 +134,11 @@ def _app() -> typer.Typer:
 @pytest.fixture
 def stubbed(monkeypatch):
     monkeypatch.setattr(capacity_points.PointReplays, "replay", _stub_replay)
+
+
+@pytest.fixture
+def short_stub(stubbed, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "SHORT", True)
 
 
 def _run(tmp_path: Path, *args, calibrated: bool = True, scenario: str = SCENARIO):
@@ -182,7 +200,9 @@ def _expected_columns(lo: float, lo_edge: float | None, target_rate: float | Non
                 "replicas_needed_target_rate": None if target_rate is None else math.ceil(target_rate / per_replica),
                 "cost_per_hour": cost_per_hour, "cost_per_million_tokens": cost_per_hour / tokens_per_hour * 1e6,
                 "step_error": None, "max_rate_scale_pessimistic": None, "max_request_rate_pessimistic": None,
-                "replicas_needed_trace_rate_pessimistic": None, "replicas_needed_target_rate_pessimistic": None}
+                "replicas_needed_trace_rate_pessimistic": None, "replicas_needed_target_rate_pessimistic": None,
+                # Every scale's window was long enough to judge (the stub's, unless SHORT).
+                "rate_search_refusal": None}
     if lo_edge is not None:
         edge_per_replica = BASE_RATE * lo_edge / REPLICAS
         expected.update(step_error=STEP_ERROR, max_rate_scale_pessimistic=lo_edge,
@@ -206,7 +226,8 @@ def test_the_search_finds_the_known_threshold_and_every_column_follows(stubbed, 
     tolerance, target = 0.02, 40.0
     flags = ["--rate-tolerance", tolerance, "--target-rate", target] + (["--goodput", goodput] if goodput else [])
     table, row, output = _run(tmp_path, *flags)
-    threshold = P99_THRESHOLD if goodput is None else GOODPUT_THRESHOLD
+    # The first bound the load crosses: keeping pace, or the SLO's own.
+    threshold = min(P99_THRESHOLD if goodput is None else GOODPUT_THRESHOLD, SUSTAINED_THRESHOLD)
     # The slow edge: every step 1.25x as long, so the load reaches the threshold 1.25x sooner.
     edge_threshold = threshold / (1 + STEP_ERROR)
     tried = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]["tried"]
@@ -238,7 +259,8 @@ def test_a_threshold_above_the_start_is_bracketed_by_doubling(stubbed, tmp_path)
     tried = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]["tried"]
     assert [x for x, _ in tried[:3]] == [0.2, 0.4, 0.8] and [ok for _, ok in tried[:3]] == [True, True, False]
     lo = row["max_rate_scale"]
-    assert P99_THRESHOLD / 1.05 <= lo <= P99_THRESHOLD
+    threshold = min(P99_THRESHOLD, SUSTAINED_THRESHOLD)
+    assert threshold / 1.05 <= lo <= threshold
     # Uncalibrated: no slow edge, and the trace rate is the point's own (at 0.2).
     assert row["step_error"] is None and row["max_rate_scale_pessimistic"] is None
     assert row["replicas_needed_trace_rate"] == math.ceil(BASE_RATE * 0.2 / (BASE_RATE * lo / REPLICAS))
@@ -257,6 +279,20 @@ def test_no_scale_holds_down_to_the_floor(stubbed, tmp_path):
     assert row["cost_per_hour"] == PRICE * TP * REPLICAS
     # The summary is the last replay's (the smallest scale tried).
     assert row["request_throughput"] == pytest.approx(BASE_RATE * START / 1024)
+
+
+def test_a_point_too_short_to_judge_is_refused_with_what_it_needs(short_stub, tmp_path):
+    # Every scale's steady window is too short: no scale holds, nothing is printed as a
+    # sustainable rate, and one line says what the point needs (from the summary's figures:
+    # 2 s at 30 requests/s is 60 arrivals; 5 median service times of 1.5 s is 7.5 s).
+    table, row, output = _run(tmp_path, "--max-replays", 40, calibrated=False)
+    assert all(row[name] is None for name in MAX_RATE_COLUMNS if name not in ("cost_per_hour", "rate_search_refusal"))
+    largest = max(x for x, _ in json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]["tried"])
+    line = (f"point 0: no rate judged to hold: at rate scale {largest:g} the replay needs a steady window of at "
+            f"least 200 arrivals and 7.5 s (5 median service times); it had 60 in 2.0 s; raise --limit (or "
+            f"workload.limit) or replay more of the trace")
+    assert line in output.splitlines()
+    assert row["rate_search_refusal"] == line.removeprefix("point 0: ")
 
 
 def test_the_replay_budget_stops_the_search(stubbed, tmp_path):
@@ -309,8 +345,11 @@ def test_the_slo_criterion_holds_at_its_bounds():
     # Bounds in seconds, p99s in ms: a p99 equal to its bound holds, one just above fails.
     slo = SLO(ttft_s=0.25, tpot_s=0.125)
     row = {"num_requests": 8, "completed": 8, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 250.0,
-           "p99_tpot_ms": 125.0, "slo_attainment": 0.75}
+           "p99_tpot_ms": 125.0, "slo_attainment": 0.75, "sustained": True, "saturated": False}
     assert slo_holds(row, slo)
+    # A load not sustained (a burst, a window too short) or saturated holds nothing, goodput or not.
+    for bad in ({"sustained": False}, {"saturated": True}):
+        assert not slo_holds({**row, **bad}, slo) and not slo_holds({**row, **bad}, slo, goodput=0.5)
     assert not slo_holds({**row, "p99_ttft_ms": 250.001}, slo)
     assert not slo_holds({**row, "p99_tpot_ms": 125.001}, slo)
     # A goodput judged over the admitted requests: 6 of 8 arrived met it, 2 were rejected,

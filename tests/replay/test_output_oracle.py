@@ -84,6 +84,8 @@ SUMMARY_ORACLE = (
     "num_evictions", "num_steps", "prefill_tokens", "decode_tokens", "busy_time_s", "kv_cache_usage_peak",
     "kv_cache_usage_mean", "slo_ttft_ms", "slo_tpot_ms", "slo_attainment", "rejected_share", "request_goodput",
     "last_arrival_s", "num_trace_requests", "not_arrived", "prefix_reuse_upper_bound", "saturated", "saturation_reason", "num_replicas",
+    "sustained", "sustained_reason", "steady_window_s", "steady_arrival_rate", "steady_completion_rate",
+    "steady_queue_growth", "drain_s", "steady_median_service_s",
     "router", "load_imbalance")
 
 

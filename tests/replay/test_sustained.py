@@ -1,0 +1,136 @@
+"""The sustained-load rule (docs/capacity.md#sustained-load) at the edges of its thresholds.
+
+Requests tables are built by hand around one base: 334 requests a second apart (span
+333 s, steady window (66.6 s, 266.4 s], 199.8 s long), each scheduled on arrival and
+finished 1 s later, so exactly one request is in the system at any time, 200 arrive in the
+window and 200 finish in it. Each test adds requests that move one figure across its
+threshold and leaves the others well inside theirs; the expected counts are worked out in
+the comments, not read from the module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvtwin.sim.replay.rate_search import slo_holds
+from kvtwin.sim.replay.sustained import sustained_load
+from kvtwin.sim.scenario.slo import SLO
+
+N = 334
+LO, HI = 0.2 * 333, 0.8 * 333  # the steady window's edges
+QUARTER = (HI - LO) / 4
+
+
+def _table(arrival, finish, scheduled=None, status=None) -> pa.Table:
+    arrival = np.asarray(arrival, dtype=float)
+    finish = np.asarray(finish, dtype=float)
+    return pa.table({"status": status if status is not None else ["finished"] * len(arrival),
+                     "arrival_time_s": arrival, "finish_time_s": finish,
+                     "first_scheduled_time_s": arrival if scheduled is None else np.asarray(scheduled, dtype=float)})
+
+
+def _base(n: int = N, service_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    arrival = np.arange(n, dtype=float)
+    return arrival, arrival + service_s
+
+
+def _judge(arrival, finish, end_s=None, **kw):
+    end_s = float(np.max(finish)) if end_s is None else end_s
+    return sustained_load(_table(arrival, finish, **kw), end_s)
+
+
+def test_a_steady_load_is_sustained():
+    load = _judge(*_base())
+    assert load.reasons == () and load.sustained
+    assert load.window_s == pytest.approx(199.8)
+    assert load.arrivals == 200 and load.completions == 200  # arrivals 67..266, finishes of 66..265
+    assert load.arrival_rate == pytest.approx(200 / 199.8) and load.completion_rate == pytest.approx(200 / 199.8)
+    assert load.queue_growth == pytest.approx(0.0, abs=1e-9)  # one request in the system throughout
+    assert load.drain_s == 1.0 and load.median_service_s == 1.0
+
+
+def test_fewer_than_200_arrivals_in_the_window_is_too_short_to_judge():
+    # 333 requests: span 332, window (66.4, 265.6]: arrivals 67..265, 199 of them.
+    load = _judge(*_base(N - 1))
+    assert load.arrivals == 199 and load.reasons == ("short_window",) and not load.sustained
+    assert _judge(*_base(N)).arrivals == 200
+
+
+@pytest.mark.parametrize("factor, judged", [(1 - 1e-6, True), (1 + 1e-6, False)])
+def test_a_window_under_five_median_service_times_is_too_short(factor, judged):
+    # Every request takes a fifth of the window (199.8 / 5 = 39.96 s), a hair less or more.
+    service_s = 199.8 / 5 * factor
+    load = _judge(*_base(service_s=service_s))
+    assert load.median_service_s == pytest.approx(service_s)
+    assert load.judged == judged
+    assert load.sustained == judged  # judged, a steady load keeps pace
+
+
+@pytest.mark.parametrize("extra, holds", [(22, True), (23, False)])
+def test_completions_under_nine_tenths_of_arrivals_fall_behind(extra, holds):
+    # `extra` requests arrive just after the window opens and finish after it closes: they
+    # add to the window's arrivals (200 + extra) but not its completions (200); in the
+    # system through both quarters, they barely move its growth. 200 >= 0.9 * 222 holds,
+    # 200 < 0.9 * 223 does not.
+    arrival, finish = _base()
+    late = LO + 0.001 * np.arange(1, extra + 1)
+    load = _judge(np.r_[arrival, late], np.r_[finish, np.full(extra, HI + 1)])
+    assert load.arrivals == 200 + extra and load.completions == 200
+    assert load.queue_growth < 0.1
+    assert load.reasons == (() if holds else ("falling_behind",))
+
+
+@pytest.mark.parametrize("extra, holds", [(22, True), (23, False)])
+def test_requests_in_the_system_growing_by_a_tenth_of_the_arrivals_is_queue_growth(extra, holds):
+    # `extra` requests arrive just before the window's last quarter and stay past its end
+    # (in the system for the whole last quarter: growth `extra`), and as many requests
+    # that arrived before the window finish just after it opens (completions 200 + extra,
+    # in the first quarter for a negligible time): completions keep pace with arrivals,
+    # and the growth alone crosses 0.1 x (200 + extra): 22 <= 22.2, 23 > 22.3.
+    arrival, finish = _base()
+    stay = HI - QUARTER - 0.001 * np.arange(1, extra + 1)
+    early = LO - 1 - 0.001 * np.arange(1, extra + 1)
+    load = _judge(np.r_[arrival, stay, early], np.r_[finish, np.full(extra, HI + 1), np.full(extra, LO + 1e-6)])
+    assert load.arrivals == 200 + extra and load.completions == 200 + extra
+    assert load.queue_growth == pytest.approx(extra, abs=1e-3)
+    assert load.reasons == (() if holds else ("queue_growth",))
+
+
+@pytest.mark.parametrize("drain_s, holds", [(0.25 * 333, True), (0.25 * 333 + 1e-6, False)])
+def test_a_drain_over_a_quarter_of_the_arrival_span_is_long(drain_s, holds):
+    arrival, finish = _base()
+    load = _judge(arrival, finish, end_s=333 + drain_s)
+    assert load.drain_s == pytest.approx(drain_s)
+    assert load.reasons == (() if holds else ("long_drain",))
+
+
+def test_unfinished_requests_stay_in_the_system_and_rejected_ones_never_enter():
+    # The last 40 arrivals never finish (in the system to the end, 340 s), and 50 rejected
+    # requests arrive in the window: they change nothing about it.
+    arrival, finish = _base()
+    status = ["finished"] * N
+    for i in range(N - 40, N):
+        status[i], finish[i] = "running", math.nan
+    rejected = np.linspace(LO + 1, HI - 1, 50)
+    load = _judge(np.r_[arrival, rejected], np.r_[finish, np.full(50, math.nan)], end_s=340.0,
+                  status=status + ["rejected"] * 50)
+    assert load.arrivals == 200 and load.completions == 200
+    # The window's last quarter ends at 266.4, before the unfinished ones (from 294) arrive.
+    assert load.queue_growth == pytest.approx(0.0, abs=1e-9) and load.drain_s == 7.0
+
+
+def test_a_burst_is_not_judged_and_holds_no_slo():
+    # 400 requests in 1.7 s, each taking 5-15 s: the p99s may pass, the load is a burst.
+    rng = np.random.default_rng(3)
+    arrival = np.sort(rng.uniform(0, 1.7, 400))
+    finish = arrival + rng.uniform(5, 15, 400)
+    load = _judge(arrival, finish)
+    assert load.reasons == ("short_window",)
+    row = {"completed": 400, "unfinished": 0, "p99_ttft_ms": 100.0, "p99_tpot_ms": 10.0,
+           "saturated": False, **load.columns()}
+    assert not slo_holds(row, SLO(ttft_s=1.0, tpot_s=0.05))
+    assert slo_holds({**row, **_judge(*_base()).columns()}, SLO(ttft_s=1.0, tpot_s=0.05))
