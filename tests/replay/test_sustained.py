@@ -134,3 +134,25 @@ def test_a_burst_is_not_judged_and_holds_no_slo():
            "saturated": False, **load.columns()}
     assert not slo_holds(row, SLO(ttft_s=1.0, tpot_s=0.05))
     assert slo_holds({**row, **_judge(*_base()).columns()}, SLO(ttft_s=1.0, tpot_s=0.05))
+
+
+def test_the_rate_search_answers_the_sustained_rate_not_the_bursts(tmp_path):
+    # tests/replay/test_capacity.py's constant workload: 400 one-token requests on an engine
+    # that serves 100 requests/s (rate scale 10). With a TTFT bound of a minute, 400 requests
+    # compressed into any burst are worked off within it (the last waits 4 s): the p99
+    # criterion alone holds at every scale. Above 100 requests/s completions stay at 100/s,
+    # so the steady window falls behind once 100 < 0.9 x the arrival rate (scale 100 / 9).
+    from typer.testing import CliRunner
+
+    import pyarrow.parquet as pq
+    from tests.replay.test_capacity import CONSTANT, _app
+
+    path = tmp_path / "loose.toml"
+    path.write_text(CONSTANT.replace("ttft_s = 0.015", "ttft_s = 60.0"))
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--rate-tolerance", "0.02",
+                                         "--jobs", "1", "--no-report", "-q", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    row = pq.read_table(out / "capacity.parquet").to_pylist()[0]
+    assert 10.0 <= row["max_rate_scale"] <= 100 / 9 and row["rate_search_refusal"] is None
+    assert row["sustained"] and row["p99_ttft_ms"] < 60_000
