@@ -171,9 +171,11 @@ def test_bracket_and_bisect_on_a_known_predicate():
 
 def test_slo_criterion():
     base = {"num_requests": 10, "completed": 10, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 900.0,
-            "p99_tpot_ms": 40.0, "slo_attainment": 0.9}
+            "p99_tpot_ms": 40.0, "slo_attainment": 0.9, "sustained": True, "saturated": False}
     slo = SLO(ttft_s=1.0, tpot_s=0.05)
     assert slo_holds(base, slo)
+    # A load not sustained holds no SLO (docs/capacity.md#sustained-load).
+    assert not slo_holds({**base, "sustained": False}, slo) and not slo_holds({**base, "saturated": True}, slo)
     assert not slo_holds({**base, "p99_tpot_ms": 51.0}, slo)
     assert not slo_holds({**base, "unfinished": 1}, slo)
     assert slo_holds({**base, "p99_tpot_ms": 99.0}, slo, goodput=0.9)
@@ -313,7 +315,7 @@ def test_a_failed_point_is_recorded_and_the_others_go_on(constant, tmp_path):
     rows = pq.read_table(out / "capacity.parquet").to_pylist()
     assert [r["status"] for r in rows] == ["failed", "ok", "failed", "failed"]
     assert "max_num_batched_tokens" in rows[2]["error"] and "fits" in rows[0]["error"]
-    assert rows[1]["error"] is None and rows[1]["completed"] == 200
+    assert rows[1]["error"] is None and rows[1]["completed"] == 400
     assert rows[0]["completed"] is None
     assert "point 0 failed" in result.output
 

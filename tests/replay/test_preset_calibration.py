@@ -142,9 +142,12 @@ def test_a_gpu_without_a_bundled_file_says_which_have_one(tmp_path):
 
 def test_capacity_keeps_the_slow_edge_with_a_price_and_says_when_a_point_loses_it(tmp_path):
     priced = scenario_file(tmp_path, 'gpu = "h100"\nprice_per_hour = 2.5')
+    # 400 requests: a steady window long enough to judge a rate (docs/capacity.md#sustained-load);
+    # two replays per search are enough to find one.
+    priced.write_text(priced.read_text().replace("num_requests = 30", "num_requests = 400"))
     out = tmp_path / "sweep"
     stdout = invoke("capacity", priced, "--find-max-rate", "--sweep", "hardware.hbm_bandwidth_bytes_per_s=3.35e12,2e12",
-                    "--jobs", "1", "-q", "--out", out)
+                    "--max-replays", "2", "--jobs", "1", "-q", "--out", out)
     rows = pq.read_table(out / "capacity.parquet").to_pylist()
     assert [r["calibration"] for r in rows] == [H100.label, "uncalibrated"]
     # The calibrated point has its pessimistic edge and its cost; the other no edge, and says why.
