@@ -156,3 +156,28 @@ def test_the_rate_search_answers_the_sustained_rate_not_the_bursts(tmp_path):
     row = pq.read_table(out / "capacity.parquet").to_pylist()[0]
     assert 10.0 <= row["max_rate_scale"] <= 100 / 9 and row["rate_search_refusal"] is None
     assert row["sustained"] and row["p99_ttft_ms"] < 60_000
+
+
+def test_a_point_whose_window_is_too_short_at_every_rate_is_refused_in_one_line(tmp_path):
+    # The constant workload cut to 200 requests (a tenth of a second apart at scale 1): the
+    # window from 20% to 80% of the 19.9 s span holds requests 40..159, 120 of them, under
+    # the 200 asked; halving the rate stretches the span but adds no request. No rate is
+    # printed; one line says what the point needs.
+    from typer.testing import CliRunner
+
+    import pyarrow.parquet as pq
+    from tests.replay.test_capacity import CONSTANT, _app
+
+    path = tmp_path / "short.toml"
+    path.write_text(CONSTANT.replace("num_requests = 400", "num_requests = 200"))
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--jobs", "1", "--no-report",
+                                         "-q", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    row = pq.read_table(out / "capacity.parquet").to_pylist()[0]
+    assert row["max_rate_scale"] is None and row["max_request_rate"] is None
+    lines = [line for line in result.output.splitlines() if line.startswith("point 0: ")]
+    assert len(lines) == 1 and lines[0] == f"point 0: {row['rate_search_refusal']}"
+    assert lines[0].startswith("point 0: no rate judged to hold: at rate scale 1 the replay needs a steady window "
+                               "of at least 200 arrivals and ")
+    assert "it had 120 in 11.9 s; raise --limit" in lines[0]
