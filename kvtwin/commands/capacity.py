@@ -54,7 +54,8 @@ def capacity(
     backend: str = typer.Option("process", "--backend", help="process (a local pool) or ray."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join this Ray cluster."),
     limit: Optional[int] = number_option("--limit", kind="int", default=None,
-                                         help="Replay only the first N requests per point."),
+                                         help="Replay only the first N requests per point; with --find-max-rate, the "
+                                              "time they span, at every rate tried (docs/capacity.md)."),
     out: Path = typer.Option(Path("runs/capacity"), "--out", "-o", help="Capacity directory to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write report.html into the directory."),

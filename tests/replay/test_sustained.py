@@ -181,3 +181,24 @@ def test_a_point_whose_window_is_too_short_at_every_rate_is_refused_in_one_line(
     assert lines[0].startswith("point 0: no rate judged to hold: at rate scale 1 the replay needs a steady window "
                                "of at least 200 arrivals and ")
     assert "it had 120 in 11.9 s; raise --limit" in lines[0]
+
+
+@pytest.mark.parametrize("scale, expected", [(1.0, 100), (0.5, 50), (2.5, 248), (3.5, 347), (5.0, 400)])
+def test_a_limit_is_read_as_the_time_its_requests_span(tmp_path, scale, expected):
+    # The constant workload (400 requests 0.1 s apart) with limit 100: the first 100 span
+    # 9.9 s; at scale s the requests are 0.1 / s apart, and those within 9.9 s of the first
+    # number floor(9.9 s / 0.1) + 1, until the 400 run out (docs/capacity.md#enough-load).
+    from kvtwin.sim.replay.capacity_points import PointReplays
+    from kvtwin.sim.scenario.parse import load_scenario_data
+    from kvtwin.sim.scenario.resolve import resolve_scenario
+    from kvtwin.sim.scenario.sweep_keys import with_limit
+    from tests.replay.test_capacity import CONSTANT
+
+    path = tmp_path / "constant.toml"
+    path.write_text(CONSTANT)
+    resolved = resolve_scenario(path, data=with_limit(load_scenario_data(path), 100))
+    workload = resolved.require_workload()
+    replays = PointReplays(resolved, None, None, workload.load_source())
+    assert replays.duration_s() == pytest.approx(9.9, rel=1e-4)
+    assert replays.cut_at(scale).num_rows == expected
+    assert replays.cut_at(None).num_rows == 100  # a plain point replays its first 100
