@@ -9,8 +9,8 @@ whose step overhead is ``1 + step_error`` times the scenario's), and
 * its p99 TTFT is ``SLO_TTFT_MS * load / P99_THRESHOLD``: the p99 criterion holds iff
   ``load <= P99_THRESHOLD``;
 * it kept pace with its arrivals (``sustained``, not ``saturated``) iff ``load <=
-  SUSTAINED_THRESHOLD``, above which it fell behind (``falling_behind``); with ``SHORT`` set,
-  its steady window is too short to judge at every scale (``short_window``);
+  SUSTAINED_THRESHOLD``, above which it fell behind (``falling_behind``); with ``SHORT_ABOVE``
+  set, its steady window is too short to judge above that scale (``short_window``);
 * its SLO attainment is ``1 - (1 - GOODPUT) * load / GOODPUT_THRESHOLD``: a ``--goodput
   GOODPUT`` criterion holds iff ``load <= GOODPUT_THRESHOLD``;
 * its trace has ``N`` arrivals evenly ``1 / (BASE_RATE * scale)`` apart (``BASE_RATE *
@@ -95,7 +95,7 @@ step_overhead_s = 0.01
 CALIBRATION = 'label = "test"\n[cost_model]\n[error]\nprefill_step = 0.1\ndecode_step = 0.25\n'
 
 
-SHORT = False  # set by the short_stub fixture
+SHORT_ABOVE: float | None = None  # scales above it have too short a window (the short fixtures)
 
 
 def _stub_replay(self, scale, efficiency=None):
@@ -106,7 +106,8 @@ def _stub_replay(self, scale, efficiency=None):
     rate = BASE_RATE * scale
     attainment = 1.0 - (1.0 - GOODPUT) * load / GOODPUT_THRESHOLD
     kept_pace = load <= SUSTAINED_THRESHOLD
-    reason = "short_window" if SHORT else "" if kept_pace else "falling_behind"
+    short = SHORT_ABOVE is not None and scale > SHORT_ABOVE
+    reason = "short_window" if short else "" if kept_pace else "falling_behind"
     summary = {"num_requests": N, "completed": N, "rejected": 0, "unfinished": 0,
                "sustained": reason == "", "sustained_reason": reason,
                "saturated": reason == "falling_behind", "steady_window_s": 2.0, "steady_arrival_rate": 30.0,
@@ -138,7 +139,12 @@ def stubbed(monkeypatch):
 
 @pytest.fixture
 def short_stub(stubbed, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "SHORT", True)
+    monkeypatch.setattr(sys.modules[__name__], "SHORT_ABOVE", 0.0)
+
+
+@pytest.fixture
+def short_above_stub(stubbed, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "SHORT_ABOVE", 0.3)
 
 
 def _run(tmp_path: Path, *args, calibrated: bool = True, scenario: str = SCENARIO):
@@ -293,6 +299,21 @@ def test_a_point_too_short_to_judge_is_refused_with_what_it_needs(short_stub, tm
             f"workload.limit) or replay more of the trace")
     assert line in output.splitlines()
     assert row["rate_search_refusal"] == line.removeprefix("point 0: ")
+
+
+def test_an_answer_bracketed_by_a_window_too_short_is_a_lower_bound(short_above_stub, tmp_path):
+    # From 0.2, scales above 0.3 cannot be judged (as a whole trace compressed too far):
+    # the search brackets [0.2, 0.4] and bisects onto 0.3 from below; the largest scale
+    # that held is reported, and the row says it is only a lower bound.
+    table, row, output = _run(tmp_path, "--rate-tolerance", 0.05, calibrated=False,
+                              scenario=SCENARIO.replace(f"rate_scale = {START}", "rate_scale = 0.2"))
+    tried = json.loads(table.schema.metadata[CAPACITY_METADATA_KEY])["0"]["tried"]
+    lo = max(x for x, ok in tried if ok)
+    hi = min(x for x, ok in tried if not ok)
+    assert 0.3 / 1.05 <= lo <= 0.3 < hi and row["max_rate_scale"] == lo
+    line = (f"{lo:g} is a lower bound: rate scale {hi:g} could not be judged, it needs a steady window of at "
+            f"least 200 arrivals and 7.5 s (5 median service times); it had 60 in 2.0 s")
+    assert row["rate_search_refusal"] == line and f"point 0: {line}" in output.splitlines()
 
 
 def test_the_replay_budget_stops_the_search(stubbed, tmp_path):
