@@ -6,25 +6,9 @@ command line's own mistakes."""
 from __future__ import annotations
 
 import pytest
-from typer.testing import CliRunner
 
-from kvtwin.cli import app
 from kvtwin.console import usage_error_line
-
-
-def run(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def one_error_line(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("kvtwin: error: ") and "Usage:" not in result.stderr
-    assert "Traceback" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+from tests.cli_run import one_error_line, run
 
 
 @pytest.mark.parametrize("args, needle", [

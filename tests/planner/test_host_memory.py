@@ -8,10 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from bench.bench_sim_memory import measure_block_bytes, measure_replica_bytes
-from kvtwin.cli import app
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner import host_memory
@@ -24,6 +22,7 @@ from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.resolve import resolve_scenario
+from tests.cli_run import one_error_line, run
 
 SCENARIOS = sorted(p for p in DEFAULT_SCENARIO.parent.glob("*.toml"))
 GIB = 1 << 30
@@ -41,20 +40,6 @@ max_model_len = 32768
 [workload]
 trace = "bundled:mooncake_conversation_trace.jsonl"
 """
-
-
-def run(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def one_error_line(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("kvtwin: error: ") and "Traceback" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -8,17 +8,12 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from typer.testing import CliRunner
 
-from kvtwin.cli import app
 from kvtwin.scenarios import SCENARIOS_DIR
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from tests.cli_run import run
 
 GEMMA = SCENARIOS_DIR / "replay-gemma3-27b.toml"
-
-
-def run(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def test_the_default_is_vllms_engine_default():

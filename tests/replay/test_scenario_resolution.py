@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from kvtwin.cli import app
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from tests.cli_run import one_error_line, run
 
 SCENARIO = """\
 [model]
@@ -40,20 +39,6 @@ def scenario(tmp_path) -> Path:
     path = tmp_path / "s.toml"
     path.write_text(SCENARIO)
     return path
-
-
-def one_error_line(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("kvtwin: error: ") and "Traceback" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def run(*args: str):
-    return CliRunner().invoke(app, list(args))
 
 
 # -- precedence --------------------------------------------------------------------------

@@ -10,14 +10,13 @@ import math
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from kvtwin.cli import app
 from kvtwin.sim.core.config import byte_amount, byte_count, is_number
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import gpu_from_mapping
 from kvtwin.sim.scenario.resolve import resolve_scenario
 from kvtwin.sim.scenario.sweep_keys import parse_sweeps
+from tests.cli_run import one_error_line, run
 
 GIB = 2**30
 
@@ -35,20 +34,6 @@ max_model_len = 8192
 trace = "bundled:mooncake_conversation_trace.jsonl"
 limit = 20
 """
-
-
-def run(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def one_error_line(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("kvtwin: error: ") and "Traceback" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def scenario_with(tmp_path: Path, text: str, name: str = "s.toml") -> Path:
