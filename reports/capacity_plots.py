@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from kvtwin.reports import plots
 from kvtwin.reports.figure_jobs import PendingFigure, render_figures
+from kvtwin.reports.load_curve_plots import load_curve_figures
 from kvtwin.reports.sweep_frame import (KV_KEY, OFFLOAD_KEY, RATE_KEY, ROUTER_KEY, combo_label, finite,
                                         finite_mask, lines_by_combo, numbers, records, rows_where, sweep_keys,
                                         texts, varying, with_column)
@@ -25,7 +26,8 @@ def capacity_figures(frame: pa.Table, hit_curve: pa.Table | None, plan: dict | N
     keys = sweep_keys(frame)
     ok = rows_where(frame, [t == "ok" for t in texts(frame, "status")]) if "status" in frame.column_names else frame
     varied = varying(ok, keys) if ok.num_rows else []
-    out = _rate_figures(ok, varied) if RATE_KEY in keys else []
+    out = load_curve_figures(ok, varied)
+    out += _rate_figures(ok, varied) if RATE_KEY in keys else []
     out += _kv_capacity_figures(ok, hit_curve, _kv_points(ok, hit_curve, plan) if KV_KEY in keys else None)
     out += _offload_figures(ok, varied) if OFFLOAD_KEY in keys else []
     out += _replicas_needed_figures(ok, varied)

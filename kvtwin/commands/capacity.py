@@ -23,6 +23,7 @@ from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.replay.load_curve import parse_load_curve
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
 
 
@@ -37,6 +38,10 @@ def capacity(
                                           "the product."),
     find_max_rate: bool = typer.Option(False, "--find-max-rate",
                                        help="Per point, search the largest workload.rate_scale that holds the SLO."),
+    load_curve: Optional[str] = typer.Option(None, "--load-curve", metavar="R1,R2,...|LO:HI:N",
+                                             help="Per point, replay at each offered rate (requests/s; LO:HI:N "
+                                                  "spaces N rates geometrically): throughput, latencies and the "
+                                                  "knee (docs/capacity.md#load-curve)."),
     target_rate: Optional[float] = number_option("--target-rate", kind="float", default=None,
                                                  help="Requests/s to size replicas for (with --find-max-rate)."),
     rate_tolerance: float = number_option("--rate-tolerance", kind="float", default=DEFAULT_RATE_TOLERANCE,
@@ -74,21 +79,25 @@ def capacity(
         check_out_dir(out)
         check_backend(backend, jobs, ray_address)
         search = _rate_search(find_max_rate, target_rate, rate_tolerance, goodput, max_replays)
+        curve = parse_load_curve(load_curve) if load_curve is not None else None
         if backend == "ray":
             import_ray()  # before any work: say now that it is missing
         path = find_scenario(scenario_path) or DEFAULT_SCENARIO
-        sweep = prepare_sweep(path, sweeps, limit=limit, search=search)
+        sweep = prepare_sweep(path, sweeps, limit=limit, search=search, load_curve=curve)
         workers = jobs if jobs is not None else default_jobs(len(sweep.tasks))
         started = time.perf_counter()
         with _progress(len(sweep.tasks), quiet, started) as on_done:
             rows = run_points(sweep.tasks, jobs=workers, backend=backend, ray_address=ray_address, on_done=on_done)
-        table = capacity_table(rows, sweep.points, sweep.axes, find_max_rate=search is not None)
+        table = capacity_table(rows, sweep.points, sweep.axes, find_max_rate=search is not None,
+                               load_curve=curve is not None)
         tables = {"capacity": table}
         comparison = []
         if hit_curve:
             tables["hit_curve"], comparison = make_hit_curve(sweep.base, rows)
         wall_s = time.perf_counter() - started
         given = {"sweep": list(sweeps), "find_max_rate": find_max_rate, "limit": limit}
+        if curve is not None:
+            given["load_curve"] = list(curve.rates_per_s)
         if search is not None:
             given.update(rate_tolerance=rate_tolerance, goodput=goodput, max_replays=max_replays,
                          target_rate=target_rate)
@@ -97,6 +106,9 @@ def capacity(
         paths = write_dir(out, tables=tables, text_files=text_files, run_metadata=metadata)
     with interrupt_note(lambda: f"interrupted while printing; {out} was written whole"):
         print_points(table, sweep.axes, search is not None)
+        if curve is not None:
+            for line in knee_lines(table, sweep.axes):
+                print(line)
         for _, line in points_clocks(table.select(["point", *CLOCK_COLUMNS]).to_pylist(),
                                      slow_edge=search is not None):
             print(line)
@@ -162,6 +174,37 @@ def _cell(value) -> str:
     return str(value)
 
 
+def knee_lines(table, axes) -> list[str]:
+    """One line per curve of a load curve: where its throughput stopped following the load."""
+    out = []
+    seen = set()
+    for row in table.to_pylist():
+        if row["status"] != "ok":
+            continue
+        label = ", ".join(f"{a.key.key}={_cell(row[a.key.key])}" for a in axes)
+        if label in seen:
+            continue
+        seen.add(label)
+        curve = [r for r in table.to_pylist() if r["status"] == "ok"
+                 and all(r[a.key.key] == row[a.key.key] for a in axes)]
+        rates = sorted(r["offered_request_rate"] for r in curve)
+        most = max((r["achieved_request_rate"] for r in curve if r["achieved_request_rate"] is not None),
+                   default=None)
+        where = f"{label}: " if label else ""
+        knee = row["knee_request_rate"]
+        if knee is not None:
+            above = min(r for r in rates if r > knee)
+            what = f"knee between {knee:,.4g} and {above:,.4g} req/s offered"
+        elif all(not r["past_knee"] for r in curve):
+            what = f"every rate sustained: the knee is above {rates[-1]:,.4g} req/s offered"
+        else:
+            what = f"not sustained at {rates[0]:,.4g} req/s offered, the lowest rate: the knee is below it"
+        if most is not None:
+            what += f"; at most {most:,.4g} req/s achieved"
+        out.append(f"load curve {where}{what}")
+    return out
+
+
 def print_points(table, axes, find_max_rate: bool) -> None:
     from rich.console import Console  # rich's tables load only when there is a table to print
     from rich.table import Table
@@ -180,6 +223,14 @@ def print_points(table, axes, find_max_rate: bool) -> None:
     if any(share for share in table.column("rejected_share").to_pylist() if share is not None and share == share):
         # Beside the attainment it lowers.
         figures.insert(figures.index(("SLO met", "slo_attainment")) + 1, ("rejected", "rejected_share"))
+    if "offered_request_rate" in table.column_names:
+        # A load curve: the columns of a `vllm bench serve` sweep, offered beside achieved.
+        figures = [("offered req/s", "offered_request_rate"), ("achieved req/s", "achieved_request_rate"),
+                   ("median TTFT", "median_ttft_ms"), ("p99 TTFT", "p99_ttft_ms"), ("median TPOT", "median_tpot_ms"),
+                   ("p99 TPOT", "p99_tpot_ms"), ("SLO met", "slo_attainment"), ("sustained", "sustained")]
+        if table.column("p99_ttft_ms_pessimistic").null_count < table.num_rows:
+            figures += [("p99 TTFT (slow edge)", "p99_ttft_ms_pessimistic"),
+                        ("achieved (slow edge)", "achieved_request_rate_pessimistic")]
     if find_max_rate:
         figures += [("max rate x", "max_rate_scale"), ("max req/s", "max_request_rate"),
                     ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
@@ -197,7 +248,7 @@ def print_points(table, axes, find_max_rate: bool) -> None:
         cells = [_cell(row[n]) for n in names]
         for _, column in figures:
             value = row[column]
-            if column.endswith("_ms"):
+            if column.endswith(("_ms", "_ms_pessimistic")):
                 cells.append(summary_text.format_duration_ms(value) if value is not None else "-")
             elif column in ("slo_attainment", "rejected_share", "prefix_cache_hit_rate", "step_error",
                             "pd_transfer_share_of_ttft") or column.startswith("hit_rate_"):

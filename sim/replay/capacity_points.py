@@ -42,6 +42,7 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.offload import ResolvedOffload
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.replay.calibration_data import pessimistic, step_error
+from kvtwin.sim.replay.load_curve import offered_scale
 from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, replicas_for, request_rate, \
     slo_holds
 from kvtwin.sim.replay.run import run_replay
@@ -77,6 +78,7 @@ class PointTask:
     scenario_path: str
     data: dict  # the scenario's TOML mapping with the point applied
     search: RateSearch | None = None
+    offered_rate: float | None = None  # requests/s, a point of a load curve (``load_curve``)
 
 
 class SourceCache:
@@ -213,11 +215,35 @@ def _point_row(task: PointTask) -> dict:
     row["kv_cache_blocks"] = kv_config.num_blocks - 1  # less the null block
     row["num_gpus"] = resolved.engine.tensor_parallel_size * point_replicas(resolved)
     replays = PointReplays(resolved, planned, resolved.offload_for(planned), _SOURCES.get(workload))
+    if task.offered_rate is not None:
+        row.update(_load_curve_columns(replays, task.offered_rate))
+        return row
     if task.search is None:
         row["summary"] = replays.replay(None)[0]
         return row
     row.update(_searched_columns(replays, task.search))
     return row
+
+
+def _load_curve_columns(replays: PointReplays, rate_per_s: float) -> dict:
+    """The row's summary and ``LOAD_CURVE_COLUMNS`` (but the knee, a property of the whole
+    curve) for one offered rate (``load_curve``)."""
+    start = float(replays.workload.transforms.get("rate_scale", 1.0))
+    scale = offered_scale(lambda x: request_rate(replays.cut_at(x)), rate_per_s, start)
+    if scale is None:
+        raise ConfigError("--load-curve", "a workload of at least two requests over a time span (a rate to scale)",
+                          "one request, or all at one instant", source=replays.resolved.where)
+    summary, trace = replays.replay(scale)
+    out: dict = {"summary": summary, "offered_request_rate": request_rate(trace), "load_rate_scale": scale,
+                 "achieved_request_rate": summary["request_throughput"]}
+    resolved = replays.resolved
+    error = step_error(resolved.calibration) if resolved.calibration is not None else None
+    if error is not None:
+        slow, _ = replays.replay(scale, pessimistic(resolved.efficiency, error))
+        out.update(step_error=error, achieved_request_rate_pessimistic=slow["request_throughput"],
+                   p99_ttft_ms_pessimistic=slow["p99_ttft_ms"], p99_tpot_ms_pessimistic=slow["p99_tpot_ms"],
+                   sustained_pessimistic=slow["sustained"])
+    return out
 
 
 def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:

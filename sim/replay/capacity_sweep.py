@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.replay.capacity_points import PointTask
+from kvtwin.sim.replay.load_curve import LoadCurve
 from kvtwin.sim.replay.rate_search import RateSearch
 from kvtwin.sim.replay.reuse_curve import reuse_profile
 from kvtwin.sim.scenario.parse import load_scenario_data
@@ -36,14 +37,22 @@ class CapacitySweep:
     points: list[Point]
     tasks: list[PointTask]
     search: RateSearch | None
+    load_curve: LoadCurve | None = None
 
 
 def prepare_sweep(path: Path, sweeps: Sequence[str], *, limit: int | None = None,
-                  search: RateSearch | None = None) -> CapacitySweep:
+                  search: RateSearch | None = None, load_curve: LoadCurve | None = None) -> CapacitySweep:
     """Check the scenario, the ``--sweep`` specs and each swept value (``ConfigError`` on the
-    first bad one) and build the points' tasks; nothing is replayed yet."""
+    first bad one) and build the points' tasks; nothing is replayed yet. A ``load_curve``
+    makes one point per swept combination and offered rate, the rate varying fastest."""
     data = with_limit(load_scenario_data(path), limit)
     axes = parse_sweeps(sweeps)
+    if load_curve is not None:
+        if search is not None:
+            raise ConfigError("--load-curve", "either --load-curve or --find-max-rate, not both", "both")
+        if any(a.key.key == "workload.rate_scale" for a in axes):
+            raise ConfigError("--load-curve", "no --sweep workload.rate_scale beside it (the curve sets the rate)",
+                              "--sweep workload.rate_scale")
     base = resolve_scenario(path, data=data)  # the scenario itself, checked whole
     base.require_workload().check_source()
     if search is not None and base.slo.ttft_s is None and base.slo.tpot_s is None \
@@ -51,8 +60,16 @@ def prepare_sweep(path: Path, sweeps: Sequence[str], *, limit: int | None = None
         raise ConfigError("--find-max-rate", "a scenario with an [slo] table (ttft_s, tpot_s)", source=base.where)
     check_axes(path, data, axes)
     points = sweep_points(axes)
-    tasks = [PointTask(p.index, str(path), apply_values(data, p.values), search) for p in points]
-    return CapacitySweep(path, base, axes, points, tasks, search)
+    if load_curve is None:
+        tasks = [PointTask(p.index, str(path), apply_values(data, p.values), search) for p in points]
+        return CapacitySweep(path, base, axes, points, tasks, search)
+    combos = points
+    points, tasks = [], []
+    for combo in combos:
+        for rate in load_curve.rates_per_s:
+            points.append(Point(len(points), combo.values))
+            tasks.append(PointTask(len(tasks), str(path), apply_values(data, combo.values), offered_rate=rate))
+    return CapacitySweep(path, base, axes, points, tasks, search, load_curve)
 
 
 def hit_curve(base: ResolvedScenario, rows: Sequence[dict]) -> tuple[pa.Table, list[tuple[int, float, float]]]:

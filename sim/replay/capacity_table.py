@@ -1,6 +1,6 @@
 """``capacity.parquet``: one row per sweep point (point, status, error, one column per sweep
-key, the replay's summary columns, the point's clock, and with a rate search the rate and cost columns of
-``capacity_points``). Each point's search (scale, holds) is kept in the schema metadata
+key, the replay's summary columns, the point's clock, with a rate search the rate and cost columns of
+``capacity_points`` and with a load curve those of ``load_curve``). Each point's search (scale, holds) is kept in the schema metadata
 under ``kvtwin.capacity``."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
+from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS, knees
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, summarize
 from kvtwin.sim.scenario.slo import SLO
@@ -50,10 +51,35 @@ PD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
 }
 
 
+def _load_curve_columns(rows: Sequence[dict], by_point: dict[int, Point], axes: Sequence[Axis]) -> dict:
+    """``LOAD_CURVE_COLUMNS``, the knee found per curve: the points that share every swept
+    value. A failed point is on no curve (its columns are null)."""
+    curves: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r["status"] == "ok":
+            values = by_point[r["point"]].values
+            curves.setdefault(repr([values[a.key.key] for a in axes]), []).append(i)
+    values = {name: [None] * len(rows) for name in LOAD_CURVE_COLUMNS}
+    for name in LOAD_CURVE_COLUMNS:
+        for i, r in enumerate(rows):
+            if r["status"] == "ok":
+                values[name][i] = r.get(name)
+    members = list(curves.values())
+    found = knees([[(rows[i]["offered_request_rate"], bool(rows[i]["summary"]["sustained"])) for i in curve]
+                   for curve in members])
+    for curve, (knee, past) in zip(members, found):
+        for i, is_past in zip(curve, past):
+            values["knee_request_rate"][i] = knee
+            values["past_knee"][i] = is_past
+    return {name: pa.array([None if isinstance(v, float) and math.isnan(v) else v for v in values[name]], kind)
+            for name, kind in LOAD_CURVE_COLUMNS.items()}
+
+
 def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence[Axis], *,
-                   find_max_rate: bool = False) -> pa.Table:
+                   find_max_rate: bool = False, load_curve: bool = False) -> pa.Table:
     """``capacity.parquet``: point, status, error, one column per sweep key, the summary
-    columns, and with ``find_max_rate`` the rate and cost columns (module docstring)."""
+    columns, with ``find_max_rate`` the rate and cost columns and with ``load_curve`` the
+    curve's (module docstring)."""
     by_point = {p.index: p for p in points}
     rows = sorted(rows, key=lambda r: r["point"])
     columns: dict[str, pa.Array] = {
@@ -88,6 +114,8 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
         for name, kind in MAX_RATE_COLUMNS.items():
             values = [r.get(name) if r["status"] == "ok" else None for r in rows]
             columns[name] = pa.array([None if isinstance(v, float) and math.isnan(v) else v for v in values], kind)
+    if load_curve:
+        columns.update(_load_curve_columns(rows, by_point, axes))
     table = pa.table(columns)
     searches = {str(r["point"]): r["search"] for r in rows if r.get("search") is not None}
     if searches:
