@@ -6,26 +6,31 @@ so any backend (``sweep_backends``) can ship it to a worker; ``run_point`` never
 bad input, a failure is the row's ``error``.
 
 Derived columns of a rate search (``rate_search``): ``max_request_rate`` (requests/s of the
-trace at ``lo``: (n - 1) over the span of arrivals), ``max_request_rate_per_replica``
-(divided by the point's replicas), ``replicas_needed_trace_rate`` (ceil of the point's own
-trace rate over the per-replica rate), ``replicas_needed_target_rate`` (the same for
-``target_rate``), ``cost_per_hour`` (the GPU's ``price_per_hour`` times
-``tensor_parallel_size x replicas`` GPUs of the point's deployment) and
-``cost_per_million_tokens`` (that cost over the summary's ``total_token_throughput`` at
-``lo``). Where no scale holds, ``max_rate_scale`` and the figures derived from it are null
-and the summary is the last replay's; otherwise the summary columns are those of the replay
-at ``lo``. The ``*_pessimistic`` columns repeat the search with every step slower by the
-calibration's held-out step error (``calibration_data.pessimistic``); null for an
-uncalibrated clock.
+point's whole cut trace, (n - 1) over the span of its arrivals, at ``lo``: the rate a user
+compares with their traffic), ``judged_request_rate`` (the arrival rate of the replay the
+answer was judged on: the same without a limit, the busiest stretch's with one),
+``max_request_rate_per_replica`` (divided by the point's replicas),
+``replicas_needed_trace_rate`` (ceil of the whole cut trace's rate at the point's own scale
+over the per-replica rate), ``replicas_needed_target_rate`` (the same for ``target_rate``),
+``cost_per_hour`` (the GPU's ``price_per_hour`` times ``tensor_parallel_size x replicas``
+GPUs of the point's deployment) and ``cost_per_million_tokens`` (that cost over the
+summary's ``total_token_throughput`` at ``lo``). Where no scale holds, ``max_rate_scale``
+and the figures derived from it are null and the summary is the last replay's; otherwise
+the summary columns are those of the replay at ``lo``. The ``*_pessimistic`` columns repeat
+the search with every step slower by the calibration's held-out step error
+(``calibration_data.pessimistic``); null for an uncalibrated clock.
 
 The search judges sustained load, never a burst (docs/capacity.md#enough-load). A
-``limit`` (``--limit N``) is read as a duration: the simulated time the point's first N
-requests span at its own rate scale; every scale the search tries replays the requests of
-the trace, scaled, that arrive within that time of the first (about N times the scale over
-the start), so the load lasts as long at every rate. A scale whose steady window is still
-too short to judge (``sustained_reason`` ``short_window``) counts as not holding, and
-``rate_search_refusal`` says what it lacked; where no scale was judged to hold, it says
-what the point needs instead of a rate.
+``limit`` (``--limit N``) is read as a duration (``Stretch``): the shortest time in which
+N of the trace's requests arrive, at the point's own scale. Every scale the search (or a
+load curve) tries replays that much simulated time, from the stretch of the scaled trace
+that holds the most arrivals in it: the load lasts as long at every rate, a higher rate is
+more requests rather than a shorter burst, and the busiest part of the trace decides. The
+answer is stated as the whole trace's rate at the scale its busiest stretch held: every
+other stretch as long is no denser, so a short replay errs low rather than high. A start whose window is too short to
+judge is doubled (``SLOProbe.judged_start``); a scale still too short (``sustained_reason``
+``short_window``) counts as not holding, and ``rate_search_refusal`` says what it lacked;
+where no scale was judged to hold, it says what the point needs instead of a rate.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from kvtwin.sim.core.errors import ConfigError
@@ -52,11 +58,15 @@ from kvtwin.sim.scenario.parse import Workload
 from kvtwin.sim.scenario.resolve import ResolvedScenario, resolve_scenario
 from kvtwin.traces.errors import TraceError
 
+# A start too short to judge is doubled at most this often (``SLOProbe.judged_start``).
+MAX_START_DOUBLINGS = 6
+
 # The columns a rate search adds to a point's row, and their types.
 MAX_RATE_COLUMNS: dict[str, pa.DataType] = {
     "max_rate_scale": pa.float64(),
     "max_request_rate": pa.float64(),
     "max_request_rate_per_replica": pa.float64(),
+    "judged_request_rate": pa.float64(),
     "replicas_needed_trace_rate": pa.int64(),
     "replicas_needed_target_rate": pa.int64(),
     "cost_per_hour": pa.float64(),
@@ -104,6 +114,34 @@ class SourceCache:
 _SOURCES = SourceCache()
 
 
+@dataclass(frozen=True)
+class Stretch:
+    """A ``limit`` read as a duration (docs/capacity.md#enough-load): the time the trace's
+    busiest ``limit`` requests span at the point's own scale, replayed at every scale from
+    the trace's busiest stretch of that length."""
+
+    duration_s: float
+    start_scale: float
+
+    @classmethod
+    def of(cls, arrivals_s: np.ndarray, count: int, start_scale: float) -> "Stretch":
+        """The shortest span of ``count`` consecutive arrivals (trace time, before any rate
+        scale), as simulated time at ``start_scale``; all of them when there are no more."""
+        n = len(arrivals_s)
+        count = min(count, n)
+        spans = arrivals_s[count - 1:] - arrivals_s[:n - count + 1]
+        return cls(float(spans.min()) / start_scale, start_scale)
+
+    def window(self, arrivals_s: np.ndarray, scale: float) -> tuple[float, float]:
+        """The trace time that arrives in ``duration_s`` at ``scale``, where it holds the most
+        arrivals (the earliest such window): the stretch a replay at that rate is judged on."""
+        length = self.duration_s * scale
+        # The window's own end arrival is kept despite rounding.
+        ends = np.searchsorted(arrivals_s, arrivals_s + length * (1 + 1e-12), side="right")
+        first = int(np.argmax(ends - np.arange(len(arrivals_s))))
+        return float(arrivals_s[first]), float(arrivals_s[first]) + length
+
+
 class PointReplays:
     """Replays of one planned point at any rate scale, from its loaded source."""
 
@@ -113,32 +151,49 @@ class PointReplays:
         self.offload = offload
         self.workload = resolved.require_workload()
         self.source = source
-        self._duration_s: float | None = None
+        self.start_scale = float(self.workload.transforms.get("rate_scale", 1.0))
+        self._unscaled: pa.Table | None = None
+        self._stretch: Stretch | None = None
 
-    def duration_s(self) -> float | None:
-        """A ``limit`` read as a duration (module docstring): the arrival span of the point's
-        own cut; None without a limit (the search then scales the whole cut)."""
+    def unscaled(self) -> pa.Table:
+        """The point's trace with its window and sample cut, neither scaled nor limited."""
+        if self._unscaled is None:
+            transforms = {k: v for k, v in self.workload.transforms.items() if k not in ("rate_scale", "limit")}
+            self._unscaled = dataclasses.replace(self.workload, transforms=transforms).cut(self.source)
+        return self._unscaled
+
+    def stretch(self) -> Stretch | None:
+        """A ``limit`` read as the busiest stretch of that many requests (module docstring);
+        None without a limit (every scale then replays the whole cut)."""
         if "limit" not in self.workload.transforms:
             return None
-        if self._duration_s is None:
-            arrivals = self.workload.cut(self.source).column("arrival_time_s").to_numpy()
-            self._duration_s = float(arrivals.max() - arrivals.min())
-        return self._duration_s
+        if self._stretch is None:
+            arrivals = self.unscaled().column("arrival_time_s").to_numpy()
+            self._stretch = Stretch.of(arrivals, int(self.workload.transforms["limit"]), self.start_scale)
+        return self._stretch
+
+    def trace_rate(self, scale: float) -> float:
+        """Requests/s of the point's whole cut trace at ``scale`` (no limit): the rate a
+        search's answer is stated in."""
+        return request_rate(self.unscaled()) * scale
 
     def cut_at(self, scale: float | None) -> pa.Table:
         """The trace a replay at ``scale`` runs (None: the workload's own cut)."""
         if scale is None:
             return self.workload.cut(self.source)
-        duration_s = self.duration_s()
-        transforms = {**self.workload.transforms, "rate_scale": scale}
-        if duration_s is None:
+        stretch = self.stretch()
+        if stretch is None:
+            transforms = {**self.workload.transforms, "rate_scale": scale}
             return dataclasses.replace(self.workload, transforms=transforms).cut(self.source)
-        del transforms["limit"]
-        scaled = dataclasses.replace(self.workload, transforms=transforms).cut(self.source)
-        arrivals = scaled.column("arrival_time_s").to_numpy()
-        # The span's own last request is kept at the start scale despite rounding.
-        keep = arrivals <= arrivals.min() + duration_s * (1 + 1e-12)
-        return scaled.filter(pa.array(keep))
+        from kvtwin.traces.transforms import scale_rate, time_window
+
+        unscaled = self.unscaled()
+        arrivals = unscaled.column("arrival_time_s").to_numpy()
+        lo, hi = stretch.window(arrivals, scale)
+        kept = unscaled.filter(pa.array((arrivals >= lo) & (arrivals <= hi * (1 + 1e-12))))
+        scaled = scale_rate(kept, scale)
+        # From time 0, as a trace's replay starts: the drain and span rules read times from it.
+        return time_window(scaled, float(scaled.column("arrival_time_s").to_numpy().min()))
 
     def replay(self, scale: float | None, efficiency: Efficiency | None = None) -> tuple[dict, pa.Table]:
         """The summary row and the cut trace of one replay (``scale`` None: the workload's own)."""
@@ -163,11 +218,29 @@ class SLOProbe:
         self.short: dict[float, str] = {}
 
     def __call__(self, scale: float) -> bool:
-        self.runs[scale] = self.replays.replay(scale, self.efficiency)
+        if scale not in self.runs:
+            self.runs[scale] = self.replays.replay(scale, self.efficiency)
         summary = self.runs[scale][0]
         if SHORT_WINDOW in summary["sustained_reason"].split(","):
             self.short[scale] = needs(summary)
         return slo_holds(summary, self.replays.resolved.slo, self.goodput)
+
+    def judged_start(self, start: float) -> float:
+        """Where the search starts: the point's own scale, doubled while its steady window is
+        too short to judge (docs/capacity.md#enough-load). A stretch read from a ``limit``
+        lasts as long at every scale, so a higher rate brings more arrivals into it, and a
+        lower one could only bring fewer; at most ``MAX_START_DOUBLINGS`` times, after which
+        the search starts where it would have and ends in a refusal. A whole trace scaled
+        has as many arrivals at every scale: it starts where it is."""
+        if self.replays.stretch() is None:
+            return start
+        scale = start
+        for _ in range(MAX_START_DOUBLINGS + 1):
+            self(scale)
+            if scale not in self.short:
+                return scale
+            scale *= 2
+        return start
 
     def refusal(self, found: SearchResult) -> str | None:
         """One line when a scale could not be judged (docs/capacity.md#enough-load): no rate
@@ -228,8 +301,7 @@ def _point_row(task: PointTask) -> dict:
 def _load_curve_columns(replays: PointReplays, rate_per_s: float) -> dict:
     """The row's summary and ``LOAD_CURVE_COLUMNS`` (but the knee, a property of the whole
     curve) for one offered rate (``load_curve``)."""
-    start = float(replays.workload.transforms.get("rate_scale", 1.0))
-    scale = offered_scale(lambda x: request_rate(replays.cut_at(x)), rate_per_s, start)
+    scale = offered_scale(lambda x: request_rate(replays.cut_at(x)), rate_per_s, replays.start_scale)
     if scale is None:
         raise ConfigError("--load-curve", "a workload of at least two requests over a time span (a rate to scale)",
                           "one request, or all at one instant", source=replays.resolved.where)
@@ -249,14 +321,15 @@ def _load_curve_columns(replays: PointReplays, rate_per_s: float) -> dict:
 def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:
     """The row's summary, search record and ``MAX_RATE_COLUMNS`` for one point."""
     resolved = replays.resolved
-    start = float(replays.workload.transforms.get("rate_scale", 1.0))
     probe = SLOProbe(replays, search.goodput)
+    start = probe.judged_start(replays.start_scale)
     found = bracket_and_bisect(probe, start, search.tolerance, search.max_replays)
     out: dict = dict.fromkeys(MAX_RATE_COLUMNS)
     out["search"] = {"start_rate_scale": start, "converged": found.converged,
+                     "too_short": sorted(x for x in probe.runs if x < start),
                      "tried": [[x, ok] for x, ok in found.history]}
     out["rate_search_refusal"] = probe.refusal(found)
-    trace_rate = request_rate(probe.runs[start][1])
+    trace_rate = replays.trace_rate(replays.start_scale)
     replicas = point_replicas(resolved)
     price = resolved.gpu.price_per_hour
     gpus = resolved.engine.tensor_parallel_size * replicas
@@ -267,29 +340,31 @@ def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:
     else:
         summary, trace = probe.runs[found.lo]
         out["summary"] = summary
-        rate = request_rate(trace)
+        rate = replays.trace_rate(found.lo)
         per_replica = rate / replicas
         out.update(max_rate_scale=found.lo, max_request_rate=rate, max_request_rate_per_replica=per_replica,
+                   judged_request_rate=request_rate(trace),
                    replicas_needed_trace_rate=replicas_for(trace_rate, per_replica),
                    replicas_needed_target_rate=replicas_for(search.target_rate, per_replica))
         throughput = summary["total_token_throughput"]
         if price is not None and throughput and math.isfinite(throughput) and throughput > 0:
             out["cost_per_million_tokens"] = price * gpus / (throughput * 3600) * 1e6
-    out.update(_pessimistic_columns(replays, search, start, trace_rate))
+    out.update(_pessimistic_columns(replays, search, trace_rate))
     return out
 
 
-def _pessimistic_columns(replays: PointReplays, search: RateSearch, start: float, trace_rate: float) -> dict:
+def _pessimistic_columns(replays: PointReplays, search: RateSearch, trace_rate: float) -> dict:
     """The same search with every step slower by the calibration's held-out step error."""
     resolved = replays.resolved
     error = step_error(resolved.calibration) if resolved.calibration is not None else None
     if error is None:
         return {}
     probe = SLOProbe(replays, search.goodput, pessimistic(resolved.efficiency, error))
-    edge: SearchResult = bracket_and_bisect(probe, start, search.tolerance, search.max_replays)
+    edge: SearchResult = bracket_and_bisect(probe, probe.judged_start(replays.start_scale), search.tolerance,
+                                            search.max_replays)
     out: dict = {"step_error": error}
     if edge.lo is not None:
-        rate = request_rate(probe.runs[edge.lo][1])
+        rate = replays.trace_rate(edge.lo)
         per_replica = rate / point_replicas(resolved)
         out.update(max_rate_scale_pessimistic=edge.lo, max_request_rate_pessimistic=rate,
                    replicas_needed_trace_rate_pessimistic=replicas_for(trace_rate, per_replica),

@@ -43,6 +43,7 @@ from kvtwin.commands.capacity import capacity
 from kvtwin.sim.replay import capacity_points
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import CAPACITY_METADATA_KEY
+from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS
 from kvtwin.sim.replay.rate_search import slo_holds
 from kvtwin.sim.scenario.slo import SLO
 
@@ -114,11 +115,18 @@ def _stub_replay(self, scale, efficiency=None):
                "steady_median_service_s": 1.5,
                "p99_ttft_ms": SLO_TTFT_MS * load / P99_THRESHOLD, "p99_tpot_ms": math.nan,
                "slo_attainment": attainment, "rejected_share": 0.0,
-               "request_throughput": rate, "total_token_throughput": TOKENS_PER_REQUEST * rate}
+               # Past the threshold it completes what it can: the threshold's rate.
+               "request_throughput": rate if kept_pace else BASE_RATE * SUSTAINED_THRESHOLD / slow,
+               "total_token_throughput": TOKENS_PER_REQUEST * rate}
     if self.resolved.disaggregation is not None:
         summary["pd_link"] = self.resolved.disaggregation.link  # what puts num_gpus in the table
-    trace = pa.table({"arrival_time_s": np.arange(N) / rate})
-    return summary, trace
+    return summary, _stub_cut_at(self, scale)
+
+
+def _stub_cut_at(self, scale):
+    """The stub's trace at ``scale``: ``N`` arrivals evenly ``1 / (BASE_RATE * scale)`` apart."""
+    scale = START if scale is None else scale
+    return pa.table({"arrival_time_s": np.arange(N) / (BASE_RATE * scale)})
 
 
 def _app() -> typer.Typer:
@@ -132,9 +140,16 @@ def _app() -> typer.Typer:
     return app
 
 
+def _stub_unscaled(self):
+    """The point's whole trace before any rate scale: the stub's, at scale 1."""
+    return pa.table({"arrival_time_s": np.arange(N) / BASE_RATE})
+
+
 @pytest.fixture
 def stubbed(monkeypatch):
     monkeypatch.setattr(capacity_points.PointReplays, "replay", _stub_replay)
+    monkeypatch.setattr(capacity_points.PointReplays, "unscaled", _stub_unscaled)
+    monkeypatch.setattr(capacity_points.PointReplays, "cut_at", _stub_cut_at)
 
 
 @pytest.fixture
@@ -202,6 +217,8 @@ def _expected_columns(lo: float, lo_edge: float | None, target_rate: float | Non
     cost_per_hour = PRICE * TP * REPLICAS
     tokens_per_hour = TOKENS_PER_REQUEST * rate * 3600
     expected = {"max_rate_scale": lo, "max_request_rate": rate, "max_request_rate_per_replica": per_replica,
+                # No limit: the answer was judged on the whole trace, at the rate it states.
+                "judged_request_rate": rate,
                 "replicas_needed_trace_rate": math.ceil(trace_rate / per_replica),
                 "replicas_needed_target_rate": None if target_rate is None else math.ceil(target_rate / per_replica),
                 "cost_per_hour": cost_per_hour, "cost_per_million_tokens": cost_per_hour / tokens_per_hour * 1e6,
@@ -354,10 +371,52 @@ def _schema_capacity_columns() -> list[str]:
 EXEMPT = {"calibration", "calibration_note"}  # the point's clock: tests/replay/test_capacity.py
 
 
+LOAD_RATES = (1.0, 3.0, 4.5, 6.0, 9.0)  # requests/s: scales 0.1 .. 0.9 of the stub's trace
+
+
+def _expected_load_curve(rate: float) -> dict:
+    """A load-curve row's columns by their definitions (docs/capacity.md#load-curve), from
+    the stub's known outcome at the scale that offers ``rate``."""
+    scale = rate / BASE_RATE  # the stub's trace arrives at BASE_RATE x scale, exactly
+    slow = 1 + STEP_ERROR
+    sustained = [r / BASE_RATE <= SUSTAINED_THRESHOLD for r in LOAD_RATES]
+    first_failed = sustained.index(False)
+    return {"offered_request_rate": rate, "load_rate_scale": scale,
+            "achieved_request_rate": rate if scale <= SUSTAINED_THRESHOLD else BASE_RATE * SUSTAINED_THRESHOLD,
+            "knee_request_rate": LOAD_RATES[first_failed - 1], "past_knee": rate >= LOAD_RATES[first_failed],
+            "step_error": STEP_ERROR,
+            "achieved_request_rate_pessimistic": rate if scale * slow <= SUSTAINED_THRESHOLD
+            else BASE_RATE * SUSTAINED_THRESHOLD / slow,
+            "p99_ttft_ms_pessimistic": SLO_TTFT_MS * scale * slow / P99_THRESHOLD,
+            "p99_tpot_ms_pessimistic": None,  # the stub has no TPOT: NaN, written as null
+            "sustained_pessimistic": scale * slow <= SUSTAINED_THRESHOLD}
+
+
+def test_every_load_curve_column_follows_its_definition(stubbed, tmp_path):
+    (tmp_path / "cal.toml").write_text(CALIBRATION)
+    path = tmp_path / "point.toml"
+    path.write_text(SCENARIO.replace("[cost_model]\n", '[cost_model]\ncalibration = "cal.toml"\n'))
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(path), "--load-curve", ",".join(map(str, LOAD_RATES)),
+                                         "--sweep", "engine.replicas=1,2", "--jobs", "1", "--no-report",
+                                         "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "capacity.parquet").to_pylist()
+    # One curve per replicas value, the rate varying fastest; the stub ignores replicas.
+    assert [(r["engine.replicas"], r["offered_request_rate"]) for r in rows] == [
+        (replicas, pytest.approx(rate)) for replicas in (1, 2) for rate in LOAD_RATES]
+    for row in rows:
+        _assert_columns(row, _expected_load_curve(row["offered_request_rate"]))
+    knee, above = LOAD_RATES[2], LOAD_RATES[3]
+    assert result.output.count(f"knee between {knee:g} and {above:g} req/s offered; at most "
+                               f"{BASE_RATE * SUSTAINED_THRESHOLD:g} req/s achieved") == 2
+
+
 def test_every_schema_column_is_recomputed():
     listed = _schema_capacity_columns()
-    checked = set(_expected_columns(1.0, 1.0, 1.0))
+    checked = set(_expected_columns(1.0, 1.0, 1.0)) | set(_expected_load_curve(1.0))
     assert set(MAX_RATE_COLUMNS) <= set(listed), "a rate-search column SCHEMA.md does not list"
+    assert set(LOAD_CURVE_COLUMNS) <= set(listed), "a load-curve column SCHEMA.md does not list"
     for name in listed:
         assert name in checked or name in EXEMPT, f"{name}: no oracle in this module and no exemption"
 

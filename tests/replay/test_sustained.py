@@ -199,6 +199,63 @@ def test_a_limit_is_read_as_the_time_its_requests_span(tmp_path, scale, expected
     resolved = resolve_scenario(path, data=with_limit(load_scenario_data(path), 100))
     workload = resolved.require_workload()
     replays = PointReplays(resolved, None, None, workload.load_source())
-    assert replays.duration_s() == pytest.approx(9.9, rel=1e-4)
+    assert replays.stretch().duration_s == pytest.approx(9.9, rel=1e-4)
     assert replays.cut_at(scale).num_rows == expected
     assert replays.cut_at(None).num_rows == 100  # a plain point replays its first 100
+
+
+def test_a_limit_is_the_shortest_time_that_many_requests_take_and_the_busiest_stretch_is_replayed():
+    # docs/capacity.md#enough-load: 3 requests take at least 0.2 s (3.1 to 3.3); at twice the
+    # point's own scale of 2, 0.1 s of simulated time is 0.4 s of trace time, and the window
+    # of 0.4 s holding the most arrivals starts at 3.0 (3.0 to 3.3: four). At scale 2, 0.2 s
+    # hold three from 3.0 as from 3.1: the earliest.
+    from kvtwin.sim.replay.capacity_points import Stretch
+
+    arrivals = np.array([0.0, 1.0, 2.0, 3.0, 3.1, 3.2, 3.3, 10.0])
+    stretch = Stretch.of(arrivals, 3, start_scale=2.0)
+    assert stretch.duration_s == pytest.approx(0.1)
+    assert stretch.window(arrivals, 2.0) == pytest.approx((3.0, 3.2))
+    assert stretch.window(arrivals, 4.0) == pytest.approx((3.0, 3.4))
+    # Longer than the trace: all of it, from its first arrival.
+    assert stretch.window(arrivals, 400.0) == pytest.approx((0.0, 40.0))
+    # More requests than the trace has: its whole span.
+    assert Stretch.of(arrivals, 50, 1.0).duration_s == pytest.approx(10.0)
+
+
+def test_the_search_judges_the_busiest_stretch_and_states_the_whole_traces_rate(tmp_path):
+    # 300 requests 0.1 s apart, then 300 at 0.025 s (four times as dense), then 300 at 0.1 s
+    # again, one 10 ms step each: 100 requests/s at most. With --limit 300 the shortest time
+    # 300 requests take is the dense part's 7.475 s; each scale replays the 7.475 s of the
+    # scaled trace that hold the most arrivals, so the answer is well under the first 300's
+    # (10 requests/s, holding to about scale 10), and it is stated as the whole trace's rate.
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from tests.replay.test_capacity import CONSTANT, _app
+
+    gaps = np.concatenate([np.full(300, 0.1), np.full(300, 0.025), np.full(299, 0.1)])
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps)])
+    trace = tmp_path / "dense.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n"
+                     + "".join(f"{float(t)!r},16,1\n" for t in arrivals))
+    scenario = CONSTANT.split("[workload]")[0] + '[workload]\ntrace = "dense.csv"\n' \
+        + "[slo]" + CONSTANT.split("[slo]")[1]
+    path = tmp_path / "dense.toml"
+    path.write_text(scenario.replace("ttft_s = 0.015", "ttft_s = 60.0"))
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--limit", "300",
+                                         "--rate-tolerance", "0.02", "--jobs", "1", "--no-report", "-q",
+                                         "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    row = pq.read_table(out / "capacity.parquet").to_pylist()[0]
+    lo = row["max_rate_scale"]
+    assert 1.0 < lo < 5.0
+    assert row["max_request_rate"] == pytest.approx((len(arrivals) - 1) / arrivals[-1] * lo)
+    # The replay judged at lo, found by brute force: the earliest window of 7.475 s x lo of
+    # trace time holding the most arrivals.
+    length = 299 * 0.025 * lo
+    counts = [int(((arrivals >= t) & (arrivals <= t + length + 1e-9)).sum()) for t in arrivals]
+    first = arrivals[counts.index(max(counts))]
+    kept = arrivals[(arrivals >= first) & (arrivals <= first + length + 1e-9)] / lo
+    assert row["judged_request_rate"] == pytest.approx((len(kept) - 1) / (kept[-1] - kept[0]))
+    assert row["judged_request_rate"] > row["max_request_rate"]
