@@ -20,6 +20,10 @@ as vLLM runs them):
 * ``layer_fixed_s`` = every kernel floor of a layer (``kernel_fit.layer_fixed_s``);
   ``step_gpu_fixed_s`` = three more (embedding, LM head, sampler).
 
+``client_overhead_s``, the time outside the engine a benchmark client also measures, is no
+kernel's: every file gets the default of ``measurements/client_overhead.toml``, the same on
+every GPU (a host-CPU cost), with its sources (docs/capacity.md#client-side-latency).
+
 Vidur's per-op profiles (``layer_ops_*.csv``) are not fitted on: ``bench/bench_fidelity.py``
 checks the fitted steps against them.
 
@@ -43,6 +47,7 @@ import numpy as np
 
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.replay.calibration import write_calibration
+from kvtwin.sim.replay.client_side import default_client_overhead
 from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
 from kvtwin.sim.replay.kernel_fit import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm,
                                           holdout_predictions, interpolate_s, layer_fixed_s, relative_errors)
@@ -193,6 +198,7 @@ def calibrate(gpu: str, write: bool) -> list[str]:
         gpu, peak_flops, peak_bytes, gemm.hbm_bandwidth_fraction)
     curves, allreduce_errors = fit_allreduce(gpu)
     fixed_s = layer_fixed_s(gemm.launch_s, attention.launch_s)
+    client = default_client_overhead()
     efficiency = Efficiency(matmul_flops_fraction=round(gemm.matmul_flops_fraction, 4),
                             matmul_half_tokens=round(gemm.matmul_half_tokens, 1),
                             attention_flops_fraction=round(attention.attention_flops_fraction, 4),
@@ -200,7 +206,7 @@ def calibrate(gpu: str, write: bool) -> list[str]:
                             hbm_bandwidth_fraction=round(gemm.hbm_bandwidth_fraction, 4),
                             decode_attention_s_per_head=float(f"{decode_attention.seconds_per_head:.4g}"),
                             layer_fixed_s=round(fixed_s, 9), step_gpu_fixed_s=round(STEP_KERNELS * gemm.launch_s, 9),
-                            allreduce=curves)
+                            client_overhead_s=client.seconds, allreduce=curves)
     gemm_errors = relative_errors(gemm_kernels.held_out_s, gemm_kernels.measured_s)
     context_errors = prefill_kernels.errors("prefill step")
     generation_errors = decode_kernels.errors("decode step")
@@ -223,10 +229,15 @@ def calibrate(gpu: str, write: bool) -> list[str]:
         f"attention's), step_gpu_fixed_s {STEP_KERNELS * gemm.launch_s * 1e6:.1f} us",
         f"{gpu}: held-out p90: prefill_step {errors['prefill_step']:.1%} ({len(prefill)} kernels), "
         f"decode_step {errors['decode_step']:.1%} ({len(decode)} kernels)",
+        f"{gpu}: client_overhead_s {client.seconds * 1000:.0f} ms (the sources support {client.low_seconds * 1000:.0f}-"
+        f"{client.high_seconds * 1000:.0f} ms): time outside the engine (HTTP, tokenising, detokenising, "
+        f"streaming), the same on every GPU; from sim/replay/data/measurements/client_overhead.toml, "
+        f"its sources below; `kvtwin calibrate` on client-side measurements fits it",
     ]
     if write:
         for name in PRESETS[gpu]:
-            write_calibration(OUT / f"{name}.toml", efficiency, errors=errors, sources=sources_for(gpu),
+            write_calibration(OUT / f"{name}.toml", efficiency, errors=errors,
+                              sources=[*sources_for(gpu), *client.sources],
                               label=f"bundled {name} (public vLLM kernel timings; "
                                     f"scripts/calibration/fit_bundled.py)",
                               comment_lines=["Written by scripts/calibration/fit_bundled.py; do not edit by hand.",

@@ -16,6 +16,7 @@ from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS, knees
 from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, summarize
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.sweep_keys import Axis, Point
@@ -35,7 +36,9 @@ class _SummarySchema:
     def get(cls) -> pa.Schema:
         if cls.schema is None:
             recorder = MetricsRecorder(1)
-            cls.schema = summarize(recorder.requests_table(), recorder.steps_table(), array("d"), SLO(), 0.0).schema
+            requests = recorder.requests_table()
+            summary = summarize(requests, recorder.steps_table(), array("d"), SLO(), 0.0)
+            cls.schema = with_client_side(requests, summary, 0.0)[1].schema
         return cls.schema
 
 

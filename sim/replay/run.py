@@ -224,19 +224,14 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
         if speculative.enabled:
             raise ValueError("P/D with speculative decoding is not modelled (the scenario refuses it)")
         executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(disaggregation.num_replicas)]
-        result = run_disaggregated(plan, trace, executors, disaggregation, slo=slo, time_limit_s=time_limit_s,
-                                   on_progress=on_progress, decode_windows=decode_windows)
-        result.requests, result.summary = with_client_side(result.requests, result.summary,
-                                                           efficiency.client_overhead_s)
-        return result
+        return run_disaggregated(plan, trace, executors, disaggregation, slo=slo, time_limit_s=time_limit_s,
+                                 on_progress=on_progress, decode_windows=decode_windows,
+                                 client_overhead_s=efficiency.client_overhead_s)
     executors = [spec_executor(plan, efficiency, speculative, replica) if speculative.enabled
                  else CostModelExecutor(plan_cost_model(plan, efficiency)) for replica in range(deployment.replicas)]
-    result = run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
-                               time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
-                               decode_windows=decode_windows)
-    result.requests, result.summary = with_client_side(result.requests, result.summary,
-                                                       efficiency.client_overhead_s)
-    return result
+    return run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
+                             time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
+                             decode_windows=decode_windows, client_overhead_s=efficiency.client_overhead_s)
 
 
 def _require_pools_fit(plan: Plan, num_replicas: int) -> None:
@@ -269,7 +264,8 @@ def spec_executor(plan: Plan, efficiency: Efficiency, speculative: SpeculativeCo
 def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExecutor], *,
                       router: str = Deployment.router, slo: SLO = SLO(), time_limit_s: float | None = None,
                       env: simpy.Environment | None = None, on_progress: Callable[[ReplayClock], None] | None = None,
-                      offload: ResolvedOffload | None = None, decode_windows: bool = True) -> ReplayResult:
+                      offload: ResolvedOffload | None = None, decode_windows: bool = True,
+                      client_overhead_s: float = 0.0) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what its replica's
     executor says (predicted, measured on a device, or replayed from a recording); ``env``
     is the SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real
@@ -279,7 +275,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     executors, behind the router named ``router`` (``Deployment.router``). ``offload``
     gives each replica its offload tiers (module docstring). ``decode_windows`` False
     turns decode windows off (``sim/core/decode_window.py``; the results are the same, only
-    slower)."""
+    slower). ``client_overhead_s`` is the time outside the engine a client also sees: the
+    client-side columns beside the server's, and the SLO judged on them (``client_side.py``)."""
     kv_cache_config = plan.require_fits()
     _require_pools_fit(plan, len(executors))
     eng = plan.engine
@@ -300,17 +297,20 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     facts = offload.describe() if offload is not None else None
     summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace, num_replicas=len(engines),
                         router=router, offload=facts, prefix_cache_retention=retention_label(
-                            eng.cache.prefix_cache_retention_interval))
+                            eng.cache.prefix_cache_retention_interval), client_overhead_s=client_overhead_s)
     per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
-                                     cluster_summary=summary, offload=facts)
+                                     cluster_summary=summary, offload=facts, client_overhead_s=client_overhead_s)
+    requests, summary = with_client_side(requests, summary, client_overhead_s)
     return ReplayResult(requests, steps, summary, end_s, per_replica)
 
 
 def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExecutor],
                       disaggregation: Disaggregation, *, slo: SLO = SLO(), time_limit_s: float | None = None,
                       on_progress: Callable[[ReplayClock], None] | None = None,
-                      decode_windows: bool = True, env: simpy.Environment | None = None) -> ReplayResult:
-    """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first)."""
+                      decode_windows: bool = True, env: simpy.Environment | None = None,
+                      client_overhead_s: float = 0.0) -> ReplayResult:
+    """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first);
+    ``client_overhead_s`` as in ``run_with_executor``."""
     from kvtwin.sim.replay.pd_run import pd_load_imbalance, pd_replica_requests, pd_summary_columns, run_pd_simulation
 
     _require_pools_fit(plan, len(executors))
@@ -325,7 +325,8 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     router = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
     summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace,
                         num_replicas=disaggregation.num_replicas, router=router,
-                        prefix_cache_retention=retention_label(plan.engine.cache.prefix_cache_retention_interval))
+                        prefix_cache_retention=retention_label(plan.engine.cache.prefix_cache_retention_interval),
+                        client_overhead_s=client_overhead_s)
     for name, value in {**disaggregation.describe(), **pd_summary_columns(requests)}.items():
         summary = summary.append_column(name, pa.array([value]))
     # The balance that means something here: each side's own (requests by prefill and by
@@ -335,7 +336,9 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     # Each replica's own share: the requests it prefilled or decoded, with the prefix hits
     # found there.
     per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
-                                     per_replica=pd_replica_requests(requests, disaggregation), roles=metrics.roles)
+                                     per_replica=pd_replica_requests(requests, disaggregation), roles=metrics.roles,
+                                     client_overhead_s=client_overhead_s)
+    requests, summary = with_client_side(requests, summary, client_overhead_s)
     return ReplayResult(requests, steps, summary, end_s, per_replica)
 
 

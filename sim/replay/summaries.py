@@ -76,7 +76,8 @@ def _saturation(queue_p90_s: float, attainment: float, has_slo: bool, completed:
 
 def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float, *,
               trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin",
-              offload: dict | None = None, prefix_cache_retention: str = "0") -> pa.Table:
+              offload: dict | None = None, prefix_cache_retention: str = "0",
+              client_overhead_s: float = 0.0) -> pa.Table:
     """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms).
 
     ``trace`` is the replayed trace: it gives the requests that never arrived (a time
@@ -87,6 +88,9 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     (``OFFLOAD_SUMMARY_COLUMNS``); ``offload`` is the tiers' settings
     (``ResolvedOffload.describe()``). ``prefix_cache_retention`` is the engine's setting as
     a scenario spells it (``retention_label``: docs/semantics.md#retention-setting).
+    ``client_overhead_s`` (the calibration's time outside the engine) is added to each
+    TTFT before the SLO judges it: the SLO is a client's (docs/capacity.md#client-side-latency);
+    the TTFT and E2E columns stay the server's.
     """
     status = requests.column("status").to_numpy(zero_copy_only=False)
     done = status == "finished"
@@ -98,7 +102,9 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     row.update(_stats(np.frombuffer(itl_s, dtype=np.float64) if len(itl_s) else np.zeros(0), "itl_ms"))
     row.update(_stats(requests.column("e2el_s").to_numpy()[done], "e2el_ms"))
     row.update(_cache_and_step_figures(requests, steps))
-    met = int(np.array([slo.met(a, b) for a, b in zip(ttft[done], tpot[done])], dtype=bool).sum())
+    # TPOT needs no shift: the overhead is once per request, before the first token.
+    met = int(np.array([slo.met(a + client_overhead_s, b) for a, b in zip(ttft[done], tpot[done])],
+                       dtype=bool).sum())
     arrived = requests.num_rows
     row.update({
         "slo_ttft_ms": slo.ttft_s * 1000 if slo.ttft_s is not None else math.nan,
@@ -350,7 +356,7 @@ def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list
                        end_time_s: float, *, trace: pa.Table | None = None,
                        cluster_summary: pa.Table | None = None, offload: dict | None = None,
                        per_replica: list[ReplicaRequests] | None = None,
-                       roles: list[str] | None = None) -> pa.Table:
+                       roles: list[str] | None = None, client_overhead_s: float = 0.0) -> pa.Table:
     """One row per replica: ``replica``, then ``summarize``'s figures over that replica's
     requests, steps and inter-token latencies (the cluster-only ``num_replicas``,
     ``router`` and ``load_imbalance`` left out), then ``load_ratio`` (requests routed
@@ -361,7 +367,7 @@ def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list
 
     ``per_replica`` says which requests each replica served, as it saw them (default:
     ``routed_replica_requests``; a P/D deployment's come from ``pd_run``), and ``roles``
-    adds each replica's role after ``replica``."""
+    adds each replica's role after ``replica``. ``client_overhead_s``: as in ``summarize``."""
     num_replicas = len(itl_by_replica)
     if num_replicas == 1 and cluster_summary is not None and per_replica is None:
         row = cluster_summary.to_pylist()[0]
@@ -382,7 +388,7 @@ def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list
         sub_steps = steps.take(np.flatnonzero(replica_of_step == replica))
         sub_trace = arrived.take(mine.rows) if arrived is not None else None
         row = summarize(sub_requests, sub_steps, itl_by_replica[replica], slo, end_time_s,
-                        trace=sub_trace, offload=offload).to_pylist()[0]
+                        trace=sub_trace, offload=offload, client_overhead_s=client_overhead_s).to_pylist()[0]
         for name in _CLUSTER_ONLY:
             del row[name]
         head: dict[str, object] = {"replica": replica}

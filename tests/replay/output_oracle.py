@@ -27,6 +27,7 @@ from kvtwin.sim.replay.clock.arrivals import Arrival
 from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.cost_model import StepCost
+from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.replay.summaries import summarize, summarize_replicas
@@ -137,6 +138,7 @@ class Replay:
     slo: SLO
     max_model_len: int
     itl_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    client_overhead_s: float = 0.0
 
 
 def trace_table(trace: list[TraceRequest]) -> pa.Table:
@@ -156,8 +158,9 @@ def trace_table(trace: list[TraceRequest]) -> pa.Table:
 def replay(trace: list[TraceRequest], *, num_blocks: int = 40, async_scheduling: bool = True,
            max_num_batched_tokens: int = 64, num_replicas: int = 1, slo: SLO = SLO(ttft_s=0.08, tpot_s=0.025),
            num_speculative_tokens: int = 0, max_model_len: int = 96, time_limit_s: float | None = None,
-           caching: bool = True) -> Replay:
-    """Run ``trace`` on ``num_replicas`` tiny engines (round robin) and log every batch."""
+           caching: bool = True, client_overhead_s: float = 0.0) -> Replay:
+    """Run ``trace`` on ``num_replicas`` tiny engines (round robin) and log every batch;
+    ``client_overhead_s`` is the calibration's time outside the engine."""
     scheduler = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                                 async_scheduling=async_scheduling, num_speculative_tokens=num_speculative_tokens)
     engines = [EngineCore(kv_config(full(BLOCK_TOKENS), num_blocks=num_blocks), scheduler,
@@ -200,13 +203,15 @@ def replay(trace: list[TraceRequest], *, num_blocks: int = 40, async_scheduling:
     steps_table = metrics.steps_table()
     table = trace_table(trace)
     summary = summarize(requests_table, steps_table, metrics.all_itl_s(), slo, end_s, trace=table,
-                        num_replicas=num_replicas, router="round_robin")
+                        num_replicas=num_replicas, router="round_robin", client_overhead_s=client_overhead_s)
     replicas = summarize_replicas(requests_table, steps_table, metrics.itl_by_replica, slo, end_s, trace=table,
-                                  cluster_summary=summary)
+                                  cluster_summary=summary, client_overhead_s=client_overhead_s)
+    requests_table, summary = with_client_side(requests_table, summary, client_overhead_s)
     rejected = {rid for e in engines for rid in (r.request.request_id for r in e.rejected)}
     return Replay(trace, requests_table, steps_table, summary, replicas, end_s, batches, admitted_lengths,
                   {rid: r.num_output_tokens for rid, r in requests.items()}, rejected, replica_of, num_blocks,
-                  num_replicas, num_speculative_tokens, slo, max_model_len, np.frombuffer(metrics.all_itl_s(), dtype=np.float64))
+                  num_replicas, num_speculative_tokens, slo, max_model_len, np.frombuffer(metrics.all_itl_s(), dtype=np.float64),
+                  client_overhead_s)
 
 
 # -- the oracle -----------------------------------------------------------------------------
@@ -298,6 +303,10 @@ class OracleRun:
             "recomputed_tokens": recomputed, "ttft_s": first_token - t.arrival_s,
             "tpot_s": (finish - first_token) / (generated - 1) if generated > 1 and done else math.nan,
             "e2el_s": finish - t.arrival_s, "replica": self.run.replica_of[rid],
+            # A client waits for the time outside the engine too, before its first token
+            # and so before its last (docs/capacity.md#client-side-latency).
+            "ttft_client_s": first_token - t.arrival_s + self.run.client_overhead_s,
+            "e2el_client_s": finish - t.arrival_s + self.run.client_overhead_s,
             "_token_times": token_times, **self._spec_of(rid),
         }
 
@@ -426,7 +435,8 @@ class OracleRun:
         met = 0
         for x in done:
             # TPOT is undefined for a single output token: only the TTFT bound applies.
-            ttft_ok = slo.ttft_s is None or x["ttft_s"] <= slo.ttft_s
+            # The SLO is a client's: judged on the TTFT a client measures.
+            ttft_ok = slo.ttft_s is None or x["ttft_client_s"] <= slo.ttft_s
             tpot_ok = slo.tpot_s is None or math.isnan(x["tpot_s"]) or x["tpot_s"] <= slo.tpot_s
             met += ttft_ok and tpot_ok
         arrived = len(r)
@@ -473,6 +483,12 @@ class OracleRun:
                         "spec_acceptance_rate": accepted / drafts if drafts else math.nan,
                         "mean_acceptance_length": 1 + accepted / verifies if verifies else math.nan,
                         "spec_acceptance_by_position": [p / verifies for p in positions]})
+        # The client-side figures: mean, median and p99 (no p90) of the finished requests'
+        # client TTFT and E2E, and the overhead itself.
+        for name in ("ttft_client", "e2el_client"):
+            stats = _nan_stats(col(done, f"{name}_s"), f"{name}_ms")
+            row.update({k: v for k, v in stats.items() if not k.startswith("p90_")})
+        row["client_overhead_ms"] = self.run.client_overhead_s * 1000
         return row
 
 

@@ -1,9 +1,10 @@
 """The client-side and speculative-decoding columns, computed a second time.
 
 Client side (``sim/replay/client_side.py``): each request's ``ttft_client_s`` and
-``e2el_client_s`` are the server's plus the overhead, and the summary's mean, median and
-p99 of them are recomputed over the finished requests with NumPy (a rejected and a
-still-running request are in the table to be left out).
+``e2el_client_s`` are the server's plus the overhead (equal with none: every run has
+them), and the summary's mean, median and p99 of them are recomputed over the finished
+requests with NumPy (a rejected and a still-running request are in the table to be left
+out); the SLO is judged on the client's TTFT (docs/capacity.md#client-side-latency).
 
 Speculative decoding: tiny replays whose executor accepts a known, varying number of drafts
 per verify step (``output_oracle.KnownExecutor``); the drafts, accepted drafts and verify
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from kvtwin.sim.replay.client_side import with_client_side
+from kvtwin.sim.scenario.slo import SLO
 from tests.replay.output_oracle import OracleRun, TraceRequest, assert_same, replay
 from tests.replay.test_output_oracle import REQUEST_ORACLE, STEP_ORACLE, SUMMARY_ORACLE
 
@@ -32,9 +34,9 @@ def _trace() -> list[TraceRequest]:
 
 def test_client_columns_add_the_overhead_and_summarise_the_finished():
     trace = _trace() + [TraceRequest("r5", 0.02, list(range(900, 1020)), 3)]  # rejected (over max_model_len)
-    result = replay(trace, time_limit_s=0.25)  # the last request is still running
-    requests, summary = with_client_side(result.requests, result.summary, OVERHEAD_S)
-    rows = requests.to_pylist()
+    result = replay(trace, time_limit_s=0.25, client_overhead_s=OVERHEAD_S)  # the last request is still running
+    rows = result.requests.to_pylist()
+    summary = result.summary
     assert {"finished", "rejected"} <= {r["status"] for r in rows} and {"running", "waiting"} & {r["status"] for r in rows}
     for r in rows:
         for server, client in (("ttft_s", "ttft_client_s"), ("e2el_s", "e2el_client_s")):
@@ -56,14 +58,48 @@ def test_client_columns_add_the_overhead_and_summarise_the_finished():
         low = int(rank)
         p99 = ordered[low] + (ordered[min(low + 1, ms.size - 1)] - ordered[low]) * (rank - low)
         assert row[f"p99_{name}_client_ms"] == pytest.approx(p99, rel=1e-12)
-    # The server's figures are left as they were.
-    assert_same(row, result.summary.to_pylist()[0], [n for n in SUMMARY_ORACLE])
+    # The server's figures are the same as a run without the overhead's; only the SLO
+    # verdicts may move (judged as a client sees it).
+    plain = replay(trace, time_limit_s=0.25).summary.to_pylist()[0]
+    verdicts = ("slo_attainment", "request_goodput", "saturated", "saturation_reason")
+    assert_same(row, plain, [n for n in SUMMARY_ORACLE if n not in verdicts])
 
 
-def test_no_overhead_means_no_client_columns():
-    result = replay(_trace()[:2])
-    requests, summary = with_client_side(result.requests, result.summary, 0.0)
-    assert "ttft_client_s" not in requests.column_names and "client_overhead_ms" not in summary.column_names
+def test_no_overhead_gives_client_columns_equal_to_the_servers():
+    """Every run says both: with no time outside the engine the client's figures are the server's."""
+    result = replay(_trace()[:3])
+    requests, row = result.requests.to_pylist(), result.summary.to_pylist()[0]
+    assert requests and all(r["ttft_client_s"] == r["ttft_s"] and r["e2el_client_s"] == r["e2el_s"] for r in requests)
+    assert row["client_overhead_ms"] == 0.0
+    for name in ("ttft", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            assert row[f"{stat}_{name}_client_ms"] == pytest.approx(row[f"{stat}_{name}_ms"], rel=1e-12)
+
+
+def test_applying_the_overhead_again_replaces_the_columns():
+    result = replay(_trace()[:3], client_overhead_s=OVERHEAD_S)
+    requests, summary = with_client_side(result.requests, result.summary, 2 * OVERHEAD_S)
+    assert requests.column_names.count("ttft_client_s") == 1 and requests.num_columns == result.requests.num_columns
+    for r in requests.to_pylist():
+        assert r["ttft_client_s"] == pytest.approx(r["ttft_s"] + 2 * OVERHEAD_S, rel=1e-12)
+    assert summary.to_pylist()[0]["client_overhead_ms"] == pytest.approx(2 * OVERHEAD_S * 1000, rel=1e-12)
+
+
+def test_the_slo_is_judged_on_the_clients_ttft():
+    """A TTFT bound between the server's and the client's TTFT: every request meets it
+    server-side and misses it as a client; TPOT, once per token, is not shifted."""
+    trace = _trace()[:3]
+    overhead_s = 0.1  # more than the spread of these requests' TTFTs
+    server = replay(trace).requests.to_pylist()
+    ttft_max = max(r["ttft_s"] for r in server)
+    ttft_min = min(r["ttft_s"] for r in server)
+    assert ttft_max < ttft_min + overhead_s  # so that one bound splits them all
+    bound = SLO(ttft_s=ttft_max + overhead_s / 2)
+    assert replay(trace, slo=bound).summary.to_pylist()[0]["slo_attainment"] == 1.0
+    client = replay(trace, slo=bound, client_overhead_s=overhead_s).summary.to_pylist()[0]
+    assert client["slo_attainment"] == 0.0 and client["request_goodput"] == 0.0
+    tpot_only = replay(trace, slo=SLO(tpot_s=1.0), client_overhead_s=overhead_s).summary.to_pylist()[0]
+    assert tpot_only["slo_attainment"] == 1.0
 
 
 SPEC_REQUEST = ("draft_tokens", "accepted_draft_tokens", "verify_steps")
