@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
+from kvtwin.sim.replay.client_side import default_client_overhead
 from kvtwin.sim.scenario.calibration_file import bundled_calibration
 
 SCENARIO = """\
@@ -49,8 +50,16 @@ def test_a_bundled_gpu_replays_on_its_calibration_with_a_band(tmp_path):
     assert summary["p99_ttft_ms_low"] == pytest.approx(summary["p99_ttft_ms"] * (1 - cal.errors["prefill_step"]))
     assert summary["p99_tpot_ms_high"] == pytest.approx(summary["p99_tpot_ms"] * (1 + cal.errors["decode_step"]))
     assert f"clock: {cal.label}; p99 within the held-out error: TTFT" in stdout
-    # Server-side only: no client overhead in a bundled calibration.
-    assert "ttft_client_s" not in pq.read_table(out / "requests.parquet").column_names
+    # A bundled calibration carries the default time outside the engine, from its sources'
+    # file: the client's columns are the server's plus it.
+    default = default_client_overhead()
+    assert cal.efficiency.client_overhead_s == default.seconds == pytest.approx(0.008)
+    assert default.low_seconds < default.seconds < default.high_seconds
+    assert summary["client_overhead_ms"] == pytest.approx(8.0)
+    requests = pq.read_table(out / "requests.parquet").to_pylist()
+    done = [r for r in requests if r["status"] == "finished"]
+    assert done and all(r["ttft_client_s"] == pytest.approx(r["ttft_s"] + 0.008, abs=1e-12) for r in done)
+    assert summary["p99_ttft_client_ms"] > summary["p99_ttft_ms"]
 
 
 def test_a_custom_gpu_is_uncalibrated_and_says_so(tmp_path):
@@ -62,11 +71,12 @@ def test_a_custom_gpu_is_uncalibrated_and_says_so(tmp_path):
 
 
 def test_a_client_overhead_adds_client_side_columns(tmp_path):
-    stdout, out = replay(tmp_path, cost_model="[cost_model]\nclient_overhead_s = 0.008\n")
+    # The scenario's value replaces the bundled calibration's default.
+    stdout, out = replay(tmp_path, cost_model="[cost_model]\nclient_overhead_s = 0.0125\n")
     requests = pq.read_table(out / "requests.parquet").to_pylist()
     done = [r for r in requests if r["status"] == "finished"]
-    assert done and all(r["ttft_client_s"] == pytest.approx(r["ttft_s"] + 0.008, abs=1e-12) for r in done)
-    assert all(r["e2el_client_s"] == pytest.approx(r["e2el_s"] + 0.008, abs=1e-12) for r in done)
+    assert done and all(r["ttft_client_s"] == pytest.approx(r["ttft_s"] + 0.0125, abs=1e-12) for r in done)
+    assert all(r["e2el_client_s"] == pytest.approx(r["e2el_s"] + 0.0125, abs=1e-12) for r in done)
     summary = pq.read_table(out / "summary.parquet").to_pylist()[0]
-    assert summary["client_overhead_ms"] == pytest.approx(8.0)
-    assert summary["mean_ttft_client_ms"] == pytest.approx(summary["mean_ttft_ms"] + 8.0)
+    assert summary["client_overhead_ms"] == pytest.approx(12.5)
+    assert summary["mean_ttft_client_ms"] == pytest.approx(summary["mean_ttft_ms"] + 12.5)
