@@ -13,7 +13,7 @@ from kvtwin.reports.paths import REPLAY_FILES
 from kvtwin.reports.replay_plots import replay_figures
 from kvtwin.reports.run_facts import clock_note, header, plan_section, run_settings
 from kvtwin.reports.summary_text import (format_acceptance_length, format_bytes, format_duration_ms, format_duration_s,
-                                         format_percent, missing, run_headline)
+                                         format_percent, latency_rows, missing, run_headline)
 from kvtwin.sim.replay.calibration_data import uncalibrated_line
 from kvtwin.sim.scenario.calibration_file import UNCALIBRATED
 
@@ -74,10 +74,8 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
             ("request throughput (req/s)", fmt_cell(s.get("request_throughput"))),
             ("output / all tokens per s",
              f"{fmt_cell(s.get('output_throughput'))} / {fmt_cell(s.get('total_token_throughput'))}"),
-            ("TTFT mean / p50 / p90 / p99", _ms(s, "ttft")),
-            ("TPOT mean / p50 / p90 / p99", _ms(s, "tpot")),
-            ("ITL mean / p50 / p90 / p99", _ms(s, "itl")),
-            ("E2E latency mean / p50 / p90 / p99", _ms(s, "e2el")),
+            *((f"{name} mean / p50 / p90 / p99", _ms(s, key.removesuffix("_ms")))
+              for name, key in latency_rows(s) if not key.startswith("queue")),
             ("clock calibration", _clock_text(s)),
             ("queue delay mean / p50 / p90 / p99", _ms(s, "queue_delay")),
             ("prefix cache hit rate (tokens)", format_percent(s.get("prefix_cache_hit_rate"))),
@@ -88,7 +86,7 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
             ("KV cache usage peak / mean",
              f"{format_percent(s.get('kv_cache_usage_peak'))} / {format_percent(s.get('kv_cache_usage_mean'))}")]
     if any(not missing(s.get(k)) for k in ("slo_ttft_ms", "slo_tpot_ms")):
-        rows += [("SLO: TTFT / TPOT at most",
+        rows += [("SLO: TTFT (as a client sees it) / TPOT at most",
                   f"{format_duration_ms(s.get('slo_ttft_ms'))} / {format_duration_ms(s.get('slo_tpot_ms'))}"),
                  ("SLO attainment (all requests) / rejected",
                   f"{format_percent(s.get('slo_attainment'))} / {format_percent(s.get('rejected_share'))}"),

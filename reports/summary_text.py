@@ -205,14 +205,58 @@ def not_arrived_line(row: dict) -> str | None:
             f"and are not in the figures")
 
 
+def has_client_side(row: dict) -> bool:
+    """Whether the row has the client-side figures (every run since they were added;
+    docs/capacity.md#client-side-latency)."""
+    return not missing(row.get("client_overhead_ms"))
+
+
+def outside_engine(row: dict) -> str:
+    """The time outside the engine a client also waits for: ``+8 ms outside the engine``,
+    or ``none outside the engine`` when the calibration sets 0."""
+    overhead = row.get("client_overhead_ms")
+    return (f"+{format_duration_ms(overhead)} outside the engine" if overhead
+            else "no time outside the engine")
+
+
+def client_and_server(row: dict, stat: str, key: str) -> str:
+    """One latency figure with its side named: ``120 ms (server; 128 ms as a client sees
+    it, +8 ms outside the engine)``; the server's alone, named so, without client columns."""
+    server = format_duration_ms(row.get(f"{stat}_{key}_ms"))
+    if not has_client_side(row):
+        return f"{server} (server)"
+    client = format_duration_ms(row.get(f"{stat}_{key}_client_ms"))
+    return f"{server} (server; {client} as a client sees it, {outside_engine(row)})"
+
+
+def latency_rows(row: dict) -> list[tuple[str, str]]:
+    """The latency table's rows (label, summary column stem), TTFT and E2E named as the
+    server's and followed by the client's (docs/capacity.md#client-side-latency)."""
+    client = has_client_side(row)
+    server = " (server)" if client else ""
+    rows = [(f"TTFT{server}", "ttft_ms")]
+    if client:
+        rows.append((f"TTFT (client, {outside_engine(row)})", "ttft_client_ms"))
+    rows += [("TPOT", "tpot_ms"), ("ITL", "itl_ms"), (f"E2E latency{server}", "e2el_ms")]
+    if client:
+        rows.append((f"E2E latency (client, {outside_engine(row)})", "e2el_client_ms"))
+    rows.append(("queue delay (to first schedule)", "queue_delay_ms"))
+    return rows
+
+
 def slo_verdict(row: dict) -> str:
     """The run against its SLO in one line, from a ``summary.parquet`` row: ``SLO met: p99
     TTFT 1.4 s ≤ 2.0 s, p99 TPOT 16 ms ≤ 100 ms (99.5 % of requests within both)``, or ``SLO
     not met:`` and what binds, the bound exceeded by the largest factor first, then the
     requests refused or left unfinished (misses too, as in ``slo_attainment``), or ``no SLO
-    set``; a saturated run says so at the end."""
-    bounds = [(name, row.get(f"p99_{key}_ms"), row.get(f"slo_{key}_ms")) for name, key in (("TTFT", "ttft"),
-                                                                                         ("TPOT", "tpot"))
+    set``; a saturated run says so at the end.
+
+    The TTFT judged is the client's (``p99_ttft_client_ms``; docs/capacity.md#client-side-latency),
+    and the line says so with the server's figure beside it; a row from before the
+    client-side columns is judged on the server's."""
+    client = has_client_side(row)
+    bounds = [(name, row.get(f"p99_{key}_client_ms" if client and key == "ttft" else f"p99_{key}_ms"),
+               row.get(f"slo_{key}_ms")) for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"))
               if not missing(row.get(f"slo_{key}_ms"))]
     saturated = "; the deployment is saturated" if row.get("saturated") else ""
     if not bounds:
@@ -231,11 +275,19 @@ def slo_verdict(row: dict) -> str:
         refused.append(f"{row['unfinished']:,} unfinished at the time limit")
     if not row.get("completed"):
         refused.append("no request completed")
+    def side(name: str) -> str:
+        # Which TTFT was judged: the client's, with the server's and the difference.
+        if name != "TTFT" or not client:
+            return ""
+        return (f" as a client sees it (server {format_duration_ms(row.get('p99_ttft_ms'))}, "
+                f"{outside_engine(row)})")
+
     if not exceeded and not refused:
-        shown = ", ".join(f"p99 {name} {format_duration_ms(p99)} ≤ {format_duration_ms(bound)}"
+        shown = ", ".join(f"p99 {name} {format_duration_ms(p99)} ≤ {format_duration_ms(bound)}{side(name)}"
                           for name, p99, bound in held if not missing(p99))
         return f"SLO met: {shown} ({within}){saturated}"
-    binding = [f"p99 {name} {format_duration_ms(p99)} > {format_duration_ms(bound)}" for name, p99, bound in exceeded]
+    binding = [f"p99 {name} {format_duration_ms(p99)} > {format_duration_ms(bound)}{side(name)}"
+               for name, p99, bound in exceeded]
     return f"SLO not met: {', '.join(binding + refused)} ({within}){saturated}"
 
 

@@ -170,9 +170,8 @@ def print_summary(row: dict, title: str) -> None:
     table.add_column("p50", justify="right")
     table.add_column("p90", justify="right")
     table.add_column("p99", justify="right")
-    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E latency", "e2el_ms"),
-                      ("queue delay (to first schedule)", "queue_delay_ms")):
-        table.add_row(name, *(summary_text.format_duration_ms(row[f"{stat}_{key}"])
+    for name, key in summary_text.latency_rows(row):
+        table.add_row(name, *(summary_text.format_duration_ms(row.get(f"{stat}_{key}"))
                               for stat in ("mean", "median", "p90", "p99")))
     Console().print(table)
     facts = Table(show_header=False)
@@ -192,7 +191,7 @@ def print_summary(row: dict, title: str) -> None:
         ("evicted cached blocks", _fmt(row["num_evictions"])),
         ("KV cache usage peak / mean", f"{summary_text.format_percent(row['kv_cache_usage_peak'])} / "
                                        f"{summary_text.format_percent(row['kv_cache_usage_mean'])}"),
-        ("SLO: TTFT / TPOT at most",
+        ("SLO: TTFT (as a client sees it) / TPOT at most",
          f"{summary_text.format_duration_ms(row['slo_ttft_ms'])} / "
          f"{summary_text.format_duration_ms(row['slo_tpot_ms'])}" if has_slo else "no SLO set"),
         ("SLO attainment (all requests) / rejected",

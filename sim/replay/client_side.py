@@ -45,7 +45,7 @@ def default_client_overhead(path: Path = DEFAULT_OVERHEAD_PATH) -> DefaultClient
 
 def with_client_side(requests: pa.Table, summary: pa.Table, client_overhead_s: float) -> tuple[pa.Table, pa.Table]:
     """``requests`` and ``summary`` with the client-side columns: each request's TTFT and
-    E2E plus ``client_overhead_s``, their mean, median and p99 over the finished requests,
+    E2E plus ``client_overhead_s``, their mean, median, p90 and p99 over the finished requests,
     and the overhead itself (``client_overhead_ms``; 0 gives columns equal to the server's)."""
     done = requests.column("status").to_numpy(zero_copy_only=False) == "finished"
     row = summary.to_pylist()[0]
@@ -59,7 +59,8 @@ def with_client_side(requests: pa.Table, summary: pa.Table, client_overhead_s: f
             requests = requests.append_column(client, column)
         finite = seconds[done & np.isfinite(seconds)]
         name = client.removesuffix("_s") + "_ms"
-        for stat, value in (("mean", np.mean), ("median", np.median), ("p99", lambda a: np.percentile(a, 99))):
+        for stat, value in (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),
+                            ("p99", lambda a: np.percentile(a, 99))):
             row[f"{stat}_{name}"] = float(value(finite) * 1000) if finite.size else math.nan
     row["client_overhead_ms"] = client_overhead_s * 1000
     return requests, pa.Table.from_pylist([row], schema=None)

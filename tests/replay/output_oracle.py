@@ -483,11 +483,10 @@ class OracleRun:
                         "spec_acceptance_rate": accepted / drafts if drafts else math.nan,
                         "mean_acceptance_length": 1 + accepted / verifies if verifies else math.nan,
                         "spec_acceptance_by_position": [p / verifies for p in positions]})
-        # The client-side figures: mean, median and p99 (no p90) of the finished requests'
-        # client TTFT and E2E, and the overhead itself.
+        # The client-side figures: the finished requests' client TTFT and E2E, and the
+        # overhead itself.
         for name in ("ttft_client", "e2el_client"):
-            stats = _nan_stats(col(done, f"{name}_s"), f"{name}_ms")
-            row.update({k: v for k, v in stats.items() if not k.startswith("p90_")})
+            row.update(_nan_stats(col(done, f"{name}_s"), f"{name}_ms"))
         row["client_overhead_ms"] = self.run.client_overhead_s * 1000
         return row
 

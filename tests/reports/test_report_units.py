@@ -276,8 +276,24 @@ def test_replay_key_metrics_from_known_values(monkeypatch):
     assert metrics["TPOT mean / p50 / p90 / p99"] == "500 µs / 5.0 ms / 10 ms / 59.0 s"
     assert metrics["prefix cache hit rate (tokens)"] == "43.2 %"
     assert metrics["KV cache usage peak / mean"] == "87.5 % / 50.0 %"
-    assert metrics["SLO: TTFT / TPOT at most"] == "2.0 s / 100 ms"
+    assert metrics["SLO: TTFT (as a client sees it) / TPOT at most"] == "2.0 s / 100 ms"
     assert metrics["SLO attainment (all requests) / rejected"] == "96.0 % / 0.7 %"
+
+
+def test_replay_key_metrics_name_the_server_and_the_client_side(monkeypatch):
+    """With the client-side columns each TTFT and E2E row says whose figure it is."""
+    monkeypatch.setattr(replay_report, "replay_figures", lambda *args: [])
+    summary = {"completed": 4, "rejected": 0, "unfinished": 0, "client_overhead_ms": 8.0,
+               **{f"{stat}_ttft_ms": v for stat, v in zip(("mean", "median", "p90", "p99"), (20.0, 30.0, 100.0, 120.0))},
+               **{f"{stat}_ttft_client_ms": v for stat, v in zip(("mean", "median", "p90", "p99"), (28.0, 38.0, 108.0, 128.0))},
+               **{f"{stat}_e2el_ms": 1500.0 for stat in ("mean", "median", "p90", "p99")},
+               **{f"{stat}_e2el_client_ms": 1508.0 for stat in ("mean", "median", "p90", "p99")}}
+    metrics = _key_metrics(render_replay_report(pa.table({}), pa.table({}), summary, {}, {}))
+    assert metrics["TTFT (server) mean / p50 / p90 / p99"] == "20 ms / 30 ms / 100 ms / 120 ms"
+    assert metrics["TTFT (client, +8.0 ms outside the engine) mean / p50 / p90 / p99"] == "28 ms / 38 ms / 108 ms / 128 ms"
+    assert metrics["E2E latency (server) mean / p50 / p90 / p99"] == " / ".join(["1.5 s"] * 4)
+    assert metrics["E2E latency (client, +8.0 ms outside the engine) mean / p50 / p90 / p99"] == " / ".join(["1.5 s"] * 4)
+    assert "TTFT mean / p50 / p90 / p99" not in metrics
 
 
 @pytest.mark.parametrize(("seconds", "text"), [

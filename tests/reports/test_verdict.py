@@ -73,3 +73,16 @@ def test_every_replay_ends_with_its_verdict(tmp_path):
         assert last.endswith("; the deployment is saturated") == row["saturated"]
         assert not math.isnan(row["slo_ttft_ms"])
     assert row["saturated"] and last.startswith("SLO not met: p99 TTFT")
+
+
+def test_the_verdict_judges_and_names_the_clients_ttft():
+    """The TTFT bound is judged on the client's p99, with the server's beside it
+    (docs/capacity.md#client-side-latency): here the server's passes and the client's fails."""
+    row = {**MET, "p99_ttft_ms": 1995.0, "p99_ttft_client_ms": 2003.0, "client_overhead_ms": 8.0}
+    assert slo_verdict(row) == ("SLO not met: p99 TTFT 2.0 s > 2.0 s as a client sees it (server 2.0 s, +8.0 ms "
+                                "outside the engine) (99.5 % of requests within both)")
+    row = {**MET, "p99_ttft_ms": 1392.0, "p99_ttft_client_ms": 1400.0, "client_overhead_ms": 8.0}
+    assert slo_verdict(row) == ("SLO met: p99 TTFT 1.4 s ≤ 2.0 s as a client sees it (server 1.4 s, +8.0 ms outside "
+                                "the engine), p99 TPOT 16 ms ≤ 100 ms (99.5 % of requests within both)")
+    none = {**MET, "p99_ttft_client_ms": MET["p99_ttft_ms"], "client_overhead_ms": 0.0}
+    assert "as a client sees it (server 1.4 s, no time outside the engine)" in slo_verdict(none)
