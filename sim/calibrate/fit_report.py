@@ -91,6 +91,9 @@ class CalibrationResult:
             k = fit.knobs
             out.append(f"fit after {fit.replays} replays: prefill x{k.prefill_scale:.3f}, decode x{k.decode_scale:.3f}"
                        + (f", client overhead {k.client_overhead_s * 1000:.1f} ms" if k.client_overhead_s else ""))
+            if self.job.kind == "scrape":
+                out.append(f"client overhead kept from the base: {fit.efficiency.client_overhead_s * 1000:.1f} ms "
+                           f"(a server's histograms leave the time outside the engine out)")
             out.append(f"held out: {fit.fold}")
             for kind, (median, p90, count) in fit.held_out.items():
                 out.append(f"  {kind:<5} median |error| {_pct(median)}, p90 {_pct(p90)} over {count} "
@@ -98,6 +101,9 @@ class CalibrationResult:
         else:
             out.append(f"fit: identified {', '.join(fit.fit.identified) or 'nothing'}")
             out += [f"  note: {note}" for note in fit.fit.notes]
+            if self.job.kind == "scrape":
+                out.append(f"client overhead kept from the base: {fit.efficiency.client_overhead_s * 1000:.1f} ms "
+                           f"(a server's histograms leave the time outside the engine out)")
             out.append(f"held out: {fit.fold}")
             for row in fit.held_out:
                 out.append(f"  {row['kind']:<13} median |error| {_pct(row['median_ape'])}, p90 {_pct(row['p90_ape'])}"

@@ -226,7 +226,8 @@ def fit_scrape(plan: Plan, trace: pa.Table, metrics: ServerMetrics, base: Effici
                deployment: Deployment = Deployment(),
                on_replay: Callable[[int, float], None] | None = None) -> ServingFit:
     """Fit the prefill and decode knobs to the scrape's TTFT and ITL quantiles (the server's
-    own, so no client overhead), replaying ``trace``: the load the scrape measured.
+    own, so no client overhead: the base's stays), replaying ``trace``: the load the scrape
+    measured.
     Held out: the other quantiles of TTFT and ITL, and E2E's."""
     targets = {"ttft": metrics.ttft_s, "tpot": metrics.itl_s, "e2e": metrics.e2e_s}
     for kind, histogram in targets.items():
@@ -260,7 +261,10 @@ def fit_scrape(plan: Plan, trace: pa.Table, metrics: ServerMetrics, base: Effici
     held["e2e"] = errors(result, ("e2e",), FIT_QUANTILES + HELD_OUT_QUANTILES)["e2e"]
     fold = (f"quantiles {', '.join(map(str, HELD_OUT_QUANTILES))} of TTFT and ITL and every E2E quantile; fitted "
             f"on TTFT and ITL at {', '.join(map(str, FIT_QUANTILES))}")
-    return ServingFit(knobs.apply(base), knobs, replays, loss, _summaries(held), fold)
+    # A server's histograms leave the time outside the engine out, so they cannot fit it:
+    # the base's (a bundled calibration's default) stays (docs/capacity.md#client-side-latency).
+    efficiency = dataclasses.replace(knobs.apply(base), client_overhead_s=base.client_overhead_s)
+    return ServingFit(efficiency, knobs, replays, loss, _summaries(held), fold)
 
 
 @dataclass

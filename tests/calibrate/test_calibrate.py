@@ -105,8 +105,10 @@ def test_calibrate_from_bench_serve_recovers_the_knobs(setup, tmp_path):
     assert cal.efficiency.matmul_flops_fraction == pytest.approx(TRUTH.apply(base).matmul_flops_fraction, rel=0.03)
     assert cal.efficiency.hbm_bandwidth_fraction == pytest.approx(TRUTH.apply(base).hbm_bandwidth_fraction,
                                                                   rel=0.03)
-    # 6 ms beside prefills of 30-400 ms: found, to within a couple of milliseconds.
+    # 6 ms beside prefills of 30-400 ms: found, to within a couple of milliseconds, and
+    # in place of the bundled calibration's default.
     assert cal.efficiency.client_overhead_s == pytest.approx(0.006, abs=0.002)
+    assert base.client_overhead_s == pytest.approx(0.008)
     # p90 on the held-out run: TPOT and E2E within 3%; TTFT is the touchiest, as a clock 1%
     # off reorders a few prefills that arrive together.
     assert set(cal.errors) == {"ttft", "tpot", "e2e"}
@@ -138,7 +140,10 @@ def test_calibrate_from_a_scrape_fits_the_server_quantiles(setup, tmp_path):
                                   trace_path, "-o", out, "-q")
     assert code == 0, stderr
     cal = read_calibration(out)
-    assert cal.efficiency.client_overhead_s == 0.0  # the server's own histograms
+    # The server's own histograms do not see the time outside the engine: the base's
+    # default (the bundled calibration's) stays.
+    assert cal.efficiency.client_overhead_s == resolved.efficiency.client_overhead_s == pytest.approx(0.008)
+    assert "client overhead kept from the base: 8.0 ms" in stdout
     assert cal.efficiency.hbm_bandwidth_fraction == pytest.approx(resolved.efficiency.hbm_bandwidth_fraction / 1.25,
                                                                   rel=0.1)
     assert set(cal.errors) == {"ttft", "tpot", "e2e"}

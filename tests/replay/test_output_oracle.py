@@ -200,7 +200,6 @@ def test_a_single_token_request_meets_an_slo_on_its_ttft_alone():
 # Columns documented for these tables that the tests above do not recompute, and why.
 EXEMPT = {
     "prefix_cache_retention",  # the engine's setting echoed as a string (tests/replay/test_retention_cli.py)
-    "e2el_client",  # SCHEMA's "the same for `e2el_client`": a name pattern (CLIENT_ORACLE has its columns)
     "reject_detail",  # the refusal in words (tests/replay/test_replay.py checks the numbers in it)
     # The calibration band: tests/replay/test_clock_band.py and the calibration tests.
     "calibration", "calibration_note", "error_ttft", "error_tpot", "error_itl", "error_e2el",
