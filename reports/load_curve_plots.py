@@ -39,6 +39,9 @@ class Curve:
     knee: float  # requests/s, NaN where the knee is outside the curve
     slo_ttft_ms: float
     slo_tpot_ms: float
+    # Whose TTFT is drawn: the client's (what the SLO judges; docs/capacity.md#client-side-latency)
+    # where the table has it, with the time outside the engine; NaN: the server's.
+    client_overhead_ms: float = float("nan")
 
 
 def curves(ok: pa.Table, others: Sequence[str]) -> list[Curve]:
@@ -53,12 +56,15 @@ def curves(ok: pa.Table, others: Sequence[str]) -> list[Curve]:
             values = numbers(part, name) if name in part.column_names else np.full(part.num_rows, np.nan)
             return values[order]
 
-        first = {name: float(column(name)[0]) for name in ("knee_request_rate", "slo_ttft_ms", "slo_tpot_ms")}
+        first = {name: float(column(name)[0]) for name in ("knee_request_rate", "slo_ttft_ms", "slo_tpot_ms",
+                                                             "client_overhead_ms")}
+        side = "_client" if "p99_ttft_client_ms" in part.column_names else ""
         out.append(Curve(label, column("offered_request_rate"), column("achieved_request_rate"),
-                         column("median_ttft_ms"), column("p99_ttft_ms"), column("median_tpot_ms"),
+                         column(f"median_ttft{side}_ms"), column(f"p99_ttft{side}_ms"), column("median_tpot_ms"),
                          column("p99_tpot_ms"), column("achieved_request_rate_pessimistic"),
-                         column("p99_ttft_ms_pessimistic"), column("p99_tpot_ms_pessimistic"),
-                         first["knee_request_rate"], first["slo_ttft_ms"], first["slo_tpot_ms"]))
+                         column(f"p99_ttft{side}_ms_pessimistic"), column("p99_tpot_ms_pessimistic"),
+                         first["knee_request_rate"], first["slo_ttft_ms"], first["slo_tpot_ms"],
+                         first["client_overhead_ms"] if side else float("nan")))
     return out
 
 
@@ -83,7 +89,8 @@ def draw_curve(curve: Curve) -> bytes:
         if np.isfinite(bound):
             ax.axhline(bound, color=COLORS[3], linestyle="--", linewidth=1, label="SLO")
         ax.set_yscale("log")
-        ax.set_ylabel(f"{name} (ms)")
+        ax.set_ylabel(f"{name}, client (ms)" if name == "TTFT" and np.isfinite(curve.client_overhead_ms)
+                      else f"{name} (ms)")
         _title(ax, name)
     for ax in axes:
         if np.isfinite(curve.knee):
@@ -110,8 +117,10 @@ def load_curve_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigur
         where = f" ({curve.label})" if curve.label else ""
         knee = (f"the knee (dotted) at {curve.knee:,.4g} requests/s offered, the highest rate sustained"
                 if np.isfinite(curve.knee) else "the knee outside the rates tried")
+        side = (f"TTFT as a client sees it (the server's +{curve.client_overhead_ms:.3g} ms outside the engine)"
+                if np.isfinite(curve.client_overhead_ms) else "TTFT (the server's)")
         caption = (f"Latency–load curve{where}: achieved against offered throughput (the dotted diagonal is "
-                   f"the offered load), median and p99 TTFT and TPOT with the SLO (dashed red); {knee}"
+                   f"the offered load), median and p99 {side} and TPOT with the SLO (dashed red); {knee}"
                    + ("; the slow edge dashed, shaded to the central p99." if np.isfinite(curve.p99_ttft_ms_slow).any()
                       else "."))
         out.append(PendingFigure(partial(draw_curve, curve), caption, f"latency–load curve{where}"))

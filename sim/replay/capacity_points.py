@@ -313,7 +313,8 @@ def _load_curve_columns(replays: PointReplays, rate_per_s: float) -> dict:
     if error is not None:
         slow, _ = replays.replay(scale, pessimistic(resolved.efficiency, error))
         out.update(step_error=error, achieved_request_rate_pessimistic=slow["request_throughput"],
-                   p99_ttft_ms_pessimistic=slow["p99_ttft_ms"], p99_tpot_ms_pessimistic=slow["p99_tpot_ms"],
+                   p99_ttft_ms_pessimistic=slow["p99_ttft_ms"], p99_ttft_client_ms_pessimistic=slow["p99_ttft_client_ms"],
+                   p99_tpot_ms_pessimistic=slow["p99_tpot_ms"],
                    sustained_pessimistic=slow["sustained"])
     return out
 

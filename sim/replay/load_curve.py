@@ -44,6 +44,7 @@ LOAD_CURVE_COLUMNS: dict[str, pa.DataType] = {
     "step_error": pa.float64(),
     "achieved_request_rate_pessimistic": pa.float64(),
     "p99_ttft_ms_pessimistic": pa.float64(),
+    "p99_ttft_client_ms_pessimistic": pa.float64(),
     "p99_tpot_ms_pessimistic": pa.float64(),
     "sustained_pessimistic": pa.bool_(),
 }

@@ -110,6 +110,9 @@ def test_a_known_capacity_gives_the_knee_and_the_achieved_rates(constant, tmp_pa
     assert "offered req/s" in result.stdout and "achieved req/s" in result.stdout
     html = (out / "report.html").read_text()
     assert "Latency&#8211;load curve" in html and "the knee (dotted) at 80 requests/s" in html
+    # The TTFT drawn is the one the SLO judges, named (no time outside the engine here).
+    assert "p99 TTFT as a client sees it (the server&#x27;s +0 ms outside the engine)" in html \
+        or "p99 TTFT as a client sees it (the server's +0 ms outside the engine)" in html
 
 
 def test_one_curve_per_combination_of_the_other_keys(constant, tmp_path):
@@ -150,5 +153,8 @@ def test_the_slow_edge_replays_each_rate_with_slower_steps(tmp_path):
         assert row["step_error"] > 0
         assert row["achieved_request_rate_pessimistic"] <= row["achieved_request_rate"] * (1 + 1e-9)
         assert row["p99_ttft_ms_pessimistic"] >= row["p99_ttft_ms"]
+        # The slow edge keeps the time outside the engine (it is no step's): the bundled 8 ms.
+        assert row["client_overhead_ms"] == pytest.approx(8.0)
+        assert row["p99_ttft_client_ms_pessimistic"] == pytest.approx(row["p99_ttft_ms_pessimistic"] + 8.0)
     assert np.isfinite([r["p99_tpot_ms_pessimistic"] for r in rows]).all()
-    assert "p99 TTFT (slow edge)" in result.stdout
+    assert "p99 TTFT (client, slow edge)" in result.stdout and "p99 TTFT (client)" in result.stdout

@@ -367,3 +367,18 @@ def test_printed_capacity_rows(capsys):
         "point": "0", "workload.rate_scale": "0.5", "status": "ok", "p99 TTFT": "1.2 s", "p99 TPOT": "8.5 ms",
         "SLO met": "87.5 %", "hit rate": "40.0 %", "req/s": "12.5", "max rate x": "0.3125", "max req/s": "3.125",
         "replicas": "4", "$/M tok": "0.1235"}
+
+
+def test_printed_capacity_rows_show_the_clients_ttft(capsys):
+    """With the client-side columns the point table shows the TTFT the SLO judges, named so."""
+    table = pa.table({
+        "point": [0], "status": ["ok"], "error": [None], "p99_ttft_ms": [120.0], "p99_ttft_client_ms": [128.0],
+        "p99_tpot_ms": [8.5], "slo_attainment": [0.875], "rejected_share": [0.0], "prefix_cache_hit_rate": [0.4],
+        "request_throughput": [12.5],
+    })
+    print_points(table, [], False)
+    lines = capsys.readouterr().out.splitlines()
+    header = [c.strip() for c in next(ln for ln in lines if "p99 TTFT" in ln).strip("│┃ ").split("┃")]
+    row = [c.strip() for c in next(ln for ln in lines if ln.startswith("│ 0")).strip("│ ").split("│")]
+    shown = dict(zip(header, row))
+    assert shown["p99 TTFT (client)"] == "128 ms" and "p99 TTFT" not in shown
