@@ -104,7 +104,9 @@ def serving_points() -> list[dict]:
             ttft, e2e, generated = float(r["ttft_s"]), float(r["e2e_s"]), int(r["output_len"])
             measured = {"TTFT": ttft, "E2E": e2e,
                         "TPOT": (e2e - ttft) / (generated - 1) if generated > 1 else math.nan}
-            for category, column in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E", "e2el_s")):
+            # `vllm bench serve` measured them as a client: the replay's client-side columns
+            # (docs/capacity.md#client-side-latency).
+            for category, column in (("TTFT", "ttft_client_s"), ("TPOT", "tpot_s"), ("E2E", "e2el_client_s")):
                 if math.isnan(measured[category]):
                     continue
                 out.append({"category": category, "gpu": gpu_name, "source": run, "point": f"request {r['index']}",

@@ -82,7 +82,8 @@ class Efficiency:
     step_overhead_s: float = 1.5e-3  # CPU
     per_request_overhead_s: float = 15e-6  # CPU
     # Between the server and a client that measures (HTTP, detokenising, streaming): added
-    # to the client-side TTFT and E2E columns only; the server-side ones are vLLM's own.
+    # to the client-side TTFT and E2E columns, which the SLO judges; the server-side ones
+    # are vLLM's own. 0 here; 8 ms in every bundled calibration (docs/capacity.md#client-side-latency).
     client_overhead_s: float = 0.0
     # Measured all-reduce curves by TP degree; a TP degree without one uses
     # interconnect_fraction and allreduce_latency_s.
