@@ -52,11 +52,13 @@ def with_client_side(requests: pa.Table, summary: pa.Table, client_overhead_s: f
     for server, client in (("ttft_s", "ttft_client_s"), ("e2el_s", "e2el_client_s")):
         seconds = requests.column(server).to_numpy(zero_copy_only=False).astype(float) + client_overhead_s
         column = pa.array(seconds, type=pa.float64())
-        # Applied again (a result re-priced with another overhead), the columns are replaced.
+        # Applied again (a result re-priced with another overhead), the columns are replaced;
+        # else they go beside the server's, after ``e2el_s`` (reports/SCHEMA.md's order).
         if client in requests.column_names:
             requests = requests.set_column(requests.column_names.index(client), client, column)
         else:
-            requests = requests.append_column(client, column)
+            at = requests.column_names.index("e2el_s") + 1 + CLIENT_REQUEST_COLUMNS.index(client)
+            requests = requests.add_column(at, client, column)
         finite = seconds[done & np.isfinite(seconds)]
         name = client.removesuffix("_s") + "_ms"
         for stat, value in (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),
