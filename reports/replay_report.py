@@ -59,7 +59,7 @@ def _clock_text(s: dict) -> str:
     bands = [f"{label} {format_duration_ms(s[f'p99_{key}_ms_low'])}-{format_duration_ms(s[f'p99_{key}_ms_high'])}"
              for label, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2el"))
              if not missing(s.get(f"p99_{key}_ms_low"))]
-    return f"{name}" + (f"; p99 band: {', '.join(bands)}" if bands else "")
+    return f"{name}" + (f"; p99 band (server-side): {', '.join(bands)}" if bands else "")
 
 
 def _ms(s: dict, name: str) -> str:

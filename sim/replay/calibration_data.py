@@ -71,7 +71,9 @@ def band_lines(row: dict, calibration: Calibration) -> list[str]:
         low, high = row.get(f"p99_{figure}_low", math.nan), row.get(f"p99_{figure}_high", math.nan)
         if not math.isnan(low):
             parts.append(f"{name} {_span_ms(low, high)} (±{calibration.error_for(figure):.0%})")
-    band_text = "p99 within the held-out error: " + ", ".join(parts) if parts else "no held-out error stated"
+    # The band is on the server's figures (the client's add a constant: docs/capacity.md#client-side-latency).
+    band_text = ("p99 within the held-out error (server-side): " + ", ".join(parts) if parts
+                 else "no held-out error stated")
     return [f"clock: {calibration.label}; {band_text}"]
 
 

@@ -58,7 +58,7 @@ def test_a_band_wider_than_the_value_stops_at_zero_and_prints_in_its_unit():
     assert row["p99_ttft_ms_low"] == 0.0 and row["p99_ttft_ms_high"] == pytest.approx(625.0)
     (line,) = band_lines(row, calibration({"ttft": 1.5, "tpot": 0.05, "e2e": 0.1}))
     # 250 ms x (1 ± 1.5); 20 ms x (1 ± 0.05); 4 s x (1 ± 0.1), past a second in seconds.
-    assert line == ("clock: fitted; p99 within the held-out error: TTFT 0.0-625.0 ms (±150%), "
+    assert line == ("clock: fitted; p99 within the held-out error (server-side): TTFT 0.0-625.0 ms (±150%), "
                     "TPOT 19.0-21.0 ms (±5%), E2E 3.60-4.40 s (±10%)")
 
 

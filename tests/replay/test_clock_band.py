@@ -49,7 +49,7 @@ def test_a_bundled_gpu_replays_on_its_calibration_with_a_band(tmp_path):
     assert summary["error_ttft"] == cal.errors["prefill_step"]
     assert summary["p99_ttft_ms_low"] == pytest.approx(summary["p99_ttft_ms"] * (1 - cal.errors["prefill_step"]))
     assert summary["p99_tpot_ms_high"] == pytest.approx(summary["p99_tpot_ms"] * (1 + cal.errors["decode_step"]))
-    assert f"clock: {cal.label}; p99 within the held-out error: TTFT" in stdout
+    assert f"clock: {cal.label}; p99 within the held-out error (server-side): TTFT" in stdout
     # A bundled calibration carries the default time outside the engine, from its sources'
     # file: the client's columns are the server's plus it.
     default = default_client_overhead()
