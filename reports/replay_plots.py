@@ -15,7 +15,7 @@ from kvtwin.reports import plots
 from kvtwin.reports.binning import (bin_index, cdf_values, column_array, combined_state, hit_rate_bins, replica_ids,
                                     select_columns, usage_matrix)
 from kvtwin.reports.figure_jobs import PendingFigure, render_figures
-from kvtwin.reports.summary_text import missing
+from kvtwin.reports.summary_text import format_duration_ms, missing
 
 TIME_BINS = 400       # state over time (KV usage, queues, preemptions)
 HIT_RATE_BINS = 100   # per-request hit rate over time
@@ -197,9 +197,15 @@ def _latency_figure(requests: pa.Table, s: dict) -> PendingFigure:
     clock = (f" Shaded: the band the clock's calibration ({s.get('calibration')}) implies from its held-out "
              "error." if band else " The clock is uncalibrated: no error band." if s.get("calibration") ==
              "uncalibrated" else "")
+    overhead = s.get("client_overhead_ms")
+    # Whose figures these are (docs/capacity.md#client-side-latency): the server's, and what a client adds.
+    side = (f" TTFT and E2E are the server's; a client sees each {format_duration_ms(overhead)} later (time "
+            "outside the engine), and the SLO judges the client's TTFT." if not missing(overhead) and overhead
+            else " TTFT and E2E are the server's (the calibration sets no time outside the engine: a client "
+            "sees the same)." if not missing(overhead) else "")
     return PendingFigure(partial(plots.latency_cdfs, series, slo, band),
                          "Cumulative distributions of TTFT, TPOT and end-to-end latency over finished requests "
-                         "(dashed: the scenario's SLO)." + clock, "latency CDFs")
+                         "(dashed: the scenario's SLO)." + side + clock, "latency CDFs")
 
 
 def _replica_load_figure(requests: pa.Table, req_replica: np.ndarray) -> PendingFigure:

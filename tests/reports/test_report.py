@@ -124,6 +124,19 @@ def test_replay_report_has_every_plot(replay_dir):
         assert fact in text, fact
 
 
+
+def test_replay_report_says_whose_latencies_it_shows(replay_dir):
+    """The default scenario's bundled calibration carries 8 ms outside the engine: the key
+    metrics name the server's and the client's rows, the CDF caption and the band say whose
+    (docs/capacity.md#client-side-latency)."""
+    text = (replay_dir / "report.html").read_text()
+    for fact in ("TTFT (server) mean / p50 / p90 / p99", "TTFT (client, +8.0 ms) mean / p50 / p90 / p99",
+                 "E2E latency (server) mean", "E2E latency (client, +8.0 ms) mean",
+                 "a client sees each 8.0 ms later", "p99 band (server-side)",
+                 "SLO: TTFT (as a client sees it) / TPOT at most"):
+        assert fact.replace("'", "&#x27;") in text or fact in text, fact
+
+
 def test_report_from_memory_equals_report_from_the_directory(replay_dir):
     assert render_report_dir(replay_dir) == (replay_dir / "report.html").read_text()
 
