@@ -276,7 +276,7 @@ class CostModel:
         per_param = _MXFP4_BYTES_PER_PARAM if model.weight_format == "mxfp4_moe" else \
             (1 if model.weight_format == "fp8" else 2)
         params = 3 * model.hidden_size * model.moe_intermediate_size
-        return params * per_param / tp, model.num_layers - model.first_dense_layers
+        return params * per_param / tp, model.num_moe_layers
 
     def _weight_bytes_read(self, num_tokens: int) -> float:
         if not self.moe_layers:
