@@ -42,7 +42,8 @@ synchronous scheduling the CPU overhead adds to it; with asynchronous scheduling
 default) the next step is prepared while this one runs, so the step takes the longer of
 the two. Efficiency factors scale the datasheet peaks; a calibration file (bundled per GPU
 in ``sim/replay/data/calibration``, fitted by ``kvtwin calibrate`` or ``kvtwin validate``)
-sets them.
+sets them. However they are set, no step is priced below its roofline at 100% efficiency
+(docs/invariants.md#the-clocks-physical-floor).
 """
 
 from __future__ import annotations
