@@ -349,5 +349,34 @@ def test_printed_capacity_rows(capsys):
     row = [c.strip() for c in next(ln for ln in lines if ln.startswith("│ 0")).strip("│ ").split("│")]
     assert dict(zip(header, row)) == {
         "point": "0", "workload.rate_scale": "0.5", "status": "ok", "p99 TTFT": "1.2 s", "p99 TPOT": "8.5 ms",
-        "SLO met": "87.5 %", "hit rate": "40.0 %", "req/s": "12.5", "max rate x": "0.3125", "max req/s": "3.125",
-        "replicas": "4", "$/M tok": "0.1235"}
+        "SLO met": "87.5 %", "hit rate": "40.0 %", "served req/s": "12.5", "max rate scale": "0.3125",
+        "max sustained req/s": "3.125", "replicas needed": "4", "$/M tok": "0.1235"}
+    # A line under the table for each heading that could be read two ways, in its order.
+    legend = [ln.split(":", 1)[0] for ln in lines if ln.split(":", 1)[0] in header]
+    assert legend == ["served req/s", "max sustained req/s", "replicas needed"]
+    assert "of the replay at the max rate" in next(ln for ln in lines if ln.startswith("served req/s:"))
+    assert "not the swept engine.replicas" in next(ln for ln in lines if ln.startswith("replicas needed:"))
+
+
+def test_printed_capacity_slow_edge_and_target_headings(capsys):
+    table = pa.table({
+        "point": [0], "engine.replicas": [2], "status": ["ok"], "error": [None],
+        "p99_ttft_ms": [100.0], "p99_tpot_ms": [8.0], "slo_attainment": [1.0], "rejected_share": [0.0],
+        "prefix_cache_hit_rate": [0.5], "request_throughput": [7.0],
+        "max_rate_scale": [2.0], "max_request_rate": [8.0], "replicas_needed_trace_rate": [3],
+        "cost_per_million_tokens": [0.5], "replicas_needed_target_rate": pa.array([5], pa.int64()),
+        "step_error": [0.25], "max_request_rate_pessimistic": [6.0],
+        "replicas_needed_trace_rate_pessimistic": pa.array([4], pa.int64()),
+    })
+    print_points(table, parse_sweeps(["engine.replicas=2"]), True)
+    lines = capsys.readouterr().out.splitlines()
+    header = [c.strip() for c in next(ln for ln in lines if "p99 TTFT" in ln).strip("│┃ ").split("┃")]
+    row = [c.strip() for c in next(ln for ln in lines if ln.startswith("│ 0")).strip("│ ").split("│")]
+    shown = dict(zip(header, row))
+    assert {k: shown[k] for k in ("engine.replicas", "replicas needed", "replicas needed @target", "step err",
+                                  "max sustained req/s (slow edge)", "replicas needed (slow edge)")} == {
+        "engine.replicas": "2", "replicas needed": "3", "replicas needed @target": "5", "step err": "25.0 %",
+        "max sustained req/s (slow edge)": "6", "replicas needed (slow edge)": "4"}
+    legend = [ln.split(":", 1)[0] for ln in lines if ln.split(":", 1)[0] in header]
+    assert legend == ["served req/s", "max sustained req/s", "replicas needed", "replicas needed @target",
+                      "max sustained req/s (slow edge)", "replicas needed (slow edge)"]
