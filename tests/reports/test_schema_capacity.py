@@ -8,7 +8,8 @@ capacity), and their columns are compared with the sections' tables both ways: a
 written but not documented fails, and so does one documented but never written. A row whose
 first cell begins with a backquoted name documents those names (with their type); a row that
 begins in words is a group documented in ``summary.parquet``'s section, where each of its
-columns is looked up.
+columns is looked up. The headings ``kvtwin capacity`` prints are documented there too,
+each beside its column.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from kvtwin.commands.capacity import print_points
 from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import (CAPACITY_METADATA_KEY, PD_SUMMARY_COLUMNS, capacity_table,
@@ -212,3 +214,23 @@ def test_every_hit_curve_column_is_documented():
         blocks = table.column("kv_cache_blocks").to_pylist()
         assert blocks == sorted(set(blocks))  # increasing, as documented
         assert table.column("kv_cache_tokens").to_pylist() == [b * 16 for b in blocks]
+
+
+def test_every_printed_heading_is_documented_with_its_column(capsys):
+    # Every optional heading shown: offload, P/D, rejections, a target rate and a slow edge.
+    rows = _rows()
+    for row in rows[:3]:
+        row.update(replicas_needed_target_rate=4, step_error=0.25, max_request_rate_pessimistic=4.0,
+                   replicas_needed_trace_rate_pessimistic=2)
+        row["summary"]["rejected_share"] = 0.125
+    table = capacity_table(rows, POINTS, AXES, find_max_rate=True)
+    print_points(table, AXES, True)
+    lines = capsys.readouterr().out.splitlines()
+    header = [c.strip() for c in next(ln for ln in lines if "p99 TTFT" in ln).strip("│┃ ").split("┃")]
+    section = _section("capacity.parquet")
+    printed = section.split("`kvtwin capacity` prints one row per point", 1)[1]
+    headings = [h for h in header if h not in ("point", "status", *(a.key.key for a in AXES))]
+    assert len(headings) == 19  # every optional heading is there
+    for heading in headings:
+        # Documented as `heading` (`column`); a heading split over two lines of the file is rejoined.
+        assert f"`{heading}`" in " ".join(printed.split()), heading
