@@ -355,7 +355,8 @@ def _schema_capacity_columns() -> list[str]:
 EXEMPT = {"calibration", "calibration_note",  # the point's clock: tests/replay/test_capacity.py
           # The point's identity: tests/replay/test_capacity.py.
           "point", "status", "error",
-          # P/D: the summary's (tests/replay/test_pd.py); num_gpus in test_disaggregated_points_count_prefill_and_decode_replicas above.
+          # P/D: the summary's (tests/replay/test_pd.py); num_gpus in
+          # test_disaggregated_points_count_prefill_and_decode_replicas above.
           "num_gpus", "pd_prefill_replicas", "pd_decode_replicas", "pd_link", "pd_transfer_mean_ms",
           "pd_transfer_bytes_mean", "pd_transfer_share_of_ttft", "pd_transfer_share_of_ttft_total"}
 

@@ -210,7 +210,8 @@ def test_every_hit_curve_column_is_documented():
     documented = _documented(_section("hit_curve.parquet"))
     for capacities in (None, [3]):  # the grid alone, and with a sweep point's pool
         table = hit_curve(_trace(), 16, capacities)
-        assert {f.name: _type_name(f.type) for f in table.schema} == {n: t.split(" (")[0] for n, t in documented.items()}
+        written = {f.name: _type_name(f.type) for f in table.schema}
+        assert written == {name: kind.split(" (")[0] for name, kind in documented.items()}
         blocks = table.column("kv_cache_blocks").to_pylist()
         assert blocks == sorted(set(blocks))  # increasing, as documented
         assert table.column("kv_cache_tokens").to_pylist() == [b * 16 for b in blocks]
