@@ -205,6 +205,30 @@ def knee_lines(table, axes) -> list[str]:
     return out
 
 
+# What a heading means where its name alone could be read two ways (reports/SCHEMA.md,
+# capacity.parquet): a throughput beside a sustainable rate, replicas needed beside the
+# swept engine.replicas.
+_LEGEND = {
+    "served req/s": "requests completed per second of the replay shown, over its whole run (the drain after "
+                    "its last arrival included){searched}",
+    "max sustained req/s": "the largest arrival rate that held the SLO with the load sustained "
+                           "(docs/capacity.md#sustained-load): the trace's requests/s at max rate scale",
+    "replicas needed": "engine replicas of this point's shape (tensor_parallel_size GPUs each; prefill and "
+                       "decode together for xPyD) to serve the trace's own rate at the max sustained rate per "
+                       "replica; not the swept engine.replicas",
+    "replicas needed @target": "the same for --target-rate",
+    "max sustained req/s (slow edge)": "the same search with every step slower by the calibration's held-out "
+                                       "step error (step err)",
+    "replicas needed (slow edge)": "replicas needed at the slow edge's rate per replica",
+}
+
+
+def column_legend(titles, find_max_rate: bool) -> list[str]:
+    """One line per shown heading of ``_LEGEND``, in the table's order."""
+    searched = "; with --find-max-rate, of the replay at the max rate" if find_max_rate else ""
+    return [f"{title}: {_LEGEND[title].format(searched=searched)}" for title in titles if title in _LEGEND]
+
+
 def print_points(table, axes, find_max_rate: bool) -> None:
     from rich.console import Console  # rich's tables load only when there is a table to print
     from rich.table import Table
@@ -212,7 +236,7 @@ def print_points(table, axes, find_max_rate: bool) -> None:
     shown = Table(show_header=True)
     names = ["point", *(a.key.key for a in axes), "status"]
     figures = [("p99 TTFT", "p99_ttft_ms"), ("p99 TPOT", "p99_tpot_ms"), ("SLO met", "slo_attainment"),
-               ("hit rate", "prefix_cache_hit_rate"), ("req/s", "request_throughput")]
+               ("hit rate", "prefix_cache_hit_rate"), ("served req/s", "request_throughput")]
     if "hit_rate_total" in table.column_names:
         # Offloading: what the tiers add to the GPU's hits (of prompt tokens; "-" without tiers).
         figures[4:4] = [("+CPU", "hit_rate_cpu"), ("+disk", "hit_rate_disk"), ("total hit", "hit_rate_total")]
@@ -232,14 +256,14 @@ def print_points(table, axes, find_max_rate: bool) -> None:
             figures += [("p99 TTFT (slow edge)", "p99_ttft_ms_pessimistic"),
                         ("achieved (slow edge)", "achieved_request_rate_pessimistic")]
     if find_max_rate:
-        figures += [("max rate x", "max_rate_scale"), ("max req/s", "max_request_rate"),
-                    ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
+        figures += [("max rate scale", "max_rate_scale"), ("max sustained req/s", "max_request_rate"),
+                    ("replicas needed", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
         if table.column("replicas_needed_target_rate").null_count < table.num_rows:
-            figures.append(("replicas @target", "replicas_needed_target_rate"))
+            figures.append(("replicas needed @target", "replicas_needed_target_rate"))
         if table.column("max_request_rate_pessimistic").null_count < table.num_rows:
             # The pessimistic edge: every step slower by the calibration's held-out error.
-            figures += [("step err", "step_error"), ("max req/s (slow edge)", "max_request_rate_pessimistic"),
-                        ("replicas (slow edge)", "replicas_needed_trace_rate_pessimistic")]
+            figures += [("step err", "step_error"), ("max sustained req/s (slow edge)", "max_request_rate_pessimistic"),
+                        ("replicas needed (slow edge)", "replicas_needed_trace_rate_pessimistic")]
     for name in names:
         shown.add_column(name, no_wrap=True)
     for title, _ in figures:
@@ -257,8 +281,13 @@ def print_points(table, axes, find_max_rate: bool) -> None:
                 cells.append(_cell(value))
         shown.add_row(*cells)
     console = Console()
-    # A log or a pipe gets the whole table, not one folded to 80 columns.
-    (console if console.is_terminal else Console(width=240)).print(shown)
+    # A log or a pipe gets the whole table on one line per row, however many columns it has,
+    # not one folded to 80 columns.
+    if not console.is_terminal:
+        console = Console(width=max(240, Console(width=10_000).measure(shown).maximum))
+    console.print(shown)
+    for line in column_legend([title for title, _ in figures], find_max_rate):
+        print(line)
     for row in table.to_pylist():
         if row["status"] != "ok":
             print(f"point {row['point']} failed: {row['error']}")

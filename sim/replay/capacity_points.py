@@ -18,7 +18,9 @@ summary's ``total_token_throughput`` at ``lo``). Where no scale holds, ``max_rat
 and the figures derived from it are null and the summary is the last replay's; otherwise
 the summary columns are those of the replay at ``lo``. The ``*_pessimistic`` columns repeat
 the search with every step slower by the calibration's held-out step error
-(``calibration_data.pessimistic``); null for an uncalibrated clock.
+(``step_error``, ``calibration_data.pessimistic``); null for an uncalibrated clock. The
+replicas are engine replicas of the point's own shape, each ``tensor_parallel_size`` GPUs
+(times ``num_gpus / num_replicas`` they read as GPUs), not the swept ``engine.replicas``.
 
 The search judges sustained load, never a burst (docs/capacity.md#enough-load). A
 ``limit`` (``--limit N``) is read as a duration (``Stretch``): the shortest time in which
@@ -66,7 +68,8 @@ MAX_GENERATED = 8
 # A start too short to judge is doubled at most this often (``SLOProbe.judged_start``).
 MAX_START_DOUBLINGS = 6
 
-# The columns a rate search adds to a point's row, and their types.
+# The columns a rate search adds to a point's row, and their types; reports/SCHEMA.md
+# documents each with its unit (tests/reports/test_schema_capacity.py keeps them in step).
 MAX_RATE_COLUMNS: dict[str, pa.DataType] = {
     "max_rate_scale": pa.float64(),
     "max_request_rate": pa.float64(),

@@ -1,7 +1,8 @@
 """``capacity.parquet``: one row per sweep point (point, status, error, one column per sweep
-key, the replay's summary columns, the point's clock, with a rate search the rate and cost columns of
-``capacity_points`` and with a load curve those of ``load_curve``). Each point's search (scale, holds) is kept in the schema metadata
-under ``kvtwin.capacity``."""
+key, the replay's summary columns, the point's clock, its GPUs, with a rate search the rate
+and cost columns of ``capacity_points`` and with a load curve those of ``load_curve``).
+Each point's search (scale, holds) is kept in the schema metadata under
+``kvtwin.capacity``."""
 
 from __future__ import annotations
 
@@ -104,10 +105,11 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
                 continue
             values = [(r["summary"] or {}).get(name) for r in rows]
             columns[name] = pa.array(values, kind)
-    # Disaggregated points: their P/D columns (null in aggregated points), and every
-    # point's GPUs, so xPyD and aggregated deployments compare at equal GPU count.
+    # Every point's GPUs: xPyD and aggregated deployments compare at equal GPU count, and
+    # the replicas a rate search says are needed read as GPUs (num_gpus over num_replicas each).
+    columns["num_gpus"] = pa.array([r.get("num_gpus") for r in rows], pa.int64())
+    # Disaggregated points: their P/D columns (null in aggregated points).
     if any(r["summary"] is not None and "pd_link" in r["summary"] for r in rows):
-        columns["num_gpus"] = pa.array([r.get("num_gpus") for r in rows], pa.int64())
         for name, kind in PD_SUMMARY_COLUMNS.items():
             columns[name] = pa.array([(r["summary"] or {}).get(name) for r in rows], kind)
     if find_max_rate:

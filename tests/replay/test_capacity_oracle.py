@@ -368,12 +368,19 @@ def _schema_capacity_columns() -> list[str]:
     """The columns reports/SCHEMA.md lists for capacity.parquet's rate search."""
     text = (ROOT / "reports" / "SCHEMA.md").read_text()
     section = text.split("## capacity.parquet", 1)[1].split("\n## ", 1)[0]
+    # A row that begins in words is a group of summary.parquet's columns (documented there).
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return [name for line in rows for name in re.findall(r"`([a-z0-9_*]+)`", line.split("|")[1])]
 
 
 # Columns of the section checked elsewhere, with why.
-EXEMPT = {"calibration", "calibration_note"}  # the point's clock: tests/replay/test_capacity.py
+EXEMPT = {"calibration", "calibration_note",  # the point's clock: tests/replay/test_capacity.py
+          # The point's identity: tests/replay/test_capacity.py.
+          "point", "status", "error",
+          # P/D: the summary's (tests/replay/test_pd.py); num_gpus in
+          # test_disaggregated_points_count_prefill_and_decode_replicas above.
+          "num_gpus", "pd_prefill_replicas", "pd_decode_replicas", "pd_link", "pd_transfer_mean_ms",
+          "pd_transfer_bytes_mean", "pd_transfer_share_of_ttft", "pd_transfer_share_of_ttft_total"}
 
 
 LOAD_RATES = (1.0, 3.0, 4.5, 6.0, 9.0)  # requests/s: scales 0.1 .. 0.9 of the stub's trace
