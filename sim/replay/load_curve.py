@@ -36,12 +36,12 @@ MAX_RATE_STEPS = 8
 
 # The columns a load curve adds to a point's row, and their types.
 LOAD_CURVE_COLUMNS: dict[str, pa.DataType] = {
+    "step_error": pa.float64(),  # first: where a rate search's is
     "offered_request_rate": pa.float64(),
     "load_rate_scale": pa.float64(),
     "achieved_request_rate": pa.float64(),
     "knee_request_rate": pa.float64(),
     "past_knee": pa.bool_(),
-    "step_error": pa.float64(),
     "achieved_request_rate_pessimistic": pa.float64(),
     "p99_ttft_ms_pessimistic": pa.float64(),
     "p99_tpot_ms_pessimistic": pa.float64(),

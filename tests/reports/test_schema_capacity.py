@@ -26,6 +26,7 @@ from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import (CAPACITY_METADATA_KEY, PD_SUMMARY_COLUMNS, capacity_table,
                                               summary_schema)
+from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS
 from kvtwin.sim.replay.reuse_curve import hit_curve
 from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS
 from kvtwin.sim.scenario.sweep_keys import parse_sweeps, sweep_points
@@ -117,14 +118,26 @@ def _plain(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "search" and k not in MAX_RATE_COLUMNS}
 
 
+def _curve(row: dict) -> dict:
+    """A point's row as a ``--load-curve`` gives it."""
+    if row["status"] != "ok":
+        return _plain(row)
+    return _plain(row) | {"offered_request_rate": 5.0, "load_rate_scale": 2.0, "achieved_request_rate": 4.9,
+                          "step_error": 0.2, "achieved_request_rate_pessimistic": 4.8,
+                          "p99_ttft_ms_pessimistic": 120.0, "p99_tpot_ms_pessimistic": 30.0,
+                          "sustained_pessimistic": True}
+
+
 def _tables() -> dict[str, pa.Table]:
-    """The tables a sweep can write: with and without a search, with offload, P/D or neither."""
+    """The tables a sweep can write: with a search, a load curve or neither, with offload,
+    P/D or neither."""
     rows = _rows()
     out = {}
     for name, kept in (("aggregated", [rows[0], rows[3]]), ("offload", rows[:2] + rows[3:]),
                        ("pd", [rows[0], rows[2], rows[3]]), ("all", rows)):
         out[f"{name}, searched"] = capacity_table(kept, POINTS, AXES, find_max_rate=True)
         out[f"{name}, plain"] = capacity_table([_plain(r) for r in kept], POINTS, AXES)
+        out[f"{name}, load curve"] = capacity_table([_curve(r) for r in kept], POINTS, AXES, load_curve=True)
     return out
 
 
@@ -154,13 +167,13 @@ def test_every_capacity_column_is_documented_in_its_section():
     assert any(f"`{names[0]}` ... `{names[-1]}`" in g for g in groups), "summary group's first and last column"
     first, last = list(OFFLOAD_SUMMARY_COLUMNS)[0], list(OFFLOAD_SUMMARY_COLUMNS)[-1]
     assert any(f"`{first}` ... `{last}`" in g for g in groups), "offload group's first and last column"
-    assert {*CLOCK_COLUMNS, *MAX_RATE_COLUMNS, *PD_SUMMARY_COLUMNS, "num_gpus"} <= set(own)
+    assert {*CLOCK_COLUMNS, *MAX_RATE_COLUMNS, *LOAD_CURVE_COLUMNS, *PD_SUMMARY_COLUMNS, "num_gpus"} <= set(own)
 
 
 def test_capacity_columns_come_in_the_documented_order():
     # The documented groups, in order; each written column belongs to one, and the table
     # never goes back to an earlier group.
-    order = ["point", "status", "error", "key", "summary", "clock", "offload", "num_gpus", "pd", "search"]
+    order = ["point", "status", "error", "key", "summary", "clock", "offload", "num_gpus", "pd", "search", "curve"]
 
     def group(name: str) -> str:
         if name in order:
@@ -169,7 +182,7 @@ def test_capacity_columns_come_in_the_documented_order():
             return "key"
         for kind, names in (("summary", summary_schema().names), ("clock", CLOCK_COLUMNS),
                             ("offload", OFFLOAD_SUMMARY_COLUMNS), ("pd", PD_SUMMARY_COLUMNS),
-                            ("search", MAX_RATE_COLUMNS)):
+                            ("search", MAX_RATE_COLUMNS), ("curve", LOAD_CURVE_COLUMNS)):
             if name in names:
                 return kind
         raise AssertionError(name)
@@ -177,7 +190,10 @@ def test_capacity_columns_come_in_the_documented_order():
     table = _tables()["all, searched"]
     positions = [order.index(group(n)) for n in table.column_names]
     assert positions == sorted(positions)
-    assert set(positions) == set(range(len(order)))
+    assert set(positions) == set(range(len(order))) - {order.index("curve")}
+    # A load curve's columns come where a search's would (step_error, in both, reads as the search's).
+    curve = [order.index(group(n)) for n in _tables()["all, load curve"].column_names]
+    assert curve == sorted(curve) and order.index("curve") in curve and order.index("search") in curve
     # The section's own rows are in that order too.
     own = list(_documented(_section("capacity.parquet")))
     assert [order.index(group(n)) for n in own] == sorted(order.index(group(n)) for n in own)
