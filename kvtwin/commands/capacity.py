@@ -23,7 +23,6 @@ from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay.load_curve import parse_load_curve
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
 
 
@@ -79,7 +78,11 @@ def capacity(
         check_out_dir(out)
         check_backend(backend, jobs, ray_address)
         search = _rate_search(find_max_rate, target_rate, rate_tolerance, goodput, max_replays)
-        curve = parse_load_curve(load_curve) if load_curve is not None else None
+        curve = None
+        if load_curve is not None:
+            from kvtwin.sim.replay.load_curve import parse_load_curve  # its columns' types load pyarrow
+
+            curve = parse_load_curve(load_curve)
         if backend == "ray":
             import_ray()  # before any work: say now that it is missing
         path = find_scenario(scenario_path) or DEFAULT_SCENARIO
