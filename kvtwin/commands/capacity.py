@@ -195,13 +195,13 @@ def knee_lines(table, axes) -> list[str]:
                    default=None)
         where = f"{label}: " if label else ""
         knee = row["knee_request_rate"]
+        past = sorted(r["offered_request_rate"] for r in curve if r["past_knee"])
         if knee is not None:
-            above = min(r for r in rates if r > knee)
-            what = f"knee between {knee:,.4g} and {above:,.4g} req/s offered"
-        elif all(not r["past_knee"] for r in curve):
-            what = f"every rate sustained: the knee is above {rates[-1]:,.4g} req/s offered"
+            what = f"knee between {knee:,.4g} and {past[0]:,.4g} req/s offered"
+        elif not past:
+            what = f"every rate judged was sustained: the knee is above {rates[-1]:,.4g} req/s offered"
         else:
-            what = f"not sustained at {rates[0]:,.4g} req/s offered, the lowest rate: the knee is below it"
+            what = f"not sustained at {past[0]:,.4g} req/s offered, the lowest rate judged: the knee is below it"
         if most is not None:
             what += f"; at most {most:,.4g} req/s achieved"
         out.append(f"load curve {where}{what}")
@@ -275,7 +275,9 @@ def print_points(table, axes, find_max_rate: bool) -> None:
         cells = [_cell(row[n]) for n in names]
         for _, column in figures:
             value = row[column]
-            if column.endswith(("_ms", "_ms_pessimistic")):
+            if column == "sustained" and "short_window" in (row.get("sustained_reason") or ""):
+                cells.append("too short")  # not judged, not failed (docs/capacity.md#load-curve)
+            elif column.endswith(("_ms", "_ms_pessimistic")):
                 cells.append(summary_text.format_duration_ms(value) if value is not None else "-")
             elif column in ("slo_attainment", "rejected_share", "prefix_cache_hit_rate", "step_error",
                             "pd_transfer_share_of_ttft") or column.startswith("hit_rate_"):

@@ -18,6 +18,7 @@ from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS, knees
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, summarize
+from kvtwin.sim.replay.sustained import SHORT_WINDOW
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.sweep_keys import Axis, Point
 
@@ -52,6 +53,13 @@ PD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
 }
 
 
+def _judged_sustained(summary: dict) -> bool | None:
+    """Whether a replay's load was sustained; None where its window was too short to judge."""
+    if SHORT_WINDOW in (summary.get("sustained_reason") or "").split(","):
+        return None
+    return bool(summary["sustained"])
+
+
 def _load_curve_columns(rows: Sequence[dict], by_point: dict[int, Point], axes: Sequence[Axis]) -> dict:
     """``LOAD_CURVE_COLUMNS``, the knee found per curve: the points that share every swept
     value. A failed point is on no curve (its columns are null)."""
@@ -66,7 +74,7 @@ def _load_curve_columns(rows: Sequence[dict], by_point: dict[int, Point], axes: 
             if r["status"] == "ok":
                 values[name][i] = r.get(name)
     members = list(curves.values())
-    found = knees([[(rows[i]["offered_request_rate"], bool(rows[i]["summary"]["sustained"])) for i in curve]
+    found = knees([[(rows[i]["offered_request_rate"], _judged_sustained(rows[i]["summary"])) for i in curve]
                    for curve in members])
     for curve, (knee, past) in zip(members, found):
         for i, is_past in zip(curve, past):

@@ -60,6 +60,11 @@ def test_knee_is_the_last_sustained_rate_before_the_first_that_is_not():
     assert knees([[(1.0, False), (2.0, True)]]) == [(None, [True, True])]
     assert knees([[(3.0, True), (1.0, True), (2.0, False)], [(1.0, False)]]) == [
         (1.0, [True, False, True]), (None, [True])]
+    # A rate too short to judge (None) neither holds the knee nor passes it.
+    assert knees([[(1.0, None), (2.0, True), (3.0, None), (4.0, False), (5.0, None)]]) == [
+        (2.0, [False, False, False, True, True])]
+    assert knees([[(1.0, None), (2.0, False)]]) == [(None, [False, True])]
+    assert knees([[(1.0, None), (2.0, None)]]) == [(None, [False, False])]
 
 
 def test_offered_scale_corrects_a_trace_denser_later():
