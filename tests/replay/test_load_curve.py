@@ -132,7 +132,7 @@ def test_one_curve_per_combination_of_the_other_keys(constant, tmp_path):
     assert [r["past_knee"] for r in rows] == [False, True, False, False]
     assert [r["knee_request_rate"] for r in rows][2:] == [None, None]
     assert [r["knee_request_rate"] for r in rows][:2] == pytest.approx([50.0, 50.0], rel=1e-5)
-    assert "load curve engine.max_num_seqs=2: every rate sustained: the knee is above 150 req/s" in result.stdout
+    assert "load curve engine.max_num_seqs=2: every rate judged was sustained: the knee is above 150 req/s" in result.stdout
 
 
 @pytest.mark.parametrize("args, needles", [
