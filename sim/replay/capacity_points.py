@@ -57,7 +57,7 @@ from kvtwin.sim.replay.load_curve import offered_scale
 from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, replicas_for, request_rate, \
     slo_holds
 from kvtwin.sim.replay.run import run_replay
-from kvtwin.sim.replay.sustained import SHORT_WINDOW, needs
+from kvtwin.sim.replay.sustained import MIN_STEADY_ARRIVALS, SHORT_WINDOW, needs, window_arrivals
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.parse import Workload
 from kvtwin.sim.scenario.resolve import ResolvedScenario, resolve_scenario
@@ -265,12 +265,15 @@ class SLOProbe:
         return slo_holds(summary, self.replays.resolved.slo, self.goodput)
 
     def judged_start(self, start: float) -> float:
-        """Where the search starts: the point's own scale, doubled while its steady window is
-        too short to judge (docs/capacity.md#enough-load). A stretch read from a ``limit``
-        lasts as long at every scale, so a higher rate brings more arrivals into it, and a
-        lower one could only bring fewer; at most ``MAX_START_DOUBLINGS`` times, after which
-        the search starts where it would have and ends in a refusal. A whole trace scaled
-        has as many arrivals at every scale: it starts where it is."""
+        """Where the search starts: the point's own scale, doubled while its steady window
+        holds too few arrivals to judge (docs/capacity.md#enough-load). A stretch read from a
+        ``limit`` lasts as long at every scale, so a higher rate brings more arrivals into
+        it, and a lower one could only bring fewer; at most ``MAX_START_DOUBLINGS`` times.
+        A window short next to the requests' service time is not helped by a higher rate
+        (the service time grows with the load): the search then starts where it would have,
+        as it does when the doublings run out, and ends in a refusal unless a lower rate can
+        be judged. A whole trace scaled has as many arrivals at every scale: it starts where
+        it is."""
         if self.replays.stretch() is None:
             return start
         scale = start
@@ -278,6 +281,8 @@ class SLOProbe:
             self(scale)
             if scale not in self.short:
                 return scale
+            if window_arrivals(self.runs[scale][0]) >= MIN_STEADY_ARRIVALS:
+                return start
             self.skipped.append(scale)
             scale *= 2
         return start
