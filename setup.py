@@ -54,7 +54,7 @@ COMPILED_PACKAGES = {"sim/core": "kvtwin/sim/core", "sim/core/offload": "kvtwin/
 INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py", "acceptance.py",
                "calibration.py", "calibration_data.py", "client_side.py", "kernel_fit.py", "reuse_curve.py",
                "rate_search.py", "capacity_points.py", "capacity_sweep.py", "capacity_table.py", "sweep_backends.py",
-               "summaries.py", "trace_requests.py", "router.py",
+               "summaries.py", "sustained.py", "load_curve.py", "trace_requests.py", "router.py",
                # The SimPy clock's generator processes: compiled, they crash the garbage
                # collector (mypy 2.4.1). Its per-batch objects (cluster.py, replica.py,
                # timeline.py, progress.py) are compiled.

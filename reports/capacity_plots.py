@@ -1,6 +1,8 @@
-"""The capacity report's plots, one kind per swept key: throughput and SLO attainment
-against the rate, the hit rate against the KV cache (the one-pass curve and the replayed
-points), what a CPU offload tier buys, the replicas needed, and routers side by side."""
+"""The capacity report's plots. First the answer of a rate search: the largest sustainable
+request rate (and its slow edge) against each swept key, and the GPUs needed; then one kind
+per swept key: throughput and SLO attainment against the rate, the hit rate against the KV
+cache (the one-pass curve and the replayed points), what a CPU offload tier buys, routers
+side by side, and disaggregated shapes (xPyD) beside aggregated points."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import pyarrow as pa
 from kvtwin.reports import plots
 from kvtwin.reports.figure_jobs import PendingFigure, render_figures
 from kvtwin.reports.load_curve_plots import load_curve_figures
-from kvtwin.reports.sweep_frame import (KV_KEY, OFFLOAD_KEY, RATE_KEY, ROUTER_KEY, combo_label, finite,
-                                        finite_mask, lines_by_combo, numbers, records, rows_where, sweep_keys,
-                                        texts, varying, with_column)
+from kvtwin.reports.summary_text import missing
+from kvtwin.reports.sweep_frame import (KV_KEY, OFFLOAD_KEY, RATE_KEY, ROUTER_KEY, column_values, combo_label,
+                                        finite, finite_mask, key_value, lines_by_combo, numbers, records,
+                                        rows_where, sweep_keys, texts, varying, with_column)
 
 _X_LABELS = {"kv_cache_tokens": "KV cache (tokens)", "kv_cache_blocks": "KV cache (blocks)"}
 
@@ -27,12 +30,131 @@ def capacity_figures(frame: pa.Table, hit_curve: pa.Table | None, plan: dict | N
     ok = rows_where(frame, [t == "ok" for t in texts(frame, "status")]) if "status" in frame.column_names else frame
     varied = varying(ok, keys) if ok.num_rows else []
     out = load_curve_figures(ok, varied)
+    out += _answer_figures(ok, keys, varied)
+    out += _needed_figures(ok, varied)
     out += _rate_figures(ok, varied) if RATE_KEY in keys else []
     out += _kv_capacity_figures(ok, hit_curve, _kv_points(ok, hit_curve, plan) if KV_KEY in keys else None)
     out += _offload_figures(ok, varied) if OFFLOAD_KEY in keys else []
-    out += _replicas_needed_figures(ok, varied)
     out += _router_figures(ok, varied) if ROUTER_KEY in keys and ok.num_rows else []
+    out += _pd_figures(ok, varied)
     return render_figures(out)
+
+
+ANSWER = "max_request_rate"
+EDGE = "max_request_rate_pessimistic"
+_ANSWER_WHAT = (f"the largest sustainable request rate ({ANSWER}: the trace's requests/s at the largest rate "
+                "scale that held the SLO with the load sustained, docs/capacity.md#sustained-load)")
+_EDGE_WHAT = (f"the slow edge ({EDGE}: the same search with every step slower by the calibration's held-out "
+              "step error)")
+
+
+def _answer_figures(ok: pa.Table, keys: Sequence[str], varied: Sequence[str]) -> list[PendingFigure]:
+    """With ``--find-max-rate``: the answer against each varying key (one figure per key), or
+    per point when no key varies (a single point is one bar)."""
+    if ANSWER not in ok.column_names or not finite_mask(ok, ANSWER).any():
+        return []
+    edge = EDGE in ok.column_names and bool(finite_mask(ok, EDGE).any())
+    if not varied:
+        return [_answer_by_point(ok, keys, edge)]
+    return [_answer_against(ok, key, [k for k in varied if k != key], edge) for key in varied]
+
+
+def _numeric_key(ok: pa.Table, key: str) -> bool:
+    kind = ok.column(key).type
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+
+
+def _answer_against(ok: pa.Table, key: str, others: list[str], edge: bool) -> PendingFigure:
+    numeric = _numeric_key(ok, key)
+    by = (" (one " + ("line" if numeric else "bar") + " per " + ", ".join(others) + ")") if others else ""
+    title = f"Max sustainable rate vs {key.split('.')[-1]}"
+    caption = f"The answer: {_ANSWER_WHAT} against {key}{by}"
+    if edge:
+        caption += f"; {'dashed' if numeric else 'beside it'}, {_EDGE_WHAT}"
+    caption += ". A point where no rate held has no " + ("marker" if numeric else "bar") + \
+               " (rate_search_refusal says why)."
+    if numeric:
+        x, xlabel = key, key
+        if key.endswith("_bytes"):  # sizes read in GiB, as the sweep's labels show them
+            x, xlabel = "__x_gib", f"{key} (GiB)"
+            ok = with_column(ok, x, numbers(ok, key) / 2**30)
+        series = lines_by_combo(ok, x, ANSWER, others)
+        edges = lines_by_combo(ok, x, EDGE, others) if edge else []
+        draw = partial(plots.lines_with_edge, series, edges, xlabel=xlabel, ylabel="requests per second",
+                       title=title)
+        return PendingFigure(draw, caption, title)
+    # A key of names (GPU, model, router, P/D shape, a flag): a bar per value, in sweep order.
+    key_of = column_values(ok, key)
+    values = list(dict.fromkeys(v for v in key_of if not missing(v)))
+    combo_of = [combo_label(r, others) if others else "" for r in records(ok)]
+    groups = []
+    for combo in dict.fromkeys(combo_of):
+        for column, suffix in ((ANSWER, ""), (EDGE, "slow edge"))[:2 if edge else 1]:
+            heights = numbers(ok, column)
+            per_value = []
+            for value in values:
+                match = heights[np.array([k == value and c == combo for k, c in zip(key_of, combo_of)], dtype=bool)]
+                match = match[np.isfinite(match)]
+                per_value.append(float(match.mean()) if len(match) else np.nan)
+            label = " ".join(part for part in (combo, suffix) if part) or ("central" if edge else "")
+            groups.append((label, np.array(per_value, dtype=float)))
+    categories = [key_value(key, v) for v in values]
+    return PendingFigure(partial(plots.bars, categories, groups, ylabel="requests per second", title=title),
+                         caption, title)
+
+
+def _answer_by_point(ok: pa.Table, keys: Sequence[str], edge: bool) -> PendingFigure:
+    rows = records(ok)
+    labels = [combo_label(r, keys) if keys else f"point {r.get('point', i)}" for i, r in enumerate(rows)]
+    groups = [("central" if edge else "", numbers(ok, ANSWER))]
+    if edge:
+        groups.append(("slow edge", numbers(ok, EDGE)))
+    title = "Max sustainable rate"
+    caption = f"The answer: {_ANSWER_WHAT}" + (f", and beside it {_EDGE_WHAT}." if edge else ".")
+    return PendingFigure(partial(plots.bars, labels, groups, ylabel="requests per second", title=title), caption,
+                         title)
+
+
+def _gpus_per_replica(data: pa.Table) -> np.ndarray | None:
+    """Each point's GPUs per engine replica (``num_gpus / num_replicas``; a table written
+    before ``num_gpus`` was, aggregated: a swept ``engine.tensor_parallel_size``), or None."""
+    if {"num_gpus", "num_replicas"} <= set(data.column_names):
+        per = numbers(data, "num_gpus") / numbers(data, "num_replicas")
+        if np.isfinite(per).all():
+            return per
+    if "engine.tensor_parallel_size" in data.column_names and "pd_link" not in data.column_names:
+        return numbers(data, "engine.tensor_parallel_size")
+    return None
+
+
+_NEEDED = (("replicas_needed_trace_rate", "for the trace's rate"),
+           ("replicas_needed_target_rate", "for the target rate"),
+           ("replicas_needed_trace_rate_pessimistic", "for the trace's rate, slow edge"))
+
+
+def _needed_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
+    """The replicas a rate search says are needed, in GPUs where each point's GPUs per
+    replica are known (else in replicas)."""
+    needed = [(c, label) for c, label in _NEEDED if c in ok.column_names and finite_mask(ok, c).any()]
+    if not needed:
+        return []
+    data = rows_where(ok, np.logical_or.reduce([finite_mask(ok, c) for c, _ in needed]))
+    labels = [combo_label(r, varied) if varied else f"point {r.get('point', i)}"
+              for i, r in enumerate(records(data))]
+    per_replica = _gpus_per_replica(data)
+    names = ", ".join(c for c, _ in needed)
+    if per_replica is None:
+        groups = [(label, numbers(data, c)) for c, label in needed]
+        return [PendingFigure(partial(plots.bars, labels, groups, ylabel="replicas", title="Replicas needed"),
+                              "Replicas needed: engine replicas of each point's shape to serve the trace's rate "
+                              f"(and the target rate) within the SLO with the load sustained ({names}).",
+                              "replicas needed")]
+    groups = [(label, numbers(data, c) * per_replica) for c, label in needed]
+    return [PendingFigure(partial(plots.bars, labels, groups, ylabel="GPUs", title="GPUs needed"),
+                          "GPUs needed: to serve the trace's rate (and the target rate) within the SLO with the load "
+                          f"sustained, the replicas needed ({names}: engine replicas of the point's own shape) times "
+                          "the point's GPUs per replica (num_gpus / num_replicas, its tensor_parallel_size).",
+                          "GPUs needed")]
 
 
 def _rate_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
@@ -167,20 +289,6 @@ def _offload_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]
     return out
 
 
-def _replicas_needed_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
-    needed = [c for c in ("replicas_needed_trace_rate", "replicas_needed_target_rate")
-              if c in ok.column_names and finite_mask(ok, c).any()]
-    if not needed:
-        return []
-    data = rows_where(ok, np.logical_or.reduce([finite_mask(ok, c) for c in needed]))
-    labels = [combo_label(r, varied) if varied else f"point {r.get('point', i)}"
-              for i, r in enumerate(records(data))]
-    groups = [(c.replace("replicas_needed_", "at the ").replace("_", " "), numbers(data, c)) for c in needed]
-    return [PendingFigure(partial(plots.bars, labels, groups, ylabel="replicas", title="Replicas needed"),
-                          "Replicas needed to serve the trace's rate and the target rate within the SLO, per sweep "
-                          "point (" + ", ".join(needed) + ").", "replicas needed")]
-
-
 def _router_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
     routers = list(dict.fromkeys(_router_of(ok)))
     others = [k for k in varied if k != ROUTER_KEY]
@@ -223,3 +331,63 @@ def _router_panels(ok: pa.Table, routers: list[str], others: list[str], metrics:
             groups.append((combo, np.array(values, dtype=float)))
         panels.append((title, ylabel, groups))
     return panels
+
+
+PD_KEY_PREFIX = "disaggregation."
+
+
+def _shape_label(row: dict, others: Sequence[str]) -> str:
+    """A point's deployment as xPyD (or ``aggregated xN``), its GPUs, and the other varying keys."""
+    prefill, decode = row.get("pd_prefill_replicas"), row.get("pd_decode_replicas")
+    if not missing(prefill) and not missing(decode):
+        shape = f"{int(prefill)}P{int(decode)}D"
+    else:
+        replicas = row.get("num_replicas")
+        shape = "aggregated" + ("" if missing(replicas) else f" x{int(replicas)}")
+    gpus = row.get("num_gpus")
+    parts = [shape] + ([] if missing(gpus) else [f"{int(gpus)} GPUs"])
+    if others:
+        parts.append(combo_label(row, others))
+    return ", ".join(parts)
+
+
+def _first_finite(ok: pa.Table, column: str) -> float | None:
+    if column not in ok.column_names:
+        return None
+    values = numbers(ok, column)
+    values = values[np.isfinite(values)]
+    return float(values[0]) if len(values) else None
+
+
+def _pd_figures(ok: pa.Table, varied: Sequence[str]) -> list[PendingFigure]:
+    """A sweep with a disaggregated point: latencies, SLO attainment and the KV transfer's
+    share of TTFT per shape, aggregated points beside (one bar per point)."""
+    if "pd_link" not in ok.column_names or not ok.num_rows:
+        return []
+    # The shape keys are in the label already (xPyD); other varying keys follow it.
+    others = [k for k in varied if not k.startswith(PD_KEY_PREFIX)]
+    labels = [_shape_label(r, others) for r in records(ok)]
+    slo_ttft, slo_tpot = _first_finite(ok, "slo_ttft_ms"), _first_finite(ok, "slo_tpot_ms")
+    latency = [(f"{title} by shape", "ms", column, bound) for title, column, bound in (
+        ("p50 TTFT", "median_ttft_ms", None), ("p99 TTFT", "p99_ttft_ms", slo_ttft),
+        ("p99 TPOT", "p99_tpot_ms", slo_tpot)) if column in ok.column_names]
+    shares = [(f"{title} by shape", "%", column, None) for title, column in (
+        ("SLO attainment", "slo_attainment"), ("KV transfer share of TTFT", "pd_transfer_share_of_ttft"))
+        if column in ok.column_names]
+    out = []
+    for specs, scale, alt, caption in (
+            (latency, 1.0, "latency by shape",
+             "Latency per deployment shape (xPyD: x prefill and y decode replicas; aggregated points beside, with "
+             "their GPUs): p50 and p99 TTFT, p99 TPOT, in ms; the dotted line is the SLO bound. A P/D point's TTFT "
+             "is the decode side's first token (prefill, KV read and the decode step)."),
+            (shares, 100.0, "SLO and transfer by shape",
+             "Per deployment shape: requests within the SLO (slo_attainment, over every request that arrived), "
+             "and the KV transfer's share of TTFT (pd_transfer_share_of_ttft, the mean of transfer_s / ttft_s; "
+             "none for aggregated points), in %.")):
+        if not specs:
+            continue
+        panels = [(title, unit, [("", numbers(ok, column) * scale)]) for title, unit, column, _ in specs]
+        references = [bound for _, _, _, bound in specs]
+        out.append(PendingFigure(partial(plots.bars, labels, [], ylabel="", title="", panels=panels,
+                                         references=references), caption, alt))
+    return out

@@ -30,6 +30,7 @@ from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 from kvtwin.reports.binning import minmax_points
 
 __all__ = ["bars", "hit_rate_over_time", "hit_rate_vs_capacity", "kv_usage_by_group", "latency_cdfs", "lines",
+           "lines_with_edge",
            "preemptions_over_time", "queues_over_time", "rates_over_time", "replica_load", "states_over_time"]
 
 DPI = 100
@@ -303,6 +304,34 @@ def lines(series: Sequence[tuple[str, np.ndarray, np.ndarray]], *, xlabel: str, 
     return _png(fig)
 
 
+def lines_with_edge(series: Sequence[tuple[str, np.ndarray, np.ndarray]],
+                    edges: Sequence[tuple[str, np.ndarray, np.ndarray]], *, xlabel: str, ylabel: str,
+                    title: str, edge_label: str = "slow edge") -> bytes:
+    """Like ``lines``, and each series' edge (same label) dashed in its colour beside it:
+    an answer and its pessimistic bound read as one."""
+    fig, (ax,) = _figure()
+    edge_of = {label: (x, y) for label, x, y in edges}
+    for i, (label, x, y) in enumerate(series):
+        color = COLORS[i % len(COLORS)]
+        ax.plot(x, y, marker="o", markersize=4, linewidth=1.3, color=color, label=label or "central")
+        if label in edge_of:
+            ex, ey = edge_of[label]
+            ax.plot(ex, ey, marker="v", markersize=4, linewidth=1.0, linestyle="--", color=color,
+                    label=f"{label} {edge_label}".strip())
+    if not series:
+        _empty(ax)
+    elif edges or any(label for label, _, _ in series):
+        ax.legend(fontsize=8)
+    xs = np.concatenate([np.asarray(x, dtype=float) for _, x, _ in series] or [np.zeros(0)])
+    if len(xs) and np.all(xs == np.round(xs)):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # counts, e.g. replicas: no 1.5 tick
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    _title(ax, title)
+    return _png(fig)
+
+
 def hit_rate_vs_capacity(curve: tuple[np.ndarray, np.ndarray] | None,
                          points: tuple[np.ndarray, np.ndarray] | None, *, xlabel: str) -> bytes:
     """The one-pass hit-rate curve (line) with the exactly replayed sweep points over it."""
@@ -326,10 +355,13 @@ def hit_rate_vs_capacity(curve: tuple[np.ndarray, np.ndarray] | None,
 
 
 def bars(categories: Sequence[str], groups: Sequence[tuple[str, np.ndarray]], *, ylabel: str, title: str,
-         panels: Sequence[tuple[str, str, Sequence[tuple[str, np.ndarray]]]] | None = None) -> bytes:
+         panels: Sequence[tuple[str, str, Sequence[tuple[str, np.ndarray]]]] | None = None,
+         references: Sequence[float | None] | None = None) -> bytes:
     """Grouped bars: one group per category, one bar per (label, values) in ``groups``.
 
     ``panels`` draws several such charts side by side instead: (title, ylabel, groups) each.
+    ``references``: per panel, a bound drawn as a dotted line across it (None: none), e.g.
+    an SLO in the panel's unit.
     """
     specs = list(panels) if panels else [(title, ylabel, groups)]
     labels = [label for label, _ in specs[0][2] if label]
@@ -347,7 +379,8 @@ def bars(categories: Sequence[str], groups: Sequence[tuple[str, np.ndarray]], *,
     fig, axes = _figure(len(specs), height=HEIGHT_IN + legend_in + ticks_in, bottom_in=BOTTOM_IN + legend_in + ticks_in,
                         left_in=left_in)
     x = np.arange(len(categories))
-    for ax, (panel_title, panel_ylabel, panel_groups) in zip(axes, specs):
+    bounds = list(references) if references else [None] * len(specs)
+    for ax, (panel_title, panel_ylabel, panel_groups), reference in zip(axes, specs, bounds):
         n = max(1, len(panel_groups))
         width = 0.8 / n
         for i, (label, values) in enumerate(panel_groups):
@@ -359,6 +392,8 @@ def bars(categories: Sequence[str], groups: Sequence[tuple[str, np.ndarray]], *,
             ax.set_xticks(x, list(categories), fontsize=8)
         _title(ax, panel_title, fontsize=10)
         ax.set_ylabel(panel_ylabel)
+        if reference is not None and np.isfinite(reference):
+            ax.axhline(reference, color="#777", linestyle=":", linewidth=1)
         heights = np.concatenate([np.asarray(v, dtype=float) for _, v in panel_groups] or [np.zeros(0)])
         heights = heights[np.isfinite(heights)]
         if len(heights) and np.all(heights == np.round(heights)):

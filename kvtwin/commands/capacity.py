@@ -23,7 +23,6 @@ from kvtwin.reports import summary_text
 from kvtwin.scenarios import DEFAULT_SCENARIO
 from kvtwin.sim.scenario.bundled import find_scenario
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay.load_curve import parse_load_curve
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, DEFAULT_RATE_TOLERANCE, RateSearch
 
 
@@ -79,7 +78,11 @@ def capacity(
         check_out_dir(out)
         check_backend(backend, jobs, ray_address)
         search = _rate_search(find_max_rate, target_rate, rate_tolerance, goodput, max_replays)
-        curve = parse_load_curve(load_curve) if load_curve is not None else None
+        curve = None
+        if load_curve is not None:
+            from kvtwin.sim.replay.load_curve import parse_load_curve  # its columns' types load pyarrow
+
+            curve = parse_load_curve(load_curve)
         if backend == "ray":
             import_ray()  # before any work: say now that it is missing
         path = find_scenario(scenario_path) or DEFAULT_SCENARIO
@@ -192,17 +195,41 @@ def knee_lines(table, axes) -> list[str]:
                    default=None)
         where = f"{label}: " if label else ""
         knee = row["knee_request_rate"]
+        past = sorted(r["offered_request_rate"] for r in curve if r["past_knee"])
         if knee is not None:
-            above = min(r for r in rates if r > knee)
-            what = f"knee between {knee:,.4g} and {above:,.4g} req/s offered"
-        elif all(not r["past_knee"] for r in curve):
-            what = f"every rate sustained: the knee is above {rates[-1]:,.4g} req/s offered"
+            what = f"knee between {knee:,.4g} and {past[0]:,.4g} req/s offered"
+        elif not past:
+            what = f"every rate judged was sustained: the knee is above {rates[-1]:,.4g} req/s offered"
         else:
-            what = f"not sustained at {rates[0]:,.4g} req/s offered, the lowest rate: the knee is below it"
+            what = f"not sustained at {past[0]:,.4g} req/s offered, the lowest rate judged: the knee is below it"
         if most is not None:
             what += f"; at most {most:,.4g} req/s achieved"
         out.append(f"load curve {where}{what}")
     return out
+
+
+# What a heading means where its name alone could be read two ways (reports/SCHEMA.md,
+# capacity.parquet): a throughput beside a sustainable rate, replicas needed beside the
+# swept engine.replicas.
+_LEGEND = {
+    "served req/s": "requests completed per second of the replay shown, over its whole run (the drain after "
+                    "its last arrival included){searched}",
+    "max sustained req/s": "the largest arrival rate that held the SLO with the load sustained "
+                           "(docs/capacity.md#sustained-load): the trace's requests/s at max rate scale",
+    "replicas needed": "engine replicas of this point's shape (tensor_parallel_size GPUs each; prefill and "
+                       "decode together for xPyD) to serve the trace's own rate at the max sustained rate per "
+                       "replica; not the swept engine.replicas",
+    "replicas needed @target": "the same for --target-rate",
+    "max sustained req/s (slow edge)": "the same search with every step slower by the calibration's held-out "
+                                       "step error (step err)",
+    "replicas needed (slow edge)": "replicas needed at the slow edge's rate per replica",
+}
+
+
+def column_legend(titles, find_max_rate: bool) -> list[str]:
+    """One line per shown heading of ``_LEGEND``, in the table's order."""
+    searched = "; with --find-max-rate, of the replay at the max rate" if find_max_rate else ""
+    return [f"{title}: {_LEGEND[title].format(searched=searched)}" for title in titles if title in _LEGEND]
 
 
 def print_points(table, axes, find_max_rate: bool) -> None:
@@ -215,7 +242,7 @@ def print_points(table, axes, find_max_rate: bool) -> None:
     client = "p99_ttft_client_ms" in table.column_names
     figures = [("p99 TTFT (client)", "p99_ttft_client_ms") if client else ("p99 TTFT", "p99_ttft_ms"),
                ("p99 TPOT", "p99_tpot_ms"), ("SLO met", "slo_attainment"),
-               ("hit rate", "prefix_cache_hit_rate"), ("req/s", "request_throughput")]
+               ("hit rate", "prefix_cache_hit_rate"), ("served req/s", "request_throughput")]
     if "hit_rate_total" in table.column_names:
         # Offloading: what the tiers add to the GPU's hits (of prompt tokens; "-" without tiers).
         figures[4:4] = [("+CPU", "hit_rate_cpu"), ("+disk", "hit_rate_disk"), ("total hit", "hit_rate_total")]
@@ -238,14 +265,14 @@ def print_points(table, axes, find_max_rate: bool) -> None:
             figures += [(f"p99 TTFT ({'client, ' if client else ''}slow edge)", f"p99_ttft{side}_ms_pessimistic"),
                         ("achieved (slow edge)", "achieved_request_rate_pessimistic")]
     if find_max_rate:
-        figures += [("max rate x", "max_rate_scale"), ("max req/s", "max_request_rate"),
-                    ("replicas", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
+        figures += [("max rate scale", "max_rate_scale"), ("max sustained req/s", "max_request_rate"),
+                    ("replicas needed", "replicas_needed_trace_rate"), ("$/M tok", "cost_per_million_tokens")]
         if table.column("replicas_needed_target_rate").null_count < table.num_rows:
-            figures.append(("replicas @target", "replicas_needed_target_rate"))
+            figures.append(("replicas needed @target", "replicas_needed_target_rate"))
         if table.column("max_request_rate_pessimistic").null_count < table.num_rows:
             # The pessimistic edge: every step slower by the calibration's held-out error.
-            figures += [("step err", "step_error"), ("max req/s (slow edge)", "max_request_rate_pessimistic"),
-                        ("replicas (slow edge)", "replicas_needed_trace_rate_pessimistic")]
+            figures += [("step err", "step_error"), ("max sustained req/s (slow edge)", "max_request_rate_pessimistic"),
+                        ("replicas needed (slow edge)", "replicas_needed_trace_rate_pessimistic")]
     for name in names:
         shown.add_column(name, no_wrap=True)
     for title, _ in figures:
@@ -254,7 +281,9 @@ def print_points(table, axes, find_max_rate: bool) -> None:
         cells = [_cell(row[n]) for n in names]
         for _, column in figures:
             value = row[column]
-            if column.endswith(("_ms", "_ms_pessimistic")):
+            if column == "sustained" and "short_window" in (row.get("sustained_reason") or ""):
+                cells.append("too short")  # not judged, not failed (docs/capacity.md#load-curve)
+            elif column.endswith(("_ms", "_ms_pessimistic")):
                 cells.append(summary_text.format_duration_ms(value) if value is not None else "-")
             elif column in ("slo_attainment", "rejected_share", "prefix_cache_hit_rate", "step_error",
                             "pd_transfer_share_of_ttft") or column.startswith("hit_rate_"):
@@ -263,8 +292,13 @@ def print_points(table, axes, find_max_rate: bool) -> None:
                 cells.append(_cell(value))
         shown.add_row(*cells)
     console = Console()
-    # A log or a pipe gets the whole table, not one folded to 80 columns.
-    (console if console.is_terminal else Console(width=240)).print(shown)
+    # A log or a pipe gets the whole table on one line per row, however many columns it has,
+    # not one folded to 80 columns.
+    if not console.is_terminal:
+        console = Console(width=max(240, Console(width=10_000).measure(shown).maximum))
+    console.print(shown)
+    for line in column_legend([title for title, _ in figures], find_max_rate):
+        print(line)
     for row in table.to_pylist():
         if row["status"] != "ok":
             print(f"point {row['point']} failed: {row['error']}")

@@ -128,6 +128,8 @@ def hf_config_to_mapping(raw: dict[str, Any], *, source: str = "config.json") ->
         moe_period, moe_offset = f.int("expert_layer_period", 2), f.int("expert_layer_offset", 1)
     total, active = estimate_params(out, tie_embeddings=bool(f.get("tie_word_embeddings", False)),
                                     moe_period=moe_period, moe_offset=moe_offset)
+    if moe_period != 1:
+        out["moe_layer_period"], out["moe_layer_offset"] = moe_period, moe_offset
     out["params_total"], out["params_active"] = total, active
     out["tie_word_embeddings"] = bool(f.get("tie_word_embeddings", False))
     return out

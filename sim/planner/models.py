@@ -263,6 +263,10 @@ class ModelPreset:
     q_lora_rank: int | None = None
     intermediate_size: int = 0
     first_dense_layers: int = 0
+    # Past the first dense layers, layer i's MLP is routed when (i - offset) % period == 0
+    # (Jamba: HF's expert_layer_period 2, expert_layer_offset 1; the others route every one).
+    moe_layer_period: int = 1
+    moe_layer_offset: int = 0
     num_experts: int = 0
     num_experts_per_token: int = 0
     moe_intermediate_size: int = 0
@@ -282,8 +286,11 @@ class ModelPreset:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "moe_layer_period"):
             _positive_int(getattr(self, name), name)
+        require(isinstance(self.moe_layer_offset, int) and not isinstance(self.moe_layer_offset, bool)
+                and 0 <= self.moe_layer_offset < self.moe_layer_period, "moe_layer_offset",
+                f"an integer from 0 to moe_layer_period - 1 ({self.moe_layer_period - 1})", self.moe_layer_offset)
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         _positive_int(self.head_dim_v, "head_dim_v")
@@ -367,12 +374,20 @@ class ModelPreset:
         return max(float(self.params_active) - matrices * self.lm_head_params, 0.0)
 
     @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is routed: past the first dense ones, every ``moe_layer_period``-th
+        from ``moe_layer_offset``."""
+        if not self.num_experts:
+            return 0
+        return sum(1 for i in range(self.first_dense_layers, self.num_layers)
+                   if (i - self.moe_layer_offset) % self.moe_layer_period == 0)
+
+    @property
     def routed_expert_params(self) -> float:
         """Parameters of the routed experts (gate, up and down projections of each)."""
         if not self.num_experts:
             return 0.0
-        moe_layers = self.num_layers - self.first_dense_layers
-        return moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def weights_bytes(self) -> int:

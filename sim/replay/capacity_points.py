@@ -18,7 +18,9 @@ summary's ``total_token_throughput`` at ``lo``). Where no scale holds, ``max_rat
 and the figures derived from it are null and the summary is the last replay's; otherwise
 the summary columns are those of the replay at ``lo``. The ``*_pessimistic`` columns repeat
 the search with every step slower by the calibration's held-out step error
-(``calibration_data.pessimistic``); null for an uncalibrated clock.
+(``step_error``, ``calibration_data.pessimistic``); null for an uncalibrated clock. The
+replicas are engine replicas of the point's own shape, each ``tensor_parallel_size`` GPUs
+(times ``num_gpus / num_replicas`` they read as GPUs), not the swept ``engine.replicas``.
 
 The search judges sustained load, never a burst (docs/capacity.md#enough-load). A
 ``limit`` (``--limit N``) is read as a duration (``Stretch``): the shortest time in which
@@ -27,7 +29,10 @@ load curve) tries replays that much simulated time, from the stretch of the scal
 that holds the most arrivals in it: the load lasts as long at every rate, a higher rate is
 more requests rather than a shorter burst, and the busiest part of the trace decides. The
 answer is stated as the whole trace's rate at the scale its busiest stretch held: every
-other stretch as long is no denser, so a short replay errs low rather than high. A start whose window is too short to
+other stretch as long is no denser, so a short replay errs low rather than high. A
+synthetic workload is drawn anew instead (``PointReplays.generated_at``): its arrival rate
+times the scale, for as long as its requests (or the limit's) span at the point's own
+scale. A start whose window is too short to
 judge is doubled (``SLOProbe.judged_start``); a scale still too short (``sustained_reason``
 ``short_window``) counts as not holding, and ``rate_search_refusal`` says what it lacked;
 where no scale was judged to hold, it says what the point needs instead of a rate.
@@ -52,16 +57,19 @@ from kvtwin.sim.replay.load_curve import offered_scale
 from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, replicas_for, request_rate, \
     slo_holds
 from kvtwin.sim.replay.run import run_replay
-from kvtwin.sim.replay.sustained import SHORT_WINDOW, needs
+from kvtwin.sim.replay.sustained import MIN_STEADY_ARRIVALS, SHORT_WINDOW, needs, window_arrivals
 from kvtwin.sim.scenario.efficiency import Efficiency
 from kvtwin.sim.scenario.parse import Workload
 from kvtwin.sim.scenario.resolve import ResolvedScenario, resolve_scenario
 from kvtwin.traces.errors import TraceError
 
+# Synthetic workloads drawn at other rates that a point keeps (``PointReplays.generated_at``).
+MAX_GENERATED = 8
 # A start too short to judge is doubled at most this often (``SLOProbe.judged_start``).
 MAX_START_DOUBLINGS = 6
 
-# The columns a rate search adds to a point's row, and their types.
+# The columns a rate search adds to a point's row, and their types; reports/SCHEMA.md
+# documents each with its unit (tests/reports/test_schema_capacity.py keeps them in step).
 MAX_RATE_COLUMNS: dict[str, pa.DataType] = {
     "max_rate_scale": pa.float64(),
     "max_request_rate": pa.float64(),
@@ -154,6 +162,7 @@ class PointReplays:
         self.start_scale = float(self.workload.transforms.get("rate_scale", 1.0))
         self._unscaled: pa.Table | None = None
         self._stretch: Stretch | None = None
+        self._generated: dict[float, pa.Table] = {}
 
     def unscaled(self) -> pa.Table:
         """The point's trace with its window and sample cut, neither scaled nor limited."""
@@ -164,18 +173,44 @@ class PointReplays:
 
     def stretch(self) -> Stretch | None:
         """A ``limit`` read as the busiest stretch of that many requests (module docstring);
-        None without a limit (every scale then replays the whole cut)."""
-        if "limit" not in self.workload.transforms:
+        None without a limit (every scale then replays the whole cut). A synthetic workload
+        always has one: without a limit, all its requests."""
+        if "limit" not in self.workload.transforms and self.workload.synth is None:
             return None
         if self._stretch is None:
             arrivals = self.unscaled().column("arrival_time_s").to_numpy()
-            self._stretch = Stretch.of(arrivals, int(self.workload.transforms["limit"]), self.start_scale)
+            count = int(self.workload.transforms.get("limit", len(arrivals)))
+            if self.workload.synth is not None:
+                # Drawn anew at every rate, a stationary workload has no busiest part: the
+                # duration is its own first requests' (the point's own replay at its scale).
+                arrivals = arrivals[:count]
+            self._stretch = Stretch.of(arrivals, count, self.start_scale)
         return self._stretch
 
     def trace_rate(self, scale: float) -> float:
         """Requests/s of the point's whole cut trace at ``scale`` (no limit): the rate a
-        search's answer is stated in."""
+        search's answer is stated in. A synthetic workload's is the one generated at it."""
+        if self.workload.synth is not None:
+            return request_rate(self.cut_at(scale))
         return request_rate(self.unscaled()) * scale
+
+    def generated_at(self, scale: float) -> pa.Table:
+        """A synthetic workload drawn for the stretch's duration at ``scale`` times its
+        arrival rate (the spec's seed, so the requests it shares with the point's own are the
+        same), cut as the point's but for its rate scale and limit (module docstring)."""
+        table = self._generated.get(scale)
+        if table is None:
+            synth = self.workload.synth
+            arrival = {**synth["arrival"], "rate_per_s": synth["arrival"]["rate_per_s"] * scale}
+            # The arrival that ends the duration is kept despite rounding; the next is a gap later.
+            spec = {**{k: v for k, v in synth.items() if k != "num_requests"}, "arrival": arrival,
+                    "duration_s": self.stretch().duration_s * (1 + 1e-6)}
+            transforms = {k: v for k, v in self.workload.transforms.items() if k not in ("rate_scale", "limit")}
+            workload = dataclasses.replace(self.workload, synth=spec, transforms=transforms)
+            if len(self._generated) >= MAX_GENERATED:
+                self._generated.clear()
+            table = self._generated[scale] = workload.cut(workload.load_source())
+        return table
 
     def cut_at(self, scale: float | None) -> pa.Table:
         """The trace a replay at ``scale`` runs (None: the workload's own cut)."""
@@ -185,6 +220,8 @@ class PointReplays:
         if stretch is None:
             transforms = {**self.workload.transforms, "rate_scale": scale}
             return dataclasses.replace(self.workload, transforms=transforms).cut(self.source)
+        if self.workload.synth is not None:
+            return self.generated_at(scale)
         from kvtwin.traces.transforms import scale_rate, time_window
 
         unscaled = self.unscaled()
@@ -216,6 +253,8 @@ class SLOProbe:
         self.runs: dict[float, tuple[dict, pa.Table]] = {}
         # Scales whose steady window was too short to judge, and what each lacked.
         self.short: dict[float, str] = {}
+        # Scales ``judged_start`` passed over for that.
+        self.skipped: list[float] = []
 
     def __call__(self, scale: float) -> bool:
         if scale not in self.runs:
@@ -226,12 +265,15 @@ class SLOProbe:
         return slo_holds(summary, self.replays.resolved.slo, self.goodput)
 
     def judged_start(self, start: float) -> float:
-        """Where the search starts: the point's own scale, doubled while its steady window is
-        too short to judge (docs/capacity.md#enough-load). A stretch read from a ``limit``
-        lasts as long at every scale, so a higher rate brings more arrivals into it, and a
-        lower one could only bring fewer; at most ``MAX_START_DOUBLINGS`` times, after which
-        the search starts where it would have and ends in a refusal. A whole trace scaled
-        has as many arrivals at every scale: it starts where it is."""
+        """Where the search starts: the point's own scale, doubled while its steady window
+        holds too few arrivals to judge (docs/capacity.md#enough-load). A stretch read from a
+        ``limit`` lasts as long at every scale, so a higher rate brings more arrivals into
+        it, and a lower one could only bring fewer; at most ``MAX_START_DOUBLINGS`` times.
+        A window short next to the requests' service time is not helped by a higher rate
+        (the service time grows with the load): the search then starts where it would have,
+        as it does when the doublings run out, and ends in a refusal unless a lower rate can
+        be judged. A whole trace scaled has as many arrivals at every scale: it starts where
+        it is."""
         if self.replays.stretch() is None:
             return start
         scale = start
@@ -239,6 +281,9 @@ class SLOProbe:
             self(scale)
             if scale not in self.short:
                 return scale
+            if window_arrivals(self.runs[scale][0]) >= MIN_STEADY_ARRIVALS:
+                return start
+            self.skipped.append(scale)
             scale *= 2
         return start
 
@@ -327,7 +372,7 @@ def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:
     found = bracket_and_bisect(probe, start, search.tolerance, search.max_replays)
     out: dict = dict.fromkeys(MAX_RATE_COLUMNS)
     out["search"] = {"start_rate_scale": start, "converged": found.converged,
-                     "too_short": sorted(x for x in probe.runs if x < start),
+                     "too_short": probe.skipped,
                      "tried": [[x, ok] for x, ok in found.history]}
     out["rate_search_refusal"] = probe.refusal(found)
     trace_rate = replays.trace_rate(replays.start_scale)

@@ -1,7 +1,8 @@
 """``capacity.parquet``: one row per sweep point (point, status, error, one column per sweep
-key, the replay's summary columns, the point's clock, with a rate search the rate and cost columns of
-``capacity_points`` and with a load curve those of ``load_curve``). Each point's search (scale, holds) is kept in the schema metadata
-under ``kvtwin.capacity``."""
+key, the replay's summary columns, the point's clock, its GPUs, with a rate search the rate
+and cost columns of ``capacity_points`` and with a load curve those of ``load_curve``).
+Each point's search (scale, holds) is kept in the schema metadata under
+``kvtwin.capacity``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS, knees
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, summarize
+from kvtwin.sim.replay.sustained import SHORT_WINDOW
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.sweep_keys import Axis, Point
 
@@ -54,6 +56,13 @@ PD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
 }
 
 
+def _judged_sustained(summary: dict) -> bool | None:
+    """Whether a replay's load was sustained; None where its window was too short to judge."""
+    if SHORT_WINDOW in (summary.get("sustained_reason") or "").split(","):
+        return None
+    return bool(summary["sustained"])
+
+
 def _load_curve_columns(rows: Sequence[dict], by_point: dict[int, Point], axes: Sequence[Axis]) -> dict:
     """``LOAD_CURVE_COLUMNS``, the knee found per curve: the points that share every swept
     value. A failed point is on no curve (its columns are null)."""
@@ -68,7 +77,7 @@ def _load_curve_columns(rows: Sequence[dict], by_point: dict[int, Point], axes: 
             if r["status"] == "ok":
                 values[name][i] = r.get(name)
     members = list(curves.values())
-    found = knees([[(rows[i]["offered_request_rate"], bool(rows[i]["summary"]["sustained"])) for i in curve]
+    found = knees([[(rows[i]["offered_request_rate"], _judged_sustained(rows[i]["summary"])) for i in curve]
                    for curve in members])
     for curve, (knee, past) in zip(members, found):
         for i, is_past in zip(curve, past):
@@ -107,10 +116,11 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
                 continue
             values = [(r["summary"] or {}).get(name) for r in rows]
             columns[name] = pa.array(values, kind)
-    # Disaggregated points: their P/D columns (null in aggregated points), and every
-    # point's GPUs, so xPyD and aggregated deployments compare at equal GPU count.
+    # Every point's GPUs: xPyD and aggregated deployments compare at equal GPU count, and
+    # the replicas a rate search says are needed read as GPUs (num_gpus over num_replicas each).
+    columns["num_gpus"] = pa.array([r.get("num_gpus") for r in rows], pa.int64())
+    # Disaggregated points: their P/D columns (null in aggregated points).
     if any(r["summary"] is not None and "pd_link" in r["summary"] for r in rows):
-        columns["num_gpus"] = pa.array([r.get("num_gpus") for r in rows], pa.int64())
         for name, kind in PD_SUMMARY_COLUMNS.items():
             columns[name] = pa.array([(r["summary"] or {}).get(name) for r in rows], kind)
     if find_max_rate:

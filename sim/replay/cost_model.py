@@ -42,7 +42,8 @@ synchronous scheduling the CPU overhead adds to it; with asynchronous scheduling
 default) the next step is prepared while this one runs, so the step takes the longer of
 the two. Efficiency factors scale the datasheet peaks; a calibration file (bundled per GPU
 in ``sim/replay/data/calibration``, fitted by ``kvtwin calibrate`` or ``kvtwin validate``)
-sets them.
+sets them. However they are set, no step is priced below its roofline at 100% efficiency
+(docs/invariants.md#the-clocks-physical-floor).
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ class CostModel:
         per_param = _MXFP4_BYTES_PER_PARAM if model.weight_format == "mxfp4_moe" else \
             (1 if model.weight_format == "fp8" else 2)
         params = 3 * model.hidden_size * model.moe_intermediate_size
-        return params * per_param / tp, model.num_layers - model.first_dense_layers
+        return params * per_param / tp, model.num_moe_layers
 
     def _weight_bytes_read(self, num_tokens: int) -> float:
         if not self.moe_layers:

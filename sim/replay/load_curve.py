@@ -13,8 +13,9 @@ edge (every step slower by the calibration's held-out step error).
 
 The *knee* of a curve (one per combination of the other swept keys) is the highest offered
 rate that was sustained with every lower rate sustained too; the first rate that was not,
-and every rate above it, is ``past_knee``. Where every rate held, or the lowest did not, the
-knee is outside the curve and ``knee_request_rate`` is null.
+and every rate above it, is ``past_knee``. A rate whose steady window was too short to judge
+(``short_window``) counts for neither. Where every rate judged held, or the lowest did not,
+the knee is outside the curve and ``knee_request_rate`` is null.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ MAX_RATE_STEPS = 8
 
 # The columns a load curve adds to a point's row, and their types.
 LOAD_CURVE_COLUMNS: dict[str, pa.DataType] = {
+    "step_error": pa.float64(),  # first: where a rate search's is
     "offered_request_rate": pa.float64(),
     "load_rate_scale": pa.float64(),
     "achieved_request_rate": pa.float64(),
     "knee_request_rate": pa.float64(),
     "past_knee": pa.bool_(),
-    "step_error": pa.float64(),
     "achieved_request_rate_pessimistic": pa.float64(),
     "p99_ttft_ms_pessimistic": pa.float64(),
     "p99_ttft_client_ms_pessimistic": pa.float64(),
@@ -122,19 +123,24 @@ def offered_scale(rate_at: Callable[[float], float], rate_per_s: float, start_sc
     return scale
 
 
-def knees(groups: Sequence[Sequence[tuple[float, bool]]]) -> list[tuple[float | None, list[bool]]]:
-    """Per curve, given its (offered rate, sustained) points in any order: the knee
-    (module docstring) and, in the given order, whether each point is past it."""
+def knees(groups: Sequence[Sequence[tuple[float, bool | None]]]) -> list[tuple[float | None, list[bool]]]:
+    """Per curve, given its (offered rate, sustained) points in any order, sustained None
+    where the steady window was too short to judge: the knee (module docstring) and, in the
+    given order, whether each point is past it. A point not judged neither holds the knee
+    nor passes it; it is past the knee when it lies above the first rate judged not
+    sustained."""
     out = []
     for points in groups:
         ordered = sorted(range(len(points)), key=lambda i: points[i][0])
-        first_failed = next((k for k, i in enumerate(ordered) if not points[i][1]), None)
+        judged = [i for i in ordered if points[i][1] is not None]
+        first_failed = next((k for k, i in enumerate(judged) if not points[i][1]), None)
         past = [False] * len(points)
         knee = None
         if first_failed is not None:
-            for i in ordered[first_failed:]:
-                past[i] = True
+            failed_rate = points[judged[first_failed]][0]
+            for i in ordered:
+                past[i] = points[i][0] >= failed_rate
             if first_failed > 0:
-                knee = points[ordered[first_failed - 1]][0]
+                knee = points[judged[first_failed - 1]][0]
         out.append((knee, past))
     return out

@@ -73,11 +73,17 @@ class SustainedLoad:
                 "drain_s": self.drain_s, "steady_median_service_s": self.median_service_s}
 
 
+def window_arrivals(summary: dict) -> int:
+    """The arrivals in a replay's steady window, from its summary's figures."""
+    window_s = summary["steady_window_s"]
+    rate = summary["steady_arrival_rate"]
+    return round(rate * window_s) if window_s > 0 and math.isfinite(rate) else 0
+
+
 def needs(summary: dict) -> str:
     """What a summary's window too short to judge lacked, in words (its columns only)."""
     window_s = summary["steady_window_s"]
-    rate = summary["steady_arrival_rate"]
-    arrivals = round(rate * window_s) if window_s > 0 and math.isfinite(rate) else 0
+    arrivals = window_arrivals(summary)
     service_s = summary["steady_median_service_s"]
     floor_s = STEADY_SERVICE_MULTIPLE * service_s if math.isfinite(service_s) else 0.0
     return (f"a steady window of at least {MIN_STEADY_ARRIVALS} arrivals and {floor_s:.1f} s "

@@ -109,3 +109,16 @@ def test_parameter_estimate_is_close_for_dense_models(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["llama-3.1-8b"](preset)))
     loaded = load_hf_config(tmp_path / "config.json")
     assert loaded.params_total == pytest.approx(8.03e9, rel=0.01)
+
+
+def test_jamba_routes_every_other_layer_from_its_config_and_its_preset(tmp_path):
+    # HF's expert_layer_period 2 / expert_layer_offset 1: layers 1, 3, ..., 31 route, 16 of
+    # 32; the routed experts are then 16 x 16 x 3 x 4096 x 14336 parameters, inside 52e9.
+    preset = get_model("jamba-mini")
+    config = HF_CONFIGS["jamba-mini"](preset) | {"expert_layer_period": 2, "expert_layer_offset": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_hf_config(tmp_path / "config.json")
+    for model in (preset, loaded):
+        assert (model.moe_layer_period, model.moe_layer_offset, model.num_moe_layers) == (2, 1, 16)
+        assert model.routed_expert_params == 16 * 16 * 3 * 4096 * 14336 < model.params_total
+    assert get_model("deepseek-v3").num_moe_layers == 61 - 3

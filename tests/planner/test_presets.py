@@ -120,5 +120,9 @@ def test_inline_model_validation():
         model_from_mapping({**mamba, "state": {k: v for k, v in state.items() if k != "head_dim"}})
     with pytest.raises(ConfigError, match=r"^model\.state\.expand: expected a field of a mamba2 state"):
         model_from_mapping({**mamba, "state": {**state, "expand": 2}})
+    with pytest.raises(ConfigError, match="moe_layer_period"):
+        model_from_mapping({**base, "sliding_window": 64, "moe_layer_period": 0})
+    with pytest.raises(ConfigError, match=r"moe_layer_offset.*from 0 to moe_layer_period - 1 \(1\)"):
+        model_from_mapping({**base, "sliding_window": 64, "moe_layer_period": 2, "moe_layer_offset": 2})
     ok = model_from_mapping({**base, "sliding_window": 64})
     assert ok.layer_kinds == ("sliding_window", "full_attention") * 2

@@ -107,7 +107,7 @@ def test_sweep_rows_and_columns(tmp_path):
     assert table.num_rows == 4
     names = table.column_names
     assert names[:5] == ["point", "status", "error", "engine.max_num_seqs", "hardware.gpu"]
-    assert names[5:] == summary_schema().names + list(CLOCK_COLUMNS)
+    assert names[5:] == summary_schema().names + list(CLOCK_COLUMNS) + ["num_gpus"]
     assert str(table.schema.field("point").type) == "int64"
     assert str(table.schema.field("engine.max_num_seqs").type) == "int64"
     assert str(table.schema.field("hardware.gpu").type) == "string"
@@ -115,6 +115,8 @@ def test_sweep_rows_and_columns(tmp_path):
     assert [(r["engine.max_num_seqs"], r["hardware.gpu"]) for r in rows] == [
         (8, "h100"), (8, "h200"), (64, "h100"), (64, "h200")]
     assert all(r["status"] == "ok" and r["error"] is None and r["num_requests"] == 40 for r in rows)
+    # The scenario sets neither replicas nor tensor parallelism: one GPU per point.
+    assert [r["num_gpus"] for r in rows] == [1] * 4
     # Each point on its GPU's bundled clock, said once per clock.
     assert [r["calibration"].split()[:2] for r in rows] == [["bundled", gpu] for gpu in ("h100", "h200") * 2]
     assert [line for line in result.output.splitlines() if "clock: " in line] == [

@@ -14,10 +14,12 @@ from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS, RATE_MATCH, knees, 
 from tests.cli_run import one_error_line, run
 from tests.replay.test_capacity import AZURE, CONSTANT
 
-# The constant workload (tests/replay/test_capacity.py): 400 identical one-token requests,
-# evenly spaced, one per 10 ms step: the engine completes 100 requests/s at most.
+# The constant workload (tests/replay/test_capacity.py) cut to 100 identical one-token
+# requests 0.1 s apart (9.9 s), one per 10 ms step: the engine completes 100 requests/s at
+# most. A synthetic workload is drawn anew at each rate for those 9.9 s
+# (docs/capacity.md#enough-load): floor(9.9 x rate) + 1 requests.
 CAPACITY_PER_S = 100.0
-N = 400
+SPAN_S = 9.9
 STEP_S = 0.01
 
 
@@ -58,6 +60,11 @@ def test_knee_is_the_last_sustained_rate_before_the_first_that_is_not():
     assert knees([[(1.0, False), (2.0, True)]]) == [(None, [True, True])]
     assert knees([[(3.0, True), (1.0, True), (2.0, False)], [(1.0, False)]]) == [
         (1.0, [True, False, True]), (None, [True])]
+    # A rate too short to judge (None) neither holds the knee nor passes it.
+    assert knees([[(1.0, None), (2.0, True), (3.0, None), (4.0, False), (5.0, None)]]) == [
+        (2.0, [False, False, False, True, True])]
+    assert knees([[(1.0, None), (2.0, False)]]) == [(None, [False, True])]
+    assert knees([[(1.0, None), (2.0, None)]]) == [(None, [False, False])]
 
 
 def test_offered_scale_corrects_a_trace_denser_later():
@@ -75,13 +82,13 @@ def test_offered_scale_corrects_a_trace_denser_later():
 @pytest.fixture
 def constant(tmp_path):
     path = tmp_path / "constant.toml"
-    path.write_text(CONSTANT)
+    path.write_text(CONSTANT.replace("num_requests = 400", "num_requests = 100"))
     return path
 
 
 def test_a_known_capacity_gives_the_knee_and_the_achieved_rates(constant, tmp_path):
     out = tmp_path / "curve"
-    rates = (50.0, 80.0, 150.0, 300.0)
+    rates = (40.0, 80.0, 150.0, 200.0)
     result = run("capacity", constant, "--load-curve", ",".join(map(str, rates)), "--out", out, "-q")
     assert result.exit_code == 0, result.output
     table = pq.read_table(out / "capacity.parquet")
@@ -89,14 +96,15 @@ def test_a_known_capacity_gives_the_knee_and_the_achieved_rates(constant, tmp_pa
     rows = table.to_pylist()
     assert [r["point"] for r in rows] == [0, 1, 2, 3]
     for row, rate in zip(rows, rates):
-        # The whole synthetic trace scaled: its rate times the scale is the rate asked, at once
-        # (the gaps are constant to about 1e-6).
-        assert row["offered_request_rate"] == pytest.approx(rate, rel=1e-9)
+        n = math.floor(SPAN_S * rate + 1e-9) + 1
+        assert row["num_requests"] == n
+        # The synthetic trace drawn at the scale times its rate (gaps constant to about 1e-6).
+        assert row["offered_request_rate"] == pytest.approx(rate, rel=1e-5)
         assert row["load_rate_scale"] == pytest.approx(rate / 10.0, rel=1e-5)
         if rate < CAPACITY_PER_S:
             # Every request served in its own step as it arrives: the last completes a step
             # after the last arrival.
-            assert row["achieved_request_rate"] == pytest.approx(N / ((N - 1) / rate + STEP_S), rel=1e-6)
+            assert row["achieved_request_rate"] == pytest.approx(n / ((n - 1) / rate + STEP_S), rel=1e-5)
             assert row["sustained"] and not row["past_knee"]
         else:
             # Busy from the first arrival on, a request per step.
@@ -125,8 +133,9 @@ def test_one_curve_per_combination_of_the_other_keys(constant, tmp_path):
     assert [r["offered_request_rate"] for r in rows] == pytest.approx([50.0, 150.0, 50.0, 150.0])
     # Two requests per step with two sequences: 150 requests/s is within reach.
     assert [r["past_knee"] for r in rows] == [False, True, False, False]
-    assert [r["knee_request_rate"] for r in rows] == [50.0, 50.0, None, None]
-    assert "load curve engine.max_num_seqs=2: every rate sustained: the knee is above 150 req/s" in result.stdout
+    assert [r["knee_request_rate"] for r in rows][2:] == [None, None]
+    assert [r["knee_request_rate"] for r in rows][:2] == pytest.approx([50.0, 50.0], rel=1e-5)
+    assert "load curve engine.max_num_seqs=2: every rate judged was sustained: the knee is above 150 req/s" in result.stdout
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -149,7 +158,13 @@ def test_the_slow_edge_replays_each_rate_with_slower_steps(tmp_path):
     result = run("capacity", AZURE, "--limit", 300, "--load-curve", "5,60", "--out", out, "-q", "--no-report")
     assert result.exit_code == 0, result.output
     rows = pq.read_table(out / "capacity.parquet").to_pylist()
-    for row in rows:
+    for row, asked in zip(rows, (5.0, 60.0)):
+        # The rate replayed: (n - 1) over the arrival span, which the steady window is 60% of
+        # (docs/capacity.md#sustained-load); the Azure trace is denser later than its first
+        # 300 requests, so the scale that offers it was corrected (within 1% of the rate asked).
+        offered = (row["num_requests"] - 1) / (row["steady_window_s"] / 0.6)
+        assert row["offered_request_rate"] == pytest.approx(offered, rel=1e-9)
+        assert abs(offered / asked - 1) <= RATE_MATCH
         assert row["step_error"] > 0
         assert row["achieved_request_rate_pessimistic"] <= row["achieved_request_rate"] * (1 + 1e-9)
         assert row["p99_ttft_ms_pessimistic"] >= row["p99_ttft_ms"]

@@ -10,6 +10,8 @@ the comments, not read from the module.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import math
 
 import numpy as np
@@ -158,21 +160,32 @@ def test_the_rate_search_answers_the_sustained_rate_not_the_bursts(tmp_path):
     assert row["sustained"] and row["p99_ttft_ms"] < 60_000
 
 
-def test_a_point_whose_window_is_too_short_at_every_rate_is_refused_in_one_line(tmp_path):
-    # The constant workload cut to 200 requests (a tenth of a second apart at scale 1): the
-    # window from 20% to 80% of the 19.9 s span holds requests 40..159, 120 of them, under
-    # the 200 asked; halving the rate stretches the span but adds no request. No rate is
-    # printed; one line says what the point needs.
+def _constant_csv(tmp_path, count: int) -> Path:
+    """The constant workload's requests as a recorded trace: ``count`` one-token requests
+    0.1 s apart, on the same fast GPU (a request per 10 ms step)."""
+    from tests.replay.test_capacity import CONSTANT
+
+    trace = tmp_path / "constant.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n"
+                     + "".join(f"{i / 10!r},16,1\n" for i in range(count)))
+    path = tmp_path / "recorded.toml"
+    path.write_text(CONSTANT.split("[workload]")[0] + '[workload]\ntrace = "constant.csv"\n'
+                    + "[slo]" + CONSTANT.split("[slo]")[1])
+    return path
+
+
+def test_a_recorded_point_whose_window_is_too_short_at_every_rate_is_refused_in_one_line(tmp_path):
+    # 200 recorded requests 0.1 s apart, scaled whole (no limit): the window from 20% to 80%
+    # of the 19.9 s span holds requests 40..159, 120 of them, under the 200 asked; no rate
+    # adds a request. No rate is printed; one line says what the point needs.
     from typer.testing import CliRunner
 
     import pyarrow.parquet as pq
-    from tests.replay.test_capacity import CONSTANT, _app
+    from tests.replay.test_capacity import _app
 
-    path = tmp_path / "short.toml"
-    path.write_text(CONSTANT.replace("num_requests = 400", "num_requests = 200"))
     out = tmp_path / "cap"
-    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--jobs", "1", "--no-report",
-                                         "-q", "--out", str(out)])
+    result = CliRunner().invoke(_app(), ["capacity", str(_constant_csv(tmp_path, 200)), "--find-max-rate",
+                                         "--jobs", "1", "--no-report", "-q", "--out", str(out)])
     assert result.exit_code == 0, result.output
     row = pq.read_table(out / "capacity.parquet").to_pylist()[0]
     assert row["max_rate_scale"] is None and row["max_request_rate"] is None
@@ -183,19 +196,52 @@ def test_a_point_whose_window_is_too_short_at_every_rate_is_refused_in_one_line(
     assert "it had 120 in 11.9 s; raise --limit" in lines[0]
 
 
-@pytest.mark.parametrize("scale, expected", [(1.0, 100), (0.5, 50), (2.5, 248), (3.5, 347), (5.0, 400)])
-def test_a_limit_is_read_as_the_time_its_requests_span(tmp_path, scale, expected):
-    # The constant workload (400 requests 0.1 s apart) with limit 100: the first 100 span
-    # 9.9 s; at scale s the requests are 0.1 / s apart, and those within 9.9 s of the first
-    # number floor(9.9 s / 0.1) + 1, until the 400 run out (docs/capacity.md#enough-load).
+def test_a_synthetic_point_too_short_at_its_own_rate_is_drawn_for_longer_at_a_higher_one(tmp_path):
+    # The same 200 requests drawn from a spec: at twice the rate the spec gives 398 in the
+    # same 19.9 s (239 in the window), enough to judge; the search starts there and finds
+    # the engine's 100 requests/s (scale 10) as with 400 requests (docs/capacity.md#enough-load).
+    import json
+
+    from typer.testing import CliRunner
+
+    import pyarrow.parquet as pq
+    from tests.replay.test_capacity import CONSTANT, _app
+
+    path = tmp_path / "short.toml"
+    path.write_text(CONSTANT.replace("num_requests = 400", "num_requests = 200").replace("ttft_s = 0.015",
+                                                                                          "ttft_s = 60.0"))
+    out = tmp_path / "cap"
+    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--jobs", "1", "--no-report",
+                                         "-q", "--rate-tolerance", "0.02", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out / "capacity.parquet")
+    row = table.to_pylist()[0]
+    search = json.loads(table.schema.metadata[b"kvtwin.capacity"])["0"]
+    assert search["too_short"] == [1.0] and search["start_rate_scale"] == 2.0
+    assert 10.0 * 0.98 <= row["max_rate_scale"] <= 100 / 9 and row["rate_search_refusal"] is None
+    assert row["max_request_rate"] == pytest.approx(row["judged_request_rate"])
+    assert row["max_request_rate"] == pytest.approx(10.0 * row["max_rate_scale"], rel=1e-4)
+
+
+@pytest.mark.parametrize("recorded, scale, expected", [
+    (True, 1.0, 100), (True, 0.5, 50), (True, 2.5, 248), (True, 3.5, 347), (True, 5.0, 400),
+    (False, 1.0, 100), (False, 0.5, 50), (False, 2.5, 248), (False, 4.5, 446)])
+def test_a_limit_is_read_as_the_time_its_requests_span(tmp_path, recorded, scale, expected):
+    # 400 requests 0.1 s apart with limit 100: the first 100 span 9.9 s; at scale s the
+    # requests are 0.1 / s apart, and those within 9.9 s number floor(9.9 s / 0.1) + 1: a
+    # recorded trace until its 400 run out, a synthetic one drawn for as long as it takes
+    # (docs/capacity.md#enough-load).
     from kvtwin.sim.replay.capacity_points import PointReplays
     from kvtwin.sim.scenario.parse import load_scenario_data
     from kvtwin.sim.scenario.resolve import resolve_scenario
     from kvtwin.sim.scenario.sweep_keys import with_limit
     from tests.replay.test_capacity import CONSTANT
 
-    path = tmp_path / "constant.toml"
-    path.write_text(CONSTANT)
+    if recorded:
+        path = _constant_csv(tmp_path, 400)
+    else:
+        path = tmp_path / "constant.toml"
+        path.write_text(CONSTANT)
     resolved = resolve_scenario(path, data=with_limit(load_scenario_data(path), 100))
     workload = resolved.require_workload()
     replays = PointReplays(resolved, None, None, workload.load_source())

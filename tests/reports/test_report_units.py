@@ -223,9 +223,106 @@ def test_capacity_rate_plots_in_their_units(drawn):
                                                                                   [4.5, 9.0, 11.0])
     ax = axes["SLO attainment vs rate"]
     assert "(%)" in ax.get_ylabel() and np.allclose(ax.lines[0].get_ydata(), [99.0, 95.0, 62.5])
+    # No GPUs per replica in this table: the replicas needed stay in replicas (the ok points:
+    # trace rate, target rate, trace rate at the slow edge, which point 2 lacks).
     ax = axes["Replicas needed"]
     assert ax.get_ylabel() == "replicas"
-    assert [p.get_height() for p in ax.patches] == [4, 2, 7, 12, 9, 30]
+    assert np.allclose([p.get_height() for p in ax.patches], [4, 2, 7, 12, 9, 30, 5, 3, np.nan], equal_nan=True)
+    # The answer against the swept key: the largest sustainable rate, and its slow edge dashed
+    # where the point has one (point 2 has none), in requests per second.
+    ax = axes["Max sustainable rate vs rate_scale"]
+    assert ax.get_ylabel() == "requests per second"
+    central, edge = ax.lines
+    assert np.allclose(central.get_xdata(), [0.5, 1.0, 2.0]) and np.allclose(central.get_ydata(), [3.5, 9.25, 1.5])
+    assert np.allclose(edge.get_xdata(), [0.5, 1.0]) and np.allclose(edge.get_ydata(), [3.0, 8.5])
+    assert edge.get_linestyle() == "--" and edge.get_color() == central.get_color()
+
+
+def _heights(ax) -> list[float]:
+    return [p.get_height() for p in ax.patches]
+
+
+def test_the_answer_against_each_swept_key_and_gpus_needed(drawn):
+    # engine.replicas 1, 2 by two GPUs, tensor-parallel 2: 2 GPUs a replica.
+    replicas, gpus = [1, 1, 2, 2], ["h100", "h200"] * 2
+    table = pa.table({
+        "point": [0, 1, 2, 3], "status": ["ok"] * 4, "error": pa.array([None] * 4, pa.string()),
+        "engine.replicas": replicas, "hardware.gpu": gpus,
+        "num_replicas": replicas, "num_gpus": [2 * r for r in replicas],
+        "max_request_rate": [10.0, 16.0, 21.0, 30.0], "max_request_rate_pessimistic": [8.0, 14.0, 17.0, 26.0],
+        "replicas_needed_trace_rate": pa.array([3, 2, 3, 2], pa.int64()),
+        "replicas_needed_target_rate": pa.array([None] * 4, pa.int64()),
+        "replicas_needed_trace_rate_pessimistic": pa.array([4, 3, 4, 3], pa.int64()),
+    })
+    render_capacity_report(table, None, {}, None)
+    axes = _by_title(drawn)
+    # A number key: one line per GPU, the slow edge dashed beside each.
+    ax = axes["Max sustainable rate vs replicas"]
+    assert ax.get_xlabel() == "engine.replicas" and ax.get_ylabel() == "requests per second"
+    lines = {ln.get_label(): ln for ln in ax.lines}
+    assert set(lines) == {"gpu=h100", "gpu=h100 slow edge", "gpu=h200", "gpu=h200 slow edge"}
+    assert np.allclose(lines["gpu=h100"].get_xdata(), [1, 2]) and np.allclose(lines["gpu=h100"].get_ydata(), [10, 21])
+    assert np.allclose(lines["gpu=h200 slow edge"].get_ydata(), [14, 26])
+    # A key of names: a bar per GPU, one per replicas and its slow edge beside it.
+    ax = axes["Max sustainable rate vs gpu"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["h100", "h200"]
+    assert [h.get_label() for h in ax.containers] == ["replicas=1", "replicas=1 slow edge", "replicas=2",
+                                                      "replicas=2 slow edge"]
+    assert _heights(ax) == [10, 16, 8, 14, 21, 30, 17, 26]
+    # GPUs needed: replicas needed x 2 GPUs per replica (num_gpus / num_replicas).
+    ax = axes["GPUs needed"]
+    assert ax.get_ylabel() == "GPUs"
+    assert _heights(ax) == [6, 4, 6, 4, 8, 6, 8, 6]
+    assert "Replicas needed" not in _by_title(drawn)
+
+
+def test_a_single_point_gets_its_answer_as_bars(drawn):
+    table = pa.table({
+        "point": [0], "status": ["ok"], "error": pa.array([None], pa.string()), "engine.replicas": [4],
+        "num_replicas": [4], "num_gpus": [8], "max_request_rate": [12.5], "max_request_rate_pessimistic": [10.0],
+        "replicas_needed_trace_rate": pa.array([1], pa.int64()),
+    })
+    text = render_capacity_report(table, None, {}, None)
+    assert "no sweep key this report plots" not in text
+    axes = _by_title(drawn)
+    ax = axes["Max sustainable rate"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["replicas=4"]
+    assert _heights(ax) == [12.5, 10.0] and ax.get_ylabel() == "requests per second"
+    assert _heights(axes["GPUs needed"]) == [2]  # one replica of tensor-parallel 2 (8 GPUs over 4 replicas)
+
+
+def test_pd_latencies_slo_and_transfer_by_shape(drawn):
+    nan = float("nan")
+    table = pa.table({
+        "point": [0, 1, 2], "status": ["ok"] * 3, "error": pa.array([None] * 3, pa.string()),
+        "disaggregation.shape": ["2P2D", "1P3D", "none"],
+        "num_replicas": [4, 4, 4], "num_gpus": [4, 4, 4],
+        "pd_prefill_replicas": pa.array([2, 1, None], pa.int64()), "pd_decode_replicas": pa.array([2, 3, None],
+                                                                                                  pa.int64()),
+        "pd_link": ["nvlink", "nvlink", None],
+        "median_ttft_ms": [120.0, 300.0, 90.0], "p99_ttft_ms": [800.0, 2500.0, 1500.0],
+        "p99_tpot_ms": [20.0, 15.0, 45.0], "slo_ttft_ms": [2000.0] * 3, "slo_tpot_ms": [40.0] * 3,
+        "slo_attainment": [0.99, 0.75, 0.5], "pd_transfer_share_of_ttft": [0.125, 0.0625, nan],
+        "max_request_rate": [20.0, 12.0, 15.0],
+    })
+    text = render_capacity_report(table, None, {}, None)
+    assert "no sweep key this report plots" not in text
+    axes = _by_title(drawn)
+    shapes = ["2P2D, 4 GPUs", "1P3D, 4 GPUs", "aggregated x4, 4 GPUs"]
+    for title, unit, heights, bound in (("p50 TTFT by shape", "ms", [120, 300, 90], None),
+                                        ("p99 TTFT by shape", "ms", [800, 2500, 1500], 2000.0),
+                                        ("p99 TPOT by shape", "ms", [20, 15, 45], 40.0),
+                                        ("SLO attainment by shape", "%", [99, 75, 50], None),
+                                        ("KV transfer share of TTFT by shape", "%", [12.5, 6.25, nan], None)):
+        ax = axes[title]
+        assert ax.get_ylabel() == unit, title
+        assert [t.get_text() for t in ax.get_xticklabels()] == shapes
+        assert np.allclose(_heights(ax), heights, equal_nan=True), title
+        assert [float(ln.get_ydata()[0]) for ln in ax.lines] == ([bound] if bound else []), title
+    # The answer by shape: a bar per value of the key, in sweep order.
+    ax = axes["Max sustainable rate vs shape"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["2P2D", "1P3D", "none"]
+    assert _heights(ax) == [20, 12, 15]
 
 
 def test_kv_capacity_and_router_plots_in_their_units(drawn):
@@ -365,8 +462,37 @@ def test_printed_capacity_rows(capsys):
     row = [c.strip() for c in next(ln for ln in lines if ln.startswith("│ 0")).strip("│ ").split("│")]
     assert dict(zip(header, row)) == {
         "point": "0", "workload.rate_scale": "0.5", "status": "ok", "p99 TTFT": "1.2 s", "p99 TPOT": "8.5 ms",
-        "SLO met": "87.5 %", "hit rate": "40.0 %", "req/s": "12.5", "max rate x": "0.3125", "max req/s": "3.125",
-        "replicas": "4", "$/M tok": "0.1235"}
+        "SLO met": "87.5 %", "hit rate": "40.0 %", "served req/s": "12.5", "max rate scale": "0.3125",
+        "max sustained req/s": "3.125", "replicas needed": "4", "$/M tok": "0.1235"}
+    # A line under the table for each heading that could be read two ways, in its order.
+    legend = [ln.split(":", 1)[0] for ln in lines if ln.split(":", 1)[0] in header]
+    assert legend == ["served req/s", "max sustained req/s", "replicas needed"]
+    assert "of the replay at the max rate" in next(ln for ln in lines if ln.startswith("served req/s:"))
+    assert "not the swept engine.replicas" in next(ln for ln in lines if ln.startswith("replicas needed:"))
+
+
+def test_printed_capacity_slow_edge_and_target_headings(capsys):
+    table = pa.table({
+        "point": [0], "engine.replicas": [2], "status": ["ok"], "error": [None],
+        "p99_ttft_ms": [100.0], "p99_tpot_ms": [8.0], "slo_attainment": [1.0], "rejected_share": [0.0],
+        "prefix_cache_hit_rate": [0.5], "request_throughput": [7.0],
+        "max_rate_scale": [2.0], "max_request_rate": [8.0], "replicas_needed_trace_rate": [3],
+        "cost_per_million_tokens": [0.5], "replicas_needed_target_rate": pa.array([5], pa.int64()),
+        "step_error": [0.25], "max_request_rate_pessimistic": [6.0],
+        "replicas_needed_trace_rate_pessimistic": pa.array([4], pa.int64()),
+    })
+    print_points(table, parse_sweeps(["engine.replicas=2"]), True)
+    lines = capsys.readouterr().out.splitlines()
+    header = [c.strip() for c in next(ln for ln in lines if "p99 TTFT" in ln).strip("│┃ ").split("┃")]
+    row = [c.strip() for c in next(ln for ln in lines if ln.startswith("│ 0")).strip("│ ").split("│")]
+    shown = dict(zip(header, row))
+    assert {k: shown[k] for k in ("engine.replicas", "replicas needed", "replicas needed @target", "step err",
+                                  "max sustained req/s (slow edge)", "replicas needed (slow edge)")} == {
+        "engine.replicas": "2", "replicas needed": "3", "replicas needed @target": "5", "step err": "25.0 %",
+        "max sustained req/s (slow edge)": "6", "replicas needed (slow edge)": "4"}
+    legend = [ln.split(":", 1)[0] for ln in lines if ln.split(":", 1)[0] in header]
+    assert legend == ["served req/s", "max sustained req/s", "replicas needed", "replicas needed @target",
+                      "max sustained req/s (slow edge)", "replicas needed (slow edge)"]
 
 
 def test_printed_capacity_rows_show_the_clients_ttft(capsys):
