@@ -68,7 +68,6 @@ def capacity(
     # The sweep machinery loads here, not with the command line: other commands never need it.
     from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
     from kvtwin.sim.replay.capacity_sweep import hit_curve as make_hit_curve, prepare_sweep
-    from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS, points_clocks
     from kvtwin.sim.replay.capacity_table import capacity_table
     from kvtwin.sim.replay.sweep_backends import check_backend, default_jobs, import_ray, run_points
 
@@ -98,29 +97,41 @@ def capacity(
         if hit_curve:
             tables["hit_curve"], comparison = make_hit_curve(sweep.base, rows)
         wall_s = time.perf_counter() - started
-        given = {"sweep": list(sweeps), "find_max_rate": find_max_rate, "limit": limit}
-        if curve is not None:
-            given["load_curve"] = list(curve.rates_per_s)
-        if search is not None:
-            given.update(rate_tolerance=rate_tolerance, goodput=goodput, max_replays=max_replays,
-                         target_rate=target_rate)
-        metadata = run_metadata(path, given)
+        metadata = run_metadata(path, _given(sweeps, limit, search, curve))
         text_files = None if no_report else {"report.html": _report(table, tables.get("hit_curve"), metadata, sweep)}
         paths = write_dir(out, tables=tables, text_files=text_files, run_metadata=metadata)
     with interrupt_note(lambda: f"interrupted while printing; {out} was written whole"):
-        print_points(table, sweep.axes, search is not None)
-        if curve is not None:
-            for line in knee_lines(table, sweep.axes):
-                print(line)
-        for _, line in points_clocks(table.select(["point", *CLOCK_COLUMNS]).to_pylist(),
-                                     slow_edge=search is not None):
-            print(line)
-        for blocks, predicted, hit in comparison:
-            print(f"hit curve at {blocks:,} blocks: {summary_text.format_percent(predicted)} "
-                  f"(replay: {summary_text.format_percent(hit)})")
+        _print_results(table, sweep, comparison)
         failed = sum(1 for r in rows if r["status"] != "ok")
         print(f"{len(rows)} points ({failed} failed) in {wall_s:,.1f} s wall; wrote "
               f"{', '.join(p.name for p in paths)} to {out}")
+
+
+def _given(sweeps, limit: int | None, search, curve) -> dict:
+    """The command line's settings, as the run metadata records them."""
+    given = {"sweep": list(sweeps), "find_max_rate": search is not None, "limit": limit}
+    if curve is not None:
+        given["load_curve"] = list(curve.rates_per_s)
+    if search is not None:
+        given.update(rate_tolerance=search.tolerance, goodput=search.goodput, max_replays=search.max_replays,
+                     target_rate=search.target_rate)
+    return given
+
+
+def _print_results(table, sweep, comparison) -> None:
+    """The points' table, the load curve's knees, the clocks and the hit curve's comparison."""
+    from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS, points_clocks
+
+    searched = sweep.search is not None
+    print_points(table, sweep.axes, searched)
+    if sweep.load_curve is not None:
+        for line in knee_lines(table, sweep.axes):
+            print(line)
+    for _, line in points_clocks(table.select(["point", *CLOCK_COLUMNS]).to_pylist(), slow_edge=searched):
+        print(line)
+    for blocks, predicted, hit in comparison:
+        print(f"hit curve at {blocks:,} blocks: {summary_text.format_percent(predicted)} "
+              f"(replay: {summary_text.format_percent(hit)})")
 
 
 def _rate_search(find_max_rate: bool, target_rate: float | None, tolerance: float, goodput: float | None,
