@@ -308,13 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=Path, default=POINTS_CSV)
     parser.add_argument("--cap", type=int, default=600, help="most requests replayed per Poisson point")
-    parser.add_argument("--only", default=None, help="replay only points whose id starts with this")
+    parser.add_argument("--only", default=None, help="replay only these points (comma-separated ids, or a source: S4)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fidelity_serving.parquet")
     args = parser.parse_args(argv)
     with args.points.open() as f:
         points = parse_points(f)
     if args.only:
-        points = [p for p in points if p["point_id"].startswith(args.only)]
+        chosen = set(args.only.split(","))
+        points = [p for p in points if p["point_id"] in chosen or p["source"] in chosen]
+        if not points:
+            parser.error(f"--only {args.only}: no such point id or source in {args.points}")
     hardware = tomllib.loads(HARDWARE_TOML.read_text())
     results = []
     started = time.perf_counter()
