@@ -92,6 +92,7 @@ def test_verdicts_against_hand_computed_figures(bench):
     assert v["E2E"]["value"] == pytest.approx(0.045) and v["E2E"]["holds"]
     # Saturation: only the saturated points (0.04, -0.07); the worst fails the 5% target.
     assert v["saturation"]["value"] == pytest.approx(0.07) and v["saturation"]["points"] == 2
+    assert v["saturation"]["within"] == 1
     assert not v["saturation"]["holds"]
     # Band: 2 of 3 judged p99s held -> 66.7% < 80%.
     assert v["band"]["value"] == pytest.approx(2 / 3) and v["band"]["points"] == 3 and not v["band"]["holds"]
