@@ -1,7 +1,7 @@
 """How close replays are to public vLLM V1 serving runs, light load through saturation, no fit used.
 
     python bench/bench_fidelity_serving.py            # table, targets, bench/out/fidelity_serving.parquet
-    python bench/bench_fidelity_serving.py --cap 300  # at most 300 requests per Poisson point
+    python bench/bench_fidelity_serving.py --cap 300  # at most 300 requests per Poisson point (default 1000: none capped)
 
 Each row of ``bench/data/fidelity_serving.csv`` is one measured point of a `vllm bench serve`
 run of vLLM 0.10 or later (sources, commits and licences: ``bench/data/FIDELITY_SOURCES.md``).
@@ -309,7 +309,7 @@ def print_report(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=Path, default=POINTS_CSV)
-    parser.add_argument("--cap", type=int, default=600, help="most requests replayed per Poisson point")
+    parser.add_argument("--cap", type=int, default=1000, help="most requests replayed per Poisson point")
     parser.add_argument("--only", default=None, help="replay only these points (comma-separated ids, or a source: S4)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fidelity_serving.parquet")
     args = parser.parse_args(argv)
