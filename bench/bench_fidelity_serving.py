@@ -1,0 +1,342 @@
+"""How close replays are to public vLLM V1 serving runs, light load through saturation, no fit used.
+
+    python bench/bench_fidelity_serving.py            # table, targets, bench/out/fidelity_serving.parquet
+    python bench/bench_fidelity_serving.py --cap 300  # at most 300 requests per Poisson point (default 1000: none capped)
+
+Each row of ``bench/data/fidelity_serving.csv`` is one measured point of a `vllm bench serve`
+run of vLLM 0.10 or later (sources, commits and licences: ``bench/data/FIDELITY_SOURCES.md``).
+The bench rebuilds the point as a scenario (the model, GPU and engine settings the source ran;
+the GPU's bundled calibration, or the default factors where the GPU has none, as a user gets),
+replays its workload (a Poisson point through the synthetic ``[workload]`` spec, capped at
+``--cap`` requests; a burst of N requests, all arriving at time 0 as ``vllm bench serve``
+sends them without ``--request-rate``, never capped: N is the load) and compares:
+
+* TTFT, TPOT and E2E, each statistic the source gives (mean, p50, p99): signed relative error.
+  Client-side columns (``ttft_client_s``...) where the calibration has a client overhead,
+  else the server's; the ``latency_side`` column says which.
+* Saturation: at every point the source marks as past its knee (``source_saturated``), the
+  request throughput against the measured one.
+* The band: whether ``p99_*_low`` .. ``p99_*_high`` (``reports/SCHEMA.md``) holds the measured
+  p99; a point without a band (an uncalibrated GPU) does not cover it.
+
+The targets (issue 39, item 6) are printed beside the results with pass or fail. This is a
+measurement: nothing here feeds back into the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "bench" / "data"
+POINTS_CSV = DATA / "fidelity_serving.csv"
+HARDWARE_TOML = DATA / "fidelity_hardware.toml"
+MODELS_DIR = DATA / "fidelity_models"
+
+MEDIAN_ERROR_TARGET = 0.05
+SATURATION_TARGET = 0.05
+COVERAGE_TARGET = 0.80
+
+INT_COLUMNS = ("tp", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens", "input_tokens",
+               "output_tokens", "num_prompts", "seed", "source_saturated")
+FLOAT_COLUMNS = ("gpu_memory_utilization", "rate_per_s", "req_s", "out_tok_s", "ttft_mean_ms", "ttft_p50_ms",
+                 "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_mean_ms")
+BOOL_COLUMNS = ("enable_prefix_caching", "async_scheduling")
+ARRIVALS = ("poisson", "burst")
+
+# (figure, statistic) -> the summary column it is compared with; "{side}" is "_client" when
+# the replay has client-side columns (TTFT and E2E only: TPOT is a difference of two
+# client times, so the overhead cancels).
+LATENCY_FIGURES = {("ttft", "mean"): "mean_ttft{side}_ms", ("ttft", "p50"): "median_ttft{side}_ms",
+                   ("ttft", "p99"): "p99_ttft{side}_ms", ("tpot", "mean"): "mean_tpot_ms",
+                   ("tpot", "p50"): "median_tpot_ms", ("tpot", "p99"): "p99_tpot_ms",
+                   ("itl", "p99"): "p99_itl_ms", ("e2e", "mean"): "mean_e2el{side}_ms"}
+BANDS = {"ttft": "ttft", "tpot": "tpot", "itl": "itl"}
+
+
+class PointError(ValueError):
+    """A row of the points file that cannot be read; names the row and the column."""
+
+
+def _cell(row: dict, column: str, kind):
+    text = (row.get(column) or "").strip()
+    if not text:
+        return None
+    try:
+        if kind is bool:
+            if text not in ("true", "false"):
+                raise ValueError(text)
+            return text == "true"
+        return kind(text)
+    except ValueError:
+        raise PointError(f"{row.get('point_id', '?')}: {column} = {text!r} is not {kind.__name__}") from None
+
+
+def parse_points(lines) -> list[dict]:
+    """The rows of a points CSV (an iterable of lines), typed: empty cells are None (the
+    engine's default, or a figure the source does not give)."""
+    points = []
+    for row in csv.DictReader(lines):
+        point = {k: (v.strip() if isinstance(v, str) else v) for k, v in row.items()}
+        for column in INT_COLUMNS:
+            point[column] = _cell(row, column, int)
+        for column in FLOAT_COLUMNS:
+            point[column] = _cell(row, column, float)
+        for column in BOOL_COLUMNS:
+            point[column] = _cell(row, column, bool)
+        if point["arrival"] not in ARRIVALS:
+            raise PointError(f"{point['point_id']}: arrival = {point['arrival']!r}, expected one of {ARRIVALS}")
+        if point["arrival"] == "poisson" and not point["rate_per_s"]:
+            raise PointError(f"{point['point_id']}: a poisson point needs rate_per_s")
+        for column in ("input_tokens", "output_tokens", "num_prompts"):
+            if not point[column] or point[column] < 1:
+                raise PointError(f"{point['point_id']}: {column} must be a positive integer")
+        points.append(point)
+    return points
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float:
+    """Signed (predicted - measured) / measured; NaN when either is missing."""
+    if predicted is None or measured is None or not math.isfinite(predicted) or not measured:
+        return math.nan
+    return (predicted - measured) / measured
+
+
+def covers(low: float | None, high: float | None, measured: float | None) -> bool | None:
+    """Whether [low, high] holds the measured value: None when nothing was measured,
+    False when there is no band (NaN edges: an uncalibrated clock states no error)."""
+    if measured is None:
+        return None
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return False
+    return low <= measured <= high
+
+
+def median_abs(errors) -> float:
+    finite = [abs(e) for e in errors if e is not None and math.isfinite(e)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def verdicts(results: list[dict]) -> list[dict]:
+    """The issue's targets against per-point results: median |error| of TTFT, TPOT and E2E
+    (the central figures, mean and p50, pooled), every saturated point's throughput within
+    the target, and the share of measured p99s the band holds."""
+    out = []
+    for figure, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E")):
+        errors = [r[f"err_{figure}_{stat}"] for r in results for stat in ("mean", "p50")
+                  if f"err_{figure}_{stat}" in r]
+        count = sum(1 for e in errors if math.isfinite(e))
+        value = median_abs(errors)
+        out.append({"target": f"{label} median |error| <= {MEDIAN_ERROR_TARGET:.0%}", "value": value, "points": count,
+                    "holds": count > 0 and value <= MEDIAN_ERROR_TARGET})
+    saturated = [r["err_req_s"] for r in results if r.get("source_saturated") and math.isfinite(r["err_req_s"])]
+    worst = max((abs(e) for e in saturated), default=math.nan)
+    within = sum(1 for e in saturated if abs(e) <= SATURATION_TARGET)
+    out.append({"target": f"saturation req/s within {SATURATION_TARGET:.0%} at every saturated point",
+                "value": worst, "points": len(saturated), "within": within,
+                "holds": bool(saturated) and worst <= SATURATION_TARGET})
+    judged = [r[f"covered_{f}"] for r in results for f in BANDS if r.get(f"covered_{f}") is not None]
+    share = sum(judged) / len(judged) if judged else math.nan
+    out.append({"target": f"band holds the measured p99 in >= {COVERAGE_TARGET:.0%}", "value": share,
+                "points": len(judged), "holds": bool(judged) and share >= COVERAGE_TARGET})
+    return out
+
+
+def by_source(results: list[dict]) -> list[dict]:
+    """Per source and overall: median |error| per figure, saturation error, band coverage."""
+    groups = sorted({r["source"] for r in results}) + ["all"]
+    rows = []
+    for source in groups:
+        chosen = [r for r in results if source == "all" or r["source"] == source]
+        row = {"source": source, "points": len(chosen)}
+        for key in ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99", "e2e_mean", "req_s"):
+            row[key] = median_abs(r.get(f"err_{key}") for r in chosen)
+        sat = [abs(r["err_req_s"]) for r in chosen if r.get("source_saturated") and math.isfinite(r["err_req_s"])]
+        row["saturation"] = statistics.median(sat) if sat else math.nan
+        judged = [r[f"covered_{f}"] for r in chosen for f in BANDS if r.get(f"covered_{f}") is not None]
+        row["coverage"] = sum(judged) / len(judged) if judged else math.nan
+        rows.append(row)
+    return rows
+
+
+# --- replay (needs the simulator) -------------------------------------------------------------
+
+
+def scenario_data(point: dict, hardware: dict) -> dict:
+    """The scenario mapping of one point: model, GPU and the engine settings the source set."""
+    model = point["model"]
+    if model.startswith("hf:"):
+        model_table = {"hf_config": str(MODELS_DIR / f"{model[3:]}.json"), "name": model[3:]}
+    else:
+        model_table = {"preset": model}
+    gpu = point["gpu"]
+    gpu_table = dict(hardware[gpu[7:]]) if gpu.startswith("inline:") else {"gpu": gpu}
+    engine = {"tensor_parallel_size": point["tp"]}
+    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+                "async_scheduling", "gpu_memory_utilization"):
+        if point[key] is not None:
+            engine[key] = point[key]
+    return {"model": model_table, "hardware": gpu_table, "engine": engine}
+
+
+def _with_kv_tokens(data: dict, point: dict) -> dict:
+    """A source that logged its KV cache size in tokens gets exactly that many: the bytes are
+    the tokens times the planned bytes per token."""
+    from kvtwin.sim.scenario.resolve import resolve_scenario
+
+    if point["kv_cache_tokens"] is None:
+        return data
+    planned = resolve_scenario(POINTS_CSV, data=data).plan()
+    block_tokens = planned.to_json()["block_size"]
+    blocks = -(-point["kv_cache_tokens"] // block_tokens)
+    engine = dict(data["engine"], kv_cache_memory_bytes=blocks * planned.bytes_per_block)
+    engine.pop("gpu_memory_utilization", None)
+    return dict(data, engine=engine)
+
+
+def workload(point: dict, cap: int):
+    """The point's requests: Poisson through the synthetic spec, a burst all at time 0."""
+    from kvtwin.traces import schema as col
+
+    if point["arrival"] == "burst":
+        n = point["num_prompts"]
+        return col.build_table({col.REQUEST_ID: [f"{point['point_id']}-{i}" for i in range(n)],
+                                col.ARRIVAL_TIME_S: [0.0] * n,
+                                col.PROMPT_TOKENS: [point["input_tokens"]] * n,
+                                col.OUTPUT_TOKENS: [point["output_tokens"]] * n},
+                               col.TraceMeta(source_format="bench_fidelity_serving"))
+    return {"kind": "requests", "seed": point["seed"] or 0, "num_requests": min(point["num_prompts"], cap),
+            "arrival": {"process": "poisson", "rate_per_s": point["rate_per_s"]},
+            "prompt_tokens": point["input_tokens"], "output_tokens": point["output_tokens"]}
+
+
+def replay_point(point: dict, hardware: dict, cap: int) -> dict:
+    from kvtwin.sim.replay.calibration_data import with_band
+    from kvtwin.sim.replay.run import run_replay
+    from kvtwin.sim.scenario.resolve import resolve_scenario
+
+    data = _with_kv_tokens(scenario_data(point, hardware), point)
+    requests = workload(point, cap)
+    if isinstance(requests, dict):
+        data = dict(data, workload=requests)
+    resolved = resolve_scenario(POINTS_CSV, data=data)
+    planned = resolved.plan()
+    planned.require_fits()
+    trace = requests if not isinstance(requests, dict) else resolved.require_workload().load()
+    result = run_replay(planned, trace, deployment=resolved.deployment, efficiency=resolved.efficiency,
+                        slo=resolved.slo)
+    summary = with_band(result.summary, resolved.calibration).to_pylist()[0]
+    client = "ttft_client_s" in result.requests.column_names
+    summary["latency_side"] = "client" if client else "server"
+    summary["replayed_requests"] = trace.num_rows
+    summary["kv_cache_tokens_planned"] = planned.kv_cache_tokens
+    return summary
+
+
+def compare(point: dict, summary: dict) -> dict:
+    """One result row: the point's measurements, kvtwin's figures, errors and band verdicts."""
+    side = "_client" if summary["latency_side"] == "client" else ""
+    row = {k: point[k] for k in ("point_id", "source", "series", "gpu", "model", "arrival", "rate_per_s",
+                                 "num_prompts", "source_saturated")}
+    row.update(latency_side=summary["latency_side"], calibration=summary["calibration"],
+               replayed_requests=summary["replayed_requests"], kv_cache_tokens=summary["kv_cache_tokens_planned"])
+    for (figure, stat), column in LATENCY_FIGURES.items():
+        measured = point[f"{figure}_{stat}_ms"]
+        predicted = summary.get(column.format(side=side))
+        row[f"measured_{figure}_{stat}_ms"] = measured
+        row[f"kvtwin_{figure}_{stat}_ms"] = predicted
+        row[f"err_{figure}_{stat}"] = relative_error(predicted, measured)
+    for name, column in (("req_s", "request_throughput"), ("out_tok_s", "output_throughput")):
+        row[f"measured_{name}"] = point[name]
+        row[f"kvtwin_{name}"] = summary[column]
+        row[f"err_{name}"] = relative_error(summary[column], point[name])
+    for figure, band in BANDS.items():
+        low, high = summary.get(f"p99_{band}_ms_low"), summary.get(f"p99_{band}_ms_high")
+        row[f"band_{figure}_low_ms"], row[f"band_{figure}_high_ms"] = low, high
+        row[f"covered_{figure}"] = covers(low, high, point[f"{figure}_p99_ms"])
+    row["kvtwin_saturated"] = summary["saturated"]
+    return row
+
+
+def _pct(value: float) -> str:
+    return "    -" if value is None or not math.isfinite(value) else f"{value:+6.1%}"
+
+
+def _abs_pct(value: float) -> str:
+    return "    -" if value is None or not math.isfinite(value) else f"{value:5.1%}"
+
+
+def print_report(results: list[dict]) -> None:
+    print(f"{'point':<28} {'req/s':>7} {'ttft mean':>9} {'ttft p50':>8} {'ttft p99':>8} {'tpot mean':>9} "
+          f"{'tpot p50':>8} {'tpot p99':>8} {'e2e mean':>8} {'band p99':>9}  sat")
+    for r in results:
+        band = "".join({True: "y", False: "n", None: "."}[r[f"covered_{f}"]] for f in BANDS)
+        print(f"{r['point_id']:<28} {_pct(r['err_req_s']):>7} {_pct(r['err_ttft_mean']):>9} {_pct(r['err_ttft_p50']):>8} "
+              f"{_pct(r['err_ttft_p99']):>8} {_pct(r['err_tpot_mean']):>9} {_pct(r['err_tpot_p50']):>8} "
+              f"{_pct(r['err_tpot_p99']):>8} {_pct(r['err_e2e_mean']):>8} {band:>9}  {'*' if r['source_saturated'] else ''}")
+    print("\n(signed errors, kvtwin vs measured; band: ttft/tpot/itl p99 held y/n, '.' not measured; "
+          "sat *: past the source's knee)\n")
+    print(f"{'source':<6} {'points':>6} {'ttft mean':>9} {'ttft p50':>8} {'ttft p99':>8} {'tpot mean':>9} {'tpot p50':>8} "
+          f"{'tpot p99':>8} {'e2e mean':>8} {'req/s':>6} {'sat':>6} {'band':>6}")
+    for s in by_source(results):
+        print(f"{s['source']:<6} {s['points']:>6} {_abs_pct(s['ttft_mean']):>9} {_abs_pct(s['ttft_p50']):>8} "
+              f"{_abs_pct(s['ttft_p99']):>8} {_abs_pct(s['tpot_mean']):>9} {_abs_pct(s['tpot_p50']):>8} "
+              f"{_abs_pct(s['tpot_p99']):>8} {_abs_pct(s['e2e_mean']):>8} {_abs_pct(s['req_s']):>6} "
+              f"{_abs_pct(s['saturation']):>6} {_abs_pct(s['coverage']):>6}")
+    print("(median |error| per figure; sat: median |req/s error| at saturated points; band: share of p99s held)\n")
+    sides = sorted({r["latency_side"] for r in results})
+    print(f"latencies compared: {', '.join(sides)}-side (client-side where a calibration sets client_overhead_s)")
+    for series in sorted({r["series"] for r in results}):
+        sat = [r for r in results if r["series"] == series and r["source_saturated"]]
+        if sat:
+            peak = max(sat, key=lambda r: r["measured_req_s"])
+            print(f"saturation {series}: measured {peak['measured_req_s']:.2f} req/s, kvtwin {peak['kvtwin_req_s']:.2f} "
+                  f"({_pct(peak['err_req_s']).strip()}) at {peak['point_id']}")
+    print()
+    for v in verdicts(results):
+        value = "-" if not math.isfinite(v["value"]) else f"{v['value']:.1%}"
+        within = f" ({v['within']} within)" if "within" in v else ""
+        print(f"target {v['target']:<58} {value:>7} over {v['points']:>3}  {'PASS' if v['holds'] else 'FAIL'}{within}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", type=Path, default=POINTS_CSV)
+    parser.add_argument("--cap", type=int, default=1000, help="most requests replayed per Poisson point")
+    parser.add_argument("--only", default=None, help="replay only these points (comma-separated ids, or a source: S4)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fidelity_serving.parquet")
+    args = parser.parse_args(argv)
+    with args.points.open() as f:
+        points = parse_points(f)
+    if args.only:
+        chosen = set(args.only.split(","))
+        points = [p for p in points if p["point_id"] in chosen or p["source"] in chosen]
+        if not points:
+            parser.error(f"--only {args.only}: no such point id or source in {args.points}")
+    hardware = tomllib.loads(HARDWARE_TOML.read_text())
+    results = []
+    started = time.perf_counter()
+    for i, point in enumerate(points, 1):
+        t = time.perf_counter()
+        results.append(compare(point, replay_point(point, hardware, args.cap)))
+        print(f"[{i}/{len(points)}] {point['point_id']} {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    print(f"replayed {len(points)} points in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    print_report(results)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(results), args.out)
+    print(f"wrote {len(results)} points to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
