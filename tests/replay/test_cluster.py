@@ -22,6 +22,7 @@ from kvtwin.sim.scenario.parse import engine_and_deployment
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
+from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import summarize
 from kvtwin.sim.scenario.slo import SLO
@@ -71,7 +72,10 @@ def _single_engine_replay(p, trace):
     end_s = run_simulation([Replica(engine, CostModelExecutor(plan_cost_model(p)))], arrivals_from_trace(trace),
                            metrics)
     requests, steps = metrics.requests_table(), metrics.steps_table()
-    return requests, steps, summarize(requests, steps, metrics.itl_s, SLO_, end_s, trace=trace)
+    summary = summarize(requests, steps, metrics.itl_s, SLO_, end_s, trace=trace)
+    # Every run has the client-side columns, the server's when nothing lies outside the engine.
+    requests, summary = with_client_side(requests, summary, 0.0)
+    return requests, steps, summary
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
