@@ -54,8 +54,8 @@ from kvtwin.sim.planner.offload import ResolvedOffload
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.replay.calibration_data import pessimistic, step_error
 from kvtwin.sim.replay.load_curve import offered_scale
-from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, replicas_for, request_rate, \
-    slo_holds
+from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, judged_requests, \
+    replicas_for, request_rate, slo_holds, too_few_requests
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.replay.sustained import MIN_STEADY_ARRIVALS, SHORT_WINDOW, needs, window_arrivals
 from kvtwin.sim.scenario.efficiency import Efficiency
@@ -262,11 +262,17 @@ class SLOProbe:
         summary = self.runs[scale][0]
         if SHORT_WINDOW in summary["sustained_reason"].split(","):
             self.short[scale] = needs(summary)
+        elif too_few_requests(summary, self.goodput):
+            what = "its p99" if self.goodput is None else f"a {self.goodput:g} goodput"
+            admitted = summary["num_requests"] - summary["rejected"]
+            self.short[scale] = (f"at least {judged_requests(self.goodput):,} admitted requests to judge {what}; "
+                                 f"it had {admitted:,}")
         return slo_holds(summary, self.replays.resolved.slo, self.goodput)
 
     def judged_start(self, start: float) -> float:
         """Where the search starts: the point's own scale, doubled while its steady window
-        holds too few arrivals to judge (docs/capacity.md#enough-load). A stretch read from a
+        holds too few arrivals, or the replay too few requests, to judge
+        (docs/capacity.md#enough-load). A stretch read from a
         ``limit`` lasts as long at every scale, so a higher rate brings more arrivals into
         it, and a lower one could only bring fewer; at most ``MAX_START_DOUBLINGS`` times.
         A window short next to the requests' service time is not helped by a higher rate
@@ -281,7 +287,8 @@ class SLOProbe:
             self(scale)
             if scale not in self.short:
                 return scale
-            if window_arrivals(self.runs[scale][0]) >= MIN_STEADY_ARRIVALS:
+            summary = self.runs[scale][0]
+            if window_arrivals(summary) >= MIN_STEADY_ARRIVALS and not too_few_requests(summary, self.goodput):
                 return start
             self.skipped.append(scale)
             scale *= 2

@@ -1,7 +1,8 @@
 """The largest arrival rate a deployment holds: the SLO criterion and the rate search of
 ``kvtwin capacity --find-max-rate``.
 
-The SLO *holds* for a replay when at least one request completed, the load was sustained
+The SLO *holds* for a replay when it admitted enough requests to judge (``judged_requests``:
+1,000 for a p99, ten beyond it), at least one request completed, the load was sustained
 (``sustained``: a steady window long enough to judge, in which the deployment kept pace
 with arrivals; docs/capacity.md#sustained-load), the run is not ``saturated`` (any rule of
 its ``saturation_reason``), and
@@ -44,6 +45,10 @@ DEFAULT_RATE_TOLERANCE = 0.05
 DEFAULT_MAX_REPLAYS = 24
 # Halving below this fraction of the starting scale gives up: nothing holds.
 MIN_SCALE_FRACTION = 1.0 / 1024
+# A verdict on a quantile rests on the requests beyond it: at least this many
+# (``judged_requests``), so that one long prompt does not decide a p99 alone.
+TAIL_REQUESTS = 10
+P99 = 0.99
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,23 @@ class RateSearch:
             raise ConfigError("--target-rate", "a positive rate in requests per second", self.target_rate)
 
 
+def judged_requests(goodput: float | None) -> int:
+    """The admitted requests a replay needs before its SLO verdict counts
+    (docs/capacity.md#enough-load): ``TAIL_REQUESTS`` beyond the quantile judged, the p99
+    (or ``goodput``, where below 0.99)."""
+    quantile = min(goodput, P99) if goodput is not None else P99
+    return math.ceil(TAIL_REQUESTS / (1 - quantile) - 1e-9)
+
+
+def too_few_requests(summary: dict, goodput: float | None) -> bool:
+    """Whether a replay admitted too few requests for its SLO verdict to count."""
+    return summary["num_requests"] - summary["rejected"] < judged_requests(goodput)
+
+
 def slo_holds(summary: dict, slo: SLO, goodput: float | None = None) -> bool:
     """Whether a replay's summary meets the SLO criterion of the module docstring."""
     completed = summary["completed"]
-    if completed == 0:
+    if completed == 0 or too_few_requests(summary, goodput):
         return False
     # A burst worked off, or a queue that grows, holds nothing (docs/capacity.md#sustained-load).
     if not summary["sustained"] or summary["saturated"]:

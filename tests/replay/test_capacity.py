@@ -172,7 +172,7 @@ def test_bracket_and_bisect_on_a_known_predicate():
 
 
 def test_slo_criterion():
-    base = {"num_requests": 10, "completed": 10, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 900.0,
+    base = {"num_requests": 1000, "completed": 1000, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 900.0,
             "p99_tpot_ms": 40.0, "slo_attainment": 0.9, "sustained": True, "saturated": False}
     slo = SLO(ttft_s=1.0, tpot_s=0.05)
     assert slo_holds(base, slo)
@@ -181,11 +181,17 @@ def test_slo_criterion():
     assert not slo_holds({**base, "p99_tpot_ms": 51.0}, slo)
     assert not slo_holds({**base, "unfinished": 1}, slo)
     assert slo_holds({**base, "p99_tpot_ms": 99.0}, slo, goodput=0.9)
-    # 9 met of 12 arrivals; 2 unfinished count as misses, the 2 rejected do not.
-    assert not slo_holds({**base, "num_requests": 12, "completed": 10, "unfinished": 2, "slo_attainment": 0.75},
-                         slo, goodput=0.9)
-    rejected = {**base, "num_requests": 12, "rejected": 2, "slo_attainment": 0.75}
+    # 900 met of 1,200 arrivals; 200 unfinished count as misses, 200 rejected do not.
+    assert not slo_holds({**base, "num_requests": 1200, "completed": 1000, "unfinished": 200,
+                          "slo_attainment": 0.75}, slo, goodput=0.9)
+    rejected = {**base, "num_requests": 1200, "rejected": 200, "slo_attainment": 0.75}
     assert slo_holds(rejected, slo, goodput=0.9) and not slo_holds(rejected, slo, goodput=0.95)
+    # Too few admitted requests to judge (docs/capacity.md#enough-load): 1,000 for the p99,
+    # 100 for a 0.9 goodput (ten beyond the quantile); rejected ones do not count.
+    assert not slo_holds({**base, "num_requests": 999, "completed": 999}, slo)
+    assert not slo_holds({**base, "rejected": 1, "completed": 999}, slo)
+    assert slo_holds({**base, "num_requests": 100, "completed": 100}, slo, goodput=0.9)
+    assert not slo_holds({**base, "num_requests": 99, "completed": 99}, slo, goodput=0.9)
 
 
 def _exact_lru_hit_rate(trace, block_size: int, capacity_blocks: int, include_outputs: bool) -> float:

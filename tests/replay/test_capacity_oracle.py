@@ -51,7 +51,7 @@ from kvtwin.sim.scenario.slo import SLO
 ROOT = Path(__file__).resolve().parents[2]
 
 BASE_RATE = 10.0          # requests/s of the stub's trace at rate scale 1
-N = 50                    # requests of the stub's trace
+N = 1000                  # requests of the stub's trace: enough to judge a p99 (docs/capacity.md#enough-load)
 TOKENS_PER_REQUEST = 250  # the stub's token throughput per request/s
 SLO_TTFT_MS = 15.0        # the scenario's [slo] ttft_s, in ms
 P99_THRESHOLD = 0.55      # load up to which the p99 TTFT holds the SLO
@@ -442,7 +442,7 @@ def test_every_schema_column_is_recomputed():
 def test_the_slo_criterion_holds_at_its_bounds():
     # Bounds in seconds, p99s in ms: a p99 equal to its bound holds, one just above fails.
     slo = SLO(ttft_s=0.25, tpot_s=0.125)
-    row = {"num_requests": 8, "completed": 8, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 250.0,
+    row = {"num_requests": 2000, "completed": 2000, "rejected": 0, "unfinished": 0, "p99_ttft_ms": 250.0,
            "p99_tpot_ms": 125.0, "slo_attainment": 0.75, "sustained": True, "saturated": False}
     assert slo_holds(row, slo)
     # A load not sustained (a burst, a window too short) or saturated holds nothing, goodput or not.
@@ -454,8 +454,14 @@ def test_the_slo_criterion_holds_at_its_bounds():
     # (docs/capacity.md#client-side-latency): 8 ms outside the engine fails a server p99 that passes.
     assert not slo_holds({**row, "p99_ttft_ms": 242.0, "p99_ttft_client_ms": 250.001}, slo)
     assert slo_holds({**row, "p99_ttft_ms": 251.0, "p99_ttft_client_ms": 250.0}, slo)
-    # A goodput judged over the admitted requests: 6 of 8 arrived met it, 2 were rejected,
-    # so 6 of the 6 admitted did: 100 %; exactly at the goodput holds.
-    rejected = {**row, "rejected": 2, "completed": 6}
+    # A goodput judged over the admitted requests: 1,500 of 2,000 arrived met it, 500 were
+    # rejected, so 1,500 of the 1,500 admitted did: 100 %; exactly at the goodput holds.
+    rejected = {**row, "rejected": 500, "completed": 1500}
     assert slo_holds(rejected, slo, goodput=1.0)
     assert slo_holds(row, slo, goodput=0.75) and not slo_holds(row, slo, goodput=0.76)
+
+    # Enough admitted requests to judge (docs/capacity.md#enough-load): ten beyond the quantile.
+    for goodput, needed in ((None, 1000), (0.9, 100), (0.75, 40), (1.0, 1000)):
+        edge = {**row, "num_requests": needed + 5, "rejected": 5, "completed": needed, "slo_attainment": 1.0}
+        assert slo_holds(edge, slo, goodput)
+        assert not slo_holds({**edge, "rejected": 6, "completed": needed - 1}, slo, goodput)

@@ -132,8 +132,9 @@ def test_a_burst_is_not_judged_and_holds_no_slo():
     finish = arrival + rng.uniform(5, 15, 400)
     load = _judge(arrival, finish)
     assert load.reasons == ("short_window",)
-    row = {"completed": 400, "unfinished": 0, "p99_ttft_ms": 100.0, "p99_tpot_ms": 10.0,
-           "saturated": False, **load.columns()}
+    # The row counts 1,000 requests, enough for a p99, so that the window alone decides.
+    row = {"num_requests": 1000, "rejected": 0, "completed": 1000, "unfinished": 0, "p99_ttft_ms": 100.0,
+           "p99_tpot_ms": 10.0, "saturated": False, **load.columns()}
     assert not slo_holds(row, SLO(ttft_s=1.0, tpot_s=0.05))
     assert slo_holds({**row, **_judge(*_base()).columns()}, SLO(ttft_s=1.0, tpot_s=0.05))
 
@@ -197,9 +198,9 @@ def test_a_recorded_point_whose_window_is_too_short_at_every_rate_is_refused_in_
 
 
 def test_a_synthetic_point_too_short_at_its_own_rate_is_drawn_for_longer_at_a_higher_one(tmp_path):
-    # The same 200 requests drawn from a spec: at twice the rate the spec gives 398 in the
-    # same 19.9 s (239 in the window), enough to judge; the search starts there and finds
-    # the engine's 100 requests/s (scale 10) as with 400 requests (docs/capacity.md#enough-load).
+    # The same 200 requests drawn from a spec: a p99 needs 1,000 (docs/capacity.md#enough-load),
+    # and at eight times the rate the spec gives 1,593 in the same 19.9 s; the search starts
+    # there and finds the engine's 100 requests/s (scale 10) as with more requests.
     import json
 
     from typer.testing import CliRunner
@@ -217,7 +218,7 @@ def test_a_synthetic_point_too_short_at_its_own_rate_is_drawn_for_longer_at_a_hi
     table = pq.read_table(out / "capacity.parquet")
     row = table.to_pylist()[0]
     search = json.loads(table.schema.metadata[b"kvtwin.capacity"])["0"]
-    assert search["too_short"] == [1.0] and search["start_rate_scale"] == 2.0
+    assert search["too_short"] == [1.0, 2.0, 4.0] and search["start_rate_scale"] == 8.0
     assert 10.0 * 0.98 <= row["max_rate_scale"] <= 100 / 9 and row["rate_search_refusal"] is None
     assert row["max_request_rate"] == pytest.approx(row["judged_request_rate"])
     assert row["max_request_rate"] == pytest.approx(10.0 * row["max_rate_scale"], rel=1e-4)
@@ -269,17 +270,18 @@ def test_a_limit_is_the_shortest_time_that_many_requests_take_and_the_busiest_st
 
 
 def test_the_search_judges_the_busiest_stretch_and_states_the_whole_traces_rate(tmp_path):
-    # 300 requests 0.1 s apart, then 300 at 0.025 s (four times as dense), then 300 at 0.1 s
-    # again, one 10 ms step each: 100 requests/s at most. With --limit 300 the shortest time
-    # 300 requests take is the dense part's 7.475 s; each scale replays the 7.475 s of the
-    # scaled trace that hold the most arrivals, so the answer is well under the first 300's
-    # (10 requests/s, holding to about scale 10), and it is stated as the whole trace's rate.
+    # 3,000 requests 0.1 s apart, then 3,000 at 0.025 s (four times as dense), then 3,000 at
+    # 0.1 s again, one 10 ms step each: 100 requests/s at most. With --limit 3000 the shortest
+    # time 3,000 requests take is the dense part's 74.975 s; each scale replays the 74.975 s
+    # of the scaled trace that hold the most arrivals, so the answer is well under the first
+    # 3,000's (10 requests/s, holding to about scale 10), and it is stated as the whole
+    # trace's rate.
     import pyarrow.parquet as pq
     from typer.testing import CliRunner
 
     from tests.replay.test_capacity import CONSTANT, _app
 
-    gaps = np.concatenate([np.full(300, 0.1), np.full(300, 0.025), np.full(299, 0.1)])
+    gaps = np.concatenate([np.full(3000, 0.1), np.full(3000, 0.025), np.full(2999, 0.1)])
     arrivals = np.concatenate([[0.0], np.cumsum(gaps)])
     trace = tmp_path / "dense.csv"
     trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n"
@@ -289,7 +291,7 @@ def test_the_search_judges_the_busiest_stretch_and_states_the_whole_traces_rate(
     path = tmp_path / "dense.toml"
     path.write_text(scenario.replace("ttft_s = 0.015", "ttft_s = 60.0"))
     out = tmp_path / "cap"
-    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--limit", "300",
+    result = CliRunner().invoke(_app(), ["capacity", str(path), "--find-max-rate", "--limit", "3000",
                                          "--rate-tolerance", "0.02", "--jobs", "1", "--no-report", "-q",
                                          "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -297,9 +299,9 @@ def test_the_search_judges_the_busiest_stretch_and_states_the_whole_traces_rate(
     lo = row["max_rate_scale"]
     assert 1.0 < lo < 5.0
     assert row["max_request_rate"] == pytest.approx((len(arrivals) - 1) / arrivals[-1] * lo)
-    # The replay judged at lo, found by brute force: the earliest window of 7.475 s x lo of
+    # The replay judged at lo, found by brute force: the earliest window of 74.975 s x lo of
     # trace time holding the most arrivals.
-    length = 299 * 0.025 * lo
+    length = 2999 * 0.025 * lo
     counts = [int(((arrivals >= t) & (arrivals <= t + length + 1e-9)).sum()) for t in arrivals]
     first = arrivals[counts.index(max(counts))]
     kept = arrivals[(arrivals >= first) & (arrivals <= first + length + 1e-9)] / lo
