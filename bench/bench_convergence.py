@@ -15,6 +15,10 @@ lies within it below its threshold, so two searches of the same threshold may di
 that much and no more. A trace whose first minutes are busier or quieter than the whole
 can still break it honestly; the table shows by how much.
 
+The reference is the search without ``--limit``: for a scenario that sets its own
+``workload.limit`` (the bundled Mooncake offload scenario: 3,000 requests) that is the
+scenario's cut, itself a limited search that errs low, not the whole trace.
+
 Each search is ``kvtwin capacity SCENARIO --find-max-rate [--limit N]``, one point, run
 through the library (``capacity_sweep.prepare_sweep``, ``capacity_points.run_point``) so
 the bench also records the replays each search spent and its wall time. Searches run in
