@@ -125,7 +125,9 @@ def _print_results(table, sweep, comparison) -> None:
     searched = sweep.search is not None
     print_points(table, sweep.axes, searched)
     if sweep.load_curve is not None:
-        for line in knee_lines(table, sweep.axes):
+        from kvtwin.sim.replay.load_curve import knee_lines
+
+        for line in knee_lines(table.to_pylist(), [a.key.key for a in sweep.axes]):
             print(line)
     for _, line in points_clocks(table.select(["point", *CLOCK_COLUMNS]).to_pylist(), slow_edge=searched):
         print(line)
@@ -186,37 +188,6 @@ def _cell(value) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
-
-
-def knee_lines(table, axes) -> list[str]:
-    """One line per curve of a load curve: where its throughput stopped following the load."""
-    out = []
-    seen = set()
-    for row in table.to_pylist():
-        if row["status"] != "ok":
-            continue
-        label = ", ".join(f"{a.key.key}={_cell(row[a.key.key])}" for a in axes)
-        if label in seen:
-            continue
-        seen.add(label)
-        curve = [r for r in table.to_pylist() if r["status"] == "ok"
-                 and all(r[a.key.key] == row[a.key.key] for a in axes)]
-        rates = sorted(r["offered_request_rate"] for r in curve)
-        most = max((r["achieved_request_rate"] for r in curve if r["achieved_request_rate"] is not None),
-                   default=None)
-        where = f"{label}: " if label else ""
-        knee = row["knee_request_rate"]
-        past = sorted(r["offered_request_rate"] for r in curve if r["past_knee"])
-        if knee is not None:
-            what = f"knee between {knee:,.4g} and {past[0]:,.4g} req/s offered"
-        elif not past:
-            what = f"every rate judged was sustained: the knee is above {rates[-1]:,.4g} req/s offered"
-        else:
-            what = f"not sustained at {past[0]:,.4g} req/s offered, the lowest rate judged: the knee is below it"
-        if most is not None:
-            what += f"; at most {most:,.4g} req/s achieved"
-        out.append(f"load curve {where}{what}")
-    return out
 
 
 # What a heading means where its name alone could be read two ways (reports/SCHEMA.md,

@@ -144,3 +144,41 @@ def knees(groups: Sequence[Sequence[tuple[float, bool | None]]]) -> list[tuple[f
                 knee = points[judged[first_failed - 1]][0]
         out.append((knee, past))
     return out
+
+
+def knee_lines(rows: Sequence[dict], keys: Sequence[str]) -> list[str]:
+    """One line per curve of a load curve's ``capacity.parquet`` rows (``keys``: the other
+    swept keys): where its throughput stopped following the load, and the most it achieved."""
+    curves: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            curves.setdefault(tuple(row[k] for k in keys), []).append(row)
+    out = []
+    for values, curve in curves.items():
+        label = ", ".join(f"{k}={_value(v)}" for k, v in zip(keys, values))
+        rates = sorted(r["offered_request_rate"] for r in curve)
+        past = sorted(r["offered_request_rate"] for r in curve if r["past_knee"])
+        knee = curve[0]["knee_request_rate"]
+        if knee is not None:
+            what = f"knee between {knee:,.4g} and {past[0]:,.4g} req/s offered"
+        elif not past:
+            what = f"every rate judged was sustained: the knee is above {rates[-1]:,.4g} req/s offered"
+        else:
+            what = f"not sustained at {past[0]:,.4g} req/s offered, the lowest rate judged: the knee is below it"
+        most = max((r["achieved_request_rate"] for r in curve if r["achieved_request_rate"] is not None),
+                   default=None)
+        if most is not None:
+            what += f"; at most {most:,.4g} req/s achieved"
+        out.append(f"load curve {label + ': ' if label else ''}{what}")
+    return out
+
+
+def _value(value) -> str:
+    """A swept value as the points' table prints it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)

@@ -37,16 +37,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from kvtwin.commands.capacity import capacity
 from kvtwin.sim.replay import capacity_points
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import CAPACITY_METADATA_KEY
 from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS
 from kvtwin.sim.replay.rate_search import slo_holds
 from kvtwin.sim.scenario.slo import SLO
+from tests.replay.test_capacity import _app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,17 +130,6 @@ def _stub_cut_at(self, scale):
     """The stub's trace at ``scale``: ``N`` arrivals evenly ``1 / (BASE_RATE * scale)`` apart."""
     scale = START if scale is None else scale
     return pa.table({"arrival_time_s": np.arange(N) / (BASE_RATE * scale)})
-
-
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command()(capacity)
-
-    @app.callback()
-    def main() -> None:
-        pass
-
-    return app
 
 
 def _stub_unscaled(self):
