@@ -167,14 +167,18 @@ class PointReplays:
     def unscaled(self) -> pa.Table:
         """The point's trace with its window and sample cut, neither scaled nor limited."""
         if self._unscaled is None:
-            transforms = {k: v for k, v in self.workload.transforms.items() if k not in ("rate_scale", "limit")}
-            self._unscaled = dataclasses.replace(self.workload, transforms=transforms).cut(self.source)
+            self._unscaled = dataclasses.replace(self.workload, transforms=self._window_cuts()).cut(self.source)
         return self._unscaled
 
+    def _window_cuts(self) -> dict:
+        """The workload's cuts but its rate scale and limit, which a search sets itself."""
+        return {k: v for k, v in self.workload.transforms.items() if k not in ("rate_scale", "limit")}
+
     def stretch(self) -> Stretch | None:
-        """A ``limit`` read as the busiest stretch of that many requests (module docstring);
-        None without a limit (every scale then replays the whole cut). A synthetic workload
-        always has one: without a limit, all its requests."""
+        """A ``limit`` read as a duration, the shortest time that many requests take (module
+        docstring); None without a limit (every scale then replays the whole cut). A
+        synthetic workload always has one: the span of its first ``limit`` requests, or of
+        all of them."""
         if "limit" not in self.workload.transforms and self.workload.synth is None:
             return None
         if self._stretch is None:
@@ -205,8 +209,7 @@ class PointReplays:
             # The arrival that ends the duration is kept despite rounding; the next is a gap later.
             spec = {**{k: v for k, v in synth.items() if k != "num_requests"}, "arrival": arrival,
                     "duration_s": self.stretch().duration_s * (1 + 1e-6)}
-            transforms = {k: v for k, v in self.workload.transforms.items() if k not in ("rate_scale", "limit")}
-            workload = dataclasses.replace(self.workload, synth=spec, transforms=transforms)
+            workload = dataclasses.replace(self.workload, synth=spec, transforms=self._window_cuts())
             if len(self._generated) >= MAX_GENERATED:
                 self._generated.clear()
             table = self._generated[scale] = workload.cut(workload.load_source())
