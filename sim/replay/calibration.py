@@ -15,9 +15,8 @@ seconds keep the base's size curve.
 The step time is piecewise linear in x = (1/matmul, 1/attention, 1/hbm, step overhead,
 per-request overhead):
 
-    compute_s = gemm_s_at_peak * x1 + attention_flops/P * x2
-    memory_s  = (weight_bytes + kv_bytes)/BW * x3
-    gpu_s     = max(compute_s, memory_s) + serial_s + communication_s
+    gpu_s     = max(gemm_s_at_peak * x1, weight_bytes/BW * x3)
+                + max(attention_work/P * x2, kv_bytes/BW * x3) + serial_s + communication_s
     overhead_s = x4 + x5 * num_requests
     total_s   = max(gpu_s, overhead_s) (async) or gpu_s + overhead_s (sync)
 
@@ -91,13 +90,15 @@ def predict_s(cost: StepCost, efficiency: Efficiency, *, flops_per_s: float, byt
     Written exactly as ``CostModel.split_step_cost`` writes it, so that both agree to the
     last bit for the same efficiency; ``bytes_per_s`` is the raw HBM peak.
     """
-    compute_s = (gemm_s(efficiency, flops_per_s, cost.body_flops, cost.num_tokens, cost.head_flops,
-                        cost.num_requests)
-                 + cost.attention_work / (flops_per_s * efficiency.attention_flops_fraction))
+    gemm_compute_s = gemm_s(efficiency, flops_per_s, cost.body_flops, cost.num_tokens, cost.head_flops,
+                            cost.num_requests)
+    attention_compute_s = cost.attention_work / (flops_per_s * efficiency.attention_flops_fraction)
     hbm_bytes_per_s = bytes_per_s * efficiency.hbm_bandwidth_fraction
-    memory_s = (cost.weight_bytes + cost.kv_bytes) / hbm_bytes_per_s
+    weights_s = cost.weight_bytes / hbm_bytes_per_s
+    kv_s = cost.kv_bytes / hbm_bytes_per_s
     overhead_s = efficiency.step_overhead_s + efficiency.per_request_overhead_s * cost.num_requests
-    gpu_s = max(compute_s, memory_s) + cost.elementwise_bytes / hbm_bytes_per_s + cost.extra_gpu_s + cost.communication_s
+    gpu_s = (max(gemm_compute_s, weights_s) + max(attention_compute_s, kv_s) + cost.elementwise_bytes / hbm_bytes_per_s
+             + cost.extra_gpu_s + cost.communication_s)
     return max(gpu_s, overhead_s) if async_scheduling else gpu_s + overhead_s
 
 
@@ -131,20 +132,23 @@ class _Terms:
 
     linear_s: np.ndarray  # linear_flops / P
     attention_s: np.ndarray  # attention_work / P
-    memory_s: np.ndarray  # (weight_bytes + kv_bytes) / BW
-    elementwise_s: np.ndarray  # elementwise_bytes / BW: serial, scaled by 1/hbm like memory_s
+    weights_s: np.ndarray  # weight_bytes / BW
+    kv_s: np.ndarray  # kv_bytes / BW
+    elementwise_s: np.ndarray  # elementwise_bytes / BW: serial, scaled by 1/hbm like the reads
     given_s: np.ndarray  # communication and fixed GPU seconds, as the cost model gave them
     num_requests: np.ndarray
     measured_s: np.ndarray
 
-    def parts(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """compute_s, memory_s and overhead_s under parameters x."""
-        return (self.linear_s * x[0] + self.attention_s * x[1], self.memory_s * x[2],
-                x[3] + x[4] * self.num_requests)
+    def gpu_s(self, x: np.ndarray) -> np.ndarray:
+        """The GPU seconds under parameters x: the GEMMs and the attention each on its roofline."""
+        return (np.maximum(self.linear_s * x[0], self.weights_s * x[2])
+                + np.maximum(self.attention_s * x[1], self.kv_s * x[2]) + self.elementwise_s * x[2] + self.given_s)
+
+    def overhead_s(self, x: np.ndarray) -> np.ndarray:
+        return x[3] + x[4] * self.num_requests
 
     def total_s(self, x: np.ndarray, async_scheduling: bool) -> np.ndarray:
-        compute_s, memory_s, overhead_s = self.parts(x)
-        gpu_s = np.maximum(compute_s, memory_s) + self.elementwise_s * x[2] + self.given_s
+        gpu_s, overhead_s = self.gpu_s(x), self.overhead_s(x)
         return np.maximum(gpu_s, overhead_s) if async_scheduling else gpu_s + overhead_s
 
 
@@ -157,7 +161,8 @@ def _terms(samples: Sequence[StepSample], flops_per_s: float, bytes_per_s: float
         linear_s=np.array([gemm_s(at_peak, flops_per_s, c.body_flops, c.num_tokens, c.head_flops, c.num_requests)
                            for c in costs], dtype=float),
         attention_s=np.array([c.attention_work for c in costs], dtype=float) / flops_per_s,
-        memory_s=np.array([c.weight_bytes + c.kv_bytes for c in costs], dtype=float) / bytes_per_s,
+        weights_s=np.array([c.weight_bytes for c in costs], dtype=float) / bytes_per_s,
+        kv_s=np.array([c.kv_bytes for c in costs], dtype=float) / bytes_per_s,
         elementwise_s=np.array([c.elementwise_bytes for c in costs], dtype=float) / bytes_per_s,
         given_s=np.array([c.communication_s + c.extra_gpu_s for c in costs], dtype=float),
         num_requests=np.array([c.num_requests for c in costs], dtype=float),
@@ -165,28 +170,30 @@ def _terms(samples: Sequence[StepSample], flops_per_s: float, bytes_per_s: float
     )
 
 
-def _branches(terms: _Terms, x: np.ndarray, async_scheduling: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample: is compute (not memory) the GPU's bound, and (async) is the GPU (not
-    the CPU overhead) the step's bound. Ties go to the first; either gives the same time."""
-    compute_s, memory_s, overhead_s = terms.parts(x)
-    compute_bound = compute_s >= memory_s
-    gpu_bound = np.maximum(compute_s, memory_s) + terms.elementwise_s * x[2] + terms.given_s >= overhead_s
+def _branches(terms: _Terms, x: np.ndarray,
+              async_scheduling: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sample: are the GEMMs bound by their FLOPs (not the weights' read), is the
+    attention bound by its FLOPs (not the KV read), and (async) is the GPU (not the CPU
+    overhead) the step's bound. Ties go to the first; either gives the same time."""
+    gemm_bound = terms.linear_s * x[0] >= terms.weights_s * x[2]
+    attention_bound = terms.attention_s * x[1] >= terms.kv_s * x[2]
+    gpu_bound = terms.gpu_s(x) >= terms.overhead_s(x)
     if not async_scheduling:
         gpu_bound = np.ones_like(gpu_bound)
-    return compute_bound, gpu_bound
+    return gemm_bound, attention_bound, gpu_bound
 
 
-def _design(terms: _Terms, compute_bound: np.ndarray, gpu_bound: np.ndarray,
+def _design(terms: _Terms, gemm_bound: np.ndarray, attention_bound: np.ndarray, gpu_bound: np.ndarray,
             async_scheduling: bool) -> tuple[np.ndarray, np.ndarray]:
     """The linear system of the active branches, rows divided by measured_s so that each
     step counts by its relative error (a 1 ms decode as much as a 1 s prefill)."""
     n = len(terms.measured_s)
     a = np.zeros((n, len(_COLUMNS)))
     on_gpu = gpu_bound.astype(float)
-    a[:, 0] = terms.linear_s * compute_bound * on_gpu
-    a[:, 1] = terms.attention_s * compute_bound * on_gpu
-    # Element-wise traffic streams from HBM whatever bounds the GEMMs.
-    a[:, 2] = (terms.memory_s * ~compute_bound + terms.elementwise_s) * on_gpu
+    a[:, 0] = terms.linear_s * gemm_bound * on_gpu
+    a[:, 1] = terms.attention_s * attention_bound * on_gpu
+    # Element-wise traffic streams from HBM whatever bounds the GEMMs and the attention.
+    a[:, 2] = (terms.weights_s * ~gemm_bound + terms.kv_s * ~attention_bound + terms.elementwise_s) * on_gpu
     # Synchronous: the overhead always adds. Asynchronous: it is the step only where it
     # outlasts the GPU.
     on_cpu = (~gpu_bound).astype(float) if async_scheduling else np.ones(n)
@@ -236,12 +243,12 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, list[i
     return y, dropped
 
 
-def _solve(terms: _Terms, x: np.ndarray, compute_bound: np.ndarray, gpu_bound: np.ndarray,
+def _solve(terms: _Terms, x: np.ndarray, branches: tuple[np.ndarray, np.ndarray, np.ndarray],
            candidates: list[int], async_scheduling: bool):
     """One least-squares solve on fixed branches; the columns it cannot identify keep
     their value in x. Returns the new x, the identified columns, why the other
     candidates are not, and the columns clamped at their bound."""
-    a, b = _design(terms, compute_bound, gpu_bound, async_scheduling)
+    a, b = _design(terms, *branches, async_scheduling)
     kept, why = _identifiable(a, candidates)
     # Inverse fractions are at least 1 (a fraction is at most 1), overheads at least 0:
     # solve for the excess over that bound, which must be non-negative.
@@ -296,7 +303,7 @@ def fit_efficiency(samples: Sequence[StepSample], *, flops_per_s: float, bytes_p
     iterations = 0
     while iterations < max_iterations:
         iterations += 1
-        x, kept, why, clamped = _solve(terms, x, *branches, candidates, async_scheduling)
+        x, kept, why, clamped = _solve(terms, x, branches, candidates, async_scheduling)
         objective = _objective(terms, x, async_scheduling)
         if best is None or objective < best[0]:
             best = (objective, x, kept, why, clamped)

@@ -4,7 +4,8 @@ docs/architecture.md#the-simulated-clock. One engine step runs every scheduled r
 through the model once. Per GPU of the tensor-parallel group it
 
 * reads the weights once (MoE: only the experts the step's tokens are routed to, in
-  expectation for uniform routing),
+  expectation for uniform routing; never the input embedding table, from which a lookup
+  gathers a row per token),
 * reads each sequence's KV once per layer: full attention and MLA their whole context,
   sliding-window layers at most the window, chunked-local layers the current chunk,
   recurrent layers their state (read and written), and writes the new tokens' KV,
@@ -32,12 +33,18 @@ keeps its own KV of the whole sequence, prefill chunks included), each later one
 per drafting request (those that sampled). A pass reads the head's weights once and each
 drafting request's KV of its context in the head's layers, and samples one row per drafting
 request through the target's LM head (EAGLE-3's smaller draft vocabulary is not
-modelled: an overestimate), at the step's GEMM efficiency, plus the per-layer fixed time;
+modelled: an overestimate), at the step's GEMM efficiency (or the weights' read) plus the
+KV read (its attention is a kernel of its own, as the target's) and the per-layer fixed time;
 its TP all-reduces are not modelled. ``StepCost.draft_s`` is that time; it adds to the GPU
 time. n-gram drafting has no model and costs nothing here (its CPU lookup is in the
 per-step overhead).
 
-GPU time is ``max(compute, memory) + element-wise + fixed + communication``. With
+GPU time is ``max(GEMMs, weights) + max(attention, KV) + element-wise + fixed +
+communication``: the GEMMs and the attention are separate kernels in vLLM, one after the
+other in every layer, so each sits on its own roofline and their times add. The GEMMs are
+bound by their FLOPs or by streaming the weights, the attention by its FLOPs or by reading
+the KV it attends; a decode's KV read is never hidden under a prefill's GEMMs
+(docs/architecture.md#the-simulated-clock). With
 synchronous scheduling the CPU overhead adds to it; with asynchronous scheduling (vLLM's
 default) the next step is prepared while this one runs, so the step takes the longer of
 the two. Efficiency factors scale the datasheet peaks; a calibration file (bundled per GPU
@@ -180,7 +187,8 @@ class CostModel:
         self.async_scheduling = async_scheduling
         self.eff = efficiency
         self.layer_classes = self._layer_classes(model, layer_specs, tensor_parallel_size)
-        self.weight_bytes = float(weights_bytes_per_gpu(model, tp=tensor_parallel_size))
+        self.weight_bytes = float(weights_bytes_per_gpu(model, tp=tensor_parallel_size)) - self._embedding_table_bytes(
+            model, tensor_parallel_size)
         self.expert_bytes, self.moe_layers = self._experts(model, tensor_parallel_size)
         self.linear_flops_per_token = 2.0 * model.body_params_active / tensor_parallel_size
         self.head_flops_per_sample = 2.0 * model.lm_head_params / tensor_parallel_size
@@ -238,9 +246,18 @@ class CostModel:
             tokens = num_step_tokens if index == 0 else num_drafting
             compute = _gemm_s(self.matmul_flops_fraction, self.matmul_half_tokens, self.flops_per_s,
                               self.draft_layer_flops_per_token * layers * tokens, tokens, head_flops, num_drafting)
-            memory = (weights + context_bytes + tokens * self.draft_kv_bytes_per_token * layers) / self.bytes_per_s
-            total += max(compute, memory) + layer_fixed_s
+            kv_s = (context_bytes + tokens * self.draft_kv_bytes_per_token * layers) / self.bytes_per_s
+            total += max(compute, weights / self.bytes_per_s) + kv_s + layer_fixed_s
         return total
+
+    @staticmethod
+    def _embedding_table_bytes(model: ModelPreset, tp: int) -> float:
+        """Bytes of the input embedding table on one GPU (vocabulary-parallel): held but not
+        read by a step, whose lookup gathers a row per token. Tied to the LM head, the one
+        matrix is read whole as the head, and nothing is taken off."""
+        if model.tie_word_embeddings:
+            return 0.0
+        return model.lm_head_params * (1 if model.weight_format == "fp8" else 2) / tp
 
     @staticmethod
     def _elementwise_bytes_per_token(model: ModelPreset, tp: int) -> float:
@@ -411,11 +428,14 @@ class CostModel:
                    num_requests: int, num_decodes: int, draft_s: float = 0.0) -> StepCost:
         body_flops = self.linear_flops_per_token * num_tokens
         head_flops = self.head_flops_per_sample * num_requests
-        compute_s = (_gemm_s(self.matmul_flops_fraction, self.matmul_half_tokens, self.flops_per_s, body_flops,
-                             num_tokens, head_flops, num_requests)
-                     + attention_work / (self.flops_per_s * self.attention_flops_fraction))
+        gemm_compute_s = _gemm_s(self.matmul_flops_fraction, self.matmul_half_tokens, self.flops_per_s, body_flops,
+                                 num_tokens, head_flops, num_requests)
+        attention_compute_s = attention_work / (self.flops_per_s * self.attention_flops_fraction)
+        compute_s = gemm_compute_s + attention_compute_s
         weight_bytes = self._weight_bytes_read(num_tokens)
-        memory_s = (weight_bytes + kv_bytes) / self.bytes_per_s
+        weights_s = weight_bytes / self.bytes_per_s
+        kv_s = kv_bytes / self.bytes_per_s
+        memory_s = weights_s + kv_s
         elementwise_bytes = num_tokens * self.elementwise_bytes_per_token
         communication_s = 0.0
         if self.tp > 1:
@@ -430,7 +450,8 @@ class CostModel:
             communication_s = 2 * self.num_layers * per_layer
         overhead_s = self.step_overhead_s + self.per_request_overhead_s * num_requests
         extra_gpu_s = self.fixed_gpu_s + self.decode_head_s * num_decodes if num_decodes else self.fixed_gpu_s
-        gpu_s = max(compute_s, memory_s) + elementwise_bytes / self.bytes_per_s + extra_gpu_s + communication_s
+        gpu_s = (max(gemm_compute_s, weights_s) + max(attention_compute_s, kv_s) + elementwise_bytes / self.bytes_per_s
+                 + extra_gpu_s + communication_s)
         if draft_s:
             gpu_s += draft_s
         total_s = max(gpu_s, overhead_s) if self.async_scheduling else gpu_s + overhead_s

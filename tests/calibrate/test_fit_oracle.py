@@ -283,9 +283,10 @@ def step(decode, prefill, context):
 def true_step_s(c):
     """The documented roofline at STEP_TRUTH, asynchronous scheduling, written out."""
     t = STEP_TRUTH
-    compute = (c.body_flops + c.head_flops) / (P * t["matmul"]) + c.attention_work / (P * t["attention"])
-    memory = (c.weight_bytes + c.kv_bytes) / (BW * t["hbm"])
-    gpu = max(compute, memory) + c.elementwise_bytes / (BW * t["hbm"]) + c.extra_gpu_s + c.communication_s
+    gemms = (c.body_flops + c.head_flops) / (P * t["matmul"])
+    attention = c.attention_work / (P * t["attention"])
+    gpu = max(gemms, c.weight_bytes / (BW * t["hbm"])) + max(attention, c.kv_bytes / (BW * t["hbm"])) \
+        + c.elementwise_bytes / (BW * t["hbm"]) + c.extra_gpu_s + c.communication_s
     return max(gpu, t["step"] + t["per_request"] * c.num_requests)
 
 

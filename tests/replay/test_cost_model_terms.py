@@ -52,7 +52,8 @@ class Hand:
         self.body_params = MODEL.params_active - 2 * self.head_params
         self.kv_bytes_per_token_layer = 2 * (KV_HEADS // tp) * HEAD_DIM * BF16  # K and V
         self.width = (Q_HEADS // tp) * (HEAD_DIM + HEAD_DIM)  # per attended key: QK^T (d_k) and PV (d_v)
-        self.weights = math.ceil(MODEL.weights_bytes / tp)
+        # Read per step: all but the input embedding table (a lookup gathers a row per token).
+        self.weights = math.ceil(MODEL.weights_bytes / tp) - VOCAB * HIDDEN * BF16 / tp
         self.hbm = GPU.hbm_bandwidth_bytes_per_s * eff.hbm_bandwidth_fraction
         # Per token per layer: two fused add+RMSNorm (read x and residual, write both) on the
         # full hidden vector, SiLU-and-mul over the sharded inner width (read 2, write 1), and
@@ -95,12 +96,15 @@ class Hand:
         attention_flops = 2 * self.width * LAYERS * keys
         attention_work += 2 * self.width * LAYERS * sum(decode_ends)
         kv_bytes = kv_tokens * self.kv_bytes_per_token_layer * LAYERS
-        compute = self.gemm_s(tokens, requests) + attention_work / (GPU.bf16_flops * self.eff.attention_flops_fraction)
+        gemms = self.gemm_s(tokens, requests)
+        attention = attention_work / (GPU.bf16_flops * self.eff.attention_flops_fraction)
+        compute = gemms + attention
         memory = (self.weights + kv_bytes) / self.hbm
         fixed = LAYERS * self.eff.layer_fixed_s + self.eff.step_gpu_fixed_s \
             + self.eff.decode_attention_s_per_head * LAYERS * (Q_HEADS // self.tp) * n_dec
-        gpu = max(compute, memory) + tokens * self.elementwise_per_token / self.hbm + fixed + self.comm_s(tokens) \
-            + draft_s
+        # The GEMMs and the attention are kernels of their own, each on its roofline.
+        gpu = max(gemms, self.weights / self.hbm) + max(attention, kv_bytes / self.hbm) \
+            + tokens * self.elementwise_per_token / self.hbm + fixed + self.comm_s(tokens) + draft_s
         overhead = self.eff.step_overhead_s + self.eff.per_request_overhead_s * requests
         return dict(total_s=max(gpu, overhead) if async_scheduling else gpu + overhead, compute_s=compute,
                     memory_s=memory, communication_s=self.comm_s(tokens), overhead_s=overhead, kv_bytes=kv_bytes,
@@ -137,6 +141,26 @@ def test_a_prefill_step_is_compute_bound_and_term_by_term():
     assert cost.compute_s > cost.memory_s
 
 
+def test_a_decodes_kv_read_is_not_hidden_under_a_prefills_gemms():
+    # docs/architecture.md#the-simulated-clock: the attention is a kernel of its own, so the
+    # decodes' KV read adds to a compute-bound prefill's GEMMs instead of overlapping them.
+    # Only the prefill's own attention FLOPs (the same kernel) can hide any of it.
+    cm = cost_model(1)
+    prefill = [(2048, 0)]
+    alone = cm.split_step_cost([], prefill)
+    mixed = cm.split_step_cost([8000] * 16, prefill)
+    assert alone.compute_s > alone.memory_s  # the prefill's GEMMs bound it: one roofline hid the reads
+    hbm = Hand(1).hbm
+    kv_read_s = (mixed.kv_bytes - alone.kv_bytes) / hbm
+    prefill_attention_s = alone.attention_work / (GPU.bf16_flops * EFF.attention_flops_fraction)
+    decode_work_s = mixed.compute_s - alone.compute_s  # the decodes' 16 rows through the GEMMs, their attention
+    serial_s = mixed.extra_gpu_s - alone.extra_gpu_s + (mixed.elementwise_bytes - alone.elementwise_bytes) / hbm
+    grown = mixed.total_s - alone.total_s
+    assert kv_read_s > 2 * prefill_attention_s and kv_read_s > 10 * decode_work_s
+    assert grown >= kv_read_s - prefill_attention_s + serial_s - 1e-12
+    assert grown <= kv_read_s + serial_s + decode_work_s + 1e-12
+
+
 def test_small_gemms_and_short_chunks_run_below_the_fraction():
     eff = Efficiency(**{**EFF.__dict__, "matmul_half_tokens": 64.0, "attention_half_query_tokens": 32.0})
     for decodes, prefills in ((DECODES, []), ([], [(8, 100)]), (DECODES, PREFILLS)):
@@ -167,9 +191,9 @@ def test_the_draft_head_passes_by_hand(layers, passes):
         tokens = step_tokens if index == 0 else len(drafting)
         compute = (layer_flops_per_token * layers * tokens
                    + 2 * hand.head_params * len(drafting)) / (GPU.bf16_flops * EFF.matmul_flops_fraction)
-        memory = (layer_bytes * layers + head_bytes
-                  + (sum(drafting) + tokens) * hand.kv_bytes_per_token_layer * layers) / hand.hbm
-        draft += max(compute, memory) + layers * EFF.layer_fixed_s  # the fixed time of each draft layer
+        weights = (layer_bytes * layers + head_bytes) / hand.hbm
+        kv = (sum(drafting) + tokens) * hand.kv_bytes_per_token_layer * layers / hand.hbm
+        draft += max(compute, weights) + kv + layers * EFF.layer_fixed_s  # the fixed time of each draft layer
     cm = cost_model(1, draft_head=DraftHead(layers, passes))
     assert cm.draft_s(step_tokens, drafting) == pytest.approx(draft, rel=1e-9)
     cost = cm.split_step_cost(DECODES, PREFILLS, draft_ends=drafting)
@@ -236,12 +260,28 @@ def test_a_moe_step_reads_the_experts_its_tokens_are_routed_to():
     cm = CostModel(p.model, p.gpu, p.layers.specs, async_scheduling=True, efficiency=EFF)
     expert_bytes = 3 * 2880 * 2880 * 4.25 / 8
     all_experts = 32 * 24 * expert_bytes
+    embedding_table = 201088 * 2880 * BF16  # untied, held but never read whole
     for n in (1, 4, 64, 2048):
         touched = 32 * (1 - (1 - 4 / 32) ** n)
-        expected = math.ceil(model.weights_bytes) - all_experts + touched * 24 * expert_bytes
+        expected = math.ceil(model.weights_bytes) - embedding_table - all_experts + touched * 24 * expert_bytes
         cost = cm.split_step_cost([500] * n, [])
         assert cost.weight_bytes == pytest.approx(expected, rel=1e-9)
         assert cost.weight_bytes <= model.weights_bytes
+
+
+@pytest.mark.parametrize("name, tied", [("llama-3.1-8b", False), ("gemma-3-12b", True)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_step_never_reads_the_input_embedding_table(name, tied, tp):
+    # The lookup gathers a row per token. An untied table is held (the memory plan counts
+    # it) but a step reads only the LM head; tied, the one matrix is read whole as the head.
+    model = get_model(name)
+    assert model.tie_word_embeddings is tied
+    p = plan(model, GPU, EngineConfig(tensor_parallel_size=tp, max_model_len=8192))
+    cm = CostModel(p.model, p.gpu, p.layers.specs, tensor_parallel_size=tp, async_scheduling=True, efficiency=EFF)
+    table = 0 if tied else model.vocab_size * model.hidden_size * BF16 / tp
+    for decodes in ([100], [100] * 64):
+        cost = cm.split_step_cost(decodes, [])
+        assert cost.weight_bytes == pytest.approx(math.ceil(model.weights_bytes / tp) - table, rel=1e-12)
 
 
 def test_mla_latent_kv_is_read_whole_on_every_rank():
