@@ -16,23 +16,31 @@ sends them without ``--request-rate``, never capped: N is the load) and compares
   else the server's; the ``latency_side`` column says which.
 * Saturation: at every point the source marks as past its knee (``source_saturated``), the
   request throughput against the measured one.
-* The band: whether ``p99_*_low`` .. ``p99_*_high`` (``reports/SCHEMA.md``) holds the measured
-  p99; a point without a band (an uncalibrated GPU) does not cover it.
+* The band (docs/capacity.md#the-band): the ratios of measured to replayed p99 TTFT and TPOT
+  at the calibrated points, their 5th to 95th percentiles per figure. Each point is judged on
+  the band of the other series alone (a series is one GPU and model of one source: leave one
+  series out), so the coverage it reports is held out. A point on an uncalibrated GPU has no
+  band and is not judged. ``--write-band`` writes the band of every calibrated point to
+  ``sim/replay/data/measurements/serving_band.toml``, which ``scripts/calibration/fit_bundled.py``
+  puts into every bundled calibration as its ``[band]``.
 
-The targets (issue 39, item 6) are printed beside the results with pass or fail. This is a
-measurement: nothing here feeds back into the clock.
+The targets (issue 39, item 6) are printed beside the results with pass or fail. Nothing here
+feeds back into the clock: the band frames its answers, it does not move them.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import statistics
 import sys
 import time
 import tomllib
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "bench" / "data"
@@ -59,6 +67,24 @@ LATENCY_FIGURES = {("ttft", "mean"): "mean_ttft{side}_ms", ("ttft", "p50"): "med
                    ("tpot", "p50"): "median_tpot_ms", ("tpot", "p99"): "p99_tpot_ms",
                    ("itl", "p99"): "p99_itl_ms", ("e2e", "mean"): "mean_e2el{side}_ms"}
 BANDS = {"ttft": "ttft", "tpot": "tpot", "itl": "itl"}
+# The p99 figures a band is measured on, each with the calibration [band] kind it becomes, and
+# the band's quantiles of measured / replayed p99 (a 90% interval).
+BAND_KINDS = {"ttft": "ttft", "tpot": "tpot", "itl": "tpot"}
+BAND_QUANTILES = (0.05, 0.95)
+BAND_FILE = REPO / "sim" / "replay" / "data" / "measurements" / "serving_band.toml"
+# The sources of the calibrated points (bench/data/FIDELITY_SOURCES.md), as calibration files
+# cite theirs: serving_band.toml carries them into every bundled file beside its [band].
+BAND_SOURCES = {
+    "S4": {"repository": "dennislee22/vLLM-benchmarking", "path": "README.md (Tests 4 and 5) and log/",
+           "commit": "b474d1e053c35c9aef8c02aae4efbc0d8675f033", "licence": "none stated: numbers used as facts only",
+           "engine": "vLLM 0.10.1.1 (V1)", "gpu": "1x A100 80GB",
+           "notes": "serving band: Qwen2-7B-Instruct bursts of 1-1000 requests, 1024 in / 1024 out"},
+    "S5": {"repository": "gpustack/gpustack", "path": "docs/performance-lab/{qwen3-14b,qwen3-32b,gpt-oss-20b}/",
+           "commit": "10e9444a07c73556f2ef0d10d2b2766bbf54c9c0, 7ae332aaf05783e657560ef927c527b156e2536d, "
+                     "7b50d5067ddbdeba0739e7f72d6f40e53d3b9a04", "licence": "Apache-2.0",
+           "engine": "vLLM 0.11.0 (V1)", "gpu": "1x H100 SXM, 1x A100 80GB",
+           "notes": "serving band: baseline bursts of 100-1000 requests, 128-32000 in / 4-200 out"},
+}
 
 
 class PointError(ValueError):
@@ -119,6 +145,53 @@ def covers(low: float | None, high: float | None, measured: float | None) -> boo
     return low <= measured <= high
 
 
+def p99_ratios(results: list[dict]) -> list[tuple[str, str, float]]:
+    """(series, band kind, measured p99 / replayed p99) at every calibrated point: the band is
+    a calibrated clock's claim, an uncalibrated one makes none."""
+    out = []
+    for r in results:
+        if r.get("calibration") in (None, "uncalibrated"):
+            continue
+        for figure, kind in BAND_KINDS.items():
+            measured, replayed = r.get(f"measured_{figure}_p99_ms"), r.get(f"kvtwin_{figure}_p99_ms")
+            if measured and replayed and math.isfinite(measured) and math.isfinite(replayed) and replayed > 0:
+                out.append((r["series"], kind, measured / replayed))
+    return out
+
+
+def serving_band(ratios: list[tuple[str, str, float]], *, without: str | None = None) -> dict[str, tuple[float, float]]:
+    """Per kind, the ``BAND_QUANTILES`` of the ratios (leaving out series ``without``), widened
+    to hold 1 (the replay's own figure); ``e2e`` spans both kinds (an E2E is a TTFT and the
+    TPOTs after it)."""
+    band = {}
+    for kind in sorted({k for _, k, _ in ratios}):
+        values = np.array([v for series, k, v in ratios if k == kind and series != without])
+        if len(values):
+            low, high = np.quantile(values, BAND_QUANTILES)
+            band[kind] = (min(float(low), 1.0), max(float(high), 1.0))
+    if band:
+        band["e2e"] = (min(low for low, _ in band.values()), max(high for _, high in band.values()))
+    return band
+
+
+def held_out_covered(result: dict, bands_without: dict[str, dict[str, tuple[float, float]]]) -> dict:
+    """``covered_<figure>`` of one point: whether the band of the other series holds its
+    measured p99 (None when not measured; False on an uncalibrated GPU: no band)."""
+    out = {}
+    for figure, kind in BAND_KINDS.items():
+        measured, replayed = result.get(f"measured_{figure}_p99_ms"), result.get(f"kvtwin_{figure}_p99_ms")
+        if measured is None:
+            out[f"covered_{figure}"] = None
+            continue
+        ratios = bands_without.get(result["series"], {}).get(kind)
+        if result.get("calibration") in (None, "uncalibrated") or ratios is None or replayed is None:
+            out[f"covered_{figure}"] = None if result.get("calibration") in (None, "uncalibrated") else False
+            continue
+        out[f"band_{figure}_low_ms"], out[f"band_{figure}_high_ms"] = replayed * ratios[0], replayed * ratios[1]
+        out[f"covered_{figure}"] = covers(replayed * ratios[0], replayed * ratios[1], measured)
+    return out
+
+
 def median_abs(errors) -> float:
     finite = [abs(e) for e in errors if e is not None and math.isfinite(e)]
     return statistics.median(finite) if finite else math.nan
@@ -144,7 +217,7 @@ def verdicts(results: list[dict]) -> list[dict]:
                 "holds": bool(saturated) and worst <= SATURATION_TARGET})
     judged = [r[f"covered_{f}"] for r in results for f in BANDS if r.get(f"covered_{f}") is not None]
     share = sum(judged) / len(judged) if judged else math.nan
-    out.append({"target": f"band holds the measured p99 in >= {COVERAGE_TARGET:.0%}", "value": share,
+    out.append({"target": f"band (held out) holds the measured p99 in >= {COVERAGE_TARGET:.0%}", "value": share,
                 "points": len(judged), "holds": bool(judged) and share >= COVERAGE_TARGET})
     return out
 
@@ -257,12 +330,46 @@ def compare(point: dict, summary: dict) -> dict:
         row[f"measured_{name}"] = point[name]
         row[f"kvtwin_{name}"] = summary[column]
         row[f"err_{name}"] = relative_error(summary[column], point[name])
-    for figure, band in BANDS.items():
-        low, high = summary.get(f"p99_{band}_ms_low"), summary.get(f"p99_{band}_ms_high")
-        row[f"band_{figure}_low_ms"], row[f"band_{figure}_high_ms"] = low, high
-        row[f"covered_{figure}"] = covers(low, high, point[f"{figure}_p99_ms"])
+    for figure in BANDS:
+        # Filled in by ``judge_bands`` once every point has run: the band is held out by series.
+        row[f"band_{figure}_low_ms"] = row[f"band_{figure}_high_ms"] = math.nan
+        row[f"covered_{figure}"] = None
     row["kvtwin_saturated"] = summary["saturated"]
     return row
+
+
+def judge_bands(results: list[dict]) -> dict[str, tuple[float, float]]:
+    """Each point's ``covered_*`` against the band of the other series, in place; returns the
+    band of every calibrated point (what ``--write-band`` writes)."""
+    ratios = p99_ratios(results)
+    without = {series: serving_band(ratios, without=series) for series in {r["series"] for r in results}}
+    for r in results:
+        r.update(held_out_covered(r, without))
+    return serving_band(ratios)
+
+
+def band_file_text(band: dict[str, tuple[float, float]], results: list[dict]) -> str:
+    """``serving_band.toml``: the band, what it was measured on, and its held-out coverage."""
+    judged = [r[f"covered_{f}"] for r in results for f in BANDS if r.get(f"covered_{f}") is not None]
+    calibrated = sorted({r["series"] for r in results if r.get("calibration") not in (None, "uncalibrated")})
+    lines = [
+        "# How far real vLLM servers' p99s lay from kvtwin's replays of the same load: the ratio",
+        "# measured p99 / replayed p99, its 5th and 95th percentiles per figure, over the calibrated points",
+        "# of bench/data/fidelity_serving.csv (sources: bench/data/FIDELITY_SOURCES.md). Written by",
+        "# `python bench/bench_fidelity_serving.py --write-band`; scripts/calibration/fit_bundled.py puts",
+        "# it into every bundled calibration as [band] (docs/capacity.md#the-band). One band for every",
+        "# GPU: the public runs are too few to give each its own.",
+        f"# Series ({len(calibrated)}): {', '.join(calibrated)}.",
+        f"# Held out (each series judged on the band of the others): {sum(judged)} of {len(judged)} measured",
+        f"# p99s inside ({sum(judged) / len(judged):.0%})." if judged else "# Held out: nothing judged.",
+        "",
+    ]
+    lines += [f"{kind} = [{low:.4g}, {high:.4g}]" for kind, (low, high) in band.items()]
+    sources = sorted({r.get("source") for r in results if r.get("calibration") not in (None, "uncalibrated")}
+                     & set(BAND_SOURCES))
+    for source in sources:
+        lines += ["", "[[source]]"] + [f"{key} = {json.dumps(value)}" for key, value in BAND_SOURCES[source].items()]
+    return "\n".join(lines) + "\n"
 
 
 def _pct(value: float) -> str:
@@ -281,8 +388,8 @@ def print_report(results: list[dict]) -> None:
         print(f"{r['point_id']:<28} {_pct(r['err_req_s']):>7} {_pct(r['err_ttft_mean']):>9} {_pct(r['err_ttft_p50']):>8} "
               f"{_pct(r['err_ttft_p99']):>8} {_pct(r['err_tpot_mean']):>9} {_pct(r['err_tpot_p50']):>8} "
               f"{_pct(r['err_tpot_p99']):>8} {_pct(r['err_e2e_mean']):>8} {band:>9}  {'*' if r['source_saturated'] else ''}")
-    print("\n(signed errors, kvtwin vs measured; band: ttft/tpot/itl p99 held y/n, '.' not measured; "
-          "sat *: past the source's knee)\n")
+    print("\n(signed errors, kvtwin vs measured; band: ttft/tpot/itl p99 inside the band of the other series "
+          "y/n, '.' not measured or no band (uncalibrated); sat *: past the source's knee)\n")
     print(f"{'source':<6} {'points':>6} {'ttft mean':>9} {'ttft p50':>8} {'ttft p99':>8} {'tpot mean':>9} {'tpot p50':>8} "
           f"{'tpot p99':>8} {'e2e mean':>8} {'req/s':>6} {'sat':>6} {'band':>6}")
     for s in by_source(results):
@@ -312,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, default=1000, help="most requests replayed per Poisson point")
     parser.add_argument("--only", default=None, help="replay only these points (comma-separated ids, or a source: S4)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fidelity_serving.parquet")
+    parser.add_argument("--write-band", action="store_true",
+                        help=f"write the band of every calibrated point to {BAND_FILE.relative_to(REPO)}")
     args = parser.parse_args(argv)
     with args.points.open() as f:
         points = parse_points(f)
@@ -328,7 +437,15 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare(point, replay_point(point, hardware, args.cap)))
         print(f"[{i}/{len(points)}] {point['point_id']} {time.perf_counter() - t:.1f} s", file=sys.stderr)
     print(f"replayed {len(points)} points in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    band = judge_bands(results)
     print_report(results)
+    print("band (measured / replayed p99, 5th-95th percentile over the calibrated points): "
+          + ", ".join(f"{kind} x{low:.2f}-x{high:.2f}" for kind, (low, high) in band.items()))
+    if args.write_band:
+        if args.only:
+            parser.error("--write-band measures the band on every point: not with --only")
+        BAND_FILE.write_text(band_file_text(band, results))
+        print(f"wrote the band to {BAND_FILE.relative_to(REPO)}")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

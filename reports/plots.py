@@ -235,9 +235,10 @@ def preemptions_over_time(t: np.ndarray, counts: np.ndarray, bin_s: float) -> by
 
 
 def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float] | None = None,
-                 band: dict[str, float] | None = None) -> bytes:
+                 band: dict[str, tuple[float, float]] | None = None) -> bytes:
     """One CDF panel per (name, sorted values in ms); a dashed line at each name's SLO, and
-    a shaded band where ``band`` gives the name's relative error (values x (1 -/+ error))."""
+    a shaded band where ``band`` gives the name's (low, high) factors (values x low .. values
+    x high: the calibration's held-out band, docs/capacity.md#the-band)."""
     fig, axes = _figure(len(series))
     for ax, (name, values) in zip(axes, series):
         values = np.asarray(values, dtype=float)
@@ -245,10 +246,13 @@ def latency_cdfs(series: Sequence[tuple[str, np.ndarray]], slo: dict[str, float]
             _empty(ax)
         else:
             y = np.linspace(0, 1, len(values)) if len(values) > 1 else np.ones(1)
-            error = (band or {}).get(name)
-            if error is not None and np.isfinite(error):
-                ax.fill_betweenx(y * 100, values * (1 - error), values * (1 + error), color=COLORS[0], alpha=0.18,
-                                 linewidth=0, label=f"±{error:.0%} held-out error")
+            ratios = (band or {}).get(name)
+            if ratios is not None and all(np.isfinite(ratios)):
+                low, high = ratios
+                label = (f"±{high - 1:.0%} held-out error" if np.isclose(1 - low, high - 1) and low > 0
+                         else f"x{low:.2f}-x{high:.2f} held-out error")
+                ax.fill_betweenx(y * 100, values * low, values * high, color=COLORS[0], alpha=0.18,
+                                 linewidth=0, label=label)
             ax.plot(values, y * 100, color=COLORS[0], linewidth=1.4)
             if values[0] > 0 and values[-1] / values[0] > 100:
                 _log_x(ax)

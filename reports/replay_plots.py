@@ -191,9 +191,12 @@ def _latency_figure(requests: pa.Table, s: dict) -> PendingFigure:
               for name, col in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))]
     slo = {"TTFT": s.get("slo_ttft_ms"), "TPOT": s.get("slo_tpot_ms")}
     slo = {k: float(v) for k, v in slo.items() if not missing(v)}
-    band = {name: float(s[column]) for name, column in (("TTFT", "error_ttft"), ("TPOT", "error_tpot"),
-                                                        ("E2E latency", "error_e2el"))
-            if not missing(s.get(column))}
+    # The band's factors, read back from the p99 and its edges (docs/capacity.md#the-band).
+    band = {}
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("E2E latency", "e2el_ms")):
+        p99, low, high = s.get(f"p99_{key}"), s.get(f"p99_{key}_low"), s.get(f"p99_{key}_high")
+        if not missing(p99) and not missing(low) and float(p99) > 0:
+            band[name] = (float(low) / float(p99), float(high) / float(p99))
     clock = (f" Shaded: the band the clock's calibration ({s.get('calibration')}) implies from its held-out "
              "error." if band else " The clock is uncalibrated: no error band." if s.get("calibration") ==
              "uncalibrated" else "")

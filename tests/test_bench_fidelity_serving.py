@@ -132,3 +132,41 @@ def test_one_point_end_to_end(bench, tmp_path):
     assert row["point_id"] == "s4-t4-n10" and row["kv_cache_tokens"] == 93872  # the source's logged KV size
     assert row["replayed_requests"] == 10 and row["latency_side"] in ("client", "server")
     assert row["err_req_s"] == pytest.approx((row["kvtwin_req_s"] - 0.70) / 0.70)
+
+
+def _point(series, calibration, ttft, tpot, kvtwin_ttft=100.0, kvtwin_tpot=10.0):
+    return {"series": series, "calibration": calibration, "measured_ttft_p99_ms": ttft, "kvtwin_ttft_p99_ms": kvtwin_ttft,
+            "measured_tpot_p99_ms": tpot, "kvtwin_tpot_p99_ms": kvtwin_tpot, "measured_itl_p99_ms": None,
+            "kvtwin_itl_p99_ms": 9.0}
+
+
+def test_the_band_is_the_ratio_quantiles_and_each_series_is_judged_without_itself(bench):
+    # Ratios measured / replayed: series a 1.0..2.0 TTFT, series b 0.5 and 3.0; an uncalibrated
+    # point makes no claim and is never in a band.
+    results = [_point("a", "cal", 100.0 + 10.0 * i, 10.0) for i in range(11)]
+    results += [_point("b", "cal", 50.0, 30.0), _point("b", "cal", 300.0, 10.0),
+                _point("c", "uncalibrated", 1000.0, 1000.0)]
+    ratios = bench.p99_ratios(results)
+    assert len(ratios) == 2 * 13 and all(series != "c" for series, _, _ in ratios)
+    ttft = sorted(v for _, kind, v in ratios if kind == "ttft")
+    band = bench.serving_band(ratios)
+    q05, q95 = (float(x) for x in __import__("numpy").quantile(ttft, [0.05, 0.95]))
+    assert band["ttft"] == pytest.approx((min(q05, 1.0), q95))
+    # TPOT: twelve ratios of 1.0 and one of 3.0 -> the band holds 1 and reaches towards 3.
+    assert band["tpot"][0] == 1.0 and 1.0 < band["tpot"][1] < 3.0
+    assert band["e2e"] == (min(band["ttft"][0], band["tpot"][0]), max(band["ttft"][1], band["tpot"][1]))
+    # Without series a, the band is b's alone: 0.5 .. 3.0 (TTFT, up to interpolation).
+    alone = bench.serving_band(ratios, without="a")
+    assert alone["ttft"][0] == pytest.approx(0.5 + 0.05 * 2.5) and alone["ttft"][1] == pytest.approx(3.0 - 0.05 * 2.5)
+    bench.judge_bands(results)
+    # a's points, judged on b's band (0.625 .. 2.875 x 100 ms): every TTFT p99 (100-200 ms) inside.
+    assert all(r["covered_ttft"] for r in results if r["series"] == "a")
+    assert results[0]["band_ttft_low_ms"] == pytest.approx(62.5)
+    # b's 0.5 point, judged on a's band (1.0 .. ~1.95): outside; c has no band: not judged.
+    assert results[11]["covered_ttft"] is False and results[13]["covered_ttft"] is None
+    assert results[0]["covered_itl"] is None  # nothing measured
+    text = bench.band_file_text(bench.serving_band(ratios), results)
+    assert "ttft = [" in text and "e2e = [" in text
+    import tomllib as toml
+    parsed = toml.loads(text)
+    assert parsed["ttft"] == pytest.approx(list(band["ttft"]), rel=1e-3)

@@ -20,6 +20,10 @@ as vLLM runs them):
 * ``layer_fixed_s`` = every kernel floor of a layer (``kernel_fit.layer_fixed_s``);
   ``step_gpu_fixed_s`` = three more (embedding, LM head, sampler).
 
+``[band]``, how far real servers' p99s lay from kvtwin's replays, is no kernel's either: every
+file gets ``measurements/serving_band.toml`` (``bench/bench_fidelity_serving.py --write-band``,
+docs/capacity.md#the-band), the same on every GPU.
+
 ``client_overhead_s``, the time outside the engine a benchmark client also measures, is no
 kernel's: every file gets the default of ``measurements/client_overhead.toml``, the same on
 every GPU (a host-CPU cost), with its sources (docs/capacity.md#client-side-latency).
@@ -56,6 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "sim" / "replay" / "data"
 MEASUREMENTS = DATA / "measurements"
 OUT = DATA / "calibration"
+SERVING_BAND = MEASUREMENTS / "serving_band.toml"
 # Measurement folder GPU -> the presets it calibrates.
 PRESETS = {"h100": ("h100",), "h200": ("h200",), "b200": ("b200",), "a100": ("a100-80gb", "a100-40gb"),
            "l40s": ("l40s",)}
@@ -186,6 +191,14 @@ def sources_for(gpu: str) -> list[dict]:
     return [{k: str(table[key][k]) for k in wanted if k in table[key]} for key in sorted(keys)]
 
 
+def serving_band(path: Path | None = None) -> tuple[dict[str, tuple[float, float]], list[dict]]:
+    """The ``[band]`` of every bundled file (kind -> (low, high)) and its sources, from
+    ``serving_band.toml``."""
+    table = tomllib.loads((path or SERVING_BAND).read_text())
+    sources = [{k: str(v) for k, v in source.items()} for source in table.pop("source", [])]
+    return {kind: (float(pair[0]), float(pair[1])) for kind, pair in table.items()}, sources
+
+
 def p90(values: np.ndarray) -> float:
     return float(np.percentile(values, 90)) if len(values) else math.nan
 
@@ -199,6 +212,7 @@ def calibrate(gpu: str, write: bool) -> list[str]:
     curves, allreduce_errors = fit_allreduce(gpu)
     fixed_s = layer_fixed_s(gemm.launch_s, attention.launch_s)
     client = default_client_overhead()
+    band, band_sources = serving_band()
     efficiency = Efficiency(matmul_flops_fraction=round(gemm.matmul_flops_fraction, 4),
                             matmul_half_tokens=round(gemm.matmul_half_tokens, 1),
                             attention_flops_fraction=round(attention.attention_flops_fraction, 4),
@@ -233,11 +247,15 @@ def calibrate(gpu: str, write: bool) -> list[str]:
         f"{client.high_seconds * 1000:.0f} ms): time outside the engine (HTTP, tokenising, detokenising, "
         f"streaming), the same on every GPU; from sim/replay/data/measurements/client_overhead.toml, "
         f"its sources below; `kvtwin calibrate` on client-side measurements fits it",
+        f"{gpu}: [band] from {SERVING_BAND.relative_to(REPO)}: " + ", ".join(
+            f"{kind} x{low:.2f}-x{high:.2f}" for kind, (low, high) in band.items())
+        + " (measured / replayed p99 of public vLLM serving runs, the same on every GPU; "
+          "bench/bench_fidelity_serving.py --write-band)",
     ]
     if write:
         for name in PRESETS[gpu]:
-            write_calibration(OUT / f"{name}.toml", efficiency, errors=errors,
-                              sources=[*sources_for(gpu), *client.sources],
+            write_calibration(OUT / f"{name}.toml", efficiency, errors=errors, bands=band,
+                              sources=[*sources_for(gpu), *client.sources, *band_sources],
                               label=f"bundled {name} (public vLLM kernel timings; "
                                     f"scripts/calibration/fit_bundled.py)",
                               comment_lines=["Written by scripts/calibration/fit_bundled.py; do not edit by hand.",

@@ -383,11 +383,13 @@ def _comment(line: str) -> str:
 
 def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iterable[str] = (),
                      label: str | None = None, errors: dict[str, float] | None = None,
-                     sources: Sequence[dict[str, str]] = (), warning: str | None = None) -> str:
+                     sources: Sequence[dict[str, str]] = (), warning: str | None = None,
+                     bands: dict[str, tuple[float, float]] | None = None) -> str:
     """The calibration TOML ``write_calibration`` writes, as text: ``label``, a ``warning``
     about the measurements, the ``[cost_model]`` factors, the held-out ``errors``
-    (``[error]``: kind -> p90 absolute relative error, as ``calibration_data`` reads them)
-    and the ``sources`` measured."""
+    (``[error]``: kind -> p90 absolute relative error, as ``calibration_data`` reads them),
+    the held-out ``bands`` (``[band]``: kind -> (low, high) ratios of measured to replayed
+    p99s) and the ``sources`` measured."""
     if isinstance(fit_or_efficiency, Fit):
         fit, efficiency = fit_or_efficiency, fit_or_efficiency.efficiency
     else:
@@ -421,6 +423,9 @@ def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iter
     if finite:
         text += "\n[error]  # p90 absolute relative error on a held-out fold\n"
         text += "".join(f"{kind} = {_toml_float(value)}\n" for kind, value in finite.items())
+    if bands:
+        text += "\n[band]  # held-out ratios of a measured p99 to the replay's: [low, high]\n"
+        text += "".join(f"{kind} = [{_toml_float(low)}, {_toml_float(high)}]\n" for kind, (low, high) in bands.items())
     for source in sources:
         text += "\n[[source]]\n" + "".join(f"{key} = {_toml_string(str(value))}\n" for key, value in source.items())
     return text
@@ -436,13 +441,13 @@ def _toml_string(value: str) -> str:
 def write_calibration(path: Path | str, fit_or_efficiency: Fit | Efficiency, *,
                       comment_lines: Iterable[str] = (), label: str | None = None,
                       errors: dict[str, float] | None = None, sources: Sequence[dict[str, str]] = (),
-                      warning: str | None = None) -> Path:
+                      warning: str | None = None, bands: dict[str, tuple[float, float]] | None = None) -> Path:
     """Write a calibration TOML (``[cost_model]``, every Efficiency field) that
     ``kvtwin.sim.scenario.calibration_file.read_calibration`` reads back to the same Efficiency. The file is replaced whole or
     not at all. Returns the path written."""
     path = Path(path)
     text = calibration_text(fit_or_efficiency, comment_lines=comment_lines, label=label, errors=errors,
-                            sources=sources, warning=warning)
+                            sources=sources, warning=warning, bands=bands)
 
     # A temporary file in the same directory, so that os.replace is a rename on one
     # file system; os.open with 0o666 lets the umask decide the mode, as for any file.

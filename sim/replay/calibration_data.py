@@ -26,24 +26,22 @@ def uncalibrated_line(note: str, *, slow_edge: bool = False) -> str:
             f"Fit one with `kvtwin calibrate`.")
 
 
-def band(value: float, error: float | None) -> tuple[float, float]:
-    """The interval a figure lies in given a relative error: value x (1 -/+ error), no
-    lower than 0."""
-    if error is None or value is None or (isinstance(value, float) and math.isnan(value)):
-        return (math.nan, math.nan)
-    return (max(0.0, value * (1.0 - error)), value * (1.0 + error))
-
-
 def band_columns(row: dict, calibration: Calibration) -> dict:
     """Summary columns: the calibration's name and, for p99 TTFT, TPOT, ITL and E2E, the
-    band its held-out error implies (NaN when it states none)."""
+    band its held-out error implies (docs/capacity.md#the-band; NaN when it states none),
+    and the band's largest relative distance from the p99 (``error_*``)."""
     out: dict = {"calibration": calibration.label, "calibration_note": calibration.note}
     for figure in BANDED_FIGURES:
-        error = calibration.error_for(figure)
-        low, high = band(row.get(f"p99_{figure}", math.nan), error)
+        ratios = calibration.band_ratios(figure)
+        value = row.get(f"p99_{figure}", math.nan)
+        if ratios is None or value is None or (isinstance(value, float) and math.isnan(value)):
+            low = high = error = math.nan
+        else:
+            low, high = value * ratios[0], value * ratios[1]
+            error = calibration.band_error(figure)
         out[f"p99_{figure}_low"] = low
         out[f"p99_{figure}_high"] = high
-        out[f"error_{figure.removesuffix('_ms')}"] = error if error is not None else math.nan
+        out[f"error_{figure.removesuffix('_ms')}"] = error
     return out
 
 
@@ -70,7 +68,9 @@ def band_lines(row: dict, calibration: Calibration) -> list[str]:
     for name, figure in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2el_ms")):
         low, high = row.get(f"p99_{figure}_low", math.nan), row.get(f"p99_{figure}_high", math.nan)
         if not math.isnan(low):
-            parts.append(f"{name} {_span_ms(low, high)} (±{calibration.error_for(figure):.0%})")
+            ratios = calibration.ratio_band(figure)
+            spread = f"x{ratios[0]:.2f}-x{ratios[1]:.2f}" if ratios else f"±{calibration.error_for(figure):.0%}"
+            parts.append(f"{name} {_span_ms(low, high)} ({spread})")
     # The band is on the server's figures (the client's add a constant: docs/capacity.md#client-side-latency).
     band_text = ("p99 within the held-out error (server-side): " + ", ".join(parts) if parts
                  else "no held-out error stated")

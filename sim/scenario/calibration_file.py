@@ -7,6 +7,12 @@ also carry
   fractions, per kind of answer: ``prefill_step``, ``decode_step``, ``ttft``, ``tpot``,
   ``e2e``. The replay and capacity commands turn these into the band around their answers
   (``kvtwin.sim.replay.calibration_data``);
+* ``[band]``: how far real servers' p99s lay from the replay's, held out: per kind of
+  answer (``ttft``, ``tpot``, ``e2e``), ``[low, high]`` ratios of the measured p99 to the
+  replay's (``low <= 1 <= high``). Where a kind has one, the band around that p99 is
+  ``p99 x low .. p99 x high`` (docs/capacity.md#the-band) in place of ``[error]``'s
+  symmetric one. The bundled files carry the band of the public serving runs
+  (``bench/bench_fidelity_serving.py``);
 * ``[[source]]``: each measurement set the fit used (repository, path, commit, licence,
   engine version);
 * ``label``: one line naming the fit;
@@ -21,6 +27,7 @@ GPU/model pair without one runs on the default factors and says so.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -38,6 +45,8 @@ ERROR_KINDS = ("prefill_step", "decode_step", "ttft", "tpot", "e2e")
 # A summary latency figure -> the error kinds that bound it, most specific first.
 BANDED_FIGURES = {"ttft_ms": ("ttft", "prefill_step"), "tpot_ms": ("tpot", "decode_step"),
                   "itl_ms": ("tpot", "decode_step"), "e2el_ms": ("e2e", "tpot", "decode_step")}
+# The kinds a ``[band]`` of measured-to-replayed p99 ratios is given for.
+BAND_KINDS = ("ttft", "tpot", "e2e")
 _SOURCE_KEYS = ("repository", "path", "commit", "licence", "engine", "gpu", "notes")
 # The label of a clock on the default factors.
 UNCALIBRATED = "uncalibrated"
@@ -57,10 +66,36 @@ class Calibration:
     note: str = ""
     # The file's own ``warning`` about its measurements ("" when none).
     warning: str = ""
+    # kind -> (low, high): the held-out ratios of a measured p99 to the replay's.
+    bands: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def calibrated(self) -> bool:
         return self.path is not None
+
+    def band_ratios(self, figure: str) -> tuple[float, float] | None:
+        """The factors a summary figure's p99 is multiplied by for the low and high edges
+        of its band (docs/capacity.md#the-band): the ``[band]`` ratios of the first kind
+        that has one, else ``1 -/+`` the ``[error]`` that ``error_for`` names (no lower than
+        0), else None."""
+        ratios = self.ratio_band(figure)
+        if ratios is not None:
+            return ratios
+        error = self.error_for(figure)
+        return None if error is None else (max(0.0, 1.0 - error), 1.0 + error)
+
+    def band_error(self, figure: str) -> float | None:
+        """The band's largest relative distance from the p99: the ``[error]`` itself where
+        the band is symmetric, ``max(1 - low, high - 1)`` where it is a ``[band]``."""
+        ratios = self.ratio_band(figure)
+        return max(1.0 - ratios[0], ratios[1] - 1.0) if ratios is not None else self.error_for(figure)
+
+    def ratio_band(self, figure: str) -> tuple[float, float] | None:
+        """The ``[band]`` ratios that bound a figure, or None (its band, if any, is ``[error]``'s)."""
+        for kind in BANDED_FIGURES.get(figure, ()):
+            if kind in self.bands:
+                return self.bands[kind]
+        return None
 
     def error_for(self, figure: str) -> float | None:
         """The relative half-width of the band around a summary figure (``ttft_ms``...), or
@@ -74,8 +109,7 @@ class Calibration:
         """The same calibration with a scenario's own ``[cost_model]`` keys on top."""
         if not entry:
             return self
-        return Calibration(efficiency_from_mapping(entry, where=where, base=self.efficiency), self.label, self.path,
-                           self.errors, self.sources, self.note, self.warning)
+        return dataclasses.replace(self, efficiency=efficiency_from_mapping(entry, where=where, base=self.efficiency))
 
 
 def uncalibrated(efficiency: Efficiency = Efficiency(), note: str = "") -> Calibration:
@@ -103,7 +137,7 @@ def read_calibration(path: Path | str, *, label: str | None = None, base: Effici
 def _calibration_from_data(data: dict, path: Path, label: str | None, base: Efficiency) -> Calibration:
     # Older files (kvtwin validate's) may hold the factors at the top level.
     entry = data["cost_model"] if "cost_model" in data else \
-        {k: v for k, v in data.items() if k not in ("error", "source", "label", "warning")}
+        {k: v for k, v in data.items() if k not in ("error", "band", "source", "label", "warning")}
     efficiency = efficiency_from_mapping(entry, base=base)
     errors = data.get("error", {})
     if not isinstance(errors, dict):
@@ -114,6 +148,7 @@ def _calibration_from_data(data: dict, path: Path, label: str | None, base: Effi
         # Above 1 is possible: a prediction twice the measurement is 100% off.
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
             raise ConfigError(f"error.{kind}", "a non-negative relative error (0.1 is 10%)", value)
+    bands = _bands(data.get("band", {}))
     sources = data.get("source", [])
     if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
         raise ConfigError("source", "a list of [[source]] tables", sources)
@@ -128,7 +163,26 @@ def _calibration_from_data(data: dict, path: Path, label: str | None, base: Effi
     if not isinstance(warning, str):
         raise ConfigError("warning", "a string", warning)
     return Calibration(efficiency, label or file_label or str(path), str(path),
-                       {k: float(v) for k, v in errors.items()}, tuple(dict(s) for s in sources), warning=warning)
+                       {k: float(v) for k, v in errors.items()}, tuple(dict(s) for s in sources), warning=warning,
+                       bands=bands)
+
+
+def _bands(table) -> dict[str, tuple[float, float]]:
+    """A file's ``[band]``, checked: each kind a pair ``[low, high]`` with
+    ``0 < low <= 1 <= high`` (a band that does not hold the replay's own figure is no band)."""
+    if not isinstance(table, dict):
+        raise ConfigError("band", "a table of [low, high] ratios of measured to replayed p99s", table)
+    bands = {}
+    for kind, pair in table.items():
+        if kind not in BAND_KINDS:
+            raise ConfigError(f"band.{kind}", f"one of {', '.join(BAND_KINDS)}", kind)
+        numbers = isinstance(pair, list) and len(pair) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
+        if not numbers or not (0 < pair[0] <= 1 <= pair[1]):
+            raise ConfigError(f"band.{kind}", "[low, high] with 0 < low <= 1 <= high (ratios of measured to "
+                                              "replayed p99)", pair)
+        bands[kind] = (float(pair[0]), float(pair[1]))
+    return bands
 
 
 def _bundled_dir():

@@ -165,3 +165,57 @@ def test_the_pessimistic_edge_slows_every_step_by_the_step_error():
         for decodes, prefills in (([1000] * 64, []), ([], [(4096, 0)]), ([300] * 5, [(512, 100)])):
             base, slow = (m.split_step_cost(decodes, prefills).total_s for m in models)
             assert slow == pytest.approx(base * 1.08, rel=1e-12)
+
+
+BANDED = CALIBRATION.replace("[[source]]", "[band]\nttft = [0.5, 3.25]\ne2e = [0.8, 2.0]\n\n[[source]]", 1)
+
+
+def test_a_band_of_ratios_reads_back_and_takes_the_place_of_the_error(tmp_path):
+    # docs/capacity.md#the-band: a [band] kind is p99 x low .. p99 x high; a figure without
+    # one keeps the symmetric [error] band.
+    cal = read_calibration(write(tmp_path, BANDED))
+    assert cal.bands == {"ttft": (0.5, 3.25), "e2e": (0.8, 2.0)}
+    assert cal.band_ratios("ttft_ms") == (0.5, 3.25) and cal.band_error("ttft_ms") == 2.25
+    assert cal.band_ratios("tpot_ms") == pytest.approx((0.96, 1.04)) and cal.band_error("tpot_ms") == 0.04
+    row = {"p99_ttft_ms": 200.0, "p99_tpot_ms": 50.0, "p99_itl_ms": 40.0, "p99_e2el_ms": 4000.0}
+    band = band_columns(row, cal)
+    assert (band["p99_ttft_ms_low"], band["p99_ttft_ms_high"]) == (100.0, 650.0)
+    assert (band["p99_e2el_ms_low"], band["p99_e2el_ms_high"]) == (3200.0, 8000.0)
+    assert (band["p99_tpot_ms_low"], band["p99_tpot_ms_high"]) == pytest.approx((48.0, 52.0))
+    assert band["error_ttft"] == 2.25 and band["error_e2el"] == pytest.approx(1.0)
+    line = band_lines({**row, **band}, cal)[0]
+    assert "TTFT 100.0-650.0 ms (x0.50-x3.25)" in line and "TPOT 48.0-52.0 ms (±4%)" in line
+    assert "E2E 3.20-8.00 s (x0.80-x2.00)" in line
+    # A scenario's own [cost_model] keys keep the file's band.
+    assert cal.with_overrides({"layer_fixed_s": 1e-5}).bands == cal.bands
+
+
+@pytest.mark.parametrize("band, field", [
+    ("ttft = [1.2, 3.0]", "band.ttft"),  # the band must hold the replay's own figure
+    ("ttft = [0.5, 0.9]", "band.ttft"),
+    ("ttft = [0.0, 2.0]", "band.ttft"),
+    ("ttft = [0.5]", "band.ttft"),
+    ('ttft = ["a", 2.0]', "band.ttft"),
+    ("ttft = [0.5, true]", "band.ttft"),
+    ("latency = [0.5, 2.0]", "band.latency"),
+    ("prefill_step = [0.5, 2.0]", "band.prefill_step"),
+])
+def test_a_bad_band_names_its_kind(tmp_path, band, field):
+    text = CALIBRATION.replace("[[source]]", f"[band]\n{band}\n\n[[source]]", 1)
+    with pytest.raises(ConfigError) as err:
+        read_calibration(write(tmp_path, text))
+    assert field in str(err.value) and "cal.toml" in str(err.value)
+
+
+def test_every_bundled_calibration_carries_the_serving_band():
+    # scripts/calibration/fit_bundled.py copies measurements/serving_band.toml into each file.
+    import tomllib
+    from importlib import resources
+
+    measured = tomllib.loads(resources.files(calibration_file.BUNDLED_PACKAGE).joinpath(
+        "measurements", "serving_band.toml").read_text())
+    for gpu in calibration_file.bundled_gpus():
+        cal = calibration_file.bundled_calibration(gpu, "any-model")
+        assert cal.bands == {k: tuple(v) for k, v in measured.items() if k != "source"}, gpu
+        repositories = {s["repository"] for s in cal.sources}
+        assert {s["repository"] for s in measured["source"]} <= repositories, gpu
