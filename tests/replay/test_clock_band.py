@@ -46,10 +46,17 @@ def test_a_bundled_gpu_replays_on_its_calibration_with_a_band(tmp_path):
     cal = bundled_calibration("h100", "llama-3.1-8b")
     summary = pq.read_table(out / "summary.parquet").to_pylist()[0]
     assert summary["calibration"] == cal.label
-    assert summary["error_ttft"] == cal.errors["prefill_step"]
-    assert summary["p99_ttft_ms_low"] == pytest.approx(summary["p99_ttft_ms"] * (1 - cal.errors["prefill_step"]))
-    assert summary["p99_tpot_ms_high"] == pytest.approx(summary["p99_tpot_ms"] * (1 + cal.errors["decode_step"]))
+    # docs/capacity.md#the-band: the bundled band is the serving runs' ratios, not the kernels' error.
+    ttft_low, ttft_high = cal.bands["ttft"]
+    tpot_low, tpot_high = cal.bands["tpot"]
+    assert ttft_low < 1 < ttft_high and tpot_low < 1 < tpot_high
+    assert summary["error_ttft"] == max(1 - ttft_low, ttft_high - 1)
+    assert summary["p99_ttft_ms_low"] == pytest.approx(summary["p99_ttft_ms"] * ttft_low)
+    assert summary["p99_ttft_ms_high"] == pytest.approx(summary["p99_ttft_ms"] * ttft_high)
+    assert summary["p99_tpot_ms_high"] == pytest.approx(summary["p99_tpot_ms"] * tpot_high)
+    assert summary["p99_itl_ms_low"] == pytest.approx(summary["p99_itl_ms"] * tpot_low)
     assert f"clock: {cal.label}; p99 within the held-out error (server-side): TTFT" in stdout
+    assert f"(x{ttft_low:.2f}-x{ttft_high:.2f})" in stdout
     # A bundled calibration carries the default time outside the engine, from its sources'
     # file: the client's columns are the server's plus it.
     default = default_client_overhead()
