@@ -2,8 +2,9 @@
 
 A command's module is imported only when that command runs (or shows its own help): the
 commands table below names each one's module, function and the line ``kvtwin --help``
-lists, so ``kvtwin --help`` imports no command and ``kvtwin plan`` no simulator (issue 25;
-``tests/cli/test_lazy_imports.py`` pins both, and that the listing equals the docstrings).
+lists, so ``kvtwin --help`` imports no command and ``kvtwin plan`` no simulator
+(``tests/cli/test_lazy_imports.py`` pins both, and that the listing equals the docstrings;
+``bench/bench_startup.py`` times them).
 
 Help texts are plain text (``rich_markup_mode=None``): they name TOML tables such as
 ``[model]``, which rich markup would swallow.

@@ -5,7 +5,8 @@ vLLM 0.33 loads an EAGLE, EAGLE-3 or MTP drafter before it profiles memory, so i
 come out of what the KV cache gets; and its attention layers are registered next to the
 target's, so the planner groups them with the target's layers: each draft layer is one
 more layer in a group, whose bytes per block grow with it (for DeepSeek-V3's MTP layer,
-models.md: 1,152 more bytes per token). A draft layer has the target's attention shape
+one 576-element latent at 2 bytes: 1,152 more bytes per token,
+``tests/planner/test_draft_head.py``). A draft layer has the target's attention shape
 (MLA on an MLA model, full attention otherwise; EAGLE heads copy the target's head counts).
 
 The weights are an estimate, like every other term of the memory budget: a draft layer

@@ -39,7 +39,8 @@ def test_an_eagle3_head_on_llama_adds_one_layer_to_the_group_and_its_weights():
 
 
 def test_deepseek_mtp_layer_adds_one_latent_per_token():
-    # models.md: 61 x 1,152 bytes per token, "+1,152 if the MTP layer is used".
+    # 61 MLA layers of one latent each (kv_lora_rank 512 + rope 64, 2 bytes): 61 x 1,152 bytes
+    # per token, and the MTP layer one latent more.
     plain, head = both("deepseek-v3", "h200", DraftHeadShape("mtp", 1), tensor_parallel_size=8)
     block = head.layers.attention_block_size
     assert plain.bytes_per_block == 61 * 1152 * block
