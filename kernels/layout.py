@@ -25,11 +25,6 @@ import torch
 NULL_BLOCK = 0
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    """Shape of the K (and of the V) cache of one layer."""
-    return (num_blocks, block_size, num_kv_heads, head_dim)
-
-
 def state_shapes(num_blocks: int, conv_width: int, num_heads: int, key_dim: int,
                  value_dim: int) -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
     """Shapes of the conv state and the recurrent (ssm) state of one layer."""

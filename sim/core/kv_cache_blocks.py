@@ -33,9 +33,6 @@ class KVCacheBlocks:
             return ([b.block_id for b in blocks[0]],)
         return tuple([[b.block_id for b in group] for group in blocks])
 
-    def is_empty(self) -> bool:
-        return not any(self.blocks)
-
     def __getitem__(self, group: int) -> Sequence[KVCacheBlock]:
         return self.blocks[group]
 

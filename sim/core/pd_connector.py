@@ -257,9 +257,6 @@ class StepPDTransfers(KVTransferWorker):
         out.finished_sending.sort()
         return out
 
-    def has_pending(self) -> bool:
-        return bool(self._recv or self._send)
-
     def next_completion_s(self) -> float | None:
         return None  # a step clock: no seconds
 
@@ -329,9 +326,6 @@ class PDTransfers(KVTransferWorker):
             _, _, request_id, is_send = heapq.heappop(heap)
             (out.finished_sending if is_send else out.finished_recving).append(request_id)
         return out
-
-    def has_pending(self) -> bool:
-        return bool(self._heap)
 
     def next_completion_s(self) -> float | None:
         return self._heap[0][0] if self._heap else None

@@ -67,9 +67,6 @@ class KVCacheSpec:
         """Most blocks one request may hold in this group at once (pool sizing and admission)."""
         return cdiv(max_model_len, self.block_size)
 
-    def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
-        return self.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len) * self.page_size_bytes
-
     # -- what one step reads (the cost model) ----------------------------------------
 
     @property

@@ -65,7 +65,6 @@ class Grouping:
     # "uniform", "uniform_type", "uniform_page_size" or "full_allocation_fallback"
     strategy: str
     group_size: int
-    num_promoted_layers: int = 0
     # vLLM's "Add N padding layers, may waste at most X% KV cache memory", one per bucket.
     padding_warnings: tuple[tuple[int, float], ...] = ()
 
@@ -103,23 +102,23 @@ def _group(names: list[str], specs: dict[str, KVCacheSpec], num_padding_layers: 
                         num_padding_layers=num_padding_layers)
 
 
-def promote_local_specs(specs: dict[str, KVCacheSpec]) -> tuple[dict[str, KVCacheSpec], int]:
+def promote_local_specs(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     """Sliding-window and chunked-local layers as full attention, when full layers exist.
 
-    Returns the specs and how many layers were promoted. A promoted layer takes the full
-    layers' block size and keeps its window / chunk as metadata.
+    A promoted layer takes the full layers' block size and keeps its window / chunk as
+    metadata.
     """
     if is_uniform(specs) or is_uniform_type(specs):
-        return dict(specs), 0
+        return dict(specs)
     has_full = any(isinstance(s, FullAttentionSpec) for s in specs.values())
     promotable = {name: spec for name, spec in specs.items() if spec.as_full_attention(spec.block_size) is not None}
     if not (has_full and promotable):
-        return dict(specs), 0
+        return dict(specs)
     full_sizes = {s.block_size for s in specs.values() if isinstance(s, FullAttentionSpec)}
     full_block_size = next(iter(full_sizes)) if len(full_sizes) == 1 else None
     promoted = {name: (spec.as_full_attention(full_block_size or spec.block_size) if name in promotable else spec)
                 for name, spec in specs.items()}
-    return promoted, len(promotable)
+    return promoted
 
 
 def choose_group_size(bucket_sizes: list[int]) -> int:
@@ -158,7 +157,7 @@ def _full_allocation_fallback(specs: dict[str, KVCacheSpec]) -> list[PlannedGrou
     has_swa = any(isinstance(s, SlidingWindowSpec) for s in specs.values())
     if not (has_mla and has_swa):
         return None
-    promoted, _ = promote_local_specs(specs)
+    promoted = promote_local_specs(specs)
     if not is_uniform_type(promoted):
         return None
     return [_group(list(promoted), promoted)]
@@ -168,26 +167,24 @@ def group_layers(specs: dict[str, KVCacheSpec], *, hybrid_kv_cache: bool) -> Gro
     """Group the model's layers (name -> spec, in layer order) as vLLM 0.33 does."""
     if not specs:
         raise ConfigError("model", "at least one layer with a KV cache or state")
-    promoted_count = 0
     if not hybrid_kv_cache:
-        specs, promoted_count = promote_local_specs(specs)
+        specs = promote_local_specs(specs)
         if not (is_uniform(specs) or is_uniform_type(specs)):
             kinds = sorted({s.kind for s in specs.values()})
             raise ConfigError("hybrid_kv_cache", "on for this model: vLLM turns the hybrid KV cache manager off "
                               "only when every layer can be treated as full attention (layer kinds here: "
                               f"{', '.join(kinds)})", False)
     if is_uniform(specs):
-        return Grouping((_group(list(specs), specs),), "uniform", len(specs), promoted_count)
+        return Grouping((_group(list(specs), specs),), "uniform", len(specs))
     if is_uniform_type(specs):
-        return Grouping((_group(list(specs), specs),), "uniform_type", len(specs), promoted_count)
+        return Grouping((_group(list(specs), specs),), "uniform_type", len(specs))
     try:
         unified = unify_page_sizes(specs)
     except PageSizeNotUnifiable as err:
         fallback = _full_allocation_fallback(specs)
         if fallback is None:
             raise ConfigError("model", "layers whose KV cache pages vLLM can unify", str(err)) from None
-        promoted = sum(1 for s in specs.values() if isinstance(s, SlidingWindowSpec))
-        return Grouping(tuple(fallback), "full_allocation_fallback", len(specs), promoted)
+        return Grouping(tuple(fallback), "full_allocation_fallback", len(specs))
     groups, group_size, warnings = _group_by_page_size(unified)
-    return Grouping(tuple(groups), "uniform_page_size", group_size, promoted_count, tuple(warnings))
+    return Grouping(tuple(groups), "uniform_page_size", group_size, tuple(warnings))
 

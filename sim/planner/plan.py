@@ -61,7 +61,6 @@ class LayerSpecs:
     layer_index: dict[str, int]
     attention_block_size: int
     hybrid_block: HybridBlockSize | None
-    kv_heads_per_gpu: int
     kernel_block_alignment_tokens: int
     # A draft head's attention layers, named after the target's as vLLM numbers them
     # (layers.N onwards for an N-layer target); grouped with the target's, priced apart.
@@ -195,7 +194,7 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
             name = _layer_name(i)
             draft_specs[name] = with_prefill_lookahead(builder(layer), num_prefill_lookahead_tokens)
             index[name] = i
-    return LayerSpecs(specs, index, block_size, hybrid_block, kv_heads, kernel_alignment, draft_specs)
+    return LayerSpecs(specs, index, block_size, hybrid_block, kernel_alignment, draft_specs)
 
 
 # --------------------------------------------------------------------------------------

@@ -36,10 +36,6 @@ def make_offload_key(block_hash: object, group_idx: int) -> OffloadKey:
     return (block_hash, group_idx)
 
 
-def offload_key_hash(key: OffloadKey) -> object:
-    return key[0]
-
-
 def offload_key_group(key: OffloadKey) -> int:
     return key[1]
 
@@ -59,8 +55,6 @@ class OffloadPolicy(Enum):
     # Only chunks the request computed itself; chunks it got from a prefix hit were
     # already offloaded by the request that computed them.
     CHUNK_LEVEL = "chunk_level"
-    # Every chunk of the request, for tiers that need a request's whole KV context.
-    REQUEST_LEVEL = "request_level"
 
 
 @dataclass(frozen=True)

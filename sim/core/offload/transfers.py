@@ -66,9 +66,6 @@ class _Completions:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
-    def __bool__(self) -> bool:
-        return bool(self._due)
-
 
 def _report(job_id: int, req_id: str | None, out: KVConnectorOutput) -> None:
     out.completed_jobs.append(job_id)
@@ -110,9 +107,6 @@ class StepTransfers(KVTransferWorker):
         self._jobs.collect(batch, out)
         out.completed_jobs.sort()
         return out
-
-    def has_pending(self) -> bool:
-        return bool(self._jobs)
 
 
 class TimedTransfers(KVTransferWorker):
@@ -167,9 +161,6 @@ class TimedTransfers(KVTransferWorker):
         self._jobs.collect(max(self.clock_s(), start_s + duration_s), out)
         out.completed_jobs.sort()
         return out
-
-    def has_pending(self) -> bool:
-        return bool(self._jobs)
 
     def next_completion_s(self) -> float | None:
         return self._jobs.next_due()
