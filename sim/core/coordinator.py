@@ -46,7 +46,8 @@ class KVCacheCoordinator:
                                                          self.hash_block_size, cap))
         self.num_groups = len(self.managers)
         self.empty_blocks = KVCacheBlocks.empty(self.num_groups)
-        # One log of in-place table changes for all groups (see the managers).
+        # One log of in-place table changes for all groups (see the managers): request id ->
+        # ``(group id, position, new block id)`` in the order made, until the scheduler pops them.
         self.replaced_block_ids: dict[str, list[tuple[int, int, int]]] = {}
         for manager in self.managers:
             manager.replaced_block_ids = self.replaced_block_ids
@@ -128,11 +129,6 @@ class KVCacheCoordinator:
             return KVCacheBlocks((new,)) if new else self.empty_blocks
         per_group = tuple([m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model) for m in managers])
         return KVCacheBlocks(per_group) if any(per_group) else self.empty_blocks
-
-    def take_replaced_block_ids(self, request_id: str) -> list[tuple[int, int, int]] | None:
-        """The ``(group id, position, new block id)`` changes made in place in the request's
-        tables since the last call, in the order made, or None if there were none; forgets them."""
-        return self.replaced_block_ids.pop(request_id, None)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if self.num_reprefillable_tokens:

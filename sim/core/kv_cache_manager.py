@@ -8,9 +8,10 @@ cached at schedule time, before the forward pass.
 
 Blocks travel as ``KVCacheBlocks`` (one list per group). Besides the blocks an allocation
 appends, the managers log every table entry they change in place (sliding-window and
-chunked-local blocks nulled, Mamba state blocks moved or released);
-``take_replaced_block_ids`` hands that log to the scheduler, whose output thus lets an
-executor keep exact copies of the tables.
+chunked-local blocks nulled, Mamba state blocks moved or released) in
+``replaced_block_ids``, a dict the scheduler pops each scheduled request's entries from
+into its output (or drops, when the whole table goes out), which thus lets an executor
+keep exact copies of the tables.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         # Returned for "no blocks" (no hit, nothing appended on the fast path): test by identity.
         self.empty_blocks: KVCacheBlocks = self.coordinator.empty_blocks
-        # request id -> in-place table changes not yet taken (shared with the managers).
+        # request id -> in-place table changes no scheduler output has carried yet (shared
+        # with the managers); the scheduler pops a request's entries as it schedules it.
         self.replaced_block_ids = self.coordinator.replaced_block_ids
         # request id → token count up to which allocating for a running request changes
         # nothing (the decode fast path; the scheduler may consult it before calling).
@@ -275,9 +277,6 @@ class KVCacheManager:
 
     def new_step_starts(self) -> None:
         self.coordinator.new_step_starts()
-
-    def take_replaced_block_ids(self, request_id: str) -> list[tuple[int, int, int]] | None:
-        return self.coordinator.take_replaced_block_ids(request_id)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return self.coordinator.get_blocks(request_id)

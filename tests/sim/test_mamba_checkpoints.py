@@ -156,7 +156,7 @@ def test_checkpoint_block_is_kept_cached_hit_and_released_after_the_step():
     a.append_output_token_ids([60_000])
     kvm.allocate_slots(a, 1)
     assert block_ids(kvm, "a", 1) == [0, 0, 0, 0, 0, 0, 9]
-    assert kvm.take_replaced_block_ids("a") == [(1, 5, 0)]
+    assert kvm.replaced_block_ids == {"a": [(1, 5, 0)]}
     blocks, hit, _ = kvm.get_computed_blocks(request("c", tokens(1000, 100) + tokens(5000, 10)))
     assert hit == 96 and blocks[1][-1].block_id == 8 and blocks[1][-1].ref_cnt == 0
 
@@ -212,6 +212,6 @@ def test_skipped_state_blocks_behind_null_gaps_are_retired_highest_first():
     manager.remove_skipped_blocks("a", 144)
     assert [b.block_id for b in manager.req_to_blocks["a"]] == [0] * 8 + [b3.block_id]
     assert kvm.block_pool.get_num_free_blocks() == free_before + 2
-    assert kvm.take_replaced_block_ids("a") == [(1, 5, 0), (1, 2, 0)]
+    assert kvm.replaced_block_ids == {"a": [(1, 5, 0), (1, 2, 0)]}
     # Nothing is left to retire below the watermark: allocating again would change nothing.
     assert manager.is_noop("a", 144, 144, 144, 0)
