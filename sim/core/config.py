@@ -12,6 +12,7 @@ refused with the same words wherever it comes from. Strings are never booleans.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -133,7 +134,12 @@ def check_knobs(values: Mapping[str, object], rules: Mapping[str, Rule]) -> None
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """vLLM's scheduler knobs; defaults are vLLM 0.33's ``SchedulerConfig`` defaults."""
+    """vLLM's scheduler knobs; defaults are vLLM 0.33's ``SchedulerConfig`` defaults.
+
+    ``async_scheduling`` has none here: vLLM resolves it at engine level (on unless something
+    rules it out, docs/semantics.md#asynchronous-scheduling), and the planner's
+    ``EngineConfig`` holds that default; whatever else builds a scheduler config (a golden
+    case, a test) says which scheduler it means."""
 
     max_model_len: int
     max_num_seqs: int = 128
@@ -147,7 +153,7 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True
     # vLLM's AsyncScheduler: two batches in flight (EngineCore.step_async), which also
     # doubles the tokens the sliding-window and chunked-local admission caps must cover.
-    async_scheduling: bool = False
+    async_scheduling: bool = dataclasses.field(kw_only=True)
     # Speculative decoding (docs/semantics.md#speculative-decoding): k draft tokens verified
     # per decode (vLLM's ``num_speculative_tokens``; 0: off) and the KV slots reserved past
     # them for a drafter that writes its own KV (``num_lookahead_tokens``: 0 for n-gram).

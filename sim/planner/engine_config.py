@@ -58,6 +58,8 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_memory_bytes: int | None = None
     hybrid_kv_cache: bool | None = None
+    # vLLM's engine default (docs/semantics.md#asynchronous-scheduling), and the only one:
+    # the core's SchedulerConfig has none of its own.
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "builtin"

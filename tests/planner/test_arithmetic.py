@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from kvtwin.sim.core.config import SchedulerConfig
 from kvtwin.sim.planner.grouping import choose_group_size
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
@@ -354,6 +355,15 @@ def test_async_scheduling_doubles_in_flight_and_lowers_vllms_figure():
     # What users see once prefills are done barely moves (2 decode tokens in flight, not 1).
     assert async_plan.steady_state_blocks_per_request == 2048 + 6 * (cdiv(1023 + 2, 16) + 1)
     assert async_plan.steady_state_concurrency > 2 * async_plan.max_concurrency
+
+
+def test_async_schedulings_default_has_one_home():
+    # The engine config's default reaches the scheduler the replay runs; the core's
+    # scheduler config has none of its own to disagree with it.
+    resolved = EngineConfig(max_model_len=4096).resolve(get_model("llama-3.1-8b"), get_gpu("h100"))
+    assert resolved.scheduler.async_scheduling is True
+    with pytest.raises(TypeError, match="async_scheduling"):
+        SchedulerConfig(max_model_len=4096)
 
 
 def test_kv_cache_config_is_what_the_manager_runs_on():

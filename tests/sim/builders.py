@@ -44,6 +44,8 @@ def block_ids(kvm: KVCacheManager, request_id: str, group: int = 0) -> list[int]
 
 def engine(*specs: KVCacheSpec, num_blocks: int = 64, caching: bool = True, **scheduler_kwargs) -> EngineCore:
     scheduler_kwargs.setdefault("max_model_len", 4096)
+    # The synchronous scheduler unless a test asks for the asynchronous one.
+    scheduler_kwargs.setdefault("async_scheduling", False)
     return EngineCore(kv_config(*specs, num_blocks=num_blocks), SchedulerConfig(**scheduler_kwargs),
                       CacheConfig(enable_prefix_caching=caching))
 

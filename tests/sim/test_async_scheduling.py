@@ -37,7 +37,8 @@ def async_engine(**kwargs):
 def test_in_flight_tokens_cover_two_batches():
     assert SchedulerConfig(max_model_len=64, max_num_batched_tokens=32, async_scheduling=True).max_in_flight_tokens \
         == 64
-    assert SchedulerConfig(max_model_len=64, max_num_batched_tokens=32).max_in_flight_tokens == 32
+    assert SchedulerConfig(max_model_len=64, max_num_batched_tokens=32, async_scheduling=False).max_in_flight_tokens \
+        == 32
 
 
 def test_the_next_batch_is_scheduled_before_the_previous_tokens_are_known():

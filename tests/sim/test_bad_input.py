@@ -65,7 +65,7 @@ def test_non_positive_block_size_is_rejected():
 ])
 def test_invalid_scheduler_settings(kwargs, field):
     with pytest.raises(ConfigError, match=field):
-        SchedulerConfig(max_model_len=2048, **kwargs)
+        SchedulerConfig(max_model_len=2048, async_scheduling=False, **kwargs)
 
 
 def test_case_errors_name_the_file_and_field(tmp_path):

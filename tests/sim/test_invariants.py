@@ -509,7 +509,7 @@ def test_hash_algo_does_not_change_decisions(s: Scenario):
 def test_unrunnable_requests_are_rejected_or_reported():
     """PROGRESS, second half: a request that can never run (too long, no output, or more
     blocks than the pool holds) is rejected with a reason instead of waiting forever."""
-    sched = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64)
+    sched = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, async_scheduling=False)
     kv = KVCacheConfig(num_blocks=3, groups=(KVCacheGroupSpec(("l",), FullAttentionSpec(block_size=16)),))
     engine = EngineCore(kv, sched, CacheConfig())
     too_long = Request("long", TokenPrompt([1] * 64), 4)

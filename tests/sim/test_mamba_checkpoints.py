@@ -31,7 +31,8 @@ def mamba(alignment: int | None = 1, blocks: int = 1, mode: str = "align") -> Ma
 
 def scheduler(*specs, budget: int = 256, threshold: int = 0, caching: bool = True, **drafts) -> Scheduler:
     return Scheduler(kv_config(*specs), SchedulerConfig(max_model_len=4096, max_num_batched_tokens=budget,
-                                                        long_prefill_token_threshold=threshold, **drafts),
+                                                        long_prefill_token_threshold=threshold, async_scheduling=False,
+                                                        **drafts),
                      CacheConfig(enable_prefix_caching=caching))
 
 
@@ -85,10 +86,11 @@ def test_eagle_block_drop_keeps_the_checkpoint_one_block_back():
 
 
 def test_only_a_draft_head_without_lookahead_hashes_drops():
-    assert SchedulerConfig(max_model_len=64, **EAGLE).use_eagle_block_drop
-    assert not SchedulerConfig(max_model_len=64, num_hash_lookahead_tokens=1, **EAGLE).use_eagle_block_drop
-    assert not SchedulerConfig(max_model_len=64, num_speculative_tokens=3).use_eagle_block_drop  # n-gram
-    assert not SchedulerConfig(max_model_len=64).use_eagle_block_drop
+    sync = dict(max_model_len=64, async_scheduling=False)
+    assert SchedulerConfig(**sync, **EAGLE).use_eagle_block_drop
+    assert not SchedulerConfig(**sync, num_hash_lookahead_tokens=1, **EAGLE).use_eagle_block_drop
+    assert not SchedulerConfig(**sync, num_speculative_tokens=3).use_eagle_block_drop  # n-gram
+    assert not SchedulerConfig(**sync).use_eagle_block_drop
 
 
 # -- the scheduler's split --------------------------------------------------------------

@@ -136,7 +136,7 @@ def test_a_positive_interval_lands_on_the_hit_grid():
 def _engine(*specs, interval, num_blocks=200):
     # A 32-token budget: prefill chunks end every 32 tokens, where a Mamba state is written.
     return EngineCore(_config(*specs, interval=interval, num_blocks=num_blocks),
-                      SchedulerConfig(max_model_len=4096, max_num_batched_tokens=32),
+                      SchedulerConfig(max_model_len=4096, max_num_batched_tokens=32, async_scheduling=False),
                       CacheConfig(prefix_cache_retention_interval=interval))
 
 

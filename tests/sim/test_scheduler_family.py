@@ -33,7 +33,8 @@ def test_a_scheduler_without_a_connector_keeps_empty_connector_state():
 
 
 def test_an_engine_without_offload_steps_through_the_null_worker():
-    engine = EngineCore(kv_config(full()), SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64))
+    engine = EngineCore(kv_config(full()), SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64,
+                                                           async_scheduling=False))
     assert type(engine.transfers) is KVTransferWorker  # the worker that does nothing
     engine.add_request(new_request("a", tokens(0, 20), max_tokens=2))
     results = [engine.step(EchoModel()) for _ in range(3)]

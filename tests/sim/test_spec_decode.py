@@ -85,9 +85,10 @@ def test_bad_acceptance_is_one_clear_error(kwargs, field):
 ])
 def test_bad_speculative_scheduler_settings(kwargs, field):
     with pytest.raises(ConfigError) as err:
-        SchedulerConfig(max_model_len=512, **kwargs)
+        SchedulerConfig(max_model_len=512, async_scheduling=False, **kwargs)
     assert err.value.field == field
-    SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, num_speculative_tokens=63)  # the largest k
+    SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, num_speculative_tokens=63,
+                    async_scheduling=False)  # the largest k
 
 
 def test_a_draft_head_with_caching_on_needs_lookahead_hashes():
@@ -95,13 +96,13 @@ def test_a_draft_head_with_caching_on_needs_lookahead_hashes():
     a draft head with caching on and plain hashes is refused, naming the field."""
     kv = KVCacheConfig(num_blocks=32, groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=16)),),
                        hash_block_size=16)
-    head = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3)
+    head = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3, async_scheduling=False)
     with pytest.raises(ConfigError) as err:
         EngineCore(kv, head, CacheConfig(enable_prefix_caching=True))
     assert err.value.field == "num_hash_lookahead_tokens"
     EngineCore(kv, head, CacheConfig(enable_prefix_caching=False))
     hashed = SchedulerConfig(max_model_len=256, num_speculative_tokens=3, num_lookahead_tokens=3,
-                             num_hash_lookahead_tokens=1)
+                             num_hash_lookahead_tokens=1, async_scheduling=False)
     assert EngineCore(kv, hashed, CacheConfig(enable_prefix_caching=True)).scheduler.hasher.lookahead == 1
 
 
@@ -115,7 +116,7 @@ def test_multi_module_mtp_limits_are_refused_naming_the_field():
                                                              mamba_cache_mode="align", num_speculative_blocks=5)))
         return KVCacheConfig(num_blocks=64, groups=tuple(groups), hash_block_size=block_size)
     mtp = SchedulerConfig(max_model_len=256, num_speculative_tokens=5, num_lookahead_tokens=5,
-                          num_prefill_lookahead_tokens=5, num_hash_lookahead_tokens=5)
+                          num_prefill_lookahead_tokens=5, num_hash_lookahead_tokens=5, async_scheduling=False)
     for config, cache in ((kv(4), CacheConfig(enable_prefix_caching=True)), (kv(16, mamba=True), CacheConfig())):
         with pytest.raises(ConfigError) as err:
             EngineCore(config, mtp, cache)
@@ -236,7 +237,7 @@ def test_no_progress_without_a_known_cause_blames_the_workload():
     workload (here a waiting request stuck behind a full pool, set up by hand)."""
     kv = KVCacheConfig(num_blocks=8, groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=BS)),),
                        hash_block_size=BS)
-    engine = EngineCore(kv, SchedulerConfig(max_model_len=256))
+    engine = EngineCore(kv, SchedulerConfig(max_model_len=256, async_scheduling=False))
     engine.add_request(Request("w", TokenPrompt(tuple(range(1, 41))), 4))
     err = engine.no_progress_error("requests.jsonl")
     assert err.field == "requests.jsonl"
@@ -288,7 +289,7 @@ def test_mamba_with_drafts_needs_k_speculative_state_blocks(mode):
             KVCacheGroupSpec(("m",), MambaSpec(block_size=BS if mode == "align" else 256, shapes=((4, 8),),
                                                dtype_bytes=(2,), mamba_cache_mode=mode,
                                                num_speculative_blocks=num_speculative_blocks))))
-    sched = SchedulerConfig(max_model_len=256, num_speculative_tokens=2)
+    sched = SchedulerConfig(max_model_len=256, num_speculative_tokens=2, async_scheduling=False)
     with pytest.raises(ConfigError) as err:
         EngineCore(config(0), sched)
     assert err.value.field == "num_speculative_blocks"

@@ -68,7 +68,8 @@ def expected_counts(specs, hit: int, num_tokens: int) -> tuple[int, ...]:
 
 def decode_engine(specs) -> EngineCore:
     config = kv_config(*specs, num_blocks=2048)
-    return EngineCore(config, SchedulerConfig(max_model_len=4096, max_num_batched_tokens=512, max_num_seqs=64),
+    return EngineCore(config, SchedulerConfig(max_model_len=4096, max_num_batched_tokens=512, max_num_seqs=64,
+                                              async_scheduling=False),
                       CacheConfig(enable_prefix_caching=True), pd=PDTier(PDConnector(config), StepPDTransfers(1)))
 
 
