@@ -1,6 +1,6 @@
 """The engine step: schedule → execute → update, the one function every clock drives.
 
-docs/architecture.md#one-core-two-clocks. The lockstep runner (one step per tick, a scripted
+docs/architecture.md#one-core-three-clocks. The lockstep runner (one step per tick, a scripted
 model), the SimPy replay (a cost model predicts each step's seconds) and the GPU executor
 (kernels run and are timed) all call ``EngineCore.step`` with their own ``ModelExecutor``;
 nothing here knows which clock is running. An executor sees only the ``SchedulerOutput``

@@ -1,6 +1,6 @@
 """The step clock: run a golden case one engine step per tick with a scripted model.
 
-The step clock (docs/architecture.md#one-core-two-clocks). Step ``s`` adds the requests arriving at ``s`` (in file order),
+The step clock (docs/architecture.md#one-core-three-clocks). Step ``s`` adds the requests arriving at ``s`` (in file order),
 calls ``EngineCore.step`` (schedule, the scripted model samples each request's next
 ``output_token_ids`` entry once its prefill or recompute is complete, update), and
 records what happened. The run ends after the first step at whose end every request has
