@@ -95,13 +95,13 @@ class StepCost:
     linear_flops: float  # every GEMM, the LM head included
     attention_flops: float
     num_requests: int  # decodes + prefill items: what the per-request overhead multiplies, and the sampling positions
-    num_tokens: int
-    body_flops: float  # linear_flops = body_flops + head_flops
-    head_flops: float  # the LM head's: one row per sampling position
-    elementwise_bytes: float  # HBM traffic of the element-wise kernels: serial, overlaps nothing
-    extra_gpu_s: float  # GPU time the roofline does not see: kernel floors, decode attention's per-head work
-    attention_work: float  # attention_flops with short prefill chunks weighed up: what compute_s charges
-    draft_s: float  # speculative decoding: the draft head's passes (0 without one)
+    num_tokens: int = 0
+    body_flops: float = 0.0  # linear_flops = body_flops + head_flops
+    head_flops: float = 0.0  # the LM head's: one row per sampling position
+    elementwise_bytes: float = 0.0  # HBM traffic of the element-wise kernels: serial, overlaps nothing
+    extra_gpu_s: float = 0.0  # GPU time the roofline does not see: kernel floors, decode attention's per-head work
+    attention_work: float = 0.0  # attention_flops with short prefill chunks weighed up: what compute_s charges
+    draft_s: float = 0.0  # speculative decoding: the draft head's passes (0 without one)
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
     def __init__(self, total_s: float, compute_s: float, memory_s: float, communication_s: float,
