@@ -130,10 +130,20 @@ def test_no_bare_top_level_imports() -> None:
     assert not broken, "\n".join(broken)
 
 
+def _data_folders() -> list[Path]:
+    """Folders under the package folders without an ``__init__.py`` (data files only)."""
+    return sorted(d for folder in PACKAGE_DIRS.values() for d in (REPO / folder).rglob("*")
+                  if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists())
+
+
 def test_every_package_is_installed() -> None:
-    """A folder with an ``__init__.py`` missing from ``packages`` would be left out of the wheel."""
+    """A folder with an ``__init__.py`` missing from ``packages`` would be left out of the
+    wheel. A folder of data files is listed too: Python can import it as a namespace
+    package, so setuptools prints a 40-line "Package would be ignored" banner for each
+    one it ships files from without its being listed."""
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     found = {_module_name(p) for p in _package_files() if p.name == "__init__.py"}
+    found |= {_module_name(d / "__init__.py") for d in _data_folders()}
     assert found - listed == set()
     assert listed - found == set()
 
