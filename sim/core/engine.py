@@ -177,8 +177,9 @@ class EngineCore:
         connector: KVConnector | None = offload.connector if offload is not None else None
         transfers: KVTransferWorker = offload.transfers if offload is not None else KVTransferWorker()
         if pd is not None:
-            if offload is not None:
-                raise ValueError("an engine takes an offload tier or a P/D connector, not both")
+            # One connector slot: a scenario with both is refused when it is resolved (the
+            # table of features, sim/scenario/features.py; docs/architecture.md#features-and-their-combinations).
+            assert offload is None, "an engine takes an offload tier or a P/D connector, not both"
             connector, transfers = pd.connector, pd.transfers
         self.scheduler = make_scheduler(kv_cache_config, scheduler_config, cache_config, connector)
         # The worker side of the connector: submits each batch's jobs, reports what finished.

@@ -107,12 +107,13 @@ class Scheduler:
         self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
         if self.num_spec_tokens:
             # A Mamba group keeps k speculative state blocks per request (vLLM 0.33 sizes its
-            # spec from the speculative config); a connector with drafts is not modelled.
+            # spec from the speculative config).
             require(all(s.num_speculative_blocks == self.num_spec_tokens for s in mamba_specs),
                     "num_speculative_blocks", f"{self.num_spec_tokens} (num_speculative_tokens) on every Mamba "
                     "KV cache group", [s.num_speculative_blocks for s in mamba_specs])
-            require(connector is None, "num_speculative_tokens", "0 with a KV offload tier (not modelled yet)",
-                    self.num_spec_tokens)
+            # A connector with drafts is not modelled: a scenario with both is refused when it
+            # is resolved (docs/architecture.md#features-and-their-combinations).
+            assert connector is None, "drafts with a KV connector are not modelled"
             self._check_draft_head(kv_cache_config, cache_config, mamba_specs)
         # vLLM's planner retains a multi-module MTP drafter's re-prefillable tail below every
         # sliding window (docs/semantics.md#sliding-window): a layout built for another

@@ -90,7 +90,9 @@ class OffloadConfig:
         if "mamba" in plan.model.layer_kinds and eng.mamba_cache_mode != "align":
             # Outside align mode a Mamba group hashes at the scheduler's whole-sequence
             # block, which no attention block divides: vLLM 0.33's offloading config
-            # asserts and asks for --enable-prefix-caching.
+            # asserts and asks for --enable-prefix-caching. A scenario is refused sooner, when
+            # it is resolved (docs/architecture.md#features-and-their-combinations); this
+            # guards a plan sized without one.
             raise ConfigError("offload.cpu_bytes", f"0 for {plan.model.name} with prefix caching off (vLLM 0.33 "
                               "offloads a hybrid Mamba model only with prefix caching on)", self.cpu_bytes)
         tp = eng.tensor_parallel_size

@@ -221,8 +221,8 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     cost model the draft head."""
     _require_pools_fit(plan, disaggregation.num_replicas if disaggregation is not None else deployment.replicas)
     if disaggregation is not None:
-        if speculative.enabled:
-            raise ValueError("P/D with speculative decoding is not modelled (the scenario refuses it)")
+        # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
+        assert not speculative.enabled, "P/D with speculative decoding is not modelled"
         executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(disaggregation.num_replicas)]
         return run_disaggregated(plan, trace, executors, disaggregation, slo=slo, time_limit_s=time_limit_s,
                                  on_progress=on_progress, decode_windows=decode_windows,

@@ -184,17 +184,15 @@ def engine_and_deployment(table: dict) -> tuple[EngineConfig, Deployment]:
 
 
 def parse_scenario(data: dict, base_dir: Path) -> Scenario:
+    """Each table checked alone; which features combine is checked once they are all known,
+    flags included (``resolve_scenario``, docs/architecture.md#features-and-their-combinations)."""
     check_keys(data, SECTIONS, "scenario")
     engine, deployment = engine_and_deployment(table_of(data, "engine"))
     offload = offload_config_from_mapping(table_of(data, "offload"))
     disaggregation = disaggregation_from_mapping(table_of(data, "disaggregation"))
-    if disaggregation is not None and offload.enabled:
-        raise ConfigError("disaggregation", "no [offload] table beside it (P/D with an offload tier is not modelled)")
     speculative = config_from_table(SpeculativeConfig, table_of(data, "speculative"), where="speculative",
                                     table_is="a table of speculative-decoding settings", known=SPECULATIVE_KEYS,
                                     expected=f"one of {', '.join(SPECULATIVE_KEYS)}")
-    if disaggregation is not None and speculative.enabled:
-        raise ConfigError("disaggregation", "no [speculative] table beside it (P/D with drafting is not modelled)")
     slo_table = table_of(data, "slo")
     check_keys(slo_table, SLO_KEYS, "slo")
     for key, value in slo_table.items():

@@ -6,7 +6,7 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
 * model: ``--model PRESET`` or ``--hf-config PATH`` (not both), else the scenario's ``[model]``;
 * GPU: ``--gpu PRESET``, else ``[hardware]``;
 * engine: the scenario's ``[engine]`` table, then each engine flag given; the deployment's
-  ``--replicas`` and ``--router`` likewise (refused beside a ``[disaggregation]`` table,
+  ``--replicas`` and ``--router`` likewise (as flags, refused beside a ``[disaggregation]`` table,
   whose prefill and decode replicas are the deployment);
 * workload: ``--trace`` replaces the scenario's source but keeps its cuts (``limit``,
   ``rate_scale``, ...); ``--limit`` and ``--rate-scale`` replace those cuts; the reading
@@ -24,7 +24,8 @@ Precedence, field by field: a flag wins over the scenario, which wins over vLLM'
   defaults (uncalibrated, and why); the table's other keys go on top.
 
 Every flag is checked here, before any trace is read or any step simulated, and refused with
-the flag's name.
+the flag's name; then, once every feature is known, which features combine is checked
+against the one table of them (``features.py``, docs/architecture.md#features-and-their-combinations).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvtwin.sim.scenario.calibration_file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.scenario.features import require_allowed
 from kvtwin.sim.scenario.gpu_calibration import bundled_for
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
@@ -148,9 +150,6 @@ class ResolvedScenario:
 
     def offload_for(self, planned: Plan) -> ResolvedOffload | None:
         """The offload tiers sized for ``planned`` (None: no offloading); errors name the file."""
-        if self.offload.enabled and self.speculative.enabled:
-            raise ConfigError("offload.cpu_bytes", "0 with a [speculative] table (drafts with a KV offload tier "
-                              "are not modelled yet)", self.offload.cpu_bytes, source=self.where)
         try:
             return self.offload.resolve(planned)
         except ConfigError as err:
@@ -299,11 +298,14 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
     speculative = _speculative(scenario.speculative, overrides)
     time_limit_s = overrides.time_limit_s if overrides.time_limit_s is not None else scenario.time_limit_s
     calibration = choose_calibration(scenario, model, gpu, where)
-    return ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
+    resolved = ResolvedScenario(source=path, description=scenario.description, model=model, gpu=gpu, engine=engine,
                             deployment=deployment, workload=workload, slo=scenario.slo,
                             efficiency=calibration.efficiency,
                             time_limit_s=time_limit_s, overrides=overrides, offload=offload, calibration=calibration,
                             disaggregation=scenario.disaggregation, speculative=speculative)
+    # Every feature is known now, flags included: the one check of which combine.
+    require_allowed(resolved, overrides, where)
+    return resolved
 
 
 def _offload(scenario: Scenario, overrides: Overrides) -> OffloadConfig:
@@ -328,10 +330,6 @@ def _deployment(scenario: Scenario, overrides: Overrides) -> Deployment:
     given = {name: value for name, value in overrides.deployment.items() if value is not None}
     if not given:
         return scenario.deployment
-    if scenario.disaggregation is not None:
-        name = sorted(given)[0]
-        raise ConfigError(flag_for("engine", name), "no [disaggregation] table in the scenario (its "
-                          "prefill_replicas, decode_replicas and routers are the deployment there)", given[name])
     try:
         return dataclasses.replace(scenario.deployment, **given)
     except ConfigError as err:

@@ -34,6 +34,7 @@ from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_from_mapping
 from kvtwin.sim.scenario.parse import parse_scenario
+from kvtwin.sim.scenario.resolve import resolve_scenario
 from tests.replay.chat_workload import chat_trace, llama_plan
 from tests.sim.invariant_checks import check_pool
 
@@ -66,9 +67,12 @@ def test_scenario_section_and_offload_clash(tmp_path):
     scenario = parse_scenario({"disaggregation": {"prefill_replicas": 2, "decode_replicas": 1}}, tmp_path)
     assert scenario.disaggregation == Disaggregation(prefill_replicas=2, decode_replicas=1)
     assert parse_scenario({}, tmp_path).disaggregation is None
+    # The clash is refused once every feature is known: when the scenario is resolved.
+    data = {"model": {"preset": "llama-3.1-8b"}, "hardware": {"gpu": "h100"},
+            "disaggregation": {"prefill_replicas": 1}, "offload": {"cpu_bytes": 2**30}}
     with pytest.raises(ConfigError) as err:
-        parse_scenario({"disaggregation": {"prefill_replicas": 1}, "offload": {"cpu_bytes": 2**30}}, tmp_path)
-    assert err.value.field == "disaggregation"
+        resolve_scenario(tmp_path / "s.toml", data=data)
+    assert err.value.field == "disaggregation" and "[offload]" in err.value.expected
 
 
 def test_links():

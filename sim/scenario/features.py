@@ -1,0 +1,192 @@
+"""The optional features of a run and which of them combine: one table, read once when a
+scenario is resolved (docs/architecture.md#features-and-their-combinations).
+
+``FEATURES`` names each optional feature once, with where a scenario or a flag turns it on;
+``REFUSED`` names each set of features kvtwin does not run together, the reason, and what
+the error line asks of each setting it may name. ``require_allowed`` checks a scenario
+(``resolve_scenario`` with the command line's overrides on top; ``check_axes`` for each
+swept value) and raises the one ``ConfigError``. The error names the setting a flag turned
+on when there is one (the flag is what the user added last), else the refusal's first.
+
+Every other combination runs. Some run, but take a slower path; these are not refusals:
+
+* decode windows (``sim/core/decode_window.py``, docs/architecture.md#decode-windows) stay
+  closed with synchronous scheduling, with an offload tier or a P/D connector (a pool the
+  scheduler's passes do not change alone) and with speculative decoding: the run steps one
+  batch at a time, with the same results;
+* a scenario's ``[engine] replicas`` and ``router`` beside ``[disaggregation]`` are unused
+  (the P/D table's replica counts and routers are the deployment); only the flags
+  ``--replicas`` and ``--router`` are refused there, since they say the user meant them.
+
+The core keeps its own checks of these pairs (``EngineCore``, ``Scheduler``,
+``run_replay``) as assertions of what this table already guarantees, for direct library
+use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.scenario.knobs import flag_for
+
+if TYPE_CHECKING:
+    from kvtwin.sim.scenario.resolve import Overrides
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where a feature was turned on: the field (or flag) an error names, and its value."""
+
+    field: str
+    got: object
+    by_flag: bool
+
+
+def _given(overrides: Overrides | None, section: str, name: str) -> object:
+    """A flag's value (None: not given, or no command line)."""
+    if overrides is None:
+        return None
+    return getattr(overrides, section).get(name)
+
+
+def _offload(scenario: Any, overrides: Overrides | None) -> Setting | None:
+    if not scenario.offload.enabled:
+        return None
+    by_flag = _given(overrides, "offload", "cpu_bytes") is not None
+    return Setting(flag_for("offload", "cpu_bytes") if by_flag else "offload.cpu_bytes", scenario.offload.cpu_bytes,
+                   by_flag)
+
+
+def _disaggregation(scenario: Any, overrides: Overrides | None) -> Setting | None:
+    # Only a scenario's table (or a swept disaggregation.shape) disaggregates: no flag does.
+    return Setting("disaggregation", None, False) if scenario.disaggregation is not None else None
+
+
+def _speculative(scenario: Any, overrides: Overrides | None) -> Setting | None:
+    if not scenario.speculative.enabled:
+        return None
+    by_flag = _given(overrides, "speculative", "method") is not None
+    return Setting(flag_for("speculative", "method") if by_flag else "speculative.method",
+                   scenario.speculative.method, by_flag)
+
+
+def _replicas(scenario: Any, overrides: Overrides | None) -> Setting | None:
+    given = {name: value for name, value in (overrides.deployment if overrides is not None else {}).items()
+             if value is not None}
+    if given:
+        name = sorted(given)[0]
+        return Setting(flag_for("engine", name), given[name], True)
+    if scenario.deployment.replicas > 1:
+        return Setting("engine.replicas", scenario.deployment.replicas, False)
+    return None
+
+
+def _mamba_without_prefix_caching(scenario: Any, overrides: Overrides | None) -> Setting | None:
+    # vLLM 0.33 runs a Mamba hybrid's state in 'align' mode exactly when prefix caching is on
+    # (EngineConfig.resolve refuses the other pairings), so prefix caching alone decides it.
+    model = scenario.model
+    if model is None or "mamba" not in model.layer_kinds or scenario.engine.enable_prefix_caching:
+        return None
+    by_flag = _given(overrides, "engine", "enable_prefix_caching") is not None
+    return Setting(flag_for("engine", "enable_prefix_caching") if by_flag else "engine.enable_prefix_caching",
+                   False, by_flag)
+
+
+def _async_scheduling(scenario: Any, overrides: Overrides | None) -> Setting | None:
+    if not scenario.engine.async_scheduling:
+        return None
+    by_flag = _given(overrides, "engine", "async_scheduling") is not None
+    return Setting(flag_for("engine", "async_scheduling") if by_flag else "engine.async_scheduling", True, by_flag)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One optional feature: ``setting`` says whether a scenario (with the command line's
+    overrides, if any) has it on, and where it was set (None: off)."""
+
+    name: str
+    summary: str
+    turned_on_by: str
+    setting: Callable[[Any, Overrides | None], Setting | None]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Features kvtwin does not run together. ``expected``: for each feature whose setting
+    the error may name, what that setting must be instead (``{model}`` is the model's
+    name). ``only_by_flag``: a feature whose setting refuses only when a flag gave it."""
+
+    features: tuple[str, ...]
+    reason: str
+    expected: tuple[tuple[str, str], ...]
+    only_by_flag: str | None = None
+
+    def named(self, settings: Mapping[str, Setting]) -> str:
+        """The feature whose setting the error names: the first a flag gave, else the first."""
+        candidates = [name for name, _ in self.expected]
+        return next((name for name in candidates if settings[name].by_flag), candidates[0])
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("offload", "a KV offload tier: host memory (and disk) below the GPU's block pool",
+            "[offload] cpu_bytes > 0; --offload-cpu-bytes", _offload),
+    Feature("disaggregation", "disaggregated prefill/decode: prefill and decode replicas joined by a KV link",
+            "[disaggregation]", _disaggregation),
+    Feature("speculative", "speculative decoding: k drafts proposed and verified per decode",
+            "[speculative] method; --speculative-method", _speculative),
+    Feature("replicas", "data-parallel replicas of one engine behind a router",
+            "[engine] replicas > 1; --replicas, --router", _replicas),
+    Feature("mamba_without_prefix_caching", "a hybrid Mamba model with prefix caching off (its state in "
+            "'none' mode)", "a [model] with Mamba layers and [engine] enable_prefix_caching = false; "
+            "--no-prefix-caching", _mamba_without_prefix_caching),
+    Feature("async_scheduling", "asynchronous scheduling: two batches in flight (vLLM's default)",
+            "[engine] async_scheduling (on unless false); --async-scheduling", _async_scheduling),
+)
+
+REFUSED: tuple[Refusal, ...] = (
+    Refusal(("disaggregation", "offload"), "P/D with an offload tier is not modelled",
+            (("disaggregation", "no [offload] table beside it"),
+             ("offload", "0 with a [disaggregation] table"))),
+    Refusal(("disaggregation", "speculative"), "P/D with drafting is not modelled",
+            (("disaggregation", "no [speculative] table beside it"),
+             ("speculative", "no method with a [disaggregation] table"))),
+    Refusal(("offload", "speculative"), "drafts with a KV offload tier are not modelled yet",
+            (("offload", "0 with speculative decoding ([speculative] or --speculative-method)"),
+             ("speculative", "no method with a KV offload tier ([offload] or --offload-cpu-bytes)"))),
+    Refusal(("replicas", "disaggregation"), "its prefill_replicas, decode_replicas and routers are the "
+            "deployment there", (("replicas", "no [disaggregation] table in the scenario"),),
+            only_by_flag="replicas"),
+    Refusal(("offload", "mamba_without_prefix_caching"), "vLLM 0.33 offloads a hybrid Mamba model only with "
+            "prefix caching on", (("offload", "0 for {model} with prefix caching off"),
+                                  ("mamba_without_prefix_caching", "prefix caching on for {model} with a KV "
+                                   "offload tier"))),
+)
+
+
+def feature_settings(scenario: Any, overrides: Overrides | None = None) -> dict[str, Setting]:
+    """The features ``scenario`` has on (with ``overrides`` on top), by name."""
+    settings = {feature.name: feature.setting(scenario, overrides) for feature in FEATURES}
+    return {name: setting for name, setting in settings.items() if setting is not None}
+
+
+def require_allowed(scenario: Any, overrides: Overrides | None = None, where: str | None = None) -> None:
+    """Refuse the first of ``REFUSED`` that ``scenario`` has all of, as one ``ConfigError``
+    naming the setting (a flag's name without ``where``, a scenario field with it).
+    ``scenario``: a parsed or resolved scenario (its ``offload``, ``disaggregation``,
+    ``speculative``, ``deployment``, ``engine`` and ``model``, which may be None)."""
+    settings = feature_settings(scenario, overrides)
+    for refusal in REFUSED:
+        if not all(name in settings for name in refusal.features):
+            continue
+        if refusal.only_by_flag is not None and not settings[refusal.only_by_flag].by_flag:
+            continue
+        named = refusal.named(settings)
+        setting = settings[named]
+        expected = dict(refusal.expected)[named]
+        if "{model}" in expected:
+            expected = expected.format(model=scenario.model.name)
+        raise ConfigError(setting.field, f"{expected} ({refusal.reason})", setting.got,
+                          source=None if setting.by_flag else where)
