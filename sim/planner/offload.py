@@ -87,14 +87,12 @@ class OffloadConfig:
         if not self.enabled:
             return None
         eng = plan.engine
-        if "mamba" in plan.model.layer_kinds and eng.mamba_cache_mode != "align":
-            # Outside align mode a Mamba group hashes at the scheduler's whole-sequence
-            # block, which no attention block divides: vLLM 0.33's offloading config
-            # asserts and asks for --enable-prefix-caching. A scenario is refused sooner, when
-            # it is resolved (docs/architecture.md#features-and-their-combinations); this
-            # guards a plan sized without one.
-            raise ConfigError("offload.cpu_bytes", f"0 for {plan.model.name} with prefix caching off (vLLM 0.33 "
-                              "offloads a hybrid Mamba model only with prefix caching on)", self.cpu_bytes)
+        # Outside align mode a Mamba group hashes at the scheduler's whole-sequence block,
+        # which no attention block divides: vLLM 0.33's offloading config asserts and asks for
+        # --enable-prefix-caching. A scenario is refused when it is resolved (the table of
+        # features, docs/architecture.md#features-and-their-combinations).
+        assert "mamba" not in plan.model.layer_kinds or eng.mamba_cache_mode == "align", \
+            "offloading a hybrid Mamba model needs prefix caching on"
         tp = eng.tensor_parallel_size
         copies = 1 if plan.model.uses_mla and tp > 1 else tp
         worker_bytes = plan.bytes_per_block * BLOCKS_PER_CHUNK

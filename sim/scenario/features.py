@@ -27,13 +27,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.scenario.knobs import flag_for
 
-if TYPE_CHECKING:
-    from kvtwin.sim.scenario.resolve import Overrides
+
+class Overrides(Protocol):
+    """The flags given, by section (``resolve.Overrides``; None in a mapping: not given)."""
+
+    @property
+    def offload(self) -> Mapping[str, object]: ...
+    @property
+    def speculative(self) -> Mapping[str, object]: ...
+    @property
+    def engine(self) -> Mapping[str, object]: ...
+    @property
+    def deployment(self) -> Mapping[str, object]: ...
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.parse import parse_scenario
+from kvtwin.sim.scenario.resolve import resolve_scenario
 from tests.replay.chat_workload import chat_trace, llama_plan
 from tests.tables import assert_tables_equal
 
@@ -217,12 +218,13 @@ def test_with_gpu_prefix_caching_off_every_hit_is_a_cpu_load(chat, async_schedul
     assert _summary(run_replay(nocache, chat))["prefix_cache_hits"] == 0
 
 
-def test_a_hybrid_mamba_model_offloads_only_with_prefix_caching_on():
-    """Outside align mode vLLM's offloading config asserts on a Mamba hybrid."""
-    hybrid = plan(get_model("nemotron-h-8b"), get_gpu("h100"),
-                  EngineConfig(max_model_len=16384, enable_prefix_caching=False))
+def test_a_hybrid_mamba_model_offloads_only_with_prefix_caching_on(tmp_path):
+    """Outside align mode vLLM's offloading config asserts on a Mamba hybrid: the scenario
+    is refused when it is resolved (sim/scenario/features.py)."""
+    data = {"model": {"preset": "nemotron-h-8b"}, "hardware": {"gpu": "h100"},
+            "engine": {"max_model_len": 16384, "enable_prefix_caching": False}, "offload": {"cpu_bytes": GIB}}
     with pytest.raises(ConfigError) as err:
-        OffloadConfig(cpu_bytes=GIB).resolve(hybrid)
+        resolve_scenario(tmp_path / "s.toml", data=data)
     assert err.value.field == "offload.cpu_bytes" and "prefix caching off" in str(err.value)
     cached = plan(get_model("nemotron-h-8b"), get_gpu("h100"), EngineConfig(max_model_len=16384))
     assert OffloadConfig(cpu_bytes=GIB).resolve(cached).num_cpu_chunks > 0
