@@ -132,6 +132,13 @@ def check_knobs(values: Mapping[str, object], rules: Mapping[str, Rule]) -> None
             require(accepts(value), name, expected, value)
 
 
+# vLLM's speculative-decoding methods kvtwin runs (docs/semantics.md#speculative-decoding),
+# and those whose drafter is a model with its own KV cache (vLLM's ``use_eagle()``): the one
+# list the scenario layer, the golden-case loader and the planner's draft head read.
+SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp")
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """vLLM's scheduler knobs; defaults are vLLM 0.33's ``SchedulerConfig`` defaults.

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.config import HEAD_METHODS, SPEC_METHODS, CacheConfig, SchedulerConfig
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.spec import (KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, spec_from_dict, with_prefill_lookahead,
                                   with_speculative_blocks)
@@ -27,8 +27,6 @@ _CONFIG_FIELDS = {
 # The ``speculative`` table of a speculative-decoding case (scripts/oracle/gen_spec_golden.py).
 # "eagle", "eagle3", "mtp" (single-module): a draft head with its own KV, k lookahead slots
 # per step and, with prefix caching on, block hashes that cover the next token.
-_SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp")
-_HEAD_METHODS = ("eagle", "eagle3", "mtp")
 # The ``kv_offload`` table of an offload case (the native CPU offloading connector).
 _OFFLOAD_FIELDS = {"cpu_bytes_to_use": int, "eviction_policy": str, "kv_bytes_per_chunk": int,
                    "num_cpu_chunks": int, "load_steps": int, "store_steps": int}
@@ -184,8 +182,8 @@ def _speculative_tokens(data: dict, source: str) -> int:
             layers > 1 and spec["method"] != "mtp"):
         raise ConfigError("speculative.num_nextn_predict_layers", "a positive integer, above 1 only for mtp",
                           layers, source=source)
-    if spec["method"] not in _SPEC_METHODS:
-        raise ConfigError("speculative.method", f"one of {', '.join(_SPEC_METHODS)}", spec["method"], source=source)
+    if spec["method"] not in SPEC_METHODS:
+        raise ConfigError("speculative.method", f"one of {', '.join(SPEC_METHODS)}", spec["method"], source=source)
     k = spec["num_speculative_tokens"]
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError("speculative.num_speculative_tokens", "a positive integer", k, source=source)
@@ -215,7 +213,7 @@ def _head_lookaheads(data: dict, k: int) -> dict[str, int]:
 def _is_eagle(data: dict) -> bool:
     """Whether the case drafts with a draft head (vLLM's ``use_eagle()``)."""
     spec = data.get("speculative")
-    return spec is not None and spec.get("method") in _HEAD_METHODS
+    return spec is not None and spec.get("method") in HEAD_METHODS
 
 
 def load_offload(path: Path) -> CaseOffload | None:

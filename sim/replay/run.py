@@ -26,7 +26,7 @@ import simpy
 
 from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.cost_model import CostModel, DraftHead, StepCost
-from kvtwin.sim.core.acceptance import AcceptanceModel
+from kvtwin.sim.scenario.acceptance import AcceptanceModel
 from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.decode_window import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor

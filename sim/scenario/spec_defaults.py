@@ -1,7 +1,7 @@
 """Default acceptance tables of the speculative-decoding methods, with their sources.
 
 docs/semantics.md#speculative-decoding. A table gives the probability that draft ``i``
-(0-based) is accepted given drafts ``0 .. i-1`` were (``sim/core/acceptance.py``). Published
+(0-based) is accepted given drafts ``0 .. i-1`` were (``sim/scenario/acceptance.py``). Published
 figures are mostly mean acceptance lengths ``tau`` (tokens per verify step, the bonus token
 included) measured with ``K`` drafts; where no per-position figure was found the rate is
 the constant ``alpha`` that gives that ``tau``: ``tau = (1 - alpha**(K + 1)) / (1 - alpha)``.

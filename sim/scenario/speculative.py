@@ -17,15 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtwin.sim.core.acceptance import AcceptanceConfig
-from kvtwin.sim.core.config import is_int
+from kvtwin.sim.core.config import HEAD_METHODS, SPEC_METHODS, is_int
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.planner.draft_head import DraftHeadShape
+from kvtwin.sim.scenario.acceptance import AcceptanceConfig
 from kvtwin.sim.scenario.spec_defaults import default_acceptance
-
-SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp")
-# Drafters with their own KV (a draft head): k lookahead slots per step in vLLM.
-HEAD_METHODS = ("eagle", "eagle3", "mtp")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -89,3 +89,25 @@ def test_a_head_needs_a_head_method_and_layers(method, layers, field):
     with pytest.raises(ConfigError) as err:
         DraftHeadShape(method, layers)
     assert err.value.field == field
+
+
+def test_the_speculative_methods_have_one_home():
+    # sim/core/config.py lists the methods; the scenario layer, the golden-case loader and
+    # the draft head read that list, and the head's per-method table covers exactly the
+    # methods with a head.
+    import ast
+    from pathlib import Path
+
+    from kvtwin.sim.core.config import HEAD_METHODS, SPEC_METHODS
+    from kvtwin.sim.planner.draft_head import INPUT_PROJECTION_SQUARES
+
+    assert set(HEAD_METHODS) < set(SPEC_METHODS) and "ngram" not in HEAD_METHODS
+    assert tuple(INPUT_PROJECTION_SQUARES) == HEAD_METHODS
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "sim").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
+                values = {e.value for e in node.elts}
+                # A second literal list of the methods anywhere in sim/ is a second home.
+                if {"eagle", "eagle3"} <= values and path.name != "config.py":
+                    raise AssertionError(f"{path.relative_to(root)}:{node.lineno} lists the methods again")

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
-from kvtwin.sim.core.acceptance import AcceptanceConfig
+from kvtwin.sim.scenario.acceptance import AcceptanceConfig
 from kvtwin.sim.replay.cost_model import DraftHead
 from kvtwin.sim.replay.run import plan_cost_model, run_replay
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
-from kvtwin.sim.core.acceptance import AcceptanceConfig, AcceptanceModel
+from kvtwin.sim.scenario.acceptance import AcceptanceConfig, AcceptanceModel
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.errors import ConfigError
