@@ -12,7 +12,7 @@ steps per second, peak RSS, and its target:
   an A100 80GB: at most 5 s, i.e. at least 7x faster than Vidur's 37.3 s on the same trace
   and machine kind (its plots off);
 * ``default``: what ``kvtwin replay`` runs with no arguments (two replicas behind a router,
-  2.2M steps): no target, reported so that its cost is seen;
+  1.6M steps): no target, reported so that its cost is seen;
 * ``pd-2p1d``: disaggregated prefill/decode, two prefill and one decode replica on H100s
   over RDMA (``scenarios/mooncake-llama8b-h100-pd.toml``): no target, the cost of the P/D
   path (its connectors, the reads, the hand-overs).
