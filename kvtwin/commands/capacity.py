@@ -179,15 +179,11 @@ def _progress(total: int, quiet: bool, started: float):
 
 
 def _cell(value) -> str:
+    from kvtwin.sim.replay.load_curve import format_value  # pyarrow: not for `capacity --help`
+
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
+    return format_value(value)
 
 
 # What a heading means where its name alone could be read two ways (reports/SCHEMA.md,

@@ -155,7 +155,7 @@ def knee_lines(rows: Sequence[dict], keys: Sequence[str]) -> list[str]:
             curves.setdefault(tuple(row[k] for k in keys), []).append(row)
     out = []
     for values, curve in curves.items():
-        label = ", ".join(f"{k}={_value(v)}" for k, v in zip(keys, values))
+        label = ", ".join(f"{k}={format_value(v)}" for k, v in zip(keys, values))
         rates = sorted(r["offered_request_rate"] for r in curve)
         past = sorted(r["offered_request_rate"] for r in curve if r["past_knee"])
         knee = curve[0]["knee_request_rate"]
@@ -173,8 +173,9 @@ def knee_lines(rows: Sequence[dict], keys: Sequence[str]) -> list[str]:
     return out
 
 
-def _value(value) -> str:
-    """A swept value as the points' table prints it."""
+def format_value(value) -> str:
+    """A value as the capacity table prints it (a swept value, a cell): booleans in TOML's
+    words, numbers with thousands separators, floats to four significant digits."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
