@@ -53,6 +53,8 @@ COMPILED_PACKAGES = {"sim/core": "kvtwin/sim/core", "sim/core/offload": "kvtwin/
 # Off the per-step path (validation, config, sweeps, calibration): compiling them buys nothing.
 INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                "calibration.py", "calibration_data.py", "client_side.py", "kernel_fit.py", "reuse_curve.py",
+               # The column sets and the tables' assembly: once per run.
+               "output_columns.py", "run_tables.py",
                "rate_search.py", "capacity_points.py", "capacity_sweep.py", "capacity_table.py", "sweep_backends.py",
                "summaries.py", "sustained.py", "load_curve.py", "trace_requests.py", "router.py",
                # The SimPy clock's generator processes: compiled, they crash the garbage

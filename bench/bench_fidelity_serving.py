@@ -296,7 +296,6 @@ def workload(point: dict, cap: int):
 
 
 def replay_point(point: dict, hardware: dict, cap: int) -> dict:
-    from kvtwin.sim.replay.calibration_data import with_band
     from kvtwin.sim.replay.run import run_replay
     from kvtwin.sim.scenario.resolve import resolve_scenario
 
@@ -309,8 +308,8 @@ def replay_point(point: dict, hardware: dict, cap: int) -> dict:
     planned.require_fits()
     trace = requests if not isinstance(requests, dict) else resolved.require_workload().load()
     result = run_replay(planned, trace, deployment=resolved.deployment, efficiency=resolved.efficiency,
-                        slo=resolved.slo)
-    summary = with_band(result.summary, resolved.calibration).to_pylist()[0]
+                        slo=resolved.slo, calibration=resolved.calibration)
+    summary = result.summary.to_pylist()[0]
     client = "ttft_client_s" in result.requests.column_names
     summary["latency_side"] = "client" if client else "server"
     summary["replayed_requests"] = trace.num_rows

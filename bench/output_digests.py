@@ -67,7 +67,8 @@ def replay_digests(quick: bool) -> list[dict]:
         planned = resolved.plan()
         result = run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
                             efficiency=resolved.efficiency, slo=resolved.slo, time_limit_s=resolved.time_limit_s,
-                            offload=resolved.offload_for(planned), speculative=resolved.speculative)
+                            offload=resolved.offload_for(planned), speculative=resolved.speculative,
+                            disaggregation=resolved.disaggregation)
         wall_s = time.perf_counter() - started
         for table_name in ("steps", "requests", "summary", "replicas"):
             table = getattr(result, table_name)

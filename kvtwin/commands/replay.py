@@ -68,7 +68,7 @@ def replay(
         planned.require_fits()  # before the trace is read
         resolved.require_host_memory(planned)  # and before any block pool is built
         # The simulator (SimPy, the recorder: most of a second) loads once the input is good.
-        from kvtwin.sim.replay.calibration_data import band_lines, with_band
+        from kvtwin.sim.replay.calibration_data import band_lines
         from kvtwin.sim.replay.run import run_replay
 
         offload = resolved.offload_for(planned)
@@ -80,9 +80,8 @@ def replay(
             result = run_replay(planned, table, deployment=resolved.deployment, efficiency=resolved.efficiency,
                                 slo=resolved.slo, time_limit_s=resolved.time_limit_s, on_progress=on_progress,
                                 offload=offload, disaggregation=resolved.disaggregation,
-                                speculative=resolved.speculative)
+                                speculative=resolved.speculative, calibration=resolved.calibration)
         wall_s = time.perf_counter() - started
-        result.summary = with_band(result.summary, resolved.calibration)
         metadata = run_metadata(path, overrides.given(), resolved.describe())
         plan_json = planned.to_json()
         text_files = None

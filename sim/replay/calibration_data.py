@@ -45,15 +45,6 @@ def band_columns(row: dict, calibration: Calibration) -> dict:
     return out
 
 
-def with_band(summary, calibration: Calibration):
-    """A run's one-row summary table with ``band_columns`` appended."""
-    import pyarrow as pa
-
-    row = summary.to_pylist()[0]
-    row.update(band_columns(row, calibration))
-    return pa.Table.from_pylist([row])
-
-
 def _span_ms(low_ms: float, high_ms: float) -> str:
     if high_ms >= 1000:
         return f"{low_ms / 1000:,.2f}-{high_ms / 1000:,.2f} s"

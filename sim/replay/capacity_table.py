@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from array import array
 from collections.abc import Sequence
 
 import pyarrow as pa
@@ -16,9 +15,9 @@ import pyarrow as pa
 from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS, knees
+from kvtwin.sim.replay.output_columns import DISAGGREGATION, OFFLOAD
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.client_side import with_client_side
-from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS, summarize
+from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.replay.sustained import SHORT_WINDOW
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.sweep_keys import Axis, Point
@@ -37,23 +36,12 @@ class _SummarySchema:
     @classmethod
     def get(cls) -> pa.Schema:
         if cls.schema is None:
-            recorder = MetricsRecorder(1)
-            requests = recorder.requests_table()
-            summary = summarize(requests, recorder.steps_table(), array("d"), SLO(), 0.0)
-            cls.schema = with_client_side(requests, summary, 0.0)[1].schema
+            cls.schema = run_tables(MetricsRecorder(1), 0.0, RunSettings(SLO(), None, "round_robin", "0")).summary.schema
         return cls.schema
 
 
 def summary_schema() -> pa.Schema:
     return _SummarySchema.get()
-
-
-# A disaggregated point's summary columns (``reports/SCHEMA.md``), and their types.
-PD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
-    "pd_prefill_replicas": pa.int64(), "pd_decode_replicas": pa.int64(), "pd_link": pa.string(),
-    "pd_transfer_mean_ms": pa.float64(), "pd_transfer_bytes_mean": pa.float64(),
-    "pd_transfer_share_of_ttft": pa.float64(), "pd_transfer_share_of_ttft_total": pa.float64(),
-}
 
 
 def _judged_sustained(summary: dict) -> bool | None:
@@ -111,7 +99,7 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
         columns[name] = pa.array([r.get(name) for r in rows], pa.string())
     # The offload columns, when a point ran with offloading (null in the points without).
     if any(r["summary"] is not None and "hit_rate_total" in r["summary"] for r in rows):
-        for name, kind in OFFLOAD_SUMMARY_COLUMNS.items():
+        for name, kind in OFFLOAD.summary.items():
             if name in columns:
                 continue
             values = [(r["summary"] or {}).get(name) for r in rows]
@@ -121,7 +109,7 @@ def capacity_table(rows: Sequence[dict], points: Sequence[Point], axes: Sequence
     columns["num_gpus"] = pa.array([r.get("num_gpus") for r in rows], pa.int64())
     # Disaggregated points: their P/D columns (null in aggregated points).
     if any(r["summary"] is not None and "pd_link" in r["summary"] for r in rows):
-        for name, kind in PD_SUMMARY_COLUMNS.items():
+        for name, kind in DISAGGREGATION.summary.items():
             columns[name] = pa.array([(r["summary"] or {}).get(name) for r in rows], kind)
     if find_max_rate:
         for name, kind in MAX_RATE_COLUMNS.items():

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-CLIENT_REQUEST_COLUMNS = ("ttft_client_s", "e2el_client_s")
 DEFAULT_OVERHEAD_PATH = Path(__file__).resolve().parent / "data" / "measurements" / "client_overhead.toml"
 
 
@@ -43,26 +42,24 @@ def default_client_overhead(path: Path = DEFAULT_OVERHEAD_PATH) -> DefaultClient
                                  tuple({k: str(v) for k, v in s.items()} for s in table.get("source", ())))
 
 
-def with_client_side(requests: pa.Table, summary: pa.Table, client_overhead_s: float) -> tuple[pa.Table, pa.Table]:
-    """``requests`` and ``summary`` with the client-side columns: each request's TTFT and
-    E2E plus ``client_overhead_s``, their mean, median, p90 and p99 over the finished requests,
-    and the overhead itself (``client_overhead_ms``; 0 gives columns equal to the server's)."""
+def client_request_columns(ttft_s: object, e2el_s: object, client_overhead_s: float) -> dict[str, pa.Array]:
+    """The requests' client-side columns (``output_columns.CLIENT_SIDE``): each request's
+    server TTFT and E2E plus ``client_overhead_s`` (0 gives columns equal to the server's)."""
+    return {client: pa.array(np.asarray(server, dtype=float) + client_overhead_s, type=pa.float64())
+            for client, server in (("ttft_client_s", ttft_s), ("e2el_client_s", e2el_s))}
+
+
+def client_summary(requests: pa.Table, client_overhead_s: float) -> dict[str, float]:
+    """The summary's client-side figures: the mean, median, p90 and p99 of the client-side
+    TTFT and E2E over the finished requests, and the overhead itself (``client_overhead_ms``)."""
     done = requests.column("status").to_numpy(zero_copy_only=False) == "finished"
-    row = summary.to_pylist()[0]
-    for server, client in (("ttft_s", "ttft_client_s"), ("e2el_s", "e2el_client_s")):
-        seconds = requests.column(server).to_numpy(zero_copy_only=False).astype(float) + client_overhead_s
-        column = pa.array(seconds, type=pa.float64())
-        # Applied again (a result re-priced with another overhead), the columns are replaced;
-        # else they go beside the server's, after ``e2el_s`` (reports/SCHEMA.md's order).
-        if client in requests.column_names:
-            requests = requests.set_column(requests.column_names.index(client), client, column)
-        else:
-            at = requests.column_names.index("e2el_s") + 1 + CLIENT_REQUEST_COLUMNS.index(client)
-            requests = requests.add_column(at, client, column)
+    row: dict[str, float] = {}
+    for client in ("ttft_client_s", "e2el_client_s"):
+        seconds = requests.column(client).to_numpy(zero_copy_only=False)
         finite = seconds[done & np.isfinite(seconds)]
         name = client.removesuffix("_s") + "_ms"
         for stat, value in (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),
                             ("p99", lambda a: np.percentile(a, 99))):
             row[f"{stat}_{name}"] = float(value(finite) * 1000) if finite.size else math.nan
     row["client_overhead_ms"] = client_overhead_s * 1000
-    return requests, pa.Table.from_pylist([row], schema=None)
+    return row

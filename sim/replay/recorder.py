@@ -25,7 +25,11 @@ from kvtwin.sim.core.engine import Rejection, StepResult
 from kvtwin.sim.core.engine_stats import EngineStats
 from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.request import Request, RequestStatus
+from kvtwin.sim.replay.client_side import client_request_columns
 from kvtwin.sim.replay.cost_model import StepCost
+from kvtwin.sim.replay.output_columns import (CLIENT_SIDE, DISAGGREGATION, OFFLOAD, OFFLOAD_BYTES_STEP_COLUMNS,
+                                              OFFLOAD_CPU_STEP_COLUMNS, OFFLOAD_DISK_STEP_COLUMNS,
+                                              OFFLOAD_WAITING_COLUMN, SPECULATIVE, assemble)
 
 
 class _RequestRecord:
@@ -107,22 +111,13 @@ class _PDRecord:
         self.decode_hit_tokens: int | None = None
 
 
-# Per-step offload columns (``reports/SCHEMA.md``): counter deltas of the step, except the
-# gauges (chunks in use after the step).
-_OFFLOAD_CPU_STEP_COLUMNS = ("offload_cpu_loaded_keys", "offload_cpu_stored_keys", "offload_cpu_evicted_keys",
-                             "offload_cpu_used_chunks")
-_OFFLOAD_DISK_STEP_COLUMNS = ("offload_disk_loaded_keys", "offload_disk_stored_keys", "offload_disk_evicted_keys",
-                              "offload_disk_used_chunks")
-_OFFLOAD_BYTES_STEP_COLUMNS = ("offload_load_bytes", "offload_store_bytes")
 _OFFLOAD_GAUGES = frozenset({"offload_cpu_used_chunks", "offload_disk_used_chunks"})
-# Kept by the recorder itself from the requests' waits, after the tier's counters.
-OFFLOAD_WAITING_COLUMN = "num_waiting_for_kv"
 
 
 def offload_step_columns(has_disk: bool) -> tuple[str, ...]:
     """The tiers' step columns (their counters), without the recorder's own waiting gauge."""
-    return (_OFFLOAD_CPU_STEP_COLUMNS + (_OFFLOAD_DISK_STEP_COLUMNS if has_disk else ())
-            + _OFFLOAD_BYTES_STEP_COLUMNS)
+    return (OFFLOAD_CPU_STEP_COLUMNS + (OFFLOAD_DISK_STEP_COLUMNS if has_disk else ())
+            + OFFLOAD_BYTES_STEP_COLUMNS)
 
 
 _BUFFER_BLOCK: Final = 1 << 16  # values a Float64Buffer collects before storing them
@@ -201,8 +196,7 @@ class MetricsRecorder:
         self._pd: dict[str, _PDRecord] = {}
         # Speculative decoding (``num_speculative_tokens`` drafts a step at most): verify rows
         # count as decode tokens, each request's drafts and accepted drafts are counted
-        # (requests columns ``SPEC_REQUEST_COLUMNS``), and each step's accepted drafts by
-        # position (``SPEC_STEP_COLUMN``).
+        # (``output_columns.SPECULATIVE``), and each step's accepted drafts by position.
         self.speculative = num_speculative_tokens > 0
         self.num_speculative_tokens = num_speculative_tokens
         self._accepted_by_position = [0] * num_speculative_tokens
@@ -570,7 +564,9 @@ class MetricsRecorder:
                 record.status = "running" if status is RequestStatus.RUNNING else "waiting"
             record.snapshot()
 
-    def requests_table(self) -> pa.Table:
+    def requests_table(self, client_overhead_s: float = 0.0) -> pa.Table:
+        """``requests.parquet``: the base columns, the client-side ones (``client_overhead_s``
+        past the server's TTFT and E2E) and each recorded feature's (``output_columns``)."""
         rows = self.order
         first_token = np.array([r.first_token_s for r in rows], dtype=np.float64)
         finish = np.array([r.finish_s for r in rows], dtype=np.float64)
@@ -584,7 +580,7 @@ class MetricsRecorder:
         # Tokens computed beyond one pass over the prompt (less its first hit) and the outputs.
         recomputed = np.maximum(scheduled - (prompt - hit_first) - np.maximum(generated - 1, 0), 0)
         recomputed = np.where(scheduled > 0, recomputed, 0)
-        table = pa.table({
+        base: dict[str, object] = {
             "request_id": pa.array([r.request_id for r in rows], pa.string()),
             "session_id": pa.array([r.session_id for r in rows], pa.string()),
             "status": pa.array([r.status for r in rows], pa.string()),
@@ -608,43 +604,45 @@ class MetricsRecorder:
             "tpot_s": tpot,
             "e2el_s": finish - arrival,
             "replica": pa.array(np.array([r.replica for r in rows], dtype=np.int32), pa.int32()),
-        })
+        }
+        features: dict[str, dict[str, object]] = {
+            CLIENT_SIDE.feature: dict(client_request_columns(base["ttft_s"], base["e2el_s"], client_overhead_s))}
         if self.roles is not None:
-            table = self._pd_columns(table, rows)
+            features[DISAGGREGATION.feature] = self._pd_columns(base, rows)
         if self.speculative:
-            for name in SPEC_REQUEST_COLUMNS:
-                table = table.append_column(name, pa.array(np.array([getattr(r, name) for r in rows], dtype=np.int64)))
-        if self.offload is None:
-            return table
-        loads = self._loads
-        empty = _OffloadRecord()
-        per = [loads.get(r.request_id, empty) for r in rows]
-        for name in ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens"):
-            table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.int64)))
-        for name in OFFLOAD_WAIT_COLUMNS:
-            table = table.append_column(name, pa.array(np.array([getattr(x, name) for x in per], dtype=np.float64)))
-        return table
+            features[SPECULATIVE.feature] = {
+                name: pa.array(np.array([getattr(r, name) for r in rows], dtype=np.int64))
+                for name in SPECULATIVE.requests}
+        if self.offload is not None:
+            loads = self._loads
+            empty = _OffloadRecord()
+            per = [loads.get(r.request_id, empty) for r in rows]
+            features[OFFLOAD.feature] = {
+                name: pa.array(np.array([getattr(x, name) for x in per],
+                                        dtype=np.float64 if name.endswith("_s") else np.int64))
+                for name in OFFLOAD.requests}
+        return pa.table(assemble("requests", base, features))
 
-    def _pd_columns(self, table: pa.Table, rows: list[_RequestRecord]) -> pa.Table:
-        """A disaggregated run's request columns (``reports/SCHEMA.md``). The prefix-cache
-        columns are the prefill side's (where the prompt is computed); the decode side's
-        own first hit is ``decode_prefix_hit_tokens``."""
+    def _pd_columns(self, base: dict[str, object], rows: list[_RequestRecord]) -> dict[str, object]:
+        """A disaggregated run's request columns (``output_columns.DISAGGREGATION``). The
+        base prefix-cache columns become the prefill side's (where the prompt is computed);
+        the decode side's own first hit is ``decode_prefix_hit_tokens``."""
         pds = [self._pd.get(r.request_id) for r in rows]
-        admission_hits = table.column("prefix_hit_tokens").to_pylist()
-        decode_hits = pa.array([p.decode_hit_tokens if p is not None and p.decode_hit_tokens is not None else hit
+        admission_hits = base["prefix_hit_tokens"]
+        assert isinstance(admission_hits, np.ndarray)
+        decode_hits = pa.array([p.decode_hit_tokens if p is not None and p.decode_hit_tokens is not None else int(hit)
                                 for p, hit in zip(pds, admission_hits)], pa.int64())
         # The decode side's lookups: an admission after a read finds nothing of its own
         # (its hit came before the read, ``decode_hit_tokens``), so that hit is added.
-        decode_queries = table.column("prefix_cache_queries")
+        decode_queries = pa.array(base["prefix_cache_queries"], pa.int64())
         decode_hits_total = pa.array([r.hit_tokens_total + ((p.decode_hit_tokens or 0) if p is not None else 0)
                                       for r, p in zip(rows, pds)], pa.int64())
         for name, attr in (("prefix_hit_tokens", "hit_tokens"), ("prefix_cache_queries", "queried_tokens"),
                            ("prefix_cache_hits", "hit_tokens_total")):
-            values = [getattr(p.prefill, attr) if p else 0 for p in pds]
-            table = table.set_column(table.schema.get_field_index(name), name, pa.array(values, pa.int64()))
-        columns = {
+            base[name] = pa.array([getattr(p.prefill, attr) if p else 0 for p in pds], pa.int64())
+        return {
             "prefill_replica": pa.array([p.prefill_replica if p else -1 for p in pds], pa.int32()),
-            "decode_replica": pa.array([r.replica for r in rows], pa.int32()),
+            "decode_replica": base["replica"],
             "decode_prefix_hit_tokens": decode_hits,
             "decode_prefix_cache_queries": decode_queries,
             "decode_prefix_cache_hits": decode_hits_total,
@@ -652,9 +650,6 @@ class MetricsRecorder:
             "transfer_bytes": pa.array([p.transfer_bytes if p else 0 for p in pds], pa.int64()),
             "transfer_s": pa.array([p.transfer_s if p else math.nan for p in pds], pa.float64()),
         }
-        for name, column in columns.items():
-            table = table.append_column(name, column)
-        return table
 
     def steps_table(self) -> pa.Table:
         values = self._step_values.to_array()
@@ -675,28 +670,24 @@ class MetricsRecorder:
             at += 1
         columns["replica"] = pa.array(np.frombuffer(self.step_replica, dtype=np.int32) if len(self.step_replica)
                                       else np.zeros(0, np.int32), pa.int32())
+        features: dict[str, dict[str, pa.Array]] = {}
         if self.offload is not None:
+            features[OFFLOAD.feature] = offload = {}
             for name in self._offload_columns + (OFFLOAD_WAITING_COLUMN,):
-                columns[name] = pa.array(np.ascontiguousarray(rows[:, at]).astype(np.int64), pa.int64())
+                offload[name] = pa.array(np.ascontiguousarray(rows[:, at]).astype(np.int64), pa.int64())
                 at += 1
         if self.speculative:
             k = self.num_speculative_tokens
             offsets = np.arange(0, len(rows) * k + 1, k, dtype=np.int32)
-            columns[SPEC_STEP_COLUMN] = pa.ListArray.from_arrays(
-                pa.array(offsets, pa.int32()), pa.array(rows[:, at:at + k].ravel().astype(np.int64), pa.int64()))
+            features[SPECULATIVE.feature] = {SPECULATIVE.steps[0]: pa.ListArray.from_arrays(
+                pa.array(offsets, pa.int32()), pa.array(rows[:, at:at + k].ravel().astype(np.int64), pa.int64()))}
             at += k
         if self.roles is not None:
             roles = self.roles
-            columns["role"] = pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()
-        return pa.table(columns)
+            features[DISAGGREGATION.feature] = {
+                "role": pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()}
+        return pa.table(assemble("steps", columns, features))
 
-
-# Requests columns of a run with speculative decoding (after the others, before any offload ones).
-SPEC_REQUEST_COLUMNS = ("draft_tokens", "accepted_draft_tokens", "verify_steps")
-# The step column of such a run: per draft position, the verify rows that accepted it.
-SPEC_STEP_COLUMN = "spec_accepted_by_position"
-# The last requests columns of a run with offload tiers: a request's wait for KV in a tier.
-OFFLOAD_WAIT_COLUMNS = ("load_wait_s", "load_transfer_s", "load_defer_s")
 
 # Step column -> (its numpy type, its type in steps.parquet), in the order
 # ``MetricsRecorder.step`` records a row.

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import pyarrow as pa
 import simpy
 
-from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.cost_model import CostModel, DraftHead, StepCost
 from kvtwin.sim.scenario.acceptance import AcceptanceModel
 from kvtwin.sim.core.config import CacheConfig
@@ -36,7 +35,7 @@ from kvtwin.sim.core.offload.tiered_manager import TimedPromotions
 from kvtwin.sim.core.offload.transfers import TimedTransfers
 from kvtwin.sim.core.spec import KVCacheConfig
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.summaries import summarize, summarize_replicas
+from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.host_memory import require_host_memory
 from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
@@ -46,6 +45,7 @@ from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.scenario.calibration_file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.scenario.efficiency import Efficiency
@@ -211,14 +211,16 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
                on_progress: Callable[[ReplayClock], None] | None = None,
                offload: ResolvedOffload | None = None, decode_windows: bool = True,
                disaggregation: Disaggregation | None = None,
-               speculative: SpeculativeConfig = SpeculativeConfig()) -> ReplayResult:
+               speculative: SpeculativeConfig = SpeculativeConfig(),
+               calibration: Calibration | None = None) -> ReplayResult:
     """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
     cost model and executor per replica of ``deployment``, each with the offload tiers
     ``offload`` sizes (None: none). With ``disaggregation`` the replicas are its prefill
     and decode replicas instead (``pd_run.py``; ``deployment`` is then unused).
     ``speculative`` (enabled: the plan's scheduler drafts, ``ResolvedScenario.plan``) gives
     each replica's executor its acceptance draws (seed plus the replica's index) and its
-    cost model the draft head."""
+    cost model the draft head. ``calibration``: the clock's, whose band on each p99 the
+    summary then carries (docs/capacity.md#the-band)."""
     _require_pools_fit(plan, disaggregation.num_replicas if disaggregation is not None else deployment.replicas)
     if disaggregation is not None:
         # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
@@ -226,12 +228,13 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
         executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(disaggregation.num_replicas)]
         return run_disaggregated(plan, trace, executors, disaggregation, slo=slo, time_limit_s=time_limit_s,
                                  on_progress=on_progress, decode_windows=decode_windows,
-                                 client_overhead_s=efficiency.client_overhead_s)
+                                 client_overhead_s=efficiency.client_overhead_s, calibration=calibration)
     executors = [spec_executor(plan, efficiency, speculative, replica) if speculative.enabled
                  else CostModelExecutor(plan_cost_model(plan, efficiency)) for replica in range(deployment.replicas)]
     return run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
                              time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
-                             decode_windows=decode_windows, client_overhead_s=efficiency.client_overhead_s)
+                             decode_windows=decode_windows, client_overhead_s=efficiency.client_overhead_s,
+                             calibration=calibration)
 
 
 def _require_pools_fit(plan: Plan, num_replicas: int) -> None:
@@ -265,7 +268,7 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       router: str = Deployment.router, slo: SLO = SLO(), time_limit_s: float | None = None,
                       env: simpy.Environment | None = None, on_progress: Callable[[ReplayClock], None] | None = None,
                       offload: ResolvedOffload | None = None, decode_windows: bool = True,
-                      client_overhead_s: float = 0.0) -> ReplayResult:
+                      client_overhead_s: float = 0.0, calibration: Calibration | None = None) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what its replica's
     executor says (predicted, measured on a device, or replayed from a recording); ``env``
     is the SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real
@@ -276,7 +279,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     gives each replica its offload tiers (module docstring). ``decode_windows`` False
     turns decode windows off (``sim/core/decode_window.py``; the results are the same, only
     slower). ``client_overhead_s`` is the time outside the engine a client also sees: the
-    client-side columns beside the server's, and the SLO judged on them (``client_side.py``)."""
+    client-side columns beside the server's, and the SLO judged on them (``client_side.py``).
+    ``calibration``: as in ``run_replay``."""
     kv_cache_config = plan.require_fits()
     _require_pools_fit(plan, len(executors))
     eng = plan.engine
@@ -292,26 +296,20 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                 for engine, executor in zip(engines, executors)]
     end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=routing, time_limit_s=time_limit_s,
                            on_progress=on_progress, env=env)
-    requests = metrics.requests_table()
-    steps = metrics.steps_table()
-    facts = offload.describe() if offload is not None else None
-    summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace, num_replicas=len(engines),
-                        router=router, offload=facts, prefix_cache_retention=retention_label(
-                            eng.cache.prefix_cache_retention_interval), client_overhead_s=client_overhead_s)
-    per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
-                                     cluster_summary=summary, offload=facts, client_overhead_s=client_overhead_s)
-    requests, summary = with_client_side(requests, summary, client_overhead_s)
-    return ReplayResult(requests, steps, summary, end_s, per_replica)
+    tables = run_tables(metrics, end_s, RunSettings(
+        slo, trace, router, retention_label(eng.cache.prefix_cache_retention_interval), client_overhead_s,
+        offload=offload.describe() if offload is not None else None, calibration=calibration))
+    return ReplayResult(tables.requests, tables.steps, tables.summary, end_s, tables.replicas)
 
 
 def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExecutor],
                       disaggregation: Disaggregation, *, slo: SLO = SLO(), time_limit_s: float | None = None,
                       on_progress: Callable[[ReplayClock], None] | None = None,
                       decode_windows: bool = True, env: simpy.Environment | None = None,
-                      client_overhead_s: float = 0.0) -> ReplayResult:
+                      client_overhead_s: float = 0.0, calibration: Calibration | None = None) -> ReplayResult:
     """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first);
-    ``client_overhead_s`` as in ``run_with_executor``."""
-    from kvtwin.sim.replay.pd_run import pd_load_imbalance, pd_replica_requests, pd_summary_columns, run_pd_simulation
+    ``client_overhead_s`` and ``calibration`` as in ``run_with_executor``."""
+    from kvtwin.sim.replay.pd_run import run_pd_simulation
 
     _require_pools_fit(plan, len(executors))
 
@@ -320,26 +318,11 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
 
     metrics, end_s = run_pd_simulation(plan, trace, executors, disaggregation, window_pricing=pricing,
                                        time_limit_s=time_limit_s, on_progress=on_progress, env=env)
-    requests = metrics.requests_table()
-    steps = metrics.steps_table()
     router = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
-    summary = summarize(requests, steps, metrics.all_itl_s(), slo, end_s, trace=trace,
-                        num_replicas=disaggregation.num_replicas, router=router,
-                        prefix_cache_retention=retention_label(plan.engine.cache.prefix_cache_retention_interval),
-                        client_overhead_s=client_overhead_s)
-    for name, value in {**disaggregation.describe(), **pd_summary_columns(requests)}.items():
-        summary = summary.append_column(name, pa.array([value]))
-    # The balance that means something here: each side's own (requests by prefill and by
-    # decode replica), the worse of the two.
-    summary = summary.set_column(summary.schema.get_field_index("load_imbalance"), "load_imbalance",
-                                 pa.array([pd_load_imbalance(requests, disaggregation)]))
-    # Each replica's own share: the requests it prefilled or decoded, with the prefix hits
-    # found there.
-    per_replica = summarize_replicas(requests, steps, metrics.itl_by_replica, slo, end_s, trace=trace,
-                                     per_replica=pd_replica_requests(requests, disaggregation), roles=metrics.roles,
-                                     client_overhead_s=client_overhead_s)
-    requests, summary = with_client_side(requests, summary, client_overhead_s)
-    return ReplayResult(requests, steps, summary, end_s, per_replica)
+    tables = run_tables(metrics, end_s, RunSettings(
+        slo, trace, router, retention_label(plan.engine.cache.prefix_cache_retention_interval), client_overhead_s,
+        disaggregation=disaggregation, calibration=calibration))
+    return ReplayResult(tables.requests, tables.steps, tables.summary, end_s, tables.replicas)
 
 
 class SimPyClock:

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtwin.sim.replay.output_columns import OFFLOAD, SPECULATIVE, assemble
 from kvtwin.sim.replay.sustained import FAILURES, sustained_load
 from kvtwin.sim.scenario.slo import SLO, admitted_attainment
 from kvtwin.traces.expand import table_block_ids
@@ -78,14 +79,27 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
               trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin",
               offload: dict | None = None, prefix_cache_retention: str = "0",
               client_overhead_s: float = 0.0) -> pa.Table:
-    """One row of run-level figures, named as ``vllm bench serve`` names them (times in ms).
+    """``summary_parts`` as one row (the base figures, then any feature's)."""
+    base, features = summary_parts(requests, steps, itl_s, slo, end_time_s, trace=trace, num_replicas=num_replicas,
+                                   router=router, offload=offload, prefix_cache_retention=prefix_cache_retention,
+                                   client_overhead_s=client_overhead_s)
+    return pa.Table.from_pylist([assemble("summary", base, features)])
+
+
+def summary_parts(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_time_s: float, *,
+                  trace: pa.Table | None = None, num_replicas: int = 1, router: str = "round_robin",
+                  offload: dict | None = None, prefix_cache_retention: str = "0",
+                  client_overhead_s: float = 0.0) -> tuple[dict, dict[str, dict]]:
+    """The run-level figures over ``requests``, named as ``vllm bench serve`` names them
+    (times in ms): the base row, and the figures of each feature the tables have columns of
+    (speculative decoding, offload tiers), by feature (``output_columns.assemble`` orders them).
 
     ``trace`` is the replayed trace: it gives the requests that never arrived (a time
     limit) and the prefix-reuse upper bound of those that did. ``num_replicas`` and
     ``router`` describe the cluster (figures are over all replicas); ``load_imbalance``
     is computed from the requests' ``replica`` column (``load_imbalance``). With offload
     tiers (the tables have their columns) the offload figures follow
-    (``OFFLOAD_SUMMARY_COLUMNS``); ``offload`` is the tiers' settings
+    (``output_columns.OFFLOAD``); ``offload`` is the tiers' settings
     (``ResolvedOffload.describe()``). ``prefix_cache_retention`` is the engine's setting as
     a scenario spells it (``retention_label``: docs/semantics.md#retention-setting).
     ``client_overhead_s`` (the calibration's time outside the engine) is added to each
@@ -130,11 +144,12 @@ def summarize(requests: pa.Table, steps: pa.Table, itl_s: array, slo: SLO, end_t
     row.update({"num_replicas": num_replicas, "router": router,
                 "load_imbalance": load_imbalance(requests, num_replicas),
                 "prefix_cache_retention": prefix_cache_retention})
-    if "accepted_draft_tokens" in requests.column_names:
-        row.update(spec_summary(requests, steps))
-    if "cpu_hit_tokens" in requests.column_names:
-        row.update(offload_summary(requests, steps, offload))
-    return pa.Table.from_pylist([row])
+    features = {}
+    if SPECULATIVE.requests[0] in requests.column_names:
+        features[SPECULATIVE.feature] = spec_summary(requests, steps)
+    if OFFLOAD.requests[0] in requests.column_names:
+        features[OFFLOAD.feature] = offload_summary(requests, steps, offload)
+    return row, features
 
 
 def spec_summary(requests: pa.Table, steps: pa.Table | None = None) -> dict:
@@ -232,52 +247,12 @@ def _trace_figures(requests: pa.Table, trace: pa.Table | None, last_arrival_s: f
     }
 
 
-# The summary's offload columns (only in runs with offload tiers), in order.
-OFFLOAD_SUMMARY_COLUMNS: dict[str, pa.DataType] = {
-    "offload_policy": pa.string(),
-    "offload_cpu_bytes": pa.int64(),
-    "offload_cpu_chunks": pa.int64(),
-    "offload_chunk_bytes": pa.int64(),
-    "offload_disk_bytes": pa.int64(),
-    "offload_disk_chunks": pa.int64(),
-    "gpu_hit_tokens": pa.int64(),
-    "cpu_hit_tokens": pa.int64(),
-    "disk_hit_tokens": pa.int64(),
-    "hit_rate_gpu": pa.float64(),
-    "hit_rate_cpu": pa.float64(),
-    "hit_rate_disk": pa.float64(),
-    "hit_rate_total": pa.float64(),
-    "num_loads": pa.int64(),
-    "num_load_waits": pa.int64(),
-    "mean_load_wait_ms": pa.float64(),
-    "median_load_wait_ms": pa.float64(),
-    "p90_load_wait_ms": pa.float64(),
-    "p99_load_wait_ms": pa.float64(),
-    "mean_load_transfer_ms": pa.float64(),
-    "median_load_transfer_ms": pa.float64(),
-    "p90_load_transfer_ms": pa.float64(),
-    "p99_load_transfer_ms": pa.float64(),
-    "mean_load_defer_ms": pa.float64(),
-    "median_load_defer_ms": pa.float64(),
-    "p90_load_defer_ms": pa.float64(),
-    "p99_load_defer_ms": pa.float64(),
-    "kv_offload_load_bytes": pa.int64(),
-    "kv_offload_store_bytes": pa.int64(),
-    "offload_cpu_loaded_keys": pa.int64(),
-    "offload_cpu_stored_keys": pa.int64(),
-    "offload_cpu_evicted_keys": pa.int64(),
-    "offload_disk_loaded_keys": pa.int64(),
-    "offload_disk_stored_keys": pa.int64(),
-    "offload_disk_evicted_keys": pa.int64(),
-}
-
-
 def offload_summary(requests: pa.Table, steps: pa.Table, offload: dict | None = None) -> dict:
-    """The offload figures of a run (``OFFLOAD_SUMMARY_COLUMNS``): hits per tier at first
+    """The offload figures of a run (``output_columns.OFFLOAD``): hits per tier at first
     admission over the prompt tokens of the requests admitted, the waits for KV (with the
     part before the load was issued, ``load_defer``, and the transfer), the tiers' traffic
     (sums of the step columns; a disk column is 0 without a disk tier)."""
-    row: dict[str, object] = {name: None for name in OFFLOAD_SUMMARY_COLUMNS}
+    row: dict[str, object] = {name: None for name in OFFLOAD.summary}
     row.update(offload or {})
     status = requests.column("status").to_numpy(zero_copy_only=False)
     admitted = ~np.isnan(requests.column("first_scheduled_time_s").to_numpy()) & (status != "rejected")

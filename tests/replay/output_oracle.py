@@ -27,10 +27,9 @@ from kvtwin.sim.replay.clock.arrivals import Arrival
 from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.cost_model import StepCost
-from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.router import make_router
-from kvtwin.sim.replay.summaries import summarize, summarize_replicas
+from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.traces.schema import TRACE_SCHEMA
 from tests.sim.builders import full, kv_config
@@ -199,14 +198,8 @@ def replay(trace: list[TraceRequest], *, num_blocks: int = 40, async_scheduling:
     router = make_router("round_robin", engines) if num_replicas > 1 else None
     end_s = run_simulation([Replica(e, x) for e, x in zip(engines, executors)], arrivals, metrics, router=router,
                            time_limit_s=time_limit_s)
-    requests_table = metrics.requests_table()
-    steps_table = metrics.steps_table()
-    table = trace_table(trace)
-    summary = summarize(requests_table, steps_table, metrics.all_itl_s(), slo, end_s, trace=table,
-                        num_replicas=num_replicas, router="round_robin", client_overhead_s=client_overhead_s)
-    replicas = summarize_replicas(requests_table, steps_table, metrics.itl_by_replica, slo, end_s, trace=table,
-                                  cluster_summary=summary, client_overhead_s=client_overhead_s)
-    requests_table, summary = with_client_side(requests_table, summary, client_overhead_s)
+    tables = run_tables(metrics, end_s, RunSettings(slo, trace_table(trace), "round_robin", "0", client_overhead_s))
+    requests_table, steps_table, summary, replicas = tables.requests, tables.steps, tables.summary, tables.replicas
     rejected = {rid for e in engines for rid in (r.request.request_id for r in e.rejected)}
     return Replay(trace, requests_table, steps_table, summary, replicas, end_s, batches, admitted_lengths,
                   {rid: r.num_output_tokens for rid, r in requests.items()}, rejected, replica_of, num_blocks,

@@ -20,7 +20,6 @@ import math
 import numpy as np
 import pytest
 
-from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.scenario.slo import SLO
 from tests.replay.output_oracle import OracleRun, TraceRequest, assert_same, replay
 from tests.replay.test_output_oracle import REQUEST_ORACLE, STEP_ORACLE, SUMMARY_ORACLE
@@ -75,15 +74,6 @@ def test_no_overhead_gives_client_columns_equal_to_the_servers():
     for name in ("ttft", "e2el"):
         for stat in ("mean", "median", "p90", "p99"):
             assert row[f"{stat}_{name}_client_ms"] == pytest.approx(row[f"{stat}_{name}_ms"], rel=1e-12)
-
-
-def test_applying_the_overhead_again_replaces_the_columns():
-    result = replay(_trace()[:3], client_overhead_s=OVERHEAD_S)
-    requests, summary = with_client_side(result.requests, result.summary, 2 * OVERHEAD_S)
-    assert requests.column_names.count("ttft_client_s") == 1 and requests.num_columns == result.requests.num_columns
-    for r in requests.to_pylist():
-        assert r["ttft_client_s"] == pytest.approx(r["ttft_s"] + 2 * OVERHEAD_S, rel=1e-12)
-    assert summary.to_pylist()[0]["client_overhead_ms"] == pytest.approx(2 * OVERHEAD_S * 1000, rel=1e-12)
 
 
 def test_the_slo_is_judged_on_the_clients_ttft():

@@ -22,9 +22,8 @@ from kvtwin.sim.scenario.parse import engine_and_deployment
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.client_side import with_client_side
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.summaries import summarize
+from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.replay.router import ROUTERS, SingleReplicaRouter, LeastLoadedRouter, PrefixAwareRouter, make_router
 from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_replay
@@ -71,11 +70,9 @@ def _single_engine_replay(p, trace):
     metrics = MetricsRecorder(len(kv.groups))
     end_s = run_simulation([Replica(engine, CostModelExecutor(plan_cost_model(p)))], arrivals_from_trace(trace),
                            metrics)
-    requests, steps = metrics.requests_table(), metrics.steps_table()
-    summary = summarize(requests, steps, metrics.itl_s, SLO_, end_s, trace=trace)
     # Every run has the client-side columns, the server's when nothing lies outside the engine.
-    requests, summary = with_client_side(requests, summary, 0.0)
-    return requests, steps, summary
+    tables = run_tables(metrics, end_s, RunSettings(SLO_, trace, "round_robin", "0"))
+    return tables.requests, tables.steps, tables.summary
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -21,7 +21,7 @@ from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
 from kvtwin.sim.replay.capacity_table import capacity_table
 from kvtwin.sim.scenario.sweep_keys import apply_values, parse_sweeps, sweep_key, sweep_points
-from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS
+from kvtwin.sim.replay.output_columns import OFFLOAD
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.parse import parse_scenario
@@ -192,7 +192,7 @@ def test_offload_columns_add_up(runs, llama):
     assert s["kv_offload_load_bytes"] == loaded_keys * bytes_per_key == s["offload_cpu_loaded_keys"] * bytes_per_key
     assert s["kv_offload_store_bytes"] == s["offload_cpu_stored_keys"] * bytes_per_key
     assert steps.column("offload_cpu_used_chunks").to_numpy().max() <= 3072
-    assert set(OFFLOAD_SUMMARY_COLUMNS) <= set(on.summary.column_names)
+    assert set(OFFLOAD.summary) <= set(on.summary.column_names)
     assert "offload_disk_loaded_keys" not in steps.column_names  # no disk tier, no disk columns
 
 

@@ -24,11 +24,11 @@ import pytest
 from kvtwin.commands.capacity import print_points
 from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
-from kvtwin.sim.replay.capacity_table import (CAPACITY_METADATA_KEY, PD_SUMMARY_COLUMNS, capacity_table,
+from kvtwin.sim.replay.capacity_table import (CAPACITY_METADATA_KEY, capacity_table,
                                               summary_schema)
 from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS
 from kvtwin.sim.replay.reuse_curve import hit_curve
-from kvtwin.sim.replay.summaries import OFFLOAD_SUMMARY_COLUMNS
+from kvtwin.sim.replay.output_columns import DISAGGREGATION, OFFLOAD
 from kvtwin.sim.scenario.sweep_keys import parse_sweeps, sweep_points
 from kvtwin.traces.schema import TRACE_SCHEMA
 
@@ -99,7 +99,7 @@ def _rows() -> list[dict]:
     searched.update(max_rate_scale=2.0, max_request_rate=5.0, max_request_rate_per_replica=2.5,
                     replicas_needed_trace_rate=1, cost_per_hour=8.0, rate_search_refusal=None)
     clock = {"calibration": "uncalibrated", "calibration_note": "no bundled file"}
-    offload = {name: None for name in OFFLOAD_SUMMARY_COLUMNS} | {"hit_rate_total": 0.5, "offload_policy": "lru"}
+    offload = {name: None for name in OFFLOAD.summary} | {"hit_rate_total": 0.5, "offload_policy": "lru"}
     pd = {"pd_prefill_replicas": 2, "pd_decode_replicas": 2, "pd_link": "nvlink", "pd_transfer_mean_ms": 1.5,
           "pd_transfer_bytes_mean": 1e6, "pd_transfer_share_of_ttft": 0.1, "pd_transfer_share_of_ttft_total": 0.125}
     search = {"start_rate_scale": 1.0, "converged": True, "tried": [[1.0, True], [2.0, True], [4.0, False]]}
@@ -150,7 +150,7 @@ def _tables() -> dict[str, pa.Table]:
 def test_every_capacity_column_is_documented_in_its_section():
     section = _section("capacity.parquet")
     own = _documented(section)
-    summary_names, offload_names = set(summary_schema().names), set(OFFLOAD_SUMMARY_COLUMNS)
+    summary_names, offload_names = set(summary_schema().names), set(OFFLOAD.summary)
     written: dict[str, pa.DataType] = {}
     for label, table in _tables().items():
         for field in table.schema:
@@ -173,11 +173,11 @@ def test_every_capacity_column_is_documented_in_its_section():
     first_table = [n for n in names if n not in _summary_client_rows()]
     assert any(f"`{first_table[0]}` ... `{first_table[-1]}`" in g for g in groups), \
         "summary group's first and last column"
-    first, last = list(OFFLOAD_SUMMARY_COLUMNS)[0], list(OFFLOAD_SUMMARY_COLUMNS)[-1]
+    first, last = list(OFFLOAD.summary)[0], list(OFFLOAD.summary)[-1]
     assert any(f"`{first}` ... `{last}`" in g for g in groups), "offload group's first and last column"
     client = [n for n in names if n in _summary_client_rows()]
     assert any(f"`{client[0]}` ... `{client[-1]}`" in g for g in groups), "client group's first and last column"
-    assert {*CLOCK_COLUMNS, *MAX_RATE_COLUMNS, *LOAD_CURVE_COLUMNS, *PD_SUMMARY_COLUMNS, "num_gpus"} <= set(own)
+    assert {*CLOCK_COLUMNS, *MAX_RATE_COLUMNS, *LOAD_CURVE_COLUMNS, *DISAGGREGATION.summary, "num_gpus"} <= set(own)
 
 
 def test_capacity_columns_come_in_the_documented_order():
@@ -191,7 +191,7 @@ def test_capacity_columns_come_in_the_documented_order():
         if "." in name:
             return "key"
         for kind, names in (("summary", summary_schema().names), ("clock", CLOCK_COLUMNS),
-                            ("offload", OFFLOAD_SUMMARY_COLUMNS), ("pd", PD_SUMMARY_COLUMNS),
+                            ("offload", OFFLOAD.summary), ("pd", DISAGGREGATION.summary),
                             ("search", MAX_RATE_COLUMNS), ("curve", LOAD_CURVE_COLUMNS)):
             if name in names:
                 return kind
