@@ -1,8 +1,10 @@
-"""`kvtwin lockstep CASE_DIR --out DIR`: run a golden case step by step and check it.
+"""`kvtwin lockstep CASE --out DIR`: run a golden case step by step and check it.
 
-Writes ``actual_requests.jsonl`` and ``actual_steps.jsonl`` in the golden format; when the
-case has ``expected_*.jsonl`` files (cases produced by vLLM itself), compares field by
-field, prints the first differences and exits 1 on any mismatch.
+CASE is a case directory or a P/D case file (``tests/golden/pd/*.json``). Writes
+``actual_requests.jsonl`` and ``actual_steps.jsonl`` (a P/D case: ``actual_ticks.jsonl``)
+in the golden format; when the case has vLLM's expected results (``expected_*.jsonl``, a
+P/D case's ``expected_ticks``), compares field by field, prints the first differences and
+exits 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ _NON_NEGATIVE = (lambda v: isinstance(v, int) and v >= 0, "a non-negative number
 
 
 def lockstep(
-    case_dir: Path = typer.Argument(..., help="Golden case directory: config.json + requests.jsonl."),
-    out: Path = typer.Option(..., "--out", "-o", help="Directory for actual_requests.jsonl / actual_steps.jsonl."),
-    check: bool = typer.Option(True, "--check/--no-check", help="Compare with expected_*.jsonl when present."),
+    case_dir: Path = typer.Argument(..., help="Golden case directory (config.json + requests.jsonl) or P/D case "
+                                    "file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for actual_requests.jsonl / actual_steps.jsonl "
+                             "(P/D: actual_ticks.jsonl)."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Compare with vLLM's expected results when present."),
     hash_algo: str = typer.Option(None, "--hash-algo",
                                   help=f"Block hash function ({', '.join(HASH_FUNCTIONS)}); default: the case's."),
     max_diffs: int = number_option("--max-diffs", kind="int", default=10, rule=_NON_NEGATIVE,
@@ -33,7 +37,7 @@ def lockstep(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvtwin.sim.lockstep.golden import compare_results, load_case, read_jsonl, write_jsonl
+    from kvtwin.sim.lockstep.golden import compare_results, expected_results, load_case, write_jsonl
     from kvtwin.sim.lockstep.runner import run_case
 
     console = Console(stderr=True)
@@ -46,22 +50,17 @@ def lockstep(
             result = run_case(case, on_step=lambda s: progress.update(task, completed=s + 1))
         elapsed_s = time.perf_counter() - started
         out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(out / "actual_requests.jsonl", result.requests)
-        write_jsonl(out / "actual_steps.jsonl", result.steps)
+        for name, rows in result.files().items():
+            write_jsonl(out / name, rows)
+        expected = expected_results(case_dir, case) if check else None
 
-    hits = sum(a["hit_tokens"] for r in result.requests for a in r["admissions"])
-    preemptions = sum(r["num_preemptions"] for r in result.requests)
-    print(f"{case.name}: {len(result.requests)} requests, {len(result.steps)} steps, {hits} hit tokens, "
-          f"{preemptions} preemptions ({elapsed_s:.2f} s) -> {out}")
-
-    expected_requests = case_dir / "expected_requests.jsonl"
-    expected_steps = case_dir / "expected_steps.jsonl"
-    if not check or not (expected_requests.exists() and expected_steps.exists()):
+    print(f"{case.name}: {result.summary()} ({elapsed_s:.2f} s) -> {out}")
+    if expected is None:
         return
-    diffs = compare_results(read_jsonl(expected_requests), read_jsonl(expected_steps), result.requests,
-                            result.steps, limit=0)
+    diffs = compare_results(*expected, result.requests, result.steps, limit=0)
     if not diffs:
-        print(f"MATCH: every request and step equals {case_dir.name}'s expected results")
+        what = "tick" if result.unit == "tick" else "request and step"
+        print(f"MATCH: every {what} equals {case_dir.name}'s expected results")
         return
     print(f"MISMATCH: {len(diffs)} differences; first {min(max_diffs, len(diffs))}:")
     for line in diffs[:max_diffs]:

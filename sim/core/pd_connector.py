@@ -35,6 +35,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
+from kvtwin.sim.core.hashing import HashIdPrompt, PromptSource, TokenPrompt
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.request import Request
@@ -80,6 +81,18 @@ def remote_prefill_tokens(num_prompt_tokens: int, backoff_tokens: int) -> int:
     if backoff_tokens > 0 and num_prompt_tokens > backoff_tokens:
         return num_prompt_tokens - backoff_tokens
     return num_prompt_tokens
+
+
+def truncated_prompt(prompt: PromptSource, backoff_tokens: int) -> PromptSource:
+    """``prompt`` less its last ``backoff_tokens`` tokens (none if that would empty it): what the
+    prefill side runs (vLLM drops the backoff in ``on_new_request``)."""
+    if backoff_tokens <= 0 or prompt.num_tokens <= backoff_tokens:
+        return prompt
+    if isinstance(prompt, TokenPrompt):
+        return TokenPrompt(prompt.token_ids[:-backoff_tokens])
+    assert isinstance(prompt, HashIdPrompt)
+    return HashIdPrompt(prompt.hash_ids, prompt.hash_block_tokens, prompt.num_tokens - backoff_tokens,
+                        prompt.unique_id)
 
 
 def read_blocks_by_group(kv_cache_config: KVCacheConfig, blocks: KVCacheBlocks,

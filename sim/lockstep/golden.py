@@ -2,7 +2,10 @@
 
 A case directory holds ``config.json`` (engine and KV cache settings), ``requests.jsonl``
 (the workload, with each request's scripted output tokens) and, when produced by vLLM
-itself, ``expected_requests.jsonl`` / ``expected_steps.jsonl``. Bad input raises a
+itself, ``expected_requests.jsonl`` / ``expected_steps.jsonl``. A disaggregated
+prefill/decode case (``tests/golden/pd``, scripts/oracle/gen_pd_golden.py) is one JSON file
+instead: ``config`` (one config for both engines, each with its own pool), ``requests`` and
+vLLM's ``expected_ticks``; a file, not a directory, is read as one. Bad input raises a
 ``ConfigError`` naming the file, line and field.
 """
 
@@ -64,6 +67,34 @@ class GoldenCase:
     requests: tuple[CaseRequest, ...]
     description: str = ""
     offload: CaseOffload | None = None
+
+
+@dataclass(frozen=True)
+class PDCase:
+    """A P/D case: one prefill and one decode engine, the same settings but their pools,
+    the decode side pulling each prompt's blocks in reads that land ``read_steps`` batches
+    after they are issued; ``requests`` in arrival order (file order among equals)."""
+
+    name: str
+    prefill_kv_cache_config: KVCacheConfig
+    decode_kv_cache_config: KVCacheConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    read_steps: int
+    requests: tuple[CaseRequest, ...]
+    # vLLM's record of each tick (None: the case has none to compare with).
+    expected_ticks: tuple[dict, ...] | None
+    description: str = ""
+    # The file it was read from, named by the errors a run raises.
+    source: str = ""
+
+
+# A P/D case file's tables, and its ``config``'s fields (those without a default required).
+_PD_FIELDS = {"name", "config", "requests", "expected_ticks"}
+_PD_CONFIG_FIELDS = {"block_size", "kv_cache_groups", "prefill_num_blocks", "decode_num_blocks", "max_model_len",
+                     "max_num_seqs", "max_num_batched_tokens", "read_steps", "async_scheduling", "description",
+                     "vllm_version"}
+_PD_REQUEST_FIELDS = ("request_id", "arrival_tick", "prompt_token_ids", "output_token_ids")
 
 
 def _read_json(path: Path) -> dict:
@@ -259,40 +290,115 @@ def load_requests(path: Path) -> tuple[CaseRequest, ...]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ConfigError("(line)", f"one JSON object per line ({err.msg})", source=source) from None
-        if not isinstance(row, dict):
-            raise ConfigError("(line)", "a JSON object", type(row).__name__, source=source)
-        for key in ("request_id", "arrival_step", "prompt_token_ids", "output_token_ids"):
-            if key not in row:
-                raise ConfigError(key, "present (required field)", source=source)
-        request_id = row["request_id"]
-        if not isinstance(request_id, str) or request_id in seen:
-            raise ConfigError("request_id", "a string unique within the file", request_id, source=source)
-        seen.add(request_id)
-        arrival = row["arrival_step"]
-        if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < last_arrival:
-            raise ConfigError("arrival_step", f"an integer >= the previous line's ({last_arrival})", arrival,
-                              source=source)
-        last_arrival = arrival
-        prompt = _token_list(row["prompt_token_ids"], "prompt_token_ids", source)
-        outputs = _token_list(row["output_token_ids"], "output_token_ids", source)
-        if not prompt:
-            raise ConfigError("prompt_token_ids", "at least one token", 0, source=source)
-        if not outputs:
-            raise ConfigError("output_token_ids", "at least one token (max_tokens = its length)", 0, source=source)
-        priority = row.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ConfigError("priority", "an integer", priority, source=source)
-        accepted = _token_list(row.get("num_accepted_tokens", []), "num_accepted_tokens", source)
-        if any(a < 0 for a in accepted):
-            raise ConfigError("num_accepted_tokens", "non-negative integers", list(accepted), source=source)
-        requests.append(CaseRequest(request_id, arrival, prompt, outputs, priority, accepted))
+        request = _case_request(row, seen, source, arrival_key="arrival_step", min_arrival=last_arrival,
+                                arrival_rule=f"an integer >= the previous line's ({last_arrival})")
+        last_arrival = request.arrival_step
+        requests.append(request)
     return tuple(requests)
 
 
-def load_case(case_dir: str | Path, *, hash_algo: str | None = None) -> GoldenCase:
+def _case_request(row: object, seen: set[str], source: str, *, arrival_key: str, min_arrival: int,
+                  arrival_rule: str, field_prefix: str = "") -> CaseRequest:
+    """One request of a case (``seen``: the ids before it, which it joins); its arrival
+    (``arrival_key``) at least ``min_arrival`` (``arrival_rule`` says so in the error).
+    Fields are named after ``field_prefix``."""
+    if not isinstance(row, dict):
+        raise ConfigError(field_prefix.rstrip(".") or "(line)", "a JSON object", type(row).__name__, source=source)
+    for key in ("request_id", arrival_key, "prompt_token_ids", "output_token_ids"):
+        if key not in row:
+            raise ConfigError(field_prefix + key, "present (required field)", source=source)
+    request_id = row["request_id"]
+    if not isinstance(request_id, str) or request_id in seen:
+        raise ConfigError(field_prefix + "request_id", "a string unique within the file", request_id, source=source)
+    seen.add(request_id)
+    arrival = row[arrival_key]
+    if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < min_arrival:
+        raise ConfigError(field_prefix + arrival_key, arrival_rule, arrival, source=source)
+    prompt = _token_list(row["prompt_token_ids"], field_prefix + "prompt_token_ids", source)
+    outputs = _token_list(row["output_token_ids"], field_prefix + "output_token_ids", source)
+    if not prompt:
+        raise ConfigError(field_prefix + "prompt_token_ids", "at least one token", 0, source=source)
+    if not outputs:
+        raise ConfigError(field_prefix + "output_token_ids", "at least one token (max_tokens = its length)", 0,
+                          source=source)
+    priority = row.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ConfigError(field_prefix + "priority", "an integer", priority, source=source)
+    accepted = _token_list(row.get("num_accepted_tokens", []), field_prefix + "num_accepted_tokens", source)
+    if any(a < 0 for a in accepted):
+        raise ConfigError(field_prefix + "num_accepted_tokens", "non-negative integers", list(accepted),
+                          source=source)
+    return CaseRequest(request_id, arrival, prompt, outputs, priority, accepted)
+
+
+def load_pd_case(path: Path, *, hash_algo: str | None = None) -> PDCase:
+    """A P/D case file (module docstring); the engines' specs are read as an ordinary
+    case's ``kv_cache_groups``."""
+    source = str(path)
+    data = _read_json(path)
+    unknown = sorted(set(data) - _PD_FIELDS)
+    if unknown:
+        raise ConfigError(unknown[0], f"one of the P/D case's tables ({', '.join(sorted(_PD_FIELDS))})",
+                          source=source)
+    config = _typed(data, "config", dict, source=source)
+    unknown = sorted(set(config) - _PD_CONFIG_FIELDS)
+    if unknown:
+        raise ConfigError(f"config.{unknown[0]}", f"one of the known fields ({', '.join(sorted(_PD_CONFIG_FIELDS))})",
+                          source=source)
+    try:
+        block_size = _typed(config, "block_size", int, source=source)
+        groups = tuple(KVCacheGroupSpec((f"group{i}",), spec_from_dict(g, block_size=block_size,
+                                                                       where=f"kv_cache_groups[{i}]"))
+                       for i, g in enumerate(_typed(config, "kv_cache_groups", list, source=source)))
+        pools = [KVCacheConfig(num_blocks=_typed(config, key, int, source=source), groups=groups,
+                               hash_block_size=block_size) for key in ("prefill_num_blocks", "decode_num_blocks")]
+        scheduler_config = SchedulerConfig(
+            max_model_len=_typed(config, "max_model_len", int, source=source),
+            max_num_seqs=_typed(config, "max_num_seqs", int, source=source),
+            max_num_batched_tokens=_typed(config, "max_num_batched_tokens", int, source=source),
+            async_scheduling=_typed(config, "async_scheduling", bool, False, source=source))
+        read_steps = _typed(config, "read_steps", int, source=source)
+        if read_steps < 1:
+            raise ConfigError("read_steps", "a positive integer (a read lands one batch after it is issued at the "
+                              "earliest)", read_steps)
+        description = _typed(config, "description", str, "", source=source)
+    except ConfigError as err:
+        raise ConfigError(f"config.{err.field}", err.expected, err.got, source=source) from None
+    cache_config = CacheConfig(enable_prefix_caching=True,
+                               **({"prefix_caching_hash_algo": hash_algo} if hash_algo else {}))
+    requests = _pd_requests(_typed(data, "requests", list, source=source), source)
+    if not requests:
+        raise ConfigError("requests", "at least one request", 0, source=source)
+    expected = data.get("expected_ticks")
+    if expected is not None and not (isinstance(expected, list) and all(isinstance(t, dict) for t in expected)):
+        raise ConfigError("expected_ticks", "a list of tick records", type(expected).__name__, source=source)
+    return PDCase(path.stem, pools[0], pools[1], scheduler_config, cache_config, read_steps, requests,
+                  None if expected is None else tuple(expected), description, source)
+
+
+def _pd_requests(rows: list, source: str) -> tuple[CaseRequest, ...]:
+    seen: set[str] = set()
+    requests = []
+    for index, row in enumerate(rows):
+        where = f"requests[{index}]."
+        if isinstance(row, dict):
+            unknown = sorted(set(row) - set(_PD_REQUEST_FIELDS))
+            if unknown:
+                raise ConfigError(where + unknown[0], f"one of {', '.join(_PD_REQUEST_FIELDS)}", source=source)
+        requests.append(_case_request(row, seen, source, arrival_key="arrival_tick", min_arrival=0,
+                                      arrival_rule="a non-negative integer", field_prefix=where))
+    # The oracle admits them by arrival tick, in file order among equals.
+    return tuple(sorted(requests, key=lambda r: r.arrival_step))
+
+
+def load_case(case_dir: str | Path, *, hash_algo: str | None = None) -> GoldenCase | PDCase:
+    """The case at ``case_dir``: a case directory, or a P/D case file."""
     case_dir = Path(case_dir)
+    if case_dir.is_file():
+        return load_pd_case(case_dir, hash_algo=hash_algo)
     if not case_dir.is_dir():
-        raise ConfigError("CASE_DIR", "a directory holding config.json and requests.jsonl", str(case_dir))
+        raise ConfigError("CASE_DIR", "a directory holding config.json and requests.jsonl, or a P/D case file",
+                          str(case_dir))
     kv_cache_config, scheduler_config, cache_config, description = load_config(case_dir / "config.json",
                                                                                 hash_algo=hash_algo)
     requests = load_requests(case_dir / "requests.jsonl")
@@ -335,13 +441,25 @@ class _Absent:
 ABSENT = _Absent()
 
 
+def expected_results(case_path: str | Path, case: GoldenCase | PDCase) -> tuple[list[dict], list[dict]] | None:
+    """vLLM's results for ``case`` (read from ``case_path``): its requests and steps, or for
+    a P/D case no requests and its ticks; None if the case has none."""
+    if isinstance(case, PDCase):
+        return None if case.expected_ticks is None else ([], list(case.expected_ticks))
+    requests, steps = Path(case_path) / "expected_requests.jsonl", Path(case_path) / "expected_steps.jsonl"
+    if not (requests.exists() and steps.exists()):
+        return None
+    return read_jsonl(requests), read_jsonl(steps)
+
+
 def compare_results(expected_requests: list[dict], expected_steps: list[dict], actual_requests: list[dict],
                     actual_steps: list[dict], limit: int = 10) -> list[str]:
     """Field-by-field differences; empty if equal. Every field either side has is compared,
     so a field the runner forgets to write, or writes when vLLM has none, is a difference:
     admissions one by one (hit, external tokens, load step), and per step the offload record
     one field at a time (loads, stores, evictions, flushes, completions, resident chunks,
-    requests waiting for their KV, the batches of an asynchronous step)."""
+    requests waiting for their KV, the batches of an asynchronous step). A P/D case's ticks
+    (``tick`` in place of ``step``) compare each engine's record one field at a time."""
     diffs: list[str] = []
     exp_req = {r["request_id"]: r for r in expected_requests}
     act_req = {r["request_id"]: r for r in actual_requests}
@@ -353,7 +471,8 @@ def compare_results(expected_requests: list[dict], expected_steps: list[dict], a
         if act is not None:
             diffs.extend(_request_diffs(rid, exp, act))
     if len(expected_steps) != len(actual_steps):
-        diffs.append(f"steps: expected {len(expected_steps)}, got {len(actual_steps)}")
+        unit = _unit(expected_steps or actual_steps)
+        diffs.append(f"{unit}s: expected {len(expected_steps)}, got {len(actual_steps)}")
     for exp, act in zip(expected_steps, actual_steps):
         diffs.extend(_step_diffs(exp, act))
     diffs.sort(key=_diff_order)
@@ -372,14 +491,25 @@ def _request_diffs(rid: str, exp: dict, act: dict) -> list[str]:
     return diffs
 
 
+# A step's records compared one field at a time: the offload tier's, and each engine's of a P/D tick.
+_NESTED_RECORDS = frozenset({"offload", "prefill", "decode"})
+
+
+def _unit(steps: list[dict]) -> str:
+    """What a run's records count: ``tick`` (P/D cases) or ``step``."""
+    return "tick" if steps and "tick" in steps[0] and "step" not in steps[0] else "step"
+
+
 def _step_diffs(exp: dict, act: dict) -> list[str]:
-    where = f"step {exp['step']}: "
-    diffs = _field_diffs(where, exp, act, skip={"offload"})
-    exp_off, act_off = exp.get("offload", ABSENT), act.get("offload", ABSENT)
-    if isinstance(exp_off, dict) and isinstance(act_off, dict):
-        diffs.extend(_field_diffs(where + "offload.", exp_off, act_off))
-    elif exp_off != act_off:
-        diffs.append(f"{where}offload expected {exp_off!r}, got {act_off!r}")
+    unit = _unit([exp])
+    where = f"{unit} {exp[unit]}: "
+    diffs = _field_diffs(where, exp, act, skip=_NESTED_RECORDS)
+    for name in sorted(_NESTED_RECORDS & (exp.keys() | act.keys())):
+        exp_rec, act_rec = exp.get(name, ABSENT), act.get(name, ABSENT)
+        if isinstance(exp_rec, dict) and isinstance(act_rec, dict):
+            diffs.extend(_field_diffs(f"{where}{name}.", exp_rec, act_rec))
+        elif exp_rec != act_rec:
+            diffs.append(f"{where}{name} expected {exp_rec!r}, got {act_rec!r}")
     return diffs
 
 
@@ -397,6 +527,8 @@ def _field_diffs(where: str, exp: dict, act: dict, skip: frozenset[str] | set[st
 
 def _diff_order(message: str) -> tuple[int, int, str]:
     # Earliest step first: the first differing step is the most useful clue.
-    if message.startswith("step ") and message[5:].split(":")[0].isdigit():
-        return (0, int(message[5:].split(":")[0]), message)
+    unit, _, rest = message.partition(" ")
+    number = rest.split(":")[0]
+    if unit in ("step", "tick") and number.isdigit():
+        return (0, int(number), message)
     return (1, 0, message)

@@ -11,6 +11,12 @@ A case with ``async_scheduling`` is stepped by ``EngineCore.step_async``
 (docs/semantics.md#asynchronous-scheduling): a step may only schedule, or schedule and apply the oldest
 batch; admissions are recorded at the step that scheduled them, finishes at the step whose
 update produced the last token, and the run also waits for the batches in flight.
+
+A P/D case (``PDCase``, docs/semantics.md#disaggregated-prefill-and-decode) runs a
+prefill and a decode engine in the same ticks with the same scripted model and the step
+clock's worker (``StepPDTransfers``), as scripts/oracle/gen_pd_golden.py runs vLLM's: each
+tick steps the prefill engine, hands what it finished to the decode engine, steps that, and
+tells the prefill side when each read it issued lands. It records each engine's tick.
 """
 
 from __future__ import annotations
@@ -20,16 +26,19 @@ from dataclasses import dataclass, field
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import BlockPool
-from kvtwin.sim.core.engine import EngineCore, Execution, StepResult
+from kvtwin.sim.core.engine import EngineCore, Execution, PDTier, StepResult
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.offload.build import build_offload_tier
 from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.lockstep.golden import GoldenCase
+from kvtwin.sim.core.pd_connector import (PDConnector, RemoteRead, StepPDTransfers, remote_prefill_tokens,
+                                          truncated_prompt)
+from kvtwin.sim.lockstep.golden import GoldenCase, PDCase
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
+from kvtwin.sim.core.spec import KVCacheConfig
 
 
 class ScriptedModel:
@@ -120,6 +129,25 @@ class RequestRecord:
 class LockstepResult:
     requests: list[dict]
     steps: list[dict]
+    # What a record counts: "step", or "tick" for a P/D case (no per-request records).
+    unit: str = "step"
+
+    def files(self) -> dict[str, list[dict]]:
+        """The files a run writes, in the golden format: ``actual_requests.jsonl`` and
+        ``actual_steps.jsonl``, or a P/D case's ``actual_ticks.jsonl``."""
+        if self.unit == "tick":
+            return {"actual_ticks.jsonl": self.steps}
+        return {"actual_requests.jsonl": self.requests, "actual_steps.jsonl": self.steps}
+
+    def summary(self) -> str:
+        """One line on what the run did."""
+        if self.unit == "tick":
+            reads = [read for tick in self.steps if tick["decode"] for read in tick["decode"]["reads"]]
+            return f"{len(self.steps)} ticks, {len(reads)} reads of {sum(sum(b) for _, b in reads)} blocks"
+        hits = sum(a["hit_tokens"] for r in self.requests for a in r["admissions"])
+        preemptions = sum(r["num_preemptions"] for r in self.requests)
+        return (f"{len(self.requests)} requests, {len(self.steps)} steps, {hits} hit tokens, "
+                f"{preemptions} preemptions")
 
 
 def offload_record(engine: EngineCore, result: StepResult, evicted_before: int) -> dict:
@@ -158,8 +186,11 @@ def scripted_model(case: GoldenCase) -> ScriptedModel | SpecScriptedModel:
     return ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
 
 
-def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
+def run_case(case: GoldenCase | PDCase, *, on_step: Callable[[int], None] | None = None,
              max_idle_steps: int = 10_000) -> LockstepResult:
+    """Run ``case`` (module docstring); ``on_step`` is told each step (tick) run."""
+    if isinstance(case, PDCase):
+        return run_pd_case(case, on_step=on_step)
     engine = build_engine(case)
     pool = engine.kv_cache_manager.block_pool
     offloading = engine.offload is not None
@@ -237,3 +268,138 @@ def run_case(case: GoldenCase, *, on_step: Callable[[int], None] | None = None,
             raise engine.no_progress_error("requests.jsonl").with_source(case.name)
         step += 1
     return LockstepResult([records[r.request_id].to_json() for r in case.requests], steps)
+
+
+# -- P/D cases -------------------------------------------------------------------------------
+
+class PDEngine:
+    """One engine of a P/D case with the connector and worker it was built with (the
+    runner holds them rather than reading them back from the engine); asynchronous, its
+    batches are numbered as the oracle numbers them: scheduled in order, updated in order."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, case: PDCase):
+        self.connector = PDConnector(kv_cache_config)
+        self.transfers = StepPDTransfers(case.read_steps)
+        self.engine = EngineCore(kv_cache_config, case.scheduler_config, case.cache_config,
+                                 pd=PDTier(self.connector, self.transfers))
+        self.is_async = case.scheduler_config.async_scheduling
+        self.num_updated = 0
+
+    def step(self, model: ScriptedModel) -> dict:
+        """Step once (``EngineCore.step``, or ``step_async`` as vLLM's ``step_with_batch_queue``)
+        and record the tick."""
+        if not self.is_async:
+            return self.record(self.engine.step(model), self.transfers.last_reads)
+        before = self.transfers.next_batch
+        result = self.engine.step_async(model)
+        scheduled = before if self.transfers.next_batch > before else None
+        # An asynchronous step that scheduled nothing issued no read.
+        line = self.record(result, self.transfers.last_reads if scheduled is not None else [])
+        updated = None
+        if result.updated is not None:
+            updated, self.num_updated = self.num_updated, self.num_updated + 1
+        line.update(scheduled_batch=scheduled, updated_batch=updated)
+        return line
+
+    def record(self, result: StepResult, issued: list[RemoteRead]) -> dict:
+        """The engine's part of a tick, as the oracle writes it."""
+        out = result.output
+        scheduler = self.engine.scheduler
+        manager = self.engine.kv_cache_manager
+        # Finished prefill requests whose blocks wait for their read keep their tables.
+        live = set(scheduler.requests) | set(scheduler.connector_state.delayed_free)
+        return {
+            "scheduled": dict(out.num_scheduled_tokens),
+            "computed": dict(zip(out.num_scheduled_tokens, out.num_computed_tokens)),
+            "reads": [[r.req_id, list(r.num_blocks)] for r in sorted(issued, key=lambda r: r.req_id)],
+            "finished": sorted(r.request_id for r in result.finished),
+            "freed": sorted(result.transfers.finished_sending) if result.transfers is not None else [],
+            "waiting_remote": sorted(rid for rid, r in scheduler.requests.items()
+                                     if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS),
+            "free_blocks": manager.block_pool.get_num_free_blocks(),
+            "tables": {rid: [list(g) for g in manager.get_block_ids(rid)] for rid in sorted(live)},
+        }
+
+    def holds_requests(self) -> bool:
+        """Requests queued or running, or finished ones whose blocks wait for a read."""
+        scheduler = self.engine.scheduler
+        return bool(scheduler.requests or scheduler.connector_state.delayed_free)
+
+    def busy(self) -> bool:
+        return self.engine.has_requests() or bool(self.engine.batch_queue)
+
+    def admit(self, request: Request, side: str, source: str) -> None:
+        """Queue ``request``; one the engine rejects (it could never run) refuses the case."""
+        if not self.engine.add_request(request):
+            rejection = self.engine.rejected[-1]
+            raise ConfigError(f"requests.{request.request_id}", f"a request the {side} engine can run",
+                              f"{rejection.code}: {rejection.detail}", source=source)
+
+
+def _require_pools(case: PDCase, prefill: PDEngine, decode: PDEngine) -> None:
+    """Refuse, before the first tick, a case whose prefill or decode pool cannot hold its
+    longest request: vLLM refuses to start an engine whose pool cannot hold one request
+    (of ``max_model_len``; the cases size their pools for their own requests, below
+    that), and its scheduler would keep such a request waiting forever
+    (docs/semantics.md#room-for-one-request)."""
+    backoff = prefill.connector.prefill_backoff_tokens
+    try:
+        prefill.engine.require_pool_holds(
+            max(remote_prefill_tokens(len(r.prompt_token_ids), backoff) + 1 for r in case.requests),
+            "config.prefill_num_blocks")
+        decode.engine.require_pool_holds(max(len(r.prompt_token_ids) + len(r.output_token_ids)
+                                             for r in case.requests), "config.decode_num_blocks")
+    except ConfigError as err:
+        raise err.with_source(case.source) from None
+
+
+def run_pd_case(case: PDCase, *, on_step: Callable[[int], None] | None = None,
+                max_ticks: int = 5000) -> LockstepResult:
+    """Run a P/D case (module docstring). Synchronous: until the decode engine has finished
+    every request, then the prefill engine alone until it holds nothing; asynchronous
+    (two batches in flight on each engine, the oracle's ``run_case_async``): until every
+    request has finished and both engines are idle. A read issued by decode batch ``k``
+    lands with its batch ``k + read_steps``; the prefill side hears of it with its batch
+    ``read_steps - 1`` after its next (in a synchronous run, batch = tick)."""
+    prefill, decode = PDEngine(case.prefill_kv_cache_config, case), PDEngine(case.decode_kv_cache_config, case)
+    _require_pools(case, prefill, decode)
+    model = ScriptedModel({r.request_id: r.output_token_ids for r in case.requests})
+    prompts = {r.request_id: r.prompt_token_ids for r in case.requests}
+    is_async = case.scheduler_config.async_scheduling
+    pending = list(case.requests)
+    next_arrival = 0
+    ticks: list[dict] = []
+    tick = done = 0
+
+    def tick_over() -> None:
+        nonlocal tick
+        if on_step is not None:
+            on_step(tick)
+        tick += 1
+        if tick >= max_ticks:
+            raise ConfigError("requests", f"a case that ends within {max_ticks} ticks", source=case.source)
+
+    while done < len(pending) or (is_async and (prefill.busy() or decode.busy())):
+        while next_arrival < len(pending) and pending[next_arrival].arrival_step <= tick:
+            spec = pending[next_arrival]
+            prefill.connector.mark_remote_decode(spec.request_id)
+            # The prefill side drops the connector's backoff (vLLM: on_new_request).
+            prompt = truncated_prompt(TokenPrompt(spec.prompt_token_ids), prefill.connector.prefill_backoff_tokens)
+            prefill.admit(Request(spec.request_id, prompt, 1), "prefill", case.source)
+            next_arrival += 1
+        prefill_line = prefill.step(model)
+        for rid in prefill_line["finished"]:
+            # What the prefill side computed: the prompt less the backoff, a prompt no longer than it whole.
+            decode.connector.expect_remote_prefill(
+                rid, remote_prefill_tokens(len(prompts[rid]), decode.connector.prefill_backoff_tokens))
+            decode.admit(Request(rid, TokenPrompt(prompts[rid]), len(model.outputs[rid])), "decode", case.source)
+        decode_line = decode.step(model)
+        for rid, _ in decode_line["reads"]:
+            prefill.transfers.send_done(rid, prefill.transfers.next_batch + case.read_steps - 1)
+        done += len(decode_line["finished"])
+        ticks.append({"tick": tick, "prefill": prefill_line, "decode": decode_line})
+        tick_over()
+    while not is_async and prefill.holds_requests():
+        ticks.append({"tick": tick, "prefill": prefill.step(model), "decode": None})
+        tick_over()
+    return LockstepResult([], ticks, unit="tick")

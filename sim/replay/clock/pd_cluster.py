@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 import simpy
 
 from kvtwin.sim.core.engine import StepResult
-from kvtwin.sim.core.hashing import HashIdPrompt, PromptSource, TokenPrompt
-from kvtwin.sim.core.pd_connector import RemoteRead
+from kvtwin.sim.core.pd_connector import RemoteRead, truncated_prompt
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.clock.arrivals import Arrival
 from kvtwin.sim.replay.clock.cluster import Cluster
@@ -43,17 +42,6 @@ from kvtwin.sim.replay.pd_router import PDRouter
 from kvtwin.sim.replay.recorder import BatchTimes, MetricsRecorder
 
 PREFILL_SUFFIX = "@prefill"
-
-
-def truncated_prompt(prompt: PromptSource, backoff_tokens: int) -> PromptSource:
-    """``prompt`` less its last ``backoff_tokens`` tokens (none if that would empty it)."""
-    if backoff_tokens <= 0 or prompt.num_tokens <= backoff_tokens:
-        return prompt
-    if isinstance(prompt, TokenPrompt):
-        return TokenPrompt(prompt.token_ids[:-backoff_tokens])
-    assert isinstance(prompt, HashIdPrompt)
-    return HashIdPrompt(prompt.hash_ids, prompt.hash_block_tokens, prompt.num_tokens - backoff_tokens,
-                        prompt.unique_id)
 
 
 def prefill_request(request: Request, backoff_tokens: int) -> Request:

@@ -9,13 +9,12 @@ from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, PDTier
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.pd_connector import (PDConnector, PDConnectorMetadata, PDLink, PDTransfers,
-                                          prefill_backoff_tokens, remote_prefill_tokens)
+                                          prefill_backoff_tokens, remote_prefill_tokens, truncated_prompt)
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.spec import MambaSpec
-from kvtwin.sim.replay.clock.pd_cluster import truncated_prompt
 from tests.sim.builders import EchoModel, full, kv_config, tokens
 
 
