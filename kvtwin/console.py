@@ -163,7 +163,7 @@ def usage_error_line(err: BaseException) -> str:
 @contextlib.contextmanager
 def one_line_usage_errors() -> Iterator[None]:
     """Print what typer would show as a usage block and an ``Error:`` line as one
-    ``kvtwin: error:`` line instead, exit code 2 (README, Exit codes). ``--help`` and a
+    ``kvtwin: error:`` line instead, exit code 2 (docs/commands.md#exit-codes). ``--help`` and a
     bare group's help pass through."""
     try:
         yield

@@ -1,7 +1,7 @@
-"""Every bad flag value, unknown option or missing value is the one line the README
-promises (``kvtwin: error: <flag>: expected ..., got ...``, exit code 2), never typer's
-usage block: settings' flags, the other numeric flags of each command, and the
-command line's own mistakes."""
+"""Every bad flag value, unknown option or missing value is the one line
+docs/commands.md#exit-codes promises (``kvtwin: error: <flag>: expected ..., got ...``,
+exit code 2), never typer's usage block: settings' flags, the other numeric flags of each
+command, and the command line's own mistakes."""
 
 from __future__ import annotations
 
