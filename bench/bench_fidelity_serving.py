@@ -296,7 +296,7 @@ def workload(point: dict, cap: int):
 
 
 def replay_point(point: dict, hardware: dict, cap: int) -> dict:
-    from kvtwin.sim.replay.calibration_data import with_band
+    from kvtwin.sim.calibration.band import with_band
     from kvtwin.sim.replay.run import run_replay
     from kvtwin.sim.scenario.resolve import resolve_scenario
 

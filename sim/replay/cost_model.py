@@ -64,7 +64,7 @@ from kvtwin.sim.planner.models import ModelPreset
 from kvtwin.sim.core.decode_window import CHUNK_KEYS, FULL_KEYS, NO_KEYS, WINDOW_KEYS
 from kvtwin.sim.core.spec import (AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                   SlidingWindowSpec)
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 _MXFP4_BYTES_PER_PARAM = 4.25 / 8
 

@@ -22,7 +22,7 @@ from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.cost_model import CostModel, DraftHead
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 EFF = Efficiency(matmul_flops_fraction=0.5, attention_flops_fraction=0.4, hbm_bandwidth_fraction=0.75,
                  interconnect_fraction=0.6, allreduce_latency_s=1e-5, layer_fixed_s=2e-6,

@@ -41,10 +41,10 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPU_PRESETS, get_gpu
 from kvtwin.sim.planner.models import MODEL_PRESETS, get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.calibration_data import pessimistic
+from kvtwin.sim.calibration.band import pessimistic
 from kvtwin.sim.replay.cost_model import CostModel, DraftHead
-from kvtwin.sim.scenario.calibration_file import bundled_calibration
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.file import bundled_calibration
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 SCALE = max(1, int(os.environ.get("KVTWIN_PROPERTY_SCALE", "1")))
 MODELS = sorted(MODEL_PRESETS)

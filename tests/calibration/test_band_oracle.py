@@ -16,10 +16,10 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.calibration_data import band_columns, band_lines, pessimistic, step_error
+from kvtwin.sim.calibration.band import band_columns, band_lines, pessimistic, step_error
 from kvtwin.sim.replay.cost_model import CostModel, DraftHead
-from kvtwin.sim.scenario.calibration_file import Calibration
-from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.file import Calibration
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
 
 EFF = Efficiency(matmul_flops_fraction=0.5, matmul_half_tokens=48.0, attention_flops_fraction=0.4,
                  attention_half_query_tokens=16.0, hbm_bandwidth_fraction=0.75, interconnect_fraction=0.6,
