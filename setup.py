@@ -52,7 +52,7 @@ COMPILED_PACKAGES = {"sim/core": "kvtwin/sim/core", "sim/core/offload": "kvtwin/
                      "sim/replay": "kvtwin/sim/replay", "sim/replay/clock": "kvtwin/sim/replay/clock"}
 # Off the per-step path (validation, config, sweeps, calibration): compiling them buys nothing.
 INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
-               "calibration.py", "calibration_data.py", "client_side.py", "kernel_fit.py", "reuse_curve.py",
+               "client_side.py", "reuse_curve.py",
                # The column sets and the tables' assembly: once per run.
                "output_columns.py", "run_tables.py",
                "rate_search.py", "capacity_points.py", "capacity_sweep.py", "capacity_table.py", "sweep_backends.py",

@@ -40,9 +40,9 @@ from kvtwin.sim.planner.engine_config import EngineConfig  # noqa: E402
 from kvtwin.sim.planner.hardware import get_gpu  # noqa: E402
 from kvtwin.sim.planner.models import get_model  # noqa: E402
 from kvtwin.sim.planner.plan import plan  # noqa: E402
-from kvtwin.sim.scenario.calibration_file import bundled_calibration  # noqa: E402
-from kvtwin.sim.scenario.efficiency import Efficiency  # noqa: E402
-from kvtwin.sim.replay.kernel_fit import gemm_model_s, relative_errors  # noqa: E402
+from kvtwin.sim.calibration.file import bundled_calibration  # noqa: E402
+from kvtwin.sim.calibration.efficiency import Efficiency  # noqa: E402
+from kvtwin.sim.calibration.fit.kernels import gemm_model_s, relative_errors  # noqa: E402
 from kvtwin.sim.replay.run import run_replay  # noqa: E402
 from kvtwin.traces import schema as col  # noqa: E402
 

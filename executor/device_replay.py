@@ -23,7 +23,7 @@ from kvtwin.executor.shapes import ModelShape, model_shape, pool_page_bytes
 from kvtwin.kernels.backends import Backend, select_backend
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.plan import Plan
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.replay.run import ReplayResult, plan_cost_model, run_with_executor
 

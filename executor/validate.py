@@ -42,13 +42,13 @@ from kvtwin.executor.device_executor import Faults
 from kvtwin.executor.device_replay import ExecutorOptions, ExecutorRun, run_executor, torch_dtype
 # Re-exported: the command and the tests read the checks' names and columns from here.
 from kvtwin.executor.verdicts import CHECKS, VALIDATION_COLUMNS, Validation, Verdict  # noqa: F401
-from kvtwin.sim.calibrate.steps_device import MeasuredOn, device_warning
+from kvtwin.sim.calibration.fit.steps_device import MeasuredOn, device_warning
 from kvtwin.sim.core.engine import Execution, ModelExecutor
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.planner.plan import Plan, plan as make_plan
-from kvtwin.sim.replay.calibration import (STEP_TERM_COLUMNS, StepSample, ape_by_kind, batch_kind, calibration_text,
+from kvtwin.sim.calibration.fit.step_model import (STEP_TERM_COLUMNS, StepSample, ape_by_kind, batch_kind, calibration_text,
                                            fit_efficiency, step_terms)
-from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
+from kvtwin.sim.calibration.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
 from kvtwin.sim.replay.run import CostModelExecutor, RecordedClockExecutor, plan_cost_model, run_with_executor
 from kvtwin.sim.scenario.resolve import ResolvedScenario
 from kvtwin.traces import schema as col

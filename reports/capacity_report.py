@@ -16,7 +16,7 @@ from kvtwin.reports.run_facts import clock_note, header, plan_section, scenario_
 from kvtwin.reports.summary_text import format_percent, missing
 from kvtwin.reports.sweep_frame import (column_values, finite_mask, key_value, numbers, rows_where, sweep_keys,
                                         sweep_table, texts)
-from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS, points_clocks
+from kvtwin.sim.calibration.band import CLOCK_COLUMNS, points_clocks
 
 
 # (column, best is its max or min, label): the sweep's best point by each figure.

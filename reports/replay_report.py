@@ -14,8 +14,8 @@ from kvtwin.reports.replay_plots import replay_figures
 from kvtwin.reports.run_facts import clock_note, header, plan_section, run_settings
 from kvtwin.reports.summary_text import (format_acceptance_length, format_bytes, format_duration_ms, format_duration_s,
                                          format_percent, latency_rows, missing, run_headline)
-from kvtwin.sim.replay.calibration_data import uncalibrated_line
-from kvtwin.sim.scenario.calibration_file import UNCALIBRATED
+from kvtwin.sim.calibration.band import uncalibrated_line
+from kvtwin.sim.calibration.file import UNCALIBRATED
 
 
 

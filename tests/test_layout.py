@@ -3,8 +3,11 @@
 ``kvtwin → {executor, reports} → sim → traces``; ``executor → kernels``. Inside ``sim``:
 ``core`` is the standard library only, ``planner`` and ``lockstep`` build on ``core``
 alone; the scheduler knows offload only through its connector seam (it does not import
-``core.offload``); ``replay`` builds on ``scenario``, never the other way. No import
-cycles, between modules or between packages. A failure names the module, the line and
+``core.offload``); ``replay`` builds on ``scenario``, never the other way; ``calibration``
+(the factors, their file format, a GPU's bundled file, the band) builds on ``core`` and
+``planner`` only, under both, and its subpackage ``calibration.fit`` (the fits, which run
+the replay) is a layer of its own above ``replay``, which neither ``replay`` nor
+``scenario`` imports. No import cycles, between modules or between packages. A failure names the module, the line and
 the import that breaks an arrow, or the modules of each cycle.
 """
 
@@ -79,12 +82,24 @@ def _under(name: str, prefix: str) -> bool:
 SCHEDULERS = ("kvtwin.sim.core.scheduler", "kvtwin.sim.core.async_scheduler")
 
 
+# The fits run the replay, so they sit above it, while the rest of the calibration package
+# sits below the scenario and the replay: a subpackage that is its own node of the package
+# graph (``_package_unit``) instead of being folded into its parent.
+CALIBRATION_FIT = "kvtwin.sim.calibration.fit"
+CALIBRATION_BASE = ("kvtwin.sim.core", "kvtwin.sim.planner")
+
+
 def _allowed(module: str, name: str) -> bool:
     top = name.split(".")[0]
     if module in SCHEDULERS and _under(name, "kvtwin.sim.core.offload"):
         return False
     if _under(module, "kvtwin.sim.scenario") and _under(name, "kvtwin.sim.replay"):
         return False
+    if (_under(module, "kvtwin.sim.scenario") or _under(module, "kvtwin.sim.replay")) and _under(name, CALIBRATION_FIT):
+        return False
+    if _under(module, "kvtwin.sim.calibration") and not _under(module, CALIBRATION_FIT) and top == "kvtwin":
+        return (any(_under(name, base) for base in CALIBRATION_BASE)
+                or _under(name, "kvtwin.sim.calibration") and not _under(name, CALIBRATION_FIT))
     if _under(module, "kvtwin.sim.core"):
         return top in STDLIB or _under(name, "kvtwin.sim.core")
     if _under(module, "kvtwin.sim.planner") or _under(module, "kvtwin.sim.lockstep"):
@@ -166,6 +181,20 @@ def test_the_arrow_checker_catches_a_wrong_import() -> None:
     assert _allowed("kvtwin.sim.core.engine", "kvtwin.sim.core.offload.connector")
     assert not _allowed("kvtwin.sim.scenario.resolve", "kvtwin.sim.replay.cost_model")
     assert _allowed("kvtwin.sim.replay.run", "kvtwin.sim.scenario.resolve")
+    assert not _allowed("kvtwin.sim.calibration.file", "kvtwin.sim.replay.cost_model")
+    assert not _allowed("kvtwin.sim.calibration.efficiency", "kvtwin.sim.scenario.knobs")
+    assert not _allowed("kvtwin.sim.calibration.gpu", "kvtwin.sim.calibration.fit.step_model")
+    assert not _allowed("kvtwin.sim.calibration.band", "kvtwin.traces.schema")
+    assert not _allowed("kvtwin.sim.scenario.resolve", "kvtwin.sim.calibration.fit.job")
+    assert not _allowed("kvtwin.sim.replay.run", "kvtwin.sim.calibration.fit.serving")
+    assert not _allowed("kvtwin.sim.calibration.fit.serving", "torch")
+    assert _allowed("kvtwin.sim.calibration.gpu", "kvtwin.sim.planner.hardware")
+    assert _allowed("kvtwin.sim.calibration.gpu", "kvtwin.sim.calibration.file")
+    assert _allowed("kvtwin.sim.calibration.band", "pyarrow")
+    assert _allowed("kvtwin.sim.scenario.resolve", "kvtwin.sim.calibration.gpu")
+    assert _allowed("kvtwin.sim.replay.cost_model", "kvtwin.sim.calibration.efficiency")
+    assert _allowed("kvtwin.sim.calibration.fit.serving", "kvtwin.sim.replay.run")
+    assert _allowed("kvtwin.sim.calibration.fit.job", "kvtwin.sim.scenario.resolve")
 
 
 # ----- import cycles ---------------------------------------------------------------------
@@ -192,10 +221,13 @@ def _module_graph() -> dict[str, set[str]]:
 def _package_unit(module: str) -> str:
     """The package a module belongs to in the package-level graph: each ``kvtwin.sim``
     package (its subpackages folded in, as ``core.offload`` into ``core``), each other
-    top-level package, and the command line (``kvtwin.cli``, ``kvtwin.console`` and
+    top-level package, ``calibration.fit`` apart from the rest of ``calibration``
+    (``CALIBRATION_FIT``), and the command line (``kvtwin.cli``, ``kvtwin.console`` and
     ``kvtwin.commands``) as one. The root package (``kvtwin/__init__.py`` and the private
     modules beside it) stands alone: every import of a kvtwin module runs it, so an
     arrow to it says nothing about the layers."""
+    if _under(module, CALIBRATION_FIT):
+        return CALIBRATION_FIT
     parts = module.split(".")
     for depth in (3, 2):
         unit = ".".join(parts[:depth])
@@ -307,11 +339,19 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
     assert found and "kvtwin.sim.replay.run" in found[0]
     packages = _package_graph(graph)
     assert any({"kvtwin.sim.core", "kvtwin.sim.replay"} <= set(c) for c in _CycleFinder(packages).cycles())
+    # The calibration file format importing a fit closes calibration → fit → replay → calibration.
+    graph = _module_graph()
+    graph["kvtwin.sim.calibration.file"].add("kvtwin.sim.calibration.fit.step_model")
+    packages = _package_graph(graph)
+    assert any({"kvtwin.sim.calibration", CALIBRATION_FIT, "kvtwin.sim.replay"} <= set(c)
+               for c in _CycleFinder(packages).cycles())
 
 
 def test_package_units() -> None:
     assert _package_unit("kvtwin.sim.core.offload.connector") == "kvtwin.sim.core"
     assert _package_unit("kvtwin.sim.replay.run") == "kvtwin.sim.replay"
+    assert _package_unit("kvtwin.sim.calibration.file") == _package_unit("kvtwin.sim.calibration") == "kvtwin.sim.calibration"
+    assert _package_unit("kvtwin.sim.calibration.fit.job") == _package_unit(CALIBRATION_FIT) == CALIBRATION_FIT
     assert _package_unit("kvtwin.sim") == "kvtwin.sim"
     assert _package_unit("kvtwin.executor.memory") == "kvtwin.executor"
     assert _package_unit("kvtwin.commands.replay") == _package_unit("kvtwin.cli") == "kvtwin.cli"

@@ -55,7 +55,7 @@ def calibrate(
     """Fit the cost model to your server's measurements and write a calibration file."""
     with user_errors():
         from kvtwin.reports.paths import check_out_file
-        from kvtwin.sim.calibrate import fit_report
+        from kvtwin.sim.calibration.fit import job as calibration_job
 
         kinds = [name for name, given in (("--bench-serve", bool(bench_serve)),
                                           ("--metrics-before/--metrics-after",
@@ -66,9 +66,9 @@ def calibrate(
                               "--metrics-after, or --steps", ", ".join(kinds) or "none")
         check_out_file(out, "--out")
         # Everything read and checked before the first replay.
-        job = fit_report.prepare(find_scenario(scenario_path) or DEFAULT_SCENARIO, bench_serve=bench_serve or (),
-                                 metrics_before=metrics_before, metrics_after=metrics_after, model_name=model_name,
-                                 steps=steps, trace=trace)
+        job = calibration_job.prepare(find_scenario(scenario_path) or DEFAULT_SCENARIO, bench_serve=bench_serve or (),
+                                      metrics_before=metrics_before, metrics_after=metrics_after,
+                                      model_name=model_name, steps=steps, trace=trace)
         if job.warning is not None:
             typer.echo(f"kvtwin: warning: --steps: {job.warning}", err=True)
         started = time.perf_counter()
@@ -79,7 +79,7 @@ def calibrate(
                            f"{time.perf_counter() - started:,.0f} s wall", err=True)
 
         result = job.run(on_replay)
-        path = fit_report.write(result, out)
+        path = calibration_job.write(result, out)
     for line in result.lines():
         print(line)
     print(f"wrote {path}; use it with [cost_model] calibration = \"{path}\"")

@@ -120,7 +120,7 @@ def _given(sweeps, limit: int | None, search, curve) -> dict:
 
 def _print_results(table, sweep, comparison) -> None:
     """The points' table, the load curve's knees, the clocks and the hit curve's comparison."""
-    from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS, points_clocks
+    from kvtwin.sim.calibration.band import CLOCK_COLUMNS, points_clocks
 
     searched = sweep.search is not None
     print_points(table, sweep.axes, searched)

@@ -15,7 +15,7 @@ import typer
 
 from kvtwin.sim.planner.hardware import GPU_PRESETS, gpu_names
 from kvtwin.sim.planner.models import MODEL_PRESETS, model_names
-from kvtwin.sim.scenario.calibration_file import bundled_gpus
+from kvtwin.sim.calibration.file import bundled_gpus
 
 # For --model / --gpu help; `kvtwin models` / `kvtwin gpus` add a line of facts to each name.
 MODEL_CHOICES = ", ".join(model_names()) + " (kvtwin models)"

@@ -68,7 +68,7 @@ def replay(
         planned.require_fits()  # before the trace is read
         resolved.require_host_memory(planned)  # and before any block pool is built
         # The simulator (SimPy, the recorder: most of a second) loads once the input is good.
-        from kvtwin.sim.replay.calibration_data import band_lines
+        from kvtwin.sim.calibration.band import band_lines
         from kvtwin.sim.replay.run import run_replay
 
         offload = resolved.offload_for(planned)

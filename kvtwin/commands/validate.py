@@ -55,7 +55,7 @@ def validate(
     """Run the engine on a device and check prefix hits, memory and step times against the simulator."""
     with user_errors(), interrupt_note(lambda: f"interrupted; nothing written to {out}"):
         from kvtwin.reports.run_dir import check_out_dir, run_metadata, write_dir
-        from kvtwin.sim.replay.calibration_data import uncalibrated_line
+        from kvtwin.sim.calibration.band import uncalibrated_line
 
         check_out_dir(out)
         path = find_scenario(scenario_path) or DEFAULT_SCENARIO

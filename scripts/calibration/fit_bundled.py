@@ -8,7 +8,7 @@ per GPU preset, fits on aiconfigurator's vLLM kernel timings (all measured in CU
 as vLLM runs them):
 
 * GEMMs -> ``matmul_flops_fraction``, ``matmul_half_tokens``, ``hbm_bandwidth_fraction``
-  and the GEMM launch floor (``kernel_fit.fit_gemm``; held out: a third of the (n, k)
+  and the GEMM launch floor (``kernels.fit_gemm``; held out: a third of the (n, k)
   shapes at a time);
 * context (prefill) attention -> ``attention_flops_fraction``,
   ``attention_half_query_tokens`` and the attention floor (held out: a third of the rows
@@ -17,7 +17,7 @@ as vLLM runs them):
   ``decode_attention_s_per_head`` (held out likewise);
 * all-reduce -> one curve per TP degree, the fastest implementation at each size (held
   out: each inner point, predicted from its neighbours);
-* ``layer_fixed_s`` = every kernel floor of a layer (``kernel_fit.layer_fixed_s``);
+* ``layer_fixed_s`` = every kernel floor of a layer (``kernels.layer_fixed_s``);
   ``step_gpu_fixed_s`` = three more (embedding, LM head, sampler).
 
 ``[band]``, how far real servers' p99s lay from kvtwin's replays, is no kernel's either: every
@@ -50,10 +50,10 @@ from pathlib import Path
 import numpy as np
 
 from kvtwin.sim.planner.hardware import get_gpu
-from kvtwin.sim.replay.calibration import write_calibration
+from kvtwin.sim.calibration.fit.step_model import write_calibration
 from kvtwin.sim.replay.client_side import default_client_overhead
-from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
-from kvtwin.sim.replay.kernel_fit import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm,
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.fit.kernels import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm,
                                           holdout_predictions, interpolate_s, layer_fixed_s, relative_errors)
 
 REPO = Path(__file__).resolve().parents[2]

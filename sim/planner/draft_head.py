@@ -16,6 +16,11 @@ concatenated token embedding and hidden state; EAGLE-3: ``3 h x h`` over three f
 hidden states), stored as the target stores its weights. The embedding and LM head are the
 target's (vLLM shares them when the drafter has none of its own or an identical copy); an
 EAGLE-3 head's own reduced-vocabulary LM head is not counted.
+
+One type describes the head to both of its readers: the planner (its layers in the KV cache
+and its weights in the memory budget) and the cost model (``num_passes`` runs of its layers
+per step, ``sim/replay/cost_model.py``). ``SpeculativeConfig.draft_head`` builds it from a
+scenario's ``[speculative]`` table.
 """
 
 from __future__ import annotations
@@ -32,17 +37,22 @@ INPUT_PROJECTION_SQUARES = {"eagle": 2, "eagle3": 3, "mtp": 2}
 
 
 @dataclass(frozen=True)
-class DraftHeadShape:
-    """A draft head as the planner sees it: its method and how many layers it runs."""
+class DraftHead:
+    """A draft head: its method, its ``num_layers`` layers of the target's shape, and the
+    ``num_passes`` (k, the drafts per decode) it runs them per step."""
 
     method: str
     num_layers: int
+    num_passes: int
 
     def __post_init__(self) -> None:
         require(self.method in INPUT_PROJECTION_SQUARES, "speculative.method",
                 f"one of {', '.join(INPUT_PROJECTION_SQUARES)} (a drafter with its own layers)", self.method)
         require(isinstance(self.num_layers, int) and not isinstance(self.num_layers, bool) and self.num_layers >= 1,
                 "speculative.draft_layers", "a positive integer (layers of the draft head)", self.num_layers)
+        require(isinstance(self.num_passes, int) and not isinstance(self.num_passes, bool) and self.num_passes >= 1,
+                "speculative.num_speculative_tokens", "a positive integer (the head's passes per step)",
+                self.num_passes)
 
     def layer_kind(self, model: ModelPreset) -> str:
         """The spec kind of each draft layer: the target's attention, MLA or full."""

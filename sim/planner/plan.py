@@ -30,7 +30,7 @@ from functools import reduce
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.retention import describe_retention, is_sparse_kind, validate_retention_interval
-from kvtwin.sim.planner.draft_head import DraftHeadShape
+from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.planner.grouping import Grouping, PlannedGroup, group_layers
 from kvtwin.sim.planner.engine_config import EngineConfig, ResolvedEngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
@@ -125,7 +125,7 @@ LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
 
 
 def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, *,
-                      num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None,
+                      num_speculative_tokens: int = 0, draft_head: DraftHead | None = None,
                       num_prefill_lookahead_tokens: int = 0) -> LayerSpecs:
     """One spec per cached layer, as one GPU of the TP group sees it (``num_speculative_tokens``:
     the drafts per step, which size a recurrent state's speculative blocks; ``draft_head``:
@@ -219,7 +219,7 @@ class Plan:
     estimated_max_model_len: int
     warnings: tuple[str, ...] = ()
     suggestions: tuple[dict, ...] = field(default=())
-    draft_head: DraftHeadShape | None = None
+    draft_head: DraftHead | None = None
 
     # -- vLLM's figures ----------------------------------------------------------------
 
@@ -425,7 +425,7 @@ def _estimate_max_model_len(grouping: Grouping, bytes_per_block: int, *, in_flig
 
 
 def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: bool = True,
-         num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None,
+         num_speculative_tokens: int = 0, draft_head: DraftHead | None = None,
          num_prefill_lookahead_tokens: int = 0) -> Plan:
     """vLLM 0.33's KV cache layout and capacity for ``model`` on ``gpu`` with ``engine``; with
     ``num_speculative_tokens`` k > 0 every Mamba layer keeps k more state blocks per request;
@@ -488,7 +488,7 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
 
 
 def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed: Plan,
-                 num_speculative_tokens: int = 0, draft_head: DraftHeadShape | None = None,
+                 num_speculative_tokens: int = 0, draft_head: DraftHead | None = None,
                  num_prefill_lookahead_tokens: int = 0) -> list[dict]:
     """What would fit instead: a shorter max_model_len, an fp8 KV cache, more GPUs."""
     out: list[dict] = []

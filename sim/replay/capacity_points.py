@@ -18,7 +18,7 @@ summary's ``total_token_throughput`` at ``lo``). Where no scale holds, ``max_rat
 and the figures derived from it are null and the summary is the last replay's; otherwise
 the summary columns are those of the replay at ``lo``. The ``*_pessimistic`` columns repeat
 the search with every step slower by the calibration's held-out step error
-(``step_error``, ``calibration_data.pessimistic``); null for an uncalibrated clock. The
+(``step_error``, ``band.pessimistic``); null for an uncalibrated clock. The
 replicas are engine replicas of the point's own shape, each ``tensor_parallel_size`` GPUs
 (times ``num_gpus / num_replicas`` they read as GPUs), not the swept ``engine.replicas``.
 
@@ -52,13 +52,13 @@ import pyarrow as pa
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.offload import ResolvedOffload
 from kvtwin.sim.planner.plan import Plan
-from kvtwin.sim.replay.calibration_data import pessimistic, step_error
+from kvtwin.sim.calibration.band import pessimistic, step_error
 from kvtwin.sim.replay.load_curve import offered_scale
 from kvtwin.sim.replay.rate_search import RateSearch, SearchResult, bracket_and_bisect, judged_requests, \
     replicas_for, request_rate, slo_holds, too_few_requests
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.replay.sustained import MIN_STEADY_ARRIVALS, SHORT_WINDOW, needs, window_arrivals
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.scenario.parse import Workload
 from kvtwin.sim.scenario.resolve import ResolvedScenario, resolve_scenario
 from kvtwin.traces.errors import TraceError

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 
-from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
+from kvtwin.sim.calibration.band import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.load_curve import LOAD_CURVE_COLUMNS, knees
 from kvtwin.sim.replay.output_columns import DISAGGREGATION, OFFLOAD

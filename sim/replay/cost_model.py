@@ -26,7 +26,7 @@ through the model once. Per GPU of the tensor-parallel group it
 Speculative decoding (docs/semantics.md#speculative-decoding): a verify step's ``1 + d``
 query tokens of a request go through the target model's GEMMs as tokens and through the
 decode attention kernel (its KV read once, its FLOPs unweighted: ``verify_items``; the
-split is the caller's, ``sim/replay/run.py``), and a drafter with a model (``DraftHead``: EAGLE, EAGLE-3, MTP) then runs
+split is the caller's, ``sim/replay/run.py``), and a drafter with a model (``DraftHead``, ``sim/planner/draft_head.py``: EAGLE, EAGLE-3, MTP) then runs
 ``k`` passes of its few layers (the target's layer shape) in the same step, on the GPU
 after the target's forward: the first pass over every token the step scheduled (the head
 keeps its own KV of the whole sequence, prefill chunks included), each later one a token
@@ -58,13 +58,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.planner.hardware import GPUSpec, require_cost_model_inputs
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
 from kvtwin.sim.core.decode_window import CHUNK_KEYS, FULL_KEYS, NO_KEYS, WINDOW_KEYS
 from kvtwin.sim.core.spec import (AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                   SlidingWindowSpec)
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 _MXFP4_BYTES_PER_PARAM = 4.25 / 8
 
@@ -127,15 +128,6 @@ class StepCost:
         self.extra_gpu_s = extra_gpu_s
         self.attention_work = attention_work
         self.draft_s = draft_s
-
-
-@dataclass(frozen=True)
-class DraftHead:
-    """A draft model of ``num_layers`` layers of the target's shape, run ``num_passes``
-    (k) times per step (module docstring)."""
-
-    num_layers: int
-    num_passes: int
 
 
 def gemm_s(eff: Efficiency, flops_per_s: float, body_flops: float, num_tokens: int, head_flops: float,
@@ -213,7 +205,7 @@ class CostModel:
         self.allreduce_latency_s = float(efficiency.allreduce_latency_s)
         self.step_overhead_s = float(efficiency.step_overhead_s)
         self.per_request_overhead_s = float(efficiency.per_request_overhead_s)
-        self.draft_head = draft_head if draft_head is not None and draft_head.num_layers else None
+        self.draft_head = draft_head
         if self.draft_head is not None:
             self._draft_terms(model)
 

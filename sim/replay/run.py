@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import simpy
 
-from kvtwin.sim.replay.cost_model import CostModel, DraftHead, StepCost
+from kvtwin.sim.replay.cost_model import CostModel, StepCost
 from kvtwin.sim.scenario.acceptance import AcceptanceModel
 from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.decode_window import WindowPricing
@@ -39,16 +39,17 @@ from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.host_memory import require_host_memory
 from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
+from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
-from kvtwin.sim.scenario.calibration_file import Calibration
+from kvtwin.sim.calibration.file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
 
@@ -259,8 +260,7 @@ def spec_executor(plan: Plan, efficiency: Efficiency, speculative: SpeculativeCo
         raise ValueError("the plan's scheduler must draft as speculative says (ResolvedScenario.plan)")
     config = speculative.acceptance_config()
     acceptance = AcceptanceModel(type(config)(k, config.acceptance, config.seed + replica))
-    head = DraftHead(speculative.num_draft_layers, k) if speculative.num_draft_layers else None
-    return CostModelExecutor(plan_cost_model(plan, efficiency, head), acceptance,
+    return CostModelExecutor(plan_cost_model(plan, efficiency, speculative.draft_head), acceptance,
                              synchronous_drafts=not plan.engine.async_scheduling)
 
 

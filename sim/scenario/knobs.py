@@ -20,7 +20,7 @@ from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.offload import OffloadConfig
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
-from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS
+from kvtwin.sim.calibration.efficiency import SCALAR_EFFICIENCY_FIELDS
 from kvtwin.sim.scenario import validators
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig

@@ -22,10 +22,10 @@ from kvtwin.sim.planner.hardware import GPUSpec, gpu_from_mapping
 from kvtwin.sim.planner.hf_config import load_hf_config
 from kvtwin.sim.planner.models import ModelPreset, get_model, model_from_mapping
 from kvtwin.sim.planner.offload import OffloadConfig, offload_config_from_mapping
-from kvtwin.sim.scenario.calibration_file import Calibration, read_calibration
+from kvtwin.sim.calibration.file import Calibration, read_calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_from_mapping
-from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
+from kvtwin.sim.calibration.efficiency import Efficiency, efficiency_from_mapping
 from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, TRANSFORM_KEYS, knob, section_knobs
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SPECULATIVE_KEYS, SpeculativeConfig

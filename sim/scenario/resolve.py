@@ -43,12 +43,12 @@ from kvtwin.sim.planner.host_memory import HostMemoryEstimate, require_host_memo
 from kvtwin.sim.planner.models import ModelPreset, get_model
 from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
-from kvtwin.sim.scenario.calibration_file import Calibration
+from kvtwin.sim.calibration.file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.scenario.features import require_allowed
-from kvtwin.sim.scenario.gpu_calibration import bundled_for
+from kvtwin.sim.calibration.gpu import bundled_for
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
 from kvtwin.sim.scenario.knobs import DEPLOYMENT_FIELDS, flag_for, knob
@@ -388,7 +388,7 @@ def with_speculative(planned: Plan, speculative: SpeculativeConfig, where: str |
 def choose_calibration(scenario: Scenario, model: ModelPreset, gpu: GPUSpec, where: str | None) -> Calibration:
     """The file the scenario names; else the bundled one of the GPU's preset while no field
     a step's time depends on is changed; else the default factors, marked uncalibrated with
-    the reason (``gpu_calibration``). The scenario's [cost_model] keys go on top."""
+    the reason (``kvtwin.sim.calibration.gpu``). The scenario's [cost_model] keys go on top."""
     if scenario.calibration is not None:
         return scenario.calibration.with_overrides(dict(scenario.cost_overrides))
     chosen = bundled_for(gpu, model.name, scenario.efficiency)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvtwin.sim.core.config import HEAD_METHODS, SPEC_METHODS, is_int
 from kvtwin.sim.core.errors import require
-from kvtwin.sim.planner.draft_head import DraftHeadShape
+from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.scenario.acceptance import AcceptanceConfig
 from kvtwin.sim.scenario.spec_defaults import default_acceptance
 
@@ -86,11 +86,12 @@ class SpeculativeConfig:
         return 1 if self.method in HEAD_METHODS else 0
 
     @property
-    def draft_head(self) -> DraftHeadShape | None:
-        """The head the plan gives KV layers and weights (None: n-gram, off, or no layers)."""
+    def draft_head(self) -> DraftHead | None:
+        """The head the plan gives KV layers and weights and the clock runs k passes of
+        (None: n-gram, off, or no layers)."""
         if self.method not in HEAD_METHODS or not self.num_draft_layers:
             return None
-        return DraftHeadShape(str(self.method), self.num_draft_layers)
+        return DraftHead(str(self.method), self.num_draft_layers, self.num_speculative_tokens)
 
     def acceptance_config(self) -> AcceptanceConfig:
         rates = self.acceptance

@@ -16,8 +16,8 @@ pytest.importorskip("torch")
 import kvtwin.executor.validate as validate_module  # noqa: E402
 from kvtwin.cli import app  # noqa: E402
 from kvtwin.executor.device_executor import Faults  # noqa: E402
-from kvtwin.sim.calibrate.steps_device import MeasuredOn, read_measured_on  # noqa: E402
-from kvtwin.sim.scenario.calibration_file import read_calibration  # noqa: E402
+from kvtwin.sim.calibration.fit.steps_device import MeasuredOn, read_measured_on  # noqa: E402
+from kvtwin.sim.calibration.file import read_calibration  # noqa: E402
 
 # Llama-3.1-8B pages are 2 MiB: 128 MiB of KV cache is a 64-block pool, small enough that
 # sixteen chat requests evict each other's prefixes.

@@ -20,8 +20,8 @@ import pytest
 
 from kvtwin.executor.shapes import MIXER_LATENT, MIXER_STATE
 from kvtwin.executor.validate import CHECKS, VALIDATION_COLUMNS, ValidateOptions
-from kvtwin.sim.scenario.calibration_file import read_calibration
-from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
+from kvtwin.sim.calibration.file import read_calibration
+from kvtwin.sim.calibration.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
 from kvtwin.sim.replay.run import run_replay
 from tests.executor.toys import scenario, validate_with_runs
 

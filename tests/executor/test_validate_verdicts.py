@@ -25,10 +25,10 @@ from kvtwin.executor import validate
 from kvtwin.executor.device_executor import ExecutorState
 from kvtwin.executor.device_replay import ExecutorOptions
 from kvtwin.executor.validate import ValidateOptions, Validation, check_prefix_hits, check_step_latency
-from kvtwin.sim.calibrate.steps_device import MeasuredOn
+from kvtwin.sim.calibration.fit.steps_device import MeasuredOn
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.replay.cost_model import StepCost
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.traces import schema as col
 
 # -- check 1: prefix hits are real ----------------------------------------------------------

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from kvtwin.commands.capacity import capacity
 from kvtwin.scenarios import SCENARIOS_DIR
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
+from kvtwin.sim.calibration.band import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import CAPACITY_METADATA_KEY, summary_schema
 from kvtwin.sim.replay.rate_search import DEFAULT_MAX_REPLAYS, bracket_and_bisect, slo_holds

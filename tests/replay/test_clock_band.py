@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvtwin.cli import app
 from kvtwin.sim.replay.client_side import default_client_overhead
-from kvtwin.sim.scenario.calibration_file import bundled_calibration
+from kvtwin.sim.calibration.file import bundled_calibration
 
 SCENARIO = """\
 [model]

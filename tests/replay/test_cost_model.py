@@ -3,9 +3,9 @@
 import pytest
 
 from kvtwin.sim.core.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from kvtwin.sim.scenario.calibration_file import read_calibration
+from kvtwin.sim.calibration.file import read_calibration
 from kvtwin.sim.replay.cost_model import CostModel, gemm_fraction
-from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency, efficiency_from_mapping
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency, efficiency_from_mapping
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model

@@ -21,8 +21,9 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.cost_model import CostModel, DraftHead
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.planner.draft_head import DraftHead
+from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 EFF = Efficiency(matmul_flops_fraction=0.5, attention_flops_fraction=0.4, hbm_bandwidth_fraction=0.75,
                  interconnect_fraction=0.6, allreduce_latency_s=1e-5, layer_fixed_s=2e-6,
@@ -194,7 +195,7 @@ def test_the_draft_head_passes_by_hand(layers, passes):
         weights = (layer_bytes * layers + head_bytes) / hand.hbm
         kv = (sum(drafting) + tokens) * hand.kv_bytes_per_token_layer * layers / hand.hbm
         draft += max(compute, weights) + kv + layers * EFF.layer_fixed_s  # the fixed time of each draft layer
-    cm = cost_model(1, draft_head=DraftHead(layers, passes))
+    cm = cost_model(1, draft_head=DraftHead("eagle", layers, passes))
     assert cm.draft_s(step_tokens, drafting) == pytest.approx(draft, rel=1e-9)
     cost = cm.split_step_cost(DECODES, PREFILLS, draft_ends=drafting)
     assert cost.draft_s == pytest.approx(draft, rel=1e-9)

@@ -30,8 +30,8 @@ from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
-from kvtwin.sim.scenario.calibration_file import bundled_calibration
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.file import bundled_calibration
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.replay.run import CostModelExecutor, RecordedClockExecutor, plan_cost_model, run_replay, \
     run_with_executor
 from kvtwin.sim.replay.clock.progress import ReplayClock

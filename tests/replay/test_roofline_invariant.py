@@ -41,10 +41,11 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPU_PRESETS, get_gpu
 from kvtwin.sim.planner.models import MODEL_PRESETS, get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.calibration_data import pessimistic
-from kvtwin.sim.replay.cost_model import CostModel, DraftHead
-from kvtwin.sim.scenario.calibration_file import bundled_calibration
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.band import pessimistic
+from kvtwin.sim.planner.draft_head import DraftHead
+from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.calibration.file import bundled_calibration
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 SCALE = max(1, int(os.environ.get("KVTWIN_PROPERTY_SCALE", "1")))
 MODELS = sorted(MODEL_PRESETS)
@@ -300,7 +301,7 @@ def test_speculative_steps_are_priced_above_their_roofline(clock, data):
     max_len = p.engine.max_model_len
     decodes, prefills = data.draw(batches(max_len))
     verify = data.draw(st.lists(st.tuples(st.integers(2, 6), st.integers(0, max_len - 6)), max_size=16))
-    head = data.draw(st.sampled_from([None, DraftHead(1, 1), DraftHead(1, 3), DraftHead(2, 2)]))
+    head = data.draw(st.sampled_from([None, DraftHead("eagle", 1, 1), DraftHead("eagle", 1, 3), DraftHead("eagle", 2, 2)]))
     drafting = [before + new for new, before in verify] + decodes
     cost = cost_model(p, efficiency, async_scheduling, head).split_step_cost(
         decodes, prefills, draft_ends=drafting if head else None, verify_items=verify)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from kvtwin.cli import app
 from kvtwin.sim.scenario.acceptance import AcceptanceConfig
-from kvtwin.sim.replay.cost_model import DraftHead
+from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.replay.run import plan_cost_model, run_replay
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.sim.scenario.spec_defaults import default_acceptance
@@ -162,7 +162,7 @@ def test_a_draft_head_costs_time_and_ngram_does_not(tmp_path):
     resolved = resolve_scenario(path)
     planned = resolved.plan()
     plain = plan_cost_model(planned, resolved.efficiency)
-    head = plan_cost_model(planned, resolved.efficiency, DraftHead(1, 3))
+    head = plan_cost_model(planned, resolved.efficiency, DraftHead("eagle", 1, 3))
     verify = [(4, 1000)] * 32
     without = plain.split_step_cost([], verify, [1004] * 32)
     with_head = head.split_step_cost([], verify, [1004] * 32)
@@ -172,7 +172,7 @@ def test_a_draft_head_costs_time_and_ngram_does_not(tmp_path):
     # A head of one layer costs a small share of the 32-layer target's step.
     assert with_head.draft_s < 0.5 * without.total_s
     # More layers, more drafting requests, longer contexts: more time.
-    assert plan_cost_model(planned, resolved.efficiency, DraftHead(2, 3)).split_step_cost(
+    assert plan_cost_model(planned, resolved.efficiency, DraftHead("eagle", 2, 3)).split_step_cost(
         [], verify, [1004] * 32).draft_s > with_head.draft_s
     assert head.split_step_cost([], verify, [8004] * 32).draft_s > with_head.draft_s
     # With acceptance 0 the drafter only costs: eagle3 (a head) is slower than ngram (none).
@@ -343,6 +343,25 @@ def test_what_the_core_does_not_model_is_refused_naming_the_table(tmp_path):
     offload = _scenario(tmp_path, 'method = "ngram"\nnum_speculative_tokens = 2\nacceptance = 0.5\n'
                                   '[offload]\ncpu_bytes = 1000000000\n', name="o.toml")
     _one_error_line(_replay_cli(offload, "--out", tmp_path / "out"), "offload.cpu_bytes", "[speculative]")
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ('method = "eagle3"\nnum_speculative_tokens = 3\ndraft_layers = 2\n', DraftHead("eagle3", 2, 3)),
+    ('method = "eagle"\nnum_speculative_tokens = 4\n', DraftHead("eagle", 1, 4)),
+    # n-gram drafting has no model: no head in the plan, and none for the clock to run,
+    # whatever draft_layers says.
+    ('method = "ngram"\nnum_speculative_tokens = 3\nacceptance = 0.5\ndraft_layers = 2\n', None),
+    ('method = "eagle3"\nnum_speculative_tokens = 3\ndraft_layers = 0\n', None)])
+def test_the_plan_and_the_clock_take_one_draft_head(tmp_path, spec, expected):
+    """[speculative] makes one DraftHead (sim/planner/draft_head.py): the plan gives its
+    layers KV and its weights memory, and the clock runs k passes of the same layers."""
+    from kvtwin.sim.replay.run import spec_executor
+
+    resolved = resolve_scenario(_scenario(tmp_path, spec), Overrides())
+    planned = resolved.plan()
+    executor = spec_executor(planned, resolved.efficiency, resolved.speculative, 0)
+    assert planned.draft_head == expected
+    assert executor.cost_model.draft_head == expected
 
 
 def test_a_draft_head_takes_its_layers_and_weights_out_of_the_pool(tmp_path):

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pytest
 
 from kvtwin.commands.capacity import print_points
-from kvtwin.sim.replay.calibration_data import CLOCK_COLUMNS
+from kvtwin.sim.calibration.band import CLOCK_COLUMNS
 from kvtwin.sim.replay.capacity_points import MAX_RATE_COLUMNS
 from kvtwin.sim.replay.capacity_table import (CAPACITY_METADATA_KEY, capacity_table,
                                               summary_schema)

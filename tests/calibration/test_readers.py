@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtwin.sim.calibrate.bench_serve import read_bench_serve, read_bench_serve_all
-from kvtwin.sim.calibrate.prometheus import Histogram, Scrape, parse_exposition, read_scrape, scrape_delta
+from kvtwin.sim.calibration.fit.bench_serve import read_bench_serve, read_bench_serve_all
+from kvtwin.sim.calibration.fit.prometheus import Histogram, Scrape, parse_exposition, read_scrape, scrape_delta
 from kvtwin.sim.core.errors import ConfigError
 
 # ---------------------------------------------------------------- vllm bench serve files

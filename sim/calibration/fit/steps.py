@@ -1,7 +1,7 @@
 """Refit the cost model's factors from measured steps: `kvtwin validate`'s steps.parquet.
 
 Each row is a batch the executor ran, with its measured seconds and the cost model's raw
-terms of that batch (``calibration.STEP_TERM_COLUMNS``). ``calibration.fit_efficiency``
+terms of that batch (``step_model.STEP_TERM_COLUMNS``). ``step_model.fit_efficiency``
 fits the factors on every other step and the rest is held out: the error per batch kind
 is measured on steps the fit never saw.
 """
@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay.calibration import (STEP_TERM_COLUMNS, Fit, StepSample, ape_by_kind, batch_kind,
+from kvtwin.sim.calibration.fit.step_model import (STEP_TERM_COLUMNS, Fit, StepSample, ape_by_kind, batch_kind,
                                            fit_efficiency, step_cost_from_terms)
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 _REQUIRED = ("decode_tokens", "prefill_tokens", "measured_s", *STEP_TERM_COLUMNS.values())
 

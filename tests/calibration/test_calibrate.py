@@ -21,11 +21,11 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.cli import app
-from kvtwin.sim.calibrate.serving_fit import Knobs
-from kvtwin.sim.calibrate.steps_device import MeasuredOn, device_warning, is_same_gpu
+from kvtwin.sim.calibration.fit.serving import Knobs
+from kvtwin.sim.calibration.fit.steps_device import MeasuredOn, device_warning, is_same_gpu
 from kvtwin.sim.planner.hardware import get_gpu
-from kvtwin.sim.replay.calibration import STEP_TERM_COLUMNS, batch_kind, step_terms
-from kvtwin.sim.scenario.calibration_file import read_calibration
+from kvtwin.sim.calibration.fit.step_model import STEP_TERM_COLUMNS, batch_kind, step_terms
+from kvtwin.sim.calibration.file import read_calibration
 from kvtwin.sim.replay.run import plan_cost_model, run_replay
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.traces import schema as col

@@ -6,7 +6,7 @@ real engine, each with the cost model's breakdown of the same batch, this module
 five of them — ``matmul_flops_fraction``, ``attention_flops_fraction``,
 ``hbm_bandwidth_fraction``, ``step_overhead_s``, ``per_request_overhead_s`` — reports
 which ones the measurements actually determine and how well the fitted model predicts
-the steps, per batch kind, and writes a calibration file that ``kvtwin.sim.scenario.calibration_file.read_calibration`` reads.
+the steps, per batch kind, and writes a calibration file that ``kvtwin.sim.calibration.file.read_calibration`` reads.
 ``interconnect_fraction``, ``allreduce_latency_s``, the all-reduce curves, the fixed GPU
 times and ``matmul_half_tokens`` are not fitted: each sample's ``communication_s`` and
 ``serial_s`` (element-wise and fixed GPU seconds) are taken as they are, and the GEMM
@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvtwin.sim.replay.cost_model import StepCost, gemm_s
-from kvtwin.sim.scenario.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
+from kvtwin.sim.calibration.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
 
 # Fitted columns, in the order of x above. The order also decides which of two
 # collinear columns the fit keeps (the earlier one).
@@ -387,7 +387,7 @@ def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iter
                      bands: dict[str, tuple[float, float]] | None = None) -> str:
     """The calibration TOML ``write_calibration`` writes, as text: ``label``, a ``warning``
     about the measurements, the ``[cost_model]`` factors, the held-out ``errors``
-    (``[error]``: kind -> p90 absolute relative error, as ``calibration_data`` reads them),
+    (``[error]``: kind -> p90 absolute relative error, as ``kvtwin.sim.calibration.band`` reads them),
     the held-out ``bands`` (``[band]``: kind -> (low, high) ratios of measured to replayed
     p99s) and the ``sources`` measured."""
     if isinstance(fit_or_efficiency, Fit):
@@ -395,7 +395,7 @@ def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iter
     else:
         fit, efficiency = None, fit_or_efficiency
     header = ["kvtwin cost-model calibration: efficiency factors for kvtwin.sim.replay.cost_model,",
-              "written by kvtwin.sim.replay.calibration.write_calibration."]
+              "written by kvtwin.sim.calibration.fit.step_model.write_calibration."]
     if fit is not None:
         header += [f"Fitted to measured steps ({'asynchronous' if fit.async_scheduling else 'synchronous'} "
                    f"scheduling) in {fit.iterations} iteration(s):",
@@ -443,7 +443,7 @@ def write_calibration(path: Path | str, fit_or_efficiency: Fit | Efficiency, *,
                       errors: dict[str, float] | None = None, sources: Sequence[dict[str, str]] = (),
                       warning: str | None = None, bands: dict[str, tuple[float, float]] | None = None) -> Path:
     """Write a calibration TOML (``[cost_model]``, every Efficiency field) that
-    ``kvtwin.sim.scenario.calibration_file.read_calibration`` reads back to the same Efficiency. The file is replaced whole or
+    ``kvtwin.sim.calibration.file.read_calibration`` reads back to the same Efficiency. The file is replaced whole or
     not at all. Returns the path written."""
     path = Path(path)
     text = calibration_text(fit_or_efficiency, comment_lines=comment_lines, label=label, errors=errors,

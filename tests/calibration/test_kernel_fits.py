@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kvtwin.sim.scenario.efficiency import AllReduceCurve
-from kvtwin.sim.replay.kernel_fit import (allreduce_points, attention_model_s, fit_attention, fit_decode_attention,
+from kvtwin.sim.calibration.efficiency import AllReduceCurve
+from kvtwin.sim.calibration.fit.kernels import (allreduce_points, attention_model_s, fit_attention, fit_decode_attention,
                                           fit_gemm, gemm_model_s, holdout_predictions, interpolate_s, layer_fixed_s,
                                           relative_errors)
 

@@ -33,12 +33,12 @@ from typing import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from kvtwin.sim.calibrate.bench_serve import BenchServeResult
-from kvtwin.sim.calibrate.prometheus import Histogram, ServerMetrics
+from kvtwin.sim.calibration.fit.bench_serve import BenchServeResult
+from kvtwin.sim.calibration.fit.prometheus import Histogram, ServerMetrics
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.scenario.deployment import Deployment
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.traces import schema as col
 

@@ -2,7 +2,7 @@
 pessimistic clock a capacity search also runs on.
 
 The calibration file itself (its factors, held-out errors and sources) is read by
-``kvtwin.sim.scenario.calibration_file``; this module turns its ``[error]`` table into
+``kvtwin.sim.calibration.file``; this module turns its ``[error]`` table into
 the ``p99_*_low``/``_high`` summary columns and the lines a command prints, and slows a
 clock by the step error for the pessimistic edge of a capacity answer.
 """
@@ -13,8 +13,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from kvtwin.sim.scenario.calibration_file import BANDED_FIGURES, UNCALIBRATED, Calibration
-from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.file import BANDED_FIGURES, UNCALIBRATED, Calibration
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
 
 
 def uncalibrated_line(note: str, *, slow_edge: bool = False) -> str:

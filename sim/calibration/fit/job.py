@@ -15,13 +15,13 @@ from typing import Callable, Sequence
 
 import pyarrow as pa
 
-from kvtwin.sim.calibrate.bench_serve import BenchServeResult, read_bench_serve_all
-from kvtwin.sim.calibrate.prometheus import ServerMetrics, read_scrape, scrape_delta
-from kvtwin.sim.calibrate.serving_fit import ServingFit, fit_bench_serve, fit_scrape, measured_requests
-from kvtwin.sim.calibrate.steps_device import device_warning, read_measured_on
-from kvtwin.sim.calibrate.steps_fit import StepsFit, fit_steps, read_steps
+from kvtwin.sim.calibration.fit.bench_serve import BenchServeResult, read_bench_serve_all
+from kvtwin.sim.calibration.fit.prometheus import ServerMetrics, read_scrape, scrape_delta
+from kvtwin.sim.calibration.fit.serving import ServingFit, fit_bench_serve, fit_scrape, measured_requests
+from kvtwin.sim.calibration.fit.steps_device import device_warning, read_measured_on
+from kvtwin.sim.calibration.fit.steps import StepsFit, fit_steps, read_steps
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.replay.calibration import StepSample, write_calibration
+from kvtwin.sim.calibration.fit.step_model import StepSample, write_calibration
 from kvtwin.sim.scenario.resolve import Overrides, ResolvedScenario, resolve_scenario
 from kvtwin.traces.bundled import resolve as resolve_trace
 from kvtwin.traces.load import load_trace

@@ -10,7 +10,7 @@ between points, the last segment's slope above the largest (one point: proportio
 import numpy as np
 import pytest
 
-from kvtwin.sim.replay.kernel_fit import holdout_predictions, interpolate_s, relative_errors
+from kvtwin.sim.calibration.fit.kernels import holdout_predictions, interpolate_s, relative_errors
 
 
 def test_each_fold_is_predicted_by_a_fit_on_the_others():

@@ -11,8 +11,8 @@ describe another device: the clock then runs on the default factors, and the
 from __future__ import annotations
 
 from kvtwin.sim.planner.hardware import GPU_PRESETS, GPUSpec
-from kvtwin.sim.scenario.calibration_file import Calibration, bundled_calibration, bundled_gpus, uncalibrated
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.file import Calibration, bundled_calibration, bundled_gpus, uncalibrated
+from kvtwin.sim.calibration.efficiency import Efficiency
 
 
 def bundled_for(gpu: GPUSpec, model_name: str, efficiency: Efficiency) -> Calibration:

@@ -19,7 +19,7 @@ from kvtwin.sim.planner.hardware import CALIBRATION_NEUTRAL_FIELDS, GPU_PRESETS,
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay.cost_model import CostModel
-from kvtwin.sim.scenario.calibration_file import bundled_calibration, bundled_gpus
+from kvtwin.sim.calibration.file import bundled_calibration, bundled_gpus
 from kvtwin.sim.scenario.resolve import resolve_scenario
 
 SCENARIO = """\

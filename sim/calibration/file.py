@@ -6,7 +6,7 @@ also carry
 * ``[error]``: the fit's absolute relative error on a fold it was not fitted on, as
   fractions, per kind of answer: ``prefill_step``, ``decode_step``, ``ttft``, ``tpot``,
   ``e2e``. The replay and capacity commands turn these into the band around their answers
-  (``kvtwin.sim.replay.calibration_data``);
+  (``kvtwin.sim.calibration.band``);
 * ``[band]``: how far real servers' p99s lay from the replay's, held out: per kind of
   answer (``ttft``, ``tpot``, ``e2e``), ``[low, high]`` ratios of the measured p99 to the
   replay's (``low <= 1 <= high``). Where a kind has one, the band around that p99 is
@@ -35,7 +35,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.scenario.efficiency import Efficiency, efficiency_from_mapping
+from kvtwin.sim.calibration.efficiency import Efficiency, efficiency_from_mapping
 
 # The bundled files are package data of the replay's data folder, read as resources (no
 # replay module is imported).
@@ -62,7 +62,7 @@ class Calibration:
     errors: dict[str, float] = field(default_factory=dict)  # kind -> held-out |relative error|
     sources: tuple[dict[str, str], ...] = ()
     # Why an uncalibrated clock has no calibration, in words ("" when calibrated or not known):
-    # every command that prints times says it (``kvtwin.sim.scenario.gpu_calibration``).
+    # every command that prints times says it (``kvtwin.sim.calibration.gpu``).
     note: str = ""
     # The file's own ``warning`` about its measurements ("" when none).
     warning: str = ""

@@ -14,11 +14,11 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.scenario import calibration_file
-from kvtwin.sim.replay.calibration_data import band_columns, band_lines, pessimistic, step_error
-from kvtwin.sim.scenario.calibration_file import Calibration, read_calibration, uncalibrated
+from kvtwin.sim.calibration import file as calibration_file
+from kvtwin.sim.calibration.band import band_columns, band_lines, pessimistic, step_error
+from kvtwin.sim.calibration.file import Calibration, read_calibration, uncalibrated
 from kvtwin.sim.replay.cost_model import CostModel
-from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 
 CALIBRATION = """\

@@ -16,10 +16,11 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.calibration_data import band_columns, band_lines, pessimistic, step_error
-from kvtwin.sim.replay.cost_model import CostModel, DraftHead
-from kvtwin.sim.scenario.calibration_file import Calibration
-from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.band import band_columns, band_lines, pessimistic, step_error
+from kvtwin.sim.planner.draft_head import DraftHead
+from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.calibration.file import Calibration
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
 
 EFF = Efficiency(matmul_flops_fraction=0.5, matmul_half_tokens=48.0, attention_flops_fraction=0.4,
                  attention_half_query_tokens=16.0, hbm_bandwidth_fraction=0.75, interconnect_fraction=0.6,
@@ -83,7 +84,7 @@ def test_the_pessimistic_clock_slows_every_step_by_the_error(tp, async_schedulin
     slow = pessimistic(EFF, error)
     assert slow.client_overhead_s == EFF.client_overhead_s  # outside the step
     assert slow.matmul_half_tokens == EFF.matmul_half_tokens
-    head = DraftHead(1, 2)
+    head = DraftHead("eagle", 1, 2)
     fast_cost = cost_model(EFF, tp, async_scheduling, head).split_step_cost(decodes, prefills, draft_ends=decodes[:3])
     slow_cost = cost_model(slow, tp, async_scheduling, head).split_step_cost(decodes, prefills, draft_ends=decodes[:3])
     assert slow_cost.total_s == pytest.approx(fast_cost.total_s * (1 + error), rel=1e-12)

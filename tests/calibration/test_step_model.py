@@ -11,11 +11,11 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.planner.models import get_model
 from kvtwin.sim.planner.plan import plan
-from kvtwin.sim.replay.calibration import (Fit, StepSample, ape_by_kind, batch_kind, fit_efficiency, predict_s,
+from kvtwin.sim.calibration.fit.step_model import (Fit, StepSample, ape_by_kind, batch_kind, fit_efficiency, predict_s,
                                            write_calibration)
-from kvtwin.sim.scenario.calibration_file import read_calibration
+from kvtwin.sim.calibration.file import read_calibration
 from kvtwin.sim.replay.cost_model import CostModel
-from kvtwin.sim.scenario.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
 
 # Far enough from the defaults that a fit which does not move would fail.
 TRUE = Efficiency(matmul_flops_fraction=0.42, attention_flops_fraction=0.31, hbm_bandwidth_fraction=0.66,

@@ -25,15 +25,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kvtwin.sim.calibrate import serving_fit
-from kvtwin.sim.calibrate.bench_serve import read_bench_serve, read_bench_serve_all
-from kvtwin.sim.calibrate.fit_report import CalibrationJob, CalibrationResult, write
-from kvtwin.sim.calibrate.prometheus import parse_exposition, Scrape, scrape_delta
-from kvtwin.sim.calibrate.serving_fit import Knobs, fit_bench_serve, fit_scrape, measured_requests
-from kvtwin.sim.calibrate.steps_fit import fit_steps
-from kvtwin.sim.replay.calibration import StepSample
+from kvtwin.sim.calibration.fit import serving
+from kvtwin.sim.calibration.fit.bench_serve import read_bench_serve, read_bench_serve_all
+from kvtwin.sim.calibration.fit.job import CalibrationJob, CalibrationResult, write
+from kvtwin.sim.calibration.fit.prometheus import parse_exposition, Scrape, scrape_delta
+from kvtwin.sim.calibration.fit.serving import Knobs, fit_bench_serve, fit_scrape, measured_requests
+from kvtwin.sim.calibration.fit.steps import fit_steps
+from kvtwin.sim.calibration.fit.step_model import StepSample
 from kvtwin.sim.replay.cost_model import StepCost
-from kvtwin.sim.scenario.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.traces import schema as col
 
@@ -72,7 +72,7 @@ def known_clock(monkeypatch):
         return _Replay(pa.table({"status": ["finished"] * len(prompt), "ttft_s": ttft, "tpot_s": tpot,
                                  "e2el_s": e2e, "generated_tokens": output}))
 
-    monkeypatch.setattr(serving_fit, "run_replay", replay)
+    monkeypatch.setattr(serving, "run_replay", replay)
     return calls
 
 
