@@ -191,6 +191,11 @@ def run_case(case: GoldenCase | PDCase, *, on_step: Callable[[int], None] | None
     """Run ``case`` (module docstring); ``on_step`` is told each step (tick) run."""
     if isinstance(case, PDCase):
         return run_pd_case(case, on_step=on_step)
+    return _run_engine_case(case, on_step, max_idle_steps)
+
+
+def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, max_idle_steps: int) -> LockstepResult:
+    """A case of one engine, step by step."""
     engine = build_engine(case)
     pool = engine.kv_cache_manager.block_pool
     offloading = engine.offload is not None

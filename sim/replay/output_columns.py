@@ -1,5 +1,5 @@
 """The columns each optional feature adds to a run directory's tables, in one table
-(docs/architecture.md#output-columns; ``reports/SCHEMA.md`` says what each one means).
+(docs/architecture.md#outputs; ``reports/SCHEMA.md`` says what each one means).
 
 Every run writes the base columns of ``requests.parquet``, ``steps.parquet`` and
 ``summary.parquet``; a feature that is on adds its ``ColumnSet``. Each table has one author:
