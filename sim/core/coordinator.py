@@ -21,7 +21,8 @@ from math import lcm
 from kvtwin.sim.core.block_pool import BlockPool, KVCacheBlock
 from kvtwin.sim.core.hashing import BlockHashes, CoarseBlockHashes
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
-from kvtwin.sim.core.managers import SingleTypeKVCacheManager, manager_class_for
+from kvtwin.sim.core.managers import manager_class_for
+from kvtwin.sim.core.single_type_manager import SingleTypeKVCacheManager
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.retention import validate_retention_interval
 from kvtwin.sim.core.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, cdiv

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, UnitaryKVCacheCoordinator, get_kv_cache_coordinator
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
-from kvtwin.sim.core.managers import FullAttentionManager, MambaManager
+from kvtwin.sim.core.attention_managers import FullAttentionManager
+from kvtwin.sim.core.mamba_manager import MambaManager
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import KVCacheConfig, cdiv
 

@@ -8,7 +8,7 @@ one matters: docs/semantics.md#kv-offloading.
 from __future__ import annotations
 
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
-from kvtwin.sim.core.managers import MambaManager
+from kvtwin.sim.core.mamba_manager import MambaManager
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
 

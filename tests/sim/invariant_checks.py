@@ -21,7 +21,8 @@ from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import KVCacheBlock
 from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache
 from kvtwin.sim.core.engine import EngineCore, StepResult
-from kvtwin.sim.core.managers import ChunkedLocalAttentionManager, MambaManager, SlidingWindowManager
+from kvtwin.sim.core.attention_managers import ChunkedLocalAttentionManager, SlidingWindowManager
+from kvtwin.sim.core.mamba_manager import MambaManager
 from kvtwin.sim.core.request import RequestStatus
 from kvtwin.sim.core.spec import FullAttentionSpec, cdiv
 
