@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.offload.connector import OffloadingConnector
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
+from kvtwin.sim.core.offload.manager import OffloadingManager
 from kvtwin.sim.core.offload.tiered_manager import PromotionClock, TieredOffloadingManager
 from kvtwin.sim.core.offload.transfers import StepTransfers, TimedTransfers
 from kvtwin.sim.core.spec import KVCacheConfig
@@ -28,11 +29,11 @@ class DiskTierSpec:
 
 class OffloadTier:
     """An engine's offload tier: the manager that holds the chunks (CPU, or CPU over disk:
-    the same interface), the worker stand-in that decides when transfers finish (its
+    one ``OffloadingManager``), the worker stand-in that decides when transfers finish (its
     clock), and the scheduler-side connector over the manager."""
 
-    def __init__(self, manager: CPUOffloadingManager | TieredOffloadingManager,
-                 transfers: StepTransfers | TimedTransfers, connector: OffloadingConnector):
+    def __init__(self, manager: OffloadingManager, transfers: StepTransfers | TimedTransfers,
+                 connector: OffloadingConnector):
         self.manager = manager
         self.transfers = transfers
         self.connector = connector
@@ -45,7 +46,7 @@ def build_offload_tier(kv_cache_config: KVCacheConfig, cache_config: CacheConfig
     ``blocks_per_chunk`` blocks under cache ``policy`` (over ``disk`` if given, under the
     same policy), transfers finishing as ``transfers`` says."""
     cpu = CPUOffloadingManager(num_cpu_chunks, policy)
-    manager: CPUOffloadingManager | TieredOffloadingManager = cpu
+    manager: OffloadingManager = cpu
     if disk is not None:
         manager = TieredOffloadingManager(cpu, disk.num_chunks, policy, disk.promotion, chunk_bytes=disk.chunk_bytes)
     connector = OffloadingConnector(kv_cache_config, manager, cache_config.enable_prefix_caching, blocks_per_chunk,
