@@ -57,6 +57,8 @@ INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                "output_columns.py", "run_tables.py",
                "rate_search.py", "capacity_points.py", "capacity_sweep.py", "capacity_table.py", "sweep_backends.py",
                "summaries.py", "sustained.py", "load_curve.py", "trace_requests.py", "router.py",
+               # Each replica's connector tier: built once per run.
+               "connector_tiers.py",
                # The SimPy clock's generator processes: compiled, they crash the garbage
                # collector (mypy 2.4.1). Its per-batch objects (cluster.py, replica.py,
                # timeline.py, progress.py) are compiled.

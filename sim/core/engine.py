@@ -14,9 +14,12 @@ results. Its two halves, ``schedule_batch`` and ``update_batch``, let a clock pu
 between launching a batch and applying it (the SimPy replay waits for the batch's end).
 The synchronous ``step`` is unchanged and stays the only step for synchronous configs.
 
-An offload tier (``sim/core/offload/build.py`` builds it) reaches the engine built: its
-connector goes to the scheduler, its transfers are the engine's worker. Without one the
-worker is the bare ``KVTransferWorker``, which does nothing, so a step takes the same path either way.
+A connector tier (``connector_tier.py``: an offload tier, ``sim/core/offload/build.py``, or
+a P/D engine's connector, ``pd_connector.py``) reaches the engine built, in its one slot:
+its connector goes to the scheduler, its worker is the engine's. Without one the worker is
+the bare ``KVTransferWorker``, which does nothing, so a step takes the same path either
+way. Clocks and stats ask the engine (``next_transfer_event_s``, ``waits_for_transfers``,
+``make_stats``), never the tier.
 """
 
 from __future__ import annotations
@@ -27,12 +30,11 @@ from typing import Protocol
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.connector_tier import ConnectorTier
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.core.engine_stats import EngineStats, offload_tier_counters, pool_stats
+from kvtwin.sim.core.engine_stats import EngineStats, pool_stats
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
-from kvtwin.sim.core.offload.build import OffloadTier
-from kvtwin.sim.core.pd_connector import PDConnector, PDTransfers, StepPDTransfers
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -144,14 +146,6 @@ class Batch:
 _IDLE = Execution({}, 0.0)
 
 
-class PDTier:
-    """A P/D engine's connector (scheduler half) and its worker."""
-
-    def __init__(self, connector: PDConnector, transfers: PDTransfers | StepPDTransfers):
-        self.connector = connector
-        self.transfers = transfers
-
-
 def make_scheduler(kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
                    cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None) -> Scheduler:
     """The scheduler ``scheduler_config`` asks for: ``AsyncScheduler`` with asynchronous
@@ -168,22 +162,17 @@ def _stuck(request: Request, where: str) -> str:
 
 class EngineCore:
     def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig = CacheConfig(), offload: OffloadTier | None = None,
-                 pd: PDTier | None = None):
-        # The offload tier (None: none), for clocks and metrics that read its counters.
-        self.offload = offload
-        # A P/D engine's connector and worker (None: not disaggregated); not with an offload tier.
-        self.pd = pd
-        connector: KVConnector | None = offload.connector if offload is not None else None
-        transfers: KVTransferWorker = offload.transfers if offload is not None else KVTransferWorker()
-        if pd is not None:
-            # One connector slot: a scenario with both is refused when it is resolved (the
-            # table of features, sim/scenario/features.py; docs/architecture.md#features-and-their-combinations).
-            assert offload is None, "an engine takes an offload tier or a P/D connector, not both"
-            connector, transfers = pd.connector, pd.transfers
-        self.scheduler = make_scheduler(kv_cache_config, scheduler_config, cache_config, connector)
+                 cache_config: CacheConfig = CacheConfig(), connector: ConnectorTier | None = None):
+        """``connector``: the engine's one connector tier (None: none). Which features may
+        share an engine is the table of features' to say (sim/scenario/features.py;
+        docs/architecture.md#features-and-their-combinations), so one slot is all it has."""
+        self._tier = connector
+        kv_connector: KVConnector | None = connector.connector if connector is not None else None
+        self.scheduler = make_scheduler(kv_cache_config, scheduler_config, cache_config, kv_connector)
         # The worker side of the connector: submits each batch's jobs, reports what finished.
-        self.transfers = transfers
+        # Held apart from the tier: every step calls it, and a compiled attribute of the
+        # worker's own class is a direct call where the Protocol's would be a lookup.
+        self._worker: KVTransferWorker = connector.transfers if connector is not None else KVTransferWorker()
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.rejected: list[Rejection] = []
         # Async: batches scheduled and not yet updated, oldest first.
@@ -251,7 +240,7 @@ class EngineCore:
         forward pass and reports the finished ones with its output; an empty step still
         reports them."""
         output = self.scheduler.schedule()
-        transfers = self.transfers
+        transfers = self._worker
         transfers.submit(output.kv_connector_metadata)
         execution = self._execute(executor, output)
         finished = self.scheduler.update_from_output(output, execution.sampled) if output.num_scheduled_tokens else []
@@ -272,6 +261,21 @@ class EngineCore:
         connector = self.scheduler.connector
         return connector is not None and connector.has_pending_jobs()
 
+    def waits_for_transfers(self) -> bool:
+        """Whether requests wait for transfers, so a clock with nothing to run waits for the
+        next one (``next_transfer_event_s``) rather than stopping: unfinished requests (a load
+        may let them go on), or finished ones whose jobs the tier says keep the engine
+        stepping (a P/D prefill side's blocks still to be read). False without a connector."""
+        tier = self._tier
+        return tier is not None and (self.scheduler.has_unfinished_requests() or tier.keeps_engine_waiting())
+
+    def next_transfer_event_s(self) -> float | None:
+        """When the connector's next job in flight finishes on a timed clock: a P/D read, an
+        offload tier's GPU↔CPU job, or a CPU↔disk job of its disk tier (None: nothing in
+        flight, a step clock, or no connector)."""
+        tier = self._tier
+        return tier.next_event_s() if tier is not None else None
+
     # -- asynchronous scheduling: two batches in flight --------------------------------
 
     def has_requests(self) -> bool:
@@ -287,7 +291,7 @@ class EngineCore:
         and queue it. An output with no tokens is queued too (vLLM updates it as well).
         The worker gets the batch's transfer jobs with it."""
         output = self.scheduler.schedule()
-        self.transfers.submit(output.kv_connector_metadata)
+        self._worker.submit(output.kv_connector_metadata)
         batch = Batch(output, self._execute(executor, output))
         self.batch_queue.append(batch)
         return batch
@@ -297,7 +301,7 @@ class EngineCore:
         transfers the worker reports finished with it."""
         batch = self.batch_queue.popleft()
         finished = self.scheduler.update_from_output(batch.output, batch.execution.sampled)
-        reported = self.transfers.finish_step(batch.execution.duration_s)
+        reported = self._worker.finish_step(batch.execution.duration_s)
         self.scheduler.update_connector_output(reported)
         return StepResult(batch.output, finished, batch.execution, batch.output, transfers=reported)
 
@@ -352,14 +356,14 @@ class EngineCore:
         return ConfigError(workload_field, f"a workload that can make progress: {_stuck(request, where)}")
 
     def make_stats(self) -> EngineStats:
-        """The queues and the pool as they are now, and the offload tier's counters (vLLM's
+        """The queues and the pool as they are now, and the connector tier's counters (vLLM's
         ``Scheduler.make_stats``): what a step row records, without reading the scheduler."""
         scheduler = self.scheduler
-        offload = self.offload
+        tier = self._tier
         counters = None
         load_seconds = None
-        if offload is not None:
-            counters = offload_tier_counters(offload.manager, offload.transfers)
-            load_seconds = offload.transfers.job_load_seconds()
+        if tier is not None:
+            counters = tier.step_counters()
+            load_seconds = tier.job_load_seconds()
         return pool_stats(self.kv_cache_manager.block_pool, len(scheduler.running), len(scheduler.waiting), counters,
                           load_seconds)

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 from kvtwin.sim.core.block_pool import BlockPool
 from kvtwin.sim.core.kv_connector import KVTransferWorker
-from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
+from kvtwin.sim.core.offload.manager import OffloadingManager
 
 
 @dataclass
@@ -60,16 +59,9 @@ def pool_stats(pool: BlockPool, num_running_reqs: int, num_waiting_reqs: int,
                        offload_counters, load_seconds)
 
 
-def offload_tier_counters(manager: CPUOffloadingManager | TieredOffloadingManager,
-                          transfers: KVTransferWorker) -> dict[str, int]:
-    """An offload tier's cumulative counters (gauges as they are), by step column: the CPU
-    tier's, the disk tier's when the manager has one, and the bytes moved over PCIe."""
-    out = {"offload_cpu_loaded_keys": manager.num_loaded_keys, "offload_cpu_stored_keys": manager.num_stored_keys,
-           "offload_cpu_evicted_keys": manager.num_evicted_keys, "offload_cpu_used_chunks": manager.num_used_chunks}
-    if isinstance(manager, TieredOffloadingManager) and manager.disk_num_chunks:
-        out.update({"offload_disk_loaded_keys": manager.disk_loaded_keys,
-                    "offload_disk_stored_keys": manager.disk_stored_keys,
-                    "offload_disk_evicted_keys": manager.disk_evicted_keys,
-                    "offload_disk_used_chunks": manager.num_disk_used_chunks})
+def offload_tier_counters(manager: OffloadingManager, transfers: KVTransferWorker) -> dict[str, int]:
+    """An offload tier's cumulative counters (gauges as they are), by step column: the
+    manager's (the CPU tier's, and a disk tier's when it has one) and the bytes moved over PCIe."""
+    out = manager.counters()
     out["offload_load_bytes"], out["offload_store_bytes"] = transfers.moved_bytes()
     return out

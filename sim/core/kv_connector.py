@@ -99,6 +99,11 @@ class KVTransferWorker:
         """Each load job's seconds on the link, by job id (None: a clock without seconds)."""
         return None
 
+    def next_completion_s(self) -> float | None:
+        """When the next job in flight finishes, on a timed clock (None: none in flight, or
+        a clock that counts steps)."""
+        return None
+
     def moved_bytes(self) -> tuple[int, int]:
         """Bytes loaded and stored so far, (loads, stores): a clock that counts steps, not
         bytes on a link, reports none."""

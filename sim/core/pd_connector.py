@@ -270,9 +270,6 @@ class StepPDTransfers(KVTransferWorker):
         out.finished_sending.sort()
         return out
 
-    def next_completion_s(self) -> float | None:
-        return None  # a step clock: no seconds
-
 
 class PDLink:
     """One replica's inbound KV link: reads queue first in, first out, each taking its
@@ -342,3 +339,26 @@ class PDTransfers(KVTransferWorker):
 
     def next_completion_s(self) -> float | None:
         return self._heap[0][0] if self._heap else None
+
+
+class PDTier:
+    """A P/D engine's connector tier (``connector_tier.ConnectorTier``): its connector and
+    worker. It has no step columns (the P/D columns are per request) and its reads are the
+    jobs a clock waits for; a prefill side's blocks still to be read keep the engine
+    stepping after its requests finished."""
+
+    def __init__(self, connector: PDConnector, transfers: PDTransfers | StepPDTransfers):
+        self.connector = connector
+        self.transfers = transfers
+
+    def step_counters(self) -> dict[str, int] | None:
+        return None
+
+    def job_load_seconds(self) -> dict[int, float] | None:
+        return None
+
+    def next_event_s(self) -> float | None:
+        return self.transfers.next_completion_s()
+
+    def keeps_engine_waiting(self) -> bool:
+        return self.connector.has_pending_jobs()

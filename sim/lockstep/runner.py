@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import BlockPool
-from kvtwin.sim.core.engine import EngineCore, Execution, PDTier, StepResult
+from kvtwin.sim.core.engine import EngineCore, Execution, StepResult
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
-from kvtwin.sim.core.offload.build import build_offload_tier
+from kvtwin.sim.core.offload.build import OffloadTier, build_offload_tier
 from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.core.pd_connector import (PDConnector, RemoteRead, StepPDTransfers, remote_prefill_tokens,
+from kvtwin.sim.core.pd_connector import (PDConnector, PDTier, RemoteRead, StepPDTransfers, remote_prefill_tokens,
                                           truncated_prompt)
 from kvtwin.sim.lockstep.golden import GoldenCase, PDCase
 from kvtwin.sim.core.hashing import TokenPrompt
@@ -150,33 +150,34 @@ class LockstepResult:
                 f"{preemptions} preemptions")
 
 
-def offload_record(engine: EngineCore, result: StepResult, evicted_before: int) -> dict:
-    """The ``offload`` part of a step's line: transfer jobs made and reported, and the tier."""
+def offload_record(engine: EngineCore, tier: OffloadTier, result: StepResult, evicted_before: int) -> dict:
+    """The ``offload`` part of a step's line: transfer jobs made and reported, and the tier
+    (the one ``engine`` was built with)."""
     # Asynchronous steps may only schedule (no report yet) or only apply (no schedule).
     meta = result.output.kv_connector_metadata or OffloadingConnectorMetadata()
     reported = result.transfers or KVConnectorOutput()
-    assert engine.offload is not None
-    manager = engine.offload.manager
+    counters = tier.manager.counters()
     return {
         "loads": [[job.req_id, len(job.keys)] for job in meta.load_jobs.values()],
         "stores": [[job.req_id, len(job.keys)] for job in meta.store_jobs.values()],
-        "evicted": manager.num_evicted_keys - evicted_before,
+        "evicted": counters["offload_cpu_evicted_keys"] - evicted_before,
         "flushed": sorted(meta.jobs_to_flush),
         "completed": sorted(reported.completed_jobs),
-        "cpu_used_chunks": manager.num_used_chunks,
+        "cpu_used_chunks": counters["offload_cpu_used_chunks"],
         "waiting_for_kv": sorted(r.request_id for r in engine.scheduler.connector_state.kv_holding_waiting
                                  if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS),
     }
 
 
-def build_engine(case: GoldenCase) -> EngineCore:
-    """The case's engine, with its offload tier (a CPU tier on the step clock) if it has one."""
+def build_engine(case: GoldenCase) -> tuple[EngineCore, OffloadTier | None]:
+    """The case's engine, with its offload tier (a CPU tier on the step clock) if it has one,
+    and that tier (the runner reads its counters from it, not from the engine)."""
     offload = None
     if case.offload is not None:
         transfers = StepTransfers(case.offload.load_steps, case.offload.store_steps)
         offload = build_offload_tier(case.kv_cache_config, case.cache_config, transfers,
                                      num_cpu_chunks=case.offload.num_cpu_chunks, policy=case.offload.eviction_policy)
-    return EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config, offload)
+    return EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config, offload), offload
 
 
 def scripted_model(case: GoldenCase) -> ScriptedModel | SpecScriptedModel:
@@ -196,9 +197,9 @@ def run_case(case: GoldenCase | PDCase, *, on_step: Callable[[int], None] | None
 
 def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, max_idle_steps: int) -> LockstepResult:
     """A case of one engine, step by step."""
-    engine = build_engine(case)
+    engine, tier = build_engine(case)
     pool = engine.kv_cache_manager.block_pool
-    offloading = engine.offload is not None
+    offloading = tier is not None
     # request id -> (loaded tokens, step the load was issued) of its pending admission.
     loads: dict[str, tuple[int, int]] = {}
     updated_batches = 0  # async: batches applied so far
@@ -225,7 +226,7 @@ def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, ma
                 raise ConfigError("requests.jsonl", f"requests the engine accepts ({rejection.code}: "
                                   f"{rejection.detail})", spec.request_id)
             next_arrival += 1
-        evicted_before = engine.offload.manager.num_evicted_keys if engine.offload is not None else 0
+        evicted_before = tier.manager.counters()["offload_cpu_evicted_keys"] if tier is not None else 0
         batches_before = async_scheduler.num_batches if async_scheduler is not None else 0
         result = step_fn(model)
         out = result.output
@@ -247,8 +248,8 @@ def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, ma
         for request in result.finished:
             records[request.request_id].finish_step = step
         line = step_record(step, result, pool, speculative)
-        if offloading:
-            line["offload"] = offload_record(engine, result, evicted_before)
+        if tier is not None:
+            line["offload"] = offload_record(engine, tier, result, evicted_before)
             if is_async:
                 # Which batch this step scheduled and which it applied (batches are numbered
                 # in schedule order; None: none).
@@ -286,7 +287,7 @@ class PDEngine:
         self.connector = PDConnector(kv_cache_config)
         self.transfers = StepPDTransfers(case.read_steps)
         self.engine = EngineCore(kv_cache_config, case.scheduler_config, case.cache_config,
-                                 pd=PDTier(self.connector, self.transfers))
+                                 PDTier(self.connector, self.transfers))
         self.is_async = case.scheduler_config.async_scheduling
         self.num_updated = 0
 

@@ -13,7 +13,7 @@ table) every replica's engine gets its own CPU tier (``CPUOffloadingManager``), 
 tier when ``disk_bytes > 0`` (``TieredOffloadingManager``, its CPU↔disk jobs on a
 ``TimedPromotions`` queue), with transfers timed on the SimPy clock (``TimedTransfers``:
 FIFO per PCIe direction at the GPU's host-link rate); ``sim/planner/offload.py`` sizes
-them. ``offload_tier`` builds them with ``sim/core/offload/build.py``.
+them. ``connector_tiers.py`` builds them, as it builds a P/D replay's connectors.
 """
 
 from __future__ import annotations
@@ -26,19 +26,14 @@ import simpy
 
 from kvtwin.sim.replay.cost_model import CostModel, StepCost
 from kvtwin.sim.scenario.acceptance import AcceptanceModel
-from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.decode_window import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
 from kvtwin.sim.core.retention import retention_label
-from kvtwin.sim.core.offload.build import DiskTierSpec, OffloadTier, build_offload_tier
-from kvtwin.sim.core.offload.tiered_manager import TimedPromotions
-from kvtwin.sim.core.offload.transfers import TimedTransfers
-from kvtwin.sim.core.spec import KVCacheConfig
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.host_memory import require_host_memory
-from kvtwin.sim.planner.offload import BLOCKS_PER_CHUNK, ResolvedOffload
+from kvtwin.sim.planner.offload import ResolvedOffload
 from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
@@ -46,6 +41,7 @@ from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.clock.cluster import run_simulation
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.connector_tiers import connector_tiers
 from kvtwin.sim.calibration.file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
@@ -284,10 +280,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     kv_cache_config = plan.require_fits()
     _require_pools_fit(plan, len(executors))
     eng = plan.engine
-    tiers: list[OffloadTier | None] = [None] * len(executors)
-    if offload is not None:
-        env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's
-        tiers = [offload_tier(offload, env, kv_cache_config, eng.cache) for _ in executors]
+    env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's
+    tiers = connector_tiers(plan, env, len(executors), offload=offload)
     engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
     routing = make_router(router, engines)
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload,
@@ -323,32 +317,6 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
         slo, trace, router, retention_label(plan.engine.cache.prefix_cache_retention_interval), client_overhead_s,
         disaggregation=disaggregation, calibration=calibration))
     return ReplayResult(tables.requests, tables.steps, tables.summary, end_s, tables.replicas)
-
-
-class SimPyClock:
-    """Now on a SimPy environment, for the offload tiers' transfer clocks."""
-
-    def __init__(self, env: simpy.Environment):
-        self.env = env
-
-    def now_s(self) -> float:
-        return self.env.now
-
-
-def offload_tier(offload: ResolvedOffload, env: simpy.Environment, kv_cache_config: KVCacheConfig,
-                 cache_config: CacheConfig) -> OffloadTier:
-    """One replica's offload tiers on ``env``'s clock: the CPU tier (over a disk tier when
-    ``offload`` has disk chunks) and the timed PCIe transfers."""
-    now_s = SimPyClock(env).now_s
-    disk = None
-    if offload.has_disk:
-        config = offload.config
-        disk = DiskTierSpec(offload.num_disk_chunks,
-                            TimedPromotions(config.disk_bandwidth_bytes_per_s, config.disk_latency_s, now_s),
-                            chunk_bytes=offload.kv_bytes_per_chunk)
-    transfers = TimedTransfers(now_s, offload.h2d_bytes_per_s, offload.d2h_bytes_per_s, offload.bytes_per_key)
-    return build_offload_tier(kv_cache_config, cache_config, transfers, num_cpu_chunks=offload.num_cpu_chunks,
-                              policy=offload.policy, blocks_per_chunk=BLOCKS_PER_CHUNK, disk=disk)
 
 
 class RecordedClockExecutor(CostModelExecutor):

@@ -99,9 +99,9 @@ def test_rdma_defaults_to_the_gpu_presets_nic():
     env = simpy.Environment()
     h100, a100 = llama_plan(), dataclasses.replace(llama_plan(), gpu=get_gpu("a100-80gb"))
     for plan, expected in ((h100, 400e9 / 8), (a100, 200e9 / 8)):
-        engine = pd_engines(plan, Disaggregation(prefill_replicas=1, decode_replicas=1), env)[1]
-        assert engine.transfers.link.bandwidth_bytes_per_s == expected
-        assert engine.transfers.link.latency_s == pytest.approx(10e-6)
+        _, tiers = pd_engines(plan, Disaggregation(prefill_replicas=1, decode_replicas=1), env)
+        assert tiers[1].transfers.link.bandwidth_bytes_per_s == expected
+        assert tiers[1].transfers.link.latency_s == pytest.approx(10e-6)
 
 
 # -- a run, watched batch by batch ----------------------------------------------------------
@@ -144,13 +144,13 @@ class WatchedCluster(PDCluster):
 
 def watched_run(plan, trace, disaggregation: Disaggregation):
     env = simpy.Environment()
-    engines = pd_engines(plan, disaggregation, env)
+    engines, tiers = pd_engines(plan, disaggregation, env)
     p = disaggregation.prefill_replicas
     router = PDRouter(engines[:p], engines[p:], disaggregation.prefill_router, disaggregation.decode_router)
     roles = ["prefill"] * p + ["decode"] * disaggregation.decode_replicas
     recorder = MetricsRecorder(len(plan.require_fits().groups), len(engines), roles=roles)
     replicas = [Replica(engine, CostModelExecutor(plan_cost_model(plan))) for engine in engines]
-    cluster = WatchedCluster(env, replicas, router, recorder, num_prefill=p)
+    cluster = WatchedCluster(env, replicas, tiers, router, recorder, num_prefill=p)
     cluster.run(arrivals_from_trace(trace))
     return cluster, recorder
 
@@ -181,10 +181,10 @@ def test_blocks_conserved_and_no_request_lost(chat, prefill, decode, async_sched
         assert requests["generated_tokens"][i] == requests["output_tokens"][i]
         # Every prefill request's blocks came back, and only after its read.
         assert cluster.freed_s[request_id + PREFILL_SUFFIX] >= cluster.read_done_s[request_id + PREFILL_SUFFIX]
-    for replica in cluster.replicas:
+    for replica, tier in zip(cluster.replicas, cluster.tiers):
         engine = replica.engine
         assert not engine.scheduler.connector_state.delayed_free
-        assert not engine.pd.connector.has_pending_jobs()
+        assert not tier.connector.has_pending_jobs() and not engine.waits_for_transfers()
         pool = engine.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 

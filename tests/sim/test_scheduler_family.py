@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore, make_scheduler
-from kvtwin.sim.core.kv_connector import KVTransferWorker
+from kvtwin.sim.core.engine_stats import offload_tier_counters
 from kvtwin.sim.core.offload.build import DiskTierSpec, build_offload_tier
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
 from kvtwin.sim.core.offload.tiered_manager import StepPromotions, TieredOffloadingManager
@@ -35,11 +35,14 @@ def test_a_scheduler_without_a_connector_keeps_empty_connector_state():
 def test_an_engine_without_offload_steps_through_the_null_worker():
     engine = EngineCore(kv_config(full()), SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64,
                                                            async_scheduling=False))
-    assert type(engine.transfers) is KVTransferWorker  # the worker that does nothing
     engine.add_request(new_request("a", tokens(0, 20), max_tokens=2))
     results = [engine.step(EchoModel()) for _ in range(3)]
+    # The worker that does nothing reports nothing, and nothing waits or is timed.
     assert all(r.transfers is None for r in results)
     assert not engine.has_unfinished_requests() and not engine.has_pending_transfers()
+    assert not engine.has_connector and not engine.waits_for_transfers()
+    assert engine.next_transfer_event_s() is None
+    assert engine.make_stats().offload_counters is None and engine.make_stats().load_seconds is None
 
 
 def test_the_offload_builder_makes_the_tier_the_engine_uses():
@@ -47,7 +50,16 @@ def test_the_offload_builder_makes_the_tier_the_engine_uses():
     tier = build_offload_tier(kv, CacheConfig(), StepTransfers(), num_cpu_chunks=8, policy="lru")
     assert isinstance(tier.manager, CPUOffloadingManager)
     engine = EngineCore(kv, SchedulerConfig(max_model_len=4096, async_scheduling=True), CacheConfig(), tier)
-    assert engine.scheduler.connector is tier.connector and engine.transfers is tier.transfers
+    assert engine.scheduler.connector is tier.connector
+    engine.add_request(new_request("a", tokens(0, 20), max_tokens=2))
+    engine.step_async(EchoModel())
+    # The engine's worker is the tier's: the first batch went to it.
+    assert tier.transfers.next_batch == 1
+    # A step clock times nothing; the tier's counters are the engine's step columns.
+    assert engine.next_transfer_event_s() is None
+    assert engine.make_stats().offload_counters == offload_tier_counters(tier.manager, tier.transfers)
+    # Unfinished requests wait for transfers; an offload tier's stores keep nobody waiting.
+    assert engine.waits_for_transfers() and not tier.keeps_engine_waiting()
     assert engine.scheduler.connector_state.defer_block_free
     disk = DiskTierSpec(16, StepPromotions(1))
     tiered = build_offload_tier(kv, CacheConfig(), StepTransfers(), num_cpu_chunks=8, policy="arc", disk=disk)

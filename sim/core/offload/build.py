@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtwin.sim.core.config import CacheConfig
+from kvtwin.sim.core.engine_stats import offload_tier_counters
 from kvtwin.sim.core.offload.connector import OffloadingConnector
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
+from kvtwin.sim.core.offload.manager import OffloadingManager
 from kvtwin.sim.core.offload.tiered_manager import PromotionClock, TieredOffloadingManager
 from kvtwin.sim.core.offload.transfers import StepTransfers, TimedTransfers
 from kvtwin.sim.core.spec import KVCacheConfig
@@ -27,15 +29,35 @@ class DiskTierSpec:
 
 
 class OffloadTier:
-    """An engine's offload tier: the manager that holds the chunks (CPU, or CPU over disk:
-    the same interface), the worker stand-in that decides when transfers finish (its
-    clock), and the scheduler-side connector over the manager."""
+    """An engine's offload tier, its connector tier (``connector_tier.ConnectorTier``): the
+    manager that holds the chunks (CPU, or CPU over disk: one ``OffloadingManager``), the
+    worker stand-in that decides when transfers finish (its clock), and the scheduler-side
+    connector over the manager."""
 
-    def __init__(self, manager: CPUOffloadingManager | TieredOffloadingManager,
-                 transfers: StepTransfers | TimedTransfers, connector: OffloadingConnector):
+    def __init__(self, manager: OffloadingManager, transfers: StepTransfers | TimedTransfers,
+                 connector: OffloadingConnector):
         self.manager = manager
         self.transfers = transfers
         self.connector = connector
+
+    def step_counters(self) -> dict[str, int] | None:
+        return offload_tier_counters(self.manager, self.transfers)
+
+    def job_load_seconds(self) -> dict[int, float] | None:
+        return self.transfers.job_load_seconds()
+
+    def next_event_s(self) -> float | None:
+        """The earlier of the next GPU↔CPU job's end and the next CPU↔disk job's."""
+        transfer_s = self.transfers.next_completion_s()
+        disk_s = self.manager.next_finish_s()
+        if transfer_s is None:
+            return disk_s
+        return transfer_s if disk_s is None else min(transfer_s, disk_s)
+
+    def keeps_engine_waiting(self) -> bool:
+        # A store in flight delays no request; a load's request is unfinished, which the
+        # engine counts itself (EngineCore.waits_for_transfers).
+        return False
 
 
 def build_offload_tier(kv_cache_config: KVCacheConfig, cache_config: CacheConfig,
@@ -45,7 +67,7 @@ def build_offload_tier(kv_cache_config: KVCacheConfig, cache_config: CacheConfig
     ``blocks_per_chunk`` blocks under cache ``policy`` (over ``disk`` if given, under the
     same policy), transfers finishing as ``transfers`` says."""
     cpu = CPUOffloadingManager(num_cpu_chunks, policy)
-    manager: CPUOffloadingManager | TieredOffloadingManager = cpu
+    manager: OffloadingManager = cpu
     if disk is not None:
         manager = TieredOffloadingManager(cpu, disk.num_chunks, policy, disk.promotion, chunk_bytes=disk.chunk_bytes)
     connector = OffloadingConnector(kv_cache_config, manager, cache_config.enable_prefix_caching, blocks_per_chunk,

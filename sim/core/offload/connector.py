@@ -39,6 +39,7 @@ from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.managers import manager_class_for
 from kvtwin.sim.core.offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
+from kvtwin.sim.core.offload.manager import OffloadingManager
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.retention import reachable_boundaries, thins_caching
 from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutput
@@ -108,7 +109,7 @@ class RequestOffloadState:
         self.transfer_jobs: set[int] = set()
         self.finished_signaled = False
         # (first token, end token, key) of the last load, for hits per tier.
-        self.load_key_ranges: list[tuple[int, int, object]] = []
+        self.load_key_ranges: list[tuple[int, int, OffloadKey]] = []
         # Offloadable tokens up to which every group's chunks were offered (all stored or
         # skipped): a store pass at this count is a no-op (-1: not settled).
         self.settled_tokens = -1
@@ -170,11 +171,12 @@ class OffloadingConnector:
     # connector): a hybrid hit must be one every group agrees on.
     supports_divergent_local_hybrid_hits: bool = False
 
-    def __init__(self, kv_cache_config: KVCacheConfig, manager, enable_prefix_caching: bool = True,
+    def __init__(self, kv_cache_config: KVCacheConfig, manager: OffloadingManager, enable_prefix_caching: bool = True,
                  blocks_per_chunk: int = 1, retention_interval: int | None = 0):
         self.manager = manager
         # A tier whose lookups are pure and never RETRY scans a prefix in one call (the
-        # waiting queue's head is looked up again every step it cannot be admitted).
+        # waiting queue's head is looked up again every step it cannot be admitted): a
+        # speed path the CPU tier offers beside the interface, not part of it.
         self._lookup_prefix = getattr(manager, "lookup_prefix", None)
         self.blocks_per_chunk = blocks_per_chunk
         tokens_per_hash = kv_cache_config.hash_block_size

@@ -108,6 +108,11 @@ class CPUOffloadingManager:
     def policy(self) -> CachePolicy:
         return self._policy
 
+    def counters(self) -> dict[str, int]:
+        """The step columns of the CPU tier (reports/SCHEMA.md), cumulative but the chunks in use."""
+        return {"offload_cpu_loaded_keys": self.num_loaded_keys, "offload_cpu_stored_keys": self.num_stored_keys,
+                "offload_cpu_evicted_keys": self.num_evicted_keys, "offload_cpu_used_chunks": self.num_used_chunks}
+
     # --- chunk pool ---------------------------------------------------------------
 
     def _allocate_chunks(self, count: int) -> list[ChunkStatus]:

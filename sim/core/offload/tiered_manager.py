@@ -443,6 +443,18 @@ class TieredOffloadingManager:
     def num_disk_used_chunks(self) -> int:
         return self.disk.num_used_chunks
 
+    def counters(self) -> dict[str, int]:
+        """The step columns (reports/SCHEMA.md): the CPU tier's, less the traffic of
+        promotions and cascades, then the disk tier's when there is one."""
+        out = {"offload_cpu_loaded_keys": self.num_loaded_keys, "offload_cpu_stored_keys": self.num_stored_keys,
+               "offload_cpu_evicted_keys": self.num_evicted_keys, "offload_cpu_used_chunks": self.num_used_chunks}
+        if self.disk_num_chunks:
+            out["offload_disk_loaded_keys"] = self.disk_loaded_keys
+            out["offload_disk_stored_keys"] = self.disk_stored_keys
+            out["offload_disk_evicted_keys"] = self.disk_evicted_keys
+            out["offload_disk_used_chunks"] = self.num_disk_used_chunks
+        return out
+
     def tier_counters(self) -> dict[str, dict[str, int]]:
         return {
             "cpu": {"stored": self.num_stored_keys, "loaded": self.num_loaded_keys,

@@ -74,7 +74,7 @@ def sync_engine_process(cluster: ClusterView, replica: Replica):
         if duration_s > 0:
             yield env.timeout(duration_s)
         elif not result.output.num_scheduled_tokens:
-            if connector and _waits_for_transfers(engine):
+            if engine.waits_for_transfers():
                 if (yield from _wait_for_transfers(cluster, replica, _reported(result))):
                     stalled = False
                     continue
@@ -159,22 +159,13 @@ def _idle(cluster: ClusterView, replica: Replica):
         result = replica.batches.update()
         cluster.applied(replica, result, replica.timeline.take_oldest())
         reported |= _reported(result)
-    if engine.has_connector and _waits_for_transfers(engine):
+    if engine.waits_for_transfers():
         if (yield from _wait_for_transfers(cluster, replica, reported)):
             return _WAITED
     if cluster.arrivals_done:
         return _STALLED if engine.has_unfinished_requests() else _DONE
     yield replica.sleep(cluster.env)
     return _WAITED
-
-
-def _waits_for_transfers(engine) -> bool:
-    """Requests wait for transfers: unfinished ones (loads), or, with a P/D connector,
-    finished ones whose blocks another engine still has to read."""
-    if engine.has_unfinished_requests():
-        return True
-    pd = engine.pd
-    return pd is not None and pd.connector.has_pending_jobs()
 
 
 def _wait_for_transfers(cluster: ClusterView, replica: Replica, reported: bool):

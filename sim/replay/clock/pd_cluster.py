@@ -2,7 +2,8 @@
 
 docs/semantics.md#disaggregated-prefill-and-decode. Replicas ``0 .. P-1`` prefill and
 ``P .. P+D-1`` decode (``PDRouter``); every engine has a ``PDConnector`` and a
-``PDTransfers`` worker. A request flows as through vLLM's P/D proxy:
+``PDTransfers`` worker, its ``PDTier``, which the cluster is handed beside the replicas
+(it never reads them back from an engine). A request flows as through vLLM's P/D proxy:
 
 1. on arrival the router picks a prefill and a decode replica; the prefill replica gets
    a copy of the request (id ``<id>@prefill``, the prompt less the connector's backoff,
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 import simpy
 
 from kvtwin.sim.core.engine import StepResult
-from kvtwin.sim.core.pd_connector import RemoteRead, truncated_prompt
+from kvtwin.sim.core.pd_connector import PDTier, PDTransfers, RemoteRead, truncated_prompt
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.clock.arrivals import Arrival
 from kvtwin.sim.replay.clock.cluster import Cluster
@@ -63,10 +64,12 @@ class PDCluster:
     replay's ``Cluster`` does the bookkeeping of every batch (recorder, progress, router
     releases); this adds the hand-overs between the roles and when idle replicas may stop."""
 
-    def __init__(self, env: simpy.Environment, replicas: Sequence[Replica], router: PDRouter,
-                 recorder: MetricsRecorder, *, num_prefill: int, copies: int = 1, time_limit_s: float | None = None,
-                 on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000):
-        """``num_prefill``: how many of the replicas (the first) prefill; ``copies``: the
+    def __init__(self, env: simpy.Environment, replicas: Sequence[Replica], tiers: Sequence[PDTier],
+                 router: PDRouter, recorder: MetricsRecorder, *, num_prefill: int, copies: int = 1,
+                 time_limit_s: float | None = None, on_progress: Callable[[ReplayClock], None] | None = None,
+                 progress_every: int = 2000):
+        """``tiers``: each replica's connector tier, the one its engine was built with;
+        ``num_prefill``: how many of the replicas (the first) prefill; ``copies``: the
         workers each move their share of a read (tensor parallel; 1 with MLA)."""
         self.inner = Cluster(env, replicas, router, recorder, time_limit_s=time_limit_s, on_progress=on_progress,
                              progress_every=progress_every)
@@ -79,14 +82,19 @@ class PDCluster:
         self.progress = self.inner.progress
         self.num_prefill = num_prefill
         self.copies = copies
+        self.tiers = list(tiers)
+        assert len(self.tiers) == len(self.replicas), "one connector tier per replica"
+        # Each replica's worker, on the SimPy clock's kind (told of reads in seconds).
+        self._workers: list[PDTransfers] = []
+        for tier in self.tiers:
+            assert isinstance(tier.transfers, PDTransfers)
+            self._workers.append(tier.transfers)
         self.roles = ["prefill" if i < num_prefill else "decode" for i in range(len(self.replicas))]
         self._arrivals_done = False
         self._by_prefill_id: dict[str, _InFlight] = {}
         self._by_id: dict[str, _InFlight] = {}
-        for replica in self.replicas[num_prefill:]:
-            pd = replica.engine.pd
-            assert pd is not None
-            pd.transfers.on_read = self._read_issued
+        for worker in self._workers[num_prefill:]:
+            worker.on_read = self._read_issued
 
     @property
     def arrivals_done(self) -> bool:
@@ -115,18 +123,17 @@ class PDCluster:
 
     def arrive(self, arrival: Arrival) -> None:
         request = arrival.request
-        first = self.replicas[0].engine.pd
-        assert first is not None
-        p_request = prefill_request(request, first.connector.prefill_backoff_tokens)
+        p_request = prefill_request(request, self.tiers[0].connector.prefill_backoff_tokens)
         prefill, decode = self.router.route_pair(p_request, request, arrival.session_id)
         self.recorder.arrived(request, arrival.arrival_s, arrival.session_id, decode)
         self.recorder.arrived_prefill(p_request, request.request_id, arrival.arrival_s, prefill)
         flight = _InFlight(request, p_request.request_id, prefill, decode)
         engine = self.replicas[prefill].engine
-        engine.pd.connector.mark_remote_decode(p_request.request_id)
+        connector = self.tiers[prefill].connector
+        connector.mark_remote_decode(p_request.request_id)
         self.progress.arrived += 1
         if not engine.add_request(p_request):
-            engine.pd.connector.request_finished(p_request)  # forget the mark
+            connector.request_finished(p_request)  # forget the mark
             self.recorder.rejected(request, engine.rejected[-1])
             self.progress.rejected += 1
             self.router.release(prefill, p_request)
@@ -160,12 +167,11 @@ class PDCluster:
         request = flight.request
         decode = self.replicas[flight.decode]
         engine = decode.engine
-        pd = engine.pd
-        assert pd is not None
+        connector = self.tiers[flight.decode].connector
         self.recorder.prefill_done(request.request_id, end_s)
-        pd.connector.expect_remote_prefill(request.request_id, p_request.num_computed_tokens)
+        connector.expect_remote_prefill(request.request_id, p_request.num_computed_tokens)
         if not engine.add_request(request):
-            pd.connector.request_finished(request)
+            connector.request_finished(request)
             self.recorder.rejected(request, engine.rejected[-1])
             self.progress.rejected += 1
             self.router.release(flight.decode, request)
@@ -187,7 +193,5 @@ class PDCluster:
 
     def _send_done(self, flight: _InFlight, at_s: float) -> None:
         prefill = self.replicas[flight.prefill]
-        pd = prefill.engine.pd
-        assert pd is not None
-        pd.transfers.send_done(flight.prefill_id, at_s)
+        self._workers[flight.prefill].send_done(flight.prefill_id, at_s)
         prefill.wake()

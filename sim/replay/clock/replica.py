@@ -13,7 +13,6 @@ from simpy.events import Event
 
 from kvtwin.sim.core.decode_window import WindowedBatchQueue, WindowPricing
 from kvtwin.sim.core.engine import EngineCore, ModelExecutor
-from kvtwin.sim.core.offload.transfers import TimedTransfers
 from kvtwin.sim.replay.clock.timeline import DeviceTimeline
 
 
@@ -39,12 +38,7 @@ class Replica:
             wake.succeed()
 
     def next_transfer_event_s(self) -> float | None:
-        """When the engine's next transfer finishes: a P/D read, an offload tier's GPU↔CPU
-        job, or a CPU↔disk job of a disk tier's promotion clock (None: nothing running)."""
-        pd = self.engine.pd
-        if pd is not None:
-            return pd.transfers.next_completion_s()
-        tier = self.engine.offload
-        assert tier is not None and isinstance(tier.transfers, TimedTransfers)  # the SimPy clock's kind
-        times = [t for t in (tier.transfers.next_completion_s(), tier.manager.next_finish_s()) if t is not None]
-        return min(times) if times else None
+        """When the engine's next transfer finishes (``EngineCore.next_transfer_event_s``:
+        a P/D read, an offload tier's GPU↔CPU job or a disk tier's CPU↔disk job; None:
+        nothing running)."""
+        return self.engine.next_transfer_event_s()

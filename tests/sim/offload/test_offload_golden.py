@@ -37,7 +37,7 @@ def test_the_offload_cases_cover_full_swa_and_mamba_with_both_policies_and_both_
 @pytest.mark.parametrize("name", OFFLOAD_CASES)
 def test_tables_kept_from_the_output_match_the_manager(name):
     case = load_case(CASES_DIR / name)
-    engine = build_engine(case)
+    engine, _ = build_engine(case)
     step = engine.step_async if case.scheduler_config.async_scheduling else engine.step
     mirror = BlockTableMirror(ScriptedModel({r.request_id: r.output_token_ids for r in case.requests}))
     expected = read_jsonl(CASES_DIR / name / "expected_steps.jsonl")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
-from kvtwin.sim.core.engine import EngineCore, PDTier
+from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
-from kvtwin.sim.core.pd_connector import (PDConnector, PDConnectorMetadata, PDLink, PDTransfers,
+from kvtwin.sim.core.pd_connector import (PDConnector, PDConnectorMetadata, PDLink, PDTier, PDTransfers,
                                           prefill_backoff_tokens, remote_prefill_tokens, truncated_prompt)
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.hashing import TokenPrompt
@@ -27,12 +27,12 @@ class Clock:
 
 
 def pd_engine(clock: Clock, *, num_blocks: int = 64, async_scheduling: bool = False,
-              bandwidth: float = 16 * 1024.0, latency: float = 0.5, on_read=None) -> EngineCore:
+              bandwidth: float = 16 * 1024.0, latency: float = 0.5, on_read=None) -> tuple[EngineCore, PDTier]:
+    """An engine with a P/D connector on ``clock``, and that connector tier."""
     config = kv_config(full(), num_blocks=num_blocks)
-    connector = PDConnector(config)
-    transfers = PDTransfers(clock, PDLink(bandwidth, latency), on_read)
+    tier = PDTier(PDConnector(config), PDTransfers(clock, PDLink(bandwidth, latency), on_read))
     return EngineCore(config, SchedulerConfig(max_model_len=4096, async_scheduling=async_scheduling),
-                      CacheConfig(enable_prefix_caching=True), pd=PDTier(connector, transfers))
+                      CacheConfig(enable_prefix_caching=True), tier), tier
 
 
 def used_blocks(engine: EngineCore) -> int:
@@ -42,8 +42,8 @@ def used_blocks(engine: EngineCore) -> int:
 
 def test_prefill_side_keeps_blocks_until_finished_sending():
     clock = Clock()
-    p = pd_engine(clock)
-    p.pd.connector.mark_remote_decode("r")
+    p, tier = pd_engine(clock)
+    tier.connector.mark_remote_decode("r")
     p.add_request(Request("r", TokenPrompt(tokens(0, 40)), 1))
     result = p.step(EchoModel())
     assert [r.request_id for r in result.finished] == ["r"]
@@ -51,7 +51,11 @@ def test_prefill_side_keeps_blocks_until_finished_sending():
     assert used_blocks(p) == 3
     assert p.has_requests()  # vLLM keeps stepping while has_finished_requests
     assert p.kv_cache_manager.get_block_ids("r")[0] != []
-    p.pd.transfers.send_done("r", 2.0)
+    # No request is unfinished, yet the held blocks keep a clock waiting; nothing is timed yet.
+    assert not p.has_unfinished_requests() and p.waits_for_transfers()
+    assert p.next_transfer_event_s() is None
+    tier.transfers.send_done("r", 2.0)
+    assert p.next_transfer_event_s() == 2.0
     clock.now = 1.0
     p.step(EchoModel())
     assert used_blocks(p) == 3  # not yet: the read lands at 2.0
@@ -59,11 +63,12 @@ def test_prefill_side_keeps_blocks_until_finished_sending():
     p.step(EchoModel())
     assert used_blocks(p) == 0
     assert not p.has_requests()
+    assert not p.waits_for_transfers() and p.next_transfer_event_s() is None
 
 
 def test_request_not_marked_frees_at_once():
     clock = Clock()
-    p = pd_engine(clock)
+    p, _ = pd_engine(clock)
     p.add_request(Request("r", TokenPrompt(tokens(0, 40)), 1))
     p.step(EchoModel())
     assert used_blocks(p) == 0 and not p.scheduler.connector_state.delayed_free
@@ -72,8 +77,9 @@ def test_request_not_marked_frees_at_once():
 def test_decode_side_loads_whole_prompt_then_recomputes_last_token():
     clock = Clock()
     reads = []
-    d = pd_engine(clock, on_read=lambda read, issued, done: reads.append((read.req_id, read.num_tokens, issued, done)))
-    d.pd.connector.expect_remote_prefill("r", 40)
+    d, tier = pd_engine(clock, on_read=lambda read, issued, done: reads.append((read.req_id, read.num_tokens, issued,
+                                                                               done)))
+    tier.connector.expect_remote_prefill("r", 40)
     req = Request("r", TokenPrompt(tokens(0, 40)), 4)
     d.add_request(req)
     out = d.step(EchoModel()).output
@@ -97,11 +103,11 @@ def test_decode_side_loads_whole_prompt_then_recomputes_last_token():
 
 def test_decode_side_local_hit_reads_the_rest_only():
     clock = Clock()
-    d = pd_engine(clock)
+    d, tier = pd_engine(clock)
     # Warm D's prefix cache with the first 32 tokens.
     d.add_request(Request("warm", TokenPrompt(tokens(0, 32)), 1))
     d.step(EchoModel())
-    connector = d.pd.connector
+    connector = tier.connector
     connector.expect_remote_prefill("r", 40)
     assert connector.get_num_new_matched_tokens(Request("x", TokenPrompt(tokens(0, 40)), 1), 32) == (0, False)
     req = Request("r", TokenPrompt(tokens(0, 40)), 4)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
-from kvtwin.sim.core.engine import EngineCore, PDTier
+from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.hashing import TokenPrompt
-from kvtwin.sim.core.pd_connector import (PDConnector, StepPDTransfers, group_block_bytes, read_blocks_by_group,
+from kvtwin.sim.core.pd_connector import (PDConnector, PDTier, StepPDTransfers, group_block_bytes, read_blocks_by_group,
                                           remote_prefill_tokens)
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request
@@ -66,11 +66,13 @@ def expected_counts(specs, hit: int, num_tokens: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def decode_engine(specs) -> EngineCore:
+def decode_engine(specs) -> tuple[EngineCore, PDTier]:
+    """A decode-side engine on the step clock, and its connector tier."""
     config = kv_config(*specs, num_blocks=2048)
+    tier = PDTier(PDConnector(config), StepPDTransfers(1))
     return EngineCore(config, SchedulerConfig(max_model_len=4096, max_num_batched_tokens=512, max_num_seqs=64,
                                               async_scheduling=False),
-                      CacheConfig(enable_prefix_caching=True), pd=PDTier(PDConnector(config), StepPDTransfers(1)))
+                      CacheConfig(enable_prefix_caching=True), tier), tier
 
 
 def run_until_done(engine: EngineCore) -> None:
@@ -84,16 +86,16 @@ def run_until_done(engine: EngineCore) -> None:
 PREFIX = list(range(1, 1 + 7 * BS))
 
 
-def read_of(engine: EngineCore, specs, request_id: str, prompt: list[int]):
+def read_of(engine: EngineCore, tier: PDTier, specs, request_id: str, prompt: list[int]):
     """Admit ``prompt`` as a remote prefill; its read and the blocks its table gained that
     were not cached before, per group."""
     pool = engine.kv_cache_manager.block_pool
     cached_before = {b.block_id for b in pool.blocks if b.block_hash is not None}
-    backoff = engine.pd.connector.prefill_backoff_tokens
-    engine.pd.connector.expect_remote_prefill(request_id, remote_prefill_tokens(len(prompt), backoff))
+    backoff = tier.connector.prefill_backoff_tokens
+    tier.connector.expect_remote_prefill(request_id, remote_prefill_tokens(len(prompt), backoff))
     assert engine.add_request(Request(request_id, TokenPrompt(prompt), 2))
     engine.step(EchoModel())
-    (read,) = engine.transfers.last_reads
+    (read,) = tier.transfers.last_reads
     assert read.req_id == request_id
     tables = engine.kv_cache_manager.get_block_ids(request_id)
     taken = tuple(len({b for b in table if b != 0} - cached_before) for table in tables)
@@ -117,7 +119,7 @@ def test_read_is_what_the_admission_took(specs):
     block_bytes = group_block_bytes(kv_config(*specs))
     checked = 0
     for hit_blocks in range(0, 8):
-        engine = decode_engine(specs)
+        engine, tier = decode_engine(specs)
         if hit_blocks:
             # Cache the prefix on the decode side (a local request, run to the end).
             engine.add_request(Request("prime", TokenPrompt(PREFIX[:hit_blocks * BS] + [99_000]), 1))
@@ -125,8 +127,8 @@ def test_read_is_what_the_admission_took(specs):
         for k, length in enumerate(LENGTHS):
             request_id = f"r{k}"
             prompt = PREFIX[:hit_blocks * BS] + [100_000 + 1000 * k + i for i in range(length)]
-            read, taken = read_of(engine, specs, request_id, prompt)
-            num_tokens = remote_prefill_tokens(len(prompt), engine.pd.connector.prefill_backoff_tokens)
+            read, taken = read_of(engine, tier, specs, request_id, prompt)
+            num_tokens = remote_prefill_tokens(len(prompt), tier.connector.prefill_backoff_tokens)
             hit = num_tokens - read.num_tokens
             assert read.hit_tokens == hit or not read.num_tokens
             assert hit == min(hit_blocks * BS, (len(prompt) - 1) // BS * BS) or any(
@@ -145,8 +147,8 @@ def test_skipped_prefix_is_not_read():
     """A 64-token load into a 32-token window skips 33 tokens (two whole blocks): the
     window's group reads 2 blocks, not the 3 its clip would allow."""
     specs = (full(), swa(32))
-    engine = decode_engine(specs)
-    read, taken = read_of(engine, specs, "r", list(range(1, 65)))
+    engine, tier = decode_engine(specs)
+    read, taken = read_of(engine, tier, specs, "r", list(range(1, 65)))
     assert read.num_tokens == 64
     assert read.num_blocks == (4, 2) == taken
 
@@ -155,8 +157,8 @@ def test_a_chunk_boundary_reads_nothing_of_the_local_group():
     """128 loaded tokens end a 32-token chunk: the chunked group skips them all and
     allocates no block, so it reads none."""
     specs = (full(), chunked(32))
-    engine = decode_engine(specs)
-    read, taken = read_of(engine, specs, "r", list(range(1, 129)))
+    engine, tier = decode_engine(specs)
+    read, taken = read_of(engine, tier, specs, "r", list(range(1, 129)))
     assert read.num_blocks == (8, 0) == taken
 
 
