@@ -358,26 +358,40 @@ class Scheduler:
 
     def advance_computed(self, out: SchedulerOutput) -> None:
         """Advance the computed counts of everything ``out`` schedules, before the forward
-        pass: each request's count moves past its tokens, its count before the step is
-        appended to ``out.num_computed_tokens`` (in scheduled order) and a request whose
-        tokens are then all computed samples (``out.num_output_tokens``). Called once per
-        scheduled batch, after everything in it was scheduled."""
+        pass (vLLM's ``_update_after_schedule``): each request's count moves past its
+        tokens, its count before the step is appended to ``out.num_computed_tokens`` (in
+        scheduled order) and a request whose tokens are then all computed samples
+        (``out.num_output_tokens``); the rest are partial prefill chunks
+        (``is_prefill_chunk``). Called once per scheduled batch, after everything in it was
+        scheduled; ``AsyncScheduler`` adds the batch in flight through the hooks
+        ``_start_batch`` and ``_update_request_after_schedule``."""
         requests = self.requests
         noted_computed = out.num_computed_tokens
         sampling = out.num_output_tokens
-        drafting = self.num_spec_tokens > 0
+        self._start_batch(out)
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = requests[request_id]
             computed = request.num_computed_tokens
             noted_computed.append(computed)
             computed += num_tokens
             request.num_computed_tokens = computed
-            # A partial prefill chunk (or part of a recompute) samples nothing.
-            if computed >= request.num_tokens:
-                sampling[request_id] = request.num_tokens - request.num_prompt_tokens
-            if drafting:
-                # Its drafts, if any, are scheduled past its known tokens.
-                request.is_prefill_chunk = computed < request.num_tokens
+            # The outputs still being sampled in flight (asynchronous scheduling) count as
+            # tokens it has; a partial prefill chunk (or part of a recompute) samples
+            # nothing, and drafts are scheduled only past its known tokens.
+            have = request.num_tokens + request.num_output_placeholders
+            if computed >= have:
+                sampling[request_id] = have - request.num_prompt_tokens
+                request.is_prefill_chunk = False
+            else:
+                request.is_prefill_chunk = True
+            self._update_request_after_schedule(request, num_tokens, out)
+
+    def _start_batch(self, out: SchedulerOutput) -> None:
+        """Hook: a batch is about to be advanced (nothing to note when synchronous)."""
+
+    def _update_request_after_schedule(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
+        """Hook: ``request`` was advanced by ``num_tokens`` in ``out`` (a synchronous batch
+        leaves nothing more to note: its update comes before the next schedule)."""
 
     def schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
         """The waiting pass without a connector: admit waiting requests into ``out`` while
@@ -711,65 +725,87 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Append sampled tokens; finish and free requests that are done. Returns the finished.
 
-        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones).
-        ``AsyncScheduler`` overrides it."""
-        if output.scheduled_spec_decode_tokens is not None:
-            return self._update_from_output_spec(output, sampled)
-        finished: list[Request] = []
-        max_model_len = self.config.max_model_len
-        requests = self.requests
-        # ``sampled`` follows the scheduled order, which is the order finished requests are
-        # freed in (it decides the free queue's order).
-        for request_id, tokens in sampled.items():
-            if not tokens:
-                continue
-            request = requests[request_id]
-            request.append_output_token_ids(tokens)
-            if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len:
-                self._finish(request, finished)
-        if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
-            for request in finished:
-                del self.requests[request.request_id]
-        return finished
-
-    def _update_from_output_spec(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """``update_from_output`` with drafts: a request that verified drafts sampled one
-        token plus the drafts accepted; the rejected ones leave ``num_computed_tokens``
-        (their slots stay allocated for the next verify step). The tokens are appended up
-        to a stop, then the blocks the accepted tokens completed are cached, then a
-        finished request is freed."""
-        finished: list[Request] = []
-        requests = self.requests
+        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones):
+        it is the order finished requests are freed in, which decides the free queue's
+        order. A request that verified drafts sampled one token plus the drafts accepted;
+        the rejected ones leave ``num_computed_tokens`` (their slots stay allocated for
+        the next verify step) (docs/semantics.md#speculative-decoding). Its tokens are
+        appended up to a stop, then the blocks the accepted tokens completed are cached,
+        then a finished request is freed. ``AsyncScheduler`` adds the batch in flight
+        through the hooks ``_start_update``, ``_update_request_before_output`` and
+        ``_cache_after_output``."""
+        scheduled = output.num_scheduled_tokens
+        if not scheduled:
+            return []
+        self._start_update()
         spec_scheduled = output.scheduled_spec_decode_tokens
-        assert spec_scheduled is not None
+        requests = self.requests
+        preempted = RequestStatus.PREEMPTED
+        running_status = RequestStatus.RUNNING
+        finished: list[Request] = []
         for request_id, tokens in sampled.items():
+            found = requests.get(request_id)
+            if found is None:
+                # Finished in an earlier update while this batch was in flight (drafts make
+                # an asynchronous request's end uncertain, so it was scheduled again): vLLM
+                # drops its output.
+                continue
+            request = found
+            num_scheduled = scheduled[request_id]
+            self._update_request_before_output(request, num_scheduled)
             if not tokens:
                 continue
-            request = requests[request_id]
-            drafts = spec_scheduled.get(request_id)
-            if drafts and request.num_computed_tokens > 0:
-                request.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
-            stopped = self.append_verified_tokens(request, tokens, False)
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            # Output of a batch that was in flight when the request was preempted
+            # (asynchronous scheduling): delivered, but the preemption already reset its counts.
+            stale = request.status is preempted
+            if spec_scheduled is not None and not stale:
+                drafts = spec_scheduled.get(request_id)
+                if drafts:
+                    num_rejected = len(drafts) - (len(tokens) - 1)
+                    if request.num_computed_tokens > 0:
+                        request.num_computed_tokens -= num_rejected
+                    if request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= num_rejected
+            running = request.status is running_status
+            placeholders = request.num_output_placeholders
+            stopped = self._update_request_with_output(request, tokens, stale)
+            if running and (placeholders or spec_scheduled is not None):
+                self._cache_after_output(request, num_scheduled)
             if stopped:
+                if stale:
+                    self._remove_waiting(request)
                 self._finish(request, finished)
         self._drop_finished(finished)
         return finished
 
-    def append_verified_tokens(self, request: Request, tokens: list[int], stale: bool) -> bool:
-        """Append a verify step's tokens up to a stop (``max_tokens``, ``max_model_len``);
-        the ones past it are dropped, and unless the output is stale the computed count
-        goes down by them too (vLLM's ``_update_request_with_output``). Returns whether
-        the request stopped."""
+    def _start_update(self) -> None:
+        """Hook: the update of a batch starts (a synchronous batch was the only one in flight)."""
+
+    def _update_request_before_output(self, request: Request, num_tokens: int) -> None:
+        """Hook: ``request``'s ``num_tokens`` in the batch being updated were processed
+        (nothing to note when synchronous: no other batch holds it)."""
+
+    def _cache_after_output(self, request: Request, num_tokens: int) -> None:
+        """Cache the running ``request``'s blocks full within what was processed (computed
+        less still in flight), after its sampled tokens were applied; called where they
+        can complete blocks not cached at allocation (verified drafts, or outputs that were
+        placeholders)."""
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+
+    def _update_request_with_output(self, request: Request, tokens: list[int], stale: bool) -> bool:
+        """Append a step's tokens up to a stop (``max_tokens``, ``max_model_len``); those
+        past it (only a verify step samples several) are dropped, and unless the output is
+        stale the computed count goes down by them too (vLLM's
+        ``_update_request_with_output``). Resolves the request's placeholders. Returns
+        whether the request stopped."""
         num_tokens = len(tokens)
-        keep = min(num_tokens, request.max_tokens - len(request.output_token_ids),
-                   self.config.max_model_len - request.num_tokens)
-        if keep < num_tokens:
-            tokens = tokens[:keep]
-            if not stale:
-                request.num_computed_tokens -= num_tokens - keep
+        if num_tokens > 1:
+            keep = min(num_tokens, request.max_tokens - len(request.output_token_ids),
+                       self.config.max_model_len - request.num_tokens)
+            if keep < num_tokens:
+                tokens = tokens[:keep]
+                if not stale:
+                    request.num_computed_tokens -= num_tokens - keep
         request.append_output_token_ids(tokens)
         if not stale and request.num_output_placeholders > 0:
             request.num_output_placeholders -= num_tokens  # all returned tokens, trimmed ones too
