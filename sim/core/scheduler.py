@@ -30,20 +30,19 @@ any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py`
 
 from __future__ import annotations
 
-from math import lcm
-
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.drafting import check_drafting, reserve_prefill_lookahead, schedule_spec_tokens
+from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput
 from kvtwin.sim.core.kv_connector_state import KVConnectorState
+from kvtwin.sim.core.mamba_chunks import MambaChunks
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, SlidingWindowSpec,
-                                  get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid)
+from kvtwin.sim.core.spec import KVCacheConfig
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
@@ -76,24 +75,9 @@ class Scheduler:
         self.finished_req_ids: list[str] = []
         # Waiting-head prefix lookups skipped as certain to fail again (``KVCacheManager.still_blocked``).
         self.num_head_lookups_skipped = 0
-        mamba_align = [g.spec for g in kv_cache_config.groups
-                       if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align"]
-        # Align mode caches a Mamba state only where a prefill chunk ends, so chunks must
-        # end on block boundaries. vLLM's scheduler cuts them in align mode whether prefix
-        # caching is on or not (its engine config would switch the mode to "none" first).
-        self.mamba_block_size = mamba_align[0].block_size if mamba_align else 0
-        # Unless every Mamba group's kernel can also leave the state at the prompt's last
-        # cacheable boundary from inside the final chunk (a prefill checkpoint): then that
-        # chunk need not stop there. vLLM takes the first Mamba group's alignment.
-        mamba_specs = [g.spec for g in kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
-        self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(
-            s.num_prefill_checkpoint_blocks > 0 for s in mamba_specs)
-        self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs \
-            else None
-        # A draft head with caching off drops attention hits' last block; Mamba checkpoints
-        # follow it one block back (vLLM's ``use_eagle_block_drop``).
-        self.use_eagle_block_drop = scheduler_config.use_eagle_block_drop
-        self.hash_block_size = kv_cache_config.hash_block_size
+        # Where an align-mode Mamba model's prefill chunks must end (block size 0: no rule).
+        self.mamba_chunks = MambaChunks(kv_cache_config, scheduler_config)
+        self.mamba_block_size = self.mamba_chunks.block_size
         # A KV connector (an offload tier), or None: then no connector path below runs.
         self.connector = connector
         # What the scheduler keeps for a connector; empty and off without one.
@@ -105,24 +89,10 @@ class Scheduler:
         # path below looks at drafts.
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
-        if self.num_spec_tokens:
-            # A Mamba group keeps k speculative state blocks per request (vLLM 0.33 sizes its
-            # spec from the speculative config).
-            require(all(s.num_speculative_blocks == self.num_spec_tokens for s in mamba_specs),
-                    "num_speculative_blocks", f"{self.num_spec_tokens} (num_speculative_tokens) on every Mamba "
-                    "KV cache group", [s.num_speculative_blocks for s in mamba_specs])
-            # A connector with drafts is not modelled: a scenario with both is refused when it
-            # is resolved (docs/architecture.md#features-and-their-combinations).
-            assert connector is None, "drafts with a KV connector are not modelled"
-            self._check_draft_head(kv_cache_config, cache_config, mamba_specs)
-        # vLLM's planner retains a multi-module MTP drafter's re-prefillable tail below every
-        # sliding window (docs/semantics.md#sliding-window): a layout built for another
-        # drafter would free window blocks at other steps.
-        extra_retained = max(0, scheduler_config.num_prefill_lookahead_tokens - 1)
-        windows = [g.spec for g in kv_cache_config.groups if isinstance(g.spec, SlidingWindowSpec)]
-        require(all(s.extra_retained_tokens == extra_retained for s in windows), "extra_retained_tokens",
-                f"{extra_retained} (num_prefill_lookahead_tokens - 1, at least 0) on every sliding-window KV cache "
-                "group", [s.extra_retained_tokens for s in windows])
+        # A connector with drafts is not modelled: a scenario with both is refused when it
+        # is resolved (docs/architecture.md#features-and-their-combinations).
+        assert not (self.num_spec_tokens and connector is not None), "drafts with a KV connector are not modelled"
+        check_drafting(kv_cache_config, scheduler_config, cache_config)
         # Multi-module MTP: no prefill chunk ends within this many tokens of the prefill end
         # (0: the rule is off; vLLM's rule changes nothing for a lookahead of 1).
         self.num_prefill_lookahead = (scheduler_config.num_prefill_lookahead_tokens
@@ -130,35 +100,6 @@ class Scheduler:
         # This step's waiting pass may pad a one-token admission to 1 + k (set by schedule()).
         self._pad_admissions = False
         self._running_scheduled = False
-
-    def _check_draft_head(self, kv_cache_config: KVCacheConfig, cache_config: CacheConfig,
-                          mamba_specs: list[MambaSpec]) -> None:
-        """What of a draft head with prefix caching kvtwin models
-        (docs/semantics.md#draft-heads-and-prefix-caching)."""
-        cfg = self.config
-        caching = cache_config.enable_prefix_caching
-        # With caching on a head hashes with lookahead: vLLM's legacy trailing-block drop
-        # (disable_lookahead_block_hashes) is not modelled.
-        require(not (cfg.num_lookahead_tokens and caching) or cfg.num_hash_lookahead_tokens > 0,
-                "num_hash_lookahead_tokens", "at least 1 with a draft head and prefix caching on (the legacy "
-                "block drop is not modelled)", cfg.num_hash_lookahead_tokens)
-        prefill_lookahead = cfg.num_prefill_lookahead_tokens
-        if prefill_lookahead > 1:
-            require(not mamba_specs, "num_prefill_lookahead_tokens", "at most 1 with Mamba groups (multi-module "
-                    "MTP on a hybrid Mamba model is not modelled)", prefill_lookahead)
-            block = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
-            # vLLM: the re-prefillable tail must fit the block a hit would drop.
-            require(not caching or block >= prefill_lookahead, "num_prefill_lookahead_tokens",
-                    f"at most the scheduler block size ({block}) with prefix caching on", prefill_lookahead)
-
-    def _reserve_prefill_lookahead(self, request: Request, computed: int, num_new: int) -> int:
-        """vLLM's ``_reserve_prefill_lookahead``: a chunk that would end within
-        ``num_prefill_lookahead`` tokens of the prefill end is shortened to leave that many
-        for the next one (multi-module MTP reads them as draft inputs)."""
-        remaining = request.num_tokens - computed - num_new
-        if 0 < remaining < self.num_prefill_lookahead:
-            num_new -= self.num_prefill_lookahead - remaining
-        return max(num_new, 0)
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -230,7 +171,7 @@ class Scheduler:
             if mamba_split:
                 num_new = self.mamba_block_aligned_split(request, num_new, 0)
             if self.num_prefill_lookahead:
-                num_new = self._reserve_prefill_lookahead(request, computed, num_new)
+                num_new = reserve_prefill_lookahead(request, computed, num_new, self.num_prefill_lookahead)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -241,7 +182,7 @@ class Scheduler:
                 token_budget -= num_new
                 req_index += 1
                 if spec_token_ids:
-                    self._schedule_spec_tokens(out, request, num_new)
+                    schedule_spec_tokens(out, request, num_new)
                 continue
             new_blocks, req_index, token_budget = self._allocate_or_preempt(out, request, num_new, req_index,
                                                                             token_budget, is_priority)
@@ -270,20 +211,8 @@ class Scheduler:
             token_budget -= num_new
             req_index += 1
             if spec_token_ids:
-                self._schedule_spec_tokens(out, request, num_new)
+                schedule_spec_tokens(out, request, num_new)
         return token_budget
-
-    def _schedule_spec_tokens(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        """The drafts that fit in the ``num_new`` tokens just scheduled for a running request
-        (the first ones: the clips may cut them) are verified this step; the rest are
-        dropped, and the request waits for new drafts from this step's output."""
-        num_spec = num_new + request.num_computed_tokens - request.num_tokens - request.num_output_placeholders
-        if num_spec > 0:
-            spec_token_ids = request.spec_token_ids
-            assert out.scheduled_spec_decode_tokens is not None
-            out.scheduled_spec_decode_tokens[request.request_id] = (
-                spec_token_ids[:num_spec] if len(spec_token_ids) > num_spec else spec_token_ids)
-        request.spec_token_ids = []
 
     def _note_padding_state(self, out: SchedulerOutput) -> None:
         """After the running pass: whether a one-token admission may be padded to a full
@@ -430,7 +359,7 @@ class Scheduler:
             if not num_new:
                 break
             if self.num_prefill_lookahead:
-                num_new = self._reserve_prefill_lookahead(request, num_computed, num_new)
+                num_new = reserve_prefill_lookahead(request, num_computed, num_new, self.num_prefill_lookahead)
                 if not num_new:
                     skipped.append(self.waiting.pop())  # vLLM skips it for this step
                     continue
@@ -679,46 +608,9 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def mamba_block_aligned_split(self, request: Request, num_new: int, num_new_computed: int) -> int:
-        """Clip a prefill chunk so it ends where a Mamba state must be cached.
-
-        States are written only at chunk ends, so an unfinished prefill chunk must end on a
-        block boundary; it also stops at the last cacheable boundary of the sequence and at
-        a shared-prefix junction, so siblings sharing that prefix can reuse its state. A
-        final chunk whose kernel exports that last boundary as a prefill checkpoint (vLLM
-        0.33, ``is_mamba_prefill_checkpoint_valid``) runs through it, and may then start
-        mid-block.
-        """
-        block_size = self.mamba_block_size
-        start = request.num_computed_tokens + num_new_computed  # the local hit and any loaded tokens
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        if start >= prefill_end:
-            return num_new
-        end = start + num_new
-        # The last boundary a later request can hit (hits stop at num_tokens - 1).
-        drop = self.use_eagle_block_drop
-        last_cache_position = get_mamba_prefill_checkpoint_position(request.num_tokens, block_size, drop)
-        internal_checkpoint = (
-            self.mamba_has_prefill_checkpoint_blocks and end >= prefill_end
-            and is_mamba_prefill_checkpoint_valid(
-                start, end, get_mamba_prefill_checkpoint_position(prefill_end, block_size, drop), self.hash_block_size,
-                block_size, self.mamba_prefill_checkpoint_alignment))
-        if internal_checkpoint:
-            last_cache_position = 0
-        if end < prefill_end:
-            max_prefill_tokens = self.config.max_num_batched_tokens
-            if self.config.long_prefill_token_threshold > 0:
-                max_prefill_tokens = min(max_prefill_tokens, self.config.long_prefill_token_threshold)
-            aligned_end = end // block_size * block_size
-            if aligned_end > start or block_size <= max_prefill_tokens:
-                end = aligned_end
-        boundary = request.shared_prefix_boundary
-        stops = (
-            (start // block_size + 1) * block_size if start % block_size and not internal_checkpoint else 0,
-            last_cache_position,
-            start + (boundary - start) // block_size * block_size if start < boundary < end else 0,
-        )
-        end = min((s for s in stops if start < s < end), default=end)
-        return max(end - start, 0)
+        """Clip a prefill chunk so it ends where a Mamba state must be cached
+        (``MambaChunks.aligned_split``)."""
+        return self.mamba_chunks.aligned_split(request, num_new, num_new_computed)
 
     # -- after the forward pass -------------------------------------------------------
 
