@@ -30,20 +30,19 @@ any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py`
 
 from __future__ import annotations
 
-from math import lcm
-
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
-from kvtwin.sim.core.errors import ConfigError, require
+from kvtwin.sim.core.drafting import check_drafting, reserve_prefill_lookahead, schedule_spec_tokens
+from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput
 from kvtwin.sim.core.kv_connector_state import KVConnectorState
+from kvtwin.sim.core.mamba_chunks import MambaChunks
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvtwin.sim.core.spec import (KVCacheConfig, MambaSpec, SlidingWindowSpec,
-                                  get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid)
+from kvtwin.sim.core.spec import KVCacheConfig
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
@@ -76,24 +75,9 @@ class Scheduler:
         self.finished_req_ids: list[str] = []
         # Waiting-head prefix lookups skipped as certain to fail again (``KVCacheManager.still_blocked``).
         self.num_head_lookups_skipped = 0
-        mamba_align = [g.spec for g in kv_cache_config.groups
-                       if isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "align"]
-        # Align mode caches a Mamba state only where a prefill chunk ends, so chunks must
-        # end on block boundaries. vLLM's scheduler cuts them in align mode whether prefix
-        # caching is on or not (its engine config would switch the mode to "none" first).
-        self.mamba_block_size = mamba_align[0].block_size if mamba_align else 0
-        # Unless every Mamba group's kernel can also leave the state at the prompt's last
-        # cacheable boundary from inside the final chunk (a prefill checkpoint): then that
-        # chunk need not stop there. vLLM takes the first Mamba group's alignment.
-        mamba_specs = [g.spec for g in kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
-        self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(
-            s.num_prefill_checkpoint_blocks > 0 for s in mamba_specs)
-        self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs \
-            else None
-        # A draft head with caching off drops attention hits' last block; Mamba checkpoints
-        # follow it one block back (vLLM's ``use_eagle_block_drop``).
-        self.use_eagle_block_drop = scheduler_config.use_eagle_block_drop
-        self.hash_block_size = kv_cache_config.hash_block_size
+        # Where an align-mode Mamba model's prefill chunks must end (block size 0: no rule).
+        self.mamba_chunks = MambaChunks(kv_cache_config, scheduler_config)
+        self.mamba_block_size = self.mamba_chunks.block_size
         # A KV connector (an offload tier), or None: then no connector path below runs.
         self.connector = connector
         # What the scheduler keeps for a connector; empty and off without one.
@@ -105,24 +89,10 @@ class Scheduler:
         # path below looks at drafts.
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
-        if self.num_spec_tokens:
-            # A Mamba group keeps k speculative state blocks per request (vLLM 0.33 sizes its
-            # spec from the speculative config).
-            require(all(s.num_speculative_blocks == self.num_spec_tokens for s in mamba_specs),
-                    "num_speculative_blocks", f"{self.num_spec_tokens} (num_speculative_tokens) on every Mamba "
-                    "KV cache group", [s.num_speculative_blocks for s in mamba_specs])
-            # A connector with drafts is not modelled: a scenario with both is refused when it
-            # is resolved (docs/architecture.md#features-and-their-combinations).
-            assert connector is None, "drafts with a KV connector are not modelled"
-            self._check_draft_head(kv_cache_config, cache_config, mamba_specs)
-        # vLLM's planner retains a multi-module MTP drafter's re-prefillable tail below every
-        # sliding window (docs/semantics.md#sliding-window): a layout built for another
-        # drafter would free window blocks at other steps.
-        extra_retained = max(0, scheduler_config.num_prefill_lookahead_tokens - 1)
-        windows = [g.spec for g in kv_cache_config.groups if isinstance(g.spec, SlidingWindowSpec)]
-        require(all(s.extra_retained_tokens == extra_retained for s in windows), "extra_retained_tokens",
-                f"{extra_retained} (num_prefill_lookahead_tokens - 1, at least 0) on every sliding-window KV cache "
-                "group", [s.extra_retained_tokens for s in windows])
+        # A connector with drafts is not modelled: a scenario with both is refused when it
+        # is resolved (docs/architecture.md#features-and-their-combinations).
+        assert not (self.num_spec_tokens and connector is not None), "drafts with a KV connector are not modelled"
+        check_drafting(kv_cache_config, scheduler_config, cache_config)
         # Multi-module MTP: no prefill chunk ends within this many tokens of the prefill end
         # (0: the rule is off; vLLM's rule changes nothing for a lookahead of 1).
         self.num_prefill_lookahead = (scheduler_config.num_prefill_lookahead_tokens
@@ -130,35 +100,6 @@ class Scheduler:
         # This step's waiting pass may pad a one-token admission to 1 + k (set by schedule()).
         self._pad_admissions = False
         self._running_scheduled = False
-
-    def _check_draft_head(self, kv_cache_config: KVCacheConfig, cache_config: CacheConfig,
-                          mamba_specs: list[MambaSpec]) -> None:
-        """What of a draft head with prefix caching kvtwin models
-        (docs/semantics.md#draft-heads-and-prefix-caching)."""
-        cfg = self.config
-        caching = cache_config.enable_prefix_caching
-        # With caching on a head hashes with lookahead: vLLM's legacy trailing-block drop
-        # (disable_lookahead_block_hashes) is not modelled.
-        require(not (cfg.num_lookahead_tokens and caching) or cfg.num_hash_lookahead_tokens > 0,
-                "num_hash_lookahead_tokens", "at least 1 with a draft head and prefix caching on (the legacy "
-                "block drop is not modelled)", cfg.num_hash_lookahead_tokens)
-        prefill_lookahead = cfg.num_prefill_lookahead_tokens
-        if prefill_lookahead > 1:
-            require(not mamba_specs, "num_prefill_lookahead_tokens", "at most 1 with Mamba groups (multi-module "
-                    "MTP on a hybrid Mamba model is not modelled)", prefill_lookahead)
-            block = lcm(*(g.spec.block_size for g in kv_cache_config.groups))
-            # vLLM: the re-prefillable tail must fit the block a hit would drop.
-            require(not caching or block >= prefill_lookahead, "num_prefill_lookahead_tokens",
-                    f"at most the scheduler block size ({block}) with prefix caching on", prefill_lookahead)
-
-    def _reserve_prefill_lookahead(self, request: Request, computed: int, num_new: int) -> int:
-        """vLLM's ``_reserve_prefill_lookahead``: a chunk that would end within
-        ``num_prefill_lookahead`` tokens of the prefill end is shortened to leave that many
-        for the next one (multi-module MTP reads them as draft inputs)."""
-        remaining = request.num_tokens - computed - num_new
-        if 0 < remaining < self.num_prefill_lookahead:
-            num_new -= self.num_prefill_lookahead - remaining
-        return max(num_new, 0)
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -230,7 +171,7 @@ class Scheduler:
             if mamba_split:
                 num_new = self.mamba_block_aligned_split(request, num_new, 0)
             if self.num_prefill_lookahead:
-                num_new = self._reserve_prefill_lookahead(request, computed, num_new)
+                num_new = reserve_prefill_lookahead(request, computed, num_new, self.num_prefill_lookahead)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -241,7 +182,7 @@ class Scheduler:
                 token_budget -= num_new
                 req_index += 1
                 if spec_token_ids:
-                    self._schedule_spec_tokens(out, request, num_new)
+                    schedule_spec_tokens(out, request, num_new)
                 continue
             new_blocks, req_index, token_budget = self._allocate_or_preempt(out, request, num_new, req_index,
                                                                             token_budget, is_priority)
@@ -270,20 +211,8 @@ class Scheduler:
             token_budget -= num_new
             req_index += 1
             if spec_token_ids:
-                self._schedule_spec_tokens(out, request, num_new)
+                schedule_spec_tokens(out, request, num_new)
         return token_budget
-
-    def _schedule_spec_tokens(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        """The drafts that fit in the ``num_new`` tokens just scheduled for a running request
-        (the first ones: the clips may cut them) are verified this step; the rest are
-        dropped, and the request waits for new drafts from this step's output."""
-        num_spec = num_new + request.num_computed_tokens - request.num_tokens - request.num_output_placeholders
-        if num_spec > 0:
-            spec_token_ids = request.spec_token_ids
-            assert out.scheduled_spec_decode_tokens is not None
-            out.scheduled_spec_decode_tokens[request.request_id] = (
-                spec_token_ids[:num_spec] if len(spec_token_ids) > num_spec else spec_token_ids)
-        request.spec_token_ids = []
 
     def _note_padding_state(self, out: SchedulerOutput) -> None:
         """After the running pass: whether a one-token admission may be padded to a full
@@ -358,26 +287,40 @@ class Scheduler:
 
     def advance_computed(self, out: SchedulerOutput) -> None:
         """Advance the computed counts of everything ``out`` schedules, before the forward
-        pass: each request's count moves past its tokens, its count before the step is
-        appended to ``out.num_computed_tokens`` (in scheduled order) and a request whose
-        tokens are then all computed samples (``out.num_output_tokens``). Called once per
-        scheduled batch, after everything in it was scheduled."""
+        pass (vLLM's ``_update_after_schedule``): each request's count moves past its
+        tokens, its count before the step is appended to ``out.num_computed_tokens`` (in
+        scheduled order) and a request whose tokens are then all computed samples
+        (``out.num_output_tokens``); the rest are partial prefill chunks
+        (``is_prefill_chunk``). Called once per scheduled batch, after everything in it was
+        scheduled; ``AsyncScheduler`` adds the batch in flight through the hooks
+        ``_start_batch`` and ``_update_request_after_schedule``."""
         requests = self.requests
         noted_computed = out.num_computed_tokens
         sampling = out.num_output_tokens
-        drafting = self.num_spec_tokens > 0
+        self._start_batch(out)
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = requests[request_id]
             computed = request.num_computed_tokens
             noted_computed.append(computed)
             computed += num_tokens
             request.num_computed_tokens = computed
-            # A partial prefill chunk (or part of a recompute) samples nothing.
-            if computed >= request.num_tokens:
-                sampling[request_id] = request.num_tokens - request.num_prompt_tokens
-            if drafting:
-                # Its drafts, if any, are scheduled past its known tokens.
-                request.is_prefill_chunk = computed < request.num_tokens
+            # The outputs still being sampled in flight (asynchronous scheduling) count as
+            # tokens it has; a partial prefill chunk (or part of a recompute) samples
+            # nothing, and drafts are scheduled only past its known tokens.
+            have = request.num_tokens + request.num_output_placeholders
+            if computed >= have:
+                sampling[request_id] = have - request.num_prompt_tokens
+                request.is_prefill_chunk = False
+            else:
+                request.is_prefill_chunk = True
+            self._update_request_after_schedule(request, num_tokens, out)
+
+    def _start_batch(self, out: SchedulerOutput) -> None:
+        """Hook: a batch is about to be advanced (nothing to note when synchronous)."""
+
+    def _update_request_after_schedule(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
+        """Hook: ``request`` was advanced by ``num_tokens`` in ``out`` (a synchronous batch
+        leaves nothing more to note: its update comes before the next schedule)."""
 
     def schedule_waiting(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
         """The waiting pass without a connector: admit waiting requests into ``out`` while
@@ -416,7 +359,7 @@ class Scheduler:
             if not num_new:
                 break
             if self.num_prefill_lookahead:
-                num_new = self._reserve_prefill_lookahead(request, num_computed, num_new)
+                num_new = reserve_prefill_lookahead(request, num_computed, num_new, self.num_prefill_lookahead)
                 if not num_new:
                     skipped.append(self.waiting.pop())  # vLLM skips it for this step
                     continue
@@ -665,111 +608,96 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def mamba_block_aligned_split(self, request: Request, num_new: int, num_new_computed: int) -> int:
-        """Clip a prefill chunk so it ends where a Mamba state must be cached.
-
-        States are written only at chunk ends, so an unfinished prefill chunk must end on a
-        block boundary; it also stops at the last cacheable boundary of the sequence and at
-        a shared-prefix junction, so siblings sharing that prefix can reuse its state. A
-        final chunk whose kernel exports that last boundary as a prefill checkpoint (vLLM
-        0.33, ``is_mamba_prefill_checkpoint_valid``) runs through it, and may then start
-        mid-block.
-        """
-        block_size = self.mamba_block_size
-        start = request.num_computed_tokens + num_new_computed  # the local hit and any loaded tokens
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        if start >= prefill_end:
-            return num_new
-        end = start + num_new
-        # The last boundary a later request can hit (hits stop at num_tokens - 1).
-        drop = self.use_eagle_block_drop
-        last_cache_position = get_mamba_prefill_checkpoint_position(request.num_tokens, block_size, drop)
-        internal_checkpoint = (
-            self.mamba_has_prefill_checkpoint_blocks and end >= prefill_end
-            and is_mamba_prefill_checkpoint_valid(
-                start, end, get_mamba_prefill_checkpoint_position(prefill_end, block_size, drop), self.hash_block_size,
-                block_size, self.mamba_prefill_checkpoint_alignment))
-        if internal_checkpoint:
-            last_cache_position = 0
-        if end < prefill_end:
-            max_prefill_tokens = self.config.max_num_batched_tokens
-            if self.config.long_prefill_token_threshold > 0:
-                max_prefill_tokens = min(max_prefill_tokens, self.config.long_prefill_token_threshold)
-            aligned_end = end // block_size * block_size
-            if aligned_end > start or block_size <= max_prefill_tokens:
-                end = aligned_end
-        boundary = request.shared_prefix_boundary
-        stops = (
-            (start // block_size + 1) * block_size if start % block_size and not internal_checkpoint else 0,
-            last_cache_position,
-            start + (boundary - start) // block_size * block_size if start < boundary < end else 0,
-        )
-        end = min((s for s in stops if start < s < end), default=end)
-        return max(end - start, 0)
+        """Clip a prefill chunk so it ends where a Mamba state must be cached
+        (``MambaChunks.aligned_split``)."""
+        return self.mamba_chunks.aligned_split(request, num_new, num_new_computed)
 
     # -- after the forward pass -------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Append sampled tokens; finish and free requests that are done. Returns the finished.
 
-        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones).
-        ``AsyncScheduler`` overrides it."""
-        if output.scheduled_spec_decode_tokens is not None:
-            return self._update_from_output_spec(output, sampled)
-        finished: list[Request] = []
-        max_model_len = self.config.max_model_len
-        requests = self.requests
-        # ``sampled`` follows the scheduled order, which is the order finished requests are
-        # freed in (it decides the free queue's order).
-        for request_id, tokens in sampled.items():
-            if not tokens:
-                continue
-            request = requests[request_id]
-            request.append_output_token_ids(tokens)
-            if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= max_model_len:
-                self._finish(request, finished)
-        if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
-            for request in finished:
-                del self.requests[request.request_id]
-        return finished
-
-    def _update_from_output_spec(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """``update_from_output`` with drafts: a request that verified drafts sampled one
-        token plus the drafts accepted; the rejected ones leave ``num_computed_tokens``
-        (their slots stay allocated for the next verify step). The tokens are appended up
-        to a stop, then the blocks the accepted tokens completed are cached, then a
-        finished request is freed."""
-        finished: list[Request] = []
-        requests = self.requests
+        ``sampled`` must list requests in scheduled order (a subset of the scheduled ones):
+        it is the order finished requests are freed in, which decides the free queue's
+        order. A request that verified drafts sampled one token plus the drafts accepted;
+        the rejected ones leave ``num_computed_tokens`` (their slots stay allocated for
+        the next verify step) (docs/semantics.md#speculative-decoding). Its tokens are
+        appended up to a stop, then the blocks the accepted tokens completed are cached,
+        then a finished request is freed. ``AsyncScheduler`` adds the batch in flight
+        through the hooks ``_start_update``, ``_update_request_before_output`` and
+        ``_cache_after_output``."""
+        scheduled = output.num_scheduled_tokens
+        if not scheduled:
+            return []
+        self._start_update()
         spec_scheduled = output.scheduled_spec_decode_tokens
-        assert spec_scheduled is not None
+        requests = self.requests
+        preempted = RequestStatus.PREEMPTED
+        running_status = RequestStatus.RUNNING
+        finished: list[Request] = []
         for request_id, tokens in sampled.items():
+            found = requests.get(request_id)
+            if found is None:
+                # Finished in an earlier update while this batch was in flight (drafts make
+                # an asynchronous request's end uncertain, so it was scheduled again): vLLM
+                # drops its output.
+                continue
+            request = found
+            num_scheduled = scheduled[request_id]
+            self._update_request_before_output(request, num_scheduled)
             if not tokens:
                 continue
-            request = requests[request_id]
-            drafts = spec_scheduled.get(request_id)
-            if drafts and request.num_computed_tokens > 0:
-                request.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
-            stopped = self.append_verified_tokens(request, tokens, False)
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            # Output of a batch that was in flight when the request was preempted
+            # (asynchronous scheduling): delivered, but the preemption already reset its counts.
+            stale = request.status is preempted
+            if spec_scheduled is not None and not stale:
+                drafts = spec_scheduled.get(request_id)
+                if drafts:
+                    num_rejected = len(drafts) - (len(tokens) - 1)
+                    if request.num_computed_tokens > 0:
+                        request.num_computed_tokens -= num_rejected
+                    if request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= num_rejected
+            running = request.status is running_status
+            placeholders = request.num_output_placeholders
+            stopped = self._update_request_with_output(request, tokens, stale)
+            if running and (placeholders or spec_scheduled is not None):
+                self._cache_after_output(request, num_scheduled)
             if stopped:
+                if stale:
+                    self._remove_waiting(request)
                 self._finish(request, finished)
         self._drop_finished(finished)
         return finished
 
-    def append_verified_tokens(self, request: Request, tokens: list[int], stale: bool) -> bool:
-        """Append a verify step's tokens up to a stop (``max_tokens``, ``max_model_len``);
-        the ones past it are dropped, and unless the output is stale the computed count
-        goes down by them too (vLLM's ``_update_request_with_output``). Returns whether
-        the request stopped."""
+    def _start_update(self) -> None:
+        """Hook: the update of a batch starts (a synchronous batch was the only one in flight)."""
+
+    def _update_request_before_output(self, request: Request, num_tokens: int) -> None:
+        """Hook: ``request``'s ``num_tokens`` in the batch being updated were processed
+        (nothing to note when synchronous: no other batch holds it)."""
+
+    def _cache_after_output(self, request: Request, num_tokens: int) -> None:
+        """Cache the running ``request``'s blocks full within what was processed (computed
+        less still in flight), after its sampled tokens were applied; called where they
+        can complete blocks not cached at allocation (verified drafts, or outputs that were
+        placeholders)."""
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+
+    def _update_request_with_output(self, request: Request, tokens: list[int], stale: bool) -> bool:
+        """Append a step's tokens up to a stop (``max_tokens``, ``max_model_len``); those
+        past it (only a verify step samples several) are dropped, and unless the output is
+        stale the computed count goes down by them too (vLLM's
+        ``_update_request_with_output``). Resolves the request's placeholders. Returns
+        whether the request stopped."""
         num_tokens = len(tokens)
-        keep = min(num_tokens, request.max_tokens - len(request.output_token_ids),
-                   self.config.max_model_len - request.num_tokens)
-        if keep < num_tokens:
-            tokens = tokens[:keep]
-            if not stale:
-                request.num_computed_tokens -= num_tokens - keep
+        if num_tokens > 1:
+            keep = min(num_tokens, request.max_tokens - len(request.output_token_ids),
+                       self.config.max_model_len - request.num_tokens)
+            if keep < num_tokens:
+                tokens = tokens[:keep]
+                if not stale:
+                    request.num_computed_tokens -= num_tokens - keep
         request.append_output_token_ids(tokens)
         if not stale and request.num_output_placeholders > 0:
             request.num_output_placeholders -= num_tokens  # all returned tokens, trimmed ones too

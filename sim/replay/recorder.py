@@ -303,14 +303,13 @@ class MetricsRecorder:
             self.loads_issued(output, scheduled_s, stats.load_seconds, replica)
         self._admissions(output, scheduled_s)
         sampled = result.execution.sampled
-        if self.speculative and output.scheduled_spec_decode_tokens is not None:
+        spec = output.scheduled_spec_decode_tokens if self.speculative else None
+        if spec is not None:
             # A request that finished while this batch was in flight (drafts make its end
             # uncertain, so it was scheduled again) gets nothing from it: vLLM drops it.
             records = self.records
             sampled = {rid: tokens for rid, tokens in sampled.items() if records[rid].status != "finished"}
-            prefill_tokens, decode_tokens = self._scheduled_spec(output, sampled)
-        else:
-            prefill_tokens, decode_tokens = self._scheduled(output)
+        prefill_tokens, decode_tokens = self._scheduled(output, spec, sampled)
         self._sampled(sampled, times.end_s, self._itl[replica])
         self._finished(result.finished, times.end_s)
         self._step_row(stats, times, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
@@ -334,50 +333,43 @@ class MetricsRecorder:
             # get_computed_blocks), not now: the batch's own sampled token is applied already.
             record.queried_tokens += admission.num_tokens
 
-    def _scheduled(self, output) -> tuple[int, int]:
-        """Count the batch's tokens into its requests' records: (prefill, decode) tokens."""
+    def _scheduled(self, output, spec: dict[str, list[int]] | None, sampled: dict[str, list[int]]) -> tuple[int, int]:
+        """Count the batch's tokens into its requests' records: (prefill, decode) tokens.
+        A decode is a request past its prompt that schedules one token, or with drafts
+        (``spec``, docs/semantics.md#speculative-decoding) ``1 + drafts`` tokens to verify
+        them; a request that sampled after verifying drafts counts them and the accepted
+        ones (its tokens less the one it always samples). Drafts padded onto an admission
+        count too, as vLLM's spec-decode metrics count every scheduled draft."""
         records = self.records
         prefill_tokens = decode_tokens = 0
         for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
             record = records[request_id]
             record.scheduled_tokens += num_new
-            # A decode: one token for a request past its prompt (a longer recompute after a
-            # preemption counts as prefill). ``computed`` is where the batch started.
-            if num_new == 1 and computed >= record.prompt_tokens:
-                decode_tokens += 1
-            else:
-                prefill_tokens += num_new
-        return prefill_tokens, decode_tokens
-
-    def _scheduled_spec(self, output, sampled: dict[str, list[int]]) -> tuple[int, int]:
-        """``_scheduled`` with drafts: a request past its prompt that verifies drafts is a
-        decode of ``1 + drafts`` tokens; a request that sampled after verifying drafts
-        counts them and the accepted ones (its tokens less the one it always samples).
-        Drafts padded onto an admission count too, as vLLM's spec-decode metrics count
-        every scheduled draft."""
-        records = self.records
-        spec = output.scheduled_spec_decode_tokens
-        by_position = self._accepted_by_position
-        prefill_tokens = decode_tokens = 0
-        for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
-            record = records[request_id]
-            record.scheduled_tokens += num_new
-            drafts = spec.get(request_id)
-            num_drafts = len(drafts) if drafts else 0
+            num_drafts = 0
+            if spec is not None:
+                drafts = spec.get(request_id)
+                if drafts:
+                    num_drafts = len(drafts)
+                    tokens = sampled.get(request_id)
+                    if tokens:
+                        self._verified(record, num_drafts, len(tokens) - 1)
+            # ``computed`` is where the batch started: a longer recompute after a
+            # preemption counts as prefill.
             if num_new == 1 + num_drafts and computed >= record.prompt_tokens:
                 decode_tokens += num_new
             else:
                 prefill_tokens += num_new
-            tokens = sampled.get(request_id)
-            if num_drafts and tokens:
-                accepted = len(tokens) - 1
-                record.draft_tokens += num_drafts
-                record.accepted_draft_tokens += accepted
-                record.verify_steps += 1
-                # A draft is accepted only if every draft before it was.
-                for position in range(accepted):
-                    by_position[position] += 1
         return prefill_tokens, decode_tokens
+
+    def _verified(self, record: _RequestRecord, num_drafts: int, accepted: int) -> None:
+        """A verify step of ``num_drafts`` drafts accepted ``accepted`` of them."""
+        record.draft_tokens += num_drafts
+        record.accepted_draft_tokens += accepted
+        record.verify_steps += 1
+        # A draft is accepted only if every draft before it was.
+        by_position = self._accepted_by_position
+        for position in range(accepted):
+            by_position[position] += 1
 
     def _sampled(self, sampled: dict[str, list[int]], end_s: float, itl_s: Float64Buffer) -> None:
         records = self.records
@@ -413,7 +405,7 @@ class MetricsRecorder:
         if result.window_part:
             part = result.output
             self._admissions(part, times.scheduled_s)
-            part_prefill, part_decode = self._scheduled(part)
+            part_prefill, part_decode = self._scheduled(part, None, result.execution.sampled)
             prefill_tokens += part_prefill
             decode_tokens += part_decode
             num_scheduled += len(part.num_scheduled_tokens)

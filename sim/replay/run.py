@@ -52,38 +52,30 @@ from kvtwin.sim.scenario.speculative import SpeculativeConfig
 
 def step_cost(cost_model: CostModel, output: SchedulerOutput) -> StepCost:
     """The cost model's prediction for one scheduled batch. A decode is costed by the
-    context it ends at; a prefill chunk by its length and start."""
-    scheduled = output.num_scheduled_tokens.values()
+    context it ends at; a prefill chunk by its length and start. With drafts
+    (docs/semantics.md#speculative-decoding) a row that verifies them is a verify step
+    (decode kernel, ``1 + drafts`` queries), and the draft head, if any, drafts for every
+    request that samples, from its context after the step."""
+    scheduled = output.num_scheduled_tokens
     computed = output.num_computed_tokens
-    decode_ends = [c + 1 for n, c in zip(scheduled, computed) if n == 1]
     spec = output.scheduled_spec_decode_tokens
-    if spec is not None:
-        return _spec_step_cost(cost_model, output, spec, decode_ends)
-    prefill_items = [(n, c) for n, c in zip(scheduled, computed) if n != 1]
-    return cost_model.split_step_cost(decode_ends, prefill_items)
-
-
-def _spec_step_cost(cost_model: CostModel, output: SchedulerOutput, spec: dict[str, list[int]],
-                    decode_ends: list[int]) -> StepCost:
-    """``step_cost`` with drafts: a row that verifies drafts is a verify step (decode
-    kernel, ``1 + drafts`` queries); the draft head, if any, drafts for every request that
-    samples, from its context after the step."""
-    computed = output.num_computed_tokens
+    decode_ends: list[int] = []
     prefill_items: list[tuple[int, int]] = []
     verify_items: list[tuple[int, int]] = []
-    for (request_id, n), c in zip(output.num_scheduled_tokens.items(), computed):
+    for (request_id, n), c in zip(scheduled.items(), computed):
         if n == 1:
+            decode_ends.append(c + 1)
             continue
-        drafts = spec.get(request_id)
-        if drafts and n == 1 + len(drafts):
-            verify_items.append((n, c))
-        else:
-            prefill_items.append((n, c))
+        if spec is not None:
+            drafts = spec.get(request_id)
+            if drafts and n == 1 + len(drafts):
+                verify_items.append((n, c))
+                continue
+        prefill_items.append((n, c))
     draft_ends = None
-    if cost_model.draft_head is not None:
+    if spec is not None and cost_model.draft_head is not None:
         sampling = output.num_output_tokens
-        draft_ends = [c + n for (request_id, n), c in zip(output.num_scheduled_tokens.items(), computed)
-                      if request_id in sampling]
+        draft_ends = [c + n for (request_id, n), c in zip(scheduled.items(), computed) if request_id in sampling]
     return cost_model.split_step_cost(decode_ends, prefill_items, draft_ends, verify_items)
 
 

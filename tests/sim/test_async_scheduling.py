@@ -212,3 +212,19 @@ def test_the_synchronous_step_also_runs_an_async_configuration_one_batch_at_a_ti
         return steps
 
     assert run(True) == run(False)
+
+
+def test_asynchrony_attaches_through_the_hooks_only():
+    """vLLM's shape (issue 40 item 3): one advance loop and one update loop, in
+    ``Scheduler``, drafts handled inline; ``AsyncScheduler`` overrides only the small
+    per-batch and per-request hooks those loops call, never a loop."""
+    from kvtwin.sim.core.async_scheduler import AsyncScheduler
+
+    hooks = {"_start_batch", "_update_request_after_schedule", "_start_update", "_update_request_before_output",
+             "_cache_after_output"}
+    overridden = {name for name, value in vars(AsyncScheduler).items()
+                  if callable(value) and name in vars(Scheduler) and not name.startswith("__")}
+    assert overridden == hooks
+    # Each hook is a method the base class calls from its loop.
+    assert hooks <= set(vars(Scheduler))
+    assert not [name for name in vars(Scheduler) if name.endswith("_spec") or name.endswith("_spec_async")]
