@@ -100,7 +100,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
-from kvtwin.sim.core.engine import Batch, EngineCore, Execution, ModelExecutor, StepResult
+from kvtwin.sim.core.engine import Batch, BatchRecord, EngineCore, Execution, ModelExecutor, RequestSnapshot
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler import Scheduler
@@ -923,7 +923,7 @@ class WindowedBatchQueue:
         self.engine.batch_queue.append(Batch(output, execution))
         return window.members_to_record(index)
 
-    def update(self) -> StepResult:
+    def update(self) -> BatchRecord:
         """Apply the oldest batch in flight."""
         window = self.window
         if window is None:
@@ -937,6 +937,7 @@ class WindowedBatchQueue:
             return result
         num_decodes, cost = self.window_batches.popleft()
         finished, window_steps, part, part_sampled = window.apply(index)
-        return StepResult(part if part is not None else SchedulerOutput(), finished,
-                          Execution(part_sampled if part_sampled is not None else {}, cost.total_s, cost),
-                          window_decodes=num_decodes, window_steps=window_steps, window_part=part is not None)
+        return BatchRecord(part if part is not None else SchedulerOutput(),
+                           [RequestSnapshot(request, window_steps.get(request.request_id, 0)) for request in finished],
+                           Execution(part_sampled if part_sampled is not None else {}, cost.total_s, cost),
+                           implicit_decodes=num_decodes)

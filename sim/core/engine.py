@@ -92,38 +92,62 @@ class Rejection:
     detail: str
 
 
+class RequestSnapshot:
+    """One request's figures at a moment, as the engine reports them (a front end keeps no
+    live ``Request``): a finished one's when its batch was applied, an unfinished one's when
+    a run stopped (``EngineCore.request_snapshots``). ``implicit_decodes``: its decode steps
+    that a decode window ran and no ``SchedulerOutput`` listed (0 outside a window)."""
+
+    __slots__ = ("request_id", "status", "num_prompt_tokens", "max_tokens", "num_computed_tokens",
+                 "num_output_tokens", "num_preemptions", "implicit_decodes")
+
+    def __init__(self, request: Request, implicit_decodes: int = 0):
+        self.request_id = request.request_id
+        self.status = request.status
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.max_tokens = request.max_tokens
+        self.num_computed_tokens = request.num_computed_tokens
+        self.num_output_tokens = request.num_output_tokens
+        self.num_preemptions = request.num_preemptions
+        self.implicit_decodes = implicit_decodes
+
+
+def snapshots(requests: list[Request]) -> list[RequestSnapshot]:
+    return [RequestSnapshot(request) for request in requests]
+
+
 @dataclass
-class StepResult:
-    """What one step did. ``output`` is the step's schedule (an empty one for an async step
-    that scheduled nothing), ``finished`` the requests its update finished. ``execution``
-    belongs to the batch whose results the step applied: ``output`` itself in the
-    synchronous step; in ``step_async`` the batch ``updated`` (None: nothing applied)."""
+class BatchRecord:
+    """What one step reports, as vLLM's engine core hands its front end ``EngineCoreOutputs``
+    rather than its requests (docs/architecture.md#the-scheduler-output-contract): clocks,
+    routers and the recorder read this, never the scheduler.
+
+    ``output`` is the step's schedule (an empty one for an async step that scheduled
+    nothing), ``finished`` the requests its update finished. ``execution`` belongs to the
+    batch whose results the step applied: ``output`` itself in the synchronous step; in
+    ``step_async`` the batch ``updated`` (None: nothing applied). ``connector_output``: what
+    the connector's worker reported finished (None: no connector). ``implicit_decodes``: a
+    decode window's batch (``decode_window.py``), the one-token decodes of its members that
+    ``output`` leaves implicit (``output`` then holds only the batch's scheduled part, or
+    nothing); None for a batch the scheduler scheduled whole."""
 
     output: SchedulerOutput
-    finished: list[Request]
+    finished: list[RequestSnapshot]
     execution: Execution
     updated: SchedulerOutput | None = None
-    # With an offload tier: what the worker reported finished in this step.
-    transfers: KVConnectorOutput | None = None
-    # A decode-window batch (``decode_window.py``): its member decodes, which ``output``
-    # leaves implicit (``output`` holds its real part, if ``window_part``), and the window
-    # steps of each member it finished. ``window_decodes`` is None for a real batch.
-    window_decodes: int | None = None
-    window_steps: dict[str, int] | None = None
-    window_part: bool = False
+    connector_output: KVConnectorOutput | None = None
+    implicit_decodes: int | None = None
 
-    def __init__(self, output: SchedulerOutput, finished: list[Request], execution: Execution,
-                 updated: SchedulerOutput | None = None, transfers: KVConnectorOutput | None = None,
-                 window_decodes: int | None = None, window_steps: dict[str, int] | None = None,
-                 window_part: bool = False):
+    # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
+    def __init__(self, output: SchedulerOutput, finished: list[RequestSnapshot], execution: Execution,
+                 updated: SchedulerOutput | None = None, connector_output: KVConnectorOutput | None = None,
+                 implicit_decodes: int | None = None):
         self.output = output
         self.finished = finished
         self.execution = execution
         self.updated = updated
-        self.transfers = transfers
-        self.window_decodes = window_decodes
-        self.window_steps = window_steps
-        self.window_part = window_part
+        self.connector_output = connector_output
+        self.implicit_decodes = implicit_decodes
 
 
 @dataclass
@@ -235,7 +259,7 @@ class EngineCore:
             executor.execute(output)
         return _IDLE
 
-    def step(self, executor: ModelExecutor) -> StepResult:
+    def step(self, executor: ModelExecutor) -> BatchRecord:
         """One synchronous step. The worker gets the step's transfer jobs before the
         forward pass and reports the finished ones with its output; an empty step still
         reports them."""
@@ -243,13 +267,14 @@ class EngineCore:
         transfers = self._worker
         transfers.submit(output.kv_connector_metadata)
         execution = self._execute(executor, output)
-        finished = self.scheduler.update_from_output(output, execution.sampled) if output.num_scheduled_tokens else []
+        finished: list[Request] = (self.scheduler.update_from_output(output, execution.sampled)
+                                   if output.num_scheduled_tokens else [])
         if execution.draft_token_ids is not None and output.num_scheduled_tokens:
             # vLLM's post_step: the drafts reach the scheduler after the update.
             self.scheduler.update_draft_token_ids(output, execution.draft_token_ids)
         reported = transfers.finish_step(execution.duration_s)
         self.scheduler.update_connector_output(reported)
-        return StepResult(output, finished, execution, transfers=reported)
+        return BatchRecord(output, snapshots(finished), execution, connector_output=reported)
 
     @property
     def has_connector(self) -> bool:
@@ -296,16 +321,16 @@ class EngineCore:
         self.batch_queue.append(batch)
         return batch
 
-    def update_batch(self) -> StepResult:
+    def update_batch(self) -> BatchRecord:
         """Apply the oldest batch's sampled tokens (it has finished running), and the
         transfers the worker reports finished with it."""
         batch = self.batch_queue.popleft()
         finished = self.scheduler.update_from_output(batch.output, batch.execution.sampled)
         reported = self._worker.finish_step(batch.execution.duration_s)
         self.scheduler.update_connector_output(reported)
-        return StepResult(batch.output, finished, batch.execution, batch.output, transfers=reported)
+        return BatchRecord(batch.output, snapshots(finished), batch.execution, batch.output, connector_output=reported)
 
-    def step_async(self, executor: ModelExecutor) -> StepResult:
+    def step_async(self, executor: ModelExecutor) -> BatchRecord:
         """One engine step with a batch queue (vLLM ``EngineCore.step_with_batch_queue``).
 
         If there are requests, schedule a batch; if the queue then has room and (the batch
@@ -316,15 +341,20 @@ class EngineCore:
         if self.has_requests():
             scheduled = self.schedule_batch(executor)
             if len(self.batch_queue) < self.batch_queue_size and (scheduled.executed or self.has_requests()):
-                return StepResult(scheduled.output, [], _IDLE)
+                return BatchRecord(scheduled.output, [], _IDLE)
         elif not self.batch_queue:
-            return StepResult(SchedulerOutput(), [], _IDLE)
+            return BatchRecord(SchedulerOutput(), [], _IDLE)
         updated = self.update_batch()
         updated.output = scheduled.output if scheduled is not None else SchedulerOutput()
         return updated
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def request_snapshots(self) -> list[RequestSnapshot]:
+        """The requests this engine holds unfinished, as they are now: what a clock that
+        stops early reports of them (``MetricsRecorder.finish_unfinished``)."""
+        return [RequestSnapshot(r) for r in self.scheduler.requests.values() if not r.is_finished()]
 
     def no_progress_error(self, workload_field: str) -> ConfigError:
         """The error a clock raises when nothing can be scheduled again and requests are

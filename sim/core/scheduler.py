@@ -548,7 +548,7 @@ class Scheduler:
         assert self.connector is not None
         if out.external_hits is None:
             out.external_hits = []
-        out.external_hits.append((request, hit_tokens, num_external,
+        out.external_hits.append((request.request_id, hit_tokens, num_external,
                                   self.connector.get_external_cache_hit_sources(request, num_external)))
 
     @staticmethod

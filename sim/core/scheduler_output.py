@@ -15,7 +15,7 @@ Keeping the tables, in this order, once per output:
 1. drop the tables of ``finished_req_ids`` (requests that finished at the end of the
    previous step: the scheduler frees them in ``update_from_output``, after this step's
    output was made, so they are reported with the next one, as vLLM does; the caller of
-   ``EngineCore.step`` also sees them at once in ``StepResult.finished``) and of
+   ``EngineCore.step`` also sees them at once in ``BatchRecord.finished``) and of
    ``preempted`` (a preempted request is never also scheduled in that step);
 2. every ``scheduled_new_reqs`` entry (a new request, or a preempted one resumed) sets the
    request's tables to its ``block_ids``: the whole table after allocation, the null block
@@ -124,7 +124,7 @@ class SchedulerOutput:
     # With a KV connector: the step's jobs for the worker; None without one.
     kv_connector_metadata: KVConnectorMetadata | None = None
     # With an offload tier, for metrics (the executor ignores it): per admission that loads
-    # from the tier, (request, GPU hit tokens, loaded tokens, loaded tokens per tier).
+    # from the tier, (request id, GPU hit tokens, loaded tokens, loaded tokens per tier).
     external_hits: list | None = None
     # Speculative decoding: request id -> the draft tokens this step verifies (they are the
     # last ``len`` of its scheduled tokens; -1 ids are placeholders). None when drafts are off.

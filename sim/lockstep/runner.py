@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import BlockPool
-from kvtwin.sim.core.engine import EngineCore, Execution, StepResult
+from kvtwin.sim.core.engine import EngineCore, Execution, BatchRecord
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.offload.build import OffloadTier, build_offload_tier
 from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
@@ -92,7 +92,7 @@ class SpecScriptedModel:
         return Execution(sampled, duration_s=1.0, draft_token_ids=drafts)
 
 
-def step_record(step: int, result: StepResult, pool: BlockPool, speculative: bool = False) -> dict:
+def step_record(step: int, result: BatchRecord, pool: BlockPool, speculative: bool = False) -> dict:
     """One line of ``expected_steps.jsonl``: what a step scheduled and left in the pool
     (``speculative``: also the drafts each request verifies)."""
     out = result.output
@@ -150,12 +150,12 @@ class LockstepResult:
                 f"{preemptions} preemptions")
 
 
-def offload_record(engine: EngineCore, tier: OffloadTier, result: StepResult, evicted_before: int) -> dict:
+def offload_record(engine: EngineCore, tier: OffloadTier, result: BatchRecord, evicted_before: int) -> dict:
     """The ``offload`` part of a step's line: transfer jobs made and reported, and the tier
     (the one ``engine`` was built with)."""
     # Asynchronous steps may only schedule (no report yet) or only apply (no schedule).
     meta = result.output.kv_connector_metadata or OffloadingConnectorMetadata()
-    reported = result.transfers or KVConnectorOutput()
+    reported = result.connector_output or KVConnectorOutput()
     counters = tier.manager.counters()
     return {
         "loads": [[job.req_id, len(job.keys)] for job in meta.load_jobs.values()],
@@ -231,8 +231,8 @@ def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, ma
         result = step_fn(model)
         out = result.output
         if offloading:
-            for request, _, num_external, _ in out.external_hits or ():
-                loads[request.request_id] = (num_external, step)
+            for request_id, _, num_external, _ in out.external_hits or ():
+                loads[request_id] = (num_external, step)
         for admission in out.scheduled_new_reqs:
             record = records[admission.req_id]
             if offloading:
@@ -307,7 +307,7 @@ class PDEngine:
         line.update(scheduled_batch=scheduled, updated_batch=updated)
         return line
 
-    def record(self, result: StepResult, issued: list[RemoteRead]) -> dict:
+    def record(self, result: BatchRecord, issued: list[RemoteRead]) -> dict:
         """The engine's part of a tick, as the oracle writes it."""
         out = result.output
         scheduler = self.engine.scheduler
@@ -319,7 +319,7 @@ class PDEngine:
             "computed": dict(zip(out.num_scheduled_tokens, out.num_computed_tokens)),
             "reads": [[r.req_id, list(r.num_blocks)] for r in sorted(issued, key=lambda r: r.req_id)],
             "finished": sorted(r.request_id for r in result.finished),
-            "freed": sorted(result.transfers.finished_sending) if result.transfers is not None else [],
+            "freed": sorted(result.connector_output.finished_sending) if result.connector_output is not None else [],
             "waiting_remote": sorted(rid for rid, r in scheduler.requests.items()
                                      if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS),
             "free_blocks": manager.block_pool.get_num_free_blocks(),

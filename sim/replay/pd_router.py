@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.core.engine import EngineCore, RequestSnapshot
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.router import Router, make_router
 
@@ -47,7 +47,7 @@ class PDRouter(Router):
     def route(self, request: Request, session_id: str | None = None) -> int:
         raise TypeError("a P/D cluster routes pairs (route_pair)")
 
-    def release(self, replica: int, request: Request) -> None:
+    def release(self, replica: int, request: Request | RequestSnapshot) -> None:
         if replica < self.num_prefill:
             self.prefill.release(replica, request)
         else:

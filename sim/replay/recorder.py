@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 from mypy_extensions import mypyc_attr
 
-from kvtwin.sim.core.engine import Rejection, StepResult
+from kvtwin.sim.core.engine import BatchRecord, Rejection, RequestSnapshot
 from kvtwin.sim.core.engine_stats import EngineStats
 from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -33,15 +33,14 @@ from kvtwin.sim.replay.output_columns import (CLIENT_SIDE, DISAGGREGATION, OFFLO
 
 
 class _RequestRecord:
-    __slots__ = ("request", "request_id", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s",
+    __slots__ = ("request_id", "index", "session_id", "arrival_s", "first_scheduled_s", "first_token_s",
                  "finish_s", "last_token_s", "hit_tokens", "hit_tokens_total", "queried_tokens", "scheduled_tokens",
                  "status", "reason", "reason_detail", "prompt_tokens", "max_tokens", "generated_tokens", "num_preemptions",
                  "replica", "draft_tokens", "accepted_draft_tokens", "verify_steps")
 
     def __init__(self, request: Request, index: int, session_id: str | None, arrival_s: float, replica: int = 0):
-        # The request is referenced only while it lives: a finished one is reduced to its
-        # counts, so its block hashes can be freed during a long replay.
-        self.request: Request | None = request
+        # The request as it arrives (the front end's); what the engine made of it comes
+        # back in snapshots (``RequestSnapshot``), so no live request is kept.
         self.request_id = request.request_id
         self.prompt_tokens = request.num_prompt_tokens
         self.max_tokens = request.max_tokens
@@ -65,12 +64,6 @@ class _RequestRecord:
         # Speculative decoding only: drafts verified, how many accepted, in how many steps.
         self.draft_tokens = self.accepted_draft_tokens = self.verify_steps = 0
 
-    def snapshot(self) -> None:
-        request = self.request
-        if request is not None:
-            self.generated_tokens = request.num_output_tokens
-            self.num_preemptions = request.num_preemptions
-            self.request = None
 
 
 class _OffloadRecord:
@@ -277,32 +270,33 @@ class MetricsRecorder:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def on_batch_applied(self, result: StepResult, stats: EngineStats, times: BatchTimes, replica: int = 0,
+    def on_batch_applied(self, record: BatchRecord, stats: EngineStats, times: BatchTimes, replica: int = 0,
                          synchronous: bool = False) -> bool:
-        """Record a batch whose results were just applied: ``result`` ran on ``replica`` as
-        ``times`` says, and left the engine as ``stats`` says. A batch of a decode window
-        records its implicit decodes; a real one its output. An asynchronous batch that
-        computed and preempted nothing leaves no step row (it may still have started loads);
-        a synchronous step always does. Returns whether it wrote a step row."""
-        if result.window_decodes is not None:
-            self._window_batch(result, stats, times, replica)
-            return True
-        output = result.output
-        if synchronous or output.num_scheduled_tokens or output.preempted:
-            self._batch(result, stats, times, replica)
+        """Record a batch whose results were just applied: ``record`` ran on ``replica`` as
+        ``times`` says, and left the engine as ``stats`` says. An asynchronous batch that
+        computed and preempted nothing (and no decode window's batch) leaves no step row (it
+        may still have started loads); a synchronous step always does. Returns whether it
+        wrote a step row."""
+        output = record.output
+        if record.implicit_decodes is not None or synchronous or output.num_scheduled_tokens or output.preempted:
+            self._batch(record, stats, times, replica)
             return True
         if self.offload is not None:  # a batch that only starts loads or waits
             self.loads_issued(output, times.scheduled_s, stats.load_seconds, replica)
         return False
 
-    def _batch(self, result: StepResult, stats: EngineStats, times: BatchTimes, replica: int) -> None:
-        """A real batch's records: admissions stamped when it was scheduled, tokens when it ended."""
-        output = result.output
+    def _batch(self, record: BatchRecord, stats: EngineStats, times: BatchTimes, replica: int) -> None:
+        """A batch's records: admissions stamped when it was scheduled, tokens when it
+        ended. A decode window's batch (``implicit_decodes``) also ran one decode of each of
+        its members, all sampling at the batch's end and last at the previous batch's end;
+        its finished members catch up on their window steps in ``_finished``, the others in
+        ``close_decode_window``."""
+        output = record.output
         scheduled_s = times.scheduled_s
         if self.offload is not None:
             self.loads_issued(output, scheduled_s, stats.load_seconds, replica)
         self._admissions(output, scheduled_s)
-        sampled = result.execution.sampled
+        sampled = record.execution.sampled
         spec = output.scheduled_spec_decode_tokens if self.speculative else None
         if spec is not None:
             # A request that finished while this batch was in flight (drafts make its end
@@ -310,11 +304,17 @@ class MetricsRecorder:
             records = self.records
             sampled = {rid: tokens for rid, tokens in sampled.items() if records[rid].status != "finished"}
         prefill_tokens, decode_tokens = self._scheduled(output, spec, sampled)
-        self._sampled(sampled, times.end_s, self._itl[replica])
-        self._finished(result.finished, times.end_s)
-        self._step_row(stats, times, len(output.num_scheduled_tokens), prefill_tokens, decode_tokens,
-                       len(output.scheduled_new_reqs), len(output.preempted), len(result.finished),
-                       result.execution.cost, replica)
+        num_scheduled = len(output.num_scheduled_tokens)
+        itl = self._itl[replica]
+        implicit = record.implicit_decodes
+        if implicit is not None:
+            num_scheduled += implicit
+            decode_tokens += implicit
+            itl.extend_repeated(times.end_s - times.previous_end_s, implicit)
+        self._sampled(sampled, times.end_s, itl)
+        self._finished(record.finished, times.end_s)
+        self._step_row(stats, times, num_scheduled, prefill_tokens, decode_tokens, len(output.scheduled_new_reqs),
+                       len(output.preempted), len(record.finished), record.execution.cost, replica)
 
     def _admissions(self, output, scheduled_s: float) -> None:
         records = self.records
@@ -382,50 +382,17 @@ class MetricsRecorder:
                 itl_s.append(end_s - record.last_token_s)
             record.last_token_s = end_s
 
-    def _finished(self, finished: list[Request], end_s: float) -> None:
+    def _finished(self, finished: list[RequestSnapshot], end_s: float) -> None:
         records = self.records
-        for request in finished:
-            record = records[request.request_id]
+        for snapshot in finished:
+            record = records[snapshot.request_id]
+            if snapshot.implicit_decodes:
+                record.scheduled_tokens += snapshot.implicit_decodes
+                record.last_token_s = end_s
             record.finish_s = end_s
             record.status = "finished"
-            record.snapshot()
-
-    def _window_batch(self, result: StepResult, stats: EngineStats, times: BatchTimes, replica: int) -> None:
-        """A batch of a decode window (``sim/core/decode_window.py``): its member decodes,
-        one token each, all sampling at the batch's end and last at the previous batch's
-        end; its real part (``output``, if ``window_part``) holds its admissions and a
-        prefill chunk. Finished members catch up on their window steps here, the others in
-        ``close_decode_window``."""
-        end_s = times.end_s
-        itl = self._itl[replica]
-        num_decodes = result.window_decodes
-        assert num_decodes is not None
-        num_scheduled = decode_tokens = num_decodes
-        prefill_tokens = num_new = 0
-        if result.window_part:
-            part = result.output
-            self._admissions(part, times.scheduled_s)
-            part_prefill, part_decode = self._scheduled(part, None, result.execution.sampled)
-            prefill_tokens += part_prefill
-            decode_tokens += part_decode
-            num_scheduled += len(part.num_scheduled_tokens)
-            num_new = len(part.scheduled_new_reqs)
-        itl.extend_repeated(end_s - times.previous_end_s, num_decodes)
-        if result.window_part:
-            self._sampled(result.execution.sampled, end_s, itl)
-        records = self.records
-        window_steps = result.window_steps
-        assert window_steps is not None
-        finished = result.finished
-        for request in finished:
-            steps = window_steps.get(request.request_id, 0)
-            if steps:
-                record = records[request.request_id]
-                record.scheduled_tokens += steps
-                record.last_token_s = end_s
-        self._finished(finished, end_s)
-        self._step_row(stats, times, num_scheduled, prefill_tokens, decode_tokens, num_new, 0, len(finished),
-                       result.execution.cost, replica)
+            record.generated_tokens = snapshot.num_output_tokens
+            record.num_preemptions = snapshot.num_preemptions
 
     def close_decode_window(self, members: list[tuple[str, int]], last_token_s: float) -> None:
         """The records of a window's running members after their window batches (request
@@ -491,10 +458,10 @@ class MetricsRecorder:
         if not hits:
             return
         jobs = meta.load_jobs if meta is not None else {}
-        for request, gpu_hit_tokens, loaded_tokens, sources in hits:
-            load = loads.get(request.request_id)
+        for request_id, gpu_hit_tokens, loaded_tokens, sources in hits:
+            load = loads.get(request_id)
             if load is None:
-                load = loads[request.request_id] = _OffloadRecord()
+                load = loads[request_id] = _OffloadRecord()
             if math.isnan(load.wait_start_s):
                 load.wait_start_s = start_s
                 waiting[replica] += 1
@@ -547,14 +514,19 @@ class MetricsRecorder:
 
     # -- tables -----------------------------------------------------------------------------
 
-    def finish_unfinished(self) -> None:
-        """Requests still queued or running when the run stopped keep that status."""
+    def finish_unfinished(self, held: Iterable[RequestSnapshot]) -> None:
+        """Requests still queued or running when the run stopped keep that status, with the
+        figures the engines ``held`` them at (``EngineCore.request_snapshots``); one no
+        engine holds never got that far (waiting, nothing generated)."""
+        by_id = {snapshot.request_id: snapshot for snapshot in held}
         for record in self.order:
             if record.status in ("waiting", "running"):
-                assert record.request is not None
-                status = record.request.status
-                record.status = "running" if status is RequestStatus.RUNNING else "waiting"
-            record.snapshot()
+                snapshot = by_id.get(record.request_id)
+                running = snapshot is not None and snapshot.status is RequestStatus.RUNNING
+                record.status = "running" if running else "waiting"
+                if snapshot is not None:
+                    record.generated_tokens = snapshot.num_output_tokens
+                    record.num_preemptions = snapshot.num_preemptions
 
     def requests_table(self, client_overhead_s: float = 0.0) -> pa.Table:
         """``requests.parquet``: the base columns, the client-side ones (``client_overhead_s``

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.core.engine import EngineCore, RequestSnapshot
 from kvtwin.sim.core.hashing import HashIdPrompt
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.spec import FullAttentionSpec
@@ -61,7 +61,7 @@ PREFILL_WEIGHT = 1.0
 LOAD_WEIGHT = 1.0
 
 
-def request_load(request: Request) -> int:
+def request_load(request: Request | RequestSnapshot) -> int:
     """The tokens one outstanding request counts for: its prompt and its output budget."""
     return request.num_prompt_tokens + request.max_tokens
 
@@ -90,7 +90,7 @@ class Router:
         self.routed[replica] += 1
         return replica
 
-    def release(self, replica: int, request: Request) -> None:
+    def release(self, replica: int, request: Request | RequestSnapshot) -> None:
         self.outstanding[replica] -= request_load(request)
 
     def least_loaded(self) -> int:
@@ -110,7 +110,7 @@ class SingleReplicaRouter(Router):
     def route(self, request: Request, session_id: str | None = None) -> int:
         return 0
 
-    def release(self, replica: int, request: Request) -> None:
+    def release(self, replica: int, request: Request | RequestSnapshot) -> None:
         pass
 
 

@@ -23,12 +23,12 @@ Speculative decoding: a request's drafts (``scheduled_spec_decode_tokens``) are 
 its scheduled tokens. It sampled ``1 + accepted`` tokens, so ``drafts - accepted`` of its
 computed tokens are rolled back: at once when synchronous; asynchronously the batch's
 drafts count as tokens in flight (like the scheduler's placeholders) until that batch is
-applied (``StepResult.updated``), when both counts drop by the rejected drafts.
+applied (``BatchRecord.updated``), when both counts drop by the rejected drafts.
 """
 
 from __future__ import annotations
 
-from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, StepResult
+from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor, BatchRecord
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 
 NAME = "BLOCK-TABLE-MIRROR"
@@ -77,7 +77,7 @@ class BlockTableMirror:
 
     asynchronous = False  # set by the driver for an asynchronous engine
 
-    def _apply_rejections(self, result: StepResult) -> None:
+    def _apply_rejections(self, result: BatchRecord) -> None:
         """Async: the batch just applied rolls back its rejected drafts (a request whose
         table was dropped meanwhile, preempted or finished, has nothing to roll back)."""
         if result.updated is None:
@@ -161,7 +161,7 @@ class BlockTableMirror:
 
     # -- the check -------------------------------------------------------------------------
 
-    def check(self, engine: EngineCore, result: StepResult) -> None:
+    def check(self, engine: EngineCore, result: BatchRecord) -> None:
         self._apply_rejections(result)
         kvm = engine.kv_cache_manager
         if kvm.replaced_block_ids:

@@ -4,7 +4,7 @@
 needs nothing but the engine: the block pool (POOL-CONSERVE, POOL-REF, POOL-NULL,
 POOL-HASH), the block tables (GROUP-DISJOINT, SWA-BOUND, MAMBA-BOUND, table/hash
 consistency) and the scheduler's queues (REQ-CONSERVE for the requests the scheduler knows).
-Pass the step's ``StepResult`` and the requests' token counts from before the step to also
+Pass the step's ``BatchRecord`` and the requests' token counts from before the step to also
 check what that step decided (BUDGET, HIT-CAP, positions before the window nulled).
 
 ``check_cache_hit_probe`` checks HIT-AGREE / HIT-MONOTONE for one block-hash chain against
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import KVCacheBlock
 from kvtwin.sim.core.coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache
-from kvtwin.sim.core.engine import EngineCore, StepResult
+from kvtwin.sim.core.engine import EngineCore, BatchRecord
 from kvtwin.sim.core.attention_managers import ChunkedLocalAttentionManager, SlidingWindowManager
 from kvtwin.sim.core.mamba_manager import MambaManager
 from kvtwin.sim.core.request import RequestStatus
@@ -278,7 +278,7 @@ def check_queues(engine: EngineCore) -> None:
 
 # -- one step's decisions -------------------------------------------------------------------------------
 
-def check_step(engine: EngineCore, result: StepResult, num_tokens_before: Mapping[str, int],
+def check_step(engine: EngineCore, result: BatchRecord, num_tokens_before: Mapping[str, int],
                in_flight_before: Mapping[str, int] | None = None) -> None:
     """What the step decided: BUDGET, HIT-CAP, and nulls before the window.
 
@@ -336,7 +336,7 @@ def check_step(engine: EngineCore, result: StepResult, num_tokens_before: Mappin
                                    f"(processed {processed}) but hold real blocks")
 
 
-def check_invariants(engine: EngineCore, result: StepResult | None = None,
+def check_invariants(engine: EngineCore, result: BatchRecord | None = None,
                      num_tokens_before: Mapping[str, int] | None = None,
                      in_flight_before: Mapping[str, int] | None = None) -> None:
     """Every state invariant; with ``result`` (and ``num_tokens_before``) also the step's decisions."""

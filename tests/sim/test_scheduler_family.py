@@ -38,7 +38,7 @@ def test_an_engine_without_offload_steps_through_the_null_worker():
     engine.add_request(new_request("a", tokens(0, 20), max_tokens=2))
     results = [engine.step(EchoModel()) for _ in range(3)]
     # The worker that does nothing reports nothing, and nothing waits or is timed.
-    assert all(r.transfers is None for r in results)
+    assert all(r.connector_output is None for r in results)
     assert not engine.has_unfinished_requests() and not engine.has_pending_transfers()
     assert not engine.has_connector and not engine.waits_for_transfers()
     assert engine.next_transfer_event_s() is None

@@ -17,7 +17,7 @@ from typing import Any
 
 import simpy
 
-from kvtwin.sim.core.engine import StepResult
+from kvtwin.sim.core.engine import BatchRecord
 from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
 from kvtwin.sim.replay.clock.collector import relaxed_collection
 from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
@@ -60,19 +60,19 @@ class Cluster:
         self.progress.arrived += 1
         replica.wake()
 
-    def applied(self, replica: Replica, result: StepResult, times: BatchTimes, synchronous: bool = False) -> None:
+    def applied(self, replica: Replica, result: BatchRecord, times: BatchTimes, synchronous: bool = False) -> None:
         """``replica`` applied a batch's results at ``times.end_s``."""
         progress = self.progress
         if self.recorder.on_batch_applied(result, replica.engine.make_stats(), times, replica.index, synchronous):
             progress.steps += 1
-            if result.window_decodes is not None:
+            if result.implicit_decodes is not None:
                 progress.decode_window_steps += 1
             if self.on_progress is not None and progress.steps % self.progress_every == 0:
                 progress.now_s = times.start_s
                 self.on_progress(progress)
         progress.finished += len(result.finished)
-        for request in result.finished:
-            self.router.release(replica.index, request)
+        for snapshot in result.finished:
+            self.router.release(replica.index, snapshot)
 
     def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
         """A decode window closed: its running members' records catch up on their window
@@ -96,7 +96,8 @@ class Cluster:
         self.progress.now_s = env.now
         if self.on_progress is not None:
             self.on_progress(self.progress)
-        self.recorder.finish_unfinished()
+        self.recorder.finish_unfinished([snapshot for replica in self.replicas
+                                         for snapshot in replica.engine.request_snapshots()])
         return env.now
 
 

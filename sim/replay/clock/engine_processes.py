@@ -31,7 +31,7 @@ from typing import Protocol
 
 import simpy
 
-from kvtwin.sim.core.engine import StepResult
+from kvtwin.sim.core.engine import BatchRecord
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.recorder import BatchTimes
 
@@ -42,7 +42,7 @@ class ClusterView(Protocol):
     env: simpy.Environment
     arrivals_done: bool
 
-    def applied(self, replica: Replica, result: StepResult, times: BatchTimes, synchronous: bool = False) -> None:
+    def applied(self, replica: Replica, result: BatchRecord, times: BatchTimes, synchronous: bool = False) -> None:
         ...
 
     def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
@@ -185,6 +185,6 @@ def _wait_for_transfers(cluster: ClusterView, replica: Replica, reported: bool):
 
 def _reported(result) -> bool:
     """Whether the worker reported a transfer finished with this step's result."""
-    transfers = result.transfers
+    transfers = result.connector_output
     return transfers is not None and bool(transfers.completed_jobs or transfers.finished_recving
                                           or transfers.finished_sending)

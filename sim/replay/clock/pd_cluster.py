@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import simpy
 
-from kvtwin.sim.core.engine import StepResult
+from kvtwin.sim.core.engine import BatchRecord, RequestSnapshot
 from kvtwin.sim.core.pd_connector import PDTier, PDTransfers, RemoteRead, truncated_prompt
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.clock.arrivals import Arrival
@@ -142,9 +142,9 @@ class PDCluster:
         self._by_prefill_id[p_request.request_id] = flight
         self.replicas[prefill].wake()
 
-    def applied(self, replica: Replica, result: StepResult, times: BatchTimes, synchronous: bool = False) -> None:
+    def applied(self, replica: Replica, result: BatchRecord, times: BatchTimes, synchronous: bool = False) -> None:
         self.inner.applied(replica, result, times, synchronous)
-        if replica.index < self.num_prefill and result.transfers is not None and result.transfers.finished_sending:
+        if replica.index < self.num_prefill and result.connector_output is not None and result.connector_output.finished_sending:
             self._wake_all_if_done()  # the last blocks held for a read may have gone
         if replica.index < self.num_prefill and result.finished:
             self.progress.finished -= len(result.finished)  # only the decode side finishes a request
@@ -156,12 +156,12 @@ class PDCluster:
                 for p_request in finished:
                     self._prefilled(p_request, times.end_s)
 
-    def _prefilled_at(self, finished: list[Request], end_s: float):
+    def _prefilled_at(self, finished: list[RequestSnapshot], end_s: float):
         yield self.env.timeout(end_s - self.env.now)
         for p_request in finished:
             self._prefilled(p_request, end_s)
 
-    def _prefilled(self, p_request: Request, end_s: float) -> None:
+    def _prefilled(self, p_request: RequestSnapshot, end_s: float) -> None:
         """The prefill side finished: the client's request goes to its decode replica."""
         flight = self._by_prefill_id.pop(p_request.request_id)
         request = flight.request
