@@ -1,7 +1,8 @@
 """The shape of the code in ``sim/`` and ``kvtwin/``: no function or method over 80 lines,
 no closure nests (a function defined inside a function that is itself defined inside a
-function), and no file of the KV core (``sim/core``) over 600 lines. A long function or a nest of closures over shared state hides its decision
-points; small classes and methods name them.
+function), and no file of the KV core (``sim/core``) over 600 lines. A long function or a
+nest of closures over shared state hides its decision points; small classes and methods
+name them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
 
 CORE = Path(__file__).resolve().parents[2] / "sim" / "core"
-# The modules that hold references to the engine's objects.
+# The window's modules that hold references to the engine's objects (``window_members`` and
+# ``window_pricing`` hold none).
 WINDOW_MODULES = ("decode_window.py", "window_opening.py", "windowed_batch_queue.py")
 # The classes behind the port, which the window's modules may neither import nor name.
 CONCRETE = ("Scheduler", "AsyncScheduler", "KVCacheManager", "KVCacheCoordinator", "EngineCore")
@@ -236,5 +237,5 @@ def test_every_port_method_is_implemented_with_its_parameters(port: str):
         real_names = [p.name for p in real.parameters.values()]
         # The implementation may take more, with defaults (``allocate_slots``' options).
         assert real_names[:len(declared_names)] == declared_names, (port, name, declared_names, real_names)
-        assert all(p.default is not inspect.Parameter.empty for p in list(real.parameters.values())[len(declared_names):]), \
-            (port, name, real_names)
+        extra = list(real.parameters.values())[len(declared_names):]
+        assert all(p.default is not inspect.Parameter.empty for p in extra), (port, name, real_names)
