@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.kv_cache_manager import KVCacheManager
 from kvtwin.sim.core.kv_connector import KVConnector
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler import Scheduler
@@ -46,8 +47,8 @@ class AsyncScheduler(Scheduler):
         self.num_batches = 0
         # Per batch in flight that schedules tokens, oldest first: its (request, tokens) that
         # sample nothing (partial prefill chunks), whose tokens leave the flight at its update.
-        # A caller that advances or applies a batch by other means than ``advance_computed``
-        # and ``update_from_output`` must keep one entry per such batch, in schedule order.
+        # A decode window, which leaves some batches' advance implicit, queues their entries
+        # through ``push_in_flight_partials``.
         self.in_flight_partials: deque[list[tuple[Request, int]]] = deque()
         # The entry of the batch being advanced.
         self._batch_partials: list[tuple[Request, int]] = []
@@ -118,3 +119,66 @@ class AsyncScheduler(Scheduler):
             hash_block_size = self._hash_block_size
             if processed // hash_block_size != (processed - num_tokens) // hash_block_size:
                 self.kv_cache_manager.coordinator.cache_blocks(request, processed)
+
+    # -- what a decode window asks (``decode_window.WindowScheduler``) ------------------
+    # A window schedules batches without visiting every running request; these are the
+    # scheduler's passes it runs and the writes the batches it leaves implicit would make.
+
+    def windows_allowed(self) -> bool:
+        """Whether decode windows may ever open (the premises of their proof: two batches in
+        flight, no connector loading into the pool, one token per decode)."""
+        return self.config.max_concurrent_batches == 2 and self.connector is None and not self.num_spec_tokens
+
+    def can_open_window(self) -> bool:
+        return self.windows_allowed() and not self.finished_req_ids
+
+    def get_kv_cache_manager(self) -> KVCacheManager:
+        return self.kv_cache_manager
+
+    def running_requests(self) -> list[Request]:
+        return self.running
+
+    def get_request(self, request_id: str) -> Request:
+        return self.requests[request_id]
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def running_chunk(self, request: Request, token_budget: int) -> int:
+        """The running pass's chunk for a request still prefilling (``_schedule_running``
+        without drafts): what it lacks, clipped, Mamba-aligned; 0: none."""
+        computed = request.num_computed_tokens
+        chunk = self.clip_running_chunk(request.num_tokens - computed, computed, token_budget,
+                                        self.long_prefill_threshold())
+        if self.mamba_block_size and chunk > 0:
+            chunk = self.mamba_block_aligned_split(request, chunk, 0)
+        return max(chunk, 0)
+
+    def start_window_batch(self) -> list[str]:
+        reported, self.finished_req_ids = self.finished_req_ids, []
+        self.kv_cache_manager.new_step_starts()
+        return reported
+
+    def count_batch(self) -> None:
+        self.num_batches += 1
+
+    def push_in_flight_partials(self, partials: list[tuple[Request, int]], oldest: bool) -> None:
+        if oldest:
+            self.in_flight_partials.appendleft(partials)
+        else:
+            self.in_flight_partials.append(partials)
+
+    def advance_decode(self, request: Request) -> None:
+        request.num_computed_tokens += 1
+        request.num_in_flight_tokens += 1
+        request.num_output_placeholders += 1
+
+    def bring_decode_to(self, request: Request, num_computed_tokens: int, token_ids: list[int]) -> None:
+        request.num_computed_tokens = num_computed_tokens
+        request.append_output_token_ids(token_ids)

@@ -330,6 +330,31 @@ class EngineCore:
         self.scheduler.update_connector_output(reported)
         return BatchRecord(batch.output, snapshots(finished), batch.execution, batch.output, connector_output=reported)
 
+    # -- what a decode window asks (``decode_window.WindowEngine``) ----------------------
+
+    def window_scheduler(self) -> AsyncScheduler | None:
+        """The scheduler, if its batches may ever be windowed (asynchronous, two batches in
+        flight, no connector, no drafts: ``AsyncScheduler.can_open_window``); else None."""
+        scheduler = self.scheduler
+        if isinstance(scheduler, AsyncScheduler) and scheduler.windows_allowed():
+            return scheduler
+        return None
+
+    def num_batches_in_flight(self) -> int:
+        return len(self.batch_queue)
+
+    def oldest_batch(self) -> Batch:
+        return self.batch_queue[0]
+
+    def any_batch_executed(self) -> bool:
+        """Whether a batch in flight computes something."""
+        return any(batch.executed for batch in self.batch_queue)
+
+    def enqueue_batch(self, batch: Batch) -> None:
+        """Queue a batch scheduled by other means than ``schedule_batch`` (a decode
+        window's, made real): it is updated in its turn by ``update_batch``."""
+        self.batch_queue.append(batch)
+
     def step_async(self, executor: ModelExecutor) -> BatchRecord:
         """One engine step with a batch queue (vLLM ``EngineCore.step_with_batch_queue``).
 

@@ -272,6 +272,52 @@ class KVCacheManager:
             request.request_id, num_tokens, self.empty_blocks, request.num_computed_tokens, num_tokens, True,
             max(request.num_prompt_tokens, request.num_tokens - 1))
 
+    def take_replaced_block_ids(self, request_id: str) -> list[tuple[int, int, int]] | None:
+        """Take the table entries ``request_id``'s allocations changed in place since they
+        were last taken (None: none), for the batch's output; vLLM's scheduler reads them
+        off the allocation as it schedules the request."""
+        log = self.replaced_block_ids
+        if not log:
+            return None
+        return log.pop(request_id, None)
+
+    # -- what a decode window asks (``decode_window.WindowKVCacheManager``) --------------
+
+    def get_empty_blocks(self) -> KVCacheBlocks:
+        """``allocate_slots``' result when it appended nothing (compare by identity)."""
+        return self.empty_blocks
+
+    def num_kv_cache_groups(self) -> int:
+        return self.num_groups
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def allocation_horizon(self, request_id: str) -> int:
+        """The token count up to which allocating for the running ``request_id`` changes
+        nothing (``noop_horizon``; -1: none known, ask ``allocate_slots``)."""
+        return self.noop_horizon.get(request_id, -1)
+
+    def blocks_lacking(self, request_id: str, num_tokens: int) -> int:
+        """Summed over the groups, the blocks ``request_id``'s table lacks to hold
+        ``num_tokens`` tokens: what one more token can take from the pool, at most."""
+        needed = 0
+        for manager in self.coordinator.managers:
+            table = manager.req_to_blocks.get(request_id)
+            lacking = -(-num_tokens // manager.block_size) - (len(table) if table is not None else 0)
+            if lacking > 0:
+                needed += lacking
+        return needed
+
+    def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
+        """The blocks ``allocate_slots(request, num_new_tokens)`` takes from the pool for a
+        running request's chunk (vLLM's ``get_num_blocks_to_allocate``)."""
+        computed = request.num_computed_tokens
+        end = computed + num_new_tokens
+        return self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, min(end, self.max_model_len), self.empty_blocks, computed, end, False,
+            max(request.num_prompt_tokens, request.num_tokens - 1))
+
     def free(self, request: Request) -> None:
         self.noop_horizon.pop(request.request_id, None)
         self.coordinator.free(request.request_id)

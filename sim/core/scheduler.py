@@ -25,18 +25,20 @@ policy) has them withdrawn, since its tables are dropped.
 Asynchronous scheduling is the subclass ``AsyncScheduler`` (``async_scheduler.py``); it
 changes how a batch's computed counts advance and how its update is applied.
 ``make_scheduler`` (``engine.py``) picks the class from the config. A KV connector, if
-any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py``).
+any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py``); the
+paths that use it are the base class ``ConnectorScheduling`` (``connector_scheduling.py``).
 """
 
 from __future__ import annotations
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
+from kvtwin.sim.core.connector_scheduling import ConnectorScheduling
 from kvtwin.sim.core.drafting import check_drafting, reserve_prefill_lookahead, schedule_spec_tokens
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
-from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput
+from kvtwin.sim.core.kv_connector import KVConnector
 from kvtwin.sim.core.kv_connector_state import KVConnectorState
 from kvtwin.sim.core.mamba_chunks import MambaChunks
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -52,7 +54,7 @@ def _preemption_rank(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
 
 
-class Scheduler:
+class Scheduler(ConnectorScheduling):
     def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None):
         self.config = scheduler_config
@@ -195,7 +197,7 @@ class Scheduler:
                 if replaced_log and request.status is RequestStatus.RUNNING:
                     # It waits, unscheduled, for a victim's blocks a batch in flight still
                     # holds; what its failed attempt released goes out now all the same.
-                    replaced = replaced_log.pop(request_id, None)
+                    replaced = kv_cache_manager.take_replaced_block_ids(request_id)
                     if replaced is not None:
                         cached.replaced_block_ids[request_id] = replaced
                 break
@@ -204,7 +206,7 @@ class Scheduler:
             if replaced_log:
                 # Also what an earlier failed attempt in this step changed (skipped blocks
                 # are released before the capacity check). Taken, so the log empties.
-                replaced = replaced_log.pop(request_id, None)
+                replaced = kv_cache_manager.take_replaced_block_ids(request_id)
                 if replaced is not None:
                     cached.replaced_block_ids[request_id] = replaced
             scheduled[request_id] = num_new
@@ -420,8 +422,7 @@ class Scheduler:
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
-        if kv_cache_manager.replaced_block_ids:
-            kv_cache_manager.replaced_block_ids.pop(request_id, None)  # the whole table goes out instead
+        kv_cache_manager.take_replaced_block_ids(request_id)  # the whole table goes out instead
         out.scheduled_new_reqs.append(NewRequestData(
             request_id, kv_cache_manager.get_blocks(request_id), num_computed, request.num_prompt_tokens,
             request.num_tokens, hit_tokens, resumed, request.prompt))
@@ -440,159 +441,6 @@ class Scheduler:
             assert out.scheduled_spec_decode_tokens is not None
             out.scheduled_spec_decode_tokens[request_id] = [-1] * num_padding
 
-    # -- the waiting pass with a KV connector (vLLM's connector paths) -----------------
-
-    def _schedule_waiting_with_connector(self, out: SchedulerOutput, token_budget: int, long_prefill: int) -> None:
-        """Admit waiting requests, asking the connector for hits beyond the GPU's.
-
-        A request with an asynchronous load gets its blocks now and waits, holding them,
-        in ``kv_holding_waiting`` until the worker reports the load; that queue is served
-        first. A request that cannot go this step (the connector asks to wait, its load is
-        still running) is set aside and keeps its place; the first that does not fit in
-        the pool stops admission, as without a connector."""
-        cfg = self.config
-        kv_cache_manager = self.kv_cache_manager
-        connector = self.connector
-        assert connector is not None
-        state = self.connector_state
-        # The connector supplies a hybrid model's Mamba state (vLLM's NIXL): it may take
-        # the full-attention hit where the Mamba hit lags.
-        divergent_hits = connector.supports_divergent_local_hybrid_hits
-        holding, waiting = state.kv_holding_waiting, self.waiting
-        skipped_holding: list[Request] = []
-        skipped_waiting: list[Request] = []
-        while token_budget > 0:
-            queue = holding if len(holding) else waiting
-            if not len(queue) or len(self.running) >= cfg.max_num_seqs:
-                break
-            request = queue.peek()
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if request.request_id not in state.finished_recving_kv_req_ids:
-                    skipped_holding.append(queue.pop())
-                    continue
-                self._finish_remote_load(request)
-            if request.num_in_flight_tokens:
-                # Preempted while a batch with it was in flight (async; 0 when synchronous).
-                (skipped_holding if self._holds_kv_blocks(request) else skipped_waiting).append(queue.pop())
-                continue
-            num_external = 0
-            load_async = False
-            if request.num_computed_tokens == 0:
-                hit_blocks, hit_tokens, external, load_async = self._connector_lookup(request, divergent_hits)
-                if external is None:
-                    (skipped_holding if self._holds_kv_blocks(request) else skipped_waiting).append(queue.pop())
-                    continue
-                num_external = external
-            else:
-                hit_blocks, hit_tokens = kv_cache_manager.empty_blocks, 0
-            num_computed = request.num_computed_tokens + hit_tokens + num_external
-            if load_async:
-                num_new = 0  # nothing runs until the KV has landed
-            else:
-                num_new = self._first_chunk(request, num_computed, hit_tokens + num_external, token_budget,
-                                            long_prefill)
-                if not num_new:
-                    break
-            # A load holds its blocks with no progress and cannot be preempted here: admit
-            # it only if the requests already prefilling keep what they still need.
-            reserved = sum(kv_cache_manager.remaining_blocks(r) for r in state.inflight_prefills) if load_async else 0
-            new_blocks = kv_cache_manager.allocate_slots(request, num_new, hit_tokens, hit_blocks,
-                                            full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
-                                            reserved_blocks=reserved, has_scheduled_reqs=bool(self.running),
-                                            num_external_computed_tokens=num_external,
-                                            delay_cache_blocks=load_async)
-            if new_blocks is None:
-                break
-            request_id = request.request_id
-            connector.update_state_after_alloc(request, kv_cache_manager.get_blocks(request_id), num_external)
-            if num_external:
-                self._note_external_hit(out, request, hit_tokens, num_external)
-            if load_async:
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                request.num_computed_tokens = num_computed
-                state.inflight_prefills.add(request)
-                skipped_holding.append(queue.pop())
-                continue
-            queue.pop()
-            self._admit(out, request, num_computed, num_new, hit_tokens)
-            token_budget -= num_new
-            if num_computed + num_new < request.num_tokens:
-                state.inflight_prefills.add(request)
-        for request in reversed(skipped_holding):
-            holding.prepend(request)
-        for request in reversed(skipped_waiting):
-            waiting.prepend(request)
-
-    def _connector_lookup(self, request: Request,
-                          divergent_hits: bool) -> tuple[KVCacheBlocks, int, int | None, bool]:
-        """A new request's local hit and what the connector adds past it: (hit blocks, hit
-        tokens, external tokens or None to ask again next step, whether they load
-        asynchronously). Sets the request's shared-prefix boundary."""
-        kv_cache_manager = self.kv_cache_manager
-        assert self.connector is not None
-        if divergent_hits:
-            hit_blocks, hit_tokens, request.shared_prefix_boundary, diverged = (
-                kv_cache_manager.get_computed_blocks_for_connector(request))
-        else:
-            hit_blocks, hit_tokens, request.shared_prefix_boundary = kv_cache_manager.get_computed_blocks(request)
-            diverged = False
-        external, load_async = self.connector.get_num_new_matched_tokens(request, hit_tokens)
-        if diverged and external == 0:
-            # Nothing loaded brings the Mamba state for the deeper hit: take the hit every
-            # group agrees on instead (vLLM's scheduler does the same).
-            hit_blocks, hit_tokens, request.shared_prefix_boundary = kv_cache_manager.get_computed_blocks(request)
-        return hit_blocks, hit_tokens, external, load_async
-
-    def _note_external_hit(self, out: SchedulerOutput, request: Request, hit_tokens: int, num_external: int) -> None:
-        """For metrics: an admission that loads ``num_external`` tokens past its GPU hit."""
-        assert self.connector is not None
-        if out.external_hits is None:
-            out.external_hits = []
-        out.external_hits.append((request.request_id, hit_tokens, num_external,
-                                  self.connector.get_external_cache_hit_sources(request, num_external)))
-
-    @staticmethod
-    def _holds_kv_blocks(request: Request) -> bool:
-        return request.num_computed_tokens > 0 or request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-
-    def _finish_remote_load(self, request: Request) -> None:
-        """The load landed: cache what it brought and queue the request as before it."""
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        if request.num_computed_tokens == request.num_tokens:
-            request.num_computed_tokens -= 1  # the last token is recomputed for its logits
-        self.connector_state.finished_recving_kv_req_ids.remove(request.request_id)
-        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
-
-    def _finish_schedule_with_connector(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Hand the step to the connector, which adds its transfer jobs to the output (it
-        reads the computed counts from before the step, as vLLM's does), then advance the
-        computed counts as without a connector."""
-        offloads = self.kv_cache_manager.coordinator.take_boundary_state_offloads() if self.mamba_block_size else None
-        assert self.connector is not None
-        out.kv_connector_metadata = self.connector.build_connector_meta(out, offloads)
-        requests = self.requests
-        state = self.connector_state
-        if state.defer_block_free and out.num_scheduled_tokens:
-            state.sched_step_seq += 1
-            for request_id in out.num_scheduled_tokens:
-                requests[request_id].last_sched_seq = state.sched_step_seq
-        self.advance_computed(out)
-        for request_id in out.num_output_tokens:
-            state.inflight_prefills.discard(requests[request_id])  # its prefill is done
-        return out
-
-    def update_connector_output(self, connector_output: KVConnectorOutput | None) -> None:
-        """The worker's report: finished transfers; requests whose load landed may run.
-        None: the engine has no connector, so there is nothing to report."""
-        if connector_output is None:
-            return
-        assert self.connector is not None
-        self.connector.update_connector_output(connector_output)
-        self.connector_state.finished_recving_kv_req_ids.update(connector_output.finished_recving)
-        if connector_output.finished_sending:
-            delayed = self.connector_state.delayed_free
-            for request_id in connector_output.finished_sending:
-                self.kv_cache_manager.free(delayed.pop(request_id))
 
     def _preempt(self, request: Request) -> None:
         """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""
@@ -726,20 +574,8 @@ class Scheduler:
         """A request is done: the connector learns of it (its last chunks are stored with the
         next schedule), then its blocks are freed at once; it is reported next schedule."""
         request.status = RequestStatus.FINISHED
-        if self.connector is not None:
-            # vLLM drops what the request no longer reads (by the processed tokens) before it
-            # hands the table to the connector: those blocks reach the free queue first.
-            self.kv_cache_manager.coordinator.remove_skipped_blocks(
-                request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens))
-            delay_free = self.connector.request_finished(request)
-            self.connector_state.inflight_prefills.discard(request)
-            if delay_free:
-                # Another engine reads its blocks: they stay until finished_sending.
-                self.connector_state.delayed_free[request.request_id] = request
-                finished.append(request)
-                self.finished_req_ids.append(request.request_id)
-                return
-        self.kv_cache_manager.free(request)
+        if self.connector is None or not self._request_finished_with_connector(request):
+            self.kv_cache_manager.free(request)
         finished.append(request)
         self.finished_req_ids.append(request.request_id)
 

@@ -62,7 +62,7 @@ from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.planner.hardware import GPUSpec, require_cost_model_inputs
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
-from kvtwin.sim.core.decode_window import CHUNK_KEYS, FULL_KEYS, NO_KEYS, WINDOW_KEYS
+from kvtwin.sim.core.window_pricing import CHUNK_KEYS, FULL_KEYS, NO_KEYS, WINDOW_KEYS
 from kvtwin.sim.core.spec import (AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                   SlidingWindowSpec)
 from kvtwin.sim.calibration.efficiency import Efficiency

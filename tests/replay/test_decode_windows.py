@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtwin.scenarios import SCENARIOS_DIR
-from kvtwin.sim.core.decode_window import CHUNK_KEYS, WINDOW_KEYS, LocalKeySum, decode_keys, open_decode_window
+from kvtwin.sim.core.window_opening import open_decode_window
+from kvtwin.sim.core.window_pricing import CHUNK_KEYS, WINDOW_KEYS, LocalKeySum, decode_keys
 from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import get_gpu

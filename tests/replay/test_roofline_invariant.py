@@ -35,7 +35,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvtwin.sim.core.decode_window import FULL_KEYS, NO_KEYS, LocalKeySum, decode_keys
+from kvtwin.sim.core.window_pricing import FULL_KEYS, NO_KEYS, LocalKeySum, decode_keys
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.hardware import GPU_PRESETS, get_gpu

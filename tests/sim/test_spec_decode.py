@@ -467,7 +467,7 @@ def test_spec_invariants_on_golden_cases_see_rollbacks(name):
 
 def test_no_decode_window_with_drafts():
     """Decode windows assume one token per decode: never opened with drafts on."""
-    from kvtwin.sim.core.decode_window import open_decode_window
+    from kvtwin.sim.core.window_opening import open_decode_window
     from kvtwin.sim.core.scheduler_output import SchedulerOutput
     kv = KVCacheConfig(num_blocks=64, hash_block_size=BS, groups=(KVCacheGroupSpec(("a",), FullAttentionSpec(block_size=BS)),))
     engine = EngineCore(kv, SchedulerConfig(max_model_len=256, async_scheduling=True, num_speculative_tokens=2))

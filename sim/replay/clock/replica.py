@@ -11,7 +11,8 @@ from __future__ import annotations
 import simpy
 from simpy.events import Event
 
-from kvtwin.sim.core.decode_window import WindowedBatchQueue, WindowPricing
+from kvtwin.sim.core.window_pricing import WindowPricing
+from kvtwin.sim.core.windowed_batch_queue import WindowedBatchQueue
 from kvtwin.sim.core.engine import EngineCore, ModelExecutor
 from kvtwin.sim.replay.clock.timeline import DeviceTimeline
 
