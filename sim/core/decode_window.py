@@ -1,9 +1,10 @@
 """Decode windows: runs of batches scheduled without visiting every request at every step
 (docs/architecture.md#decode-windows).
 
-The window reaches the engine only through its port, declared below: ``WindowScheduler``,
-``WindowKVCacheManager`` and ``WindowEngine`` name every method of the scheduler, the KV
-cache manager and the engine a window may call, and the window writes no member of theirs
+The window reaches the engine only through its port: ``WindowScheduler`` and
+``WindowEngine`` below and ``WindowKVCacheManager`` (``window_port.py``, a base class of
+the manager so that the per-member calls stay native) name every method of the scheduler,
+the KV cache manager and the engine a window may call, and the window writes no member of theirs
 (``tests/sim/test_decode_window_port.py`` checks both). Its own state is its members
 (``window_members.py``) and batches. Which batch opens a window is ``window_opening.py``'s
 to say; the clock's driver is ``windowed_batch_queue.py``; the closed-form pricing,
@@ -62,6 +63,7 @@ from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import CachedRequestData, SchedulerOutput
 from kvtwin.sim.core.window_members import WindowMembers
+from kvtwin.sim.core.window_port import WindowKVCacheManager
 from kvtwin.sim.core.window_pricing import WindowBatchTerms
 
 # A window batch (``next_batch``): scheduled in the window, or not (the window ends before
@@ -72,45 +74,6 @@ REAL_BATCH = -1
 
 
 # -- the port: all a window may ask of the engine ------------------------------------------
-
-
-class WindowKVCacheManager(Protocol):
-    """What a window asks of the KV cache manager (``KVCacheManager``)."""
-
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
-        """vLLM's ``allocate_slots`` for a running request's decode or prefill chunk, as the
-        scheduler's running pass calls it."""
-        ...
-
-    def take_replaced_block_ids(self, request_id: str) -> list[tuple[int, int, int]] | None:
-        """The table entries the request's allocations changed in place, taken into the
-        batch's output as the running pass takes them (None: none)."""
-        ...
-
-    def get_empty_blocks(self) -> KVCacheBlocks:
-        """What ``allocate_slots`` returns when it appended nothing (by identity)."""
-        ...
-
-    def num_kv_cache_groups(self) -> int:
-        ...
-
-    def num_free_blocks(self) -> int:
-        """The block pool's free blocks (vLLM's ``get_num_free_blocks``)."""
-        ...
-
-    def allocation_horizon(self, request_id: str) -> int:
-        """The token count up to which allocating for the request changes nothing (the
-        running pass skips ``allocate_slots`` below it); -1: none known."""
-        ...
-
-    def blocks_lacking(self, request_id: str, num_tokens: int) -> int:
-        """Summed over the groups, the blocks the request's tables lack for ``num_tokens``."""
-        ...
-
-    def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        """The blocks ``allocate_slots`` would take for a running chunk (vLLM's
-        ``get_num_blocks_to_allocate``)."""
-        ...
 
 
 class WindowScheduler(Protocol):

@@ -22,9 +22,10 @@ from kvtwin.sim.core.attention_managers import FullAttentionManager
 from kvtwin.sim.core.mamba_manager import MambaManager
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.spec import KVCacheConfig, cdiv
+from kvtwin.sim.core.window_port import WindowKVCacheManager
 
 
-class KVCacheManager:
+class KVCacheManager(WindowKVCacheManager):
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
                  enable_caching: bool = True, watermark: float = 0.0, num_prefill_lookahead: int = 0,
                  use_eagle_block_drop: bool = False):
@@ -281,7 +282,7 @@ class KVCacheManager:
             return None
         return log.pop(request_id, None)
 
-    # -- what a decode window asks (``decode_window.WindowKVCacheManager``) --------------
+    # -- what a decode window asks (``window_port.WindowKVCacheManager``) ----------------
 
     def get_empty_blocks(self) -> KVCacheBlocks:
         """``allocate_slots``' result when it appended nothing (compare by identity)."""

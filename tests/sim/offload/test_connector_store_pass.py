@@ -76,8 +76,10 @@ class _TierPerKey:
     def __init__(self, tiers: dict):
         self.tiers = tiers
 
-    def on_new_request(self, req_context) -> None:
-        pass
+    def on_new_request(self, req_context):
+        from kvtwin.sim.core.offload.base import RequestOffloadingContext
+
+        return RequestOffloadingContext()  # as OffloadingManager says (a compiled connector checks it)
 
     def get_load_source(self, key, req_context) -> str:
         return self.tiers[key]
