@@ -83,3 +83,46 @@ def test_nothing_outside_the_core_reads_an_engines_connector_parts() -> None:
              for path in _files_outside_core() if path != Path(__file__).resolve()
              for line, what in engine_reads(path.read_text(), str(path))]
     assert not found, "read the engine through its methods, or keep the tier you built:\n" + "\n".join(found)
+
+
+# The replay's clocks and routers, the executor and the commands reach the engine through its
+# own methods only; the step-clock harness (``sim/lockstep``) and the tests mirror vLLM's
+# internal state on purpose and are not held to this.
+CLIENT_DIRS = ("sim/replay", "sim/scenario", "sim/planner", "sim/calibration", "executor", "kvtwin", "reports")
+INTERNALS = frozenset({"scheduler", "kv_cache_manager", "batch_queue"})
+# ``plan.engine`` is the planned engine config, not an ``EngineCore``.
+CONFIG_HOLDERS = frozenset({"plan", "planned", "eng"})
+
+
+def internal_reads(source: str, filename: str = "<source>") -> list[tuple[int, str]]:
+    """(line, ``engine.attr``) for each read of an engine's scheduler, KV cache manager or
+    batch queue."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, ast.Attribute) and node.attr in INTERNALS and _is_engine(node.value):
+            holder = node.value.value if isinstance(node.value, ast.Attribute) else None
+            base = holder.attr if isinstance(holder, ast.Attribute) else holder.id if isinstance(holder, ast.Name) else None
+            if base in CONFIG_HOLDERS:
+                continue
+            found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+    return sorted(found)
+
+
+def test_the_internals_detector_finds_what_the_replay_used_to_read() -> None:
+    source = ("a = replica.engine.scheduler.config.async_scheduling\n"
+              "b = self.engine.kv_cache_manager.coordinator\n"
+              "c = [engine.kv_cache_manager.block_pool for engine in engines]\n"
+              "d = r.engine.scheduler.connector_state.delayed_free\n"
+              "e = plan.engine.scheduler.num_speculative_tokens\n"
+              "f = self.planned.engine.scheduler\n")
+    assert internal_reads(source) == [(1, "replica.engine.scheduler"), (2, "self.engine.kv_cache_manager"),
+                                      (3, "engine.kv_cache_manager"), (4, "r.engine.scheduler")]
+
+
+def test_no_client_of_the_engine_reads_its_parts() -> None:
+    breaches = []
+    for folder in CLIENT_DIRS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            breaches += [f"{path.relative_to(REPO)}:{line}: {what}"
+                         for line, what in internal_reads(path.read_text(), str(path))]
+    assert not breaches, "\n".join(breaches)

@@ -33,7 +33,9 @@ from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.connector_tier import ConnectorTier
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.engine_stats import EngineStats, pool_stats
+from kvtwin.sim.core.block_pool import KVCacheBlock
 from kvtwin.sim.core.errors import require
+from kvtwin.sim.core.hashing import BlockHasher
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
@@ -300,6 +302,33 @@ class EngineCore:
         flight, a step clock, or no connector)."""
         tier = self._tier
         return tier.next_event_s() if tier is not None else None
+
+    # -- what a clock or a router may ask (they read no member of the engine's parts) ------
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether batches are scheduled while others run (``step_async``), or one by one."""
+        return self.scheduler.config.async_scheduling
+
+    def holds_blocks_for_reads(self) -> bool:
+        """Whether finished requests keep their blocks until another engine reads them (a
+        P/D prefill side's ``delayed_free``; False without a P/D connector)."""
+        return bool(self.scheduler.connector_state.delayed_free)
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        return self.kv_cache_manager.coordinator.kv_cache_config
+
+    @property
+    def block_hasher(self) -> BlockHasher | None:
+        """How a request's prompt becomes block hashes (None without prefix caching)."""
+        return self.scheduler.hasher
+
+    def cached_blocks_by_hash(self, group_id: int) -> dict[object, KVCacheBlock | dict[int, KVCacheBlock]]:
+        """The prefix cache's index of one KV cache group: block hash to its cached blocks,
+        the live map (what a KV-event subscriber such as a prefix-aware router mirrors; a
+        reader must not change it)."""
+        return self.kv_cache_manager.block_pool.cached_block_hash_to_block[group_id]
 
     # -- asynchronous scheduling: two batches in flight --------------------------------
 

@@ -151,7 +151,7 @@ class SessionAffinityRouter(Router):
 
 
 def _reference_group(engine: EngineCore) -> int:
-    groups = engine.kv_cache_manager.coordinator.kv_cache_config.groups
+    groups = engine.kv_cache_config.groups
     for gid, group in enumerate(groups):
         if isinstance(group.spec, FullAttentionSpec):
             return gid
@@ -167,13 +167,13 @@ class PrefixAwareRouter(Router):
         self.prefill_weight = prefill_weight
         self.load_weight = load_weight
         first = engines[0]
-        self.hasher = first.scheduler.hasher  # None without prefix caching
+        self.hasher = first.block_hasher  # None without prefix caching
         gid = _reference_group(first)
-        config = first.kv_cache_manager.coordinator.kv_cache_config
+        config = first.kv_cache_config
         self.group_block_size = config.groups[gid].spec.block_size
         self.factor = self.group_block_size // config.hash_block_size
         # Each replica's hash → block map of the reference group (its KV events' state).
-        self.cached = [engine.kv_cache_manager.block_pool.cached_block_hash_to_block[gid] for engine in engines]
+        self.cached = [engine.cached_blocks_by_hash(gid) for engine in engines]
 
     def cached_tokens(self, request: Request) -> list[int]:
         """Per replica, the prompt tokens its longest cached prefix of whole blocks covers."""

@@ -102,7 +102,7 @@ class Cluster:
 
 
 def _engine_process(view: Any, replica: Replica):
-    if replica.engine.scheduler.config.async_scheduling:
+    if replica.engine.async_scheduling:
         return async_engine_process(view, replica)
     return sync_engine_process(view, replica)
 

@@ -103,7 +103,7 @@ class PDCluster:
         over, and no read is still to come (an idle replica stops only then)."""
         if not self._arrivals_done or self._by_prefill_id:
             return False
-        return not any(r.engine.scheduler.connector_state.delayed_free for r in self.replicas[:self.num_prefill])
+        return not any(r.engine.holds_blocks_for_reads() for r in self.replicas[:self.num_prefill])
 
     @arrivals_done.setter
     def arrivals_done(self, value: bool) -> None:
