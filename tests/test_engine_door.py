@@ -19,7 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]["kvtwin.sim"] / "core"
 FORBIDDEN = frozenset({"offload", "pd", "transfers"})
-SKIPPED_DIRS = {".venv", "build", ".git", "node_modules"}
+# Not the repository's code: virtual environments (CI makes ``.ci/venv``), builds, caches.
+SKIPPED_DIRS = {".venv", ".ci", "build", ".git", "node_modules", "site-packages", "__pycache__"}
 
 
 def _is_engine(node: ast.expr) -> bool:
