@@ -12,6 +12,7 @@ vLLM's ``expected_ticks``; a file, not a directory, is read as one. Bad input ra
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,13 +124,17 @@ def _typed(data: dict, key: str, kind: type, default=None, *, source: str):
     return value
 
 
+def _refuse_unknown(data: Mapping, known: Collection[str], expected: str, source: str, where: str = "") -> None:
+    """One error naming the first key of ``data`` (sorted) that is not in ``known``."""
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(where + unknown[0], expected, source=source)
+
+
 def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheConfig, SchedulerConfig, CacheConfig, str]:
     source = str(path)
     data = _read_json(path)
-    unknown = sorted(set(data) - _CONFIG_FIELDS)
-    if unknown:
-        raise ConfigError(unknown[0], f"one of the known fields ({', '.join(sorted(_CONFIG_FIELDS))})",
-                          source=source)
+    _refuse_unknown(data, _CONFIG_FIELDS, f"one of the known fields ({', '.join(sorted(_CONFIG_FIELDS))})", source)
     try:
         block_size = _typed(data, "block_size", int, source=source)
         groups_raw = _typed(data, "kv_cache_groups", list, source=source)
@@ -254,9 +259,7 @@ def load_offload(path: Path) -> CaseOffload | None:
     source = f"{path} (kv_offload)"
     if not isinstance(data, dict):
         raise ConfigError("kv_offload", "a table", data, source=str(path))
-    unknown = sorted(set(data) - set(_OFFLOAD_FIELDS))
-    if unknown:
-        raise ConfigError(unknown[0], f"one of {', '.join(sorted(_OFFLOAD_FIELDS))}", source=source)
+    _refuse_unknown(data, _OFFLOAD_FIELDS, f"one of {', '.join(sorted(_OFFLOAD_FIELDS))}", source)
     values = {key: _typed(data, key, kind, source=source) for key, kind in _OFFLOAD_FIELDS.items()}
     num_chunks = values["cpu_bytes_to_use"] // values["kv_bytes_per_chunk"] if values["kv_bytes_per_chunk"] > 0 else 0
     if num_chunks != values["num_cpu_chunks"]:
@@ -336,15 +339,10 @@ def load_pd_case(path: Path, *, hash_algo: str | None = None) -> PDCase:
     case's ``kv_cache_groups``."""
     source = str(path)
     data = _read_json(path)
-    unknown = sorted(set(data) - _PD_FIELDS)
-    if unknown:
-        raise ConfigError(unknown[0], f"one of the P/D case's tables ({', '.join(sorted(_PD_FIELDS))})",
-                          source=source)
+    _refuse_unknown(data, _PD_FIELDS, f"one of the P/D case's tables ({', '.join(sorted(_PD_FIELDS))})", source)
     config = _typed(data, "config", dict, source=source)
-    unknown = sorted(set(config) - _PD_CONFIG_FIELDS)
-    if unknown:
-        raise ConfigError(f"config.{unknown[0]}", f"one of the known fields ({', '.join(sorted(_PD_CONFIG_FIELDS))})",
-                          source=source)
+    _refuse_unknown(config, _PD_CONFIG_FIELDS, f"one of the known fields ({', '.join(sorted(_PD_CONFIG_FIELDS))})",
+                    source, where="config.")
     try:
         block_size = _typed(config, "block_size", int, source=source)
         groups = tuple(KVCacheGroupSpec((f"group{i}",), spec_from_dict(g, block_size=block_size,
@@ -382,9 +380,7 @@ def _pd_requests(rows: list, source: str) -> tuple[CaseRequest, ...]:
     for index, row in enumerate(rows):
         where = f"requests[{index}]."
         if isinstance(row, dict):
-            unknown = sorted(set(row) - set(_PD_REQUEST_FIELDS))
-            if unknown:
-                raise ConfigError(where + unknown[0], f"one of {', '.join(_PD_REQUEST_FIELDS)}", source=source)
+            _refuse_unknown(row, _PD_REQUEST_FIELDS, f"one of {', '.join(_PD_REQUEST_FIELDS)}", source, where=where)
         requests.append(_case_request(row, seen, source, arrival_key="arrival_tick", min_arrival=0,
                                       arrival_rule="a non-negative integer", field_prefix=where))
     # The oracle admits them by arrival tick, in file order among equals.
