@@ -203,6 +203,7 @@ class MetricsRecorder:
         # position): 8 bytes a value instead of a Python object. Counts are exact in a
         # double (below 2**53).
         self._step_values = Float64Buffer()
+        self._steps: pa.Table | None = None  # ``steps_table``, once made
         self.step_width = len(STEP_COLUMNS) - 2 + num_groups + num_speculative_tokens
         self.step_replica = array("i")
         self._evictions_before = [0] * num_replicas
@@ -616,7 +617,14 @@ class MetricsRecorder:
         }
 
     def steps_table(self) -> pa.Table:
+        """``steps.parquet``, made once, when the run is over: the packed rows go as the
+        table is made (over a long run they are the recorder's largest holding, as large as
+        the table), and a second call returns the same table."""
+        made = self._steps
+        if made is not None:
+            return made
         values = self._step_values.to_array()
+        self._step_values = Float64Buffer()
         rows = (np.frombuffer(values, dtype=np.float64) if len(values) else np.zeros(0)).reshape(-1, self.step_width)
         columns = {"step": pa.array(np.arange(len(rows), dtype=np.int64), pa.int64())}
         at = 0
@@ -650,7 +658,8 @@ class MetricsRecorder:
             roles = self.roles
             features[DISAGGREGATION.feature] = {
                 "role": pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()}
-        return pa.table(assemble("steps", columns, features))
+        made = self._steps = pa.table(assemble("steps", columns, features))
+        return made
 
 
 # Step column -> (its numpy type, its type in steps.parquet), in the order
