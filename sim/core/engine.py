@@ -363,7 +363,7 @@ class EngineCore:
 
     def window_scheduler(self) -> AsyncScheduler | None:
         """The scheduler, if its batches may ever be windowed (asynchronous, two batches in
-        flight, no connector, no drafts: ``AsyncScheduler.can_open_window``); else None."""
+        flight, no connector, no drafts: ``AsyncScheduler.windows_allowed``); else None."""
         scheduler = self.scheduler
         if isinstance(scheduler, AsyncScheduler) and scheduler.windows_allowed():
             return scheduler

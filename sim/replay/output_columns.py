@@ -18,6 +18,8 @@ from typing import TypeVar
 
 import pyarrow as pa
 
+from kvtwin.sim.calibration.file import BANDED_FIGURES
+
 
 @dataclass(frozen=True)
 class ColumnSet:
@@ -99,8 +101,8 @@ CLIENT_SIDE = ColumnSet(
 BAND = ColumnSet(
     "band",
     summary={"calibration": _STRING, "calibration_note": _STRING,
-             **{name: _FLOAT for figure in ("ttft", "tpot", "itl", "e2el")
-                for name in (f"p99_{figure}_ms_low", f"p99_{figure}_ms_high", f"error_{figure}")}},
+             **{name: _FLOAT for figure in BANDED_FIGURES
+                for name in (f"p99_{figure}_low", f"p99_{figure}_high", f"error_{figure.removesuffix('_ms')}")}},
 )
 
 # In the order their columns follow the base columns of each table.

@@ -30,6 +30,7 @@ from kvtwin.sim.core.window_pricing import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
 from kvtwin.sim.core.retention import retention_label
 from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.pd_run import run_pd_simulation
 from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.host_memory import require_host_memory
@@ -295,8 +296,6 @@ def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       client_overhead_s: float = 0.0, calibration: Calibration | None = None) -> ReplayResult:
     """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first);
     ``client_overhead_s`` and ``calibration`` as in ``run_with_executor``."""
-    from kvtwin.sim.replay.pd_run import run_pd_simulation
-
     _require_pools_fit(plan, len(executors))
 
     def pricing(executor: ModelExecutor) -> WindowPricing | None:
