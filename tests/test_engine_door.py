@@ -2,7 +2,7 @@
 
 An engine holds one connector tier (``sim/core/connector_tier.py``;
 docs/architecture.md#a-new-kv-connector) and answers the clocks through its own methods
-(``next_transfer_event_s``, ``waits_for_transfers``, ``make_stats``). Code that built a
+(``next_transfer_event_s``, ``waits_for_transfers``) and its batch records' ``stats``. Code that built a
 tier keeps its own reference to it. This test parses every Python file of the repository
 outside ``sim/core`` and fails on any access to an attribute ``offload``, ``pd`` or
 ``transfers`` of something called ``engine`` (a name ``engine`` or ``*_engine``, an

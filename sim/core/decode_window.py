@@ -58,7 +58,8 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
-from kvtwin.sim.core.engine import Batch, BatchRecord, ModelExecutor
+from kvtwin.sim.core.engine import Batch, BatchRecord, ModelExecutor, RequestSnapshot
+from kvtwin.sim.core.engine_stats import EngineStats
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import CachedRequestData, SchedulerOutput
@@ -177,8 +178,18 @@ class WindowEngine(Protocol):
         """Queue a window's batch made real, to be updated in its turn."""
         ...
 
-    def update_batch(self) -> BatchRecord:
-        """The update half: apply the oldest batch in flight."""
+    def update_batch(self, implicit_decodes_by_request: list[tuple[str, int]] | None = None) -> BatchRecord:
+        """The update half: apply the oldest batch in flight (the first after a closed
+        window: with its members' window steps for the record)."""
+        ...
+
+    def request_snapshots(self, implicit_decodes: dict[str, int] | None = None) -> list[RequestSnapshot]:
+        """The unfinished requests, for a run that stops (with a closed window's steps no
+        record reported)."""
+        ...
+
+    def make_stats(self) -> EngineStats:
+        """vLLM's ``make_stats``: the engine after a window batch was applied, for its record."""
         ...
 
 

@@ -94,14 +94,18 @@ class Rejection:
     detail: str
 
 
+_NO_DRAFTS = (0, 0, 0)
+
+
 class RequestSnapshot:
     """One request's figures at a moment, as the engine reports them (a front end keeps no
     live ``Request``): a finished one's when its batch was applied, an unfinished one's when
     a run stopped (``EngineCore.request_snapshots``). ``implicit_decodes``: its decode steps
-    that a decode window ran and no ``SchedulerOutput`` listed (0 outside a window)."""
+    that a decode window ran and no ``SchedulerOutput`` listed (0 outside a window).
+    ``spec_decode``: its verify steps, drafts and accepted drafts so far (zeros without)."""
 
     __slots__ = ("request_id", "status", "num_prompt_tokens", "max_tokens", "num_computed_tokens",
-                 "num_output_tokens", "num_preemptions", "implicit_decodes")
+                 "num_output_tokens", "num_preemptions", "implicit_decodes", "spec_decode")
 
     def __init__(self, request: Request, implicit_decodes: int = 0):
         self.request_id = request.request_id
@@ -112,6 +116,10 @@ class RequestSnapshot:
         self.num_output_tokens = request.num_output_tokens
         self.num_preemptions = request.num_preemptions
         self.implicit_decodes = implicit_decodes
+        metrics = request.spec_decode_metrics
+        self.spec_decode: tuple[int, int, int] = (
+            _NO_DRAFTS if metrics is None
+            else (metrics.num_verify_steps, metrics.num_draft_tokens, metrics.num_accepted_tokens))
 
 
 def snapshots(requests: list[Request]) -> list[RequestSnapshot]:
@@ -127,29 +135,39 @@ class BatchRecord:
     ``output`` is the step's schedule (an empty one for an async step that scheduled
     nothing), ``finished`` the requests its update finished. ``execution`` belongs to the
     batch whose results the step applied: ``output`` itself in the synchronous step; in
-    ``step_async`` the batch ``updated`` (None: nothing applied). ``connector_output``: what
+    ``step_async`` the batch ``updated`` (None: nothing applied). ``stats``: the engine
+    just after (vLLM's ``SchedulerStats``), with the features' own figures: the connector
+    tier's counters, the drafts the update verified. ``connector_output``: what
     the connector's worker reported finished (None: no connector). ``implicit_decodes``: a
     decode window's batch (``decode_window.py``), the one-token decodes of its members that
     ``output`` leaves implicit (``output`` then holds only the batch's scheduled part, or
-    nothing); None for a batch the scheduler scheduled whole."""
+    nothing); None for a batch the scheduler scheduled whole. ``implicit_decodes_by_request``:
+    the first batch after a window, each running member's decodes that the window's batches
+    before it left implicit (request id, how many), the last of them sampled when the batch
+    applied before this one ended; None for any other batch."""
 
     output: SchedulerOutput
     finished: list[RequestSnapshot]
     execution: Execution
+    stats: EngineStats
     updated: SchedulerOutput | None = None
     connector_output: KVConnectorOutput | None = None
     implicit_decodes: int | None = None
+    implicit_decodes_by_request: list[tuple[str, int]] | None = None
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
     def __init__(self, output: SchedulerOutput, finished: list[RequestSnapshot], execution: Execution,
-                 updated: SchedulerOutput | None = None, connector_output: KVConnectorOutput | None = None,
-                 implicit_decodes: int | None = None):
+                 stats: EngineStats, updated: SchedulerOutput | None = None,
+                 connector_output: KVConnectorOutput | None = None, implicit_decodes: int | None = None,
+                 implicit_decodes_by_request: list[tuple[str, int]] | None = None):
         self.output = output
         self.finished = finished
         self.execution = execution
+        self.stats = stats
         self.updated = updated
         self.connector_output = connector_output
         self.implicit_decodes = implicit_decodes
+        self.implicit_decodes_by_request = implicit_decodes_by_request
 
 
 @dataclass
@@ -276,7 +294,7 @@ class EngineCore:
             self.scheduler.update_draft_token_ids(output, execution.draft_token_ids)
         reported = transfers.finish_step(execution.duration_s)
         self.scheduler.update_connector_output(reported)
-        return BatchRecord(output, snapshots(finished), execution, connector_output=reported)
+        return BatchRecord(output, snapshots(finished), execution, self.make_stats(), connector_output=reported)
 
     @property
     def has_connector(self) -> bool:
@@ -350,14 +368,16 @@ class EngineCore:
         self.batch_queue.append(batch)
         return batch
 
-    def update_batch(self) -> BatchRecord:
+    def update_batch(self, implicit_decodes_by_request: list[tuple[str, int]] | None = None) -> BatchRecord:
         """Apply the oldest batch's sampled tokens (it has finished running), and the
-        transfers the worker reports finished with it."""
+        transfers the worker reports finished with it. ``implicit_decodes_by_request``: the
+        decodes a decode window left implicit before this batch, for its record."""
         batch = self.batch_queue.popleft()
         finished = self.scheduler.update_from_output(batch.output, batch.execution.sampled)
         reported = self._worker.finish_step(batch.execution.duration_s)
         self.scheduler.update_connector_output(reported)
-        return BatchRecord(batch.output, snapshots(finished), batch.execution, batch.output, connector_output=reported)
+        return BatchRecord(batch.output, snapshots(finished), batch.execution, self.make_stats(), batch.output,
+                           connector_output=reported, implicit_decodes_by_request=implicit_decodes_by_request)
 
     # -- what a decode window asks (``decode_window.WindowEngine``) ----------------------
 
@@ -395,9 +415,9 @@ class EngineCore:
         if self.has_requests():
             scheduled = self.schedule_batch(executor)
             if len(self.batch_queue) < self.batch_queue_size and (scheduled.executed or self.has_requests()):
-                return BatchRecord(scheduled.output, [], _IDLE)
+                return BatchRecord(scheduled.output, [], _IDLE, self.make_stats())
         elif not self.batch_queue:
-            return BatchRecord(SchedulerOutput(), [], _IDLE)
+            return BatchRecord(SchedulerOutput(), [], _IDLE, self.make_stats())
         updated = self.update_batch()
         updated.output = scheduled.output if scheduled is not None else SchedulerOutput()
         return updated
@@ -405,10 +425,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def request_snapshots(self) -> list[RequestSnapshot]:
+    def request_snapshots(self, implicit_decodes: dict[str, int] | None = None) -> list[RequestSnapshot]:
         """The requests this engine holds unfinished, as they are now: what a clock that
-        stops early reports of them (``MetricsRecorder.finish_unfinished``)."""
-        return [RequestSnapshot(r) for r in self.scheduler.requests.values() if not r.is_finished()]
+        stops early reports of them (``MetricsRecorder.finish_unfinished``).
+        ``implicit_decodes``: decodes a decode window ran that no record reported, by request."""
+        held = [r for r in self.scheduler.requests.values() if not r.is_finished()]
+        if implicit_decodes is None:
+            return [RequestSnapshot(r) for r in held]
+        return [RequestSnapshot(r, implicit_decodes.get(r.request_id, 0)) for r in held]
 
     def no_progress_error(self, workload_field: str) -> ConfigError:
         """The error a clock raises when nothing can be scheduled again and requests are
@@ -450,4 +474,4 @@ class EngineCore:
             counters = tier.step_counters()
             load_seconds = tier.job_load_seconds()
         return pool_stats(self.kv_cache_manager.block_pool, len(scheduler.running), len(scheduler.waiting), counters,
-                          load_seconds)
+                          load_seconds, scheduler.take_spec_decoding_stats())

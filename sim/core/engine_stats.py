@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvtwin.sim.core.block_pool import BlockPool
 from kvtwin.sim.core.kv_connector import KVTransferWorker
 from kvtwin.sim.core.offload.manager import OffloadingManager
+from kvtwin.sim.core.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass
@@ -34,11 +35,15 @@ class EngineStats:
     # With a timed offload tier: each load job's seconds on the link, by job id (the
     # worker's own table, not a copy); None on a step clock or without a tier.
     load_seconds: dict[int, float] | None = None
+    # With drafts: what the batch's update verified (vLLM's ``SchedulerStats.spec_decoding_stats``);
+    # None without drafts, or for a batch that verified none.
+    spec_decoding_stats: SpecDecodingStats | None = None
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
     def __init__(self, num_running_reqs: int, num_waiting_reqs: int, num_free_blocks: int, num_cached_blocks: int,
                  kv_cache_usage: float, kv_cache_usage_by_group: list[float], num_evictions: int,
-                 offload_counters: dict[str, int] | None = None, load_seconds: dict[int, float] | None = None):
+                 offload_counters: dict[str, int] | None = None, load_seconds: dict[int, float] | None = None,
+                 spec_decoding_stats: SpecDecodingStats | None = None):
         self.num_running_reqs = num_running_reqs
         self.num_waiting_reqs = num_waiting_reqs
         self.num_free_blocks = num_free_blocks
@@ -48,15 +53,17 @@ class EngineStats:
         self.num_evictions = num_evictions
         self.offload_counters = offload_counters
         self.load_seconds = load_seconds
+        self.spec_decoding_stats = spec_decoding_stats
 
 
 def pool_stats(pool: BlockPool, num_running_reqs: int, num_waiting_reqs: int,
-               offload_counters: dict[str, int] | None, load_seconds: dict[int, float] | None) -> EngineStats:
-    """A snapshot of ``pool`` and the queue lengths."""
+               offload_counters: dict[str, int] | None, load_seconds: dict[int, float] | None,
+               spec_decoding_stats: SpecDecodingStats | None = None) -> EngineStats:
+    """A snapshot of ``pool`` and the queue lengths, with the features' own figures."""
     usable = pool.num_gpu_blocks - 1  # the null block is never handed out
     return EngineStats(num_running_reqs, num_waiting_reqs, pool.get_num_free_blocks(), pool.num_cached_blocks(),
                        pool.get_usage(), [n / usable for n in pool.num_used_by_group], pool.num_evictions,
-                       offload_counters, load_seconds)
+                       offload_counters, load_seconds, spec_decoding_stats)
 
 
 def offload_tier_counters(manager: OffloadingManager, transfers: KVTransferWorker) -> dict[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 
 from kvtwin.sim.core.hashing import BlockHasher, HashIdBlockHashes, PromptSource
+from kvtwin.sim.core.spec_decode_stats import RequestSpecDecodeMetrics
 
 
 class RequestStatus(enum.Enum):
@@ -26,7 +27,8 @@ class Request:
     __slots__ = ("request_id", "prompt", "max_tokens", "arrival_time", "priority", "output_token_ids",
                  "num_computed_tokens", "block_hashes", "status", "num_preemptions", "shared_prefix_boundary",
                  "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens", "num_output_placeholders",
-                 "num_in_flight_tokens", "last_sched_seq", "spec_token_ids", "is_prefill_chunk")
+                 "num_in_flight_tokens", "last_sched_seq", "spec_token_ids", "is_prefill_chunk",
+                 "spec_decode_metrics")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
                  priority: int = 0):
@@ -66,6 +68,8 @@ class Request:
         # scheduled batch was a partial prefill chunk (set only when drafts are on).
         self.spec_token_ids: list[int] = []
         self.is_prefill_chunk = False
+        # Its verify steps so far (None: none yet), as the scheduler counts them.
+        self.spec_decode_metrics: RequestSpecDecodeMetrics | None = None
 
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

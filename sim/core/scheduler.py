@@ -45,6 +45,7 @@ from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvtwin.sim.core.spec import KVCacheConfig
+from kvtwin.sim.core.spec_decode_stats import RequestSpecDecodeMetrics, SpecDecodingStats
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
@@ -91,6 +92,8 @@ class Scheduler(ConnectorScheduling):
         # path below looks at drafts.
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
+        # The drafts the last update verified, until the engine's stats take them.
+        self.spec_decoding_stats: SpecDecodingStats | None = None
         # A connector with drafts is not modelled: a scenario with both is refused when it
         # is resolved (docs/architecture.md#features-and-their-combinations).
         assert not (self.num_spec_tokens and connector is not None), "drafts with a KV connector are not modelled"
@@ -479,6 +482,9 @@ class Scheduler(ConnectorScheduling):
             return []
         self._start_update()
         spec_scheduled = output.scheduled_spec_decode_tokens
+        spec_stats = None
+        if spec_scheduled is not None:
+            spec_stats = self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens)
         requests = self.requests
         preempted = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
@@ -498,14 +504,10 @@ class Scheduler(ConnectorScheduling):
             # Output of a batch that was in flight when the request was preempted
             # (asynchronous scheduling): delivered, but the preemption already reset its counts.
             stale = request.status is preempted
-            if spec_scheduled is not None and not stale:
+            if spec_stats is not None:
                 drafts = spec_scheduled.get(request_id)
                 if drafts:
-                    num_rejected = len(drafts) - (len(tokens) - 1)
-                    if request.num_computed_tokens > 0:
-                        request.num_computed_tokens -= num_rejected
-                    if request.num_output_placeholders > 0:
-                        request.num_output_placeholders -= num_rejected
+                    self._verified(request, spec_stats, len(drafts), len(tokens) - 1, stale)
             running = request.status is running_status
             placeholders = request.num_output_placeholders
             stopped = self._update_request_with_output(request, tokens, stale)
@@ -517,6 +519,31 @@ class Scheduler(ConnectorScheduling):
                 self._finish(request, finished)
         self._drop_finished(finished)
         return finished
+
+    def _verified(self, request: Request, spec_stats: SpecDecodingStats, num_drafts: int, num_accepted: int,
+                  stale: bool) -> None:
+        """``request`` verified ``num_drafts`` drafts and accepted ``num_accepted``: the
+        rejected ones leave its computed count (and placeholders), unless the output is
+        stale (the preemption reset the counts already); it counts either way, as vLLM's
+        ``make_spec_decoding_stats`` does (docs/semantics.md#speculative-decoding)."""
+        if not stale:
+            num_rejected = num_drafts - num_accepted
+            if request.num_computed_tokens > 0:
+                request.num_computed_tokens -= num_rejected
+            if request.num_output_placeholders > 0:
+                request.num_output_placeholders -= num_rejected
+        spec_stats.observe_draft(num_drafts, num_accepted)
+        metrics = request.spec_decode_metrics
+        if metrics is None:
+            metrics = request.spec_decode_metrics = RequestSpecDecodeMetrics()
+        metrics.observe(num_drafts, num_accepted)
+
+    def take_spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """The drafts the last update verified (None: it had none to verify, or they were
+        taken already): what the engine's stats of that batch carry."""
+        stats = self.spec_decoding_stats
+        self.spec_decoding_stats = None
+        return stats
 
     def _start_update(self) -> None:
         """Hook: the update of a batch starts (a synchronous batch was the only one in flight)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtwin.sim.core.decode_window import END, REAL_BATCH, WINDOW_BATCH, DecodeWindow, WindowEngine, WindowScheduler
 from kvtwin.sim.core.engine import Batch, BatchRecord, Execution, ModelExecutor, RequestSnapshot
+from kvtwin.sim.core.engine_stats import EngineStats
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
@@ -21,20 +22,16 @@ from kvtwin.sim.core.window_pricing import WindowPricing, part_cost_terms, part_
 class Launch:
     """A batch just scheduled, as the clock needs it: how long it runs on the device,
     whether it computes anything (a batch that does not takes no time), whether it
-    preempted, and, when scheduling it closed a decode window, the window's running
-    members and their window steps (their records catch up at the last window batch)."""
+    preempted."""
 
     duration_s: float
     executed: bool
     preempted: bool
-    closed_window: list[tuple[str, int]] | None = None
 
-    def __init__(self, duration_s: float, executed: bool, preempted: bool,
-                 closed_window: list[tuple[str, int]] | None = None):
+    def __init__(self, duration_s: float, executed: bool, preempted: bool):
         self.duration_s = duration_s
         self.executed = executed
         self.preempted = preempted
-        self.closed_window = closed_window
 
 
 class WindowedBatchQueue:
@@ -62,6 +59,9 @@ class WindowedBatchQueue:
         self.index = 0
         # Size (member decodes) and cost of each window batch in flight, oldest first.
         self.window_batches: deque[tuple[int, Any]] = deque()
+        # A closed window's running members and their window steps, until the record of
+        # the batch the close made real reports them (``implicit_decodes_by_request``).
+        self.unreported: list[tuple[str, int]] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -81,40 +81,40 @@ class WindowedBatchQueue:
             window = self.window = self._open()
             self.index = 0
         if window is None:
-            return self._schedule_real(None)
+            return self._schedule_real()
         index = self.index
         status = window.next_batch(index) if window_allowed else END
         if status == WINDOW_BATCH:
             return self._schedule_window_batch(window, index)
-        closed = None
         if status == REAL_BATCH:  # its waiting pass admitted what the window cannot take
             if index:
-                closed = self._close(window, window.previous_new_blocks, window.previous_reported,
-                                     window.previous_new_replaced)
+                self._close(window, window.previous_new_blocks, window.previous_reported,
+                            window.previous_new_replaced)
             self.window = None
             admitted = window.admitted
             assert admitted is not None  # next_batch keeps what it admitted for a real batch
             output = window.complete(index, admitted)
             batch = Batch(output, self.executor.execute(output))
             self.engine.enqueue_batch(batch)
-            return Launch(batch.execution.duration_s, True, bool(output.preempted), closed)
+            return Launch(batch.execution.duration_s, True, bool(output.preempted))
         if index:
-            closed = self._close(window, window.new_blocks, window.reported, window.new_replaced)
+            self._close(window, window.new_blocks, window.reported, window.new_replaced)
         self.window = None
-        return self._schedule_real(closed)
+        return self._schedule_real()
 
     def _open(self) -> DecodeWindow | None:
         pricing = self.pricing
         scheduler = self.scheduler
         assert pricing is not None and scheduler is not None
+        assert self.unreported is None  # the last close's batch is applied before another window opens
         in_flight = self.engine.oldest_batch()
         return open_decode_window(scheduler, in_flight.output, in_flight.execution.sampled,
                                   pricing.token_bases([r.request_id for r in scheduler.running_requests()]),
                                   pricing.decode_key_shapes())
 
-    def _schedule_real(self, closed: list[tuple[str, int]] | None) -> Launch:
+    def _schedule_real(self) -> Launch:
         batch = self.engine.schedule_batch(self.executor)
-        return Launch(batch.execution.duration_s, batch.executed, bool(batch.output.preempted), closed)
+        return Launch(batch.execution.duration_s, batch.executed, bool(batch.output.preempted))
 
     def _schedule_window_batch(self, window: DecodeWindow, index: int) -> Launch:
         """Price window batch ``V_index`` in closed form (its real part's tokens sampled)."""
@@ -140,9 +140,10 @@ class WindowedBatchQueue:
         return Launch(cost.total_s, True, False)
 
     def _close(self, window: DecodeWindow, new_blocks: dict[str, KVCacheBlocks], reported: list[str],
-               replaced: dict[str, list[tuple[int, int, int]]]) -> list[tuple[str, int]]:
+               replaced: dict[str, list[tuple[int, int, int]]]) -> None:
         """End ``window`` at ``index``: its batch in flight queued as the real output it is
-        (which costs what the window priced it at); returns the members to record."""
+        (which costs what the window priced it at), its running members' window steps kept
+        for that batch's record."""
         index = self.index
         output = window.close(index, new_blocks, reported, replaced)
         execution = self.executor.execute(output)
@@ -150,13 +151,15 @@ class WindowedBatchQueue:
         assert execution.duration_s == cost.total_s, "a window batch priced apart from its real output"
         assert not self.window_batches
         self.engine.enqueue_batch(Batch(output, execution))
-        return window.members_to_record(index)
+        self.unreported = window.members_to_record(index)
 
     def update(self) -> BatchRecord:
         """Apply the oldest batch in flight."""
         window = self.window
         if window is None:
-            return self.engine.update_batch()
+            unreported = self.unreported  # set: the batch a window's close made real
+            self.unreported = None
+            return self.engine.update_batch(unreported)
         index = self.index
         self.index = index + 1
         if index == 0:  # the batch the window opened on: a real one
@@ -166,16 +169,26 @@ class WindowedBatchQueue:
             return result
         num_decodes, cost = self.window_batches.popleft()
         finished, window_steps, part, part_sampled = window.apply(index)
-        return window_batch_result(num_decodes, cost, finished, window_steps, part, part_sampled)
+        return window_batch_result(num_decodes, cost, finished, window_steps, part, part_sampled,
+                                   self.engine.make_stats())
+
+    def request_snapshots(self) -> list[RequestSnapshot]:
+        """The engine's unfinished requests as they are now (``EngineCore.request_snapshots``),
+        with the window steps of a closed window whose batch made real was not applied (a
+        run stopped in between) as their ``implicit_decodes``."""
+        unreported = self.unreported
+        return self.engine.request_snapshots(dict(unreported) if unreported is not None else None)
 
 
 def window_batch_result(num_decodes: int, cost: Any, finished: list[Request], window_steps: dict[str, int],
-                        part: SchedulerOutput | None, part_sampled: dict[str, list[int]] | None) -> BatchRecord:
+                        part: SchedulerOutput | None, part_sampled: dict[str, list[int]] | None,
+                        stats: EngineStats) -> BatchRecord:
     """What applying a window batch did, as the engine reports any batch: its
     ``num_decodes`` member decodes at ``cost`` (``implicit_decodes``), the requests it
     finished with their window steps, and its real part (``part``, its tokens
-    ``part_sampled``; None: none). The one place a window builds a ``BatchRecord``."""
+    ``part_sampled``; None: none), the engine then as ``stats``. The one place a window
+    builds a ``BatchRecord``."""
     return BatchRecord(part if part is not None else SchedulerOutput(),
                        [RequestSnapshot(request, window_steps.get(request.request_id, 0)) for request in finished],
-                       Execution(part_sampled if part_sampled is not None else {}, cost.total_s, cost),
+                       Execution(part_sampled if part_sampled is not None else {}, cost.total_s, cost), stats,
                        implicit_decodes=num_decodes)

@@ -6,7 +6,9 @@ vLLM's metrics and ``vllm bench serve`` fields with units in the names. Times ar
 since the trace start. Everything is collected in plain lists and turned into Arrow
 tables at the end, so a run's outputs depend only on its inputs (no wall-clock values).
 The recorder reads nothing of the engine but what each applied batch hands it: the
-engine's record of the batch and its figures after it (``EngineCore.make_stats``).
+engine's record of the batch (``BatchRecord``), which carries the engine's figures after
+it and each feature's own (the connector tier's counters, the drafts the scheduler
+verified), and the requests it finished as snapshots.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class MetricsRecorder:
         # (``output_columns.SPECULATIVE``), and each step's accepted drafts by position.
         self.speculative = num_speculative_tokens > 0
         self.num_speculative_tokens = num_speculative_tokens
-        self._accepted_by_position = [0] * num_speculative_tokens
+        self._none_accepted = [0] * num_speculative_tokens  # a step row that verified no drafts
         self.num_replicas = num_replicas
         self.records: dict[str, _RequestRecord] = {}
         self.order: list[_RequestRecord] = []
@@ -271,28 +273,32 @@ class MetricsRecorder:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def on_batch_applied(self, record: BatchRecord, stats: EngineStats, times: BatchTimes, replica: int = 0,
+    def on_batch_applied(self, record: BatchRecord, times: BatchTimes, replica: int = 0,
                          synchronous: bool = False) -> bool:
         """Record a batch whose results were just applied: ``record`` ran on ``replica`` as
-        ``times`` says, and left the engine as ``stats`` says. An asynchronous batch that
+        ``times`` says, and left the engine as its ``stats`` say. An asynchronous batch that
         computed and preempted nothing (and no decode window's batch) leaves no step row (it
         may still have started loads); a synchronous step always does. Returns whether it
         wrote a step row."""
         output = record.output
+        decodes_by_request = record.implicit_decodes_by_request
+        if decodes_by_request is not None:
+            self._implicit_decodes(decodes_by_request, times.previous_end_s)
         if record.implicit_decodes is not None or synchronous or output.num_scheduled_tokens or output.preempted:
-            self._batch(record, stats, times, replica)
+            self._batch(record, times, replica)
             return True
         if self.offload is not None:  # a batch that only starts loads or waits
-            self.loads_issued(output, times.scheduled_s, stats.load_seconds, replica)
+            self.loads_issued(output, times.scheduled_s, record.stats.load_seconds, replica)
         return False
 
-    def _batch(self, record: BatchRecord, stats: EngineStats, times: BatchTimes, replica: int) -> None:
+    def _batch(self, record: BatchRecord, times: BatchTimes, replica: int) -> None:
         """A batch's records: admissions stamped when it was scheduled, tokens when it
         ended. A decode window's batch (``implicit_decodes``) also ran one decode of each of
         its members, all sampling at the batch's end and last at the previous batch's end;
-        its finished members catch up on their window steps in ``_finished``, the others in
-        ``close_decode_window``."""
+        its finished members catch up on their window steps in ``_finished``, the others
+        with the first batch after the window (``_implicit_decodes``)."""
         output = record.output
+        stats = record.stats
         scheduled_s = times.scheduled_s
         if self.offload is not None:
             self.loads_issued(output, scheduled_s, stats.load_seconds, replica)
@@ -304,7 +310,7 @@ class MetricsRecorder:
             # uncertain, so it was scheduled again) gets nothing from it: vLLM drops it.
             records = self.records
             sampled = {rid: tokens for rid, tokens in sampled.items() if records[rid].status != "finished"}
-        prefill_tokens, decode_tokens = self._scheduled(output, spec, sampled)
+        prefill_tokens, decode_tokens = self._scheduled(output, spec)
         num_scheduled = len(output.num_scheduled_tokens)
         itl = self._itl[replica]
         implicit = record.implicit_decodes
@@ -334,13 +340,11 @@ class MetricsRecorder:
             # get_computed_blocks), not now: the batch's own sampled token is applied already.
             record.queried_tokens += admission.num_tokens
 
-    def _scheduled(self, output, spec: dict[str, list[int]] | None, sampled: dict[str, list[int]]) -> tuple[int, int]:
+    def _scheduled(self, output, spec: dict[str, list[int]] | None) -> tuple[int, int]:
         """Count the batch's tokens into its requests' records: (prefill, decode) tokens.
         A decode is a request past its prompt that schedules one token, or with drafts
         (``spec``, docs/semantics.md#speculative-decoding) ``1 + drafts`` tokens to verify
-        them; a request that sampled after verifying drafts counts them and the accepted
-        ones (its tokens less the one it always samples). Drafts padded onto an admission
-        count too, as vLLM's spec-decode metrics count every scheduled draft."""
+        them (the scheduler counts the drafts it verified: ``SpecDecodingStats``)."""
         records = self.records
         prefill_tokens = decode_tokens = 0
         for (request_id, num_new), computed in zip(output.num_scheduled_tokens.items(), output.num_computed_tokens):
@@ -351,9 +355,6 @@ class MetricsRecorder:
                 drafts = spec.get(request_id)
                 if drafts:
                     num_drafts = len(drafts)
-                    tokens = sampled.get(request_id)
-                    if tokens:
-                        self._verified(record, num_drafts, len(tokens) - 1)
             # ``computed`` is where the batch started: a longer recompute after a
             # preemption counts as prefill.
             if num_new == 1 + num_drafts and computed >= record.prompt_tokens:
@@ -361,16 +362,6 @@ class MetricsRecorder:
             else:
                 prefill_tokens += num_new
         return prefill_tokens, decode_tokens
-
-    def _verified(self, record: _RequestRecord, num_drafts: int, accepted: int) -> None:
-        """A verify step of ``num_drafts`` drafts accepted ``accepted`` of them."""
-        record.draft_tokens += num_drafts
-        record.accepted_draft_tokens += accepted
-        record.verify_steps += 1
-        # A draft is accepted only if every draft before it was.
-        by_position = self._accepted_by_position
-        for position in range(accepted):
-            by_position[position] += 1
 
     def _sampled(self, sampled: dict[str, list[int]], end_s: float, itl_s: Float64Buffer) -> None:
         records = self.records
@@ -394,14 +385,15 @@ class MetricsRecorder:
             record.status = "finished"
             record.generated_tokens = snapshot.num_output_tokens
             record.num_preemptions = snapshot.num_preemptions
+            record.verify_steps, record.draft_tokens, record.accepted_draft_tokens = snapshot.spec_decode
 
-    def close_decode_window(self, members: list[tuple[str, int]], last_token_s: float) -> None:
-        """The records of a window's running members after their window batches (request
-        id, how many) were recorded, the last of them at ``last_token_s``."""
+    def _implicit_decodes(self, decodes_by_request: list[tuple[str, int]], last_token_s: float) -> None:
+        """Running requests' decodes that earlier records left implicit (request id, how
+        many: a decode window's batches), the last of them sampled at ``last_token_s``."""
         records = self.records
-        for request_id, num_steps in members:
+        for request_id, num_decodes in decodes_by_request:
             record = records[request_id]
-            record.scheduled_tokens += num_steps
+            record.scheduled_tokens += num_decodes
             record.last_token_s = last_token_s
 
     def _step_row(self, stats: EngineStats, times: BatchTimes, num_scheduled: int, prefill_tokens: int,
@@ -432,8 +424,8 @@ class MetricsRecorder:
                 before[name] = value
             row.append(self._waiting_for_kv[replica])
         if self.speculative:
-            row.extend(self._accepted_by_position)
-            self._accepted_by_position = [0] * self.num_speculative_tokens
+            verified = stats.spec_decoding_stats
+            row.extend(verified.num_accepted_tokens_per_pos if verified is not None else self._none_accepted)
 
     # -- offload tiers ----------------------------------------------------------------------
 
@@ -526,8 +518,12 @@ class MetricsRecorder:
                 running = snapshot is not None and snapshot.status is RequestStatus.RUNNING
                 record.status = "running" if running else "waiting"
                 if snapshot is not None:
+                    # Window steps no record reported (the run stopped before the batch
+                    # after the window was applied).
+                    record.scheduled_tokens += snapshot.implicit_decodes
                     record.generated_tokens = snapshot.num_output_tokens
                     record.num_preemptions = snapshot.num_preemptions
+                    record.verify_steps, record.draft_tokens, record.accepted_draft_tokens = snapshot.spec_decode
 
     def requests_table(self, client_overhead_s: float = 0.0) -> pa.Table:
         """``requests.parquet``: the base columns, the client-side ones (``client_overhead_s``

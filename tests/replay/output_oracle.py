@@ -177,7 +177,7 @@ def replay(trace: list[TraceRequest], *, num_blocks: int = 40, async_scheduling:
             replica_of[request.request_id] = replica
             super().arrived(request, arrival_s, session_id, replica)
 
-        def on_batch_applied(self, result, stats, times, replica=0, synchronous=False):
+        def on_batch_applied(self, result, times, replica=0, synchronous=False):
             out = result.output
             pool = engines[replica].kv_cache_manager.block_pool
             batches.append(Batch(
@@ -190,8 +190,8 @@ def replay(trace: list[TraceRequest], *, num_blocks: int = 40, async_scheduling:
                 if out.scheduled_spec_decode_tokens is not None else None,
                 pool.get_num_free_blocks(), pool.num_cached_blocks(),
                 len(engines[replica].scheduler.running), len(engines[replica].scheduler.waiting),
-                stats.num_evictions, result.execution.cost))
-            return super().on_batch_applied(result, stats, times, replica, synchronous)
+                result.stats.num_evictions, result.execution.cost))
+            return super().on_batch_applied(result, times, replica, synchronous)
 
     metrics = LoggingRecorder(1, num_replicas, num_speculative_tokens=num_speculative_tokens)
     arrivals = [Arrival(t.arrival_s, requests[t.request_id]) for t in trace]

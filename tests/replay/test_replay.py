@@ -159,8 +159,8 @@ def test_simpy_clock_makes_the_lockstep_clocks_decisions(name):
     pool = engine.kv_cache_manager.block_pool
 
     class Recorder(MetricsRecorder):
-        def on_batch_applied(self, result, stats, times, replica=0, synchronous=False):
-            wrote_row = super().on_batch_applied(result, stats, times, replica, synchronous)
+        def on_batch_applied(self, result, times, replica=0, synchronous=False):
+            wrote_row = super().on_batch_applied(result, times, replica, synchronous)
             recorded.append(step_record(0, result, pool))
             return wrote_row
 
@@ -290,8 +290,8 @@ def test_simpy_clock_makes_the_lockstep_clocks_decisions_with_async_scheduling(n
     recorded = []
 
     class Recorder(MetricsRecorder):
-        def on_batch_applied(self, result, stats, times, replica=0, synchronous=False):
-            if not super().on_batch_applied(result, stats, times, replica, synchronous):
+        def on_batch_applied(self, result, times, replica=0, synchronous=False):
+            if not super().on_batch_applied(result, times, replica, synchronous):
                 return False
             out = result.output
             recorded.append((dict(out.num_scheduled_tokens), list(out.preempted),

@@ -474,3 +474,56 @@ def test_no_decode_window_with_drafts():
     engine.add_request(Request("a", TokenPrompt(tuple(range(20))), 50))
     out = engine.scheduler.schedule()
     assert open_decode_window(engine.scheduler, out, {"a": [1]}, [1 << 24]) is None
+
+
+@pytest.mark.parametrize("name", ["spec_full_k3", "spec_async_pressure_k3", "spec_swa_full_k3"])
+def test_the_scheduler_counts_verified_drafts_into_the_record(name):
+    """A batch's record carries what its update verified (``SpecDecodingStats``: drafts,
+    accepted, accepted by position, a draft counting only behind accepted ones) and each
+    finished request's own totals, recounted here from the batches and the model's output;
+    a request that finished while a batch holding it was in flight counts nothing of it."""
+    case = load_case(CASES / name)
+    engine = EngineCore(case.kv_cache_config, case.scheduler_config, case.cache_config)
+    model = SpecScriptedModel(case)
+    k = case.scheduler_config.num_speculative_tokens
+    step_fn = engine.step_async if case.scheduler_config.async_scheduling else engine.step
+    pending = list(case.requests)
+    finished: set[str] = set()
+    per_request: dict[str, list[int]] = {}  # request -> [verify steps, drafts, accepted]
+    totals = [0, 0, 0]
+    step = 0
+    while True:
+        while pending and pending[0].arrival_step == step:
+            r = pending.pop(0)
+            engine.add_request(Request(r.request_id, TokenPrompt(r.prompt_token_ids), len(r.output_token_ids),
+                                       priority=r.priority, arrival_time=float(step)))
+        result = step_fn(model)
+        applied = result.output if not case.scheduler_config.async_scheduling else result.updated
+        expected_by_pos = [0] * k
+        expected = [0, 0, 0]
+        if applied is not None and applied.scheduled_spec_decode_tokens:
+            for rid, tokens in result.execution.sampled.items():
+                drafts = applied.scheduled_spec_decode_tokens.get(rid)
+                if not drafts or not tokens or rid in finished:
+                    continue
+                accepted = len(tokens) - 1
+                counts = per_request.setdefault(rid, [0, 0, 0])
+                for i, n in enumerate((1, len(drafts), accepted)):
+                    counts[i] += n
+                    expected[i] += n
+                for position in range(accepted):
+                    expected_by_pos[position] += 1
+        stats = result.stats.spec_decoding_stats
+        got = [0, 0, 0] if stats is None else [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens]
+        assert got == expected, (step, got, expected)
+        assert (stats.num_accepted_tokens_per_pos if stats is not None else [0] * k) == expected_by_pos
+        for i in range(3):
+            totals[i] += got[i]
+        for snapshot in result.finished:
+            finished.add(snapshot.request_id)
+            assert list(snapshot.spec_decode) == per_request.get(snapshot.request_id, [0, 0, 0])
+        if not pending and not engine.has_unfinished_requests() and not engine.batch_queue:
+            break
+        step += 1
+        assert step < 5000
+    assert totals[0] > 0 and totals[2] < totals[1]  # drafts were verified, and some rejected

@@ -7,7 +7,7 @@ arrival's replica; each replica runs its own engine process and sleeps on its ow
 while idle; the router is told when a routed request finishes or is rejected.
 
 Every applied batch reaches the recorder through ``applied``: the engine's record of the
-batch, its times, and the engine's figures after it (``EngineCore.make_stats``).
+batch (``BatchRecord``, the engine's figures after it inside) and its times.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Cluster:
     def applied(self, replica: Replica, result: BatchRecord, times: BatchTimes, synchronous: bool = False) -> None:
         """``replica`` applied a batch's results at ``times.end_s``."""
         progress = self.progress
-        if self.recorder.on_batch_applied(result, replica.engine.make_stats(), times, replica.index, synchronous):
+        if self.recorder.on_batch_applied(result, times, replica.index, synchronous):
             progress.steps += 1
             if result.implicit_decodes is not None:
                 progress.decode_window_steps += 1
@@ -73,11 +73,6 @@ class Cluster:
         progress.finished += len(result.finished)
         for snapshot in result.finished:
             self.router.release(replica.index, snapshot)
-
-    def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
-        """A decode window closed: its running members' records catch up on their window
-        batches, the last of which ended when the replica's last applied batch did."""
-        self.recorder.close_decode_window(members, replica.timeline.last_applied_end_s)
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -97,7 +92,7 @@ class Cluster:
         if self.on_progress is not None:
             self.on_progress(self.progress)
         self.recorder.finish_unfinished([snapshot for replica in self.replicas
-                                         for snapshot in replica.engine.request_snapshots()])
+                                         for snapshot in replica.batches.request_snapshots()])
         return env.now
 
 

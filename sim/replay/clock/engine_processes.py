@@ -45,9 +45,6 @@ class ClusterView(Protocol):
     def applied(self, replica: Replica, result: BatchRecord, times: BatchTimes, synchronous: bool = False) -> None:
         ...
 
-    def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
-        ...
-
     time_limit_s: float | None
 
 
@@ -113,8 +110,6 @@ def async_engine_process(cluster: ClusterView, replica: Replica):
             # A window goes on only while the time limit cannot cut its batch in flight
             # short: a run stopped by the limit must hold no implicit state.
             launch = batches.schedule(limit_s is None or timeline.ends_before(limit_s))
-            if launch.closed_window is not None:
-                cluster.window_closed(replica, launch.closed_window)
             if launch.executed:
                 stalled = False
                 timeline.launch(now, launch.duration_s)

@@ -114,9 +114,6 @@ class PDCluster:
             for replica in self.replicas:
                 replica.wake()
 
-    def window_closed(self, replica: Replica, members: list[tuple[str, int]]) -> None:
-        self.inner.window_closed(replica, members)
-
     def run(self, arrivals: Iterable[Arrival]) -> float:
         """As ``Cluster.run``, the processes seeing this cluster."""
         return self.inner.run(arrivals, view=self)
