@@ -120,7 +120,8 @@ from kvtwin.sim.core.offload.base import (
     RequestOffloadingContext,
 )
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.policies import ChunkStatus, make_policy
+from kvtwin.sim.core.offload.cache_policy import ChunkStatus
+from kvtwin.sim.core.offload.policies import make_policy
 
 # --- clocks for CPU↔disk transfers ------------------------------------------------------
 
