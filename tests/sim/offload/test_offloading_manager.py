@@ -13,7 +13,8 @@ import pytest
 from kvtwin.sim.core.engine_stats import offload_tier_counters
 from kvtwin.sim.core.offload.base import ReqContext, make_offload_key
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.tiered_manager import StepPromotions, TieredOffloadingManager
+from kvtwin.sim.core.offload.promotion_clock import StepPromotions
+from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 from kvtwin.sim.core.offload.transfers import StepTransfers
 
 CPU_COLUMNS = ("offload_cpu_loaded_keys", "offload_cpu_stored_keys", "offload_cpu_evicted_keys",
