@@ -228,7 +228,7 @@ def test_every_redeclared_dataclass_has_the_same_fields_in_both_declarations():
         problems += p
     # The scan must see the known ones, or an empty scan would pass.
     for known in ("sim/core/scheduler_output.py:SchedulerOutput", "sim/replay/cost_model.py:StepCost",
-                  "sim/core/engine_stats.py:EngineStats", "sim/core/offload/connector.py:OffloadingConnectorMetadata"):
+                  "sim/core/engine_stats.py:EngineStats", "sim/core/offload/connector_metadata.py:OffloadingConnectorMetadata"):
         assert known in found, f"{known} not found among {found}"
     assert not problems, "\n".join(map(str, problems))
 

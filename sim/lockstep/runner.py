@@ -29,7 +29,7 @@ from kvtwin.sim.core.block_pool import BlockPool
 from kvtwin.sim.core.engine import EngineCore, Execution, BatchRecord
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.offload.build import OffloadTier, build_offload_tier
-from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
+from kvtwin.sim.core.offload.connector_metadata import OffloadingConnectorMetadata
 from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.pd_connector import (PDConnector, PDTier, RemoteRead, StepPDTransfers, remote_prefill_tokens,

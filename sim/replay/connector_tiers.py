@@ -17,7 +17,7 @@ import simpy
 from kvtwin.sim.core.config import CacheConfig
 from kvtwin.sim.core.connector_tier import ConnectorTier
 from kvtwin.sim.core.offload.build import DiskTierSpec, OffloadTier, build_offload_tier
-from kvtwin.sim.core.offload.tiered_manager import TimedPromotions
+from kvtwin.sim.core.offload.promotion_clock import TimedPromotions
 from kvtwin.sim.core.offload.transfers import TimedTransfers
 from kvtwin.sim.core.pd_connector import PDConnector, PDLink, PDTier, PDTransfers
 from kvtwin.sim.core.spec import KVCacheConfig

@@ -25,7 +25,7 @@ from mypy_extensions import mypyc_attr
 
 from kvtwin.sim.core.engine import BatchRecord, Rejection, RequestSnapshot
 from kvtwin.sim.core.engine_stats import EngineStats
-from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
+from kvtwin.sim.core.offload.connector_metadata import OffloadingConnectorMetadata
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.replay.client_side import client_request_columns
 from kvtwin.sim.replay.cost_model import StepCost

@@ -9,7 +9,8 @@ from kvtwin.sim.core.engine import EngineCore, make_scheduler
 from kvtwin.sim.core.engine_stats import offload_tier_counters
 from kvtwin.sim.core.offload.build import DiskTierSpec, build_offload_tier
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.tiered_manager import StepPromotions, TieredOffloadingManager
+from kvtwin.sim.core.offload.promotion_clock import StepPromotions
+from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.scheduler import Scheduler
 

@@ -13,7 +13,8 @@ from kvtwin.sim.core.engine_stats import offload_tier_counters
 from kvtwin.sim.core.offload.connector import OffloadingConnector
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
 from kvtwin.sim.core.offload.manager import OffloadingManager
-from kvtwin.sim.core.offload.tiered_manager import PromotionClock, TieredOffloadingManager
+from kvtwin.sim.core.offload.promotion_clock import PromotionClock
+from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 from kvtwin.sim.core.offload.transfers import StepTransfers, TimedTransfers
 from kvtwin.sim.core.spec import KVCacheConfig
 

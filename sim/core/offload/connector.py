@@ -27,143 +27,29 @@ Left out, as vLLM's defaults leave them off or our layouts never reach them: par
 ``max_load_tokens`` / ``max_offload_tokens``, decode context parallelism, cache resets and KV
 events. Only prompt tokens are offloaded
 (vLLM's ``offload_prompt_only`` default).
+
+Beside it: ``connector_lookup.py`` (the lookups and the hit split by tier),
+``connector_state.py`` (what it keeps per group, request and job) and
+``connector_metadata.py`` (the jobs it hands the worker, ``transfers.py``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.hashing import hashes_in_range
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.managers import manager_class_for
-from kvtwin.sim.core.offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
+from kvtwin.sim.core.offload.base import OffloadKey, make_offload_key
+from kvtwin.sim.core.offload.connector_lookup import ConnectorLookup
+from kvtwin.sim.core.offload.connector_metadata import OffloadingConnectorMetadata, TransferJob
+from kvtwin.sim.core.offload.connector_state import (GroupOffloadConfig, RequestGroupState, RequestOffloadState,
+                                                     TransferJobStatus, sliding_window_size_in_chunks)
 from kvtwin.sim.core.offload.manager import OffloadingManager
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.retention import reachable_boundaries, thins_caching
-from kvtwin.sim.core.scheduler_output import KVConnectorMetadata, SchedulerOutput
-from kvtwin.sim.core.spec import (ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                  MambaSpec, SlidingWindowSpec, cdiv)
-
-
-@dataclass(frozen=True)
-class GroupOffloadConfig:
-    """How one KV cache group is cut into offload chunks."""
-
-    group_idx: int
-    tokens_per_block: int
-    tokens_per_chunk: int
-    hashes_per_chunk: int
-    # None: full attention (prefix lookup); otherwise the chunks a hit must end with.
-    sliding_window_size_in_chunks: int | None
-    spec: KVCacheSpec
-    # A Mamba "align" group's state is handed over by the KV cache manager, not read from
-    # the request's block table.
-    requires_cow_source: bool
-
-    def load_window_size_in_chunks(self, num_tokens: int) -> int | None:
-        window = self.sliding_window_size_in_chunks
-        if isinstance(self.spec, SlidingWindowSpec):
-            # The lookup rounds its right edge up to a chunk; the allocation keeps the
-            # window ending at the hit, which may reach one chunk further left.
-            right_padding = -num_tokens % self.tokens_per_chunk
-            assert window is not None  # a sliding-window group has one
-            window = max(window, cdiv(self.spec.sliding_window - 1 + right_padding, self.tokens_per_chunk))
-        return window
-
-
-def sliding_window_size_in_chunks(spec: KVCacheSpec, tokens_per_chunk: int) -> int | None:
-    if isinstance(spec, SlidingWindowSpec):
-        return max(cdiv(spec.sliding_window, tokens_per_chunk), cdiv(spec.sliding_window - 1, tokens_per_chunk))
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return cdiv(spec.attention_chunk_size, tokens_per_chunk)
-    if isinstance(spec, MambaSpec):
-        return 1  # one state carries everything before it
-    return None
-
-
-@dataclass
-class RequestGroupState:
-    offload_keys: list[OffloadKey] = field(default_factory=list)
-    # The request's block table as the connector sees it: append-only, 0 for a skipped
-    # position or an entry found stale (its block was handed out again).
-    block_ids: list[int] = field(default_factory=list)
-    next_stored_chunk_idx: int = 0
-
-
-class RequestOffloadState:
-    """What the connector keeps per request (vLLM's ``RequestOffloadState``). Typed
-    throughout: the store pass reads it for every scheduled request every step, and a
-    compiled build reads typed attributes natively."""
-
-    __slots__ = ("req", "req_context", "group_states", "num_locally_computed_tokens", "transfer_jobs",
-                 "finished_signaled", "load_key_ranges", "settled_tokens", "num_hashes_keyed", "deferred")
-
-    def __init__(self, request: Request, num_groups: int):
-        self.req = request
-        self.req_context = ReqContext(request.request_id)
-        self.group_states = tuple(RequestGroupState() for _ in range(num_groups))
-        self.num_locally_computed_tokens = 0
-        # In flight: one load, or any number of stores.
-        self.transfer_jobs: set[int] = set()
-        self.finished_signaled = False
-        # (first token, end token, key) of the last load, for hits per tier.
-        self.load_key_ranges: list[tuple[int, int, OffloadKey]] = []
-        # Offloadable tokens up to which every group's chunks were offered (all stored or
-        # skipped): a store pass at this count is a no-op (-1: not settled).
-        self.settled_tokens = -1
-        # Block hashes already turned into offload keys: a decode step usually adds none,
-        # so refreshing the keys then costs one comparison.
-        self.num_hashes_keyed = 0
-        # Its last lookup asked it to wait: reported once per wait (``deferred_req_ids``).
-        self.deferred = False
-
-
-@dataclass
-class TransferJob:
-    """One transfer the worker runs: ``keys`` between the tier and these GPU blocks."""
-
-    job_id: int
-    req_id: str
-    is_store: bool
-    keys: list
-    block_ids: list[int]
-
-
-@dataclass
-class TransferJobStatus:
-    req_id: str
-    keys: frozenset
-    is_store: bool
-    # Store source blocks watched from the moment the request finishes ...
-    deferred_fence_block_ids: list[int] | None = None
-    # ... and those watched from the start (windowed blocks may be freed any step).
-    fenced_block_ids: list[int] | None = None
-
-
-@dataclass
-class OffloadingConnectorMetadata(KVConnectorMetadata):
-    """What one step hands the worker (the connector part of the scheduler output)."""
-
-    load_jobs: dict[int, TransferJob] = field(default_factory=dict)
-    store_jobs: dict[int, TransferJob] = field(default_factory=dict)
-    jobs_to_flush: set[int] = field(default_factory=set)
-    # Requests whose lookup this step began a wait: their hit is in the tier but not yet
-    # loadable (a disk promotion, a store, or another request's load of its chunks still
-    # runs). Only the step that began the wait names them; None when none did. For
-    # metrics: nothing in the step depends on it.
-    deferred_req_ids: list[str] | None = None
-
-    # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python
-    # (one is made every step).
-    def __init__(self, load_jobs: dict[int, TransferJob] | None = None,
-                 store_jobs: dict[int, TransferJob] | None = None, jobs_to_flush: set[int] | None = None,
-                 deferred_req_ids: list[str] | None = None):
-        self.load_jobs = load_jobs if load_jobs is not None else {}
-        self.store_jobs = store_jobs if store_jobs is not None else {}
-        self.jobs_to_flush = jobs_to_flush if jobs_to_flush is not None else set()
-        self.deferred_req_ids = deferred_req_ids
+from kvtwin.sim.core.scheduler_output import SchedulerOutput
+from kvtwin.sim.core.spec import KVCacheConfig, MambaSpec, SlidingWindowSpec, cdiv
 
 
 class OffloadingConnector:
@@ -174,10 +60,6 @@ class OffloadingConnector:
     def __init__(self, kv_cache_config: KVCacheConfig, manager: OffloadingManager, enable_prefix_caching: bool = True,
                  blocks_per_chunk: int = 1, retention_interval: int | None = 0):
         self.manager = manager
-        # A tier whose lookups are pure and never RETRY scans a prefix in one call (the
-        # waiting queue's head is looked up again every step it cannot be admitted): a
-        # speed path the CPU tier offers beside the interface, not part of it.
-        self._lookup_prefix = getattr(manager, "lookup_prefix", None)
         self.blocks_per_chunk = blocks_per_chunk
         tokens_per_hash = kv_cache_config.hash_block_size
         self.tokens_per_hash = tokens_per_hash
@@ -199,15 +81,6 @@ class OffloadingConnector:
             self.alignment_tokens = max(c.tokens_per_chunk for c in configs)
         else:
             self.alignment_tokens = None
-        full = [i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is None]
-        windowed = sorted((i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is not None),
-                          key=lambda i: configs[i].sliding_window_size_in_chunks or 0, reverse=True)
-        self._full_attention_groups = tuple(full)
-        self._sliding_window_groups = tuple(windowed)
-        self._lookup_groups = self._full_attention_groups + self._sliding_window_groups
-        mamba_sizes = {c.tokens_per_chunk for c in configs if c.requires_cow_source}
-        assert len(mamba_sizes) <= 1
-        self._mamba_align_size: int | None = mamba_sizes.pop() if mamba_sizes else None
         # Which chunks a store offers (docs/semantics.md#prefix-cache-retention): the
         # engine's ``CacheConfig`` setting, whatever the GPU cache runs. A Mamba group's
         # states come from the KV cache manager, already thinned by its own retention.
@@ -234,6 +107,9 @@ class OffloadingConnector:
         # With GPU prefix caching a chunk being loaded for one request is not loaded again
         # for another: that one waits and then hits on the GPU.
         self._chunks_being_loaded: set | None = set() if enable_prefix_caching else None
+        self._lookup = ConnectorLookup(manager, self.group_configs, self._chunks_being_loaded)
+        # Windowed groups, widest window first (the lookup's order).
+        self._sliding_window_groups = self._lookup.sliding_window_groups
 
     # -- requests ------------------------------------------------------------------------
 
@@ -295,121 +171,7 @@ class OffloadingConnector:
                 group_state.next_stored_chunk_idx,
                 self._storable_chunks(config, group_state, num_offloadable_tokens))
 
-    # -- lookup --------------------------------------------------------------------------
-
-    def _maximal_prefix_lookup(self, keys, ctx) -> int | None:
-        if self._lookup_prefix is not None:
-            hits, pending = self._lookup_prefix(keys, ctx)
-            return None if pending else hits
-        hits = 0
-        defer = False
-        lookup = self.manager.lookup
-        for key in keys:
-            result = lookup(key, ctx)
-            if result is LookupResult.HIT or result is LookupResult.HIT_PENDING:
-                hits += 1
-                defer |= result is LookupResult.HIT_PENDING
-            elif result is LookupResult.RETRY:
-                defer = True  # keep scanning so the manager can start its lookups
-            else:
-                break
-        return None if defer else hits
-
-    def _sliding_window_lookup(self, keys, window: int, ctx, initial_window: int | None) -> int | None:
-        """End (in ``keys``) of the last run of ``window`` hits, scanning from the end; the
-        first run may need a wider window for a partial right chunk. 0 on a miss, None if
-        the manager asks to wait."""
-        defer = False
-        pending_in_window = False
-        run = 0
-        required = initial_window or window
-        lookup = self.manager.lookup
-        for idx in range(len(keys) - 1, -1, -1):
-            result = lookup(keys[idx], ctx)
-            if result is LookupResult.HIT:
-                run += 1
-            elif result is LookupResult.HIT_PENDING:
-                pending_in_window = True
-                run += 1
-            elif result is LookupResult.RETRY:
-                defer = True
-                run = 0
-                pending_in_window = False
-                required = window
-            else:
-                run = 0
-                pending_in_window = False
-                required = window
-            if run == required:
-                return None if defer or pending_in_window else idx + required
-        return None if defer or pending_in_window else run
-
-    def _lookup(self, state: RequestOffloadState) -> int | None:
-        num_computed = state.num_locally_computed_tokens
-        max_hit = state.req.num_tokens
-        if self._sliding_window_groups:
-            # The last prompt token is recomputed for its logits; keep a hit after that.
-            max_hit -= 1
-            if self._mamba_align_size is not None:
-                max_hit = max_hit // self._mamba_align_size * self._mamba_align_size
-        num_hit_tokens = 0
-        defer = False
-        lookup_groups = self._lookup_groups
-        ctx = state.req_context
-        while lookup_groups:
-            looked_up_sliding_window = False
-            groups_iter = iter(lookup_groups)
-            lookup_groups = ()
-            for group_idx in groups_iter:
-                config = self.group_configs[group_idx]
-                group_state = state.group_states[group_idx]
-                per_chunk = config.tokens_per_chunk
-                keys = group_state.offload_keys
-                max_hit = min(max_hit, len(keys) * per_chunk)
-                if max_hit - num_computed < per_chunk:
-                    return 0
-                window = config.sliding_window_size_in_chunks
-                num_chunks = min(cdiv(max_hit, per_chunk), len(keys))
-                start_chunk = num_computed // per_chunk
-                window_keys = keys[start_chunk:num_chunks]
-                if window is None:
-                    num_hit_chunks = self._maximal_prefix_lookup(window_keys, ctx)
-                else:
-                    candidate_end = min(max_hit, num_chunks * per_chunk)
-                    num_hit_chunks = self._sliding_window_lookup(
-                        window_keys, window, ctx, config.load_window_size_in_chunks(candidate_end))
-                if num_hit_chunks == 0:
-                    return 0
-                if num_hit_chunks is None:
-                    defer = True
-                else:
-                    max_hit = min(max_hit, per_chunk * (start_chunk + num_hit_chunks))
-                new_num_hit_tokens = max_hit - num_computed
-                if new_num_hit_tokens < per_chunk:
-                    return 0
-                if new_num_hit_tokens < num_hit_tokens:
-                    if defer:
-                        # Another pass over every group: do we still have to wait?
-                        defer = False
-                        lookup_groups = self._lookup_groups
-                    elif looked_up_sliding_window and not lookup_groups:
-                        # Confirm the windowed groups already looked up at the new length.
-                        lookup_groups = self._sliding_window_groups
-                looked_up_sliding_window |= window is not None
-                num_hit_tokens = new_num_hit_tokens
-        if defer:
-            return None
-        if self._chunks_being_loaded:
-            end = num_computed + num_hit_tokens
-            for config, group_state in zip(self.group_configs, state.group_states):
-                window = config.load_window_size_in_chunks(end)
-                keys = group_state.offload_keys[num_computed // config.tokens_per_chunk:
-                                                cdiv(end, config.tokens_per_chunk)]
-                if window is not None:
-                    keys = keys[-window:]
-                if any(key in self._chunks_being_loaded for key in keys):
-                    return None  # another request is loading them: wait, then hit on the GPU
-        return num_hit_tokens
+    # -- lookup (connector_lookup.py) ----------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens the tier can add past ``num_computed_tokens`` or None to ask again next
@@ -423,7 +185,7 @@ class OffloadingConnector:
         if not state.transfer_jobs:
             self._update_offload_keys(state)
             state.num_locally_computed_tokens = num_computed_tokens
-            num_hit_tokens = self._lookup(state)
+            num_hit_tokens = self._lookup.num_hit_tokens(state)
         if num_hit_tokens is None:
             if not state.deferred:
                 state.deferred = True
@@ -489,53 +251,8 @@ class OffloadingConnector:
         where keys of two tiers cover a token, the outer (slower) tier counts."""
         if not num_external_tokens:
             return {}
-        state = self._req_status[request.request_id]
-        start = state.num_locally_computed_tokens
-        end = start + num_external_tokens
-        events: list[tuple[int, int, str]] = [(end, 0, "unspecified")]
-        for lo, hi, tier in self._load_source_runs(state, start, end):
-            events.append((lo, 1, tier))
-            events.append((hi, -1, tier))
-        active: dict[str, int] = {}
-        sources: dict[str, int] = {}
-        position = start
-        for boundary, delta, tier in sorted(events, key=lambda e: (e[0], e[1], _TIER_ORDER.get(e[2], 9))):
-            if boundary > position:
-                live = [t for t, n in active.items() if n > 0]
-                outer = max(live, key=_TIER_ORDER.__getitem__) if live else "unspecified"
-                sources[outer] = sources.get(outer, 0) + boundary - position
-            active[tier] = active.get(tier, 0) + delta
-            position = boundary
-        return sources
+        return self._lookup.hit_sources(self._req_status[request.request_id], num_external_tokens)
 
-    def _load_source_runs(self, state: RequestOffloadState, start: int, end: int) -> list[tuple[int, int, str]]:
-        """The last load's key ranges clipped to ``[start, end)``, each with the tier its
-        key came from; a range that continues the previous one from the same tier is
-        merged into it (a group's chunks are consecutive). The tiers covering each token
-        are the same either way, so the split by tier is too, with one sweep event per
-        run instead of per key."""
-        runs: list[tuple[int, int, str]] = []
-        source = self.manager.get_load_source
-        ctx = state.req_context
-        run_lo = run_hi = 0
-        run_tier: str | None = None
-        for lo, hi, key in state.load_key_ranges:
-            if lo < start:
-                lo = start
-            if hi > end:
-                hi = end
-            if lo >= hi:
-                continue
-            tier: str = source(key, ctx)
-            if tier == run_tier and lo == run_hi:
-                run_hi = hi
-                continue
-            if run_tier is not None:
-                runs.append((run_lo, run_hi, run_tier))
-            run_lo, run_hi, run_tier = lo, hi, tier
-        if run_tier is not None:
-            runs.append((run_lo, run_hi, run_tier))
-        return runs
 
     # -- stores, at the end of every schedule() ----------------------------------------
 
@@ -871,7 +588,3 @@ class OffloadingConnector:
         """Transfers still in flight, the tier's own (disk promotions) included: vLLM keeps
         stepping the engine until they finish."""
         return bool(self._jobs) or self.manager.has_pending_work()
-
-
-# Nearer tiers first: where two tiers' keys cover a token, the outer one is reported.
-_TIER_ORDER = {"unspecified": -1, "gpu": 0, "cpu": 1, "disk": 2}

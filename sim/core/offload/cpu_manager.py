@@ -30,7 +30,8 @@ from kvtwin.sim.core.offload.base import (
     RequestOffloadingContext,
     offload_key_group,
 )
-from kvtwin.sim.core.offload.policies import CachePolicy, ChunkStatus, make_policy, sort_by_position
+from kvtwin.sim.core.offload.cache_policy import CachePolicy, ChunkStatus, sort_by_position
+from kvtwin.sim.core.offload.policies import make_policy
 
 
 class _RequestCacheAccess:

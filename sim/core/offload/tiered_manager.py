@@ -48,11 +48,11 @@ The design, and every simplification against vLLM:
 
 1. **One disk tier**, the filesystem tier's role; vLLM allows any number (fs, object
    store, p2p, ...).
-2. **Capacity**: the disk holds ``disk_num_chunks`` chunks under the same policy classes
-   as the CPU tier (``policies.make_policy``); vLLM's filesystem tier is unbounded. A
-   write that finds the disk full evicts idle disk chunks (the policy's choice, never a
-   chunk being read by a promotion or written, never a key of the same write); what
-   still does not fit is *dropped* (the tail of the batch first; counted in
+2. **Capacity**: the disk (``disk_tier.py``) holds ``disk_num_chunks`` chunks under the
+   same policy classes as the CPU tier (``policies.make_policy``); vLLM's filesystem tier
+   is unbounded. A write that finds the disk full evicts idle disk chunks (the policy's
+   choice, never a chunk being read by a promotion or written, never a key of the same
+   write); what still does not fit is *dropped* (the tail of the batch first; counted in
    ``disk_dropped_keys``), as a back-pressure drop would. The disk policy sees a write
    batch as one insertion (LRU: batches in write order, and within a batch tails before
    heads, by the request's key positions, as the CPU orders one request) and a promotion
@@ -71,14 +71,15 @@ The design, and every simplification against vLLM:
    promotion on the first lookup (HIT_PENDING) instead of answering RETRY for one step
    while the filesystem tier probes for the file. The result RETRY is never returned.
 5. **Time is ours**. vLLM has real threads and a monotonic clock; here every transfer
-   between CPU and disk is a job on a ``PromotionClock``: ``StepPromotions(steps)``
-   finishes a job ``steps`` scheduler steps after it started, ``TimedPromotions``
-   runs one FIFO disk queue in simulated seconds, where writes and promotions share the
-   bandwidth *and delay each other* (vLLM's pool lets reads overtake queued writes; ours
-   is the pessimistic single queue). Jobs never fail (vLLM handles partial and failed
-   promotions; here every job succeeds), there is no back-pressure detector, and no
-   tier-poll thread: completions are seen at the manager's polls (the first lookup of a
-   step, every ``prepare_store``, every ``on_schedule_end``), as vLLM polls.
+   between CPU and disk is a job on a ``PromotionClock`` (``promotion_clock.py``):
+   ``StepPromotions(steps)`` finishes a job ``steps`` scheduler steps after it started,
+   ``TimedPromotions`` runs one FIFO disk queue in simulated seconds, where writes and
+   promotions share the bandwidth *and delay each other* (vLLM's pool lets reads overtake
+   queued writes; ours is the pessimistic single queue). Jobs never fail (vLLM handles
+   partial and failed promotions; here every job succeeds), there is no back-pressure
+   detector, and no tier-poll thread: completions are seen at the manager's polls (the
+   first lookup of a step, every ``prepare_store``, every ``on_schedule_end``), as vLLM
+   polls.
 6. **Batching as vLLM**: one write job per ``complete_store`` call, one promotion job per
    request per step, started at ``on_schedule_end``; all keys of a job finish together.
 7. **Promotion admission**: when the CPU tier's admission filter (``store_threshold``)
@@ -106,10 +107,7 @@ returns them all by tier.
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
-from typing import Protocol
+from collections.abc import Collection
 
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.offload.base import (
@@ -120,142 +118,8 @@ from kvtwin.sim.core.offload.base import (
     RequestOffloadingContext,
 )
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.policies import ChunkStatus, make_policy
-
-# --- clocks for CPU↔disk transfers ------------------------------------------------------
-
-
-class PromotionClock(Protocol):
-    """When transfers between the CPU and the disk finish.
-
-    ``start`` begins a job (an opaque hashable id) of ``num_bytes``; ``write`` tells a
-    CPU→disk write from a disk→CPU promotion. ``poll`` returns the jobs finished since the
-    last call, in the order they finished. ``on_schedule_end`` is called once at the end
-    of every scheduler step. ``drain`` finishes every job still running, at once, and
-    returns them (``reset_cache``).
-    """
-
-    def start(self, job: Hashable, num_bytes: int, *, write: bool = False) -> None: ...
-
-    def poll(self) -> list: ...
-
-    def on_schedule_end(self) -> None: ...
-
-    def drain(self) -> list: ...
-
-
-class StepPromotions:
-    """Lockstep: a job started while the clock reads step ``s`` finishes at the start of
-    step ``s + steps`` (``s + write_steps`` for a write). The step count advances at each
-    ``on_schedule_end``; the first step is 0.
-
-    A promotion asked for by a lookup in step ``s`` is started at that step's
-    ``on_schedule_end`` (still step ``s``), so with ``steps=1`` the lookup answers
-    HIT_PENDING in step ``s`` and HIT in step ``s + 1``: vLLM's best case.
-    """
-
-    def __init__(self, steps: int = 1, write_steps: int | None = None):
-        write_steps = steps if write_steps is None else write_steps
-        require(isinstance(steps, int) and steps >= 1, "offload.disk.promotion_steps", "an integer >= 1", steps)
-        require(isinstance(write_steps, int) and write_steps >= 1, "offload.disk.write_steps", "an integer >= 1",
-                write_steps)
-        self.steps = steps
-        self.write_steps = write_steps
-        self.step = 0
-        self._seq = 0
-        self._due: list[tuple[int, int, Hashable]] = []
-
-    def start(self, job: Hashable, num_bytes: int, *, write: bool = False) -> None:
-        self._seq += 1
-        heapq.heappush(self._due, (self.step + (self.write_steps if write else self.steps), self._seq, job))
-
-    def poll(self) -> list:
-        done = []
-        while self._due and self._due[0][0] <= self.step:
-            done.append(heapq.heappop(self._due)[2])
-        return done
-
-    def on_schedule_end(self) -> None:
-        self.step += 1
-
-    def drain(self) -> list:
-        done = [job for _, _, job in sorted(self._due)]
-        self._due.clear()
-        return done
-
-    def pending(self) -> int:
-        return len(self._due)
-
-
-class TimedPromotions:
-    """One FIFO disk queue in simulated seconds: a job started at ``now`` finishes at
-    ``max(now, previous job's finish) + latency_s + num_bytes / bandwidth_bytes_per_s``.
-
-    Writes and promotions share the queue, so a burst of writes delays the promotions
-    behind it. ``now_s_fn`` is the simulated clock (``lambda: env.now``).
-    """
-
-    def __init__(self, bandwidth_bytes_per_s: float, latency_s: float, now_s_fn: Callable[[], float]):
-        require(bandwidth_bytes_per_s > 0, "offload.disk.bandwidth_bytes_per_s", "a number > 0",
-                bandwidth_bytes_per_s)
-        require(latency_s >= 0, "offload.disk.latency_s", "a number >= 0", latency_s)
-        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
-        self.latency_s = latency_s
-        self.now_s_fn = now_s_fn
-        self.busy_until_s = float("-inf")
-        self._queue: deque[tuple[float, Hashable]] = deque()
-
-    def start(self, job: Hashable, num_bytes: int, *, write: bool = False) -> None:
-        finish = max(self.now_s_fn(), self.busy_until_s) + self.latency_s + num_bytes / self.bandwidth_bytes_per_s
-        self.busy_until_s = finish
-        self._queue.append((finish, job))
-
-    def poll(self) -> list:
-        now = self.now_s_fn()
-        done = []
-        while self._queue and self._queue[0][0] <= now:
-            done.append(self._queue.popleft()[1])
-        return done
-
-    def on_schedule_end(self) -> None:
-        return
-
-    def drain(self) -> list:
-        done = [job for _, job in self._queue]
-        self._queue.clear()
-        return done
-
-    def pending(self) -> int:
-        return len(self._queue)
-
-    def next_finish_s(self) -> float | None:
-        """When the oldest running job finishes (None when idle)."""
-        return self._queue[0][0] if self._queue else None
-
-
-# --- the disk tier ---------------------------------------------------------------------
-
-
-class _DiskView(ReqContext):
-    """One write batch (or one promotion) as the disk policy sees it: the request's key
-    positions, but state slots of its own. A fresh view per call gives each write batch a
-    fresh LRU request rank, and never overwrites the CPU policy's slot of the same type
-    (LRU's request rank) in the request's own context."""
-
-    __slots__ = ("_base",)
-
-    def __init__(self, base: ReqContext):
-        super().__init__(base.req_id)
-        self._base = base
-
-    def get_offload_key_position(self, key: OffloadKey) -> int | None:
-        return self._base.get_offload_key_position(key)
-
-    def offload_key_positions(self, keys: Sequence[OffloadKey]) -> list[int] | None:
-        return self._base.offload_key_positions(keys)
-
-    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
-        self._base.set_offload_key_position(key, end_token)
+from kvtwin.sim.core.offload.disk_tier import DiskTier, DiskView
+from kvtwin.sim.core.offload.promotion_clock import PromotionClock, StepPromotions
 
 
 class _TieredRequestState:
@@ -268,80 +132,6 @@ class _TieredRequestState:
         self.generation = generation
         # Keys this request promoted from the disk: their load source is "disk".
         self.promoted: set[OffloadKey] = set()
-
-
-class _DiskTier:
-    """``num_chunks`` disk chunks under a policy; ``ChunkStatus.ref_cnt`` is -1 while a
-    write is in flight, 0 when idle, the number of promotions reading it otherwise."""
-
-    def __init__(self, num_chunks: int, policy: str):
-        self.num_chunks = num_chunks
-        self.policy = make_policy(policy, num_chunks)
-        self._num_allocated = 0
-        self._free_list: list[int] = []
-        self.num_evictable = 0
-
-    @property
-    def num_used_chunks(self) -> int:
-        return self._num_allocated - len(self._free_list)
-
-    @property
-    def num_free_chunks(self) -> int:
-        return len(self._free_list) + self.num_chunks - self._num_allocated
-
-    def get(self, key: OffloadKey) -> ChunkStatus | None:
-        return self.policy.get(key)
-
-    def allocate(self, keys: list[OffloadKey], protected: set[OffloadKey],
-                 ctx: ReqContext) -> tuple[list[OffloadKey], list[OffloadKey]]:
-        """Give a chunk (not yet ready) to as many of ``keys`` (absent ones) as fit, head
-        first, evicting idle unprotected chunks; returns (written, evicted)."""
-        idle_protected = sum(1 for key in protected if (c := self.policy.get(key)) is not None and c.ref_cnt == 0)
-        fit = min(len(keys), self.num_free_chunks + self.num_evictable - idle_protected)
-        keys = keys[:max(fit, 0)]
-        evicted_keys: list[OffloadKey] = []
-        if not keys:
-            return [], evicted_keys
-        self.policy.on_store_miss(keys, ctx)
-        num_to_evict = len(keys) - self.num_free_chunks
-        if num_to_evict > 0:
-            evicted = self.policy.evict(num_to_evict, protected)
-            assert evicted is not None, "disk eviction failed with enough idle chunks"
-            self.num_evictable -= len(evicted)
-            for key, chunk in evicted:
-                self._free_list.append(chunk.chunk_id)
-                evicted_keys.append(key)
-        num_fresh = min(len(keys), self.num_chunks - self._num_allocated)
-        chunks = [ChunkStatus(self._num_allocated + i) for i in range(num_fresh)]
-        self._num_allocated += num_fresh
-        chunks += [ChunkStatus(self._free_list.pop()) for _ in range(len(keys) - num_fresh)]
-        for key, chunk in zip(keys, chunks):
-            self.policy.insert(key, chunk, ctx)
-        return keys, evicted_keys
-
-    def complete_write(self, keys: Iterable[OffloadKey]) -> None:
-        for key in keys:
-            chunk = self.policy.get(key)
-            assert chunk is not None and chunk.ref_cnt == -1, f"disk write of {key!r} finished twice"
-            chunk.ref_cnt = 0
-            self.num_evictable += 1
-            self.policy.mark_evictable(key, chunk)
-
-    def pin(self, key: OffloadKey) -> None:
-        chunk = self.policy.get(key)
-        assert chunk is not None and chunk.is_ready, f"disk read of {key!r}, which is not on disk"
-        if chunk.ref_cnt == 0:
-            self.policy.mark_non_evictable(key, chunk)
-            self.num_evictable -= 1
-        chunk.ref_cnt += 1
-
-    def unpin(self, key: OffloadKey) -> None:
-        chunk = self.policy.get(key)
-        assert chunk is not None and chunk.ref_cnt > 0, f"disk read of {key!r} finished twice"
-        chunk.ref_cnt -= 1
-        if chunk.ref_cnt == 0:
-            self.num_evictable += 1
-            self.policy.mark_evictable(key, chunk)
 
 
 class _Job:
@@ -369,7 +159,7 @@ class TieredOffloadingManager:
                 chunk_bytes)
         self.cpu = cpu
         self.disk_num_chunks = disk_num_chunks
-        self.disk = _DiskTier(disk_num_chunks, policy)
+        self.disk = DiskTier(disk_num_chunks, policy)
         self.promotion: PromotionClock = promotion if promotion is not None else StepPromotions(1)
         self.chunk_bytes = chunk_bytes
         self._jobs: dict[int, _Job] = {}
@@ -544,7 +334,7 @@ class TieredOffloadingManager:
             return False
         self.promotions += 1
         self.disk.pin(key)
-        self.disk.policy.touch([key], _DiskView(ctx))
+        self.disk.policy.touch([key], DiskView(ctx))
         self._promoting.add(key)
         self._state(ctx).promoted.add(key)
         entry = self._pending_promotions.get(ctx.req_id)
@@ -562,7 +352,7 @@ class TieredOffloadingManager:
                 absent.append(key)
         if not absent:
             return
-        written, evicted = self.disk.allocate(absent, set(keys), _DiskView(ctx))
+        written, evicted = self.disk.allocate(absent, set(keys), DiskView(ctx))
         self.disk_evicted_keys += len(evicted)
         self.disk_dropped_keys += len(absent) - len(written)
         if not written:
@@ -611,7 +401,7 @@ class TieredOffloadingManager:
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.cpu.touch(keys, req_context)
         if self.disk_num_chunks:
-            self.disk.policy.touch(keys, _DiskView(req_context))
+            self.disk.policy.touch(keys, DiskView(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.cpu.complete_load(keys, req_context)

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvtwin.sim.core.kv_connector import KVConnectorOutput, KVTransferWorker
-from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
+from kvtwin.sim.core.offload.connector_metadata import OffloadingConnectorMetadata
 from kvtwin.sim.core.scheduler_output import KVConnectorMetadata
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore
 from kvtwin.sim.core.offload.build import build_offload_tier
-from kvtwin.sim.core.offload.connector import OffloadingConnectorMetadata
+from kvtwin.sim.core.offload.connector_metadata import OffloadingConnectorMetadata
 from kvtwin.sim.core.offload.transfers import StepTransfers
 
 from ..builders import BS, EchoModel, full, kv_config, new_request, tokens

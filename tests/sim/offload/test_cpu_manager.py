@@ -27,7 +27,9 @@ from kvtwin.sim.core.offload.base import (
     offload_key_group,
 )
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.policies import POLICIES, ChunkStatus, make_policy, packed_rank
+from kvtwin.sim.core.offload.cache_policy import ChunkStatus
+from kvtwin.sim.core.offload.lru_policy import packed_rank
+from kvtwin.sim.core.offload.policies import POLICIES, make_policy
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "golden" / "offload_manager"
 RECORDINGS = sorted(GOLDEN_DIR.glob("*.jsonl"))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvtwin.sim.core.offload.base import LookupResult, ReqContext, make_offload_key
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.policies import CachePolicy, ChunkStatus, _chunk_row
+from kvtwin.sim.core.offload.cache_policy import CachePolicy, ChunkStatus, chunk_row
 
 
 # A compiled core (mypyc) takes no Python subclass of its policy class, nor a Python object
@@ -123,7 +123,7 @@ class _ReferenceLRU(CachePolicy if _PLUGGABLE else object):  # type: ignore[misc
 
     def snapshot(self):
         order = sorted(self.chunks, key=lambda key: (self.ranks[key], key))
-        return {"lru": [_chunk_row(key, self.chunks[key]) for key in order]}
+        return {"lru": [chunk_row(key, self.chunks[key]) for key in order]}
 
 
 def _outcome(value):

@@ -13,7 +13,8 @@ import pytest
 from kvtwin.sim.core.engine_stats import offload_tier_counters
 from kvtwin.sim.core.offload.base import ReqContext, make_offload_key
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
-from kvtwin.sim.core.offload.tiered_manager import StepPromotions, TieredOffloadingManager
+from kvtwin.sim.core.offload.promotion_clock import StepPromotions
+from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 from kvtwin.sim.core.offload.transfers import StepTransfers
 
 CPU_COLUMNS = ("offload_cpu_loaded_keys", "offload_cpu_stored_keys", "offload_cpu_evicted_keys",
@@ -38,13 +39,17 @@ def interface_methods() -> dict[str, list[str]]:
 
 
 def test_the_interface_names_what_the_connector_calls_and_what_the_stats_read():
-    # Every ``self.manager.<name>`` the connector uses (getattr'd speed paths aside) is in
-    # the interface, and the interface holds nothing besides those, ``counters`` (the step
-    # columns) and ``next_finish_s`` (the tier's next event on a timed clock).
-    called = {node.attr for node in ast.walk(_source("connector.py"))
-              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-              and node.value.attr == "manager"}
-    assert called, "the scan found no manager call in the connector"
+    # Every ``self.manager.<name>`` the connector and its lookup side use (getattr'd speed
+    # paths aside) is in the interface, and the interface holds nothing besides those,
+    # ``counters`` (the step columns) and ``next_finish_s`` (the tier's next event on a
+    # timed clock).
+    called_by = {name: {node.attr for node in ast.walk(_source(name))
+                        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                        and node.value.attr == "manager"}
+                 for name in ("connector.py", "connector_lookup.py")}
+    for name, called in called_by.items():
+        assert called, f"the scan found no manager call in {name}"
+    called = set().union(*called_by.values())
     assert set(interface_methods()) == called | {"counters", "next_finish_s"}
 
 

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from kvtwin.sim.core.offload.base import LookupResult, ReqContext, make_offload_key
 from kvtwin.sim.core.offload.cpu_manager import CPUOffloadingManager
 from kvtwin.sim.core.offload.policies import POLICIES
-from kvtwin.sim.core.offload.tiered_manager import StepPromotions, TieredOffloadingManager, TimedPromotions
+from kvtwin.sim.core.offload.promotion_clock import StepPromotions, TimedPromotions
+from kvtwin.sim.core.offload.tiered_manager import TieredOffloadingManager
 
 KEYS = [make_offload_key(h, g) for h in range(3) for g in range(2)]
 REQS = ("r0", "r1", "r2")
