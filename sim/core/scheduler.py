@@ -504,7 +504,7 @@ class Scheduler(ConnectorScheduling):
             # Output of a batch that was in flight when the request was preempted
             # (asynchronous scheduling): delivered, but the preemption already reset its counts.
             stale = request.status is preempted
-            if spec_stats is not None:
+            if spec_scheduled is not None and spec_stats is not None:
                 drafts = spec_scheduled.get(request_id)
                 if drafts:
                     self._verified(request, spec_stats, len(drafts), len(tokens) - 1, stale)
