@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -26,7 +27,9 @@ from hypothesis import strategies as st
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.core.engine import EngineCore
-from kvtwin.sim.replay.clock.cluster import Cluster
+from kvtwin.sim.replay.clock.arrivals import arrival_process
+from kvtwin.sim.replay.clock.cluster import Cluster, RoutedFront
+from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
 from kvtwin.sim.replay.clock.pd_front import PREFILL_SUFFIX, PDFront
 from kvtwin.sim.replay.connector_tiers import connector_tiers
 from kvtwin.sim.replay.pd_router import PDRouter
@@ -35,6 +38,7 @@ from kvtwin.sim.replay.router import Router
 from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_replay, run_with_executor
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
+from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_from_mapping
 from kvtwin.sim.scenario.parse import parse_scenario
 from kvtwin.sim.scenario.resolve import resolve_scenario
@@ -192,6 +196,61 @@ def test_blocks_conserved_and_no_request_lost(chat, prefill, decode, async_sched
         assert not tier.connector.has_pending_jobs() and not engine.waits_for_transfers()
         pool = engine.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+# -- one replay path ------------------------------------------------------------------------
+
+
+def _clusters_the_processes_see(run) -> list:
+    """Each SimPy process's ``cluster`` argument during ``run()``: the arrival process's
+    and every engine process's, as their frames start (a profile hook sees them whether
+    the code that starts them is compiled or not)."""
+    codes = {arrival_process.__code__, sync_engine_process.__code__, async_engine_process.__code__}
+    seen = {}  # a process's frame (the same at each resumption) → its cluster
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in codes and frame not in seen:
+            seen[frame] = frame.f_locals["cluster"]
+
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pd_and_plain_replays_run_the_same_cluster_with_another_front(chat, async_scheduling):
+    """``run_replay`` has one path: a P/D replay's processes are handed the same
+    ``Cluster`` class as a plain replay's (no wrapper, no second runner), only its front
+    differs, and the router the plain front holds is the one ``Router.route`` caller."""
+    plan = llama_plan(async_scheduling=async_scheduling)
+    trace = chat.slice(0, 12)
+    fronts = {}
+    for name, kwargs in (("plain", {"deployment": Deployment(replicas=2)}),
+                         ("pd", {"disaggregation": Disaggregation(prefill_replicas=2, decode_replicas=1)})):
+        seen = _clusters_the_processes_see(lambda: run_replay(plan, trace, **kwargs))
+        # The arrival process and one engine process per replica, all given one cluster.
+        assert len(seen) == 1 + (2 if name == "plain" else 3)
+        assert len({id(cluster) for cluster in seen}) == 1
+        assert type(seen[0]) is Cluster
+        fronts[name] = seen[0].front
+    assert type(fronts["plain"]) is RoutedFront and isinstance(fronts["plain"].router, Router)
+    assert type(fronts["pd"]) is PDFront and isinstance(fronts["pd"].router, PDRouter)
+
+
+def test_the_pd_router_is_not_a_router(chat):
+    """It picks pairs for the P/D front and claims no ``route`` of one replica, so only a
+    plain front routes (it once raised ``TypeError`` from a ``route`` it had to have)."""
+    assert not issubclass(PDRouter, Router)
+    assert not hasattr(PDRouter, "route")
+    engines = [EngineCore(llama_plan().require_fits(), llama_plan().engine.scheduler, llama_plan().engine.cache)
+               for _ in range(3)]
+    router = PDRouter(engines[:2], engines[2:], "round_robin", "least_loaded")
+    requests = [request for _, request in zip(range(4), (a.request for a in arrivals_from_trace(chat)))]
+    pairs = [router.route_pair(r, r, None) for r in requests]
+    assert pairs == [(0, 2), (1, 2), (0, 2), (1, 2)]  # round robin over the prefill side, the one decode replica
 
 
 # -- the outputs ----------------------------------------------------------------------------
