@@ -32,6 +32,7 @@ import simpy
 from kvtwin.sim.replay.cost_model import CostModel, StepCost
 from kvtwin.sim.scenario.acceptance import AcceptanceModel
 from kvtwin.sim.core.connector_tier import ConnectorTier
+from kvtwin.sim.core.window_pricing import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
 from kvtwin.sim.core.retention import retention_label
 from kvtwin.sim.replay.recorder import MetricsRecorder
