@@ -63,8 +63,8 @@ INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                # collector (mypy 2.4.1). Its per-batch objects (cluster.py, replica.py,
                # timeline.py, progress.py) are compiled.
                "arrivals.py", "engine_processes.py",
-               # P/D: the cluster's generator process, and the per-run wiring and router.
-               "pd_cluster.py", "pd_run.py", "pd_router.py"}
+               # P/D: the front's generator process (pd_front.py), its summaries and router.
+               "pd_front.py", "pd_summaries.py", "pd_router.py"}
 
 
 def _notice(message: str) -> None:

@@ -75,7 +75,7 @@ def test_the_scan_covers_the_clocks_and_the_runner() -> None:
     # skipped them, the test below could not fail.
     scanned = {p.relative_to(REPO).as_posix() for p in _files_outside_core()}
     assert {"sim/replay/clock/replica.py", "sim/replay/clock/engine_processes.py",
-            "sim/replay/clock/pd_cluster.py", "sim/lockstep/runner.py", "tests/replay/test_pd.py"} <= scanned
+            "sim/replay/clock/pd_front.py", "sim/lockstep/runner.py", "tests/replay/test_pd.py"} <= scanned
     assert not any(name.startswith("sim/core/") for name in scanned)
 
 

@@ -93,3 +93,38 @@ def test_the_measure_counts_lines_and_depth() -> None:
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_the_folders_exist(folder: str) -> None:
     assert any((REPO / folder).rglob("*.py"))
+
+
+# The SimPy clock names what each process and front is handed (the ``Cluster``, a
+# ``Replica``, a protocol where an import would close a cycle): an ``Any`` there once let
+# a second cluster pass itself to the processes in the cluster's place.
+CLOCK = REPO / _PACKAGE_DIRS["kvtwin.sim"] / "replay" / "clock"
+
+
+def any_uses(source: str, filename: str = "<source>") -> list[int]:
+    """The lines that name ``typing.Any`` (``Any`` or ``typing.Any``)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, ast.Name) and node.id == "Any" or \
+                isinstance(node, ast.Attribute) and node.attr == "Any":
+            found.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(alias.name == "Any" for alias in node.names):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_clock_types_what_it_is_handed() -> None:
+    files = sorted(CLOCK.glob("*.py"))
+    assert {"cluster.py", "engine_processes.py", "arrivals.py"} <= {path.name for path in files}
+    broken = [f"{path.relative_to(REPO)}:{line}: Any" for path in files
+              for line in any_uses(path.read_text(), str(path))]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_any_finder_finds_each_spelling() -> None:
+    source = ("from typing import Any, Protocol\n"
+              "import typing\n"
+              "def run(arrivals, view: Any = None): pass\n"
+              "x: typing.Any = 1\n"
+              "def ok(cluster: Cluster) -> None: pass\n")
+    assert any_uses(source) == [1, 3, 4]

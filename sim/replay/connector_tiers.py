@@ -7,7 +7,7 @@ the CPU tier, over a disk tier when ``disk_bytes > 0``, with transfers timed on 
 clock), or a P/D connector from its ``[disaggregation]`` table (a ``PDConnector`` and a
 ``PDTransfers`` worker reading over the replica's inbound link), or nothing. The table of
 features refuses both at once (docs/architecture.md#features-and-their-combinations).
-``run_with_executor`` and ``pd_run`` both build their engines' tiers here.
+``run_with_executor`` builds every replay's engines' tiers here.
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ def connector_tiers(plan: Plan, env: simpy.Environment, num_replicas: int, *,
     elif offload is not None:
         tiers = [offload_tier(offload, env, kv_cache_config, plan.engine.cache) for _ in range(num_replicas)]
     return tiers
+
+
+def link_copies(plan: Plan) -> int:
+    """The workers that each move their own share of a P/D read (the tensor parallel size,
+    1 with MLA, as the offload tier counts them): a read's bytes are one worker's times this."""
+    tp = plan.engine.tensor_parallel_size
+    return 1 if plan.model.uses_mla and tp > 1 else tp
 
 
 def pd_tier(kv_cache_config: KVCacheConfig, env: simpy.Environment, bandwidth_bytes_per_s: float,

@@ -23,15 +23,15 @@ from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.router import Router, make_router
 
 
-class PDRouter(Router):
-    """A prefill router and a decode router behind one cluster's replica indexes (a
-    ``Router`` to the cluster, which only releases through it)."""
+class PDRouter:
+    """A prefill router and a decode router behind one cluster's replica indexes. Not a
+    ``Router``: it picks a pair for each arrival (``route_pair``, the P/D front's call),
+    never one replica."""
 
     def __init__(self, prefill_engines: Sequence[EngineCore], decode_engines: Sequence[EngineCore],
                  prefill_router: str = "prefix_aware", decode_router: str = "least_loaded"):
         if not prefill_engines or not decode_engines:
             raise ValueError("a P/D router needs at least one prefill and one decode replica")
-        super().__init__([*prefill_engines, *decode_engines])
         self.prefill: Router = make_router(prefill_router, prefill_engines)
         self.decode: Router = make_router(decode_router, decode_engines)
         self.num_prefill = len(prefill_engines)
@@ -43,9 +43,6 @@ class PDRouter(Router):
         prefill = self.prefill.route(prefill_request, session_id)
         decode = self.decode.route(request, session_id)
         return prefill, self.num_prefill + decode
-
-    def route(self, request: Request, session_id: str | None = None) -> int:
-        raise TypeError("a P/D cluster routes pairs (route_pair)")
 
     def release(self, replica: int, request: Request | RequestSnapshot) -> None:
         if replica < self.num_prefill:

@@ -14,6 +14,11 @@ tier when ``disk_bytes > 0`` (``TieredOffloadingManager``, its CPU↔disk jobs o
 ``TimedPromotions`` queue), with transfers timed on the SimPy clock (``TimedTransfers``:
 FIFO per PCIe direction at the GPU's host-link rate); ``sim/planner/offload.py`` sizes
 them. ``connector_tiers.py`` builds them, as it builds a P/D replay's connectors.
+
+With a ``Disaggregation`` (the scenario's ``[disaggregation]`` table) the replicas are its
+prefill and decode engines, each with a P/D connector tier, and the one ``Cluster`` has
+the P/D front (``clock/pd_front.py``, vLLM's P/D proxy) where a plain replay has a router
+(``RoutedFront``): the same engines, recorder, clock and tables otherwise.
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ import simpy
 
 from kvtwin.sim.replay.cost_model import CostModel, StepCost
 from kvtwin.sim.scenario.acceptance import AcceptanceModel
+from kvtwin.sim.core.connector_tier import ConnectorTier
 from kvtwin.sim.core.window_pricing import WindowPricing
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
 from kvtwin.sim.core.retention import retention_label
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.pd_run import run_pd_simulation
 from kvtwin.sim.replay.run_tables import RunSettings, run_tables
 from kvtwin.sim.replay.router import make_router
 from kvtwin.sim.planner.host_memory import require_host_memory
@@ -39,10 +44,12 @@ from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
-from kvtwin.sim.replay.clock.cluster import run_simulation
+from kvtwin.sim.replay.clock.cluster import Cluster, Front, RoutedFront
+from kvtwin.sim.replay.clock.pd_front import PDFront
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
-from kvtwin.sim.replay.connector_tiers import connector_tiers
+from kvtwin.sim.replay.connector_tiers import connector_tiers, link_copies
+from kvtwin.sim.replay.pd_router import PDRouter
 from kvtwin.sim.calibration.file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
@@ -206,25 +213,21 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     """``kvtwin replay``: the plan and trace with the cost model as the clock; one engine,
     cost model and executor per replica of ``deployment``, each with the offload tiers
     ``offload`` sizes (None: none). With ``disaggregation`` the replicas are its prefill
-    and decode replicas instead (``pd_run.py``; ``deployment`` is then unused).
+    and decode replicas instead (``deployment`` is then unused).
     ``speculative`` (enabled: the plan's scheduler drafts, ``ResolvedScenario.plan``) gives
     each replica's executor its acceptance draws (seed plus the replica's index) and its
     cost model the draft head. ``calibration``: the clock's, whose band on each p99 the
     summary then carries (docs/capacity.md#the-band)."""
-    _require_pools_fit(plan, disaggregation.num_replicas if disaggregation is not None else deployment.replicas)
-    if disaggregation is not None:
-        # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
-        assert not speculative.enabled, "P/D with speculative decoding is not modelled"
-        executors = [CostModelExecutor(plan_cost_model(plan, efficiency)) for _ in range(disaggregation.num_replicas)]
-        return run_disaggregated(plan, trace, executors, disaggregation, slo=slo, time_limit_s=time_limit_s,
-                                 on_progress=on_progress, decode_windows=decode_windows,
-                                 client_overhead_s=efficiency.client_overhead_s, calibration=calibration)
+    num_replicas = disaggregation.num_replicas if disaggregation is not None else deployment.replicas
+    _require_pools_fit(plan, num_replicas)
+    # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
+    assert disaggregation is None or not speculative.enabled, "P/D with speculative decoding is not modelled"
     executors = [spec_executor(plan, efficiency, speculative, replica) if speculative.enabled
-                 else CostModelExecutor(plan_cost_model(plan, efficiency)) for replica in range(deployment.replicas)]
+                 else CostModelExecutor(plan_cost_model(plan, efficiency)) for replica in range(num_replicas)]
     return run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
                              time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
-                             decode_windows=decode_windows, client_overhead_s=efficiency.client_overhead_s,
-                             calibration=calibration)
+                             decode_windows=decode_windows, disaggregation=disaggregation,
+                             client_overhead_s=efficiency.client_overhead_s, calibration=calibration)
 
 
 def _require_pools_fit(plan: Plan, num_replicas: int) -> None:
@@ -257,57 +260,56 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       router: str = Deployment.router, slo: SLO = SLO(), time_limit_s: float | None = None,
                       env: simpy.Environment | None = None, on_progress: Callable[[ReplayClock], None] | None = None,
                       offload: ResolvedOffload | None = None, decode_windows: bool = True,
-                      client_overhead_s: float = 0.0, calibration: Calibration | None = None) -> ReplayResult:
+                      disaggregation: Disaggregation | None = None, client_overhead_s: float = 0.0,
+                      calibration: Calibration | None = None) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what its replica's
     executor says (predicted, measured on a device, or replayed from a recording); ``env``
     is the SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real
     time).
 
     ``executors`` holds one executor per replica: the run has as many replicas as
-    executors, behind the router named ``router`` (``Deployment.router``). ``offload``
-    gives each replica its offload tiers (module docstring). ``decode_windows`` False
-    turns decode windows off (``sim/core/decode_window.py``; the results are the same, only
-    slower). ``client_overhead_s`` is the time outside the engine a client also sees: the
+    executors, behind the router named ``router`` (``Deployment.router``), or with
+    ``disaggregation`` its prefill replicas (the first) and decode replicas behind the P/D
+    front (module docstring). ``offload`` gives each replica its offload tiers (module
+    docstring). ``decode_windows`` False turns decode windows off
+    (``sim/core/decode_window.py``; the results are the same, only slower).
+    ``client_overhead_s`` is the time outside the engine a client also sees: the
     client-side columns beside the server's, and the SLO judged on them (``client_side.py``).
     ``calibration``: as in ``run_replay``."""
     kv_cache_config = plan.require_fits()
     _require_pools_fit(plan, len(executors))
     eng = plan.engine
     env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's
-    tiers = connector_tiers(plan, env, len(executors), offload=offload)
+    tiers = connector_tiers(plan, env, len(executors), offload=offload, disaggregation=disaggregation)
     engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
-    routing = make_router(router, engines)
-    metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload,
+    roles, label = None, router
+    if disaggregation is not None:
+        roles = ["prefill"] * disaggregation.prefill_replicas + ["decode"] * disaggregation.decode_replicas
+        label = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
+    metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload, roles=roles,
                               num_speculative_tokens=eng.scheduler.num_speculative_tokens)
     replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
                 for engine, executor in zip(engines, executors)]
-    end_s = run_simulation(replicas, arrivals_from_trace(trace), metrics, router=routing, time_limit_s=time_limit_s,
-                           on_progress=on_progress, env=env)
+    cluster = Cluster(env, replicas, _front(plan, router, engines, tiers, disaggregation), metrics,
+                      time_limit_s=time_limit_s, on_progress=on_progress)
+    end_s = cluster.run(arrivals_from_trace(trace))
     tables = run_tables(metrics, end_s, RunSettings(
-        slo, trace, router, retention_label(eng.cache.prefix_cache_retention_interval), client_overhead_s,
-        offload=offload.describe() if offload is not None else None, calibration=calibration))
+        slo, trace, label, retention_label(eng.cache.prefix_cache_retention_interval), client_overhead_s,
+        offload=offload.describe() if offload is not None else None, disaggregation=disaggregation,
+        calibration=calibration))
     return ReplayResult(tables.requests, tables.steps, tables.summary, end_s, tables.replicas)
 
 
-def run_disaggregated(plan: Plan, trace: pa.Table, executors: Sequence[ModelExecutor],
-                      disaggregation: Disaggregation, *, slo: SLO = SLO(), time_limit_s: float | None = None,
-                      on_progress: Callable[[ReplayClock], None] | None = None,
-                      decode_windows: bool = True, env: simpy.Environment | None = None,
-                      client_overhead_s: float = 0.0, calibration: Calibration | None = None) -> ReplayResult:
-    """A P/D replay (``pd_run.py``) on ``executors`` (one per replica, prefill ones first);
-    ``client_overhead_s`` and ``calibration`` as in ``run_with_executor``."""
-    _require_pools_fit(plan, len(executors))
-
-    def pricing(executor: ModelExecutor) -> WindowPricing | None:
-        return window_pricing(executor) if decode_windows else None
-
-    metrics, end_s = run_pd_simulation(plan, trace, executors, disaggregation, window_pricing=pricing,
-                                       time_limit_s=time_limit_s, on_progress=on_progress, env=env)
-    router = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
-    tables = run_tables(metrics, end_s, RunSettings(
-        slo, trace, router, retention_label(plan.engine.cache.prefix_cache_retention_interval), client_overhead_s,
-        disaggregation=disaggregation, calibration=calibration))
-    return ReplayResult(tables.requests, tables.steps, tables.summary, end_s, tables.replicas)
+def _front(plan: Plan, router: str, engines: Sequence[EngineCore], tiers: Sequence[ConnectorTier | None],
+           disaggregation: Disaggregation | None) -> Front:
+    """What sits in front of ``engines``: the router named ``router``, or with
+    ``disaggregation`` the P/D front over its prefill and decode engines and their tiers."""
+    if disaggregation is None:
+        return RoutedFront(make_router(router, engines))
+    num_prefill = disaggregation.prefill_replicas
+    pairs = PDRouter(engines[:num_prefill], engines[num_prefill:], disaggregation.prefill_router,
+                     disaggregation.decode_router)
+    return PDFront(tiers, pairs, copies=link_copies(plan))
 
 
 class RecordedClockExecutor(CostModelExecutor):

@@ -13,7 +13,7 @@ import pyarrow as pa
 from kvtwin.sim.calibration.band import band_columns
 from kvtwin.sim.replay.client_side import client_summary
 from kvtwin.sim.replay.output_columns import BAND, CLIENT_SIDE, DISAGGREGATION, assemble
-from kvtwin.sim.replay.pd_run import pd_load_imbalance, pd_replica_requests, pd_summary_columns
+from kvtwin.sim.replay.pd_summaries import pd_load_imbalance, pd_replica_requests, pd_summary_columns
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import summarize_replicas, summary_parts
 from kvtwin.sim.calibration.file import Calibration

@@ -341,7 +341,7 @@ def summarize_replicas(requests: pa.Table, steps: pa.Table, itl_by_replica: list
     the row is ``cluster_summary``'s, if given (the same figures, not computed twice).
 
     ``per_replica`` says which requests each replica served, as it saw them (default:
-    ``routed_replica_requests``; a P/D deployment's come from ``pd_run``), and ``roles``
+    ``routed_replica_requests``; a P/D deployment's come from ``pd_summaries``), and ``roles``
     adds each replica's role after ``replica``. ``client_overhead_s``: as in ``summarize``."""
     num_replicas = len(itl_by_replica)
     if num_replicas == 1 and cluster_summary is not None and per_replica is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -25,13 +26,19 @@ from hypothesis import strategies as st
 
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.hardware import get_gpu
-from kvtwin.sim.replay.clock.pd_cluster import PREFILL_SUFFIX, PDCluster
-from kvtwin.sim.replay.pd_run import pd_engines
+from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.replay.clock.arrivals import arrival_process
+from kvtwin.sim.replay.clock.cluster import Cluster, RoutedFront
+from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
+from kvtwin.sim.replay.clock.pd_front import PREFILL_SUFFIX, PDFront
+from kvtwin.sim.replay.connector_tiers import connector_tiers
 from kvtwin.sim.replay.pd_router import PDRouter
 from kvtwin.sim.replay.recorder import MetricsRecorder
-from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_disaggregated, run_replay
+from kvtwin.sim.replay.router import Router
+from kvtwin.sim.replay.run import CostModelExecutor, plan_cost_model, run_replay, run_with_executor
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
+from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_from_mapping
 from kvtwin.sim.scenario.parse import parse_scenario
 from kvtwin.sim.scenario.resolve import resolve_scenario
@@ -99,7 +106,7 @@ def test_rdma_defaults_to_the_gpu_presets_nic():
     env = simpy.Environment()
     h100, a100 = llama_plan(), dataclasses.replace(llama_plan(), gpu=get_gpu("a100-80gb"))
     for plan, expected in ((h100, 400e9 / 8), (a100, 200e9 / 8)):
-        _, tiers = pd_engines(plan, Disaggregation(prefill_replicas=1, decode_replicas=1), env)
+        tiers = connector_tiers(plan, env, 2, disaggregation=Disaggregation(prefill_replicas=1, decode_replicas=1))
         assert tiers[1].transfers.link.bandwidth_bytes_per_s == expected
         assert tiers[1].transfers.link.latency_s == pytest.approx(10e-6)
 
@@ -107,7 +114,7 @@ def test_rdma_defaults_to_the_gpu_presets_nic():
 # -- a run, watched batch by batch ----------------------------------------------------------
 
 
-class WatchedCluster(PDCluster):
+class WatchedFront(PDFront):
     """Checks block conservation on every engine at every applied batch, and when each
     prefill request's blocks came back against when its read landed."""
 
@@ -118,15 +125,15 @@ class WatchedCluster(PDCluster):
         self.prefilled_on: dict[str, int] = {}
         self.delayed_last: dict[int, set[str]] = {}
 
-    def _send_done(self, flight, at_s):
+    def _send_done(self, cluster, flight, at_s):
         self.read_done_s[flight.prefill_id] = at_s
-        super()._send_done(flight, at_s)
+        super()._send_done(cluster, flight, at_s)
 
-    def applied(self, replica, result, times, synchronous=False):
+    def after_applied(self, cluster, replica, result, times):
         engine = replica.engine
         # What was held at the previous batch (the engine frees while it steps, before this call).
         delayed_before = self.delayed_last.get(replica.index, set())
-        super().applied(replica, result, times, synchronous)
+        super().after_applied(cluster, replica, result, times)
         check_pool(engine)
         state = engine.scheduler.connector_state
         for request_id, request in state.delayed_free.items():
@@ -144,15 +151,17 @@ class WatchedCluster(PDCluster):
 
 def watched_run(plan, trace, disaggregation: Disaggregation):
     env = simpy.Environment()
-    engines, tiers = pd_engines(plan, disaggregation, env)
+    tiers = connector_tiers(plan, env, disaggregation.num_replicas, disaggregation=disaggregation)
+    engines = [EngineCore(plan.require_fits(), plan.engine.scheduler, plan.engine.cache, tier) for tier in tiers]
     p = disaggregation.prefill_replicas
     router = PDRouter(engines[:p], engines[p:], disaggregation.prefill_router, disaggregation.decode_router)
     roles = ["prefill"] * p + ["decode"] * disaggregation.decode_replicas
     recorder = MetricsRecorder(len(plan.require_fits().groups), len(engines), roles=roles)
     replicas = [Replica(engine, CostModelExecutor(plan_cost_model(plan))) for engine in engines]
-    cluster = WatchedCluster(env, replicas, tiers, router, recorder, num_prefill=p)
+    front = WatchedFront(tiers, router)
+    cluster = Cluster(env, replicas, front, recorder)
     cluster.run(arrivals_from_trace(trace))
-    return cluster, recorder
+    return cluster, front, recorder
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -164,7 +173,7 @@ def test_blocks_conserved_and_no_request_lost(chat, prefill, decode, async_sched
     trace = chat.slice(0, 40)
     disaggregation = Disaggregation(prefill_replicas=prefill, decode_replicas=decode, link=link[0],
                                     bandwidth_gbps=link[1], prefill_router=prefill_router)
-    cluster, recorder = watched_run(plan, trace, disaggregation)
+    cluster, front, recorder = watched_run(plan, trace, disaggregation)
     requests = recorder.requests_table().to_pydict()
     assert len(requests["request_id"]) == trace.num_rows
     assert set(requests["status"]) <= {"finished", "rejected"}
@@ -172,7 +181,7 @@ def test_blocks_conserved_and_no_request_lost(chat, prefill, decode, async_sched
         if requests["status"][i] != "finished":
             continue
         # Prefilled on the prefill replica the router chose, decoded on a decode replica.
-        assert cluster.prefilled_on[request_id + PREFILL_SUFFIX] == requests["prefill_replica"][i] < prefill
+        assert front.prefilled_on[request_id + PREFILL_SUFFIX] == requests["prefill_replica"][i] < prefill
         assert prefill <= requests["decode_replica"][i] < prefill + decode
         assert requests["transfer_bytes"][i] > 0 and requests["transfer_s"][i] > 0
         # The first token comes from the decode side, after the prefill and the read.
@@ -180,13 +189,68 @@ def test_blocks_conserved_and_no_request_lost(chat, prefill, decode, async_sched
                 >= requests["prefill_finish_time_s"][i] + requests["transfer_s"][i] - 1e-9)
         assert requests["generated_tokens"][i] == requests["output_tokens"][i]
         # Every prefill request's blocks came back, and only after its read.
-        assert cluster.freed_s[request_id + PREFILL_SUFFIX] >= cluster.read_done_s[request_id + PREFILL_SUFFIX]
-    for replica, tier in zip(cluster.replicas, cluster.tiers):
+        assert front.freed_s[request_id + PREFILL_SUFFIX] >= front.read_done_s[request_id + PREFILL_SUFFIX]
+    for replica, tier in zip(cluster.replicas, front.tiers):
         engine = replica.engine
         assert not engine.scheduler.connector_state.delayed_free
         assert not tier.connector.has_pending_jobs() and not engine.waits_for_transfers()
         pool = engine.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+# -- one replay path ------------------------------------------------------------------------
+
+
+def _clusters_the_processes_see(run) -> list:
+    """Each SimPy process's ``cluster`` argument during ``run()``: the arrival process's
+    and every engine process's, as their frames start (a profile hook sees them whether
+    the code that starts them is compiled or not)."""
+    codes = {arrival_process.__code__, sync_engine_process.__code__, async_engine_process.__code__}
+    seen = {}  # a process's frame (the same at each resumption) → its cluster
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in codes and frame not in seen:
+            seen[frame] = frame.f_locals["cluster"]
+
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pd_and_plain_replays_run_the_same_cluster_with_another_front(chat, async_scheduling):
+    """``run_replay`` has one path: a P/D replay's processes are handed the same
+    ``Cluster`` class as a plain replay's (no wrapper, no second runner), only its front
+    differs, and the router the plain front holds is the one ``Router.route`` caller."""
+    plan = llama_plan(async_scheduling=async_scheduling)
+    trace = chat.slice(0, 12)
+    fronts = {}
+    for name, kwargs in (("plain", {"deployment": Deployment(replicas=2)}),
+                         ("pd", {"disaggregation": Disaggregation(prefill_replicas=2, decode_replicas=1)})):
+        seen = _clusters_the_processes_see(lambda: run_replay(plan, trace, **kwargs))
+        # The arrival process and one engine process per replica, all given one cluster.
+        assert len(seen) == 1 + (2 if name == "plain" else 3)
+        assert len({id(cluster) for cluster in seen}) == 1
+        assert type(seen[0]) is Cluster
+        fronts[name] = seen[0].front
+    assert type(fronts["plain"]) is RoutedFront and isinstance(fronts["plain"].router, Router)
+    assert type(fronts["pd"]) is PDFront and isinstance(fronts["pd"].router, PDRouter)
+
+
+def test_the_pd_router_is_not_a_router(chat):
+    """It picks pairs for the P/D front and claims no ``route`` of one replica, so only a
+    plain front routes (it once raised ``TypeError`` from a ``route`` it had to have)."""
+    assert not issubclass(PDRouter, Router)
+    assert not hasattr(PDRouter, "route")
+    engines = [EngineCore(llama_plan().require_fits(), llama_plan().engine.scheduler, llama_plan().engine.cache)
+               for _ in range(3)]
+    router = PDRouter(engines[:2], engines[2:], "round_robin", "least_loaded")
+    requests = [request for _, request in zip(range(4), (a.request for a in arrivals_from_trace(chat)))]
+    pairs = [router.route_pair(r, r, None) for r in requests]
+    assert pairs == [(0, 2), (1, 2), (0, 2), (1, 2)]  # round robin over the prefill side, the one decode replica
 
 
 # -- the outputs ----------------------------------------------------------------------------
@@ -306,9 +370,9 @@ def test_deterministic(chat):
 def test_slow_link_shows_in_ttft(chat):
     plan = llama_plan()
     executors = [CostModelExecutor(plan_cost_model(plan)) for _ in range(2)]
-    fast = run_disaggregated(plan, chat, executors, Disaggregation(bandwidth_gbps=800))
+    fast = run_with_executor(plan, chat, executors, disaggregation=Disaggregation(bandwidth_gbps=800))
     executors = [CostModelExecutor(plan_cost_model(plan)) for _ in range(2)]
-    slow = run_disaggregated(plan, chat, executors, Disaggregation(bandwidth_gbps=1))
+    slow = run_with_executor(plan, chat, executors, disaggregation=Disaggregation(bandwidth_gbps=1))
     fast_s, slow_s = fast.summary.to_pylist()[0], slow.summary.to_pylist()[0]
     assert slow_s["pd_transfer_mean_ms"] > 100 * fast_s["pd_transfer_mean_ms"]
     assert slow_s["mean_ttft_ms"] > fast_s["mean_ttft_ms"]
@@ -373,7 +437,7 @@ def test_transfer_bytes_of_a_sliding_window_model():
     from kvtwin.sim.planner.engine_config import EngineConfig
     from kvtwin.sim.planner.models import get_model
     from kvtwin.sim.planner.plan import plan as make_plan
-    from kvtwin.sim.replay.pd_run import link_copies
+    from kvtwin.sim.replay.connector_tiers import link_copies
     from tests.sim.pd.test_pd_reads import expected_counts
 
     gpt_oss = make_plan(get_model("gpt-oss-20b"), get_gpu("h100"), EngineConfig(max_model_len=16896))

@@ -40,19 +40,19 @@ class UrgentTimeout(Event):
 
 
 class ArrivalSite(Protocol):
-    """Where arrivals go (a ``Cluster``): its clock, its replicas, and who takes each."""
+    """Where arrivals go (the ``Cluster``): its clock, its replicas, and who takes each."""
 
     env: simpy.Environment
     replicas: list[Replica]
-    arrivals_done: bool
+    all_arrived: bool
 
     def arrive(self, arrival: Arrival) -> None:
         ...
 
 
 def arrival_process(cluster: ArrivalSite, arrivals: Iterator[Arrival]):
-    """Add each arrival to the replica the router picks, then wake every replica once the
-    arrivals are done (an idle one may then stop). ``arrivals`` is consumed one at a time:
+    """Hand each arrival to the cluster (its front picks the replica), then wake every
+    replica once the arrivals are done (an idle one may then stop). ``arrivals`` is consumed one at a time:
     a request exists from its arrival on, and a finished one is not kept alive by a list
     of them all."""
     env = cluster.env
@@ -61,6 +61,6 @@ def arrival_process(cluster: ArrivalSite, arrivals: Iterator[Arrival]):
         if delay > 0:
             yield UrgentTimeout(env, delay)
         cluster.arrive(arrival)
-    cluster.arrivals_done = True
+    cluster.all_arrived = True
     for replica in cluster.replicas:
         replica.wake()

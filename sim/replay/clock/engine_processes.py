@@ -37,10 +37,14 @@ from kvtwin.sim.replay.recorder import BatchTimes
 
 
 class ClusterView(Protocol):
-    """What an engine process reports to and asks of the cluster it runs in."""
+    """What an engine process reports to and asks of the cluster it runs in (the
+    ``Cluster``, whatever front it has; a protocol because ``cluster.py`` imports this)."""
 
     env: simpy.Environment
-    arrivals_done: bool
+
+    @property
+    def arrivals_done(self) -> bool:
+        ...
 
     def applied(self, replica: Replica, result: BatchRecord, times: BatchTimes, synchronous: bool = False) -> None:
         ...

@@ -1,73 +1,20 @@
-"""A disaggregated prefill/decode replay: xPyD engines, their P/D connectors and links.
+"""A disaggregated prefill/decode replay's summary figures: the P/D columns of the summary
+(``pd_summary_columns``), each replica's requests as its side saw them
+(``pd_replica_requests``), and each side's load imbalance (``pd_side_imbalance``).
 
-``run_replay`` comes here when the scenario has a ``[disaggregation]`` table
-(``sim/scenario/disaggregation.py``). Every replica is the planned engine with a
-``PDConnector`` and a ``PDTransfers`` worker on the replay's clock (its ``PDTier``, which
-``connector_tiers.py`` builds and ``PDCluster`` keeps for the hand-overs); each decode replica
-reads over its own inbound link (``PDLink``) at one worker's link rate, each tensor
-parallel worker moving its own share (``copies`` of the per-worker bytes: the tensor
-parallel size, 1 with MLA, as the offload tier counts them). ``PDCluster`` moves the
-requests between the roles; the outputs get the P/D columns (``reports/SCHEMA.md``).
+The run itself is the replay's one path (``run.py``'s ``run_with_executor`` with a
+``Disaggregation``: P/D connector tiers, a ``PDFront`` in front of the one ``Cluster``);
+the outputs get the P/D columns (``reports/SCHEMA.md``) from here and ``output_columns.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 
 import numpy as np
-import simpy
 
-from kvtwin.sim.core.engine import EngineCore, ModelExecutor
-from kvtwin.sim.core.pd_connector import PDTier
-from kvtwin.sim.planner.plan import Plan
-from kvtwin.sim.replay.clock.pd_cluster import PDCluster
-from kvtwin.sim.replay.clock.progress import ReplayClock
-from kvtwin.sim.replay.clock.replica import Replica
-from kvtwin.sim.replay.connector_tiers import connector_tiers
-from kvtwin.sim.replay.pd_router import PDRouter
-from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import ReplicaRequests
-from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.scenario.disaggregation import Disaggregation
-
-
-def link_copies(plan: Plan) -> int:
-    """Workers that each move their own share of a read."""
-    tp = plan.engine.tensor_parallel_size
-    return 1 if plan.model.uses_mla and tp > 1 else tp
-
-
-def pd_engines(plan: Plan, disaggregation: Disaggregation,
-               env: simpy.Environment) -> tuple[list[EngineCore], list[PDTier]]:
-    """The deployment's engines, prefill replicas first, and the connector tier each was
-    built with (its connector and worker), in the same order."""
-    kv_cache_config = plan.require_fits()
-    eng = plan.engine
-    tiers = []
-    for tier in connector_tiers(plan, env, disaggregation.num_replicas, disaggregation=disaggregation):
-        assert isinstance(tier, PDTier)
-        tiers.append(tier)
-    return [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers], tiers
-
-
-def run_pd_simulation(plan: Plan, trace, executors: Sequence[ModelExecutor], disaggregation: Disaggregation, *,
-                      window_pricing: Callable[[ModelExecutor], object], time_limit_s: float | None = None,
-                      on_progress: Callable[[ReplayClock], None] | None = None,
-                      env: simpy.Environment | None = None) -> tuple[MetricsRecorder, float]:
-    """Replay ``trace`` on the P/D deployment; the recorder and the end time."""
-    env = env if env is not None else simpy.Environment()
-    engines, tiers = pd_engines(plan, disaggregation, env)
-    num_prefill = disaggregation.prefill_replicas
-    router = PDRouter(engines[:num_prefill], engines[num_prefill:], disaggregation.prefill_router,
-                      disaggregation.decode_router)
-    roles = ["prefill"] * num_prefill + ["decode"] * disaggregation.decode_replicas
-    recorder = MetricsRecorder(len(plan.require_fits().groups), len(engines), roles=roles)
-    replicas = [Replica(engine, executor, window_pricing(executor)) for engine, executor in zip(engines, executors)]
-    cluster = PDCluster(env, replicas, tiers, router, recorder, time_limit_s=time_limit_s, on_progress=on_progress,
-                        num_prefill=num_prefill, copies=link_copies(plan))
-    end_s = cluster.run(arrivals_from_trace(trace))
-    return recorder, end_s
 
 
 def pd_summary_columns(requests) -> dict[str, float]:
