@@ -1,7 +1,8 @@
 """The scheduler's rules for speculative decoding that need no scheduler state
 (docs/semantics.md#speculative-decoding): which layouts and configs it models, how a
-prefill chunk leaves room for a multi-module MTP drafter, and which drafts a step verifies.
-The loops that apply them are ``Scheduler``'s, with drafts inline."""
+prefill chunk leaves room for a multi-module MTP drafter, which drafts a step verifies,
+and what verifying them did. The loops that apply them are ``Scheduler``'s, with drafts
+inline."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.spec import KVCacheConfig, MambaSpec, SlidingWindowSpec
+from kvtwin.sim.core.spec_decode_stats import RequestSpecDecodeMetrics, SpecDecodingStats
 
 
 def check_drafting(kv_cache_config: KVCacheConfig, cfg: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -69,3 +71,23 @@ def schedule_spec_tokens(out: SchedulerOutput, request: Request, num_new: int) -
         out.scheduled_spec_decode_tokens[request.request_id] = (
             spec_token_ids[:num_spec] if len(spec_token_ids) > num_spec else spec_token_ids)
     request.spec_token_ids = []
+
+
+def verify_drafts(request: Request, spec_stats: SpecDecodingStats, num_drafts: int, num_accepted: int,
+                  stale: bool) -> None:
+    """``request`` verified ``num_drafts`` drafts and accepted ``num_accepted``: the
+    rejected ones leave its computed count (and placeholders), unless the output is stale
+    (the preemption reset the counts already); it counts either way, in the batch's stats
+    and the request's own, as vLLM's ``make_spec_decoding_stats`` does
+    (docs/semantics.md#speculative-decoding)."""
+    if not stale:
+        num_rejected = num_drafts - num_accepted
+        if request.num_computed_tokens > 0:
+            request.num_computed_tokens -= num_rejected
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_rejected
+    spec_stats.observe_draft(num_drafts, num_accepted)
+    metrics = request.spec_decode_metrics
+    if metrics is None:
+        metrics = request.spec_decode_metrics = RequestSpecDecodeMetrics()
+    metrics.observe(num_drafts, num_accepted)

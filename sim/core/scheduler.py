@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.connector_scheduling import ConnectorScheduling
-from kvtwin.sim.core.drafting import check_drafting, reserve_prefill_lookahead, schedule_spec_tokens
+from kvtwin.sim.core.drafting import check_drafting, reserve_prefill_lookahead, schedule_spec_tokens, verify_drafts
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
@@ -45,7 +45,7 @@ from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.request_queue import create_request_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvtwin.sim.core.spec import KVCacheConfig
-from kvtwin.sim.core.spec_decode_stats import RequestSpecDecodeMetrics, SpecDecodingStats
+from kvtwin.sim.core.spec_decode_stats import SpecDecodingStats
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
@@ -507,7 +507,7 @@ class Scheduler(ConnectorScheduling):
             if spec_scheduled is not None and spec_stats is not None:
                 drafts = spec_scheduled.get(request_id)
                 if drafts:
-                    self._verified(request, spec_stats, len(drafts), len(tokens) - 1, stale)
+                    verify_drafts(request, spec_stats, len(drafts), len(tokens) - 1, stale)
             running = request.status is running_status
             placeholders = request.num_output_placeholders
             stopped = self._update_request_with_output(request, tokens, stale)
@@ -519,24 +519,6 @@ class Scheduler(ConnectorScheduling):
                 self._finish(request, finished)
         self._drop_finished(finished)
         return finished
-
-    def _verified(self, request: Request, spec_stats: SpecDecodingStats, num_drafts: int, num_accepted: int,
-                  stale: bool) -> None:
-        """``request`` verified ``num_drafts`` drafts and accepted ``num_accepted``: the
-        rejected ones leave its computed count (and placeholders), unless the output is
-        stale (the preemption reset the counts already); it counts either way, as vLLM's
-        ``make_spec_decoding_stats`` does (docs/semantics.md#speculative-decoding)."""
-        if not stale:
-            num_rejected = num_drafts - num_accepted
-            if request.num_computed_tokens > 0:
-                request.num_computed_tokens -= num_rejected
-            if request.num_output_placeholders > 0:
-                request.num_output_placeholders -= num_rejected
-        spec_stats.observe_draft(num_drafts, num_accepted)
-        metrics = request.spec_decode_metrics
-        if metrics is None:
-            metrics = request.spec_decode_metrics = RequestSpecDecodeMetrics()
-        metrics.observe(num_drafts, num_accepted)
 
     def take_spec_decoding_stats(self) -> SpecDecodingStats | None:
         """The drafts the last update verified (None: it had none to verify, or they were
