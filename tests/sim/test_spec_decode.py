@@ -383,6 +383,14 @@ def test_a_heads_lookahead_may_reach_past_the_sliding_window_admission_cap():
     run_scenario(Scenario(kv, scheduler, CacheConfig(enable_prefix_caching=False), requests), check=True)
 
 
+def _admit_arrivals(engine: EngineCore, pending: list[CaseRequest], step: int) -> None:
+    """Add the requests that arrive at ``step`` (``pending`` in arrival order)."""
+    while pending and pending[0].arrival_step == step:
+        r = pending.pop(0)
+        engine.add_request(Request(r.request_id, TokenPrompt(r.prompt_token_ids), len(r.output_token_ids),
+                                   priority=r.priority, arrival_time=float(step)))
+
+
 def _drive_with_spec_checks(s: Scenario) -> int:
     """Step the engine, checking SPEC-SLOTS after every schedule and SPEC-ROLLBACK after every
     update; returns the drafts rejected (so a test can see rollbacks happened)."""
@@ -424,10 +432,7 @@ def _drive_with_spec_checks(s: Scenario) -> int:
 
     watch = Watch()
     while True:
-        while pending and pending[0].arrival_step == step:
-            r = pending.pop(0)
-            engine.add_request(Request(r.request_id, TokenPrompt(r.prompt_token_ids), len(r.output_token_ids),
-                                       priority=r.priority, arrival_time=float(step)))
+        _admit_arrivals(engine, pending, step)
         result = step_fn(watch)
         applied = result.output if not s.scheduler_config.async_scheduling else result.updated
         finished = {r.request_id for r in result.finished}
@@ -493,10 +498,7 @@ def test_the_scheduler_counts_verified_drafts_into_the_record(name):
     totals = [0, 0, 0]
     step = 0
     while True:
-        while pending and pending[0].arrival_step == step:
-            r = pending.pop(0)
-            engine.add_request(Request(r.request_id, TokenPrompt(r.prompt_token_ids), len(r.output_token_ids),
-                                       priority=r.priority, arrival_time=float(step)))
+        _admit_arrivals(engine, pending, step)
         result = step_fn(model)
         applied = result.output if not case.scheduler_config.async_scheduling else result.updated
         expected_by_pos = [0] * k
