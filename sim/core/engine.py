@@ -41,6 +41,7 @@ from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
 from kvtwin.sim.core.spec import KVCacheConfig
+from kvtwin.sim.core.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass
@@ -294,7 +295,7 @@ class EngineCore:
             self.scheduler.update_draft_token_ids(output, execution.draft_token_ids)
         reported = transfers.finish_step(execution.duration_s)
         self.scheduler.update_connector_output(reported)
-        return BatchRecord(output, snapshots(finished), execution, self.make_stats(), connector_output=reported)
+        return BatchRecord(output, snapshots(finished), execution, self._record_stats(), connector_output=reported)
 
     @property
     def has_connector(self) -> bool:
@@ -376,7 +377,7 @@ class EngineCore:
         finished = self.scheduler.update_from_output(batch.output, batch.execution.sampled)
         reported = self._worker.finish_step(batch.execution.duration_s)
         self.scheduler.update_connector_output(reported)
-        return BatchRecord(batch.output, snapshots(finished), batch.execution, self.make_stats(), batch.output,
+        return BatchRecord(batch.output, snapshots(finished), batch.execution, self._record_stats(), batch.output,
                            connector_output=reported, implicit_decodes_by_request=implicit_decodes_by_request)
 
     # -- what a decode window asks (``decode_window.WindowEngine``) ----------------------
@@ -415,9 +416,9 @@ class EngineCore:
         if self.has_requests():
             scheduled = self.schedule_batch(executor)
             if len(self.batch_queue) < self.batch_queue_size and (scheduled.executed or self.has_requests()):
-                return BatchRecord(scheduled.output, [], _IDLE, self.make_stats())
+                return BatchRecord(scheduled.output, [], _IDLE, self._record_stats())
         elif not self.batch_queue:
-            return BatchRecord(SchedulerOutput(), [], _IDLE, self.make_stats())
+            return BatchRecord(SchedulerOutput(), [], _IDLE, self._record_stats())
         updated = self.update_batch()
         updated.output = scheduled.output if scheduled is not None else SchedulerOutput()
         return updated
@@ -465,7 +466,16 @@ class EngineCore:
 
     def make_stats(self) -> EngineStats:
         """The queues and the pool as they are now, and the connector tier's counters (vLLM's
-        ``Scheduler.make_stats``): what a step row records, without reading the scheduler."""
+        ``Scheduler.make_stats``), without reading the scheduler. The drafts a batch's update
+        verified come only with that batch's record (``_record_stats``)."""
+        return self._stats(None)
+
+    def _record_stats(self) -> EngineStats:
+        """``make_stats`` for the record of the batch just applied: with the drafts its
+        update verified, taken from the scheduler so that no other record carries them."""
+        return self._stats(self.scheduler.take_spec_decoding_stats())
+
+    def _stats(self, spec_decoding_stats: SpecDecodingStats | None) -> EngineStats:
         scheduler = self.scheduler
         tier = self._tier
         counters = None
@@ -474,4 +484,4 @@ class EngineCore:
             counters = tier.step_counters()
             load_seconds = tier.job_load_seconds()
         return pool_stats(self.kv_cache_manager.block_pool, len(scheduler.running), len(scheduler.waiting), counters,
-                          load_seconds, scheduler.take_spec_decoding_stats())
+                          load_seconds, spec_decoding_stats)
