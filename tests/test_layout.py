@@ -79,7 +79,7 @@ def _under(name: str, prefix: str) -> bool:
 
 
 # The scheduler family: the offload tier reaches them through the connector seam only.
-SCHEDULERS = ("kvtwin.sim.core.scheduler", "kvtwin.sim.core.async_scheduler")
+SCHEDULERS = ("kvtwin.sim.core.scheduler", "kvtwin.sim.core.async_scheduler", "kvtwin.sim.core.pipeline_scheduler")
 
 
 # The fits run the replay, so they sit above it, while the rest of the calibration package

@@ -173,20 +173,39 @@ class SchedulerConfig:
     # ``num_prefill_lookahead_tokens``: k for multi-module MTP; 0 or 1 change nothing).
     num_hash_lookahead_tokens: int = 0
     num_prefill_lookahead_tokens: int = 0
+    # vLLM's ``pipeline_parallel_size``: the engine keeps this many batches in flight
+    # through its batch queue, with the synchronous scheduler
+    # (docs/semantics.md#pipeline-parallelism).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "pipeline_parallel_size"):
             value = getattr(self, name)
             require(is_int(value) and value > 0, name, "a positive integer", value)
         check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
         if (self.num_speculative_tokens or self.num_lookahead_tokens or self.num_hash_lookahead_tokens
                 or self.num_prefill_lookahead_tokens):
             self._check_speculative()
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
         if not self.enable_chunked_prefill:
             # Without chunking a max_model_len prompt must fit one step, as vLLM requires.
             require(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                     f">= max_model_len ({self.max_model_len}) when chunked prefill is off",
                     self.max_num_batched_tokens)
+
+    def _check_pipeline(self) -> None:
+        """What kvtwin runs with pipeline parallelism: the synchronous scheduler, without
+        drafts (docs/semantics.md#pipeline-parallelism)."""
+        pp = self.pipeline_parallel_size
+        # vLLM 0.33's V1 model runner refuses asynchronous scheduling with PP; its default V2
+        # runner takes it (pp + 1 batches, each request's decodes pp steps apart), which is
+        # not modelled.
+        require(not self.async_scheduling, "pipeline_parallel_size",
+                "1 with async_scheduling (pipeline parallelism is modelled with the synchronous scheduler, as "
+                "vLLM 0.33 runs it with --no-async-scheduling; set async_scheduling to false)", pp)
+        require(not self.num_speculative_tokens, "pipeline_parallel_size",
+                "1 with speculative decoding (drafts with several batches in flight are not modelled)", pp)
 
     def _check_speculative(self) -> None:
         k = self.num_speculative_tokens
@@ -220,8 +239,12 @@ class SchedulerConfig:
 
     @property
     def max_concurrent_batches(self) -> int:
-        # Async scheduling keeps two batches in flight (vLLM's AsyncScheduler).
-        return 2 if self.async_scheduling else 1
+        """Batches the engine keeps in flight (vLLM's ``VllmConfig.max_concurrent_batches``,
+        V1 model runner): two with asynchronous scheduling, else one per pipeline stage
+        (docs/semantics.md#pipeline-parallelism)."""
+        if self.async_scheduling:
+            return 2
+        return self.pipeline_parallel_size
 
     @property
     def max_in_flight_tokens(self) -> int:

@@ -37,6 +37,7 @@ from kvtwin.sim.core.block_pool import KVCacheBlock
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.hashing import BlockHasher
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
+from kvtwin.sim.core.pipeline_scheduler import PipelineScheduler
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -194,9 +195,15 @@ _IDLE = Execution({}, 0.0)
 def make_scheduler(kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig,
                    cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None) -> Scheduler:
     """The scheduler ``scheduler_config`` asks for: ``AsyncScheduler`` with asynchronous
-    scheduling, else ``Scheduler``."""
+    scheduling, ``PipelineScheduler`` with several pipeline stages
+    (docs/semantics.md#pipeline-parallelism), else ``Scheduler``."""
     if scheduler_config.async_scheduling:
         return AsyncScheduler(kv_cache_config, scheduler_config, cache_config, connector)
+    if scheduler_config.pipeline_parallel_size > 1:
+        require(connector is None, "pipeline_parallel_size",
+                "1 with a KV connector (several batches in flight with a connector are not modelled)",
+                scheduler_config.pipeline_parallel_size)
+        return PipelineScheduler(kv_cache_config, scheduler_config, cache_config, connector)
     return Scheduler(kv_cache_config, scheduler_config, cache_config, connector)
 
 
@@ -220,7 +227,7 @@ class EngineCore:
         self._worker: KVTransferWorker = connector.transfers if connector is not None else KVTransferWorker()
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.rejected: list[Rejection] = []
-        # Async: batches scheduled and not yet updated, oldest first.
+        # Async or PP: batches scheduled and not yet updated, oldest first.
         self.batch_queue: deque[Batch] = deque()
         self.batch_queue_size = scheduler_config.max_concurrent_batches
 
@@ -326,8 +333,9 @@ class EngineCore:
 
     @property
     def async_scheduling(self) -> bool:
-        """Whether batches are scheduled while others run (``step_async``), or one by one."""
-        return self.scheduler.config.async_scheduling
+        """Whether batches are scheduled while others run (``step_async``: asynchronous
+        scheduling, or pipeline parallelism's batch queue), or one by one."""
+        return self.batch_queue_size > 1
 
     def holds_blocks_for_reads(self) -> bool:
         """Whether finished requests keep their blocks until another engine reads them (a

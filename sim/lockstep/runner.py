@@ -7,7 +7,8 @@ records what happened. The run ends after the first step at whose end every requ
 arrived and finished. This is the exactness check: the same engine the replay and the
 executor drive, with nothing but the clock and the model swapped out.
 
-A case with ``async_scheduling`` is stepped by ``EngineCore.step_async``
+A case with ``async_scheduling``, or with ``pipeline_parallel_size`` > 1 (a batch queue of
+that depth, docs/semantics.md#pipeline-parallelism), is stepped by ``EngineCore.step_async``
 (docs/semantics.md#asynchronous-scheduling): a step may only schedule, or schedule and apply the oldest
 batch; admissions are recorded at the step that scheduled them, finishes at the step whose
 update produced the last token, and the run also waits for the batches in flight.

@@ -52,6 +52,11 @@ ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba
                "spec_async_eagle_cache_k3", "spec_async_eagle_cache_pressure_k1", "spec_async_mtp3_cache_pressure_k3",
                "spec_async_eagle_swa8_budget4_k3", "spec_async_mtp3_swa_pressure_nocache_k3"}
 
+# Pipeline parallelism (scripts/oracle/gen_pp_golden.py): vLLM's synchronous scheduler with a
+# batch queue of pipeline_parallel_size batches (2, 3, 4): pressure and preemptions, shared
+# prefixes, the priority policy with long chunked prompts, sliding window + full.
+PP_CASES = {"pp_pressure_pp2", "pp_prefix_pp4", "pp_priority_chunked_pp3", "pp_swa_pressure_pp2"}
+
 # Speculative decoding (n-gram drafts and draft heads, k = 1, 3, 5, and 4 for a 2-module MTP
 # head; scripts/oracle/gen_spec_golden.py): full attention, sliding window + full, pressure
 # with preemptions (FCFS and priority), drafts clipped by max_model_len and by the budget,
@@ -106,6 +111,14 @@ def test_every_async_golden_case_is_present_and_async():
     assert len(ASYNC_CASES) >= 9 and ASYNC_CASES <= set(CASES)
     for name in CASES:
         assert load_case(CASES_DIR / name).scheduler_config.async_scheduling == (name in ASYNC_CASES), name
+
+
+def test_every_pp_golden_case_is_present_with_its_batch_queue():
+    assert PP_CASES <= set(CASES)
+    for name in CASES:
+        config = load_case(CASES_DIR / name).scheduler_config
+        assert (config.pipeline_parallel_size > 1) == (name in PP_CASES), name
+        assert config.max_concurrent_batches == (2 if config.async_scheduling else config.pipeline_parallel_size)
 
 
 def test_every_spec_golden_case_is_present_and_speculative():
