@@ -357,6 +357,20 @@ class EngineCore:
         reader must not change it)."""
         return self.kv_cache_manager.block_pool.cached_block_hash_to_block[group_id]
 
+    def request_counts(self) -> tuple[int, int]:
+        """(waiting, running): what the engine reports to vLLM's DP coordinator as
+        ``SchedulerStats.num_waiting_reqs`` and ``num_running_reqs``; the waiting count
+        includes the requests whose KV is still being loaded, as vLLM's
+        ``Scheduler.get_request_counts`` counts them (docs/semantics.md#data-parallel-load-balancing)."""
+        scheduler = self.scheduler
+        waiting = len(scheduler.waiting) + len(scheduler.connector_state.kv_holding_waiting)
+        return waiting, len(scheduler.running)
+
+    def kv_cache_usage(self) -> float:
+        """The used fraction of the block pool, the null block left out (vLLM's
+        ``Scheduler.get_kv_cache_usage``, sent to the DP coordinator with the counts)."""
+        return self.kv_cache_manager.usage
+
     # -- asynchronous scheduling: two batches in flight --------------------------------
 
     def has_requests(self) -> bool:

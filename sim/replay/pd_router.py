@@ -36,6 +36,7 @@ class PDRouter:
         self.decode: Router = make_router(decode_router, decode_engines)
         self.num_prefill = len(prefill_engines)
         self.num_replicas = len(prefill_engines) + len(decode_engines)
+        self.observes_engines = self.prefill.observes_engines or self.decode.observes_engines
 
     def route_pair(self, prefill_request: Request, request: Request, session_id: str | None) -> tuple[int, int]:
         """The prefill replica of ``prefill_request`` and the decode replica of ``request``
@@ -49,3 +50,10 @@ class PDRouter:
             self.prefill.release(replica, request)
         else:
             self.decode.release(replica - self.num_prefill, request)
+
+    def observe(self, replica: int, now_s: float) -> None:
+        """``replica``'s engine may have changed (``Router.observe``; cluster index)."""
+        if replica < self.num_prefill:
+            self.prefill.observe(replica, now_s)
+        else:
+            self.decode.observe(replica - self.num_prefill, now_s)

@@ -13,7 +13,8 @@ replicas sees:
   ``BlockRemoved`` events. A freed block that has not been evicted is still cached (it
   is still hittable), as in the events.
 
-Every router breaks ties towards the lowest replica index, so a run is deterministic.
+Every router but ``dp_lb`` breaks ties towards the lowest replica index (``dp_lb`` breaks
+them as vLLM does, from its rotating index), so a run is deterministic.
 
 Routers by name (``ROUTERS``, keyed by the scenario's ``ROUTER_NAMES``):
 
@@ -39,8 +40,16 @@ Routers by name (``ROUTERS``, keyed by the scenario's ``ROUTER_NAMES``):
     A replica that holds more of the prompt wins until the others are lighter by more
     than the difference in the prefill it saves. Without prefix caching every
     ``cached_r`` is 0 and this is ``least_loaded``.
+``dp_lb``
+    vLLM's own data-parallel load balancer (``DPLBAsyncMPClient``): the lowest score from
+    the per-engine waiting and running counts its coordinator last published, raised by the
+    router's own picks since and by its requests still in flight, the scan starting from a
+    rotating index (``DPBalancer``, ``DPCoordinator``;
+    docs/semantics.md#data-parallel-load-balancing). It is the one router that reads each
+    engine's counts (``EngineCore.request_counts``), as the engines send them to vLLM's
+    coordinator; its ties do not go to the lowest index.
 
-The hashes are computed with the engine's own hasher, lazily: block ``j`` is hashed only
+``prefix_aware``'s hashes are computed with the engine's own hasher, lazily: block ``j`` is hashed only
 while some replica still matches blocks ``0 .. j-1``, so a request costs its longest
 match plus one block (for a trace's hash-id prompts, one ``hash`` of a small tuple per
 block). The engine hashes the request again when it is added (the scheduler attaches its
@@ -92,6 +101,14 @@ class Router:
 
     def release(self, replica: int, request: Request | RequestSnapshot) -> None:
         self.outstanding[replica] -= request_load(request)
+
+    # Whether the front reports each engine's changes (``observe``): only ``dp_lb`` reads
+    # the engines' counts, so the front skips the call for the others.
+    observes_engines = False
+
+    def observe(self, replica: int, now_s: float) -> None:
+        """``replica``'s engine may have changed at ``now_s`` (a request was added to it, or
+        one of its batches was applied): the moments vLLM's engine sends its counts."""
 
     def least_loaded(self) -> int:
         outstanding = self.outstanding
@@ -229,9 +246,150 @@ class PrefixAwareRouter(Router):
         return costs.index(min(costs))
 
 
+# vLLM's DP coordinator publishes at most every 100 ms while the counts change
+# (DPCoordinatorProc's min_stats_update_interval_ms), else every 5 s (coordinator.py:267).
+DP_STATS_PUBLISH_INTERVAL_S = 0.1
+DP_STATS_IDLE_PUBLISH_INTERVAL_S = 5.0
+# A waiting request scores WAITING_KV_PENALTY * (usage - KV_PENALTY_FROM) more when the
+# engine's KV cache is more than half used (core_client.py:1787-1794).
+WAITING_KV_PENALTY = 6.0
+KV_PENALTY_FROM = 0.5
+
+
+class DPBalancer:
+    """The choice vLLM's front end makes per request (``DPLBAsyncMPClient.
+    get_core_engine_for_request``), with no clock: the counts last published, the local
+    increments since, the requests in flight and the rotating scan start
+    (docs/semantics.md#data-parallel-load-balancing).
+
+    ``counts[r]`` is ``[waiting, running, kv_cache_usage]`` as published, plus this
+    client's increments to ``waiting`` since; ``inflight[r]`` its requests on ``r`` not
+    finished. ``client_count`` front ends share the engines; this is client ``client_index``."""
+
+    def __init__(self, num_ranks: int, client_count: int = 1, client_index: int = 0):
+        if num_ranks < 1:
+            raise ValueError("a DP balancer needs at least one rank")
+        self.num_ranks = num_ranks
+        self.client_count = client_count
+        self.counts: list[list[float]] = [[0, 0, 0.0] for _ in range(num_ranks)]
+        self.inflight = [0] * num_ranks
+        self.start_index = (num_ranks * client_index) // client_count
+
+    def receive(self, counts: Sequence[Sequence[float]]) -> None:
+        """A publication: it replaces the counts, and with them the increments since the last."""
+        self.counts = [[waiting, running, usage] for waiting, running, usage in counts]
+
+    def score(self, rank: int) -> float:
+        waiting, running, usage = self.counts[rank]
+        # The client's own requests in flight are a floor that a stale publication cannot erase.
+        score = max(self.client_count * self.inflight[rank], waiting + running)
+        if waiting:
+            score += waiting * WAITING_KV_PENALTY * max(0.0, usage - KV_PENALTY_FROM)
+        return score
+
+    def pick(self, named_rank: int | None = None) -> int:
+        """The rank of the next request; ``named_rank`` is the request's own
+        (``data_parallel_rank``): taken as it is, with no increment and no rotation."""
+        rank = named_rank
+        if rank is None:
+            n = self.num_ranks
+            best = float("inf")
+            rank = 0
+            for i in range(n):
+                idx = (self.start_index + i) % n
+                score = self.score(idx)
+                if score < best:  # strictly: the first in scan order keeps a tie
+                    best, rank = score, idx
+            self.counts[rank][0] += self.client_count
+            self.start_index = (self.start_index + 1) % n
+        self.inflight[rank] += 1
+        return rank
+
+    def finished(self, rank: int) -> None:
+        """A request this client sent to ``rank`` finished there."""
+        self.inflight[rank] -= 1
+
+
+class DPCoordinator:
+    """When vLLM's DP coordinator publishes the engines' counts, in simulated time, to the
+    ``balancer`` it feeds (docs/semantics.md#data-parallel-load-balancing).
+
+    An engine reports ``(waiting, running)`` with its KV usage when the pair differs from
+    what it reported last (``report``). The coordinator publishes every engine's last
+    report: ``DP_STATS_PUBLISH_INTERVAL_S`` after its last publication if a report came in
+    since, or at the report if it came later than that; with no report,
+    ``DP_STATS_IDLE_PUBLISH_INTERVAL_S`` after the last. The first publication is at
+    ``start_s``. Events are handed in in time order; a publication at ``t`` carries the
+    reports made at ``t`` and reaches a choice made after ``t`` (``advance``)."""
+
+    def __init__(self, balancer: DPBalancer, start_s: float = 0.0):
+        self.balancer = balancer
+        n = balancer.num_ranks
+        self.table: list[list[float]] = [[0, 0, 0.0] for _ in range(n)]
+        self.reported: list[tuple[int, int]] = [(0, 0)] * n
+        self.last_publish_s = start_s
+        self.changed_since_s: float | None = None  # the first report since the last publication
+        self.publications = 0
+        self._publish(start_s)
+
+    def next_publication_s(self) -> float:
+        changed = self.changed_since_s
+        if changed is None:
+            return self.last_publish_s + DP_STATS_IDLE_PUBLISH_INTERVAL_S
+        return max(self.last_publish_s + DP_STATS_PUBLISH_INTERVAL_S, changed)
+
+    def _publish(self, at_s: float) -> None:
+        self.balancer.receive(self.table)
+        self.last_publish_s = at_s
+        self.changed_since_s = None
+        self.publications += 1
+
+    def advance(self, now_s: float) -> None:
+        """Make every publication due before ``now_s``."""
+        while (due := self.next_publication_s()) < now_s:
+            self._publish(due)
+
+    def report(self, rank: int, waiting: int, running: int, kv_cache_usage: float, now_s: float) -> None:
+        """``rank``'s engine has these counts at ``now_s``."""
+        self.advance(now_s)
+        if (waiting, running) == self.reported[rank]:
+            return  # the engine sends nothing when its counts have not changed
+        self.reported[rank] = (waiting, running)
+        self.table[rank] = [waiting, running, kv_cache_usage]
+        if self.changed_since_s is None:
+            self.changed_since_s = now_s
+
+
+class DPLoadBalancerRouter(Router):
+    """``dp_lb`` (module docstring): vLLM's balancer, fed by its coordinator's publications
+    of the engines' counts in simulated time. The replay's requests name no rank (the
+    trace has no such column), so every one is balanced."""
+
+    observes_engines = True
+
+    def __init__(self, engines: Sequence[EngineCore]):
+        super().__init__(engines)
+        self.engines = list(engines)
+        self.balancer = DPBalancer(self.num_replicas)
+        self.coordinator = DPCoordinator(self.balancer)
+
+    def choose(self, request: Request, session_id: str | None) -> int:
+        self.coordinator.advance(request.arrival_time)
+        return self.balancer.pick()
+
+    def release(self, replica: int, request: Request | RequestSnapshot) -> None:
+        super().release(replica, request)
+        self.balancer.finished(replica)
+
+    def observe(self, replica: int, now_s: float) -> None:
+        engine = self.engines[replica]
+        waiting, running = engine.request_counts()
+        self.coordinator.report(replica, waiting, running, engine.kv_cache_usage(), now_s)
+
+
 # Each router the scenario may name, in ``ROUTER_NAMES``'s order (the names' one home).
 ROUTERS: dict[str, type[Router]] = dict(zip(ROUTER_NAMES, (
-    RoundRobinRouter, LeastLoadedRouter, SessionAffinityRouter, PrefixAwareRouter), strict=True))
+    RoundRobinRouter, LeastLoadedRouter, SessionAffinityRouter, PrefixAwareRouter, DPLoadBalancerRouter), strict=True))
 
 
 def make_router(name: str, engines: Sequence[EngineCore]) -> Router:

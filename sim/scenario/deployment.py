@@ -13,7 +13,7 @@ from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.config import is_int
 
 # The routers the replay has (``kvtwin.sim.replay.router`` maps each name to its class).
-ROUTER_NAMES = ("round_robin", "least_loaded", "session_affinity", "prefix_aware")
+ROUTER_NAMES = ("round_robin", "least_loaded", "session_affinity", "prefix_aware", "dp_lb")
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                                                "semantic only), N (also every N tokens) or dense."),
     "engine.replicas": (("--replicas",), "Data-parallel replicas of the engine, each its --tp GPUs."),
     "engine.router": (("--router",), "What routes requests between replicas: round_robin, least_loaded, "
-                                     "session_affinity or prefix_aware."),
+                                     "session_affinity, prefix_aware or dp_lb."),
     "engine.mamba_cache_mode": (("--mamba-cache-mode",), "none or align."),
     "engine.mamba_cache_dtype": (("--mamba-cache-dtype",), "Conv state dtype."),
     "engine.mamba_ssm_cache_dtype": (("--mamba-ssm-cache-dtype",), "SSM state dtype."),

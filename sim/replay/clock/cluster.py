@@ -72,6 +72,7 @@ class RoutedFront(Front):
     def __init__(self, router: Router):
         super().__init__(router.num_replicas)
         self.router = router
+        self.observes = router.observes_engines
 
     def arrive(self, cluster: Cluster, arrival: Arrival) -> None:
         request = arrival.request
@@ -85,11 +86,19 @@ class RoutedFront(Front):
             recorder.rejected(request, engine.rejected[-1])
             progress.rejected += 1
             self.router.release(index, request)
+        elif self.observes:
+            self.router.observe(index, cluster.env.now)
         progress.arrived += 1
         replica.wake()
 
     def release(self, replica: int, request: Request | RequestSnapshot) -> None:
         self.router.release(replica, request)
+
+    def after_applied(self, cluster: Cluster, replica: Replica, result: BatchRecord, times: BatchTimes) -> None:
+        # When the clock applies the batch (a synchronous step's start): the engine's
+        # state changes then, and the router's releases were made then too.
+        if self.observes:
+            self.router.observe(replica.index, cluster.env.now)
 
 
 class Cluster:

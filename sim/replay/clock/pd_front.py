@@ -126,9 +126,13 @@ class PDFront(Front):
             self.router.release(decode, request)
             return
         self._by_prefill_id[p_request.request_id] = flight
+        if self.router.observes_engines:
+            self.router.observe(prefill, cluster.env.now)
         cluster.replicas[prefill].wake()
 
     def after_applied(self, cluster: Cluster, replica: Replica, result: BatchRecord, times: BatchTimes) -> None:
+        if self.router.observes_engines:
+            self.router.observe(replica.index, cluster.env.now)
         if replica.index < self.num_prefill and result.connector_output is not None and result.connector_output.finished_sending:
             self._wake_all_if_done(cluster)  # the last blocks held for a read may have gone
         if replica.index < self.num_prefill and result.finished:
@@ -166,6 +170,8 @@ class PDFront(Front):
             self._send_done(cluster, flight, cluster.env.now)
             return
         self._by_id[request.request_id] = flight
+        if self.router.observes_engines:
+            self.router.observe(flight.decode, cluster.env.now)
         decode.wake()
 
     def _read_issued(self, cluster: Cluster, read: RemoteRead, issued_s: float, done_s: float) -> None:
