@@ -190,7 +190,8 @@ def render_compare(comparison: HybridComparison) -> str:
 # --------------------------------------------------------------------------------------
 
 
-@knob_flags("engine.tensor_parallel_size", "engine.max_model_len", "engine.max_num_batched_tokens",
+@knob_flags("engine.tensor_parallel_size", "engine.data_parallel_size", "engine.enable_expert_parallel",
+            "engine.pipeline_parallel_size", "engine.max_model_len", "engine.max_num_batched_tokens",
             "engine.max_num_seqs", "engine.block_size", "engine.kv_cache_dtype", "engine.gpu_memory_utilization",
             "engine.kv_cache_memory_bytes", "engine.hybrid_kv_cache", "engine.async_scheduling",
             "engine.enable_prefix_caching", "engine.prefix_cache_retention_interval", "engine.mamba_cache_mode",
