@@ -101,10 +101,6 @@ def _bytes_per_param(model: ModelPreset) -> tuple[float, float]:
     return 2.0, 2.0
 
 
-def _routed_params_per_moe_layer(model: ModelPreset) -> float:
-    return float(model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size)
-
-
 def stage_weights(model: ModelPreset, layout: ParallelLayout, stage: int) -> StageWeights:
     """The most loaded GPU's weights in ``stage`` (docs/semantics.md#parallel-layouts).
 
