@@ -50,7 +50,11 @@ def render_plan(p: Plan) -> str:
     eng = p.engine
     lines: list[str] = []
     tp = eng.tensor_parallel_size
-    where = f"{tp} x {p.gpu.name} (TP {tp})" if tp > 1 else p.gpu.name
+    layout = eng.layout
+    sizes = [f"TP {tp}"] + [f"{name} {n}" for name, n in (("PP", layout.pipeline_parallel_size),
+                                                          ("DP", layout.data_parallel_size),
+                                                          ("EP", layout.expert_parallel_size)) if n > 1]
+    where = f"{layout.num_gpus} x {p.gpu.name} ({', '.join(sizes)})" if layout.num_gpus > 1 else p.gpu.name
     lines.append(f"kvtwin plan: {p.model.name} on {where} - vLLM 0.33 KV cache layout")
     default = "vLLM default" if eng.hybrid_kv_cache_is_default else "not vLLM's default"
     lines.append(f"  max_model_len {_n(eng.max_model_len)} | max_num_batched_tokens {_n(eng.max_num_batched_tokens)}"
@@ -79,7 +83,7 @@ def render_plan(p: Plan) -> str:
                      f"{g['block_size']:>6} {g['page_bytes']:>12,} {str(window):>7} {g['blocks_per_request']:>10,} "
                      f"{g['steady_state_blocks_per_request']:>7,}")
     lines.append("")
-    lines.append("Pool (per GPU)")
+    lines.append("Pool (per GPU" + (", per DP rank" if layout.data_parallel_size > 1 else "") + ")")
     lines.append(f"  bytes per block       {_n(p.bytes_per_block)}")
     lines.append(f"  num_blocks            {_n(p.num_blocks)} "
                  f"(null block included; {_n(max(0, p.num_blocks - 1))} usable)")
@@ -90,6 +94,12 @@ def render_plan(p: Plan) -> str:
         lines.append(f"  steady state          {p.steady_state_concurrency:,.2f}x requests of {_n(eng.max_model_len)} "
                      f"tokens once prefills are done ({_n(p.steady_state_blocks_per_request)} blocks per request)")
         lines.append(f"  at once               {_at_once(j['concurrency_limit'], p.steady_state_concurrency, eng)}")
+    if len(p.stages) > 1:
+        lines.append(f"  pipeline stages       every stage allocates the fewest blocks any stage's memory gives "
+                     f"(stage {p.limiting_stage}'s)")
+        for st in p.stages:
+            lines.append(f"    stage {st.stage}: layers {st.layer_start}-{st.layer_end - 1}, {_n(st.bytes_per_block)} "
+                         f"bytes per block, {_n(st.num_blocks)} blocks alone, weights {_gib(st.memory.weights_bytes)}")
     lines.append("")
     lines += _memory_lines(p, j)
     w = j["waste"]
@@ -190,7 +200,8 @@ def render_compare(comparison: HybridComparison) -> str:
 # --------------------------------------------------------------------------------------
 
 
-@knob_flags("engine.tensor_parallel_size", "engine.max_model_len", "engine.max_num_batched_tokens",
+@knob_flags("engine.tensor_parallel_size", "engine.data_parallel_size", "engine.enable_expert_parallel",
+            "engine.pipeline_parallel_size", "engine.max_model_len", "engine.max_num_batched_tokens",
             "engine.max_num_seqs", "engine.block_size", "engine.kv_cache_dtype", "engine.gpu_memory_utilization",
             "engine.kv_cache_memory_bytes", "engine.hybrid_kv_cache", "engine.async_scheduling",
             "engine.enable_prefix_caching", "engine.prefix_cache_retention_interval", "engine.mamba_cache_mode",
@@ -211,7 +222,7 @@ def plan(
     """What fits: KV cache groups, blocks, tokens, concurrency and memory, as vLLM 0.33 plans them."""
     with user_errors():
         overrides = Overrides.from_knobs(knobs or {}, model=model, hf_config=hf_config, gpu=gpu)
-        resolved = resolve_scenario(find_scenario(scenario, "--scenario"), overrides)
+        resolved = resolve_scenario(find_scenario(scenario, "--scenario"), overrides, for_replay=False)
         chosen_model, chosen_gpu, engine = resolved.model, resolved.gpu, resolved.engine
         if compare_hybrid:
             comparison = compare_hybrid_layouts(chosen_model, chosen_gpu, engine)

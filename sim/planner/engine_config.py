@@ -33,6 +33,7 @@ from kvtwin.sim.core.errors import ConfigError, config_from_table, require
 from kvtwin.sim.core.retention import parse_retention_setting
 from kvtwin.sim.planner.hardware import GIB, GPUSpec
 from kvtwin.sim.planner.models import DTYPE_BYTES, KV_HEAD_KINDS, ModelPreset
+from kvtwin.sim.planner.parallel import ParallelLayout
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -50,6 +51,11 @@ class EngineConfig:
     """The engine settings (vLLM option names). None = vLLM's default."""
 
     tensor_parallel_size: int = 1
+    # vLLM's data, expert and pipeline parallelism (docs/semantics.md#parallel-layouts):
+    # planned per GPU and per DP rank; the replay runs none of them yet.
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -82,7 +88,10 @@ class EngineConfig:
     cuda_graph_bytes: int | None = None
     non_torch_bytes: int | None = None
     def __post_init__(self) -> None:
-        _positive(self.tensor_parallel_size, "tensor_parallel_size")
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+            _positive(getattr(self, name), name)
+        require(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "true or false",
+                self.enable_expert_parallel)
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if value is not None:
@@ -143,6 +152,7 @@ class EngineConfig:
                               "set enable_prefix_caching = false for 'none')", "none")
         hybrid = model.default_hybrid_kv_cache if self.hybrid_kv_cache is None else self.hybrid_kv_cache
         _check_model_fits_settings(model, tp=tp, max_model_len=max_model_len)
+        _check_model_fits_parallel(model, self)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes > gpu.memory_bytes:
             raise ConfigError("kv_cache_memory_bytes", kv_cache_memory_limit(gpu), self.kv_cache_memory_bytes)
         scheduler = SchedulerConfig(
@@ -150,7 +160,9 @@ class EngineConfig:
             **{name: getattr(self, name) for name in SCHEDULER_KNOBS})
         cache = CacheConfig(**self._cache_settings())
         return ResolvedEngineConfig(
-            tensor_parallel_size=tp, user_block_size=self.block_size or DEFAULT_BLOCK_SIZE,
+            tensor_parallel_size=tp, data_parallel_size=self.data_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=self.pipeline_parallel_size,
+            user_block_size=self.block_size or DEFAULT_BLOCK_SIZE,
             user_specified_block_size=self.block_size is not None, kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_dtype_bytes=DTYPE_BYTES[model.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype],
             gpu_memory_utilization=float(self.gpu_memory_utilization),
@@ -167,6 +179,9 @@ class ResolvedEngineConfig:
     the planner sizes the pool with, and the configs the scheduler and KV cache run on."""
 
     tensor_parallel_size: int
+    data_parallel_size: int
+    enable_expert_parallel: bool
+    pipeline_parallel_size: int
     user_block_size: int
     user_specified_block_size: bool
     kv_cache_dtype: str
@@ -183,6 +198,13 @@ class ResolvedEngineConfig:
     non_torch_bytes: int | None
     scheduler: SchedulerConfig
     cache: CacheConfig
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              data_parallel_size=self.data_parallel_size,
+                              enable_expert_parallel=self.enable_expert_parallel)
 
     # The scheduler's sizes are read everywhere in the planner; they live on ``scheduler``.
     @property
@@ -228,6 +250,16 @@ def _mamba_dtypes(model: ModelPreset, engine: EngineConfig) -> dict[str, str]:
     if ssm == "auto":
         ssm = model.mamba_ssm_cache_dtype if model.mamba_ssm_cache_dtype != "auto" else conv
     return {"mamba_conv_dtype": conv, "mamba_ssm_dtype": ssm}
+
+
+def _check_model_fits_parallel(model: ModelPreset, engine: EngineConfig) -> None:
+    """What vLLM cannot split: a stage needs at least one layer, and expert parallelism
+    needs experts (docs/semantics.md#parallel-layouts)."""
+    if engine.pipeline_parallel_size > model.num_layers:
+        raise ConfigError("pipeline_parallel_size", f"at most {model.name}'s {model.num_layers} layers (one stage "
+                          "holds at least one)", engine.pipeline_parallel_size)
+    if engine.enable_expert_parallel and not model.num_experts:
+        raise ConfigError("enable_expert_parallel", f"false for {model.name}: it has no experts to split", True)
 
 
 def _check_model_fits_settings(model: ModelPreset, *, tp: int, max_model_len: int) -> None:

@@ -33,7 +33,7 @@ _LAYER_TYPE_LETTERS = {
 
 _ARCH_FAMILIES = {
     "LlamaForCausalLM": "dense", "MistralForCausalLM": "dense", "Qwen2ForCausalLM": "dense",
-    "Qwen3ForCausalLM": "dense",
+    "Qwen3ForCausalLM": "dense", "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
     "Llama4ForCausalLM": "llama4", "Llama4ForConditionalGeneration": "llama4",
@@ -172,11 +172,17 @@ def _moe_fields(f: Any, out: dict[str, Any], *, experts: str, intermediate: str,
 def _read_dense(c: _Config, out: dict[str, Any]) -> None:
     f = c.f
     window = f.get("sliding_window")
-    uses_window = window is not None and (c.arch != "Qwen3ForCausalLM" and c.arch != "Qwen2ForCausalLM"
+    uses_window = window is not None and (c.arch not in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM")
                                           or bool(f.get("use_sliding_window", False)))
     out["layer_pattern"] = c.pattern or ("S" if uses_window else "F")
     if "S" in out["layer_pattern"]:
         out["sliding_window"] = window
+
+
+def _read_qwen3_moe(c: _Config, out: dict[str, Any]) -> None:
+    """Qwen3-MoE: Qwen3's attention, every layer's MLP routed (``decoder_sparse_step`` 1)."""
+    _read_dense(c, out)
+    _moe_fields(c.f, out, experts="num_experts", intermediate="moe_intermediate_size")
 
 
 def _read_gemma3(c: _Config, out: dict[str, Any]) -> None:
@@ -294,7 +300,7 @@ def _read_minimax(c: _Config, out: dict[str, Any]) -> None:
 
 
 _FAMILY_READERS: dict[str, Callable[[_Config, dict[str, Any]], None]] = {
-    "dense": _read_dense, "gemma3": _read_gemma3, "gpt_oss": _read_gpt_oss, "llama4": _read_llama4,
+    "dense": _read_dense, "qwen3_moe": _read_qwen3_moe, "gemma3": _read_gemma3, "gpt_oss": _read_gpt_oss, "llama4": _read_llama4,
     "deepseek": _read_deepseek, "qwen3_next": _read_qwen3_next, "jamba": _read_jamba,
     "granite_hybrid": _read_granite_hybrid, "nemotron_h": _read_nemotron_h, "minimax": _read_minimax,
 }

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.models import KV_HEAD_KINDS, ModelPreset
+from kvtwin.sim.planner.parallel import ParallelLayout, stage_weights
 
 MIB = 1 << 20
 ACTIVATION_BYTES = 2  # bf16 activations
@@ -96,23 +97,35 @@ def weights_bytes_per_gpu(model: ModelPreset, *, tp: int) -> int:
 def estimate_memory(model: ModelPreset, gpu: GPUSpec, *, tp: int, gpu_memory_utilization: float,
                     max_num_batched_tokens: int, max_num_seqs: int,
                     activation_peak_bytes: int | None = None, cuda_graph_bytes: int | None = None,
-                    non_torch_bytes: int | None = None, draft_weights_bytes: int = 0) -> MemoryBudget:
+                    non_torch_bytes: int | None = None, draft_weights_bytes: int = 0,
+                    layout: ParallelLayout | None = None, stage: int = 0) -> MemoryBudget:
     """The KV cache budget of one GPU, from the model shape (overrides win); a draft head's
-    weights (``draft_weights_bytes``, per GPU) are loaded before profiling, like the target's."""
+    weights (``draft_weights_bytes``, per GPU) are loaded before profiling, like the target's.
+    With ``layout`` (data, expert or pipeline parallelism) the GPU is the most loaded one of
+    pipeline stage ``stage`` (docs/semantics.md#parallel-layouts): its weights are that
+    stage's, and only the last stage samples."""
     requested = math.ceil(gpu.memory_bytes * gpu_memory_utilization)
-    weights = weights_bytes_per_gpu(model, tp=tp) + draft_weights_bytes
+    parallel = layout is not None and not (layout.is_single_engine_tp and not layout.enable_expert_parallel)
+    if parallel:
+        assert layout is not None
+        weights = stage_weights(model, layout, stage).total_bytes + draft_weights_bytes
+    else:
+        weights = weights_bytes_per_gpu(model, tp=tp) + draft_weights_bytes
+    samples = layout is None or stage == layout.pipeline_parallel_size - 1
     per_token = activation_bytes_per_token(model, tp=tp)
     if activation_peak_bytes is None:
         forward = max_num_batched_tokens * per_token
         # The profiling run also samples max_num_seqs rows of fp32 logits (and their probs).
-        sampler = 2 * max_num_seqs * model.vocab_size * LOGITS_BYTES
+        sampler = 2 * max_num_seqs * model.vocab_size * LOGITS_BYTES if samples else 0
         activation_peak_bytes = max(forward, sampler)
     if cuda_graph_bytes is None:
         largest = min(MAX_CUDA_GRAPH_CAPTURE_TOKENS, max_num_seqs)
         cuda_graph_bytes = (largest * per_token
                             + len(_cuda_graph_capture_sizes(largest)) * CUDA_GRAPH_BYTES_PER_GRAPH)
     if non_torch_bytes is None:
-        non_torch_bytes = NON_TORCH_BYTES + (NON_TORCH_TP_EXTRA_BYTES if tp > 1 else 0)
+        # Any process group (TP, PP or the DP/EP one) brings NCCL buffers.
+        grouped = tp > 1 or (layout is not None and layout.num_gpus > 1)
+        non_torch_bytes = NON_TORCH_BYTES + (NON_TORCH_TP_EXTRA_BYTES if grouped else 0)
     kv = requested - weights - activation_peak_bytes - cuda_graph_bytes - non_torch_bytes
     return MemoryBudget(total_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
                         requested_bytes=requested, weights_bytes=weights,

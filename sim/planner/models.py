@@ -241,6 +241,11 @@ WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "mxfp4_moe")
 _MXFP4_BYTES_PER_PARAM = (4 + 8 / 32) / 8
 
 
+def mxfp4_bytes_per_param() -> float:
+    """Bytes of one MXFP4 weight, its share of the block scale included."""
+    return _MXFP4_BYTES_PER_PARAM
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelPreset:
     """Architecture facts of one model (see ``sim/planner/data/models.toml`` for the field meanings)."""

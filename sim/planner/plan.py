@@ -36,6 +36,7 @@ from kvtwin.sim.planner.engine_config import EngineConfig, ResolvedEngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import MemoryBudget, estimate_memory, explicit_memory
 from kvtwin.sim.planner.models import DTYPE_BYTES, ModelPreset
+from kvtwin.sim.planner.parallel import stage_weights
 from kvtwin.sim.planner.page_size import HybridBlockSize, hybrid_attention_block_size
 from kvtwin.sim.core.spec import (
     ChunkedLocalAttentionSpec,
@@ -203,6 +204,31 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage's worker (docs/semantics.md#parallel-layouts): its layers, the
+    bytes one block costs on it (its share of each global group's layers), its memory
+    and the blocks that memory alone would give. The engine allocates the fewest of all
+    stages on every stage."""
+
+    stage: int
+    layer_start: int
+    layer_end: int
+    layer_names: tuple[str, ...]
+    bytes_per_block: int
+    memory: MemoryBudget
+    num_blocks: int
+    experts_per_gpu: int
+
+    def to_json(self, layer_index: dict[str, int]) -> dict:
+        return {"stage": self.stage, "layer_start": self.layer_start, "layer_end": self.layer_end,
+                "num_layers": self.layer_end - self.layer_start, "num_cached_layers": len(self.layer_names),
+                "cached_layer_indices": [layer_index[n] for n in self.layer_names],
+                "bytes_per_block": self.bytes_per_block, "num_blocks": self.num_blocks,
+                "kv_cache_bytes": self.memory.kv_cache_bytes, "weights_bytes": self.memory.weights_bytes,
+                "experts_per_gpu": self.experts_per_gpu}
+
+
+@dataclass(frozen=True)
 class Plan:
     model: ModelPreset
     gpu: GPUSpec
@@ -220,6 +246,10 @@ class Plan:
     warnings: tuple[str, ...] = ()
     suggestions: tuple[dict, ...] = field(default=())
     draft_head: DraftHead | None = None
+    # One entry per pipeline stage (one without PP); ``memory`` and ``bytes_per_block``
+    # above are those of ``limiting_stage``, the stage with the fewest blocks.
+    stages: tuple[StagePlan, ...] = ()
+    limiting_stage: int = 0
 
     # -- vLLM's figures ----------------------------------------------------------------
 
@@ -278,11 +308,13 @@ class Plan:
     def waste(self) -> dict:
         """Bytes a request at max_model_len pays for padding layers and padded pages."""
         padding_layers = page_padding = 0
+        # The whole model's groups (a pipeline stage's block holds only its share of them).
+        bytes_per_block = max(g.bytes_per_block for g in self.groups)
         for g in self.groups:
             blocks = self.group_blocks_per_request(g)
-            padding_layers += blocks * (self.bytes_per_block - g.bytes_per_block)
+            padding_layers += blocks * (bytes_per_block - g.bytes_per_block)
             page_padding += blocks * (g.bytes_per_block - g.unpadded_bytes_per_block)
-        per_request = self.blocks_per_request * self.bytes_per_block
+        per_request = self.blocks_per_request * bytes_per_block
         total = padding_layers + page_padding
         concurrency = self.max_concurrency or 0.0
         return {
@@ -347,6 +379,11 @@ class Plan:
             "gpu": self.gpu.name,
             "vllm_version": "0.33.0",
             "tensor_parallel_size": eng.tensor_parallel_size,
+            "data_parallel_size": eng.data_parallel_size,
+            "enable_expert_parallel": eng.enable_expert_parallel,
+            "expert_parallel_size": eng.layout.expert_parallel_size,
+            "pipeline_parallel_size": eng.pipeline_parallel_size,
+            "num_gpus": eng.layout.num_gpus,
             "max_model_len": eng.max_model_len,
             "max_num_batched_tokens": eng.max_num_batched_tokens,
             "max_num_seqs": eng.max_num_seqs,
@@ -370,6 +407,11 @@ class Plan:
             "bytes_per_block": self.bytes_per_block,
             "num_blocks": self.num_blocks,
             "num_blocks_includes_null_block": True,
+            # Each DP rank is an engine with a pool of its own; every PP stage's worker
+            # allocates the same count, the fewest any stage's memory gives.
+            "num_blocks_scope": "per DP rank, on every PP stage",
+            "limiting_stage": self.limiting_stage,
+            "pipeline_stages": [st.to_json(self.layers.layer_index) for st in self.stages],
             "num_usable_blocks": max(0, self.num_blocks - 1),
             "blocks_per_request": self.blocks_per_request,
             "kv_cache_tokens": self.kv_cache_tokens,
@@ -436,23 +478,17 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
     layers = build_layer_specs(model, gpu, eng, num_speculative_tokens=num_speculative_tokens,
                                draft_head=draft_head, num_prefill_lookahead_tokens=num_prefill_lookahead_tokens)
     grouping = group_layers(layers.cached_specs, hybrid_kv_cache=eng.hybrid_kv_cache)
-    bytes_per_block = max(g.bytes_per_block for g in grouping.groups)
     # vLLM refuses a retention interval its layout cannot use when the KV cache manager
     # starts; the plan refuses it first (docs/semantics.md#retention-setting).
     validate_retention_interval(eng.cache.prefix_cache_retention_interval,
                                 reduce(math.lcm, (g.spec.block_size for g in grouping.groups)),
                                 [g.spec for g in grouping.groups])
 
-    estimate = estimate_memory(model, gpu, tp=eng.tensor_parallel_size,
-                               gpu_memory_utilization=eng.gpu_memory_utilization,
-                               max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs,
-                               activation_peak_bytes=eng.activation_peak_bytes,
-                               cuda_graph_bytes=eng.cuda_graph_bytes, non_torch_bytes=eng.non_torch_bytes,
-                               draft_weights_bytes=(draft_head.weights_bytes_per_gpu(model, tp=eng.tensor_parallel_size)
-                                                    if draft_head is not None else 0))
-    memory = (explicit_memory(estimate, eng.kv_cache_memory_bytes)
-              if eng.kv_cache_memory_bytes is not None else estimate)
-    num_blocks = max(0, memory.kv_cache_bytes // bytes_per_block)
+    draft_weights = draft_head.weights_bytes_per_gpu(model, tp=eng.tensor_parallel_size) if draft_head else 0
+    stages = plan_stages(model, gpu, eng, layers, grouping, draft_weights_bytes=draft_weights)
+    limiting = min(stages, key=lambda st: (st.plan.num_blocks, st.stage))
+    estimate, memory = limiting.estimate, limiting.plan.memory
+    bytes_per_block, num_blocks = limiting.plan.bytes_per_block, limiting.plan.num_blocks
 
     blocks_per_request = sum(g.blocks_per_request(max_in_flight_tokens=eng.max_in_flight_tokens,
                                                   max_model_len=eng.max_model_len) for g in grouping.groups)
@@ -479,12 +515,57 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
     result = Plan(model=model, gpu=gpu, engine=eng, layers=layers, grouping=grouping, memory=memory,
                   bytes_per_block=bytes_per_block, num_blocks=num_blocks, blocks_per_request=blocks_per_request,
                   steady_state_blocks_per_request=steady, fits=fits, needed_bytes=needed,
-                  estimated_max_model_len=estimated_len, warnings=tuple(warnings), draft_head=draft_head)
+                  estimated_max_model_len=estimated_len, warnings=tuple(warnings), draft_head=draft_head,
+                  stages=tuple(st.plan for st in stages), limiting_stage=limiting.stage)
     if not fits and suggest:
         result = dataclasses.replace(result, suggestions=tuple(_suggestions(model, gpu, engine, result,
                                                                             num_speculative_tokens, draft_head,
                                                                             num_prefill_lookahead_tokens)))
     return result
+
+
+@dataclass(frozen=True)
+class _StageSizing:
+    stage: int
+    plan: StagePlan
+    estimate: MemoryBudget
+
+
+def plan_stages(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, layers: LayerSpecs,
+                grouping: Grouping, *, draft_weights_bytes: int = 0) -> list[_StageSizing]:
+    """Each pipeline stage's worker as vLLM 0.33 sizes it (docs/semantics.md#parallel-layouts):
+    the global groups projected onto the stage's layers, a block costing the largest
+    projected group's pages, and the blocks its own memory gives. A draft head's layers
+    sit on the last stage, where the drafter runs."""
+    layout = eng.layout
+    ranges = layout.stage_ranges(model.num_layers)
+    stage_of = {name: next((s for s, (a, b) in enumerate(ranges) if a <= index < b), len(ranges) - 1)
+                for name, index in layers.layer_index.items()}
+    out = []
+    for stage, (start, end) in enumerate(ranges):
+        names = tuple(n for n in layers.cached_specs if stage_of[n] == stage)
+        mine = set(names)
+        bytes_per_block = max(sum(page for n, page in zip(g.layer_names, g.layer_page_bytes) if n in mine)
+                              for g in grouping.groups)
+        if bytes_per_block == 0:
+            raise ConfigError("pipeline_parallel_size", f"a split of {model.name}'s {model.num_layers} layers where "
+                              f"every stage holds a layer with a KV cache (stage {stage} holds layers {start} to "
+                              f"{end - 1}, none cached)", layout.pipeline_parallel_size)
+        estimate = estimate_memory(model, gpu, tp=eng.tensor_parallel_size,
+                                   gpu_memory_utilization=eng.gpu_memory_utilization,
+                                   max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs,
+                                   activation_peak_bytes=eng.activation_peak_bytes,
+                                   cuda_graph_bytes=eng.cuda_graph_bytes, non_torch_bytes=eng.non_torch_bytes,
+                                   draft_weights_bytes=draft_weights_bytes if stage == len(ranges) - 1 else 0,
+                                   layout=layout, stage=stage)
+        memory = (explicit_memory(estimate, eng.kv_cache_memory_bytes)
+                  if eng.kv_cache_memory_bytes is not None else estimate)
+        weights = stage_weights(model, layout, stage)
+        out.append(_StageSizing(stage, StagePlan(
+            stage=stage, layer_start=start, layer_end=end, layer_names=names, bytes_per_block=bytes_per_block,
+            memory=memory, num_blocks=max(0, memory.kv_cache_bytes // bytes_per_block),
+            experts_per_gpu=weights.experts_per_gpu), estimate))
+    return out
 
 
 def _suggestions(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, failed: Plan,

@@ -112,6 +112,17 @@ def _async_scheduling(scenario: Any, overrides: Overrides | None) -> Setting | N
     return Setting(flag_for("engine", "async_scheduling") if by_flag else "engine.async_scheduling", True, by_flag)
 
 
+def _engine_parallel(name: str, default: object) -> Callable[[Any, Overrides | None], Setting | None]:
+    """A vLLM parallelism setting of ``[engine]`` away from its default (planned, not replayed)."""
+    def setting(scenario: Any, overrides: Overrides | None) -> Setting | None:
+        value = getattr(scenario.engine, name)
+        if value == default:
+            return None
+        by_flag = _given(overrides, "engine", name) is not None
+        return Setting(flag_for("engine", name) if by_flag else f"engine.{name}", value, by_flag)
+    return setting
+
+
 @dataclass(frozen=True)
 class Feature:
     """One optional feature: ``setting`` says whether a scenario (with the command line's
@@ -154,6 +165,22 @@ FEATURES: tuple[Feature, ...] = (
             "--no-prefix-caching", _mamba_without_prefix_caching),
     Feature("async_scheduling", "asynchronous scheduling: two batches in flight (vLLM's default)",
             "[engine] async_scheduling (on unless false); --async-scheduling", _async_scheduling),
+    Feature("data_parallel", "vLLM data parallelism: DP ranks, each an engine with its own KV pool",
+            "[engine] data_parallel_size > 1; --data-parallel-size", _engine_parallel("data_parallel_size", 1)),
+    Feature("expert_parallel", "vLLM expert parallelism: the experts split over the DP x TP GPUs",
+            "[engine] enable_expert_parallel; --enable-expert-parallel",
+            _engine_parallel("enable_expert_parallel", False)),
+    Feature("pipeline_parallel", "vLLM pipeline parallelism: the layers split into stages",
+            "[engine] pipeline_parallel_size > 1; --pipeline-parallel-size",
+            _engine_parallel("pipeline_parallel_size", 1)),
+)
+
+# Features ``kvtwin plan`` sizes but no replay runs yet: refused wherever a scenario is
+# resolved for a run (``require_replayable``), each with what to set instead.
+NOT_REPLAYED: tuple[tuple[str, str], ...] = (
+    ("data_parallel", "1 (kvtwin plan sizes DP ranks; for independent replicas use [engine] replicas)"),
+    ("expert_parallel", "false (kvtwin plan sizes expert parallelism)"),
+    ("pipeline_parallel", "1 (kvtwin plan sizes pipeline stages)"),
 )
 
 REFUSED: tuple[Refusal, ...] = (
@@ -200,3 +227,14 @@ def require_allowed(scenario: Any, overrides: Overrides | None = None, where: st
             expected = expected.format(model=scenario.model.name)
         raise ConfigError(setting.field, f"{expected} ({refusal.reason})", setting.got,
                           source=None if setting.by_flag else where)
+
+
+def require_replayable(scenario: Any, overrides: Overrides | None = None, where: str | None = None) -> None:
+    """Refuse, as one ``ConfigError``, a scenario with a feature kvtwin plans but does not
+    replay yet (``NOT_REPLAYED``): a run would otherwise silently ignore it."""
+    settings = feature_settings(scenario, overrides)
+    for name, expected in NOT_REPLAYED:
+        setting = settings.get(name)
+        if setting is not None:
+            raise ConfigError(setting.field, f"{expected}; not replayed yet: {name.replace('_', ' ')}",
+                              setting.got, source=None if setting.by_flag else where)

@@ -74,6 +74,12 @@ _CUT_RULES: dict[str, tuple[str, Rule]] = {
 # key -> (flags, help): the settings a command line may set.
 FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "engine.tensor_parallel_size": (("--tp", "--tensor-parallel-size"), "Tensor-parallel GPUs."),
+    "engine.data_parallel_size": (("--dp", "--data-parallel-size"), "vLLM data-parallel ranks, each an engine with "
+                                  "its own KV pool (planned; not replayed yet)."),
+    "engine.enable_expert_parallel": (("--enable-expert-parallel",), "Experts split over the DP x TP GPUs "
+                                      "(planned; not replayed yet)."),
+    "engine.pipeline_parallel_size": (("--pp", "--pipeline-parallel-size"), "Pipeline stages, each its layers "
+                                      "(planned; not replayed yet)."),
     "engine.max_model_len": (("--max-model-len",), "Longest request (tokens)."),
     "engine.max_num_batched_tokens": (("--max-num-batched-tokens",), "Token budget per step."),
     "engine.max_num_seqs": (("--max-num-seqs",), "Most running requests."),

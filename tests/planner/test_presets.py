@@ -13,7 +13,7 @@ from kvtwin.sim.planner.plan import plan
 
 PRESETS = ["llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-32b", "mistral-7b-v0.1", "gemma-3-12b",
            "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout", "deepseek-v3", "qwen3-next-80b-a3b",
-           "jamba-mini", "granite-4.0-h-small", "nemotron-h-8b", "minimax-text-01"]
+           "jamba-mini", "granite-4.0-h-small", "nemotron-h-8b", "minimax-text-01", "kimi-k2", "qwen3-235b-a22b"]
 
 
 def test_model_presets_are_named_exactly():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.scenario.features import FEATURES, REFUSED, feature_settings
+from kvtwin.sim.scenario.features import FEATURES, NOT_REPLAYED, REFUSED, feature_settings
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from tests.cli_run import one_error_line, run
 
@@ -31,6 +31,13 @@ ON = {
     "mamba_without_prefix_caching": ({"model": {"preset": "nemotron-h-8b"},
                                       "engine": {"enable_prefix_caching": False}}, Overrides()),
     "async_scheduling": ({"engine": {"async_scheduling": True}}, Overrides()),
+}
+# Features only the planner sizes: refused when resolved for a run, planned otherwise.
+PLANNED_ONLY = {
+    "data_parallel": ({"engine": {"data_parallel_size": 2}}, "engine.data_parallel_size"),
+    "expert_parallel": ({"model": {"preset": "gpt-oss-20b"}, "engine": {"enable_expert_parallel": True}},
+                        "engine.enable_expert_parallel"),
+    "pipeline_parallel": ({"engine": {"pipeline_parallel_size": 2}}, "engine.pipeline_parallel_size"),
 }
 # What each refusal's error names when every feature comes from the scenario file (the
 # replicas only refuse as a flag) and a word of its reason.
@@ -63,10 +70,22 @@ def _with(names, tmp_path):
 
 
 def test_every_feature_and_refusal_here_is_the_tables():
-    assert {feature.name for feature in FEATURES} == set(ON)
+    assert {feature.name for feature in FEATURES} == set(ON) | set(PLANNED_ONLY)
+    assert {name for name, _ in NOT_REPLAYED} == set(PLANNED_ONLY)
     assert {frozenset(refusal.features) for refusal in REFUSED} == set(REFUSAL_NAMES)
     # One entry per feature and per refused set.
-    assert len(FEATURES) == len(ON) and len(REFUSED) == len(REFUSAL_NAMES)
+    assert len(FEATURES) == len(ON) + len(PLANNED_ONLY) and len(REFUSED) == len(REFUSAL_NAMES)
+
+
+@pytest.mark.parametrize("name", sorted(PLANNED_ONLY))
+def test_a_planned_only_feature_is_refused_for_a_run_and_planned_otherwise(name, tmp_path):
+    table, field = PLANNED_ONLY[name]
+    data = _merge(BASE, table)
+    with pytest.raises(ConfigError) as err:
+        resolve_scenario(tmp_path / "s.toml", data=data)
+    assert err.value.field == field and "not replayed yet" in err.value.expected, err.value
+    resolved = resolve_scenario(tmp_path / "s.toml", data=data, for_replay=False)
+    assert name in feature_settings(resolved)
 
 
 @pytest.mark.parametrize("names", sorted(REFUSAL_NAMES, key=sorted), ids=lambda n: "+".join(sorted(n)))
