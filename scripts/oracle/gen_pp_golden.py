@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """Golden cases for vLLM 0.33's pipeline parallelism: the batch queue of depth
-``pipeline_parallel_size`` with the synchronous scheduler.
+``pipeline_parallel_size`` with the synchronous scheduler (``pp_*``), and of depth
+``pipeline_parallel_size + 1`` with the asynchronous one (``pp_async_*``).
 
-Builds vLLM's *real* v1 ``Scheduler`` from a ``VllmConfig`` whose ``ParallelConfig`` has
-``pipeline_parallel_size = N`` and ``async_scheduling = False`` (vLLM's
-``--no-async-scheduling``), and checks that vLLM itself then says
-``max_concurrent_batches == N`` and sets the scheduler's ``use_pp``. No worker is built:
-only the scheduler and the engine core's queue loop run, with a scripted model.
+Synchronous cases build vLLM's *real* v1 ``Scheduler`` from a ``VllmConfig`` whose
+``ParallelConfig`` has ``pipeline_parallel_size = N`` and ``async_scheduling = False``
+(vLLM's ``--no-async-scheduling``), and check that vLLM itself then says
+``max_concurrent_batches == N`` and sets the scheduler's ``use_pp``. Asynchronous cases
+build its real ``AsyncScheduler`` with ``async_scheduling = True`` and the model runner
+vLLM 0.33 picks by default (``VLLM_USE_V2_MODEL_RUNNER`` must be unset): they check that
+vLLM chose the V2 runner, says ``max_concurrent_batches == N + 1`` and spaces decodes
+``decode_stagger == N`` schedules apart. No worker is built: only the scheduler and the
+engine core's queue loop run, with a scripted model.
 
 One engine step = one ``EngineCore.step_with_batch_queue`` call (v1/engine/core.py):
 
@@ -15,7 +20,9 @@ One engine step = one ``EngineCore.step_with_batch_queue`` call (v1/engine/core.
    fewer than N batches and (tokens were scheduled or requests remain) the step ends;
 3. otherwise, if the queue is empty the step is idle; else the oldest batch is updated:
    each request that was not a partial prefill chunk when the batch was scheduled samples
-   ``output_token_ids[k]``, ``k`` = its outputs at update time (token 0 past the end);
+   ``output_token_ids[k]``, ``k`` = its outputs at update time (token 0 past the end; as
+   ``gen_golden_async.py``'s model for asynchronous cases: vLLM drops tokens of finished
+   requests and takes a preempted request's stale token);
 4. the step's record: scheduled (this step's schedule), preempted, finished (this
    step's update), ``num_free_blocks``, ``num_cached_blocks``.
 
@@ -53,6 +60,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,  # noqa: E402
                                          resolve_kv_cache_block_sizes)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
                                         KVCacheGroupSpec, SlidingWindowSpec)
@@ -87,8 +95,11 @@ def build_scheduler(cfg: dict):
     """vLLM's scheduler for the case, its block hasher and the batch queue's depth."""
     if sorted(cfg) != sorted(CONFIG_KEYS):
         raise CaseError(f"config.json keys: want {sorted(CONFIG_KEYS)}, got {sorted(cfg)}")
-    if cfg["vllm_version"] != vllm.__version__ or cfg["async_scheduling"]:
-        raise CaseError("a synchronous case for the installed vLLM")
+    if cfg["vllm_version"] != vllm.__version__:
+        raise CaseError("a case for the installed vLLM")
+    is_async = bool(cfg["async_scheduling"])
+    if is_async and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None:
+        raise CaseError("VLLM_USE_V2_MODEL_RUNNER is set: asynchronous cases run the runner vLLM picks by default")
     pp, bs = int(cfg["pipeline_parallel_size"]), int(cfg["block_size"])
     model_config = ModelConfig(model=tiny_model_dir(_CACHE), skip_tokenizer_init=True,
                                max_model_len=int(cfg["max_model_len"]), dtype="float16")
@@ -97,7 +108,7 @@ def build_scheduler(cfg: dict):
         max_model_len=int(cfg["max_model_len"]), enable_chunked_prefill=bool(cfg["enable_chunked_prefill"]),
         long_prefill_token_threshold=int(cfg["long_prefill_token_threshold"]), policy=cfg["scheduling_policy"],
         watermark=float(cfg["watermark"]), scheduler_reserve_full_isl=bool(cfg["scheduler_reserve_full_isl"]),
-        async_scheduling=False, is_encoder_decoder=False)
+        async_scheduling=is_async, is_encoder_decoder=False)
     cache_config = CacheConfig(block_size=bs, enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
                                prefix_caching_hash_algo=cfg["prefix_caching_hash_algo"],
                                prefix_cache_retention_interval=cfg["prefix_cache_retention_interval"])
@@ -110,17 +121,22 @@ def build_scheduler(cfg: dict):
                                     prefix_cache_retention_interval=(
                                         vllm_config.cache_config.prefix_cache_retention_interval))
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                      structured_output_manager=StructuredOutputManager(vllm_config),
-                      block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
+    scheduler_class = AsyncScheduler if is_async else Scheduler
+    sched = scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                            structured_output_manager=StructuredOutputManager(vllm_config),
+                            block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
+    depth = pp + 1 if is_async else pp
     # What vLLM made of the settings: exactly what the case says.
-    checks = dict(async_scheduling=(bool(vllm_config.scheduler_config.async_scheduling), False),
-                  max_concurrent_batches=(vllm_config.max_concurrent_batches, pp),
+    checks = dict(async_scheduling=(bool(vllm_config.scheduler_config.async_scheduling), is_async),
+                  max_concurrent_batches=(vllm_config.max_concurrent_batches, depth),
                   use_pp=(sched.use_pp, pp > 1),
-                  max_in_flight_tokens=(vllm_config.max_in_flight_tokens, pp * int(cfg["max_num_batched_tokens"])),
+                  max_in_flight_tokens=(vllm_config.max_in_flight_tokens, depth * int(cfg["max_num_batched_tokens"])),
                   block_sizes=((sched_bs, hash_bs), (bs, bs)),
                   retention=(sched.kv_cache_manager.coordinator.retention_interval,
                              cfg["prefix_cache_retention_interval"]))
+    if is_async:
+        # The V2 runner (0.33's default) keeps async on with PP and microbatches decodes.
+        checks.update(use_v2_model_runner=(sched.use_v2_model_runner, True), decode_stagger=(sched.decode_stagger, pp))
     for name, (got, want) in checks.items():
         if got != want:
             raise CaseError(f"vLLM changed {name}: asked {want!r}, effective {got!r}")
@@ -242,14 +258,14 @@ def workload(seed: int, n: int, *, prompt=(20, 120), output=(4, 40), gap: int = 
 
 def config(pp: int, groups: list[dict], num_blocks: int, description: str, *, budget: int = 128,
            max_num_seqs: int = 16, long_prefill: int = 0, policy: str = "fcfs", caching: bool = True,
-           chunked: bool = True, max_model_len: int = 512) -> dict:
+           chunked: bool = True, max_model_len: int = 512, is_async: bool = False) -> dict:
     return {"vllm_version": VLLM_VERSION, "kv_cache_groups": groups, "block_size": 16, "num_blocks": num_blocks,
             "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
             "long_prefill_token_threshold": long_prefill, "enable_chunked_prefill": chunked,
             "scheduling_policy": policy, "watermark": 0.0, "scheduler_reserve_full_isl": True,
             "enable_prefix_caching": caching, "prefix_caching_hash_algo": "sha256",
             # vLLM's CacheConfig default: sliding-window blocks cached at semantic checkpoints only.
-            "prefix_cache_retention_interval": 0, "async_scheduling": False,
+            "prefix_cache_retention_interval": 0, "async_scheduling": is_async,
             "pipeline_parallel_size": pp, "description": description}
 
 
@@ -269,6 +285,18 @@ def cases() -> dict:
                                     "PP=2, full attention + sliding window 32, 63 usable blocks: windowed blocks "
                                     "released by tokens processed (not in flight), preemptions"),
                              workload(44, 30, prompt=(30, 150), output=(10, 60), gap=1, shared=48, share_every=3)),
+        "async_pressure_pp2": (config(2, [FULL], 48, "PP=2, asynchronous (V2 runner): 3 batches in flight, each "
+                                      "request's decodes 2 schedules apart; 47 usable blocks for 32 requests: "
+                                      "preemptions with placeholders and stale output in flight", is_async=True),
+                               workload(45, 32, gap=1)),
+        "async_prefix_pp3": (config(3, [FULL], 160, "PP=3, asynchronous (V2 runner): 4 batches in flight, decodes "
+                                    "3 schedules apart; a 64-token prefix shared by every other request, long-prefill "
+                                    "threshold 48", long_prefill=48, is_async=True), workload(46, 28, shared=64)),
+        "async_swa_pp2": (config(2, [FULL, {"kind": "sliding_window", "sliding_window": 32}], 64,
+                                 "PP=2, asynchronous (V2 runner), full attention + sliding window 32, 63 usable "
+                                 "blocks: windowed blocks released by tokens processed, admission caps over 3 "
+                                 "batches' tokens, preemptions", is_async=True),
+                          workload(47, 30, prompt=(30, 150), output=(10, 60), gap=1, shared=48, share_every=3)),
     }
 
 

@@ -174,8 +174,8 @@ class SchedulerConfig:
     num_hash_lookahead_tokens: int = 0
     num_prefill_lookahead_tokens: int = 0
     # vLLM's ``pipeline_parallel_size``: the engine keeps this many batches in flight
-    # through its batch queue, with the synchronous scheduler
-    # (docs/semantics.md#pipeline-parallelism).
+    # through its batch queue with the synchronous scheduler, one more with asynchronous
+    # scheduling (docs/semantics.md#pipeline-parallelism).
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -195,15 +195,9 @@ class SchedulerConfig:
                     self.max_num_batched_tokens)
 
     def _check_pipeline(self) -> None:
-        """What kvtwin runs with pipeline parallelism: the synchronous scheduler, without
-        drafts (docs/semantics.md#pipeline-parallelism)."""
+        """What kvtwin runs with pipeline parallelism: either scheduler, without drafts
+        (docs/semantics.md#pipeline-parallelism)."""
         pp = self.pipeline_parallel_size
-        # vLLM 0.33's V1 model runner refuses asynchronous scheduling with PP; its default V2
-        # runner takes it (pp + 1 batches, each request's decodes pp steps apart), which is
-        # not modelled.
-        require(not self.async_scheduling, "pipeline_parallel_size",
-                "1 with async_scheduling (pipeline parallelism is modelled with the synchronous scheduler, as "
-                "vLLM 0.33 runs it with --no-async-scheduling; set async_scheduling to false)", pp)
         require(not self.num_speculative_tokens, "pipeline_parallel_size",
                 "1 with speculative decoding (drafts with several batches in flight are not modelled)", pp)
 
@@ -239,11 +233,11 @@ class SchedulerConfig:
 
     @property
     def max_concurrent_batches(self) -> int:
-        """Batches the engine keeps in flight (vLLM's ``VllmConfig.max_concurrent_batches``,
-        V1 model runner): two with asynchronous scheduling, else one per pipeline stage
-        (docs/semantics.md#pipeline-parallelism)."""
+        """Batches the engine keeps in flight (vLLM's ``VllmConfig.max_concurrent_batches``
+        with its default V2 model runner): one per pipeline stage, and one more with
+        asynchronous scheduling (docs/semantics.md#asynchronous-pipeline-parallelism)."""
         if self.async_scheduling:
-            return 2
+            return self.pipeline_parallel_size + 1
         return self.pipeline_parallel_size
 
     @property

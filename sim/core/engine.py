@@ -7,7 +7,7 @@ nothing here knows which clock is running. An executor sees only the ``Scheduler
 (see ``scheduler_output.py`` for what it carries and how to keep block tables from it).
 
 Asynchronous scheduling (``SchedulerConfig.async_scheduling``, vLLM's default) keeps two
-batches in flight: ``step_async`` is one call of vLLM's ``step_with_batch_queue``. It
+batches in flight (pipeline parallelism: one per stage, plus one if asynchronous): ``step_async`` is one call of vLLM's ``step_with_batch_queue``. It
 schedules a batch (handing it to the executor at once, as vLLM launches it) and returns
 if the queue has room and there is more to do; otherwise it applies the oldest batch's
 results. Its two halves, ``schedule_batch`` and ``update_batch``, let a clock put time
@@ -37,7 +37,7 @@ from kvtwin.sim.core.block_pool import KVCacheBlock
 from kvtwin.sim.core.errors import require
 from kvtwin.sim.core.hashing import BlockHasher
 from kvtwin.sim.core.kv_connector import KVConnector, KVConnectorOutput, KVTransferWorker
-from kvtwin.sim.core.pipeline_scheduler import PipelineScheduler
+from kvtwin.sim.core.pipeline_scheduler import PipelineAsyncScheduler, PipelineScheduler
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.scheduler import Scheduler
@@ -196,13 +196,18 @@ def make_scheduler(kv_cache_config: KVCacheConfig, scheduler_config: SchedulerCo
                    cache_config: CacheConfig = CacheConfig(), connector: KVConnector | None = None) -> Scheduler:
     """The scheduler ``scheduler_config`` asks for: ``AsyncScheduler`` with asynchronous
     scheduling, ``PipelineScheduler`` with several pipeline stages
-    (docs/semantics.md#pipeline-parallelism), else ``Scheduler``."""
-    if scheduler_config.async_scheduling:
-        return AsyncScheduler(kv_cache_config, scheduler_config, cache_config, connector)
-    if scheduler_config.pipeline_parallel_size > 1:
+    (docs/semantics.md#pipeline-parallelism), ``PipelineAsyncScheduler`` with both
+    (docs/semantics.md#asynchronous-pipeline-parallelism), else ``Scheduler``."""
+    pipelined = scheduler_config.pipeline_parallel_size > 1
+    if pipelined:
         require(connector is None, "pipeline_parallel_size",
                 "1 with a KV connector (several batches in flight with a connector are not modelled)",
                 scheduler_config.pipeline_parallel_size)
+    if scheduler_config.async_scheduling:
+        if pipelined:
+            return PipelineAsyncScheduler(kv_cache_config, scheduler_config, cache_config, connector)
+        return AsyncScheduler(kv_cache_config, scheduler_config, cache_config, connector)
+    if pipelined:
         return PipelineScheduler(kv_cache_config, scheduler_config, cache_config, connector)
     return Scheduler(kv_cache_config, scheduler_config, cache_config, connector)
 

@@ -28,7 +28,7 @@ class Request:
                  "num_computed_tokens", "block_hashes", "status", "num_preemptions", "shared_prefix_boundary",
                  "_hasher", "num_prompt_tokens", "num_tokens", "_next_hash_tokens", "num_output_placeholders",
                  "num_in_flight_tokens", "last_sched_seq", "spec_token_ids", "is_prefill_chunk",
-                 "spec_decode_metrics")
+                 "spec_decode_metrics", "next_decode_eligible_step")
 
     def __init__(self, request_id: str, prompt: PromptSource, max_tokens: int, *, arrival_time: float = 0.0,
                  priority: int = 0):
@@ -60,6 +60,9 @@ class Request:
         # stay until they ran (a window slides by what was processed), and a preempted
         # request waits until output from before its preemption has been delivered.
         self.num_in_flight_tokens = 0
+        # Asynchronous PP only (0 otherwise): the first schedule that may give it its next
+        # decode (docs/semantics.md#asynchronous-pipeline-parallelism).
+        self.next_decode_eligible_step = 0
         # With an offload connector and two batches in flight: the last non-empty batch that
         # holds this request (it is not preempted before that batch is applied).
         self.last_sched_seq = 0

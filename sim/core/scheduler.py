@@ -22,11 +22,10 @@ and who samples. A running request's table changes are taken from the KV cache m
 right after its allocation succeeds; a request preempted later in the same step (priority
 policy) has them withdrawn, since its tables are dropped.
 
-Asynchronous scheduling is the subclass ``AsyncScheduler`` (``async_scheduler.py``); it
-changes how a batch's computed counts advance and how its update is applied.
-``make_scheduler`` (``engine.py``) picks the class from the config. A KV connector, if
-any, is known here only through the ``KVConnector`` Protocol (``kv_connector.py``); the
-paths that use it are the base class ``ConnectorScheduling`` (``connector_scheduling.py``).
+Asynchronous scheduling is the subclass ``AsyncScheduler`` (``async_scheduler.py``): how a
+batch's computed counts advance and its update is applied. ``make_scheduler`` (``engine.py``)
+picks the class. A KV connector, if any, is known here only through the ``KVConnector``
+Protocol (``kv_connector.py``); the paths that use it are ``ConnectorScheduling``'s.
 """
 
 from __future__ import annotations
@@ -105,6 +104,7 @@ class Scheduler(ConnectorScheduling):
         # This step's waiting pass may pad a one-token admission to 1 + k (set by schedule()).
         self._pad_admissions = False
         self._running_scheduled = False
+        self.current_step = 0  # schedules so far, counted only with PP microbatching
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -166,8 +166,10 @@ class Scheduler(ConnectorScheduling):
                 num_new += len(spec_token_ids)
             placeholders = request.num_output_placeholders  # 0 unless scheduling asynchronously
             if placeholders:
-                if computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
-                    # The batch in flight samples its last token: no further step is needed.
+                if (computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
+                        or self.current_step < request.next_decode_eligible_step):
+                    # The batch in flight samples its last token, or PP microbatching holds
+                    # its next decode (docs/semantics.md#asynchronous-pipeline-parallelism).
                     req_index += 1
                     continue
                 # The tokens being sampled in flight count as tokens it has.
@@ -443,7 +445,6 @@ class Scheduler(ConnectorScheduling):
                                   "tokens, where vLLM 0.33 fails an assertion)", self.config.long_prefill_token_threshold)
             assert out.scheduled_spec_decode_tokens is not None
             out.scheduled_spec_decode_tokens[request_id] = [-1] * num_padding
-
 
     def _preempt(self, request: Request) -> None:
         """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""

@@ -50,12 +50,17 @@ ASYNC_CASES = {"async_pressure", "async_swa128", "async_chunked64", "async_mamba
                "spec_async_k3", "spec_async_pressure_k3", "spec_async_swa_full_k5", "spec_async_padding_k3",
                "spec_async_priority_pressure_k1", "spec_async_eagle_nocache_k5", "spec_async_mamba_full_k3",
                "spec_async_eagle_cache_k3", "spec_async_eagle_cache_pressure_k1", "spec_async_mtp3_cache_pressure_k3",
-               "spec_async_eagle_swa8_budget4_k3", "spec_async_mtp3_swa_pressure_nocache_k3"}
+               "spec_async_eagle_swa8_budget4_k3", "spec_async_mtp3_swa_pressure_nocache_k3",
+               # Pipeline parallelism, asynchronous (scripts/oracle/gen_pp_golden.py).
+               "pp_async_pressure_pp2", "pp_async_prefix_pp3", "pp_async_swa_pp2"}
 
 # Pipeline parallelism (scripts/oracle/gen_pp_golden.py): vLLM's synchronous scheduler with a
 # batch queue of pipeline_parallel_size batches (2, 3, 4): pressure and preemptions, shared
-# prefixes, the priority policy with long chunked prompts, sliding window + full.
-PP_CASES = {"pp_pressure_pp2", "pp_prefix_pp4", "pp_priority_chunked_pp3", "pp_swa_pressure_pp2"}
+# prefixes, the priority policy with long chunked prompts, sliding window + full; and its
+# AsyncScheduler with the V2 runner's pp + 1 batches and decodes pp schedules apart (2, 3):
+# pressure, shared prefixes, sliding window + full.
+PP_CASES = {"pp_pressure_pp2", "pp_prefix_pp4", "pp_priority_chunked_pp3", "pp_swa_pressure_pp2",
+            "pp_async_pressure_pp2", "pp_async_prefix_pp3", "pp_async_swa_pp2"}
 
 # Speculative decoding (n-gram drafts and draft heads, k = 1, 3, 5, and 4 for a 2-module MTP
 # head; scripts/oracle/gen_spec_golden.py): full attention, sliding window + full, pressure
@@ -118,7 +123,8 @@ def test_every_pp_golden_case_is_present_with_its_batch_queue():
     for name in CASES:
         config = load_case(CASES_DIR / name).scheduler_config
         assert (config.pipeline_parallel_size > 1) == (name in PP_CASES), name
-        assert config.max_concurrent_batches == (2 if config.async_scheduling else config.pipeline_parallel_size)
+        pp = config.pipeline_parallel_size
+        assert config.max_concurrent_batches == (pp + 1 if config.async_scheduling else pp)
 
 
 def test_every_spec_golden_case_is_present_and_speculative():
