@@ -110,7 +110,7 @@ def stage_weights(model: ModelPreset, layout: ParallelLayout, stage: int) -> Sta
     tp = layout.tensor_parallel_size
     start, end = layout.stage_ranges(model.num_layers)[stage]
     dense_bpp, expert_bpp = _bytes_per_param(model)
-    moe_layers = [i for i in range(model.num_layers) if _is_moe_layer(model, i)]
+    moe_layers = [i for i in range(model.num_layers) if is_moe_layer(model, i)]
     routed_total = min(model.routed_expert_params, float(model.params_total))
     per_moe_layer = routed_total / len(moe_layers) if moe_layers else 0.0
     vocab = model.lm_head_params
@@ -140,6 +140,7 @@ def stage_weights(model: ModelPreset, layout: ParallelLayout, stage: int) -> Sta
                         experts_per_gpu=experts_per_gpu if layout.expert_parallel_size > 1 else model.num_experts)
 
 
-def _is_moe_layer(model: ModelPreset, index: int) -> bool:
+def is_moe_layer(model: ModelPreset, index: int) -> bool:
+    """Whether decoder layer ``index`` has routed experts (the dense first layers have none)."""
     return (bool(model.num_experts) and index >= model.first_dense_layers
             and (index - model.moe_layer_offset) % model.moe_layer_period == 0)

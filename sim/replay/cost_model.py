@@ -103,13 +103,18 @@ class StepCost:
     extra_gpu_s: float = 0.0  # GPU time the roofline does not see: kernel floors, decode attention's per-head work
     attention_work: float = 0.0  # attention_flops with short prefill chunks weighed up: what compute_s charges
     draft_s: float = 0.0  # speculative decoding: the draft head's passes (0 without one)
+    # Pipeline parallelism (``pipeline_cost.py``): each stage's GPU time and its send to the
+    # next stage (0 after the last); None: one stage, whose time is ``total_s``.
+    stage_compute_s: list[float] | None = None
+    stage_send_s: list[float] | None = None
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
     def __init__(self, total_s: float, compute_s: float, memory_s: float, communication_s: float,
                  overhead_s: float, flops: float, weight_bytes: float, kv_bytes: float, linear_flops: float,
                  attention_flops: float, num_requests: int, num_tokens: int = 0, body_flops: float = 0.0,
                  head_flops: float = 0.0, elementwise_bytes: float = 0.0, extra_gpu_s: float = 0.0,
-                 attention_work: float = 0.0, draft_s: float = 0.0):
+                 attention_work: float = 0.0, draft_s: float = 0.0, stage_compute_s: list[float] | None = None,
+                 stage_send_s: list[float] | None = None):
         self.total_s = total_s
         self.compute_s = compute_s
         self.memory_s = memory_s
@@ -128,6 +133,21 @@ class StepCost:
         self.extra_gpu_s = extra_gpu_s
         self.attention_work = attention_work
         self.draft_s = draft_s
+        self.stage_compute_s = stage_compute_s
+        self.stage_send_s = stage_send_s
+
+    def stage_s(self) -> list[float]:
+        """Each pipeline stage's time, its send to the next included (one stage: ``total_s``)."""
+        compute, send = self.stage_compute_s, self.stage_send_s
+        if compute is None or send is None:
+            return [self.total_s]
+        return [c + s for c, s in zip(compute, send)]
+
+    @property
+    def slowest_stage_s(self) -> float:
+        """How long the batch holds each stage of a full pipeline: a pipeline advances at
+        its slowest stage (docs/clock.md#pipeline-parallelism); ``total_s`` with one stage."""
+        return max(self.stage_s())
 
 
 def gemm_s(eff: Efficiency, flops_per_s: float, body_flops: float, num_tokens: int, head_flops: float,

@@ -30,9 +30,11 @@ import pyarrow as pa
 import simpy
 
 from kvtwin.sim.replay.cost_model import CostModel, StepCost
+from kvtwin.sim.replay.pipeline_cost import PipelineCostModel
 from kvtwin.sim.scenario.acceptance import AcceptanceModel
 from kvtwin.sim.core.connector_tier import ConnectorTier
 from kvtwin.sim.core.window_pricing import WindowPricing
+from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
 from kvtwin.sim.core.retention import retention_label
 from kvtwin.sim.replay.recorder import MetricsRecorder
@@ -240,7 +242,15 @@ def _require_pools_fit(plan: Plan, num_replicas: int) -> None:
 
 
 def plan_cost_model(plan: Plan, efficiency: Efficiency = Efficiency(), draft_head: DraftHead | None = None) -> CostModel:
+    """The plan's cost model: the whole model on one TP group, or with pipeline stages
+    each stage on its own (``PipelineCostModel``, docs/clock.md#pipeline-parallelism)."""
     eng = plan.engine
+    if eng.pipeline_parallel_size > 1:
+        assert draft_head is None, "drafts with pipeline parallelism are refused (features.REFUSED)"
+        return PipelineCostModel(plan.model, plan.gpu, plan.layers.specs, plan.layers.layer_index,
+                                 pipeline_parallel_size=eng.pipeline_parallel_size,
+                                 tensor_parallel_size=eng.tensor_parallel_size,
+                                 async_scheduling=eng.async_scheduling, efficiency=efficiency)
     return CostModel(plan.model, plan.gpu, plan.layers.specs, tensor_parallel_size=eng.tensor_parallel_size,
                      async_scheduling=eng.async_scheduling, efficiency=efficiency, draft_head=draft_head)
 
@@ -279,6 +289,9 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     kv_cache_config = plan.require_fits()
     _require_pools_fit(plan, len(executors))
     eng = plan.engine
+    if not eng.runs_pipeline:
+        raise ConfigError("async_scheduling", f"false with pipeline_parallel_size > 1 (the scheduler expects "
+                          f"pipeline_parallel_size {eng.pipeline_refusal})", True)
     env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's
     tiers = connector_tiers(plan, env, len(executors), offload=offload, disaggregation=disaggregation)
     engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]

@@ -3,7 +3,8 @@
 A replica sleeps on its own event while it has nothing to do; an arrival routed to it (or
 the end of arrivals) wakes it. With asynchronous scheduling its batches come from a
 ``WindowedBatchQueue`` (decode windows where the executor can price them) and run on its
-``DeviceTimeline``.
+``DeviceTimeline``: with pipeline parallelism, through its stages, each batch's stage times
+read from the cost its executor gave it (docs/clock.md#pipeline-parallelism).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from simpy.events import Event
 from kvtwin.sim.core.window_pricing import WindowPricing
 from kvtwin.sim.core.windowed_batch_queue import WindowedBatchQueue
 from kvtwin.sim.core.engine import EngineCore, ModelExecutor
-from kvtwin.sim.replay.clock.timeline import DeviceTimeline
+from kvtwin.sim.replay.clock.timeline import DeviceTimeline, StagePasses
+from kvtwin.sim.replay.cost_model import StepCost
 
 
 class Replica:
@@ -24,7 +26,8 @@ class Replica:
         self.engine = engine
         self.executor = executor
         self.batches = WindowedBatchQueue(engine, executor, window_pricing)
-        self.timeline = DeviceTimeline()
+        num_stages = engine.scheduler.config.pipeline_parallel_size
+        self.timeline = DeviceTimeline(newest_stage_passes(engine, num_stages) if num_stages > 1 else None)
         self.index = 0  # its place in the cluster, set when the cluster is built
         self._wake: Event | None = None
 
@@ -43,3 +46,21 @@ class Replica:
         a P/D read, an offload tier's GPU↔CPU job or a disk tier's CPU↔disk job; None:
         nothing running)."""
         return self.engine.next_transfer_event_s()
+
+
+def newest_stage_passes(engine: EngineCore, num_stages: int) -> StagePasses:
+    """The newest batch's pass through ``num_stages`` stages: its cost's stage times
+    (``StepCost.stage_compute_s``, ``stage_send_s``), scaled to the duration the executor
+    gave it where that differs (a recorded clock); an executor without stage times (a
+    device's) has its duration split evenly over the stages, with no send."""
+    def passes(duration_s: float) -> tuple[list[float], list[float]]:
+        cost = engine.batch_queue[-1].execution.cost
+        if isinstance(cost, StepCost):
+            compute, send = cost.stage_compute_s, cost.stage_send_s
+            if compute is not None and send is not None and len(compute) == num_stages:
+                if duration_s == cost.total_s or not cost.total_s:
+                    return compute, send
+                scale = duration_s / cost.total_s
+                return [c * scale for c in compute], [s * scale for s in send]
+        return [duration_s / num_stages] * num_stages, [0.0] * num_stages
+    return passes
