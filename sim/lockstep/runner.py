@@ -35,6 +35,7 @@ from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.pd_connector import (PDConnector, PDTier, RemoteRead, StepPDTransfers, remote_prefill_tokens,
                                           truncated_prompt)
+from kvtwin.sim.core.prefill_throttle import throttles_prefills
 from kvtwin.sim.lockstep.golden import GoldenCase, PDCase
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -215,6 +216,10 @@ def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, ma
     async_scheduler = scheduler if isinstance(scheduler, AsyncScheduler) else None
     is_async = async_scheduler is not None
     step_fn = engine.step_async if is_async else engine.step
+    interval = case.scheduler_config.prefill_schedule_interval
+    if interval > 1 and is_async:
+        raise ConfigError("prefill_schedule_interval", "1 with async_scheduling (a throttled case is one "
+                          "synchronous DP rank)", interval).with_source(case.name)
     speculative = case.scheduler_config.num_speculative_tokens > 0
     while True:
         while next_arrival < len(pending) and pending[next_arrival].arrival_step == step:
@@ -229,7 +234,9 @@ def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, ma
             next_arrival += 1
         evicted_before = tier.manager.counters()["offload_cpu_evicted_keys"] if tier is not None else 0
         batches_before = async_scheduler.num_batches if async_scheduler is not None else 0
-        result = step_fn(model)
+        # A case with a prefill cadence is one rank of a DP group in one wave: the group's
+        # step counter is the step number (docs/semantics.md#data-parallel-lockstep).
+        result = engine.step(model, throttles_prefills(interval, step)) if interval > 1 else step_fn(model)
         out = result.output
         if offloading:
             for request_id, _, num_external, _ in out.external_hits or ():
