@@ -152,7 +152,6 @@ def test_plan_refuses_layouts_vllm_cannot_run(args, needles):
 
 @pytest.mark.parametrize("line, field", [
     ("pipeline_parallel_size = 2", "engine.pipeline_parallel_size"),
-    ("data_parallel_size = 2", "engine.data_parallel_size"),
 ])
 def test_a_scenario_asking_for_what_only_the_planner_sizes_is_refused_by_replay_and_planned(tmp_path, line,
                                                                                            field):

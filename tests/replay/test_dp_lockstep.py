@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pytest
 import simpy
 from hypothesis import given, settings
@@ -167,9 +169,9 @@ def test_lockstep_invariants(requests, interval, sync_interval):
         assert len(set(duration[start == t])) == 1
 
 
-def _dp_replay(**engine):
+def _dp_replay(model: str | None = None, **engine):
     resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml",
-                                Overrides(limit=40, engine={"max_model_len": 32768, **engine}))
+                                Overrides(model=model, limit=40, engine={"max_model_len": 32768, **engine}))
     planned = resolved.plan()
     return planned, run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
                                efficiency=resolved.efficiency, slo=resolved.slo)
@@ -188,6 +190,19 @@ def test_a_dp4_moe_scenario_replays_as_a_lockstep_group_behind_vllms_balancer():
     batches = np.bincount(steps.column("replica").to_numpy()[ran], minlength=4)
     assert replicas.column("dummy_steps").to_pylist() == [summary["dp_group_steps"] - n for n in batches]
     assert sum(replicas.column("dummy_steps").to_pylist()) == summary["dummy_steps"]
+
+
+def test_a_dense_models_dp_ranks_are_independent_engines_behind_vllms_balancer():
+    planned, result = _dp_replay("llama-3.1-8b", data_parallel_size=2)
+    assert planned.model.num_experts == 0
+    summary = result.summary.to_pylist()[0]
+    assert summary["router"] == "dp_lb" and summary["num_replicas"] == 2
+    assert "dummy_steps" not in summary and "dummy_steps" not in result.replicas.column_names
+    # Independent ranks: their steps do not start together.
+    steps = result.steps
+    starts = [set(steps.filter(pa.compute.equal(steps.column("replica"), r)).column("time_s").to_pylist())
+              for r in range(2)]
+    assert starts[0] != starts[1]
 
 
 @pytest.mark.parametrize("engine, field", [
