@@ -113,6 +113,7 @@ SCHEDULER_KNOBS: dict[str, Rule] = {
     "watermark": (lambda v: is_number(v) and 0.0 <= v < 1.0, "a fraction in [0, 1)"),
     "scheduler_reserve_full_isl": _BOOL,
     "async_scheduling": _BOOL,
+    "prefill_schedule_interval": (lambda v: is_int(v) and v > 0, "a positive integer (1 = every step)"),
 }
 CACHE_KNOBS: dict[str, Rule] = {
     "enable_prefix_caching": _BOOL,
@@ -158,6 +159,9 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
+    # Prefill only on every Nth step of a data-parallel MoE group's shared step counter
+    # (docs/semantics.md#data-parallel-lockstep); 1: every step.
+    prefill_schedule_interval: int = 1
     # vLLM's AsyncScheduler: two batches in flight (EngineCore.step_async), which also
     # doubles the tokens the sliding-window and chunked-local admission caps must cover.
     async_scheduling: bool = dataclasses.field(kw_only=True)

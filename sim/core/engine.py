@@ -292,11 +292,12 @@ class EngineCore:
             executor.execute(output)
         return _IDLE
 
-    def step(self, executor: ModelExecutor) -> BatchRecord:
+    def step(self, executor: ModelExecutor, throttle_prefills: bool = False) -> BatchRecord:
         """One synchronous step. The worker gets the step's transfer jobs before the
         forward pass and reports the finished ones with its output; an empty step still
-        reports them."""
-        output = self.scheduler.schedule()
+        reports them. ``throttle_prefills``: a DP group's off-cadence step
+        (docs/semantics.md#data-parallel-lockstep)."""
+        output = self.scheduler.schedule(throttle_prefills)
         transfers = self._worker
         transfers.submit(output.kv_connector_metadata)
         execution = self._execute(executor, output)

@@ -62,3 +62,12 @@ class PriorityRequestQueue:
 
 def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
     return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
+
+
+def remove_from_queue(queue: FCFSRequestQueue | PriorityRequestQueue, request: Request) -> None:
+    """Take one request out of ``queue``, the others keeping their order."""
+    ahead = []
+    while (head := queue.pop()) is not request:
+        ahead.append(head)
+    for head in reversed(ahead):
+        queue.prepend(head)

@@ -41,7 +41,8 @@ from kvtwin.sim.core.kv_connector import KVConnector
 from kvtwin.sim.core.kv_connector_state import KVConnectorState
 from kvtwin.sim.core.mamba_chunks import MambaChunks
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.request_queue import create_request_queue
+from kvtwin.sim.core.prefill_throttle import defers_prefills, note_release
+from kvtwin.sim.core.request_queue import create_request_queue, remove_from_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvtwin.sim.core.spec import KVCacheConfig
 from kvtwin.sim.core.spec_decode_stats import SpecDecodingStats
@@ -105,6 +106,9 @@ class Scheduler(ConnectorScheduling):
         self._pad_admissions = False
         self._running_scheduled = False
         self.current_step = 0  # schedules so far, counted only with PP microbatching
+        # Prefill throttling under DP (``prefill_throttle.py``, docs/semantics.md#data-parallel-lockstep).
+        self.defer_prefills = False
+        self.prefill_capacity_bound = False
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -121,8 +125,9 @@ class Scheduler(ConnectorScheduling):
 
     # -- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.defer_prefills = defer = defers_prefills(self, throttle_prefills)
         if self.finished_req_ids:
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         long_prefill = self.long_prefill_threshold()
@@ -138,6 +143,7 @@ class Scheduler(ConnectorScheduling):
             return self._finish_schedule_with_connector(out)
         if not out.preempted:
             self.schedule_waiting(out, token_budget, long_prefill)
+            note_release(self, defer)
         # Advance the computed counts optimistically (before the forward pass), noting for
         # the executor where each request starts and which ones sample.
         self.advance_computed(out)
@@ -179,7 +185,7 @@ class Scheduler(ConnectorScheduling):
                 num_new = self.mamba_block_aligned_split(request, num_new, 0)
             if self.num_prefill_lookahead:
                 num_new = reserve_prefill_lookahead(request, computed, num_new, self.num_prefill_lookahead)
-            if num_new <= 0:
+            if num_new <= 0 or (self.defer_prefills and request.is_prefill_chunk):
                 req_index += 1
                 continue
             request_id = request.request_id
@@ -362,6 +368,8 @@ class Scheduler(ConnectorScheduling):
             else:
                 hit_blocks, hit_tokens = kv_cache_manager.empty_blocks, 0
             num_computed = request.num_computed_tokens + hit_tokens
+            if self.defer_prefills and num_computed < request.num_tokens - 1:
+                break  # a throttled step admits only what has no prompt left to compute
             num_new = self._first_chunk(request, num_computed, hit_tokens, token_budget, long_prefill)
             if not num_new:
                 break
@@ -516,7 +524,7 @@ class Scheduler(ConnectorScheduling):
                 self._cache_after_output(request, num_scheduled)
             if stopped:
                 if stale:
-                    self._remove_waiting(request)
+                    remove_from_queue(self.waiting, request)
                 self._finish(request, finished)
         self._drop_finished(finished)
         return finished
@@ -588,12 +596,3 @@ class Scheduler(ConnectorScheduling):
             self.kv_cache_manager.free(request)
         finished.append(request)
         self.finished_req_ids.append(request.request_id)
-
-    def _remove_waiting(self, request: Request) -> None:
-        """Take one request out of the waiting queue, the others keeping their order."""
-        waiting = self.waiting
-        ahead = []
-        while (head := waiting.pop()) is not request:
-            ahead.append(head)
-        for head in reversed(ahead):
-            waiting.prepend(head)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from kvtwin.sim.core.async_scheduler import AsyncScheduler
 from kvtwin.sim.core.block_pool import BlockPool
-from kvtwin.sim.core.engine import EngineCore, Execution, BatchRecord
+from kvtwin.sim.core.engine import EngineCore, Execution, BatchRecord, ModelExecutor
 from kvtwin.sim.core.kv_connector import KVConnectorOutput
 from kvtwin.sim.core.offload.build import OffloadTier, build_offload_tier
 from kvtwin.sim.core.offload.connector_metadata import OffloadingConnectorMetadata
@@ -35,6 +35,7 @@ from kvtwin.sim.core.offload.transfers import StepTransfers
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.pd_connector import (PDConnector, PDTier, RemoteRead, StepPDTransfers, remote_prefill_tokens,
                                           truncated_prompt)
+from kvtwin.sim.core.prefill_throttle import throttles_prefills
 from kvtwin.sim.lockstep.golden import GoldenCase, PDCase
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request, RequestStatus
@@ -196,6 +197,20 @@ def run_case(case: GoldenCase | PDCase, *, on_step: Callable[[int], None] | None
     return _run_engine_case(case, on_step, max_idle_steps)
 
 
+def _stepper(case: GoldenCase, engine: EngineCore, is_async: bool) -> Callable[[ModelExecutor, int], BatchRecord]:
+    """How the case steps its engine at a step number. A case with a prefill cadence is one
+    rank of a DP group in one wave, the group's step counter being the step number
+    (docs/semantics.md#data-parallel-lockstep)."""
+    interval = case.scheduler_config.prefill_schedule_interval
+    if interval == 1:
+        step_fn = engine.step_async if is_async else engine.step
+        return lambda model, step: step_fn(model)
+    if is_async:
+        raise ConfigError("prefill_schedule_interval", "1 with async_scheduling (a throttled case is one "
+                          "synchronous DP rank)", interval).with_source(case.name)
+    return lambda model, step: engine.step(model, throttles_prefills(interval, step))
+
+
 def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, max_idle_steps: int) -> LockstepResult:
     """A case of one engine, step by step."""
     engine, tier = build_engine(case)
@@ -214,7 +229,7 @@ def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, ma
     scheduler = engine.scheduler
     async_scheduler = scheduler if isinstance(scheduler, AsyncScheduler) else None
     is_async = async_scheduler is not None
-    step_fn = engine.step_async if is_async else engine.step
+    step_fn = _stepper(case, engine, is_async)
     speculative = case.scheduler_config.num_speculative_tokens > 0
     while True:
         while next_arrival < len(pending) and pending[next_arrival].arrival_step == step:
@@ -229,7 +244,7 @@ def _run_engine_case(case: GoldenCase, on_step: Callable[[int], None] | None, ma
             next_arrival += 1
         evicted_before = tier.manager.counters()["offload_cpu_evicted_keys"] if tier is not None else 0
         batches_before = async_scheduler.num_batches if async_scheduler is not None else 0
-        result = step_fn(model)
+        result = step_fn(model, step)
         out = result.output
         if offloading:
             for request_id, _, num_external, _ in out.external_hits or ():

@@ -83,6 +83,8 @@ class EngineConfig:
     adaptive_long_prefill_threshold: bool = False
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
+    # Prefill on every Nth step of a DP MoE group's shared counter (docs/semantics.md#data-parallel-lockstep).
+    prefill_schedule_interval: int = 1
     # Overrides of the memory estimate (bytes per GPU), e.g. from a real profiling run.
     activation_peak_bytes: int | None = None
     cuda_graph_bytes: int | None = None

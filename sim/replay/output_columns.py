@@ -105,8 +105,15 @@ BAND = ColumnSet(
                 for name in (f"p99_{figure}_low", f"p99_{figure}_high", f"error_{figure.removesuffix('_ms')}")}},
 )
 
+# A data-parallel group that steps together (docs/semantics.md#data-parallel-lockstep): its
+# steps, its waves, and the dummy batches its ranks ran (each rank's in replicas.parquet).
+DATA_PARALLEL = ColumnSet(
+    "data_parallel",
+    summary={"dp_group_steps": _INT, "dp_waves": _INT, "dummy_steps": _INT},
+)
+
 # In the order their columns follow the base columns of each table.
-COLUMN_SETS: tuple[ColumnSet, ...] = (SPECULATIVE, OFFLOAD, DISAGGREGATION, CLIENT_SIDE, BAND)
+COLUMN_SETS: tuple[ColumnSet, ...] = (SPECULATIVE, OFFLOAD, DISAGGREGATION, DATA_PARALLEL, CLIENT_SIDE, BAND)
 
 V = TypeVar("V")
 

@@ -47,6 +47,8 @@ from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.core.scheduler import SchedulerOutput
 from kvtwin.sim.replay.trace_requests import arrivals_from_trace
 from kvtwin.sim.replay.clock.cluster import Cluster, Front, RoutedFront
+from kvtwin.sim.replay.clock.dp_group import DPGroup, LockstepSettings
+from kvtwin.sim.replay.data_parallel import data_parallel
 from kvtwin.sim.replay.clock.pd_front import PDFront
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
@@ -220,16 +222,20 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     each replica's executor its acceptance draws (seed plus the replica's index) and its
     cost model the draft head. ``calibration``: the clock's, whose band on each p99 the
     summary then carries (docs/capacity.md#the-band)."""
-    num_replicas = disaggregation.num_replicas if disaggregation is not None else deployment.replicas
+    dp = data_parallel(plan, deployment, plan_cost_model(plan, efficiency), offload=offload is not None,
+                       disaggregation=disaggregation is not None, speculative=speculative.enabled)
+    num_replicas = (disaggregation.num_replicas if disaggregation is not None
+                    else dp.ranks if dp is not None else deployment.replicas)
     _require_pools_fit(plan, num_replicas)
     # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
     assert disaggregation is None or not speculative.enabled, "P/D with speculative decoding is not modelled"
     executors = [spec_executor(plan, efficiency, speculative, replica) if speculative.enabled
                  else CostModelExecutor(plan_cost_model(plan, efficiency)) for replica in range(num_replicas)]
-    return run_with_executor(plan, trace, executors, router=deployment.router, slo=slo,
-                             time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
+    return run_with_executor(plan, trace, executors, router=dp.router if dp is not None else deployment.router,
+                             slo=slo, time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
                              decode_windows=decode_windows, disaggregation=disaggregation,
-                             client_overhead_s=efficiency.client_overhead_s, calibration=calibration)
+                             client_overhead_s=efficiency.client_overhead_s, calibration=calibration,
+                             lockstep=dp.lockstep if dp is not None else None)
 
 
 def _require_pools_fit(plan: Plan, num_replicas: int) -> None:
@@ -271,7 +277,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       env: simpy.Environment | None = None, on_progress: Callable[[ReplayClock], None] | None = None,
                       offload: ResolvedOffload | None = None, decode_windows: bool = True,
                       disaggregation: Disaggregation | None = None, client_overhead_s: float = 0.0,
-                      calibration: Calibration | None = None) -> ReplayResult:
+                      calibration: Calibration | None = None,
+                      lockstep: LockstepSettings | None = None) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what its replica's
     executor says (predicted, measured on a device, or replayed from a recording); ``env``
     is the SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real
@@ -285,7 +292,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     (``sim/core/decode_window.py``; the results are the same, only slower).
     ``client_overhead_s`` is the time outside the engine a client also sees: the
     client-side columns beside the server's, and the SLO judged on them (``client_side.py``).
-    ``calibration``: as in ``run_replay``."""
+    ``calibration``: as in ``run_replay``. ``lockstep``: the replicas are the ranks of one
+    data-parallel group that steps together (``data_parallel.py``)."""
     kv_cache_config = plan.require_fits()
     _require_pools_fit(plan, len(executors))
     eng = plan.engine
@@ -303,13 +311,14 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                               num_speculative_tokens=eng.scheduler.num_speculative_tokens)
     replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
                 for engine, executor in zip(engines, executors)]
+    group = DPGroup(lockstep, len(replicas)) if lockstep is not None else None
     cluster = Cluster(env, replicas, _front(plan, router, engines, tiers, disaggregation), metrics,
-                      time_limit_s=time_limit_s, on_progress=on_progress)
+                      time_limit_s=time_limit_s, on_progress=on_progress, dp_group=group)
     end_s = cluster.run(arrivals_from_trace(trace))
     tables = run_tables(metrics, end_s, RunSettings(
         slo, trace, label, retention_label(eng.cache.prefix_cache_retention_interval), client_overhead_s,
         offload=offload.describe() if offload is not None else None, disaggregation=disaggregation,
-        calibration=calibration))
+        calibration=calibration, dp_group=group))
     return ReplayResult(tables.requests, tables.steps, tables.summary, end_s, tables.replicas)
 
 

@@ -12,7 +12,8 @@ import pyarrow as pa
 
 from kvtwin.sim.calibration.band import band_columns
 from kvtwin.sim.replay.client_side import client_summary
-from kvtwin.sim.replay.output_columns import BAND, CLIENT_SIDE, DISAGGREGATION, assemble
+from kvtwin.sim.replay.clock.dp_group import DPGroup
+from kvtwin.sim.replay.output_columns import BAND, CLIENT_SIDE, DATA_PARALLEL, DISAGGREGATION, assemble
 from kvtwin.sim.replay.pd_summaries import pd_load_imbalance, pd_replica_requests, pd_summary_columns
 from kvtwin.sim.replay.recorder import MetricsRecorder
 from kvtwin.sim.replay.summaries import summarize_replicas, summary_parts
@@ -37,6 +38,8 @@ class RunSettings:
     offload: dict | None = None
     disaggregation: Disaggregation | None = None
     calibration: Calibration | None = None
+    # The DP group that stepped the replicas together (None: none), for its columns.
+    dp_group: DPGroup | None = None
 
 
 @dataclass(frozen=True)
@@ -76,5 +79,10 @@ def run_tables(metrics: MetricsRecorder, end_s: float, settings: RunSettings) ->
     features[CLIENT_SIDE.feature] = client_summary(requests, settings.client_overhead_s)
     if settings.calibration is not None:
         features[BAND.feature] = band_columns(base, settings.calibration)
+    group = settings.dp_group
+    if group is not None:
+        features[DATA_PARALLEL.feature] = {"dp_group_steps": group.group_steps, "dp_waves": group.waves,
+                                           "dummy_steps": sum(group.dummy_steps)}
+        replicas = replicas.append_column("dummy_steps", pa.array(group.dummy_steps, pa.int64()))
     summary = pa.Table.from_pylist([assemble("summary", base, features)])
     return RunTables(requests, steps, summary, replicas)

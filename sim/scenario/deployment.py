@@ -22,8 +22,19 @@ class Deployment:
 
     replicas: int = 1
     router: str = "round_robin"
+    # With data_parallel_size > 1: what picks each request's DP rank, "vllm" (vLLM's own
+    # balancer, the dp_lb router) or a router that names ranks, as an external router does
+    # (docs/semantics.md#data-parallel-lockstep).
+    dp_rank_routing: str = "vllm"
 
     def __post_init__(self) -> None:
         require(is_int(self.replicas) and self.replicas > 0, "replicas", "a positive integer", self.replicas)
         require(isinstance(self.router, str) and self.router in ROUTER_NAMES, "router",
                 f"one of {', '.join(ROUTER_NAMES)}", self.router)
+        require(isinstance(self.dp_rank_routing, str) and self.dp_rank_routing in ("vllm", *ROUTER_NAMES),
+                "dp_rank_routing", f"vllm or one of {', '.join(ROUTER_NAMES)}", self.dp_rank_routing)
+
+    @property
+    def dp_router(self) -> str:
+        """The router in front of a data-parallel engine's ranks."""
+        return "dp_lb" if self.dp_rank_routing == "vllm" else self.dp_rank_routing

@@ -179,7 +179,6 @@ FEATURES: tuple[Feature, ...] = (
 # Features ``kvtwin plan`` sizes but no replay runs yet: refused wherever a scenario is
 # resolved for a run (``require_replayable``), each with what to set instead.
 NOT_REPLAYED: tuple[tuple[str, str], ...] = (
-    ("data_parallel", "1 (kvtwin plan sizes DP ranks; for independent replicas use [engine] replicas)"),
     ("expert_parallel", "false (kvtwin plan sizes expert parallelism)"),
 )
 

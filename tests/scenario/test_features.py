@@ -32,10 +32,10 @@ ON = {
                                       "engine": {"enable_prefix_caching": False}}, Overrides()),
     "async_scheduling": ({"engine": {"async_scheduling": True}}, Overrides()),
     "pipeline_parallel": ({"engine": {"pipeline_parallel_size": 2, "async_scheduling": False}}, Overrides()),
+    "data_parallel": ({"engine": {"data_parallel_size": 2}}, Overrides()),
 }
 # Features only the planner sizes: refused when resolved for a run, planned otherwise.
 PLANNED_ONLY = {
-    "data_parallel": ({"engine": {"data_parallel_size": 2}}, "engine.data_parallel_size"),
     "expert_parallel": ({"model": {"preset": "gpt-oss-20b"}, "engine": {"enable_expert_parallel": True}},
                         "engine.enable_expert_parallel"),
 }

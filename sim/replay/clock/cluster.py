@@ -26,6 +26,7 @@ from kvtwin.sim.core.engine import BatchRecord, RequestSnapshot
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
 from kvtwin.sim.replay.clock.collector import relaxed_collection
+from kvtwin.sim.replay.clock.dp_group import DPGroup, dp_group_process
 from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
 from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
@@ -104,7 +105,8 @@ class RoutedFront(Front):
 class Cluster:
     def __init__(self, env: simpy.Environment, replicas: Sequence[Replica], front: Front,
                  recorder: MetricsRecorder, *, time_limit_s: float | None = None,
-                 on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000):
+                 on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000,
+                 dp_group: DPGroup | None = None):
         if front.num_replicas != len(replicas):
             raise ValueError(f"{len(replicas)} replicas behind a front of {front.num_replicas}")
         self.env = env
@@ -118,6 +120,9 @@ class Cluster:
         self.progress_every = progress_every
         self.progress = ReplayClock()
         self.all_arrived = False  # the arrival process has added its last arrival
+        # The replicas are the ranks of one data-parallel group that steps together
+        # (dp_group.py); None: each replica runs its own engine process.
+        self.dp_group = dp_group
         front.attach(self)
 
     @property
@@ -154,7 +159,10 @@ class Cluster:
         limit; returns the simulated time at which the run ended."""
         env = self.env
         env.process(arrival_process(self, iter(arrivals)))
-        dones = [env.process(_engine_process(self, replica)) for replica in self.replicas]
+        if self.dp_group is not None:
+            dones = [env.process(dp_group_process(self, self.replicas, self.dp_group))]
+        else:
+            dones = [env.process(_engine_process(self, replica)) for replica in self.replicas]
         done = dones[0] if len(dones) == 1 else env.all_of(dones)
         limit = self.time_limit_s
         with relaxed_collection():

@@ -36,6 +36,11 @@ class Replica:
         self._wake = env.event()
         return self._wake
 
+    def share_wake(self, event: Event) -> None:
+        """Wait on ``event``, which others wait on too (a DP group sleeps on one event that
+        an arrival on any of its ranks triggers: ``dp_group.py``)."""
+        self._wake = event
+
     def wake(self) -> None:
         wake = self._wake
         if wake is not None and not wake.triggered:

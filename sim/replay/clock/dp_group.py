@@ -1,0 +1,142 @@
+"""A data-parallel group whose ranks step together, as vLLM runs a MoE model with data
+parallelism (``DPEngineCoreProc``; docs/semantics.md#data-parallel-lockstep).
+
+The cluster's replicas are the group's ranks; one process (``dp_group_process``) steps
+them all:
+
+- **Waves.** The group is idle until any rank has a request; then a wave starts and every
+  rank steps, each step, until the check of the group's unfinished requests finds none.
+  That check (vLLM's all-reduce in ``_has_global_unfinished_reqs``) runs after the wave's
+  first step and then every ``dp_sync_interval`` steps, on the state the step left (a
+  request that arrives while the step runs is not in it; it starts the next wave). A wave
+  ends with the step counter reset to 0.
+- **One step.** Every rank with requests schedules and runs its batch (``EngineCore.step``);
+  a rank that ran no tokens (no requests, or nothing it could schedule) runs a dummy batch,
+  which touches no KV. The step lasts as long as the slowest rank's batch (the MoE layers'
+  collectives hold every rank until the last one gets there), and every rank's results
+  count at the same instant: each rank's step row has the group step's start and end.
+- **Prefill throttling.** The group's step counter decides, for every rank at once,
+  whether the step defers prefills (``prefill_throttle.throttles_prefills``).
+
+Only synchronous scheduling runs in a group (each rank one batch at a time); a scenario
+with asynchronous scheduling, a KV connector or drafts is refused before it gets here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import simpy
+
+from kvtwin.sim.core.engine import BatchRecord
+from kvtwin.sim.core.prefill_throttle import throttles_prefills
+from kvtwin.sim.replay.clock.engine_processes import ClusterView
+from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.recorder import BatchTimes
+
+# vLLM 0.33's ``ParallelConfig.dp_sync_interval`` default.
+DEFAULT_DP_SYNC_INTERVAL = 16
+
+
+@dataclass(frozen=True)
+class LockstepSettings:
+    """How a DP group steps: vLLM's ``prefill_schedule_interval`` and ``dp_sync_interval``,
+    and the seconds of a dummy batch (a rank with nothing to run still runs a forward pass
+    of one decode token: ``Worker.execute_dummy_batch``)."""
+
+    prefill_schedule_interval: int = 1
+    dp_sync_interval: int = DEFAULT_DP_SYNC_INTERVAL
+    dummy_batch_s: float = 0.0
+
+
+class DPGroup:
+    """The group's shared state: its step counter and whether a wave runs, and what the
+    run's tables report (dummy batches per rank, the group's steps and waves)."""
+
+    def __init__(self, settings: LockstepSettings, num_ranks: int):
+        self.settings = settings
+        self.step_counter = 0
+        self.running = False
+        self.dummy_steps = [0] * num_ranks
+        self.group_steps = 0
+        self.waves = 0
+
+
+def dp_group_process(cluster: ClusterView, ranks: Sequence[Replica], group: DPGroup):
+    """Step ``ranks`` together until arrivals are done and no rank has requests."""
+    env = cluster.env
+    settings = group.settings
+    stalled = False  # the last step ran no tokens anywhere, with every arrival in
+    while True:
+        if not group.running:
+            if not any(rank.engine.has_requests() for rank in ranks):
+                if cluster.arrivals_done:
+                    return
+                yield _sleep_all(env, ranks)
+                continue
+            # A rank got a request: it starts a wave and the others join (START_DP_WAVE).
+            group.running = True
+            group.waves += 1
+        throttle = throttles_prefills(settings.prefill_schedule_interval, group.step_counter)
+        start_s = env.now
+        stepped, dummies, duration_s = _step_ranks(ranks, throttle, settings.dummy_batch_s)
+        times = BatchTimes(start_s, start_s, start_s + duration_s)
+        for rank, result in stepped:
+            cluster.applied(rank, result, times, synchronous=True)
+        for index in dummies:
+            group.dummy_steps[index] += 1
+        group.group_steps += 1
+        # What the all-reduce would see: the state the step left, before later arrivals.
+        unfinished = any(rank.engine.has_unfinished_requests() for rank in ranks)
+        executed = len(dummies) < len(ranks)
+        preempted = any(result.output.preempted for _, result in stepped)
+        if duration_s > 0:
+            yield env.timeout(duration_s)
+        group.step_counter += 1
+        counter = group.step_counter
+        if (counter == 1 or counter % settings.dp_sync_interval == 0) and not unfinished:
+            group.running = False  # the wave ends
+            group.step_counter = 0
+            continue
+        if executed or preempted or not unfinished:
+            stalled = False
+            continue
+        # Requests wait on some rank, yet no rank could run a token.
+        if cluster.arrivals_done:
+            if stalled:
+                blocked = next(rank for rank in ranks if rank.engine.has_unfinished_requests())
+                raise blocked.engine.no_progress_error("workload")
+            stalled = True
+        elif duration_s == 0:
+            # Free dummy batches would spin at one instant: wait for an arrival instead.
+            yield _sleep_all(env, ranks)
+
+
+def _step_ranks(ranks: Sequence[Replica], throttle: bool,
+                dummy_batch_s: float) -> tuple[list[tuple[Replica, BatchRecord]], list[int], float]:
+    """One group step on every rank: the ranks that stepped with their records, the ranks
+    that ran a dummy batch (by index in ``ranks``), and the step's seconds."""
+    stepped: list[tuple[Replica, BatchRecord]] = []
+    dummies: list[int] = []
+    duration_s = 0.0
+    for index, rank in enumerate(ranks):
+        engine = rank.engine
+        if engine.has_requests():
+            result = engine.step(rank.executor, throttle)
+            stepped.append((rank, result))
+            if result.output.num_scheduled_tokens:
+                duration_s = max(duration_s, result.execution.duration_s)
+                continue
+        dummies.append(index)
+    if dummies:
+        duration_s = max(duration_s, dummy_batch_s)
+    return stepped, dummies, duration_s
+
+
+def _sleep_all(env: simpy.Environment, ranks: Sequence[Replica]) -> simpy.Event:
+    """One event that an arrival on any rank triggers."""
+    event = env.event()
+    for rank in ranks:
+        rank.share_wake(event)
+    return event

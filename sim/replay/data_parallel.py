@@ -1,0 +1,73 @@
+"""A plan with ``data_parallel_size`` > 1 in the replay, as vLLM 0.33 runs it
+(docs/semantics.md#data-parallel-lockstep).
+
+vLLM starts one engine core per DP rank, each with the plan's ``num_blocks``. With a MoE
+model the ranks are a ``DPEngineCoreProc`` group that steps together (``dp_group.py``);
+with a dense model each rank is an independent engine (``reconfigure_for_independent_dp_rank``)
+and the replay runs them as independent replicas. Either way a front picks each request's
+rank: vLLM's balancer (the ``dp_lb`` router) unless ``dp_rank_routing`` names another
+router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.planner.plan import Plan
+from kvtwin.sim.replay.clock.dp_group import LockstepSettings
+from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.scenario.deployment import Deployment
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How the replay runs the plan's DP ranks: how many, behind which router, and the
+    lockstep group's settings (None: independent ranks)."""
+
+    ranks: int
+    router: str
+    lockstep: LockstepSettings | None
+
+
+def is_lockstep(plan: Plan) -> bool:
+    """vLLM runs DP ranks in lockstep only for a MoE model (``run_engine_core``)."""
+    return plan.engine.data_parallel_size > 1 and plan.model.num_experts > 0
+
+
+def data_parallel(plan: Plan, deployment: Deployment, cost_model: CostModel | None, *, offload: bool = False,
+                  disaggregation: bool = False, speculative: bool = False) -> DataParallel | None:
+    """The plan's DP ranks in the replay (None: ``data_parallel_size`` 1, the deployment's
+    replicas as they are). Refuses, as one ``ConfigError``, what a DP run does not model:
+    several copies of the DP engine, and with a lockstep group asynchronous scheduling, a KV
+    connector (offload, P/D) or drafts. ``cost_model`` prices the dummy batch (None: 0 s,
+    a clock whose batches are not priced by a cost model)."""
+    eng = plan.engine
+    dp = eng.data_parallel_size
+    scheduler = eng.scheduler
+    if dp == 1:
+        if scheduler.prefill_schedule_interval > 1:
+            raise ConfigError("engine.prefill_schedule_interval", "1 without a data-parallel MoE group (vLLM's "
+                              "local prefill cadence is not modelled)", scheduler.prefill_schedule_interval)
+        return None
+    if deployment.replicas != 1:
+        raise ConfigError("engine.replicas", f"1 with data_parallel_size {dp} (several DP engines are not "
+                          "modelled)", deployment.replicas)
+    if not is_lockstep(plan):
+        if scheduler.prefill_schedule_interval > 1:
+            raise ConfigError("engine.prefill_schedule_interval", f"1 for dense {plan.model.name} (its DP ranks "
+                              "are independent engines; vLLM's local cadence is not modelled)",
+                              scheduler.prefill_schedule_interval)
+        return DataParallel(dp, deployment.dp_router, None)
+    refused = (("engine.async_scheduling", eng.async_scheduling, "false"),
+               ("offload", offload, "no [offload] table"),
+               ("disaggregation", disaggregation, "no [disaggregation] table"),
+               ("speculative", speculative, "no [speculative] method"))
+    for field, on, expected in refused:
+        if on:
+            raise ConfigError(field, f"{expected} with data_parallel_size {dp} on MoE {plan.model.name} (its ranks "
+                              "step together; only synchronous scheduling without a connector or drafts is "
+                              "modelled)", True)
+    dummy_s = cost_model.split_step_cost([1], []).total_s if cost_model is not None else 0.0
+    settings = LockstepSettings(prefill_schedule_interval=scheduler.prefill_schedule_interval, dummy_batch_s=dummy_s)
+    return DataParallel(dp, deployment.dp_router, settings)

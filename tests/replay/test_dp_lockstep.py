@@ -1,0 +1,214 @@
+"""A data-parallel group whose ranks step together (docs/semantics.md#data-parallel-lockstep):
+one group step runs every rank (a dummy batch where a rank has no tokens to run), lasts as
+long as its slowest rank, and records every rank's row with the same start and end; waves
+start when a rank gets a request and end at the first sync point with nothing unfinished;
+a dummy batch touches no KV; every request is served by one rank; and a DP MoE scenario
+replays as such a group behind vLLM's balancer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
+import pytest
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtwin.sim.core.config import SchedulerConfig
+from kvtwin.sim.core.engine import EngineCore, Execution
+from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.core.hashing import TokenPrompt
+from kvtwin.sim.core.request import Request
+from kvtwin.sim.core.scheduler_output import SchedulerOutput
+from kvtwin.sim.replay.clock import dp_group
+from kvtwin.sim.replay.clock.arrivals import Arrival
+from kvtwin.sim.replay.clock.cluster import Cluster, RoutedFront
+from kvtwin.sim.replay.clock.dp_group import DPGroup, LockstepSettings
+from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.recorder import MetricsRecorder
+from kvtwin.sim.replay.router import Router
+from kvtwin.sim.replay.run import run_replay
+from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
+from tests.sim.builders import kv_config
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_BLOCKS = 64
+PER_TOKEN_S = 0.001
+
+
+class TokenClock:
+    """An executor whose batch lasts ``PER_TOKEN_S`` per scheduled token, so ranks with
+    different batches take different times; it counts the batches with tokens it ran (an
+    empty one only drops finished requests' tables)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def execute(self, output: SchedulerOutput) -> Execution:
+        num_tokens = sum(output.num_scheduled_tokens.values())
+        self.batches += num_tokens > 0
+        return Execution({rid: [7] for rid in output.num_output_tokens}, num_tokens * PER_TOKEN_S)
+
+
+class Scripted(Router):
+    """Each request goes to the rank its id names (``"r<rank>-..."``)."""
+
+    def choose(self, request, session_id):
+        return int(request.request_id[1])
+
+
+def _group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arrival]):
+    env = simpy.Environment()
+    scheduler = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, async_scheduling=False)
+    engines = [EngineCore(kv_config(num_blocks=NUM_BLOCKS), scheduler) for _ in range(num_ranks)]
+    executors = [TokenClock() for _ in range(num_ranks)]
+    replicas = [Replica(engine, executor) for engine, executor in zip(engines, executors)]
+    recorder = MetricsRecorder(1, num_ranks)
+    group = DPGroup(lockstep, num_ranks)
+    cluster = Cluster(env, replicas, RoutedFront(Scripted(engines)), recorder, dp_group=group)
+    cluster.run(arrivals)
+    return group, recorder, engines, executors
+
+
+def _arrival(rank: int, name: str, at_s: float, prompt: int, max_tokens: int) -> Arrival:
+    tokens = [hash((rank, name, i)) % 50000 for i in range(prompt)]
+    return Arrival(at_s, Request(f"r{rank}-{name}", TokenPrompt(tokens), max_tokens))
+
+
+def test_an_idle_rank_runs_a_dummy_batch_every_step_and_its_pool_is_untouched():
+    arrivals = [_arrival(rank, f"{i}", 0.01 * i, 40 + 7 * i, 6) for i in range(4) for rank in range(3)]
+    group, recorder, engines, executors = _group(4, LockstepSettings(dummy_batch_s=0.0005), arrivals)
+    assert group.dummy_steps[3] == group.group_steps > 0
+    assert executors[3].batches == 0
+    pool = engines[3].kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 and not pool.cached_block_hash_to_block[0]
+    # The working ranks ran fewer dummies than the group has steps.
+    assert all(group.dummy_steps[rank] < group.group_steps for rank in range(3))
+
+
+def test_every_rank_row_of_a_group_step_shares_its_start_and_end():
+    arrivals = [_arrival(rank, f"{i}", 0.003 * i, 20 + 31 * rank + 5 * i, 4 + rank) for i in range(5)
+                for rank in range(4)]
+    group, recorder, _, _ = _group(4, LockstepSettings(dummy_batch_s=0.0002), arrivals)
+    steps = recorder.steps_table()
+    start = steps.column("time_s").to_numpy()
+    duration = steps.column("duration_s").to_numpy()
+    rank = steps.column("replica").to_numpy()
+    for t in np.unique(start):
+        rows = start == t
+        assert len(set(duration[rows])) == 1, "ranks of one group step end together"
+        assert len(set(rank[rows])) == rows.sum(), "one row per rank per group step"
+    # The group step lasts as long as its slowest rank: the largest batch's tokens.
+    prefill = steps.column("prefill_tokens").to_numpy() + steps.column("decode_tokens").to_numpy()
+    for t in np.unique(start):
+        rows = start == t
+        assert duration[rows][0] == pytest.approx(max(prefill[rows].max() * PER_TOKEN_S, 0.0002))
+
+
+def test_a_wave_ends_at_the_first_sync_point_with_nothing_unfinished():
+    # One request of 5 outputs (5 steps: one prefill step samples the first) at 0 s and
+    # another at 100 s: each wave runs to the sync at step 16 (dp_sync_interval), so two
+    # waves of 16 steps; the rank with the request runs 5 real batches per wave.
+    arrivals = [_arrival(0, "a", 0.0, 30, 5), _arrival(0, "b", 100.0, 30, 5)]
+    group, _, _, executors = _group(2, LockstepSettings(dp_sync_interval=16, dummy_batch_s=0.001), arrivals)
+    assert (group.waves, group.group_steps) == (2, 32)
+    assert executors[0].batches == 10
+    assert group.dummy_steps == [22, 32]
+
+
+def test_the_step_counter_throttles_every_rank_on_the_same_steps(monkeypatch):
+    seen: list[tuple[int, bool]] = []
+    original = dp_group._step_ranks
+
+    def spy(ranks, throttle, dummy_s):
+        seen.append((group_ref[0].step_counter, throttle))
+        return original(ranks, throttle, dummy_s)
+    group_ref: list[DPGroup] = []
+    monkeypatch.setattr(dp_group, "_step_ranks", spy)
+    original_init = DPGroup.__init__
+
+    def remember(self, *args):
+        original_init(self, *args)
+        group_ref.append(self)
+    monkeypatch.setattr(DPGroup, "__init__", remember)
+    arrivals = [_arrival(rank, f"{i}", 0.002 * i, 90, 12) for i in range(3) for rank in range(2)]
+    _group(2, LockstepSettings(prefill_schedule_interval=3, dummy_batch_s=0.001), arrivals)
+    assert seen and all(throttle == (counter % 3 != 0) for counter, throttle in seen)
+    assert seen[0] == (0, False)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 0.2), st.integers(1, 150), st.integers(1, 12)),
+                min_size=1, max_size=14),
+       st.integers(1, 4), st.integers(1, 20))
+def test_lockstep_invariants(requests, interval, sync_interval):
+    arrivals = sorted((_arrival(rank, f"{i}", at_s, prompt, out) for i, (rank, at_s, prompt, out)
+                       in enumerate(requests)), key=lambda a: a.arrival_s)
+    lockstep = LockstepSettings(prefill_schedule_interval=interval, dp_sync_interval=sync_interval,
+                                dummy_batch_s=0.0003)
+    group, recorder, engines, executors = _group(4, lockstep, arrivals)
+    table = recorder.requests_table()
+    ids = table.column("request_id").to_pylist()
+    ranks = table.column("replica").to_pylist()
+    # Every request served by exactly one rank: the one its id names.
+    assert sorted(ids) == sorted(a.request.request_id for a in arrivals)
+    assert all(int(rid[1]) == rank for rid, rank in zip(ids, ranks))
+    # Blocks balance on every rank: all free again, none leaked.
+    for engine in engines:
+        assert engine.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    # Each rank either ran its batch or a dummy on every group step.
+    for rank, executor in enumerate(executors):
+        assert executor.batches + group.dummy_steps[rank] == group.group_steps
+    steps = recorder.steps_table()
+    start = steps.column("time_s").to_numpy()
+    duration = steps.column("duration_s").to_numpy()
+    for t in np.unique(start):
+        assert len(set(duration[start == t])) == 1
+
+
+def _dp_replay(model: str | None = None, **engine):
+    resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml",
+                                Overrides(model=model, limit=40, engine={"max_model_len": 32768, **engine}))
+    planned = resolved.plan()
+    return planned, run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
+                               efficiency=resolved.efficiency, slo=resolved.slo)
+
+
+def test_a_dp4_moe_scenario_replays_as_a_lockstep_group_behind_vllms_balancer():
+    planned, result = _dp_replay(data_parallel_size=4, async_scheduling=False)
+    assert planned.model.num_experts > 0
+    summary = result.summary.to_pylist()[0]
+    assert summary["router"] == "dp_lb" and summary["num_replicas"] == 4
+    assert summary["completed"] + summary["rejected"] == 40
+    replicas = result.replicas
+    steps = result.steps
+    ran = (steps.column("prefill_tokens").to_numpy() + steps.column("decode_tokens").to_numpy()) > 0
+    # A rank ran its batch or a dummy on every group step.
+    batches = np.bincount(steps.column("replica").to_numpy()[ran], minlength=4)
+    assert replicas.column("dummy_steps").to_pylist() == [summary["dp_group_steps"] - n for n in batches]
+    assert sum(replicas.column("dummy_steps").to_pylist()) == summary["dummy_steps"]
+
+
+def test_a_dense_models_dp_ranks_are_independent_engines_behind_vllms_balancer():
+    planned, result = _dp_replay("llama-3.1-8b", data_parallel_size=2)
+    assert planned.model.num_experts == 0
+    summary = result.summary.to_pylist()[0]
+    assert summary["router"] == "dp_lb" and summary["num_replicas"] == 2
+    assert "dummy_steps" not in summary and "dummy_steps" not in result.replicas.column_names
+    # Independent ranks: their steps do not start together.
+    steps = result.steps
+    starts = [set(steps.filter(pa.compute.equal(steps.column("replica"), r)).column("time_s").to_pylist())
+              for r in range(2)]
+    assert starts[0] != starts[1]
+
+
+@pytest.mark.parametrize("engine, field", [
+    ({"data_parallel_size": 4}, "engine.async_scheduling"),
+    ({"data_parallel_size": 1, "prefill_schedule_interval": 2}, "engine.prefill_schedule_interval"),
+])
+def test_what_a_dp_group_does_not_model_is_refused(engine, field):
+    with pytest.raises(ConfigError, match=field):
+        _dp_replay(**engine)
