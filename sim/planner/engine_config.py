@@ -157,7 +157,7 @@ class EngineConfig:
         _check_model_fits_parallel(model, self)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes > gpu.memory_bytes:
             raise ConfigError("kv_cache_memory_bytes", kv_cache_memory_limit(gpu), self.kv_cache_memory_bytes)
-        scheduler, pipeline_refusal = self._scheduler_config(max_model_len, max_num_seqs, max_num_batched_tokens)
+        scheduler = self._scheduler_config(max_model_len, max_num_seqs, max_num_batched_tokens)
         cache = CacheConfig(**self._cache_settings())
         return ResolvedEngineConfig(
             tensor_parallel_size=tp, data_parallel_size=self.data_parallel_size,
@@ -170,25 +170,16 @@ class EngineConfig:
             hybrid_kv_cache_is_default=hybrid == model.default_hybrid_kv_cache,
             mamba_cache_mode=mamba_cache_mode, **_mamba_dtypes(model, self),
             activation_peak_bytes=self.activation_peak_bytes, cuda_graph_bytes=self.cuda_graph_bytes,
-            non_torch_bytes=self.non_torch_bytes, scheduler=scheduler, cache=cache, pipeline_refusal=pipeline_refusal)
+            non_torch_bytes=self.non_torch_bytes, scheduler=scheduler, cache=cache)
 
-    def _scheduler_config(self, max_model_len: int, max_num_seqs: int,
-                          max_num_batched_tokens: int) -> tuple[SchedulerConfig, str | None]:
-        """The scheduler's config with the engine's pipeline stages (its batch queue holds
-        one batch per stage: docs/semantics.md#pipeline-parallelism), and None; or, where
-        the core does not run these stages with these knobs (asynchronous scheduling, until
-        it models vLLM's V2 runner), a one-stage config the plan sizes as before and the
-        core's reason, which a run refuses (``features.require_replayable``)."""
-        sizes = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens)
+    def _scheduler_config(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
+        """The scheduler's config, with the engine's pipeline stages (its batch queue holds
+        one batch per stage, one more with asynchronous scheduling:
+        docs/semantics.md#pipeline-parallelism)."""
         knobs = {name: getattr(self, name) for name in SCHEDULER_KNOBS}
-        pp = self.pipeline_parallel_size
-        if pp == 1:
-            return SchedulerConfig(**sizes, **knobs), None
-        try:
-            return SchedulerConfig(**sizes, **knobs, pipeline_parallel_size=pp), None
-        except ConfigError as err:
-            return SchedulerConfig(**sizes, **knobs), err.expected
+        return SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens, **knobs,
+                               pipeline_parallel_size=self.pipeline_parallel_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,15 +207,6 @@ class ResolvedEngineConfig:
     non_torch_bytes: int | None
     scheduler: SchedulerConfig
     cache: CacheConfig
-    # Why the core does not run this engine's pipeline stages (None: it does, or PP is 1):
-    # the plan holds, a replay refuses it (``EngineConfig._scheduler_config``).
-    pipeline_refusal: str | None = None
-
-    @property
-    def runs_pipeline(self) -> bool:
-        """Whether the scheduler steps one batch per pipeline stage, as the plan lays them out."""
-        return self.scheduler.pipeline_parallel_size == self.pipeline_parallel_size
-
     @property
     def layout(self) -> ParallelLayout:
         return ParallelLayout(tensor_parallel_size=self.tensor_parallel_size,

@@ -34,7 +34,6 @@ from kvtwin.sim.replay.pipeline_cost import PipelineCostModel
 from kvtwin.sim.scenario.acceptance import AcceptanceModel
 from kvtwin.sim.core.connector_tier import ConnectorTier
 from kvtwin.sim.core.window_pricing import WindowPricing
-from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.engine import EngineCore, Execution, ModelExecutor
 from kvtwin.sim.core.retention import retention_label
 from kvtwin.sim.replay.recorder import MetricsRecorder
@@ -297,9 +296,6 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     kv_cache_config = plan.require_fits()
     _require_pools_fit(plan, len(executors))
     eng = plan.engine
-    if not eng.runs_pipeline:
-        raise ConfigError("async_scheduling", f"false with pipeline_parallel_size > 1 (the scheduler expects "
-                          f"pipeline_parallel_size {eng.pipeline_refusal})", True)
     env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's
     tiers = connector_tiers(plan, env, len(executors), offload=offload, disaggregation=disaggregation)
     engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]

@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvtwin.sim.core.config import SchedulerConfig
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.scenario.knobs import flag_for
 
@@ -247,30 +246,5 @@ def require_replayable(scenario: Any, overrides: Overrides | None = None, where:
         if setting is not None:
             raise ConfigError(setting.field, f"{expected}; not replayed yet: {name.replace('_', ' ')}",
                               setting.got, source=None if setting.by_flag else where)
-    _require_pipeline_scheduler(scenario, settings, where)
 
 
-def _require_pipeline_scheduler(scenario: Any, settings: Mapping[str, Setting], where: str | None) -> None:
-    """Refuse pipeline stages with asynchronous scheduling while the core refuses them
-    (``SchedulerConfig._check_pipeline``: vLLM 0.33's V2 runner, pp + 1 batches in flight,
-    is not modelled yet). The core is asked, not this table: once it runs the pair, a
-    replay does (docs/semantics.md#pipeline-parallelism)."""
-    if "pipeline_parallel" not in settings or "async_scheduling" not in settings:
-        return
-    reason = core_pipeline_refusal(scenario.engine.pipeline_parallel_size, async_scheduling=True)
-    if reason is None:
-        return
-    setting = settings["async_scheduling"]
-    raise ConfigError(setting.field, f"false with pipeline_parallel_size > 1 (the scheduler expects "
-                      f"pipeline_parallel_size {reason})", setting.got, source=None if setting.by_flag else where)
-
-
-def core_pipeline_refusal(pipeline_parallel_size: int, *, async_scheduling: bool) -> str | None:
-    """What the core's scheduler config expects instead of ``pipeline_parallel_size``
-    stages with this scheduling (None: it runs them)."""
-    try:
-        SchedulerConfig(max_model_len=8192, max_num_batched_tokens=8192, async_scheduling=async_scheduling,
-                        pipeline_parallel_size=pipeline_parallel_size)
-    except ConfigError as err:
-        return err.expected
-    return None

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.scenario.features import FEATURES, NOT_REPLAYED, REFUSED, core_pipeline_refusal, feature_settings
+from kvtwin.sim.scenario.features import FEATURES, NOT_REPLAYED, REFUSED, feature_settings
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from tests.cli_run import one_error_line, run
 
@@ -31,7 +31,7 @@ ON = {
     "mamba_without_prefix_caching": ({"model": {"preset": "nemotron-h-8b"},
                                       "engine": {"enable_prefix_caching": False}}, Overrides()),
     "async_scheduling": ({"engine": {"async_scheduling": True}}, Overrides()),
-    "pipeline_parallel": ({"engine": {"pipeline_parallel_size": 2, "async_scheduling": False}}, Overrides()),
+    "pipeline_parallel": ({"engine": {"pipeline_parallel_size": 2}}, Overrides()),
     "data_parallel": ({"engine": {"data_parallel_size": 2}}, Overrides()),
 }
 # Features only the planner sizes: refused when resolved for a run, planned otherwise.
@@ -51,12 +51,6 @@ REFUSAL_NAMES = {
     frozenset({"pipeline_parallel", "offload"}): ("offload.cpu_bytes", "KV connector"),
     frozenset({"pipeline_parallel", "disaggregation"}): ("engine.pipeline_parallel_size", "KV connector"),
 }
-# Pairs the core refuses for a run while it does (``core_pipeline_refusal``): asynchronous
-# scheduling with pipeline stages, until the core models vLLM's V2 runner.
-CORE_REFUSED = ({frozenset({"pipeline_parallel", "async_scheduling"})}
-                if core_pipeline_refusal(2, async_scheduling=True) is not None else set())
-
-
 def _merge(*tables: dict) -> dict:
     out: dict = {}
     for table in tables:
@@ -115,28 +109,11 @@ def test_each_feature_alone_resolves(name, tmp_path):
 
 
 @pytest.mark.parametrize("pair", [p for p in itertools.combinations(sorted(ON), 2)
-                                  if frozenset(p) not in set(REFUSAL_NAMES) | CORE_REFUSED], ids="+".join)
+                                  if frozenset(p) not in set(REFUSAL_NAMES)], ids="+".join)
 def test_every_pair_not_refused_resolves(pair, tmp_path):
     path, data, overrides = _with(pair, tmp_path)
     resolved = resolve_scenario(path, overrides, data=data)
     assert set(pair) <= set(feature_settings(resolved, overrides))
-
-
-@pytest.mark.skipif(not CORE_REFUSED, reason="the core runs pipeline stages with asynchronous scheduling")
-def test_async_scheduling_with_pipeline_stages_is_refused_for_a_run_and_planned_otherwise(tmp_path):
-    data = _merge(BASE, {"engine": {"pipeline_parallel_size": 2}})  # async_scheduling: vLLM's default, on
-    with pytest.raises(ConfigError) as err:
-        resolve_scenario(tmp_path / "s.toml", data=data)
-    assert err.value.field == "engine.async_scheduling", err.value
-    assert err.value.expected.startswith("false with pipeline_parallel_size > 1 (")
-    planned = resolve_scenario(tmp_path / "s.toml", data=data, for_replay=False).plan()
-    assert planned.engine.pipeline_parallel_size == 2 and not planned.engine.runs_pipeline
-    # The command line's one line names the flag it came from.
-    scenario = tmp_path / "pp.toml"
-    scenario.write_text('[model]\npreset = "llama-3.1-8b"\n[hardware]\ngpu = "h100"\n[engine]\n'
-                        'pipeline_parallel_size = 2\n[workload]\ntrace = "bundled:mooncake_conversation_trace.jsonl"\n')
-    one_error_line(run("replay", scenario, "--out", tmp_path / "run"),
-                   f"kvtwin: error: {scenario}: engine.async_scheduling: expected false with pipeline_parallel_size > 1")
 
 
 def test_scenario_replicas_beside_disaggregation_are_unused_not_refused(tmp_path):
