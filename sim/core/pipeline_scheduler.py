@@ -57,11 +57,11 @@ class PipelineAsyncScheduler(AsyncScheduler):
         super().__init__(kv_cache_config, scheduler_config, cache_config, connector)
         self.decode_stagger = scheduler_config.pipeline_parallel_size
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         """vLLM counts every ``schedule()`` call, one that schedules nothing too, before the
         running pass reads the count."""
         self.current_step += 1
-        return super().schedule()
+        return super().schedule(throttle_prefills)
 
     def _update_request_after_schedule(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
         """``AsyncScheduler``'s, and a request that samples may decode again only
