@@ -34,7 +34,7 @@ os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.distributed.utils import get_pp_indices  # noqa: E402
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs  # noqa: E402
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_capacity  # noqa: E402
@@ -88,13 +88,18 @@ def worker_specs(model: dict, pp: int) -> tuple[list[dict], list[tuple[int, int]
     return specs, ranges
 
 
-def make_config(max_model_len: int) -> VllmConfig:
+def make_config(max_model_len: int, pp: int) -> VllmConfig:
     model_config = ModelConfig(model=tiny_model_dir(_CACHE), skip_tokenizer_init=True, max_model_len=max_model_len,
                                dtype="bfloat16")
     scheduler_config = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                        max_model_len=max_model_len, async_scheduling=False, is_encoder_decoder=False)
+    # The engine's own parallel config: its pipeline stages set the batches in flight
+    # (max_concurrent_batches), which the sliding-window groups' per-request worst case and
+    # so the capacity figures count.
     config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=BLOCK_SIZE),
-                        scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"))
+                        scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"),
+                        parallel_config=ParallelConfig(pipeline_parallel_size=pp))
+    assert config.max_concurrent_batches == pp, config.max_concurrent_batches
     # As on a GPU: vLLM turns the hybrid KV cache manager off only because the CPU platform
     # lacks it (VllmConfig.__post_init__), and these are the layouts a GPU gets.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -106,7 +111,7 @@ def make_config(max_model_len: int) -> VllmConfig:
 def run_case(name: str, model_name: str, pp: int, memory: int, max_model_len: int) -> dict:
     model = MODELS[model_name]
     specs, ranges = worker_specs(model, pp)
-    config = make_config(max_model_len)
+    config = make_config(max_model_len, pp)
     groups = get_global_kv_cache_groups(config, specs)
     # Each worker alone: the block count its own memory gives, before vLLM takes the smallest.
     own = []
