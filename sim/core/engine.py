@@ -424,6 +424,16 @@ class EngineCore:
     def oldest_batch(self) -> Batch:
         return self.batch_queue[0]
 
+    def newest_batch(self) -> Batch:
+        """The batch scheduled last and still in flight (a pipeline's clock times its pass
+        through the stages from its cost)."""
+        return self.batch_queue[-1]
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """The pipeline stages its batches pass through (docs/semantics.md#pipeline-parallelism)."""
+        return self.scheduler.config.pipeline_parallel_size
+
     def any_batch_executed(self) -> bool:
         """Whether a batch in flight computes something."""
         return any(batch.executed for batch in self.batch_queue)

@@ -45,7 +45,7 @@ def test_replicas_and_router_flags_run_what_the_scenario_keys_run(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (("--replicas", "0"), "kvtwin: error: --replicas: expected a positive integer, got 0"),
     (("--router", "random"), "kvtwin: error: --router: expected one of round_robin, least_loaded, "
-                             "session_affinity, prefix_aware, got 'random'"),
+                             "session_affinity, prefix_aware, dp_lb, got 'random'"),
     ((str(SCENARIOS / "mooncake-llama8b-h100-pd.toml"), "--replicas", "2"),
      "kvtwin: error: --replicas: expected no [disaggregation] table in the scenario"),
 ])

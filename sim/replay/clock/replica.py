@@ -26,7 +26,7 @@ class Replica:
         self.engine = engine
         self.executor = executor
         self.batches = WindowedBatchQueue(engine, executor, window_pricing)
-        num_stages = engine.scheduler.config.pipeline_parallel_size
+        num_stages = engine.pipeline_parallel_size
         self.timeline = DeviceTimeline(newest_stage_passes(engine, num_stages) if num_stages > 1 else None)
         self.index = 0  # its place in the cluster, set when the cluster is built
         self._wake: Event | None = None
@@ -59,7 +59,7 @@ def newest_stage_passes(engine: EngineCore, num_stages: int) -> StagePasses:
     gave it where that differs (a recorded clock); an executor without stage times (a
     device's) has its duration split evenly over the stages, with no send."""
     def passes(duration_s: float) -> tuple[list[float], list[float]]:
-        cost = engine.batch_queue[-1].execution.cost
+        cost = engine.newest_batch().execution.cost
         if isinstance(cost, StepCost):
             compute, send = cost.stage_compute_s, cost.stage_send_s
             if compute is not None and send is not None and len(compute) == num_stages:
