@@ -49,11 +49,20 @@ def format_percent(fraction: float | None, digits: int = 1) -> str:
 
 def run_headline(resolved: dict) -> str:
     """What ran, in one line, from the resolved settings (``ResolvedScenario.describe``):
-    ``qwen3-8b on 2 replicas of 2x h200 behind prefix_aware, CPU KV offload 1.0 TB (lru)``."""
-    gpus = f"{resolved.get('tensor_parallel_size') or 1}x {resolved.get('gpu')}"
+    ``qwen3-8b on 2 replicas of 2x h200 behind prefix_aware, CPU KV offload 1.0 TB (lru)``;
+    ``gpt-oss-20b on DP 4 (ranks in lockstep) of 1x h100 behind dp_lb``; ``llama-3.1-8b on
+    2x h100 (TP 1, PP 2)``."""
+    tp = resolved.get("tensor_parallel_size") or 1
+    parallel = resolved.get("parallel") or {}
+    pp = parallel.get("pipeline_parallel_size") or 1
+    gpus = f"{tp * pp}x {resolved.get('gpu')}" + (f" (TP {tp}, PP {pp})" if pp > 1 else "")
     pd = resolved.get("disaggregation")
+    dp = parallel.get("data_parallel_size") or 1
     if pd:
         where = f"{pd['prefill_replicas']}P{pd['decode_replicas']}D of {gpus} over {pd['link']}"
+    elif dp > 1:
+        how = "ranks in lockstep" if parallel.get("dp_lockstep") else "independent ranks"
+        where = f"DP {dp} ({how}) of {gpus} behind {parallel.get('dp_router')}"
     elif (resolved.get("replicas") or 1) > 1:
         where = f"{resolved['replicas']} replicas of {gpus} behind {resolved.get('router')}"
     else:
@@ -95,8 +104,13 @@ def replicas_line(row: dict, replicas) -> str | None:
         return _pd_replicas_line(row, per)
     counts = " / ".join(f"{r['num_requests']:,}" for r in per)
     hits = " / ".join(format_percent(r["prefix_cache_hit_rate"]) for r in per)
-    return (f"replicas: {row['num_replicas']} behind {row['router']}: requests {counts} (imbalance "
+    line = (f"replicas: {row['num_replicas']} behind {row['router']}: requests {counts} (imbalance "
             f"{row['load_imbalance']:.2f}), prefix cache hit rate {hits}")
+    if "dummy_steps" in replicas.column_names and not missing(row.get("dp_group_steps")):
+        dummies = " / ".join(f"{r['dummy_steps']:,}" for r in per)
+        line += (f"; in lockstep: {int(row['dp_group_steps']):,} group steps in {int(row['dp_waves']):,} waves, "
+                 f"dummy batches {dummies}")
+    return line
 
 
 def _pd_replicas_line(row: dict, per: list[dict]) -> str:

@@ -169,7 +169,7 @@ class ResolvedScenario:
             # The file's name only: an absolute path would differ between two checkouts of one run.
             source = workload.trace.name if workload.trace is not None else f"synthetic {workload.synth.get('kind')}"
         pd = self.disaggregation
-        return {
+        described = {
             "model": self.model.name,
             "gpu": self.gpu.name,
             "tensor_parallel_size": self.engine.tensor_parallel_size,
@@ -191,6 +191,16 @@ class ResolvedScenario:
             "calibration": self.calibration.label if self.calibration is not None else None,
             "time_limit_s": self.time_limit_s,
         }
+        eng = self.engine
+        if eng.pipeline_parallel_size > 1 or eng.data_parallel_size > 1 or eng.enable_expert_parallel:
+            # Only where set: a run of one engine on one TP group records what it always did.
+            described["parallel"] = {
+                "pipeline_parallel_size": eng.pipeline_parallel_size,
+                "data_parallel_size": eng.data_parallel_size,
+                "enable_expert_parallel": eng.enable_expert_parallel,
+                "dp_router": self.deployment.dp_router if eng.data_parallel_size > 1 else None,
+                "dp_lockstep": eng.data_parallel_size > 1 and self.model.num_experts > 0}
+        return described
 
     def require_workload(self) -> Workload:
         """The workload to replay; and since a replay prices its steps, a GPU the cost model

@@ -91,3 +91,27 @@ def test_a_directory_without_the_record_still_gets_what_its_files_say(tmp_path):
         assert run_headline(run_settings(metadata, plan, summary)) == recorded, name
     assert "2P1D of 1x h100" in run_headline(run_settings({}, *_facts(tmp_path / "pd")[:2]))
     assert render_report_dir(tmp_path / "default").count("on 2 replicas of 2x h200 behind prefix_aware") >= 2
+
+
+@pytest.mark.parametrize("engine,model,expected", [
+    ("pipeline_parallel_size = 2", "llama-3.1-8b", "llama-3.1-8b on 2x h100 (TP 1, PP 2)"),
+    ("tensor_parallel_size = 2\npipeline_parallel_size = 2", "llama-3.1-8b", "llama-3.1-8b on 4x h100 (TP 2, PP 2)"),
+    ("data_parallel_size = 2", "llama-3.1-8b", "llama-3.1-8b on DP 2 (independent ranks) of 1x h100 behind dp_lb"),
+    ("data_parallel_size = 4\nasync_scheduling = false", "gpt-oss-20b",
+     "gpt-oss-20b on DP 4 (ranks in lockstep) of 1x h100 behind dp_lb"),
+])
+def test_the_headline_names_pipeline_stages_and_data_parallel_ranks(tmp_path, engine, model, expected):
+    scenario = tmp_path / "parallel.toml"
+    scenario.write_text(f'[model]\npreset = "{model}"\n[hardware]\ngpu = "h100"\n[engine]\n{engine}\n'
+                        'max_model_len = 16384\n[workload]\ntrace = "bundled:mooncake_conversation_trace.jsonl"\n')
+    out = tmp_path / "run"
+    result = _replay(out, str(scenario))
+    assert _title(out) == f"kvtwin replay report: {expected}"
+    assert f"{expected}, 20 requests" in " ".join(result.stdout.split())
+    summary = pq.read_table(out / "summary.parquet").to_pylist()[0]
+    # A lockstep group's line says its steps, waves and each rank's dummy batches.
+    if "lockstep" in expected:
+        assert (f"in lockstep: {summary['dp_group_steps']:,} group steps in {summary['dp_waves']:,} waves"
+                in " ".join(result.stdout.split()))
+    else:
+        assert "in lockstep" not in result.stdout
