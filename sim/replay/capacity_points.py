@@ -12,15 +12,16 @@ answer was judged on: the same without a limit, the busiest stretch's with one),
 ``max_request_rate_per_replica`` (divided by the point's replicas),
 ``replicas_needed_trace_rate`` (ceil of the whole cut trace's rate at the point's own scale
 over the per-replica rate), ``replicas_needed_target_rate`` (the same for ``target_rate``),
-``cost_per_hour`` (the GPU's ``price_per_hour`` times ``tensor_parallel_size x replicas``
-GPUs of the point's deployment) and ``cost_per_million_tokens`` (that cost over the
+``cost_per_hour`` (the GPU's ``price_per_hour`` times the point's GPUs: each replica's
+``tensor_parallel_size x pipeline_parallel_size``, times its replicas) and ``cost_per_million_tokens`` (that cost over the
 summary's ``total_token_throughput`` at ``lo``). Where no scale holds, ``max_rate_scale``
 and the figures derived from it are null and the summary is the last replay's; otherwise
 the summary columns are those of the replay at ``lo``. The ``*_pessimistic`` columns repeat
 the search with every step slower by the calibration's held-out step error
 (``step_error``, ``band.pessimistic``); null for an uncalibrated clock. The
-replicas are engine replicas of the point's own shape, each ``tensor_parallel_size`` GPUs
-(times ``num_gpus / num_replicas`` they read as GPUs), not the swept ``engine.replicas``.
+replicas are engines of the point's own shape (each data-parallel rank is one, as in vLLM,
+where every rank is an engine core with its own pool), each ``gpus_per_replica`` GPUs
+(``num_gpus / num_replicas`` they read as GPUs), not the swept ``engine.replicas``.
 
 The search judges sustained load, never a burst (docs/capacity.md#enough-load). A
 ``limit`` (``--limit N``) is read as a duration (``Stretch``): the shortest time in which
@@ -314,10 +315,18 @@ class SLOProbe:
 
 def point_replicas(resolved: ResolvedScenario) -> int:
     """The point's replicas: its prefill and decode replicas when disaggregated (each one
-    planned engine of ``tensor_parallel_size`` GPUs, as an aggregated replica)."""
+    planned engine, as an aggregated replica), and with data parallelism its ranks (the
+    replay's replicas: docs/semantics.md#data-parallel-lockstep)."""
     if resolved.disaggregation is not None:
         return resolved.disaggregation.num_replicas
-    return resolved.deployment.replicas
+    return resolved.deployment.replicas * resolved.engine.data_parallel_size
+
+
+def gpus_per_replica(resolved: ResolvedScenario) -> int:
+    """The GPUs one replica (one engine, a DP rank) takes: its tensor-parallel group times its
+    pipeline stages (docs/semantics.md#parallel-layouts)."""
+    eng = resolved.engine
+    return eng.tensor_parallel_size * eng.pipeline_parallel_size
 
 
 def run_point(task: PointTask) -> dict:
@@ -341,7 +350,7 @@ def _point_row(task: PointTask) -> dict:
     kv_config = planned.require_fits()
     resolved.require_host_memory(planned)
     row["kv_cache_blocks"] = kv_config.num_blocks - 1  # less the null block
-    row["num_gpus"] = resolved.engine.tensor_parallel_size * point_replicas(resolved)
+    row["num_gpus"] = gpus_per_replica(resolved) * point_replicas(resolved)
     replays = PointReplays(resolved, planned, resolved.offload_for(planned), _SOURCES.get(workload))
     if task.offered_rate is not None:
         row.update(_load_curve_columns(replays, task.offered_rate))
@@ -388,7 +397,7 @@ def _searched_columns(replays: PointReplays, search: RateSearch) -> dict:
     trace_rate = replays.trace_rate(replays.start_scale)
     replicas = point_replicas(resolved)
     price = resolved.gpu.price_per_hour
-    gpus = resolved.engine.tensor_parallel_size * replicas
+    gpus = gpus_per_replica(resolved) * replicas
     if price is not None:
         out["cost_per_hour"] = price * gpus
     if found.lo is None:

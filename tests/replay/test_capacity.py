@@ -360,3 +360,18 @@ def test_the_pessimistic_edge_searches_again_with_every_step_slower(constant, tm
     plain = tmp_path / "plain"
     assert _invoke(constant, "--find-max-rate", "--out", plain, "-q").exit_code == 0
     assert pq.read_table(plain / "capacity.parquet").to_pylist()[0]["max_rate_scale_pessimistic"] is None
+
+
+def test_pipeline_stages_and_data_parallel_ranks_count_as_gpus(tmp_path):
+    """A point's GPUs are each engine's TP x PP GPUs times its engines, every DP rank one
+    (docs/semantics.md#parallel-layouts): what its cost per hour is priced on."""
+    out = tmp_path / "cap"
+    result = _invoke(AZURE, "--sweep", "engine.pipeline_parallel_size=1,2", "--sweep", "engine.data_parallel_size=1,2",
+                     "--limit", 30, "--jobs", 1, "--out", out, "-q")
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "capacity.parquet").to_pylist()
+    assert [(r["engine.pipeline_parallel_size"], r["engine.data_parallel_size"], r["status"]) for r in rows] == [
+        (1, 1, "ok"), (1, 2, "ok"), (2, 1, "ok"), (2, 2, "ok")]
+    assert [r["num_gpus"] for r in rows] == [pp * dp for pp in (1, 2) for dp in (1, 2)]
+    # Each DP rank is an engine of the replay: the GPUs of one are the TP x PP group.
+    assert [r["num_gpus"] / r["num_replicas"] for r in rows] == [1, 1, 2, 2]
