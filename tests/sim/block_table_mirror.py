@@ -24,6 +24,10 @@ its scheduled tokens. It sampled ``1 + accepted`` tokens, so ``drafts - accepted
 computed tokens are rolled back: at once when synchronous; asynchronously the batch's
 drafts count as tokens in flight (like the scheduler's placeholders) until that batch is
 applied (``BatchRecord.updated``), when both counts drop by the rejected drafts.
+
+Pipeline stages with synchronous scheduling (``pipelined``: a batch queue without
+placeholders, docs/semantics.md#pipeline-parallelism): a sampled token becomes the
+request's when its batch is applied, as the scheduler counts it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class BlockTableMirror:
         # Async with drafts: per batch in flight (its output's id), request -> rejected drafts.
         self.pending_rejections: dict[int, dict[str, int]] = {}
         self.num_rejected = 0
+        # Pipelined: per batch in flight (its output's id), request -> tokens it sampled.
+        self.pending_tokens: dict[int, dict[str, int]] = {}
 
     # -- the consumer --------------------------------------------------------------------
 
@@ -67,6 +73,8 @@ class BlockTableMirror:
                 self.num_tokens[rid] += 1 + drafts
                 if rejected:
                     rejections[rid] = rejected
+            elif self.pipelined:
+                self.pending_tokens.setdefault(id(output), {})[rid] = len(tokens)
             else:
                 self.num_tokens[rid] += len(tokens)
                 self.num_computed_tokens[rid] -= rejected
@@ -76,6 +84,16 @@ class BlockTableMirror:
         return execution
 
     asynchronous = False  # set by the driver for an asynchronous engine
+    pipelined = False  # set by the driver for a synchronous engine with pipeline stages
+
+    def _apply_sampled(self, result: BatchRecord) -> None:
+        """Pipelined: the batch just applied hands its requests their sampled tokens (one
+        preempted meanwhile, its table dropped, gets it while waiting)."""
+        if result.updated is None:
+            return
+        for rid, n in self.pending_tokens.pop(id(result.updated), {}).items():
+            if rid in self.tables and rid not in self.dropped_preempted:
+                self.num_tokens[rid] += n
 
     def _apply_rejections(self, result: BatchRecord) -> None:
         """Async: the batch just applied rolls back its rejected drafts (a request whose
@@ -163,6 +181,7 @@ class BlockTableMirror:
 
     def check(self, engine: EngineCore, result: BatchRecord) -> None:
         self._apply_rejections(result)
+        self._apply_sampled(result)
         kvm = engine.kv_cache_manager
         if kvm.replaced_block_ids:
             # A running request whose allocation failed is scheduled in the same step,

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from kvtwin.sim.core.block_pool import BlockPool
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.engine import EngineCore
+from kvtwin.sim.core.prefill_throttle import throttles_prefills
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.lockstep.golden import CaseRequest, GoldenCase, load_case
 from kvtwin.sim.core.hashing import BlockHasher, TokenPrompt, get_hash_fn
@@ -247,6 +248,7 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
     table_mirror = BlockTableMirror(model) if mirror else None
     if table_mirror is not None:
         table_mirror.asynchronous = s.scheduler_config.async_scheduling
+        table_mirror.pipelined = engine.async_scheduling and not s.scheduler_config.async_scheduling
         model = table_mirror
     objs: dict[str, Request] = {}
     finished: set[str] = set()
@@ -262,8 +264,16 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
     next_arrival = 0
     bound = step_bound(s)
     step = 0
-    is_async = s.scheduler_config.async_scheduling
-    step_fn = engine.step_async if is_async else engine.step
+    # A batch queue (asynchronous scheduling, or pipeline stages) is stepped as vLLM's
+    # step_with_batch_queue; a prefill cadence as one rank of a DP group in one wave, the
+    # step number its step counter (as sim/lockstep/runner.py steps these cases).
+    is_async = engine.async_scheduling
+    interval = s.scheduler_config.prefill_schedule_interval
+    if interval > 1:
+        def step_fn(executor):
+            return engine.step(executor, throttles_prefills(interval, step))
+    else:
+        step_fn = engine.step_async if is_async else engine.step
     if check:
         check_invariants(engine)
     while True:
