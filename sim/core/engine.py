@@ -387,11 +387,12 @@ class EngineCore:
         return (scheduler.has_unfinished_requests() or bool(scheduler.finished_req_ids)
                 or bool(scheduler.connector_state.delayed_free))
 
-    def schedule_batch(self, executor: ModelExecutor) -> Batch:
+    def schedule_batch(self, executor: ModelExecutor, throttle_prefills: bool = False) -> Batch:
         """Schedule one batch, hand it to the executor (it runs while the next is scheduled)
         and queue it. An output with no tokens is queued too (vLLM updates it as well).
-        The worker gets the batch's transfer jobs with it."""
-        output = self.scheduler.schedule()
+        The worker gets the batch's transfer jobs with it. ``throttle_prefills``: a DP
+        group's off-cadence step (docs/semantics.md#data-parallel-lockstep)."""
+        output = self.scheduler.schedule(throttle_prefills)
         self._worker.submit(output.kv_connector_metadata)
         batch = Batch(output, self._execute(executor, output))
         self.batch_queue.append(batch)

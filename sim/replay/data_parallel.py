@@ -39,8 +39,8 @@ def data_parallel(plan: Plan, deployment: Deployment, cost_model: CostModel | No
                   disaggregation: bool = False, speculative: bool = False) -> DataParallel | None:
     """The plan's DP ranks in the replay (None: ``data_parallel_size`` 1, the deployment's
     replicas as they are). Refuses, as one ``ConfigError``, what a DP run does not model:
-    several copies of the DP engine, and with a lockstep group asynchronous scheduling, a KV
-    connector (offload, P/D) or drafts. ``cost_model`` prices the dummy batch (None: 0 s,
+    several copies of the DP engine, and in a lockstep group pipeline stages, a KV connector
+    (offload, P/D) or drafts. ``cost_model`` prices the dummy batch (None: 0 s,
     a clock whose batches are not priced by a cost model)."""
     eng = plan.engine
     dp = eng.data_parallel_size
@@ -59,15 +59,16 @@ def data_parallel(plan: Plan, deployment: Deployment, cost_model: CostModel | No
                               "are independent engines; vLLM's local cadence is not modelled)",
                               scheduler.prefill_schedule_interval)
         return DataParallel(dp, deployment.dp_router, None)
-    refused = (("engine.async_scheduling", eng.async_scheduling, "false"),
-               ("offload", offload, "no [offload] table"),
+    if eng.pipeline_parallel_size > 1:
+        raise ConfigError("engine.pipeline_parallel_size", f"1 with data_parallel_size {dp} on MoE {plan.model.name} "
+                          "(pipeline stages in a lockstep group are not modelled)", eng.pipeline_parallel_size)
+    refused = (("offload", offload, "no [offload] table"),
                ("disaggregation", disaggregation, "no [disaggregation] table"),
                ("speculative", speculative, "no [speculative] method"))
     for field, on, expected in refused:
         if on:
             raise ConfigError(field, f"{expected} with data_parallel_size {dp} on MoE {plan.model.name} (its ranks "
-                              "step together; only synchronous scheduling without a connector or drafts is "
-                              "modelled)", True)
+                              "step together; a connector or drafts in the group are not modelled)", True)
     dummy_s = cost_model.split_step_cost([1], []).total_s if cost_model is not None else 0.0
     settings = LockstepSettings(prefill_schedule_interval=scheduler.prefill_schedule_interval, dummy_batch_s=dummy_s)
     return DataParallel(dp, deployment.dp_router, settings)

@@ -305,7 +305,10 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
         label = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload, roles=roles,
                               num_speculative_tokens=eng.scheduler.num_speculative_tokens)
-    replicas = [Replica(engine, executor, window_pricing(executor) if decode_windows else None)
+    # A lockstep group's ranks schedule batch by batch: its forwards are collectives that
+    # pair every rank's k-th batch (docs/semantics.md#asynchronous-scheduling-in-a-group).
+    windows = decode_windows and lockstep is None
+    replicas = [Replica(engine, executor, window_pricing(executor) if windows else None)
                 for engine, executor in zip(engines, executors)]
     group = DPGroup(lockstep, len(replicas)) if lockstep is not None else None
     cluster = Cluster(env, replicas, _front(plan, router, engines, tiers, disaggregation), metrics,

@@ -23,7 +23,7 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.hashing import TokenPrompt
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
-from kvtwin.sim.replay.clock import dp_group
+from kvtwin.sim.replay.clock import dp_async, dp_group
 from kvtwin.sim.replay.clock.arrivals import Arrival
 from kvtwin.sim.replay.clock.cluster import Cluster, RoutedFront
 from kvtwin.sim.replay.clock.dp_group import DPGroup, LockstepSettings
@@ -60,10 +60,11 @@ class Scripted(Router):
         return int(request.request_id[1])
 
 
-def _group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arrival]):
+def _group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arrival], async_scheduling: bool = False,
+           engine_class: type[EngineCore] = EngineCore):
     env = simpy.Environment()
-    scheduler = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, async_scheduling=False)
-    engines = [EngineCore(kv_config(num_blocks=NUM_BLOCKS), scheduler) for _ in range(num_ranks)]
+    scheduler = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    engines = [engine_class(kv_config(num_blocks=NUM_BLOCKS), scheduler) for _ in range(num_ranks)]
     executors = [TokenClock() for _ in range(num_ranks)]
     replicas = [Replica(engine, executor) for engine, executor in zip(engines, executors)]
     recorder = MetricsRecorder(1, num_ranks)
@@ -206,9 +207,144 @@ def test_a_dense_models_dp_ranks_are_independent_engines_behind_vllms_balancer()
 
 
 @pytest.mark.parametrize("engine, field", [
-    ({"data_parallel_size": 4}, "engine.async_scheduling"),
+    ({"data_parallel_size": 2, "pipeline_parallel_size": 2}, "engine.pipeline_parallel_size"),
     ({"data_parallel_size": 1, "prefill_schedule_interval": 2}, "engine.prefill_schedule_interval"),
 ])
 def test_what_a_dp_group_does_not_model_is_refused(engine, field):
     with pytest.raises(ConfigError, match=field):
         _dp_replay(**engine)
+
+
+# -- asynchronous scheduling (docs/semantics.md#asynchronous-scheduling-in-a-group) ----------
+
+
+class QueueWatch(EngineCore):
+    """An engine that remembers the most batches it ever had in flight."""
+
+    most_in_flight = 0
+
+    def schedule_batch(self, executor, throttle_prefills=False):
+        batch = super().schedule_batch(executor, throttle_prefills)
+        self.most_in_flight = max(self.most_in_flight, len(self.batch_queue))
+        return batch
+
+
+def _async_group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arrival], monkeypatch):
+    """An asynchronous group, with every group forward's (start, end) in index order."""
+    forwards: list[dp_async._Forward] = []
+    original = dp_async.ForwardPasses._time
+
+    def spy(self, forward):
+        forwards.append(forward)
+        return original(self, forward)
+    monkeypatch.setattr(dp_async.ForwardPasses, "_time", spy)
+    group, recorder, engines, executors = _group(num_ranks, lockstep, arrivals, async_scheduling=True,
+                                                 engine_class=QueueWatch)
+    return group, recorder, engines, executors, [(f.start_s, f.end_s) for f in forwards]
+
+
+def _check_async_invariants(group, recorder, engines, executors, forwards, arrivals, dummy_s):
+    table = recorder.requests_table()
+    ids = table.column("request_id").to_pylist()
+    assert sorted(ids) == sorted(a.request.request_id for a in arrivals)
+    assert all(int(rid[1]) == rank for rid, rank in zip(ids, table.column("replica").to_pylist()))
+    for engine in engines:
+        assert engine.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+        assert engine.most_in_flight <= 2 and not engine.batch_queue
+    assert len(forwards) == group.group_steps
+    # The group's forwards run one after another.
+    assert all(start >= previous_end for (_, previous_end), (start, _) in zip(forwards, forwards[1:]))
+    # Each rank's k-th forward is its batch or a dummy: every rank takes part in each one.
+    for rank, executor in enumerate(executors):
+        assert executor.batches + group.dummy_steps[rank] == group.group_steps
+    steps = recorder.steps_table()
+    tokens = steps.column("prefill_tokens").to_numpy() + steps.column("decode_tokens").to_numpy()
+    ran = tokens > 0
+    start = steps.column("time_s").to_numpy()[ran]
+    end = start + steps.column("duration_s").to_numpy()[ran]
+    rank = steps.column("replica").to_numpy()[ran]
+    tokens = tokens[ran]
+    by_start = {round(s, 9): (s, e) for s, e in forwards}
+    for t in np.unique(start):
+        rows = start == t
+        forward_start, forward_end = by_start[round(t, 9)]
+        # A batch runs as one of the group's forwards: it starts and ends with it.
+        assert np.allclose(end[rows], forward_end)
+        assert len(set(rank[rows])) == rows.sum(), "one batch per rank per forward"
+        # The forward lasts as long as its slowest part (a dummy where a rank had no batch).
+        slowest = tokens[rows].max() * PER_TOKEN_S
+        if rows.sum() < len(engines):
+            slowest = max(slowest, dummy_s)
+        assert forward_end - forward_start == pytest.approx(slowest)
+
+
+def test_async_an_idle_rank_runs_a_dummy_in_every_forward_and_its_pool_is_untouched(monkeypatch):
+    arrivals = [_arrival(rank, f"{i}", 0.01 * i, 40 + 7 * i, 6) for i in range(4) for rank in range(3)]
+    group, recorder, engines, executors, forwards = _async_group(4, LockstepSettings(dummy_batch_s=0.0005),
+                                                                 arrivals, monkeypatch)
+    assert group.dummy_steps[3] == group.group_steps > 0
+    assert executors[3].batches == 0 and engines[3].most_in_flight == 0
+    pool = engines[3].kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 and not pool.cached_block_hash_to_block[0]
+    # Working ranks keep two batches in flight.
+    assert all(engines[rank].most_in_flight == 2 for rank in range(3))
+    _check_async_invariants(group, recorder, engines, executors, forwards, arrivals, 0.0005)
+
+
+def test_async_waves_start_and_end_at_sync_points(monkeypatch):
+    # As in the synchronous case: one request of 5 outputs (a prefill and 4 decodes, each a
+    # forward) at 0 s and another at 100 s; each wave runs to the sync at step 16.
+    arrivals = [_arrival(0, "a", 0.0, 30, 5), _arrival(0, "b", 100.0, 30, 5)]
+    group, recorder, engines, executors, forwards = _async_group(
+        2, LockstepSettings(dp_sync_interval=16, dummy_batch_s=0.001), arrivals, monkeypatch)
+    assert (group.waves, group.group_steps) == (2, 32)
+    assert executors[0].batches == 10 and group.dummy_steps == [22, 32]
+    # The second wave's first forward starts at the arrival.
+    assert forwards[16][0] == 100.0
+    # Back to back: the prefill (30 tokens) then a decode in every forward, the next one
+    # scheduled while the one before runs.
+    assert [round(e - s, 9) for s, e in forwards[:5]] == [0.03, 0.001, 0.001, 0.001, 0.001]
+    _check_async_invariants(group, recorder, engines, executors, forwards, arrivals, 0.001)
+
+
+def test_async_a_batch_applied_late_still_counts_with_its_forward(monkeypatch):
+    # Two ranks with different loads: rank 0's long prefills hold rank 1's short decodes.
+    arrivals = [_arrival(0, "a", 0.0, 60, 3), _arrival(1, "b", 0.0, 4, 8), _arrival(0, "c", 0.001, 60, 2)]
+    group, recorder, engines, executors, forwards = _async_group(
+        2, LockstepSettings(dummy_batch_s=0.0002), arrivals, monkeypatch)
+    steps = recorder.steps_table()
+    rank1 = steps.filter(pa.compute.equal(steps.column("replica"), 1))
+    # Rank 1's 4-token prefill waits in the group's first forward for rank 0's 60 tokens.
+    assert rank1.column("duration_s").to_pylist()[0] == pytest.approx(0.06)
+    _check_async_invariants(group, recorder, engines, executors, forwards, arrivals, 0.0002)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 0.2), st.integers(1, 150), st.integers(1, 12)),
+                min_size=1, max_size=14),
+       st.integers(1, 4), st.integers(1, 20))
+def test_async_lockstep_invariants(requests, interval, sync_interval):
+    arrivals = sorted((_arrival(rank, f"{i}", at_s, prompt, out) for i, (rank, at_s, prompt, out)
+                       in enumerate(requests)), key=lambda a: a.arrival_s)
+    lockstep = LockstepSettings(prefill_schedule_interval=interval, dp_sync_interval=sync_interval,
+                                dummy_batch_s=0.0003)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        result = _async_group(4, lockstep, arrivals, monkeypatch)
+    _check_async_invariants(*result, arrivals, 0.0003)
+
+
+def test_a_dp4_moe_scenario_with_default_async_scheduling_replays_as_a_lockstep_group():
+    planned, result = _dp_replay(data_parallel_size=4)
+    assert planned.model.num_experts > 0 and planned.engine.async_scheduling
+    summary = result.summary.to_pylist()[0]
+    assert summary["router"] == "dp_lb" and summary["num_replicas"] == 4
+    assert summary["completed"] + summary["rejected"] == 40
+    steps = result.steps
+    ran = (steps.column("prefill_tokens").to_numpy() + steps.column("decode_tokens").to_numpy()) > 0
+    batches = np.bincount(steps.column("replica").to_numpy()[ran], minlength=4)
+    assert result.replicas.column("dummy_steps").to_pylist() == [summary["dp_group_steps"] - n for n in batches]
+    # Batches of one forward start and end together on every rank.
+    start = steps.column("time_s").to_numpy()[ran]
+    duration = steps.column("duration_s").to_numpy()[ran]
+    for t in np.unique(start):
+        assert len(set(duration[start == t])) == 1

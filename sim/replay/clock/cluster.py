@@ -26,6 +26,7 @@ from kvtwin.sim.core.engine import BatchRecord, RequestSnapshot
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.replay.clock.arrivals import Arrival, arrival_process
 from kvtwin.sim.replay.clock.collector import relaxed_collection
+from kvtwin.sim.replay.clock.dp_async import AsyncGroup
 from kvtwin.sim.replay.clock.dp_group import DPGroup, dp_group_process
 from kvtwin.sim.replay.clock.engine_processes import async_engine_process, sync_engine_process
 from kvtwin.sim.replay.clock.progress import ReplayClock
@@ -159,7 +160,9 @@ class Cluster:
         limit; returns the simulated time at which the run ended."""
         env = self.env
         env.process(arrival_process(self, iter(arrivals)))
-        if self.dp_group is not None:
+        if self.dp_group is not None and self.replicas[0].engine.async_scheduling:
+            dones = AsyncGroup(self, self.replicas, self.dp_group).processes()
+        elif self.dp_group is not None:
             dones = [env.process(dp_group_process(self, self.replicas, self.dp_group))]
         else:
             dones = [env.process(_engine_process(self, replica)) for replica in self.replicas]

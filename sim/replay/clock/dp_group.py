@@ -18,8 +18,9 @@ them all:
 - **Prefill throttling.** The group's step counter decides, for every rank at once,
   whether the step defers prefills (``prefill_throttle.throttles_prefills``).
 
-Only synchronous scheduling runs in a group (each rank one batch at a time); a scenario
-with asynchronous scheduling, a KV connector or drafts is refused before it gets here.
+This process runs a group with synchronous scheduling (each rank one batch at a time);
+with asynchronous scheduling each rank runs its own loop (``dp_async.py``). A scenario
+with a KV connector, drafts or pipeline stages in a group is refused before it gets here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,253 @@
+"""A data-parallel MoE group whose ranks schedule asynchronously, as vLLM 0.33 runs it by
+default: each rank's ``DPEngineCoreProc.run_busy_loop`` with ``step_with_batch_queue``
+(docs/semantics.md#asynchronous-scheduling-in-a-group).
+
+Each rank is its own process running vLLM's engine loop with its own batch queue (depth
+``batch_queue_size``, 2); what couples them is the forward pass, a collective of the MoE
+layers (``ForwardPasses``):
+
+- **One forward per iteration.** Every iteration of a rank's loop while the group runs
+  issues exactly one forward pass: its scheduled batch if that computes anything, else a
+  dummy batch (``execute_dummy_batch``), which touches no KV. The group's k-th forward is
+  every rank's k-th: it starts once every rank has issued it and the (k-1)-th has ended,
+  lasts as long as the slowest rank's part, and ends for every rank at once.
+- **Issuing waits for the start.** A rank's loop goes on once its forward has started (the
+  DP padding all-reduce of ``coordinate_batch_across_dp`` reads its result back to the host,
+  which waits for the previous forward and every rank's arrival), so a rank is never more
+  than one forward ahead of the group.
+- **Results.** A rank applies its oldest batch when its loop waits for it: its queue is
+  full, or its batch computed nothing and it has nothing more to schedule, or it has no
+  requests. A batch that computed nothing holds no forward and is ready at once.
+- **Waves.** Each rank counts its iterations (the same on every rank); at the first and
+  every ``dp_sync_interval``-th the ranks meet in an all-reduce of whether any has
+  unfinished requests, each as its own state stood when it got there. None: the wave ends,
+  counters back to 0. A rank with a request while the group is idle starts a new wave and
+  the others join.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import simpy
+
+from kvtwin.sim.core.prefill_throttle import throttles_prefills
+from kvtwin.sim.replay.clock.dp_group import DPGroup
+from kvtwin.sim.replay.clock.engine_processes import ClusterView
+from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.recorder import BatchTimes
+
+
+class ForwardPasses:
+    """The group's forward passes: which ranks have issued each one, and when it runs."""
+
+    def __init__(self, env: simpy.Environment, cluster: ClusterView, ranks: Sequence[Replica], group: DPGroup):
+        self.env = env
+        self.cluster = cluster
+        self.ranks = ranks
+        self.group = group
+        self.issued = [0] * len(ranks)  # forwards each rank has issued
+        # The forwards not yet read by every rank, by index.
+        self._pending: dict[int, _Forward] = {}
+        self.last_end_s = 0.0
+        self._idle: simpy.Event | None = None
+        self.stalled = False  # the last forward was all dummies with nothing else to wait for
+
+    def issue(self, rank: int, duration_s: float, progress: bool) -> tuple[int, simpy.Event]:
+        """``rank`` issues its next forward: its index and the event of its start.
+        ``progress``: its part is its batch, or its empty schedule preempted (either changes
+        what the next schedule can do)."""
+        index = self.issued[rank]
+        self.issued[rank] = index + 1
+        forward = self._pending.get(index)
+        if forward is None:
+            forward = self._pending[index] = _Forward(self.env.event())
+        forward.ranks += 1
+        forward.duration_s = max(forward.duration_s, duration_s)
+        forward.progress |= progress
+        if forward.ranks == len(self.ranks):
+            self._time(forward)
+        return index, forward.started
+
+    def times(self, index: int) -> tuple[float, float]:
+        """A started forward's start and end (each rank reads them once)."""
+        forward = self._pending[index]
+        forward.readers += 1
+        if forward.readers == len(self.ranks):
+            del self._pending[index]
+        return forward.start_s, forward.end_s
+
+    def _time(self, forward: _Forward) -> None:
+        """Every rank has issued ``forward``: it starts once the one before it has ended."""
+        env = self.env
+        self.group.group_steps += 1
+        wait: simpy.Event | None = None
+        if forward.progress or any(rank.engine.any_batch_executed() for rank in self.ranks):
+            self.stalled = False
+        elif any(rank.engine.has_unfinished_requests() for rank in self.ranks):
+            # Requests wait yet nothing computes anywhere: only an arrival can change that.
+            if self.cluster.arrivals_done:
+                if self.stalled:
+                    blocked = next(rank for rank in self.ranks if rank.engine.has_unfinished_requests())
+                    raise blocked.engine.no_progress_error("workload")
+                self.stalled = True
+            elif forward.duration_s == 0:
+                wait = self.idle_event()  # free dummies would spin at one instant
+        start_s = max(env.now, self.last_end_s)
+        forward.start_s = start_s
+        forward.end_s = self.last_end_s = start_s + forward.duration_s
+        started = forward.started
+        if wait is not None:
+            def at_arrival(_event, forward=forward, started=started):
+                forward.start_s = env.now
+                forward.end_s = self.last_end_s = env.now + forward.duration_s
+                started.succeed()
+            wait.callbacks.append(at_arrival)
+        elif start_s > env.now:
+            env.timeout(start_s - env.now).callbacks.append(lambda _event: started.succeed())
+        else:
+            started.succeed()
+
+    def idle_event(self) -> simpy.Event:
+        """One event that an arrival on any rank triggers (every idle rank waits on it)."""
+        idle = self._idle
+        if idle is None or idle.triggered:
+            idle = self._idle = self.env.event()
+            for rank in self.ranks:
+                rank.share_wake(idle)
+        return idle
+
+
+class _Forward:
+    """One forward pass of the group: the ranks that issued it, its slowest part's seconds,
+    whether it makes progress, its start event, its start and end once timed, and how many
+    ranks read them."""
+
+    def __init__(self, started: simpy.Event):
+        self.started = started
+        self.ranks = 0
+        self.duration_s = 0.0
+        self.progress = False
+        self.start_s = 0.0
+        self.end_s = 0.0
+        self.readers = 0
+
+
+class _SyncPoint:
+    """The ranks' all-reduce of whether any has unfinished requests (vLLM's
+    ``_has_global_unfinished_reqs``): each brings its own answer; all leave with the OR
+    once the last one is there."""
+
+    def __init__(self, env: simpy.Environment, num_ranks: int):
+        self.env = env
+        self.num_ranks = num_ranks
+        self.arrived = 0
+        self.any_unfinished = False
+        self.done = env.event()
+
+    def join(self, unfinished: bool) -> simpy.Event:
+        self.any_unfinished |= unfinished
+        self.arrived += 1
+        done = self.done
+        if self.arrived == self.num_ranks:
+            done.succeed(self.any_unfinished)
+            self.done = self.env.event()
+            self.arrived = 0
+            self.any_unfinished = False
+        return done
+
+
+class AsyncGroup:
+    """What the ranks' processes share: the forwards, the sync point, each rank's step
+    counter (vLLM's ``step_counter``, the same on every rank at its own pace)."""
+
+    def __init__(self, cluster: ClusterView, ranks: Sequence[Replica], group: DPGroup):
+        self.cluster = cluster
+        self.ranks = ranks
+        self.group = group
+        self.forwards = ForwardPasses(cluster.env, cluster, ranks, group)
+        self.sync = _SyncPoint(cluster.env, len(ranks))
+        self.step_counters = [0] * len(ranks)
+
+    def processes(self) -> list[simpy.Process]:
+        env = self.cluster.env
+        return [env.process(rank_process(self, index)) for index in range(len(self.ranks))]
+
+
+def rank_process(shared: AsyncGroup, index: int):
+    """One rank's engine loop (``DPEngineCoreProc.run_busy_loop`` with
+    ``step_with_batch_queue``) until arrivals are done and the group is idle."""
+    cluster = shared.cluster
+    env = cluster.env
+    group = shared.group
+    settings = group.settings
+    forwards = shared.forwards
+    ranks = shared.ranks
+    replica = ranks[index]
+    engine = replica.engine
+    executor = replica.executor
+    size = engine.batch_queue_size
+    counters = shared.step_counters
+    # Per batch in flight, oldest first (beside the engine's queue): the forward it runs in
+    # (None: it computes nothing), when it was scheduled, its start and end.
+    in_flight: deque[tuple[int | None, float, float, float]] = deque()
+    last_end_s = 0.0  # the end of the batch this rank applied last
+
+    def apply_oldest():
+        nonlocal last_end_s
+        forward, scheduled_s, start_s, end_s = in_flight.popleft()
+        if forward is None:
+            start_s = end_s = env.now
+        elif end_s > env.now:
+            yield env.timeout(end_s - env.now)
+        times = BatchTimes(scheduled_s, start_s, end_s, last_end_s)
+        last_end_s = end_s
+        cluster.applied(replica, engine.update_batch(), times)
+
+    while True:
+        if not group.running:
+            if any(rank.engine.has_unfinished_requests() for rank in ranks):
+                # A rank got a request: it starts a wave and the others join (START_DP_WAVE).
+                group.running = True
+                group.waves += 1
+                forwards.idle_event().succeed()
+            elif not engine.has_requests() and not in_flight:
+                if cluster.arrivals_done:
+                    return
+                yield forwards.idle_event()
+                continue
+        # One iteration: the engine step (step_with_batch_queue), then a dummy batch if it
+        # computed nothing, then the step counter and perhaps the all-reduce.
+        executed = preempted = False
+        if engine.has_requests():
+            throttle = throttles_prefills(settings.prefill_schedule_interval, counters[index])
+            batch = engine.schedule_batch(executor, throttle)
+            scheduled_s = env.now
+            if batch.executed:
+                executed = True
+                forward, started = forwards.issue(index, batch.execution.duration_s, True)
+                yield started
+                start_s, end_s = forwards.times(forward)
+                in_flight.append((forward, scheduled_s, start_s, end_s))
+            else:
+                preempted = bool(batch.output.preempted)
+                in_flight.append((None, scheduled_s, scheduled_s, scheduled_s))
+            if not (len(in_flight) < size and (executed or engine.has_requests())):
+                yield from apply_oldest()
+        elif in_flight:
+            yield from apply_oldest()
+        unfinished = engine.has_unfinished_requests()
+        if not executed:
+            if not unfinished and not group.running:
+                continue  # the group is idle: no forward, no step
+            group.dummy_steps[index] += 1
+            forward, started = forwards.issue(index, settings.dummy_batch_s, preempted)
+            yield started
+            forwards.times(forward)
+        counter = counters[index] = counters[index] + 1
+        if counter != 1 and counter % settings.dp_sync_interval:
+            continue
+        if not (yield shared.sync.join(unfinished)):
+            counters[index] = 0
+            group.running = False  # the wave ends on every rank
