@@ -107,6 +107,8 @@ class StepCost:
     # next stage (0 after the last); None: one stage, whose time is ``total_s``.
     stage_compute_s: list[float] | None = None
     stage_send_s: list[float] | None = None
+    # A DP MoE group (``moe_group_cost.py``): the MoE collectives' share of communication_s.
+    moe_communication_s: float = 0.0
 
     # Spelled out: a compiled dataclass keeps the generated __init__, which runs as Python.
     def __init__(self, total_s: float, compute_s: float, memory_s: float, communication_s: float,
@@ -114,7 +116,7 @@ class StepCost:
                  attention_flops: float, num_requests: int, num_tokens: int = 0, body_flops: float = 0.0,
                  head_flops: float = 0.0, elementwise_bytes: float = 0.0, extra_gpu_s: float = 0.0,
                  attention_work: float = 0.0, draft_s: float = 0.0, stage_compute_s: list[float] | None = None,
-                 stage_send_s: list[float] | None = None):
+                 stage_send_s: list[float] | None = None, moe_communication_s: float = 0.0):
         self.total_s = total_s
         self.compute_s = compute_s
         self.memory_s = memory_s
@@ -135,6 +137,7 @@ class StepCost:
         self.draft_s = draft_s
         self.stage_compute_s = stage_compute_s
         self.stage_send_s = stage_send_s
+        self.moe_communication_s = moe_communication_s
 
     def stage_s(self) -> list[float]:
         """Each pipeline stage's time, its send to the next included (one stage: ``total_s``)."""

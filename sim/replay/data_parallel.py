@@ -17,6 +17,7 @@ from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.replay.clock.dp_group import LockstepSettings
 from kvtwin.sim.replay.cost_model import CostModel
+from kvtwin.sim.replay.moe_group_cost import moe_dp_group
 from kvtwin.sim.scenario.deployment import Deployment
 
 
@@ -70,5 +71,9 @@ def data_parallel(plan: Plan, deployment: Deployment, cost_model: CostModel | No
             raise ConfigError(field, f"{expected} with data_parallel_size {dp} on MoE {plan.model.name} (its ranks "
                               "step together; a connector or drafts in the group are not modelled)", True)
     dummy_s = cost_model.split_step_cost([1], []).total_s if cost_model is not None else 0.0
-    settings = LockstepSettings(prefill_schedule_interval=scheduler.prefill_schedule_interval, dummy_batch_s=dummy_s)
+    # The group prices its MoE layers for all ranks (docs/clock.md#moe-under-data-parallelism).
+    moe = (moe_dp_group(plan, cost_model.eff) if cost_model is not None and eng.pipeline_parallel_size == 1
+           else None)
+    settings = LockstepSettings(prefill_schedule_interval=scheduler.prefill_schedule_interval, dummy_batch_s=dummy_s,
+                                moe=moe)
     return DataParallel(dp, deployment.dp_router, settings)

@@ -29,8 +29,8 @@ from kvtwin.sim.core.offload.connector_metadata import OffloadingConnectorMetada
 from kvtwin.sim.core.request import Request, RequestStatus
 from kvtwin.sim.replay.client_side import client_request_columns
 from kvtwin.sim.replay.cost_model import StepCost
-from kvtwin.sim.replay.output_columns import (CLIENT_SIDE, DISAGGREGATION, OFFLOAD, OFFLOAD_BYTES_STEP_COLUMNS,
-                                              OFFLOAD_CPU_STEP_COLUMNS, OFFLOAD_DISK_STEP_COLUMNS,
+from kvtwin.sim.replay.output_columns import (CLIENT_SIDE, DATA_PARALLEL, DISAGGREGATION, OFFLOAD,
+                                              OFFLOAD_BYTES_STEP_COLUMNS, OFFLOAD_CPU_STEP_COLUMNS, OFFLOAD_DISK_STEP_COLUMNS,
                                               OFFLOAD_WAITING_COLUMN, SPECULATIVE, assemble)
 
 
@@ -183,7 +183,7 @@ class MetricsRecorder:
     """
 
     def __init__(self, num_groups: int, num_replicas: int = 1, offload=None, roles: list[str] | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, moe_group: bool = False):
         self.num_groups = num_groups
         # Disaggregated prefill/decode: each replica's role ("prefill" or "decode"), and per
         # client request its prefill side and read (None: not disaggregated).
@@ -208,6 +208,10 @@ class MetricsRecorder:
         self._steps: pa.Table | None = None  # ``steps_table``, once made
         self.step_width = len(STEP_COLUMNS) - 2 + num_groups + num_speculative_tokens
         self.step_replica = array("i")
+        # A DP MoE group (docs/clock.md#moe-under-data-parallelism): each step's MoE
+        # collectives, last in the row (``output_columns.DATA_PARALLEL``).
+        self.moe_group = moe_group
+        self.step_width += moe_group
         self._evictions_before = [0] * num_replicas
         # With offload tiers (a ``ResolvedOffload``): per request, what its admissions hit
         # in each tier and how long its load took; per step, the tiers' counters.
@@ -426,6 +430,8 @@ class MetricsRecorder:
         if self.speculative:
             verified = stats.spec_decoding_stats
             row.extend(verified.num_accepted_tokens_per_pos if verified is not None else self._none_accepted)
+        if self.moe_group:
+            row.append(cost.moe_communication_s if isinstance(cost, StepCost) else math.nan)
 
     # -- offload tiers ----------------------------------------------------------------------
 
@@ -654,6 +660,10 @@ class MetricsRecorder:
             roles = self.roles
             features[DISAGGREGATION.feature] = {
                 "role": pa.array([roles[i] for i in self.step_replica], pa.string()).dictionary_encode()}
+        if self.moe_group:
+            features[DATA_PARALLEL.feature] = {"moe_communication_s": pa.array(np.ascontiguousarray(rows[:, at]),
+                                                                                pa.float64())}
+            at += 1
         made = self._steps = pa.table(assemble("steps", columns, features))
         return made
 

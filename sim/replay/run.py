@@ -228,8 +228,12 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     _require_pools_fit(plan, num_replicas)
     # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
     assert disaggregation is None or not speculative.enabled, "P/D with speculative decoding is not modelled"
+    # A DP MoE group's ranks price their steps without the routed experts; the group adds
+    # its MoE part (docs/clock.md#moe-under-data-parallelism).
+    moe_group = dp.lockstep.moe if dp is not None and dp.lockstep is not None else None
     executors = [spec_executor(plan, efficiency, speculative, replica) if speculative.enabled
-                 else CostModelExecutor(plan_cost_model(plan, efficiency)) for replica in range(num_replicas)]
+                 else CostModelExecutor(moe_group.rank_model if moe_group is not None
+                                        else plan_cost_model(plan, efficiency)) for replica in range(num_replicas)]
     return run_with_executor(plan, trace, executors, router=dp.router if dp is not None else deployment.router,
                              slo=slo, time_limit_s=time_limit_s, on_progress=on_progress, offload=offload,
                              decode_windows=decode_windows, disaggregation=disaggregation,
@@ -304,7 +308,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
         roles = ["prefill"] * disaggregation.prefill_replicas + ["decode"] * disaggregation.decode_replicas
         label = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload, roles=roles,
-                              num_speculative_tokens=eng.scheduler.num_speculative_tokens)
+                              num_speculative_tokens=eng.scheduler.num_speculative_tokens,
+                              moe_group=lockstep is not None and lockstep.moe is not None)
     # A lockstep group's ranks schedule batch by batch: its forwards are collectives that
     # pair every rank's k-th batch (docs/semantics.md#asynchronous-scheduling-in-a-group).
     windows = decode_windows and lockstep is None

@@ -6,8 +6,10 @@ the run had (``output_columns``; docs/architecture.md#outputs).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from kvtwin.sim.calibration.band import band_columns
@@ -82,7 +84,22 @@ def run_tables(metrics: MetricsRecorder, end_s: float, settings: RunSettings) ->
     group = settings.dp_group
     if group is not None:
         features[DATA_PARALLEL.feature] = {"dp_group_steps": group.group_steps, "dp_waves": group.waves,
-                                           "dummy_steps": sum(group.dummy_steps)}
+                                           "dummy_steps": sum(group.dummy_steps), **moe_communication_share(steps)}
         replicas = replicas.append_column("dummy_steps", pa.array(group.dummy_steps, pa.int64()))
     summary = pa.Table.from_pylist([assemble("summary", base, features)])
     return RunTables(requests, steps, summary, replicas)
+
+
+def moe_communication_share(steps: pa.Table) -> dict[str, float]:
+    """A DP MoE group's MoE collectives over its busy seconds, each group step counted once
+    (its ranks' rows share the step's start; docs/clock.md#moe-under-data-parallelism).
+    Empty where the steps carry no ``moe_communication_s``."""
+    if "moe_communication_s" not in steps.column_names:
+        return {}
+    # A row of a batch that ran no tokens (it only dropped finished requests) has no cost.
+    communication_s = steps.column("moe_communication_s").to_numpy()
+    priced = ~np.isnan(communication_s)
+    _, first = np.unique(steps.column("time_s").to_numpy()[priced], return_index=True)
+    busy = float(steps.column("duration_s").to_numpy()[priced][first].sum())
+    communication = float(communication_s[priced][first].sum())
+    return {"moe_communication_share": communication / busy if busy > 0 else math.nan}

@@ -177,9 +177,9 @@ FEATURES: tuple[Feature, ...] = (
 
 # Features ``kvtwin plan`` sizes but no replay runs yet: refused wherever a scenario is
 # resolved for a run (``require_replayable``), each with what to set instead.
-NOT_REPLAYED: tuple[tuple[str, str], ...] = (
-    ("expert_parallel", "false (kvtwin plan sizes expert parallelism)"),
-)
+# Expert parallelism replays since its DP group prices its MoE layers for the group
+# (docs/clock.md#moe-under-data-parallelism): none is left.
+NOT_REPLAYED: tuple[tuple[str, str], ...] = ()
 
 REFUSED: tuple[Refusal, ...] = (
     Refusal(("disaggregation", "offload"), "P/D with an offload tier is not modelled",

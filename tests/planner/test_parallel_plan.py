@@ -150,15 +150,16 @@ def test_plan_refuses_layouts_vllm_cannot_run(args, needles):
     one_error_line(run("plan", "--gpu", "h200", *args), *needles)
 
 
-# Pipeline stages and data-parallel ranks replay (tests/replay/test_pipeline_replay.py,
-# test_dp_lockstep.py); expert parallelism is planned only: its cost model is still to come.
-def test_expert_parallelism_is_refused_by_replay_and_planned(tmp_path):
+# Pipeline stages, data-parallel ranks and expert parallelism replay (tests/replay/
+# test_pipeline_replay.py, test_dp_lockstep.py, test_moe_group_cost.py).
+def test_expert_parallelism_is_replayed_and_planned(tmp_path):
     path = tmp_path / "parallel.toml"
     path.write_text('[model]\npreset = "gpt-oss-20b"\n[hardware]\ngpu = "h200"\n'
-                    '[engine]\ndata_parallel_size = 2\nenable_expert_parallel = true\nmax_model_len = 8192\n')
-    one_error_line(run("replay", str(path), "--quiet", "--out", str(tmp_path / "run")),
-                   "engine.enable_expert_parallel", "not replayed yet")
-    assert not (tmp_path / "run").exists()
+                    '[engine]\ndata_parallel_size = 2\nenable_expert_parallel = true\nmax_model_len = 8192\n'
+                    'async_scheduling = false\n[workload]\ntrace = "bundled:mooncake_conversation_trace.jsonl"\n')
+    replayed = run("replay", str(path), "--quiet", "--limit", "3", "--out", str(tmp_path / "run"))
+    assert replayed.exit_code == 0, replayed.stderr
+    assert (tmp_path / "run").exists()
     result = run("plan", "--scenario", str(path), "--json")
     assert result.exit_code == 0, result.stderr
     assert '"enable_expert_parallel": true' in result.stdout

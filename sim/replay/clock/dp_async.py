@@ -32,10 +32,13 @@ from collections.abc import Sequence
 
 import simpy
 
+from kvtwin.sim.core.engine import Execution
 from kvtwin.sim.core.prefill_throttle import throttles_prefills
 from kvtwin.sim.replay.clock.dp_group import DPGroup
 from kvtwin.sim.replay.clock.engine_processes import ClusterView
 from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.cost_model import StepCost
+from kvtwin.sim.replay.moe_group_cost import MoEDPGroup
 from kvtwin.sim.replay.recorder import BatchTimes
 
 
@@ -53,20 +56,26 @@ class ForwardPasses:
         self.last_end_s = 0.0
         self._idle: simpy.Event | None = None
         self.stalled = False  # the last forward was all dummies with nothing else to wait for
+        self.moe: MoEDPGroup | None = None  # a MoE group's pricing of each forward (LockstepSettings.moe)
 
-    def issue(self, rank: int, duration_s: float, progress: bool) -> tuple[int, simpy.Event]:
+    def issue(self, rank: int, duration_s: float, progress: bool,
+              execution: Execution | None = None) -> tuple[int, simpy.Event]:
         """``rank`` issues its next forward: its index and the event of its start.
         ``progress``: its part is its batch, or its empty schedule preempted (either changes
-        what the next schedule can do)."""
+        what the next schedule can do). ``execution``: its batch's (None: a dummy), which a
+        MoE group prices with the group's MoE part (docs/clock.md#moe-under-data-parallelism)."""
         index = self.issued[rank]
         self.issued[rank] = index + 1
         forward = self._pending.get(index)
         if forward is None:
-            forward = self._pending[index] = _Forward(self.env.event())
+            forward = self._pending[index] = _Forward(self.env.event(), len(self.ranks))
         forward.ranks += 1
         forward.duration_s = max(forward.duration_s, duration_s)
         forward.progress |= progress
+        forward.executions[rank] = execution
         if forward.ranks == len(self.ranks):
+            if self.moe is not None:
+                forward.duration_s = _moe_forward(self.moe, forward.executions)
             self._time(forward)
         return index, forward.started
 
@@ -119,13 +128,27 @@ class ForwardPasses:
         return idle
 
 
+def _moe_forward(moe: MoEDPGroup, executions: list[Execution | None]) -> float:
+    """A MoE group's forward (docs/clock.md#moe-under-data-parallelism): every rank's part is
+    its own batch plus the group's MoE part; each batch's execution carries its whole part,
+    and the forward lasts the slowest."""
+    own = [execution.cost if execution is not None and isinstance(execution.cost, StepCost) else None
+           for execution in executions]
+    costs, duration_s = moe.step(own)
+    for execution, cost in zip(executions, costs):
+        if execution is not None:
+            execution.cost = cost
+    return duration_s
+
+
 class _Forward:
     """One forward pass of the group: the ranks that issued it, its slowest part's seconds,
     whether it makes progress, its start event, its start and end once timed, and how many
     ranks read them."""
 
-    def __init__(self, started: simpy.Event):
+    def __init__(self, started: simpy.Event, num_ranks: int):
         self.started = started
+        self.executions: list[Execution | None] = [None] * num_ranks  # each rank's batch (None: dummy)
         self.ranks = 0
         self.duration_s = 0.0
         self.progress = False
@@ -167,6 +190,7 @@ class AsyncGroup:
         self.ranks = ranks
         self.group = group
         self.forwards = ForwardPasses(cluster.env, cluster, ranks, group)
+        self.forwards.moe = group.settings.moe
         self.sync = _SyncPoint(cluster.env, len(ranks))
         self.step_counters = [0] * len(ranks)
 
@@ -226,7 +250,7 @@ def rank_process(shared: AsyncGroup, index: int):
             scheduled_s = env.now
             if batch.executed:
                 executed = True
-                forward, started = forwards.issue(index, batch.execution.duration_s, True)
+                forward, started = forwards.issue(index, batch.execution.duration_s, True, batch.execution)
                 yield started
                 start_s, end_s = forwards.times(forward)
                 in_flight.append((forward, scheduled_s, start_s, end_s))

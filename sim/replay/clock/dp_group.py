@@ -34,6 +34,8 @@ from kvtwin.sim.core.engine import BatchRecord
 from kvtwin.sim.core.prefill_throttle import throttles_prefills
 from kvtwin.sim.replay.clock.engine_processes import ClusterView
 from kvtwin.sim.replay.clock.replica import Replica
+from kvtwin.sim.replay.cost_model import StepCost
+from kvtwin.sim.replay.moe_group_cost import MoEDPGroup
 from kvtwin.sim.replay.recorder import BatchTimes
 
 # vLLM 0.33's ``ParallelConfig.dp_sync_interval`` default.
@@ -49,6 +51,8 @@ class LockstepSettings:
     prefill_schedule_interval: int = 1
     dp_sync_interval: int = DEFAULT_DP_SYNC_INTERVAL
     dummy_batch_s: float = 0.0
+    # The group's MoE layers priced for the whole group (None: each rank's own duration).
+    moe: MoEDPGroup | None = None
 
 
 class DPGroup:
@@ -82,6 +86,8 @@ def dp_group_process(cluster: ClusterView, ranks: Sequence[Replica], group: DPGr
         throttle = throttles_prefills(settings.prefill_schedule_interval, group.step_counter)
         start_s = env.now
         stepped, dummies, duration_s = _step_ranks(ranks, throttle, settings.dummy_batch_s)
+        if settings.moe is not None:
+            duration_s = _moe_group_step(settings.moe, ranks, stepped)
         times = BatchTimes(start_s, start_s, start_s + duration_s)
         for rank, result in stepped:
             cluster.applied(rank, result, times, synchronous=True)
@@ -133,6 +139,19 @@ def _step_ranks(ranks: Sequence[Replica], throttle: bool,
     if dummies:
         duration_s = max(duration_s, dummy_batch_s)
     return stepped, dummies, duration_s
+
+
+def _moe_group_step(moe: MoEDPGroup, ranks: Sequence[Replica], stepped: list[tuple[Replica, BatchRecord]]) -> float:
+    """MoE-group hook (docs/clock.md#moe-under-data-parallelism): every rank's step is its
+    own part plus the group's MoE part; each stepped rank's record carries its whole step."""
+    ran = {id(rank): result for rank, result in stepped if result.output.num_scheduled_tokens}
+    results = [ran.get(id(rank)) for rank in ranks]
+    own = [result.execution.cost if result is not None else None for result in results]
+    costs, duration_s = moe.step([cost if isinstance(cost, StepCost) else None for cost in own])
+    for result, cost in zip(results, costs):
+        if result is not None:
+            result.execution.cost = cost
+    return duration_s
 
 
 def _sleep_all(env: simpy.Environment, ranks: Sequence[Replica]) -> simpy.Event:

@@ -1,0 +1,262 @@
+"""The MoE layers of a data-parallel group's step, priced for the whole group
+(docs/clock.md#moe-under-data-parallelism).
+
+vLLM 0.33 does not run a DP rank's MoE layers on that rank's tokens alone. Whether or not
+expert parallelism is on, the routed experts are spread over all ``DP x TP`` GPUs
+(``FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp``; the planner sizes memory the same
+way, ``sim/planner/parallel.py``), and at every MoE layer the ranks' tokens are gathered,
+run through the experts and sent back:
+
+* **without EP** each expert's intermediate dimension is split over the ``DP x TP`` GPUs:
+  every GPU runs every routed token through its slice of the experts those tokens pick;
+* **with EP** each GPU holds ``ceil(experts / (DP x TP))`` whole experts and runs the
+  routed tokens that picked them.
+
+The collective: vLLM 0.33's default ``--all2all-backend`` is ``allgather_reducescatter``
+(``ParallelConfig.all2all_backend``; the ``naive`` and ``pplx`` names fall back to it).
+Dispatch all-gathers the hidden states of every rank onto every GPU of the group
+(``AgRsAll2AllManager.dispatch``/``dispatch_router_logits``) and combine reduce-scatters the
+expert outputs back (``combine``), with EP as without it (``all2all_utils``: the naive
+DP/EP prepare-and-finalize). The group is the DP group, or with EP and TP > 1 the EP group
+of ``DP x TP`` GPUs, each holding its ``1/TP`` of its rank's tokens (sequence-parallel MoE,
+``ParallelConfig.use_sequence_parallel_moe``). Either way every GPU receives the hidden
+states of all the group's tokens. DeepEP-style backends instead send each token to the GPUs
+of its top-k experts and back (an all-to-all); ``ALL_TO_ALL`` prices that shape, which no
+scenario knob selects yet.
+
+So a lockstep step holds, on every rank, its own attention, dense layers, shared experts
+and LM head (``DPRankCostModel``: ``CostModel`` without the routed experts) and the group's
+MoE part (``MoEGroupCost``), which is the same on every rank: each MoE layer's collective
+waits for every GPU, so the ranks leave every MoE layer together at the pace of the most
+loaded GPU. The step is the slowest rank's.
+
+Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
+
+* Tokens: a rank's scheduled tokens, a dummy batch one token. vLLM pads every rank to the
+  group's largest batch when CUDA graphs run the step (``coordinate_batch_across_dp``); the
+  padding is not priced (an underestimate when the ranks' batches differ).
+* Compute: 2 FLOPs per routed parameter per (token, expert) pair; without EP a GPU does
+  ``1/(DP x TP)`` of all the group's pairs, with EP the pairs of its experts, as the
+  expected load of the most loaded GPU under uniform routing (the mean plus
+  ``sqrt(2 ln GPUs)`` standard deviations of one GPU's load, the Gaussian bound on the
+  expected maximum; a token picks ``top_k`` distinct experts, so a GPU's share of one token
+  is hypergeometric). The GEMMs run at the cost model's efficiency for a GEMM of as many
+  rows as the group's tokens (``gemm_fraction``), as ``CostModel`` prices its experts; the
+  efficiency of a grouped GEMM at each expert's own row count is not modelled.
+* Weights: the expected distinct experts the group's tokens touch (``_weight_bytes_read``'s
+  formula), on a GPU its share of them: a ``1/(DP x TP)`` slice of every touched expert
+  without EP, its own touched experts whole with EP. GPU time is the roofline
+  ``max(GEMMs, weights)`` of the MoE kernels plus the collective: the MoE kernels are
+  separate from the rank's other GEMMs, each on its own roofline.
+* Collective messages: hidden states at 2 bytes a value; the routing tensors (router
+  logits, or top-k ids and weights) and an FP8 dispatch are not counted. The all-gather
+  plus reduce-scatter of ``N`` bytes moves the bytes of one ring all-reduce of ``N``
+  (``2 (n-1)/n N`` per GPU): the calibration's measured all-reduce curve for ``n`` GPUs
+  prices it where it has one (``efficiency.allreduce_curve``), else those bytes over the
+  link at ``interconnect_fraction`` plus ``allreduce_latency_s`` per collective.
+* Link: NVLink (``interconnect_bytes_per_s``) while the group's ``DP x TP`` GPUs fit one
+  node, else the GPU preset's NIC (``nic_bytes_per_s``, the peer link where it has none).
+  GPU presets do not say how many GPUs a node has: ``GPUS_PER_NODE`` (8) is assumed.
+* Not modelled: EPLB and redundant experts, DeepEP/pplx kernels' own costs, expert load
+  imbalance beyond uniform routing, overlap of the collective with compute (dual-batch
+  overlap), and any fit to measured all-to-all times (later calibration work).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtwin.sim.calibration.efficiency import Efficiency
+from kvtwin.sim.core.spec import KVCacheSpec
+from kvtwin.sim.planner.hardware import GPUSpec
+from kvtwin.sim.planner.models import ModelPreset
+from kvtwin.sim.planner.plan import Plan
+from kvtwin.sim.replay.cost_model import CostModel, StepCost, gemm_fraction
+
+# GPUs one node holds: GPU presets do not say; 8 is the HGX/DGX board every preset ships on.
+GPUS_PER_NODE = 8
+# vLLM 0.33's default ``--all2all-backend`` and the all-to-all shape of DeepEP-style ones.
+ALLGATHER_REDUCESCATTER = "allgather_reducescatter"
+ALL_TO_ALL = "all_to_all"
+_ACTIVATION_BYTES = 2  # bf16 hidden states
+
+
+@dataclass(frozen=True)
+class MoEGroupPart:
+    """The MoE layers of one group step, as every rank waits for them (seconds summed over
+    the MoE layers): the most loaded GPU's expert GEMMs and expert weight reads, and the
+    collective's time."""
+
+    compute_s: float
+    weights_s: float
+    communication_s: float
+    flops: float  # on the most loaded GPU
+    weight_bytes: float  # on the most loaded GPU
+
+    @property
+    def total_s(self) -> float:
+        return max(self.compute_s, self.weights_s) + self.communication_s
+
+
+def expected_max_gpu_pairs(num_tokens: int, num_experts: int, top_k: int, experts_per_gpu: int,
+                           num_gpus: int) -> float:
+    """Expected (token, expert) pairs on the most loaded of ``num_gpus`` GPUs holding
+    ``experts_per_gpu`` experts each, when ``num_tokens`` tokens each pick ``top_k``
+    distinct experts uniformly: the mean plus ``sqrt(2 ln num_gpus)`` standard deviations
+    (hypergeometric per token, independent tokens), capped at what the GPU could get."""
+    share = experts_per_gpu / num_experts
+    mean = num_tokens * top_k * share
+    if num_gpus <= 1 or num_experts <= 1:
+        return mean
+    variance = num_tokens * top_k * share * (1.0 - share) * (num_experts - top_k) / (num_experts - 1)
+    bound = mean + math.sqrt(max(variance, 0.0) * 2.0 * math.log(num_gpus))
+    return min(bound, float(num_tokens * min(top_k, experts_per_gpu)))
+
+
+class MoEGroupCost:
+    """Prices the MoE part of a DP group's step (docs/clock.md#moe-under-data-parallelism)."""
+
+    def __init__(self, model: ModelPreset, gpu: GPUSpec, *, tensor_parallel_size: int, data_parallel_size: int,
+                 expert_parallel: bool, efficiency: Efficiency = Efficiency(),
+                 collective: str = ALLGATHER_REDUCESCATTER):
+        if not model.num_experts:
+            raise ValueError(f"{model.name} has no routed experts")
+        if collective not in (ALLGATHER_REDUCESCATTER, ALL_TO_ALL):
+            raise ValueError(f"collective {collective!r}")
+        tp, dp = tensor_parallel_size, data_parallel_size
+        self.model = model
+        self.tp, self.dp = tp, dp
+        self.shards = tp * dp
+        self.expert_parallel = expert_parallel and self.shards > 1
+        self.collective = collective
+        self.num_experts = model.num_experts
+        self.top_k = model.num_experts_per_token
+        self.moe_layers = model.num_moe_layers
+        # Bytes of one whole routed expert in one layer (``CostModel._experts`` at TP 1).
+        self.expert_bytes, _ = CostModel._experts(model, 1)
+        self.experts_per_gpu = math.ceil(self.num_experts / self.shards) if self.expert_parallel else self.num_experts
+        # Bytes of each expert a GPU holds: whole with EP, a 1/(DP x TP) slice without.
+        self.held_expert_bytes = self.expert_bytes if self.expert_parallel else self.expert_bytes / self.shards
+        self.pair_flops = 2.0 * 3 * model.hidden_size * model.moe_intermediate_size * self.moe_layers
+        self.flops_per_s = gpu.bf16_flops
+        self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.hbm_bandwidth_fraction
+        self.matmul_flops_fraction = float(efficiency.matmul_flops_fraction)
+        self.matmul_half_tokens = float(efficiency.matmul_half_tokens)
+        # The collective's group: the DP group, or the EP group with sequence-parallel MoE.
+        self.collective_gpus = self.shards if self.expert_parallel and tp > 1 else dp
+        self.token_split = tp if self.expert_parallel and tp > 1 else 1
+        link = gpu.interconnect_bytes_per_s
+        if self.shards > GPUS_PER_NODE and gpu.nic_bytes_per_s > 0:
+            link = gpu.nic_bytes_per_s
+        self.link_bytes_per_s = float(link) * efficiency.interconnect_fraction
+        self.latency_s = float(efficiency.allreduce_latency_s)
+        self.curve = efficiency.allreduce_curve(self.collective_gpus) if self.shards <= GPUS_PER_NODE else None
+        self.token_bytes = model.hidden_size * _ACTIVATION_BYTES
+
+    def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
+        """(token, expert) pairs the most loaded GPU computes in one MoE layer."""
+        if not self.expert_parallel:
+            return group_tokens * self.top_k / self.shards
+        return expected_max_gpu_pairs(group_tokens, self.num_experts, self.top_k, self.experts_per_gpu, self.shards)
+
+    def weight_bytes(self, group_tokens: int) -> float:
+        """Expert weight bytes one GPU reads in a step: its share of the experts the
+        group's tokens touch, in expectation for uniform routing."""
+        experts, top_k = self.num_experts, self.top_k
+        touched_fraction = 1.0 - (1.0 - top_k / experts) ** group_tokens
+        return self.experts_per_gpu * touched_fraction * self.held_expert_bytes * self.moe_layers
+
+    def communication_s(self, rank_tokens: Sequence[int]) -> float:
+        """Seconds of the collectives of all MoE layers of one step (dispatch and combine)."""
+        n = self.collective_gpus
+        if n <= 1:
+            return 0.0
+        if self.collective == ALL_TO_ALL:
+            # The busiest GPU sends each of its tokens' top-k copies that go to other GPUs
+            # (dispatch) and receives them back (combine).
+            tokens = max(rank_tokens) / self.token_split
+            sent = tokens * self.top_k * (n - 1) / n * self.token_bytes
+            per_layer = 2 * (sent / self.link_bytes_per_s if self.link_bytes_per_s else 0.0) + 2 * self.latency_s
+            return per_layer * self.moe_layers
+        gathered = sum(rank_tokens) * self.token_bytes
+        if self.curve is not None:
+            per_layer = self.curve.seconds_for(gathered)
+        else:
+            bus_bytes = 2 * gathered * (n - 1) / n
+            per_layer = (bus_bytes / self.link_bytes_per_s if self.link_bytes_per_s else 0.0) + 2 * self.latency_s
+        return per_layer * self.moe_layers
+
+    def part(self, rank_tokens: Sequence[int]) -> MoEGroupPart:
+        """The group step's MoE part, given each rank's tokens (a dummy batch: 1)."""
+        group_tokens = sum(rank_tokens)
+        flops = self.pairs_on_busiest_gpu(group_tokens) * self.pair_flops
+        fraction = gemm_fraction(self.matmul_flops_fraction, self.matmul_half_tokens, group_tokens)
+        compute_s = flops / (self.flops_per_s * fraction) if flops else 0.0
+        weight_bytes = self.weight_bytes(group_tokens)
+        return MoEGroupPart(compute_s, weight_bytes / self.bytes_per_s, self.communication_s(rank_tokens), flops,
+                            weight_bytes)
+
+
+class DPRankCostModel(CostModel):
+    """``CostModel`` of one rank of a DP MoE group without its routed experts: attention,
+    dense layers, shared experts and the LM head on the rank's own tokens. It prices the GPU
+    time and the CPU overhead as synchronous scheduling adds them (``total_s - overhead_s``
+    is the GPU time); ``MoEDPGroup.rank_step_s`` adds the group's MoE part and combines
+    them as the engine schedules (``group_async_scheduling``)."""
+
+    def __init__(self, model: ModelPreset, gpu: GPUSpec, layer_specs: dict[str, KVCacheSpec], *,
+                 async_scheduling: bool, tensor_parallel_size: int = 1, efficiency: Efficiency = Efficiency()):
+        super().__init__(model, gpu, layer_specs, async_scheduling=False, tensor_parallel_size=tensor_parallel_size,
+                         efficiency=efficiency)
+        self.group_async_scheduling = async_scheduling
+        routed_active = self.moe_layers * model.num_experts_per_token * 3 * model.hidden_size * \
+            model.moe_intermediate_size
+        self.linear_flops_per_token = 2.0 * max(model.body_params_active - routed_active, 0.0) / tensor_parallel_size
+        self.dense_weight_bytes = self.weight_bytes - model.num_experts * self.expert_bytes * self.moe_layers
+
+    def _weight_bytes_read(self, num_tokens: int) -> float:
+        return self.dense_weight_bytes
+
+
+class MoEDPGroup:
+    """What the lockstep group asks at each step (``dp_group.py``): each rank's seconds,
+    its own part plus the group's MoE part, and the step's StepCost per rank."""
+
+    def __init__(self, rank_model: DPRankCostModel, moe: MoEGroupCost):
+        self.rank_model = rank_model
+        self.moe = moe
+        self.dummy_cost = rank_model.split_step_cost([1], [])
+
+    def rank_step(self, own: StepCost, part: MoEGroupPart) -> StepCost:
+        """A rank's step: its own ``own`` (from ``DPRankCostModel``) with the group's MoE
+        part added to its GPU time, the CPU overhead added (synchronous) or overlapped
+        (asynchronous)."""
+        gpu_s = own.total_s - own.overhead_s + part.total_s
+        total_s = max(gpu_s, own.overhead_s) if self.rank_model.group_async_scheduling else gpu_s + own.overhead_s
+        return StepCost(total_s, own.compute_s + part.compute_s, own.memory_s + part.weights_s,
+                        own.communication_s + part.communication_s, own.overhead_s, own.flops + part.flops,
+                        own.weight_bytes + part.weight_bytes, own.kv_bytes, own.linear_flops + part.flops,
+                        own.attention_flops, own.num_requests, own.num_tokens, own.body_flops + part.flops,
+                        own.head_flops, own.elementwise_bytes, own.extra_gpu_s, own.attention_work, own.draft_s,
+                        moe_communication_s=part.communication_s)
+
+    def step(self, own: Sequence[StepCost | None]) -> tuple[list[StepCost], float]:
+        """Each rank's step (None: a dummy batch of one token) and the group step's seconds,
+        the slowest rank's."""
+        costs = [cost if cost is not None else self.dummy_cost for cost in own]
+        part = self.moe.part([max(cost.num_tokens, 1) for cost in costs])
+        steps = [self.rank_step(cost, part) for cost in costs]
+        return steps, max(step.total_s for step in steps)
+
+
+def moe_dp_group(plan: Plan, efficiency: Efficiency) -> MoEDPGroup:
+    """The pricing of a DP MoE plan's lockstep group: its ranks' cost model and its MoE part."""
+    eng = plan.engine
+    rank_model = DPRankCostModel(plan.model, plan.gpu, plan.layers.specs, async_scheduling=eng.async_scheduling,
+                                 tensor_parallel_size=eng.tensor_parallel_size, efficiency=efficiency)
+    moe = MoEGroupCost(plan.model, plan.gpu, tensor_parallel_size=eng.tensor_parallel_size,
+                       data_parallel_size=eng.data_parallel_size, expert_parallel=eng.enable_expert_parallel,
+                       efficiency=efficiency)
+    return MoEDPGroup(rank_model, moe)
