@@ -62,7 +62,8 @@ def run_headline(resolved: dict) -> str:
         where = f"{pd['prefill_replicas']}P{pd['decode_replicas']}D of {gpus} over {pd['link']}"
     elif dp > 1:
         how = "ranks in lockstep" if parallel.get("dp_lockstep") else "independent ranks"
-        where = f"DP {dp} ({how}) of {gpus} behind {parallel.get('dp_router')}"
+        ep = " + EP" if parallel.get("enable_expert_parallel") else ""
+        where = f"DP {dp}{ep} ({how}) of {gpus} behind {parallel.get('dp_router')}"
     elif (resolved.get("replicas") or 1) > 1:
         where = f"{resolved['replicas']} replicas of {gpus} behind {resolved.get('router')}"
     else:

@@ -99,6 +99,8 @@ def test_a_directory_without_the_record_still_gets_what_its_files_say(tmp_path):
     ("data_parallel_size = 2", "llama-3.1-8b", "llama-3.1-8b on DP 2 (independent ranks) of 1x h100 behind dp_lb"),
     ("data_parallel_size = 4\nasync_scheduling = false", "gpt-oss-20b",
      "gpt-oss-20b on DP 4 (ranks in lockstep) of 1x h100 behind dp_lb"),
+    ("data_parallel_size = 2\nenable_expert_parallel = true", "gpt-oss-20b",
+     "gpt-oss-20b on DP 2 + EP (ranks in lockstep) of 1x h100 behind dp_lb"),
 ])
 def test_the_headline_names_pipeline_stages_and_data_parallel_ranks(tmp_path, engine, model, expected):
     scenario = tmp_path / "parallel.toml"
