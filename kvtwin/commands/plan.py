@@ -222,7 +222,7 @@ def plan(
     """What fits: KV cache groups, blocks, tokens, concurrency and memory, as vLLM 0.33 plans them."""
     with user_errors():
         overrides = Overrides.from_knobs(knobs or {}, model=model, hf_config=hf_config, gpu=gpu)
-        resolved = resolve_scenario(find_scenario(scenario, "--scenario"), overrides, for_replay=False)
+        resolved = resolve_scenario(find_scenario(scenario, "--scenario"), overrides)
         chosen_model, chosen_gpu, engine = resolved.model, resolved.gpu, resolved.engine
         if compare_hybrid:
             comparison = compare_hybrid_layouts(chosen_model, chosen_gpu, engine)

@@ -268,6 +268,12 @@ def _check_model_fits_parallel(model: ModelPreset, engine: EngineConfig) -> None
                           "holds at least one)", engine.pipeline_parallel_size)
     if engine.enable_expert_parallel and not model.num_experts:
         raise ConfigError("enable_expert_parallel", f"false for {model.name}: it has no experts to split", True)
+    interval = engine.prefill_schedule_interval
+    if interval > 1 and not (engine.data_parallel_size > 1 and model.num_experts):
+        # vLLM's own cadence without a DP group (scheduler.py, "local" throttling) is not modelled.
+        raise ConfigError("prefill_schedule_interval", f"1 without a data-parallel group of a MoE model "
+                          f"(docs/semantics.md#data-parallel-lockstep; {model.name} with data_parallel_size "
+                          f"{engine.data_parallel_size} is not one)", interval)
 
 
 def _check_model_fits_settings(model: ModelPreset, *, tp: int, max_model_len: int) -> None:

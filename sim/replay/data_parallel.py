@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.planner.plan import Plan
 from kvtwin.sim.replay.clock.dp_group import LockstepSettings
 from kvtwin.sim.replay.cost_model import CostModel
@@ -39,37 +38,24 @@ def is_lockstep(plan: Plan) -> bool:
 def data_parallel(plan: Plan, deployment: Deployment, cost_model: CostModel | None, *, offload: bool = False,
                   disaggregation: bool = False, speculative: bool = False) -> DataParallel | None:
     """The plan's DP ranks in the replay (None: ``data_parallel_size`` 1, the deployment's
-    replicas as they are). Refuses, as one ``ConfigError``, what a DP run does not model:
-    several copies of the DP engine, and in a lockstep group pipeline stages, a KV connector
-    (offload, P/D) or drafts. ``cost_model`` prices the dummy batch (None: 0 s,
+    replicas as they are). What a DP run does not model (several copies of the DP engine; in
+    a lockstep group pipeline stages, a KV connector or drafts) the features table refused
+    already. ``cost_model`` prices the dummy batch (None: 0 s,
     a clock whose batches are not priced by a cost model)."""
     eng = plan.engine
     dp = eng.data_parallel_size
     scheduler = eng.scheduler
     if dp == 1:
-        if scheduler.prefill_schedule_interval > 1:
-            raise ConfigError("engine.prefill_schedule_interval", "1 without a data-parallel MoE group (vLLM's "
-                              "local prefill cadence is not modelled)", scheduler.prefill_schedule_interval)
         return None
-    if deployment.replicas != 1:
-        raise ConfigError("engine.replicas", f"1 with data_parallel_size {dp} (several DP engines are not "
-                          "modelled)", deployment.replicas)
+    # The table refuses these pairs when the scenario is resolved
+    # (docs/architecture.md#features-and-their-combinations); a library caller gets them here.
+    assert deployment.replicas == 1, "several DP engines are not modelled"
+    assert not disaggregation, "DP ranks in P/D roles are not modelled"
     if not is_lockstep(plan):
-        if scheduler.prefill_schedule_interval > 1:
-            raise ConfigError("engine.prefill_schedule_interval", f"1 for dense {plan.model.name} (its DP ranks "
-                              "are independent engines; vLLM's local cadence is not modelled)",
-                              scheduler.prefill_schedule_interval)
+        # A prefill cadence needs a lockstep group: EngineConfig.resolve refused it otherwise.
         return DataParallel(dp, deployment.dp_router, None)
-    if eng.pipeline_parallel_size > 1:
-        raise ConfigError("engine.pipeline_parallel_size", f"1 with data_parallel_size {dp} on MoE {plan.model.name} "
-                          "(pipeline stages in a lockstep group are not modelled)", eng.pipeline_parallel_size)
-    refused = (("offload", offload, "no [offload] table"),
-               ("disaggregation", disaggregation, "no [disaggregation] table"),
-               ("speculative", speculative, "no [speculative] method"))
-    for field, on, expected in refused:
-        if on:
-            raise ConfigError(field, f"{expected} with data_parallel_size {dp} on MoE {plan.model.name} (its ranks "
-                              "step together; a connector or drafts in the group are not modelled)", True)
+    assert eng.pipeline_parallel_size == 1 and not (offload or speculative), \
+        "pipeline stages, a KV connector or drafts in a lockstep group are not modelled"
     dummy_s = cost_model.split_step_cost([1], []).total_s if cost_model is not None else 0.0
     # The group prices its MoE layers for all ranks (docs/clock.md#moe-under-data-parallelism).
     moe = (moe_dp_group(plan, cost_model.eff) if cost_model is not None and eng.pipeline_parallel_size == 1

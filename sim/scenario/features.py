@@ -112,8 +112,18 @@ def _async_scheduling(scenario: Any, overrides: Overrides | None) -> Setting | N
     return Setting(flag_for("engine", "async_scheduling") if by_flag else "engine.async_scheduling", True, by_flag)
 
 
+def _dp_lockstep(scenario: Any, overrides: Overrides | None) -> Setting | None:
+    """Data-parallel ranks of a MoE model: vLLM steps them together (docs/semantics.md#data-parallel-lockstep)."""
+    model = scenario.model
+    if scenario.engine.data_parallel_size == 1 or model is None or not model.num_experts:
+        return None
+    by_flag = _given(overrides, "engine", "data_parallel_size") is not None
+    return Setting(flag_for("engine", "data_parallel_size") if by_flag else "engine.data_parallel_size",
+                   scenario.engine.data_parallel_size, by_flag)
+
+
 def _engine_parallel(name: str, default: object) -> Callable[[Any, Overrides | None], Setting | None]:
-    """A vLLM parallelism setting of ``[engine]`` away from its default (planned, not replayed)."""
+    """A vLLM parallelism setting of ``[engine]`` away from its default."""
     def setting(scenario: Any, overrides: Overrides | None) -> Setting | None:
         value = getattr(scenario.engine, name)
         if value == default:
@@ -173,13 +183,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pipeline_parallel", "vLLM pipeline parallelism: the layers split into stages",
             "[engine] pipeline_parallel_size > 1; --pipeline-parallel-size",
             _engine_parallel("pipeline_parallel_size", 1)),
+    Feature("dp_lockstep", "the DP ranks of a MoE model, which step together (dummy batches, waves)",
+            "[engine] data_parallel_size > 1 with a MoE [model]; --data-parallel-size", _dp_lockstep),
 )
-
-# Features ``kvtwin plan`` sizes but no replay runs yet: refused wherever a scenario is
-# resolved for a run (``require_replayable``), each with what to set instead.
-# Expert parallelism replays since its DP group prices its MoE layers for the group
-# (docs/clock.md#moe-under-data-parallelism): none is left.
-NOT_REPLAYED: tuple[tuple[str, str], ...] = ()
 
 REFUSED: tuple[Refusal, ...] = (
     Refusal(("disaggregation", "offload"), "P/D with an offload tier is not modelled",
@@ -208,6 +214,22 @@ REFUSED: tuple[Refusal, ...] = (
              ("pipeline_parallel", "1 with a KV offload tier"))),
     Refusal(("pipeline_parallel", "disaggregation"), "a KV connector with pipeline stages is not modelled",
             (("pipeline_parallel", "1 with a [disaggregation] table"),)),
+    # Data parallelism (docs/semantics.md#data-parallel-lockstep): one DP engine, its ranks
+    # the replay's replicas; P/D roles of DP engines (wide-EP P/D) are not modelled yet.
+    Refusal(("data_parallel", "replicas"), "the DP ranks are the deployment's engines; several DP engines are "
+            "not modelled", (("replicas", "1 with data_parallel_size > 1"),
+                             ("data_parallel", "1 with [engine] replicas > 1"))),
+    Refusal(("data_parallel", "disaggregation"), "DP ranks in P/D roles are not modelled",
+            (("data_parallel", "1 with a [disaggregation] table"),)),
+    Refusal(("dp_lockstep", "pipeline_parallel"), "pipeline stages in a lockstep group are not modelled",
+            (("pipeline_parallel", "1 with data_parallel_size > 1 on MoE {model}"),
+             ("dp_lockstep", "1 with pipeline_parallel_size > 1 on MoE {model}"))),
+    Refusal(("dp_lockstep", "offload"), "a KV connector in a lockstep group is not modelled",
+            (("offload", "0 with data_parallel_size > 1 on MoE {model}"),
+             ("dp_lockstep", "1 with a KV offload tier on MoE {model}"))),
+    Refusal(("dp_lockstep", "speculative"), "drafting in a lockstep group is not modelled",
+            (("speculative", "no method with data_parallel_size > 1 on MoE {model}"),
+             ("dp_lockstep", "1 with speculative decoding on MoE {model}"))),
 )
 
 
@@ -235,16 +257,5 @@ def require_allowed(scenario: Any, overrides: Overrides | None = None, where: st
             expected = expected.format(model=scenario.model.name)
         raise ConfigError(setting.field, f"{expected} ({refusal.reason})", setting.got,
                           source=None if setting.by_flag else where)
-
-
-def require_replayable(scenario: Any, overrides: Overrides | None = None, where: str | None = None) -> None:
-    """Refuse, as one ``ConfigError``, a scenario with a feature kvtwin plans but does not
-    replay yet (``NOT_REPLAYED``): a run would otherwise silently ignore it."""
-    settings = feature_settings(scenario, overrides)
-    for name, expected in NOT_REPLAYED:
-        setting = settings.get(name)
-        if setting is not None:
-            raise ConfigError(setting.field, f"{expected}; not replayed yet: {name.replace('_', ' ')}",
-                              setting.got, source=None if setting.by_flag else where)
 
 

@@ -47,7 +47,7 @@ from kvtwin.sim.calibration.file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
 from kvtwin.sim.calibration.efficiency import Efficiency
-from kvtwin.sim.scenario.features import require_allowed, require_replayable
+from kvtwin.sim.scenario.features import require_allowed
 from kvtwin.sim.calibration.gpu import bundled_for
 from kvtwin.sim.scenario.slo import SLO
 from kvtwin.sim.scenario.speculative import SpeculativeConfig
@@ -245,11 +245,10 @@ class ResolvedScenario:
 
 
 def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
-                     data: dict | None = None, for_replay: bool = True) -> ResolvedScenario:
+                     data: dict | None = None) -> ResolvedScenario:
     """Load ``path`` (if given) and apply ``overrides``; every error is one ``ConfigError``.
     ``data``, if given, is the scenario's TOML mapping to use instead of the file's (an
-    edited copy, as ``kvtwin capacity`` makes per point); paths in it stay relative to ``path``.
-    ``for_replay`` False (``kvtwin plan``): settings only the planner sizes are kept, not refused."""
+    edited copy, as ``kvtwin capacity`` makes per point); paths in it stay relative to ``path``."""
     overrides.check()
     if data is not None:
         scenario = scenario_from_data(data, path if path is not None else Path("scenario"))
@@ -316,8 +315,6 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
                             disaggregation=scenario.disaggregation, speculative=speculative)
     # Every feature is known now, flags included: the one check of which combine.
     require_allowed(resolved, overrides, where)
-    if for_replay:
-        require_replayable(resolved, overrides, where)
     return resolved
 
 

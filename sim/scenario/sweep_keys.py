@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.scenario.features import require_allowed, require_replayable
+from kvtwin.sim.scenario.features import require_allowed
 from kvtwin.sim.scenario.knobs import Knob, knob, section_knobs
 from kvtwin.sim.scenario.parse import scenario_from_data
 from kvtwin.sim.scenario.validators import parse_text
@@ -191,7 +191,6 @@ def check_axes(path: Path, data: dict, axes: Sequence[Axis]) -> None:
             try:
                 scenario = scenario_from_data(apply_values(data, {axis.key.key: value}), path)
                 require_allowed(scenario, where=str(path))
-                require_replayable(scenario, where=str(path))
             except ConfigError as err:
                 if err.field.startswith(FLAG):
                     raise

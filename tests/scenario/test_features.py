@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.scenario.features import FEATURES, NOT_REPLAYED, REFUSED, feature_settings
+from kvtwin.sim.scenario.features import FEATURES, REFUSED, feature_settings
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from tests.cli_run import one_error_line, run
 
@@ -35,12 +35,13 @@ ON = {
     "data_parallel": ({"engine": {"data_parallel_size": 2}}, Overrides()),
     "expert_parallel": ({"model": {"preset": "gpt-oss-20b"}, "engine": {"enable_expert_parallel": True}},
                         Overrides()),
+    "dp_lockstep": ({"model": {"preset": "gpt-oss-20b"}, "engine": {"data_parallel_size": 2}}, Overrides()),
 }
-# Features only the planner sizes: refused when resolved for a run, planned otherwise
-# (none now: expert parallelism replays, docs/clock.md#moe-under-data-parallelism).
-PLANNED_ONLY: dict[str, tuple[dict, str]] = {}
 # Pairs whose tables name different models: not a refusal, just no one scenario.
-OTHER_MODELS = {frozenset({"expert_parallel", "mamba_without_prefix_caching"})}
+OTHER_MODELS = {frozenset({"expert_parallel", "mamba_without_prefix_caching"}),
+                frozenset({"dp_lockstep", "mamba_without_prefix_caching"})}
+# A lockstep group is data parallelism too: the pairs refused with DP are refused with it.
+IMPLIED = {frozenset({"dp_lockstep", "replicas"}), frozenset({"dp_lockstep", "disaggregation"})}
 # What each refusal's error names when every feature comes from the scenario file (the
 # replicas only refuse as a flag) and a word of its reason.
 REFUSAL_NAMES = {
@@ -52,6 +53,11 @@ REFUSAL_NAMES = {
     frozenset({"pipeline_parallel", "speculative"}): ("speculative.method", "drafting"),
     frozenset({"pipeline_parallel", "offload"}): ("offload.cpu_bytes", "KV connector"),
     frozenset({"pipeline_parallel", "disaggregation"}): ("engine.pipeline_parallel_size", "KV connector"),
+    frozenset({"data_parallel", "replicas"}): ("--replicas", "several DP engines"),
+    frozenset({"data_parallel", "disaggregation"}): ("engine.data_parallel_size", "P/D roles"),
+    frozenset({"dp_lockstep", "pipeline_parallel"}): ("engine.pipeline_parallel_size", "lockstep"),
+    frozenset({"dp_lockstep", "offload"}): ("offload.cpu_bytes", "lockstep"),
+    frozenset({"dp_lockstep", "speculative"}): ("speculative.method", "lockstep"),
 }
 def _merge(*tables: dict) -> dict:
     out: dict = {}
@@ -73,22 +79,10 @@ def _with(names, tmp_path):
 
 
 def test_every_feature_and_refusal_here_is_the_tables():
-    assert {feature.name for feature in FEATURES} == set(ON) | set(PLANNED_ONLY)
-    assert {name for name, _ in NOT_REPLAYED} == set(PLANNED_ONLY)
+    assert {feature.name for feature in FEATURES} == set(ON)
     assert {frozenset(refusal.features) for refusal in REFUSED} == set(REFUSAL_NAMES)
     # One entry per feature and per refused set.
-    assert len(FEATURES) == len(ON) + len(PLANNED_ONLY) and len(REFUSED) == len(REFUSAL_NAMES)
-
-
-@pytest.mark.parametrize("name", sorted(PLANNED_ONLY))
-def test_a_planned_only_feature_is_refused_for_a_run_and_planned_otherwise(name, tmp_path):
-    table, field = PLANNED_ONLY[name]
-    data = _merge(BASE, table)
-    with pytest.raises(ConfigError) as err:
-        resolve_scenario(tmp_path / "s.toml", data=data)
-    assert err.value.field == field and "not replayed yet" in err.value.expected, err.value
-    resolved = resolve_scenario(tmp_path / "s.toml", data=data, for_replay=False)
-    assert name in feature_settings(resolved)
+    assert len(FEATURES) == len(ON) and len(REFUSED) == len(REFUSAL_NAMES)
 
 
 @pytest.mark.parametrize("names", sorted(REFUSAL_NAMES, key=sorted), ids=lambda n: "+".join(sorted(n)))
@@ -111,7 +105,7 @@ def test_each_feature_alone_resolves(name, tmp_path):
 
 
 @pytest.mark.parametrize("pair", [p for p in itertools.combinations(sorted(ON), 2)
-                                  if frozenset(p) not in set(REFUSAL_NAMES) | OTHER_MODELS], ids="+".join)
+                                  if frozenset(p) not in set(REFUSAL_NAMES) | OTHER_MODELS | IMPLIED], ids="+".join)
 def test_every_pair_not_refused_resolves(pair, tmp_path):
     path, data, overrides = _with(pair, tmp_path)
     resolved = resolve_scenario(path, overrides, data=data)
