@@ -77,6 +77,7 @@ from reference_loop import reference_seconds  # noqa: E402  (a sibling script, n
 
 VIDUR_AZURE_CONV_S = 37.3  # Vidur on the Azure conversation trace, same machine kind
 WHOLE_TRACE = 1_000_000  # a limit above any bundled trace's length
+BENCH_SCENARIOS = ROOT / "bench" / "data" / "scenarios"  # the bench's own deployments (absolute)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,11 @@ WORKLOADS = (
     Workload("offload-none", "mooncake-llama8b-b200-offload.toml", limit=WHOLE_TRACE, offload_cpu_bytes=0),
     Workload("offload", "mooncake-llama8b-b200-offload.toml", limit=WHOLE_TRACE, baseline="offload-none",
              target_vs_baseline=1.5),
+    # Issue 41: a DP 16 + EP replay of the Mooncake hour (16 ranks stepping together) beside
+    # one TP 8 engine's on the same trace (bench/data/scenarios).
+    Workload("dsv3-tp8", str(BENCH_SCENARIOS / "mooncake-deepseek-v3-h200-tp8.toml"), limit=WHOLE_TRACE),
+    Workload("dsv3-dp16-ep", str(BENCH_SCENARIOS / "mooncake-deepseek-v3-h200-dp16-ep.toml"), limit=WHOLE_TRACE,
+             baseline="dsv3-tp8"),
 )
 
 
