@@ -62,7 +62,7 @@ INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                # The SimPy clock's generator processes: compiled, they crash the garbage
                # collector (mypy 2.4.1). Its per-batch objects (cluster.py, replica.py,
                # timeline.py, progress.py) are compiled.
-               "arrivals.py", "engine_processes.py", "dp_group.py",
+               "arrivals.py", "engine_processes.py", "dp_group.py", "dp_async.py",
                # A DP plan's wiring: once per run.
                "data_parallel.py",
                # P/D: the front's generator process (pd_front.py), its summaries and router.

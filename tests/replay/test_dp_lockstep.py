@@ -46,10 +46,17 @@ class TokenClock:
 
     def __init__(self) -> None:
         self.batches = 0
+        # With its engine set: the most batches the engine held in flight as it handed one
+        # over (the engine queues a batch right after running it; a class of the compiled
+        # engine cannot be subclassed from a test to watch its queue).
+        self.engine: EngineCore | None = None
+        self.most_in_flight = 0
 
     def execute(self, output: SchedulerOutput) -> Execution:
         num_tokens = sum(output.num_scheduled_tokens.values())
         self.batches += num_tokens > 0
+        if self.engine is not None:
+            self.most_in_flight = max(self.most_in_flight, self.engine.num_batches_in_flight() + 1)
         return Execution({rid: [7] for rid in output.num_output_tokens}, num_tokens * PER_TOKEN_S)
 
 
@@ -60,12 +67,13 @@ class Scripted(Router):
         return int(request.request_id[1])
 
 
-def _group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arrival], async_scheduling: bool = False,
-           engine_class: type[EngineCore] = EngineCore):
+def _group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arrival], async_scheduling: bool = False):
     env = simpy.Environment()
     scheduler = SchedulerConfig(max_model_len=512, max_num_batched_tokens=64, async_scheduling=async_scheduling)
-    engines = [engine_class(kv_config(num_blocks=NUM_BLOCKS), scheduler) for _ in range(num_ranks)]
+    engines = [EngineCore(kv_config(num_blocks=NUM_BLOCKS), scheduler) for _ in range(num_ranks)]
     executors = [TokenClock() for _ in range(num_ranks)]
+    for engine, executor in zip(engines, executors):
+        executor.engine = engine
     replicas = [Replica(engine, executor) for engine, executor in zip(engines, executors)]
     recorder = MetricsRecorder(1, num_ranks)
     group = DPGroup(lockstep, num_ranks)
@@ -222,17 +230,6 @@ def test_what_a_dp_group_does_not_model_is_refused(engine, field):
 # -- asynchronous scheduling (docs/semantics.md#asynchronous-scheduling-in-a-group) ----------
 
 
-class QueueWatch(EngineCore):
-    """An engine that remembers the most batches it ever had in flight."""
-
-    most_in_flight = 0
-
-    def schedule_batch(self, executor, throttle_prefills=False):
-        batch = super().schedule_batch(executor, throttle_prefills)
-        self.most_in_flight = max(self.most_in_flight, len(self.batch_queue))
-        return batch
-
-
 def _async_group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arrival], monkeypatch):
     """An asynchronous group, with every group forward's (start, end) in index order."""
     forwards: list[dp_async._Forward] = []
@@ -242,8 +239,7 @@ def _async_group(num_ranks: int, lockstep: LockstepSettings, arrivals: list[Arri
         forwards.append(forward)
         return original(self, forward)
     monkeypatch.setattr(dp_async.ForwardPasses, "_time", spy)
-    group, recorder, engines, executors = _group(num_ranks, lockstep, arrivals, async_scheduling=True,
-                                                 engine_class=QueueWatch)
+    group, recorder, engines, executors = _group(num_ranks, lockstep, arrivals, async_scheduling=True)
     return group, recorder, engines, executors, [(f.start_s, f.end_s) for f in forwards]
 
 
@@ -252,9 +248,9 @@ def _check_async_invariants(group, recorder, engines, executors, forwards, arriv
     ids = table.column("request_id").to_pylist()
     assert sorted(ids) == sorted(a.request.request_id for a in arrivals)
     assert all(int(rid[1]) == rank for rid, rank in zip(ids, table.column("replica").to_pylist()))
-    for engine in engines:
+    for engine, executor in zip(engines, executors):
         assert engine.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
-        assert engine.most_in_flight <= 2 and not engine.batch_queue
+        assert executor.most_in_flight <= 2 and not engine.batch_queue
     assert len(forwards) == group.group_steps
     # The group's forwards run one after another.
     assert all(start >= previous_end for (_, previous_end), (start, _) in zip(forwards, forwards[1:]))
@@ -287,11 +283,11 @@ def test_async_an_idle_rank_runs_a_dummy_in_every_forward_and_its_pool_is_untouc
     group, recorder, engines, executors, forwards = _async_group(4, LockstepSettings(dummy_batch_s=0.0005),
                                                                  arrivals, monkeypatch)
     assert group.dummy_steps[3] == group.group_steps > 0
-    assert executors[3].batches == 0 and engines[3].most_in_flight == 0
+    assert executors[3].batches == 0 and executors[3].most_in_flight == 0
     pool = engines[3].kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 and not pool.cached_block_hash_to_block[0]
     # Working ranks keep two batches in flight.
-    assert all(engines[rank].most_in_flight == 2 for rank in range(3))
+    assert all(executors[rank].most_in_flight == 2 for rank in range(3))
     _check_async_invariants(group, recorder, engines, executors, forwards, arrivals, 0.0005)
 
 
