@@ -26,7 +26,8 @@ from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from kvtwin.trace_options import given_options, reading_option
 
 
-@knob_flags("engine.tensor_parallel_size", "engine.replicas", "engine.router", "workload.rate_scale", "workload.limit", "engine.max_model_len",
+@knob_flags("engine.tensor_parallel_size", "engine.replicas", "engine.router", "engine.all2all_backend",
+            "workload.rate_scale", "workload.limit", "engine.max_model_len",
             "engine.enable_prefix_caching", "engine.prefix_cache_retention_interval", "run.time_limit_s",
             "offload.cpu_bytes", "offload.policy",
             "offload.disk_bytes", "offload.disk_bandwidth_bytes_per_s", "offload.disk_latency_s",

@@ -40,6 +40,17 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAMBA_DTYPES = ("auto", "float32", "bfloat16", "bf16", "float16", "fp16")
 MAMBA_CACHE_MODES = ("none", "align")
+# vLLM 0.33's ``--all2all-backend`` choices (``vllm/config/parallel.py:45-60``, less
+# ``passthrough``, which ``engine/arg_utils.py:1159`` keeps off the command line), the
+# default first; docs/clock.md#moe-under-data-parallelism says what each one moves.
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
+                    "deepep_v2", "mori_high_throughput", "mori_low_latency", "moonep", "nixl_ep",
+                    "flashinfer_all2allv", "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided")
+# Names vLLM 0.33 runs as another backend: ``naive`` and ``pplx`` were removed and fall back
+# (``config/parallel.py:537-543``); ``flashinfer_all2allv`` is the old name of the two-sided
+# FlashInfer kernels (``distributed/device_communicators/cuda_communicator.py:252-264``).
+ALL2ALL_BACKEND_ALIASES = {"naive": "allgather_reducescatter", "pplx": "allgather_reducescatter",
+                           "flashinfer_all2allv": "flashinfer_nvlink_two_sided"}
 
 
 def _positive(value: object, name: str, what: str = "a positive integer") -> None:
@@ -56,6 +67,9 @@ class EngineConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
+    # How a DP group's MoE layers move tokens (vLLM's ``--all2all-backend``); it matters only
+    # with DP > 1 on a MoE model (docs/clock.md#moe-under-data-parallelism).
+    all2all_backend: str = ALL2ALL_BACKENDS[0]
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -94,6 +108,8 @@ class EngineConfig:
             _positive(getattr(self, name), name)
         require(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "true or false",
                 self.enable_expert_parallel)
+        require(self.all2all_backend in ALL2ALL_BACKENDS, "all2all_backend",
+                f"one of {', '.join(ALL2ALL_BACKENDS)}", self.all2all_backend)
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if value is not None:
@@ -162,6 +178,7 @@ class EngineConfig:
         return ResolvedEngineConfig(
             tensor_parallel_size=tp, data_parallel_size=self.data_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=self.pipeline_parallel_size,
+            all2all_backend=ALL2ALL_BACKEND_ALIASES.get(self.all2all_backend, self.all2all_backend),
             user_block_size=self.block_size or DEFAULT_BLOCK_SIZE,
             user_specified_block_size=self.block_size is not None, kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_dtype_bytes=DTYPE_BYTES[model.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype],
@@ -191,6 +208,7 @@ class ResolvedEngineConfig:
     data_parallel_size: int
     enable_expert_parallel: bool
     pipeline_parallel_size: int
+    all2all_backend: str  # the backend vLLM 0.33 runs (aliases resolved)
     user_block_size: int
     user_specified_block_size: bool
     kv_cache_dtype: str

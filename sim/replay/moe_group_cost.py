@@ -20,9 +20,10 @@ expert outputs back (``combine``), with EP as without it (``all2all_utils``: the
 DP/EP prepare-and-finalize). The group is the DP group, or with EP and TP > 1 the EP group
 of ``DP x TP`` GPUs, each holding its ``1/TP`` of its rank's tokens (sequence-parallel MoE,
 ``ParallelConfig.use_sequence_parallel_moe``). Either way every GPU receives the hidden
-states of all the group's tokens. DeepEP-style backends instead send each token to the GPUs
-of its top-k experts and back (an all-to-all); ``ALL_TO_ALL`` prices that shape, which no
-scenario knob selects yet.
+states of all the group's tokens. With EP every other backend (DeepEP, MoRI, nixl-ep,
+MoonEP, FlashInfer's) sends each token to the GPUs of its top-k experts and back, an
+all-to-all (``ALL_TO_ALL``); ``[engine] all2all_backend`` picks the shape
+(``collective_for``).
 
 So a lockstep step holds, on every rank, its own attention, dense layers, shared experts
 and LM head (``DPRankCostModel``: ``CostModel`` without the routed experts) and the group's
@@ -49,15 +50,20 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   ``max(GEMMs, weights)`` of the MoE kernels plus the collective: the MoE kernels are
   separate from the rank's other GEMMs, each on its own roofline.
 * Collective messages: hidden states at 2 bytes a value; the routing tensors (router
-  logits, or top-k ids and weights) and an FP8 dispatch are not counted. The all-gather
-  plus reduce-scatter of ``N`` bytes moves the bytes of one ring all-reduce of ``N``
-  (``2 (n-1)/n N`` per GPU): the calibration's measured all-reduce curve for ``n`` GPUs
-  prices it where it has one (``efficiency.allreduce_curve``), else those bytes over the
-  link at ``interconnect_fraction`` plus ``allreduce_latency_s`` per collective.
+  logits, or top-k ids and weights) and an FP8 dispatch are not counted (vLLM quantizes
+  the dispatch of an FP8 block-quantized model on every backend, the all-gather's
+  included, so it is no difference between backends). The all-gather plus reduce-scatter
+  of ``N`` bytes moves the bytes of one ring all-reduce of ``N`` (``2 (n-1)/n N`` per
+  GPU); the all-to-all of the busiest rank's ``t`` tokens moves ``2 (n-1)/n t top_k x
+  hidden x 2`` per GPU, an all-reduce of ``N = t top_k x hidden x 2``. Either is priced as
+  its all-reduce: the calibration's measured curve for ``n`` GPUs where it has one
+  (``efficiency.allreduce_curve``), else those bytes over the link at
+  ``interconnect_fraction`` plus ``allreduce_latency_s`` per collective.
 * Link: NVLink (``interconnect_bytes_per_s``) while the group's ``DP x TP`` GPUs fit one
   node, else the GPU preset's NIC (``nic_bytes_per_s``, the peer link where it has none).
   GPU presets do not say how many GPUs a node has: ``GPUS_PER_NODE`` (8) is assumed.
-* Not modelled: EPLB and redundant experts, DeepEP/pplx kernels' own costs, expert load
+* Not modelled: EPLB and redundant experts, the all-to-all kernels' own costs and their
+  dedup of a token's copies bound for one GPU or node, expert load
   imbalance beyond uniform routing, overlap of the collective with compute (dual-batch
   overlap), and any fit to measured all-to-all times (later calibration work).
 """
@@ -77,9 +83,30 @@ from kvtwin.sim.replay.cost_model import CostModel, StepCost, gemm_fraction
 
 # GPUs one node holds: GPU presets do not say; 8 is the HGX/DGX board every preset ships on.
 GPUS_PER_NODE = 8
-# vLLM 0.33's default ``--all2all-backend`` and the all-to-all shape of DeepEP-style ones.
+# The two collective shapes: vLLM 0.33's default ``--all2all-backend``, and the all-to-all
+# of DeepEP-style ones.
 ALLGATHER_REDUCESCATTER = "allgather_reducescatter"
 ALL_TO_ALL = "all_to_all"
+# The shape each backend vLLM 0.33 runs moves a DP group's tokens with (aliases resolved by
+# ``EngineConfig.resolve``): every dedicated kernel dispatches each token to the GPUs of its
+# top-k experts and combines back (``fused_moe/all2all_utils.py:238-440``).
+BACKEND_COLLECTIVES = {
+    "allgather_reducescatter": ALLGATHER_REDUCESCATTER,
+    "deepep_high_throughput": ALL_TO_ALL, "deepep_low_latency": ALL_TO_ALL, "deepep_v2": ALL_TO_ALL,
+    "mori_high_throughput": ALL_TO_ALL, "mori_low_latency": ALL_TO_ALL, "moonep": ALL_TO_ALL,
+    "nixl_ep": ALL_TO_ALL, "flashinfer_nvlink_two_sided": ALL_TO_ALL, "flashinfer_nvlink_one_sided": ALL_TO_ALL,
+}
+# Backends whose EP group splits a rank's tokens over its TP GPUs (sequence-parallel MoE,
+# ``config/parallel.py:768-786``); the others dispatch every TP GPU's full copy.
+SEQUENCE_PARALLEL_BACKENDS = frozenset(BACKEND_COLLECTIVES) - {"moonep", "flashinfer_nvlink_two_sided"}
+
+
+def collective_for(backend: str, expert_parallel: bool) -> str:
+    """The shape a DP group's MoE layers move tokens with under ``backend``: the backend's
+    own with EP; without EP vLLM 0.33 runs no all-to-all kernel and falls back to the
+    all-gather and reduce-scatter whatever the backend (``fused_moe/config.py:1035``
+    ``use_all2all_kernels``, ``fused_moe/all2all_utils.py:203-226``)."""
+    return BACKEND_COLLECTIVES[backend] if expert_parallel else ALLGATHER_REDUCESCATTER
 _ACTIVATION_BYTES = 2  # bf16 hidden states
 
 
@@ -120,7 +147,7 @@ class MoEGroupCost:
 
     def __init__(self, model: ModelPreset, gpu: GPUSpec, *, tensor_parallel_size: int, data_parallel_size: int,
                  expert_parallel: bool, efficiency: Efficiency = Efficiency(),
-                 collective: str = ALLGATHER_REDUCESCATTER):
+                 collective: str = ALLGATHER_REDUCESCATTER, sequence_parallel: bool = True):
         if not model.num_experts:
             raise ValueError(f"{model.name} has no routed experts")
         if collective not in (ALLGATHER_REDUCESCATTER, ALL_TO_ALL):
@@ -146,7 +173,7 @@ class MoEGroupCost:
         self.matmul_half_tokens = float(efficiency.matmul_half_tokens)
         # The collective's group: the DP group, or the EP group with sequence-parallel MoE.
         self.collective_gpus = self.shards if self.expert_parallel and tp > 1 else dp
-        self.token_split = tp if self.expert_parallel and tp > 1 else 1
+        self.token_split = tp if self.expert_parallel and tp > 1 and sequence_parallel else 1
         link = gpu.interconnect_bytes_per_s
         if self.shards > GPUS_PER_NODE and gpu.nic_bytes_per_s > 0:
             link = gpu.nic_bytes_per_s
@@ -174,17 +201,17 @@ class MoEGroupCost:
         if n <= 1:
             return 0.0
         if self.collective == ALL_TO_ALL:
-            # The busiest GPU sends each of its tokens' top-k copies that go to other GPUs
-            # (dispatch) and receives them back (combine).
-            tokens = max(rank_tokens) / self.token_split
-            sent = tokens * self.top_k * (n - 1) / n * self.token_bytes
-            per_layer = 2 * (sent / self.link_bytes_per_s if self.link_bytes_per_s else 0.0) + 2 * self.latency_s
-            return per_layer * self.moe_layers
-        gathered = sum(rank_tokens) * self.token_bytes
-        if self.curve is not None:
-            per_layer = self.curve.seconds_for(gathered)
+            # The busiest GPU sends its tokens' top-k copies, (n-1)/n of them to other GPUs
+            # (dispatch), and gets them back (combine): per GPU the bytes of one all-reduce
+            # of ``tokens x top_k`` hidden states, priced as that all-reduce.
+            message = max(rank_tokens) / self.token_split * self.top_k * self.token_bytes
         else:
-            bus_bytes = 2 * gathered * (n - 1) / n
+            # Every GPU gathers all the group's hidden states and scatters the outputs back.
+            message = sum(rank_tokens) * self.token_bytes
+        if self.curve is not None:
+            per_layer = self.curve.seconds_for(message)
+        else:
+            bus_bytes = 2 * message * (n - 1) / n
             per_layer = (bus_bytes / self.link_bytes_per_s if self.link_bytes_per_s else 0.0) + 2 * self.latency_s
         return per_layer * self.moe_layers
 
@@ -258,5 +285,6 @@ def moe_dp_group(plan: Plan, efficiency: Efficiency) -> MoEDPGroup:
                                  tensor_parallel_size=eng.tensor_parallel_size, efficiency=efficiency)
     moe = MoEGroupCost(plan.model, plan.gpu, tensor_parallel_size=eng.tensor_parallel_size,
                        data_parallel_size=eng.data_parallel_size, expert_parallel=eng.enable_expert_parallel,
-                       efficiency=efficiency)
+                       efficiency=efficiency, collective=collective_for(eng.all2all_backend, eng.enable_expert_parallel),
+                       sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS)
     return MoEDPGroup(rank_model, moe)

@@ -78,6 +78,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                                   "its own KV pool (planned; not replayed yet)."),
     "engine.enable_expert_parallel": (("--enable-expert-parallel",), "Experts split over the DP x TP GPUs "
                                       "(planned; not replayed yet)."),
+    "engine.all2all_backend": (("--all2all-backend",), "How a DP group's MoE layers move tokens (vLLM's "
+                               "--all2all-backend): allgather_reducescatter (default), deepep_low_latency, ...; "
+                               "used only with DP > 1 on a MoE model."),
     "engine.pipeline_parallel_size": (("--pp", "--pipeline-parallel-size"), "Pipeline stages, each its layers "
                                       "(planned; not replayed yet)."),
     "engine.max_model_len": (("--max-model-len",), "Longest request (tokens)."),

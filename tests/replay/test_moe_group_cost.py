@@ -13,8 +13,8 @@ from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.planner.hardware import GPU_PRESETS
 from kvtwin.sim.planner.models import MODEL_PRESETS
 from kvtwin.sim.replay.cost_model import CostModel
-from kvtwin.sim.replay.moe_group_cost import (ALL_TO_ALL, DPRankCostModel, MoEDPGroup, MoEGroupCost,
-                                               expected_max_gpu_pairs)
+from kvtwin.sim.replay.moe_group_cost import (ALL_TO_ALL, ALLGATHER_REDUCESCATTER, DPRankCostModel, MoEDPGroup,
+                                               MoEGroupCost, expected_max_gpu_pairs, moe_dp_group)
 from kvtwin.sim.replay.run import run_replay
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 
@@ -96,6 +96,86 @@ def test_all_to_all_sends_top_k_copies_of_the_busiest_ranks_tokens():
     assert a2a.communication_s(tokens) == pytest.approx((2 * sent / link + 2 * EFF.allreduce_latency_s) * L)
 
 
+def _link_seconds(message_bytes: float, n: int, link: float) -> float:
+    """One MoE layer's collective priced as a ring all-reduce of ``message_bytes``."""
+    return 2 * message_bytes * (n - 1) / n / link + 2 * EFF.allreduce_latency_s
+
+
+@pytest.mark.parametrize("tokens, agrs_tokens, a2a_tokens", [
+    ([10, 2, 2, 2], 16, 40),  # one busy rank: its 4 copies of 10 tokens outweigh the 16 gathered
+    ([4, 4, 4, 4], 16, 16),   # balanced at DP = top-k = 4: the same bytes per GPU
+])
+def test_the_two_shapes_move_what_each_sends(tokens, agrs_tokens, a2a_tokens):
+    """gpt-oss-20b (top-4 of 32) at DP 4 + EP on NVLink: the all-gather moves every rank's
+    tokens to every GPU, the all-to-all the busiest rank's top-4 copies; as all-reduces of
+    those hidden states (2,880 x 2 bytes each)."""
+    dp, h, L = 4, MODEL.hidden_size, MODEL.num_moe_layers
+    link = GPU.interconnect_bytes_per_s * EFF.interconnect_fraction
+    costs = {shape: MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=dp, expert_parallel=True,
+                                 efficiency=EFF, collective=shape) for shape in (ALLGATHER_REDUCESCATTER, ALL_TO_ALL)}
+    assert costs[ALLGATHER_REDUCESCATTER].communication_s(tokens) == pytest.approx(
+        _link_seconds(agrs_tokens * h * 2, dp, link) * L, rel=1e-12)
+    assert costs[ALL_TO_ALL].communication_s(tokens) == pytest.approx(
+        _link_seconds(a2a_tokens * h * 2, dp, link) * L, rel=1e-12)
+
+
+def test_deepseek_v3_dp16_all_to_all_moves_half_the_gather_over_the_nic():
+    """DeepSeek-V3 (top-8 of 256) at DP 16 + EP on H200s, past one node: with every rank at
+    100 tokens the all-gather brings 1,600 tokens' states to each GPU, the all-to-all sends
+    100 x 8 copies from each: half the bytes (k / DP), the same latency."""
+    model, gpu, dp = MODEL_PRESETS["deepseek-v3"], GPU_PRESETS["h200"], 16
+    h, L = model.hidden_size, model.num_moe_layers
+    assert (model.num_experts_per_token, L) == (8, 58)
+    nic = gpu.nic_bytes_per_s * EFF.interconnect_fraction
+    tokens = [100] * dp
+    agrs = MoEGroupCost(model, gpu, tensor_parallel_size=1, data_parallel_size=dp, expert_parallel=True,
+                        efficiency=EFF)
+    a2a = MoEGroupCost(model, gpu, tensor_parallel_size=1, data_parallel_size=dp, expert_parallel=True,
+                       efficiency=EFF, collective=ALL_TO_ALL)
+    assert agrs.communication_s(tokens) == pytest.approx(_link_seconds(1600 * h * 2, dp, nic) * L, rel=1e-12)
+    assert a2a.communication_s(tokens) == pytest.approx(_link_seconds(800 * h * 2, dp, nic) * L, rel=1e-12)
+
+
+def test_a_measured_curve_prices_the_all_to_all_at_its_all_reduce_size():
+    resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml", Overrides(limit=1))
+    curve = resolved.efficiency.allreduce_curve(4)
+    assert curve is not None
+    a2a = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=4, expert_parallel=True,
+                       efficiency=resolved.efficiency, collective=ALL_TO_ALL)
+    h, L = MODEL.hidden_size, MODEL.num_moe_layers
+    assert a2a.communication_s([300, 20, 1, 1]) == pytest.approx(curve.seconds_for(300 * 4 * h * 2) * L, rel=1e-12)
+
+
+def _group_for(backend: str, *, ep: bool = True, tp: int = 1, dp: int = 4):
+    resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml",
+                                Overrides(limit=1, engine={"max_model_len": 32768, "data_parallel_size": dp,
+                                                           "tensor_parallel_size": tp, "enable_expert_parallel": ep,
+                                                           "all2all_backend": backend}))
+    return moe_dp_group(resolved.plan(), resolved.efficiency).moe
+
+
+@pytest.mark.parametrize("backend, shape", [
+    ("allgather_reducescatter", ALLGATHER_REDUCESCATTER), ("naive", ALLGATHER_REDUCESCATTER),
+    ("pplx", ALLGATHER_REDUCESCATTER), ("deepep_low_latency", ALL_TO_ALL), ("deepep_high_throughput", ALL_TO_ALL),
+    ("deepep_v2", ALL_TO_ALL), ("mori_low_latency", ALL_TO_ALL), ("nixl_ep", ALL_TO_ALL), ("moonep", ALL_TO_ALL),
+    ("flashinfer_all2allv", ALL_TO_ALL), ("flashinfer_nvlink_one_sided", ALL_TO_ALL),
+])
+def test_the_backend_picks_the_shape_with_ep_and_none_without(backend, shape):
+    assert _group_for(backend).collective == shape
+    # Without EP vLLM runs no all-to-all kernel: every backend gathers (all2all_utils.py:203-226).
+    assert _group_for(backend, ep=False).collective == ALLGATHER_REDUCESCATTER
+
+
+def test_sequence_parallel_backends_split_a_ranks_tokens_over_its_tp_gpus():
+    """DP 2 x TP 2 + EP: DeepEP's EP group of 4 GPUs each sends half its rank's tokens;
+    FlashInfer's two-sided kernels are not sequence-parallel (vLLM's
+    use_sequence_parallel_moe), so each TP GPU sends them all."""
+    deepep = _group_for("deepep_low_latency", tp=2, dp=2)
+    flashinfer = _group_for("flashinfer_nvlink_two_sided", tp=2, dp=2)
+    assert deepep.collective_gpus == flashinfer.collective_gpus == 4
+    assert deepep.token_split == 2 and flashinfer.token_split == 1
+
+
 def test_a_group_past_one_node_uses_the_nic():
     nic_gpu = GPU_PRESETS["h200"]
     assert nic_gpu.nic_bytes_per_s > 0
@@ -168,6 +248,25 @@ def test_dp4_replays_carry_the_moe_collective_per_step(replays):
         assert (steps.column("communication_s").to_numpy()[ran] >= comm).all()
         share = result.summary.to_pylist()[0]["moe_communication_share"]
         assert 0 < share < 1
+
+
+def test_dp4_deepep_low_latency_moves_more_than_the_gather_for_gpt_oss_20b(replays):
+    """gpt-oss-20b sends each token to 4 experts, as many as DP 4 has ranks: the all-to-all
+    moves ``t_max x 4`` tokens' states per GPU where the all-gather moves the sum of the
+    ranks' tokens, never more than ``4 x t_max``. At this low load one rank often runs alone
+    beside dummy batches, so with vLLM's DeepEP low-latency backend the collective costs
+    more per step than with the default (the win needs top-k below DP: the DeepSeek-V3
+    test above)."""
+    a2a = _dp_replay(enable_expert_parallel=True, all2all_backend="deepep_low_latency")
+
+    def per_step(result):
+        steps = result.steps
+        ran = (steps.column("prefill_tokens").to_numpy() + steps.column("decode_tokens").to_numpy()) > 0
+        return steps.column("moe_communication_s").to_numpy()[ran].mean()
+
+    assert per_step(a2a) > 1.5 * per_step(replays[True])
+    assert a2a.summary.to_pylist()[0]["moe_communication_share"] > \
+        replays[True].summary.to_pylist()[0]["moe_communication_share"]
 
 
 def test_dp4_low_load_tpot_is_below_the_old_per_rank_pricing(replays, monkeypatch):
