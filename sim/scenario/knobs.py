@@ -75,14 +75,14 @@ _CUT_RULES: dict[str, tuple[str, Rule]] = {
 FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "engine.tensor_parallel_size": (("--tp", "--tensor-parallel-size"), "Tensor-parallel GPUs."),
     "engine.data_parallel_size": (("--dp", "--data-parallel-size"), "vLLM data-parallel ranks, each an engine with "
-                                  "its own KV pool (planned; not replayed yet)."),
-    "engine.enable_expert_parallel": (("--enable-expert-parallel",), "Experts split over the DP x TP GPUs "
-                                      "(planned; not replayed yet)."),
+                                  "its own KV pool (a MoE model's step together)."),
+    "engine.enable_expert_parallel": (("--enable-expert-parallel",), "Whole experts split over the DP x TP "
+                                      "GPUs."),
     "engine.all2all_backend": (("--all2all-backend",), "How a DP group's MoE layers move tokens (vLLM's "
                                "--all2all-backend): allgather_reducescatter (default), deepep_low_latency, ...; "
                                "used only with DP > 1 on a MoE model."),
-    "engine.pipeline_parallel_size": (("--pp", "--pipeline-parallel-size"), "Pipeline stages, each its layers "
-                                      "(planned; not replayed yet)."),
+    "engine.pipeline_parallel_size": (("--pp", "--pipeline-parallel-size"), "Pipeline stages, each its share "
+                                      "of the layers."),
     "engine.max_model_len": (("--max-model-len",), "Longest request (tokens)."),
     "engine.max_num_batched_tokens": (("--max-num-batched-tokens",), "Token budget per step."),
     "engine.max_num_seqs": (("--max-num-seqs",), "Most running requests."),
