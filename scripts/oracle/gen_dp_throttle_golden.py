@@ -34,21 +34,12 @@ Usage (the oracle venv's python, PYTHONWARNINGS=ignore):
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
-import os
-import random
 import sys
 
-from oracle_common import (  # noqa: E402  (standard library only: before torch and vLLM)
-    GOLDEN_CASES as DEFAULT_OUT, CaseError, atomic_write, prepare_environment, read_jsonl,
-    tiny_model_dir, write_jsonl,
-)
+from oracle_common import CaseError, prepare_environment, tiny_model_dir  # standard library only: before vLLM
 
 _CACHE = prepare_environment("kvtwin-dp-throttle-oracle")
-
-import torch  # noqa: E402
 
 import vllm  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,  # noqa: E402
@@ -58,11 +49,12 @@ from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,  # noqa: E402
                                          resolve_kv_cache_block_sizes)
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec, SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from scripted_cases import FULL, build_groups, golden_main, workload  # noqa: E402  (after vLLM's environment)
 
 VLLM_VERSION = "0.33.0"
 CONFIG_KEYS = ["vllm_version", "kv_cache_groups", "block_size", "num_blocks", "max_model_len", "max_num_seqs",
@@ -70,21 +62,6 @@ CONFIG_KEYS = ["vllm_version", "kv_cache_groups", "block_size", "num_blocks", "m
                "scheduling_policy", "watermark", "scheduler_reserve_full_isl", "enable_prefix_caching",
                "prefix_caching_hash_algo", "prefix_cache_retention_interval", "async_scheduling",
                "prefill_schedule_interval", "description"]
-REQUEST_KEYS = ["request_id", "arrival_step", "prompt_token_ids", "output_token_ids", "priority"]
-
-
-def build_groups(group_cfgs: list[dict], block_size: int) -> list[KVCacheGroupSpec]:
-    groups = []
-    for i, g in enumerate(group_cfgs):
-        common = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
-        if g["kind"] == "full_attention":
-            spec = FullAttentionSpec(**common)
-        elif g["kind"] == "sliding_window":
-            spec = SlidingWindowSpec(sliding_window=int(g["sliding_window"]), **common)
-        else:
-            raise CaseError(f"group {i}: kind {g['kind']!r} (full_attention or sliding_window here)")
-        groups.append(KVCacheGroupSpec(layer_names=[f"layer{i}"], kv_cache_spec=spec))
-    return groups
 
 
 def build_scheduler(cfg: dict):
@@ -222,24 +199,6 @@ def run_case(cfg: dict, requests: list[dict], max_steps: int = 100_000):
 
 # -- the cases ----------------------------------------------------------------------------
 
-FULL = {"kind": "full_attention"}
-
-
-def workload(seed: int, n: int, *, prompt=(20, 120), output=(4, 40), gap: int = 2, shared: int = 0,
-             share_every: int = 2) -> list[dict]:
-    """Seeded requests; with ``shared`` tokens, every ``share_every``-th request starts with
-    one common prefix (prefix cache hits)."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(1000, 40000) for _ in range(shared)]
-    reqs, step = [], 0
-    for i in range(n):
-        prompt_ids = (prefix if shared and i % share_every == 0 else []) + \
-            [rng.randrange(1000, 40000) for _ in range(rng.randint(*prompt))]
-        reqs.append(dict(request_id=f"r{i:03d}", arrival_step=step, prompt_token_ids=prompt_ids,
-                         output_token_ids=[rng.randrange(50000, 60000) for _ in range(rng.randint(*output))],
-                         priority=rng.randint(0, 2)))
-        step += rng.randint(0, gap)
-    return reqs
 
 
 def config(interval: int, groups: list[dict], num_blocks: int, description: str, *, budget: int = 128,
@@ -272,49 +231,8 @@ def cases() -> dict:
     }
 
 
-def write_case(case_dir: str, cfg: dict, requests: list[dict], exp_requests: list[dict], exp_steps: list[dict]):
-    os.makedirs(case_dir, exist_ok=True)
-    atomic_write(os.path.join(case_dir, "config.json"), json.dumps(cfg, indent=1) + "\n")
-    write_jsonl(os.path.join(case_dir, "requests.jsonl"), [{k: r[k] for k in REQUEST_KEYS} for r in requests])
-    write_jsonl(os.path.join(case_dir, "expected_requests.jsonl"), exp_requests)
-    write_jsonl(os.path.join(case_dir, "expected_steps.jsonl"), exp_steps)
-
-
-def summary(exp_requests: list[dict], exp_steps: list[dict]) -> str:
-    return json.dumps(dict(steps=len(exp_steps), preemptions=sum(r["num_preemptions"] for r in exp_requests),
-                           hits=sum(a["hit_tokens"] for r in exp_requests for a in r["admissions"]),
-                           min_free_blocks=min(s["num_free_blocks"] for s in exp_steps)))
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", help="'make', or a case directory")
-    ap.add_argument("dirs", nargs="*")
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    if args.cmd == "make":
-        for name, (cfg, reqs) in cases().items():
-            exp_requests, exp_steps = run_case(cfg, reqs)
-            write_case(os.path.join(args.out, f"dp_throttle_{name}"), cfg, reqs, exp_requests, exp_steps)
-            print(f"dp_throttle_{name}", summary(exp_requests, exp_steps), flush=True)
-        return 0
-    status = 0
-    for d in [args.cmd, *args.dirs]:
-        with open(os.path.join(d, "config.json")) as f:
-            cfg = json.load(f)
-        reqs = read_jsonl(os.path.join(d, "requests.jsonl"))
-        exp_requests, exp_steps = run_case(cfg, reqs)
-        same = (exp_requests == read_jsonl(os.path.join(d, "expected_requests.jsonl"))
-                and exp_steps == read_jsonl(os.path.join(d, "expected_steps.jsonl")))
-        if args.check:
-            print(d, "SAME" if same else "DIFFERENT")
-            status |= not same
-        else:
-            write_jsonl(os.path.join(d, "expected_requests.jsonl"), exp_requests)
-            write_jsonl(os.path.join(d, "expected_steps.jsonl"), exp_steps)
-            print(d, summary(exp_requests, exp_steps))
-    return status
+    return golden_main(__doc__, "dp_throttle", cases, run_case, argv)
 
 
 if __name__ == "__main__":
