@@ -206,11 +206,14 @@ def _clusters_the_processes_see(run) -> list:
     and every engine process's, as their frames start (a profile hook sees them whether
     the code that starts them is compiled or not)."""
     codes = {arrival_process.__code__, sync_engine_process.__code__, async_engine_process.__code__}
-    seen = {}  # a process's frame (the same at each resumption) → its cluster
+    # A process by its code and its replica (none for the arrival process): a resumed
+    # generator is "called" again, and need not come back in the same frame object.
+    seen = {}
 
     def hook(frame, event, arg):
-        if event == "call" and frame.f_code in codes and frame not in seen:
-            seen[frame] = frame.f_locals["cluster"]
+        if event == "call" and frame.f_code in codes:
+            replica = frame.f_locals.get("replica")
+            seen.setdefault((frame.f_code, id(replica)), frame.f_locals["cluster"])
 
     sys.setprofile(hook)
     try:
