@@ -149,15 +149,23 @@ def test_the_step_counter_throttles_every_rank_on_the_same_steps(monkeypatch):
     assert seen[0] == (0, False)
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 0.2), st.integers(1, 150), st.integers(1, 12)),
-                min_size=1, max_size=14),
-       st.integers(1, 4), st.integers(1, 20))
-def test_lockstep_invariants(requests, interval, sync_interval):
+# Random group workloads: (rank, arrival s, prompt tokens, output tokens) per request.
+_WORKLOADS = st.lists(st.tuples(st.integers(0, 3), st.floats(0, 0.2), st.integers(1, 150), st.integers(1, 12)),
+                      min_size=1, max_size=14)
+
+
+def _random_group_run(requests, interval: int, sync_interval: int) -> tuple[list[Arrival], LockstepSettings]:
+    """A random workload's arrivals in time order, and the group's settings."""
     arrivals = sorted((_arrival(rank, f"{i}", at_s, prompt, out) for i, (rank, at_s, prompt, out)
                        in enumerate(requests)), key=lambda a: a.arrival_s)
-    lockstep = LockstepSettings(prefill_schedule_interval=interval, dp_sync_interval=sync_interval,
-                                dummy_batch_s=0.0003)
+    return arrivals, LockstepSettings(prefill_schedule_interval=interval, dp_sync_interval=sync_interval,
+                                      dummy_batch_s=0.0003)
+
+
+@settings(max_examples=25, deadline=None)
+@given(_WORKLOADS, st.integers(1, 4), st.integers(1, 20))
+def test_lockstep_invariants(requests, interval, sync_interval):
+    arrivals, lockstep = _random_group_run(requests, interval, sync_interval)
     group, recorder, engines, executors = _group(4, lockstep, arrivals)
     table = recorder.requests_table()
     ids = table.column("request_id").to_pylist()
@@ -320,14 +328,9 @@ def test_async_a_batch_applied_late_still_counts_with_its_forward(monkeypatch):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 0.2), st.integers(1, 150), st.integers(1, 12)),
-                min_size=1, max_size=14),
-       st.integers(1, 4), st.integers(1, 20))
+@given(_WORKLOADS, st.integers(1, 4), st.integers(1, 20))
 def test_async_lockstep_invariants(requests, interval, sync_interval):
-    arrivals = sorted((_arrival(rank, f"{i}", at_s, prompt, out) for i, (rank, at_s, prompt, out)
-                       in enumerate(requests)), key=lambda a: a.arrival_s)
-    lockstep = LockstepSettings(prefill_schedule_interval=interval, dp_sync_interval=sync_interval,
-                                dummy_batch_s=0.0003)
+    arrivals, lockstep = _random_group_run(requests, interval, sync_interval)
     with pytest.MonkeyPatch.context() as monkeypatch:
         result = _async_group(4, lockstep, arrivals, monkeypatch)
     _check_async_invariants(*result, arrivals, 0.0003)
