@@ -109,6 +109,7 @@ class Scheduler(ConnectorScheduling):
         # Prefill throttling under DP (``prefill_throttle.py``, docs/semantics.md#data-parallel-lockstep).
         self.defer_prefills = False
         self.prefill_capacity_bound = False
+        self.throttled = scheduler_config.prefill_schedule_interval > 1  # only then is the bound read
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -143,7 +144,8 @@ class Scheduler(ConnectorScheduling):
             return self._finish_schedule_with_connector(out)
         if not out.preempted:
             self.schedule_waiting(out, token_budget, long_prefill)
-            note_release(self, defer)
+            if self.throttled:
+                note_release(self, defer)
         # Advance the computed counts optimistically (before the forward pass), noting for
         # the executor where each request starts and which ones sample.
         self.advance_computed(out)
