@@ -15,6 +15,7 @@ workload with a small KV cache:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import sys
 
@@ -215,6 +216,9 @@ def _clusters_the_processes_see(run) -> list:
             replica = frame.f_locals.get("replica")
             seen.setdefault((frame.f_code, id(replica)), frame.f_locals["cluster"])
 
+    # An earlier run's processes, closed when the collector frees them, would be "called"
+    # once more under the hook: free them first.
+    gc.collect()
     sys.setprofile(hook)
     try:
         run()
