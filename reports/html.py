@@ -30,10 +30,12 @@ def render_report_dir(directory: str | os.PathLike) -> str:
     kind = report_kind(directory)
     if kind == "replay":
         plan = read_json(directory / "plan.json")
+        replicas_path = directory / "replicas.parquet"
         return render_replay_report(read_table(directory / "requests.parquet", REQUEST_COLUMNS),
                                     read_table(directory / "steps.parquet", STEP_COLUMNS),
                                     read_table(directory / "summary.parquet"), plan,
-                                    read_metadata(directory / "summary.parquet"))
+                                    read_metadata(directory / "summary.parquet"),
+                                    replicas=read_table(replicas_path) if replicas_path.is_file() else None)
     if kind == "capacity":
         # Imported here: a replay report needs neither the capacity report nor pandas.
         from kvtwin.reports.capacity_report import render_capacity_report

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from kvtwin.reports.html_page import page
-from kvtwin.reports.html_tables import fmt_cell, kv_table
+from kvtwin.reports.html_tables import fmt_cell, kv_table, rows_table
 from kvtwin.reports.paths import REPLAY_FILES
 from kvtwin.reports.replay_plots import replay_figures
 from kvtwin.reports.run_facts import clock_note, header, plan_section, run_settings
@@ -20,8 +20,9 @@ from kvtwin.sim.calibration.file import UNCALIBRATED
 
 
 def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dict, metadata: dict, *,
-                         sources: Sequence[str] = REPLAY_FILES) -> str:
-    """The replay report as one HTML string (tables as written to a run directory)."""
+                         sources: Sequence[str] = REPLAY_FILES, replicas: pa.Table | None = None) -> str:
+    """The replay report as one HTML string (tables as written to a run directory);
+    ``replicas`` (``replicas.parquet``) adds a table of each replica or DP rank."""
     s = _summary_row(summary)
     metadata = metadata or {}
     extra = [("requests replayed", fmt_cell(s.get("num_requests")))]
@@ -31,7 +32,7 @@ def render_replay_report(requests: pa.Table, steps: pa.Table, summary, plan: dic
     sections = [header("replay", metadata, sources, extra, headline=headline), clock_note(_clock_lines(s)),
                 plan_section(plan),
                 "<h2>Key metrics</h2>" + kv_table(_replay_metrics(s), "meta"),
-                "<h2>Plots</h2>", *replay_figures(requests, steps, s, plan)]
+                *_replica_section(replicas), "<h2>Plots</h2>", *replay_figures(requests, steps, s, plan)]
     return page(f"kvtwin replay report: {headline}", sections)
 
 
@@ -95,11 +96,51 @@ def _replay_metrics(s: dict) -> list[tuple[str, str]]:
         rows += _offload_metrics(s)
     if "spec_acceptance_rate" in s:
         rows += _spec_metrics(s)
+    if not missing(s.get("dp_group_steps")):
+        rows += _lockstep_metrics(s)
     if "saturated" in s:
         rows.append(("saturated", ("yes: " + str(s.get("saturation_reason") or "")) if s.get("saturated") else "no"))
     if s.get("rejected_by_reason") not in (None, "", "{}"):
         rows.append(("rejected by reason", s["rejected_by_reason"]))
     return rows
+
+
+def _lockstep_metrics(s: dict) -> list[tuple[str, str]]:
+    """A DP MoE group stepping together: its steps, the dummy batches, the MoE collectives'
+    share of the busy time (docs/clock.md#moe-under-data-parallelism)."""
+    return [("DP ranks in lockstep: group steps / waves / dummy batches",
+             f"{fmt_cell(s.get('dp_group_steps'))} / {fmt_cell(s.get('dp_waves'))} / {fmt_cell(s.get('dummy_steps'))}"),
+            ("MoE collectives (dispatch and combine), share of busy time",
+             format_percent(s.get("moe_communication_share")))]
+
+
+# Each replica's row of the report: a label and how its ``replicas.parquet`` columns read.
+_REPLICA_COLUMNS = (
+    ("requests", lambda r: fmt_cell(r.get("num_requests"))),
+    ("load ratio", lambda r: fmt_cell(r.get("load_ratio"))),
+    ("prefix cache hit rate", lambda r: format_percent(r.get("prefix_cache_hit_rate"))),
+    ("KV cache usage peak / mean",
+     lambda r: f"{format_percent(r.get('kv_cache_usage_peak'))} / {format_percent(r.get('kv_cache_usage_mean'))}"),
+    ("preemptions", lambda r: fmt_cell(r.get("num_preemptions"))),
+    ("p99 TTFT", lambda r: format_duration_ms(r.get("p99_ttft_ms"))),
+    ("p99 TPOT", lambda r: format_duration_ms(r.get("p99_tpot_ms"))),
+)
+
+
+def _replica_section(replicas: pa.Table | None) -> list[str]:
+    """One row per replica or DP rank (its role with P/D, its dummy batches in a lockstep
+    group); nothing with a single replica."""
+    if replicas is None or replicas.num_rows <= 1:
+        return []
+    rows = replicas.to_pylist()
+    names = ["replica", *(("role",) if "role" in replicas.column_names else ()),
+             *(label for label, _ in _REPLICA_COLUMNS)]
+    dummies = "dummy_steps" in replicas.column_names
+    if dummies:
+        names.append("dummy batches")
+    body = [[r["replica"], *((r["role"],) if "role" in r else ()), *(read(r) for _, read in _REPLICA_COLUMNS),
+             *((r["dummy_steps"],) if dummies else ())] for r in rows]
+    return ["<h2>Replicas</h2>", rows_table(names, body)]
 
 
 def _spec_metrics(s: dict) -> list[tuple[str, str]]:

@@ -110,7 +110,10 @@ def replicas_line(row: dict, replicas) -> str | None:
     if "dummy_steps" in replicas.column_names and not missing(row.get("dp_group_steps")):
         dummies = " / ".join(f"{r['dummy_steps']:,}" for r in per)
         line += (f"; in lockstep: {int(row['dp_group_steps']):,} group steps in {int(row['dp_waves']):,} waves, "
-                 f"dummy batches {dummies}")
+                 f"dummy batches {dummies}, MoE collectives {format_percent(row.get('moe_communication_share'))} "
+                 f"of busy time")
+    if len(per) > 1 and "kv_cache_usage_peak" in replicas.column_names:
+        line += "; KV cache usage peak " + " / ".join(format_percent(r["kv_cache_usage_peak"], 0) for r in per)
     return line
 
 

@@ -91,7 +91,7 @@ def replay(
             from kvtwin.reports.replay_report import render_replay_report
 
             text_files = {"report.html": render_replay_report(result.requests, result.steps, result.summary,
-                                                              plan_json, metadata)}
+                                                              plan_json, metadata, replicas=result.replicas)}
         paths = write_run(out, requests=result.requests, steps=result.steps, summary=result.summary,
                           plan=plan_json, run_metadata=metadata, extra_tables={"replicas": result.replicas},
                           text_files=text_files)

@@ -7,6 +7,7 @@ replays as such a group behind vLLM's balancer."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -351,3 +352,35 @@ def test_a_dp4_moe_scenario_with_default_async_scheduling_replays_as_a_lockstep_
     duration = steps.column("duration_s").to_numpy()[ran]
     for t in np.unique(start):
         assert len(set(duration[start == t])) == 1
+
+
+def test_the_report_and_the_replicas_line_show_each_rank():
+    """The report's replicas table has one row per rank, read from ``replicas.parquet``
+    (requests, hit rate, dummy batches), and the printed line gives the MoE collectives'
+    share and each rank's KV usage peak."""
+    from kvtwin.reports.replay_report import render_replay_report
+    from kvtwin.reports.summary_text import format_percent, replicas_line
+
+    planned, result = _dp_replay(data_parallel_size=4, async_scheduling=False)
+    summary = result.summary.to_pylist()[0]
+    ranks = result.replicas.to_pylist()
+    html = render_replay_report(result.requests, result.steps, result.summary, planned.to_json(), {},
+                                replicas=result.replicas)
+    table = html.split("<h2>Replicas</h2>", 1)[1].split("</table>", 1)[0]
+    head = re.findall(r"<th>(.*?)</th>", table)
+    rows = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(<td>.*?)</tr>", table)]
+    assert len(rows) == 4
+    for rank, row in zip(ranks, rows):
+        cell = dict(zip(head, row))
+        assert cell["replica"] == str(rank["replica"]) and cell["requests"] == f"{rank['num_requests']:,}"
+        assert cell["dummy batches"] == f"{rank['dummy_steps']:,}"
+        assert cell["prefix cache hit rate"] == format_percent(rank["prefix_cache_hit_rate"])
+    assert "MoE collectives (dispatch and combine), share of busy time" in html
+    line = replicas_line(summary, result.replicas)
+    assert f"MoE collectives {format_percent(summary['moe_communication_share'])} of busy time" in line
+    assert line.endswith("; KV cache usage peak " + " / ".join(format_percent(r["kv_cache_usage_peak"], 0)
+                                                               for r in ranks))
+    # One replica: no table.
+    one = render_replay_report(result.requests, result.steps, result.summary, planned.to_json(), {},
+                               replicas=result.replicas.slice(0, 1))
+    assert "<h2>Replicas</h2>" not in one
