@@ -54,6 +54,8 @@ def render_plan(p: Plan) -> str:
     sizes = [f"TP {tp}"] + [f"{name} {n}" for name, n in (("PP", layout.pipeline_parallel_size),
                                                           ("DP", layout.data_parallel_size),
                                                           ("EP", layout.expert_parallel_size)) if n > 1]
+    if layout.enable_eplb:
+        sizes.append(f"EPLB, {layout.num_redundant_experts} redundant experts")
     where = f"{layout.num_gpus} x {p.gpu.name} ({', '.join(sizes)})" if layout.num_gpus > 1 else p.gpu.name
     lines.append(f"kvtwin plan: {p.model.name} on {where} - vLLM 0.33 KV cache layout")
     default = "vLLM default" if eng.hybrid_kv_cache_is_default else "not vLLM's default"
@@ -201,6 +203,7 @@ def render_compare(comparison: HybridComparison) -> str:
 
 
 @knob_flags("engine.tensor_parallel_size", "engine.data_parallel_size", "engine.enable_expert_parallel",
+            "engine.enable_eplb", "engine.num_redundant_experts",
             "engine.pipeline_parallel_size", "engine.max_model_len", "engine.max_num_batched_tokens",
             "engine.max_num_seqs", "engine.block_size", "engine.kv_cache_dtype", "engine.gpu_memory_utilization",
             "engine.kv_cache_memory_bytes", "engine.hybrid_kv_cache", "engine.async_scheduling",

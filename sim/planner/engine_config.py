@@ -33,7 +33,7 @@ from kvtwin.sim.core.errors import ConfigError, config_from_table, require
 from kvtwin.sim.core.retention import parse_retention_setting
 from kvtwin.sim.planner.hardware import GIB, GPUSpec
 from kvtwin.sim.planner.models import DTYPE_BYTES, KV_HEAD_KINDS, ModelPreset
-from kvtwin.sim.planner.parallel import ParallelLayout
+from kvtwin.sim.planner.parallel import MAX_EXPERT_REDUNDANCY, ParallelLayout
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -70,6 +70,10 @@ class EngineConfig:
     # How a DP group's MoE layers move tokens (vLLM's ``--all2all-backend``); it matters only
     # with DP > 1 on a MoE model (docs/clock.md#moe-under-data-parallelism).
     all2all_backend: str = ALL2ALL_BACKENDS[0]
+    # vLLM's expert-parallel load balancer and its extra expert replicas
+    # (``--enable-eplb``, ``EPLBConfig.num_redundant_experts``; docs/semantics.md#parallel-layouts).
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -110,6 +114,10 @@ class EngineConfig:
                 self.enable_expert_parallel)
         require(self.all2all_backend in ALL2ALL_BACKENDS, "all2all_backend",
                 f"one of {', '.join(ALL2ALL_BACKENDS)}", self.all2all_backend)
+        require(isinstance(self.enable_eplb, bool), "enable_eplb", "true or false", self.enable_eplb)
+        require(is_int(self.num_redundant_experts) and 0 <= self.num_redundant_experts <= MAX_EXPERT_REDUNDANCY,
+                "num_redundant_experts", f"an integer from 0 to {MAX_EXPERT_REDUNDANCY} (vLLM's cap)",
+                self.num_redundant_experts)
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if value is not None:
@@ -179,6 +187,7 @@ class EngineConfig:
             tensor_parallel_size=tp, data_parallel_size=self.data_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=self.pipeline_parallel_size,
             all2all_backend=ALL2ALL_BACKEND_ALIASES.get(self.all2all_backend, self.all2all_backend),
+            enable_eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts,
             user_block_size=self.block_size or DEFAULT_BLOCK_SIZE,
             user_specified_block_size=self.block_size is not None, kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_dtype_bytes=DTYPE_BYTES[model.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype],
@@ -209,6 +218,8 @@ class ResolvedEngineConfig:
     enable_expert_parallel: bool
     pipeline_parallel_size: int
     all2all_backend: str  # the backend vLLM 0.33 runs (aliases resolved)
+    enable_eplb: bool
+    num_redundant_experts: int
     user_block_size: int
     user_specified_block_size: bool
     kv_cache_dtype: str
@@ -230,7 +241,8 @@ class ResolvedEngineConfig:
         return ParallelLayout(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               data_parallel_size=self.data_parallel_size,
-                              enable_expert_parallel=self.enable_expert_parallel)
+                              enable_expert_parallel=self.enable_expert_parallel, enable_eplb=self.enable_eplb,
+                              num_redundant_experts=self.num_redundant_experts)
 
     # The scheduler's sizes are read everywhere in the planner; they live on ``scheduler``.
     @property
@@ -286,6 +298,20 @@ def _check_model_fits_parallel(model: ModelPreset, engine: EngineConfig) -> None
                           "holds at least one)", engine.pipeline_parallel_size)
     if engine.enable_expert_parallel and not model.num_experts:
         raise ConfigError("enable_expert_parallel", f"false for {model.name}: it has no experts to split", True)
+    if engine.enable_eplb and not engine.enable_expert_parallel:
+        raise ConfigError("enable_eplb", "false unless enable_expert_parallel is true (vLLM: 'enable_expert_parallel "
+                          "must be True to use EPLB')", True)
+    if engine.enable_eplb and engine.tensor_parallel_size * engine.data_parallel_size <= 1:
+        raise ConfigError("enable_eplb", "false with one GPU per stage: EPLB balances experts over the DP x TP GPUs "
+                          "of the EP group (tensor_parallel_size or data_parallel_size > 1)", True)
+    ep_size = engine.tensor_parallel_size * engine.data_parallel_size
+    if engine.enable_eplb and (model.num_experts + engine.num_redundant_experts) % ep_size:
+        raise ConfigError("num_redundant_experts", f"a count that makes {model.name}'s {model.num_experts} experts "
+                          f"plus it a multiple of the EP group's {ep_size} GPUs (vLLM's EPLB places the same number "
+                          "of experts on every GPU)", engine.num_redundant_experts)
+    if engine.num_redundant_experts and not engine.enable_eplb:
+        raise ConfigError("num_redundant_experts", "0 unless enable_eplb is true (vLLM refuses redundant experts "
+                          "without EPLB)", engine.num_redundant_experts)
     interval = engine.prefill_schedule_interval
     if interval > 1 and not (engine.data_parallel_size > 1 and model.num_experts):
         # vLLM's own cadence without a DP group (scheduler.py, "local" throttling) is not modelled.

@@ -11,6 +11,12 @@ vLLM 0.33 lays them out (docs/semantics.md#parallel-layouts).
   tensor_parallel_size`` GPUs of a stage either way: with expert parallelism each GPU
   holds ``ceil(experts / (DP x TP))`` whole experts (the most loaded one), without it every
   expert's intermediate dimension is split over the same DP x TP GPUs.
+* With EPLB (expert parallelism only) the GPUs hold ``experts + num_redundant_experts``
+  physical experts, ``ceil`` of that over DP x TP each, and every GPU also holds EPLB's
+  state: a spare copy of one MoE layer's local experts (the buffer the rebalancing moves
+  weights through), the per-step expert loads of its window and the expert maps
+  (``distributed/eplb/eplb_state.py``). Its communicator's own staging buffers are not
+  counted.
 
 The planner sizes one GPU's KV cache from the most loaded GPU of each stage; every DP
 rank is an engine with its own pool of ``num_blocks``.
@@ -22,6 +28,14 @@ import math
 from dataclasses import dataclass
 
 from kvtwin.sim.planner.models import KV_HEAD_KINDS, ModelPreset, mxfp4_bytes_per_param
+
+# vLLM 0.33's EPLB (``distributed/eplb/eplb_state.py``, ``config/parallel.py`` ``EPLBConfig``):
+# the most extra replicas of one logical expert, which also sizes the logical-to-physical map
+# (one int64 slot per replica for every logical expert of every MoE layer), and the steps of
+# expert loads its window keeps (int32 per physical expert and MoE layer).
+MAX_EXPERT_REDUNDANCY = 1023
+EPLB_WINDOW_STEPS = 1000
+_INT64_BYTES, _INT32_BYTES = 8, 4
 
 
 def pp_partition(num_layers: int, pipeline_parallel_size: int) -> tuple[int, ...]:
@@ -52,6 +66,8 @@ class ParallelLayout:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
 
     @property
     def num_gpus(self) -> int:
@@ -86,10 +102,11 @@ class StageWeights:
     dense_bytes: int
     expert_bytes: int
     experts_per_gpu: int
+    eplb_bytes: int = 0  # EPLB's state on the GPU, loaded before the memory profile like weights
 
     @property
     def total_bytes(self) -> int:
-        return self.dense_bytes + self.expert_bytes
+        return self.dense_bytes + self.expert_bytes + self.eplb_bytes
 
 
 def _bytes_per_param(model: ModelPreset) -> tuple[float, float]:
@@ -130,14 +147,37 @@ def stage_weights(model: ModelPreset, layout: ParallelLayout, stage: int) -> Sta
             dense += int(per_head * (1 - model.num_kv_heads / tp))
     stage_moe_layers = sum(1 for i in moe_layers if start <= i < end)
     shards = layout.moe_shard_size
-    experts_per_gpu = math.ceil(model.num_experts / shards) if model.num_experts else 0
+    physical = physical_experts(model, layout)
+    experts_per_gpu = math.ceil(physical / shards) if model.num_experts else 0
     if layout.expert_parallel_size > 1:
         share = experts_per_gpu / model.num_experts
     else:
         share = 1 / shards
     expert = math.ceil(stage_moe_layers * per_moe_layer * expert_bpp * share)
+    eplb = 0
+    if layout.enable_eplb and stage_moe_layers:
+        one_layer_experts = math.ceil(per_moe_layer * expert_bpp * experts_per_gpu / model.num_experts)
+        eplb = one_layer_experts + eplb_state_bytes(model.num_experts, physical, stage_moe_layers)
     return StageWeights(stage=stage, layers=(start, end), dense_bytes=dense, expert_bytes=expert,
-                        experts_per_gpu=experts_per_gpu if layout.expert_parallel_size > 1 else model.num_experts)
+                        experts_per_gpu=experts_per_gpu if layout.expert_parallel_size > 1 else model.num_experts,
+                        eplb_bytes=eplb)
+
+
+def physical_experts(model: ModelPreset, layout: ParallelLayout) -> int:
+    """Routed experts the GPUs of a MoE layer hold together: the model's, plus EPLB's
+    redundant replicas (docs/semantics.md#parallel-layouts)."""
+    return model.num_experts + (layout.num_redundant_experts if layout.enable_eplb else 0)
+
+
+def eplb_state_bytes(logical_experts: int, physical: int, moe_layers: int) -> int:
+    """EPLB's load and map tensors on one GPU for ``moe_layers`` MoE layers (vLLM 0.33's
+    ``EplbState.add_model``): the load window (int32, ``EPLB_WINDOW_STEPS`` x layers x
+    physical experts) and this pass's loads (int32), the logical-to-physical map
+    (int64, ``MAX_EXPERT_REDUNDANCY + 1`` slots per logical expert), the physical-to-logical
+    map, the replica counts and the last loads (int64)."""
+    int32 = (EPLB_WINDOW_STEPS + 1) * moe_layers * physical * _INT32_BYTES
+    int64 = moe_layers * (logical_experts * (MAX_EXPERT_REDUNDANCY + 1) + physical + 2 * logical_experts)
+    return int32 + int64 * _INT64_BYTES
 
 
 def is_moe_layer(model: ModelPreset, index: int) -> bool:

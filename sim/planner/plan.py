@@ -36,7 +36,7 @@ from kvtwin.sim.planner.engine_config import EngineConfig, ResolvedEngineConfig
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.memory_budget import MemoryBudget, estimate_memory, explicit_memory
 from kvtwin.sim.planner.models import DTYPE_BYTES, ModelPreset
-from kvtwin.sim.planner.parallel import stage_weights
+from kvtwin.sim.planner.parallel import physical_experts, stage_weights
 from kvtwin.sim.planner.page_size import HybridBlockSize, hybrid_attention_block_size
 from kvtwin.sim.core.spec import (
     ChunkedLocalAttentionSpec,
@@ -439,6 +439,10 @@ class Plan:
             out["hybrid_block"] = {"alignment_tokens": hb.alignment_tokens, "mamba_page_bytes": hb.mamba_page_bytes,
                                    "mamba_page_padded_bytes": hb.attention_page_bytes,
                                    "mamba_padding_bytes": hb.mamba_padding_bytes}
+        if eng.enable_eplb:
+            # Only where set: a plan without EPLB keeps its bytes.
+            out["eplb"] = {"num_redundant_experts": eng.num_redundant_experts,
+                           "num_physical_experts": physical_experts(self.model, eng.layout)}
         return out
 
 

@@ -81,6 +81,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "engine.all2all_backend": (("--all2all-backend",), "How a DP group's MoE layers move tokens (vLLM's "
                                "--all2all-backend): allgather_reducescatter (default), deepep_low_latency, ...; "
                                "used only with DP > 1 on a MoE model."),
+    "engine.enable_eplb": (("--enable-eplb",), "vLLM's expert-parallel load balancer (needs "
+                           "--enable-expert-parallel)."),
+    "engine.num_redundant_experts": (("--num-redundant-experts",), "Extra expert replicas EPLB places (vLLM's "
+                                     "eplb_config.num_redundant_experts; default 0)."),
     "engine.pipeline_parallel_size": (("--pp", "--pipeline-parallel-size"), "Pipeline stages, each its share "
                                       "of the layers."),
     "engine.max_model_len": (("--max-model-len",), "Longest request (tokens)."),

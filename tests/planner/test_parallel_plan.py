@@ -59,6 +59,28 @@ def test_expert_parallel_spreads_whole_experts_over_dp_x_tp():
     assert p.memory.weights_bytes == pytest.approx(rest + routed * 16 / 256, rel=1e-9)
 
 
+@pytest.mark.parametrize("redundant", [0, 32])
+def test_eplb_adds_its_redundant_experts_and_its_state_to_every_gpu(redundant):
+    """EPLB (docs/semantics.md#parallel-layouts): 256 + R physical experts over the 16 GPUs,
+    plus a spare copy of one layer's local experts and the load window and maps of vLLM
+    0.33's ``EplbState`` on every GPU, all before the memory profile."""
+    routed, rest = _deepseek_parts()
+    engine = dict(data_parallel_size=16, enable_expert_parallel=True, max_model_len=32768)
+    plain = plan(get_model("deepseek-v3"), get_gpu("h200"), EngineConfig(**engine))
+    eplb = plan(get_model("deepseek-v3"), get_gpu("h200"),
+                EngineConfig(**engine, enable_eplb=True, num_redundant_experts=redundant))
+    local = (256 + redundant) // 16
+    assert eplb.to_json()["pipeline_stages"][0]["experts_per_gpu"] == local
+    assert eplb.to_json()["eplb"] == {"num_redundant_experts": redundant, "num_physical_experts": 256 + redundant}
+    one_expert_layer = 3 * 7168 * 2048  # fp8: one byte a weight
+    window = 1001 * 58 * (256 + redundant) * 4  # 1000 steps of loads and this pass's, int32
+    maps = 58 * (256 * 1024 + (256 + redundant) + 2 * 256) * 8  # int64
+    expected = rest + routed * local / 256 + local * one_expert_layer + window + maps
+    assert eplb.memory.weights_bytes == pytest.approx(expected, rel=1e-9)
+    assert eplb.memory.weights_bytes > plain.memory.weights_bytes and eplb.num_blocks < plain.num_blocks
+    assert "eplb" not in plain.to_json()
+
+
 def test_uneven_experts_weigh_the_most_loaded_gpu():
     routed, rest = _deepseek_parts()
     p = plan(get_model("deepseek-v3"), get_gpu("h200"),
@@ -145,6 +167,14 @@ def test_qwen3_235b_totals_its_published_size():
                                                                      "32 layers", "got 33")),
     (("--model", "llama-3.1-8b", "--data-parallel-size", "0"), ("--dp", "a positive integer", "got 0")),
     (("--model", "llama-3.1-8b", "--pp", "-1"), ("--pp", "a positive integer")),
+    (("--model", "deepseek-v3", "--dp", "16", "--enable-eplb"), ("enable_eplb", "enable_expert_parallel")),
+    (("--model", "deepseek-v3", "--enable-expert-parallel", "--enable-eplb"), ("enable_eplb", "one GPU")),
+    (("--model", "deepseek-v3", "--dp", "16", "--enable-expert-parallel", "--num-redundant-experts", "32"),
+     ("num_redundant_experts", "unless enable_eplb", "got 32")),
+    (("--model", "deepseek-v3", "--dp", "16", "--enable-expert-parallel", "--enable-eplb",
+      "--num-redundant-experts", "5"), ("num_redundant_experts", "multiple of the EP group's 16 GPUs", "got 5")),
+    (("--model", "deepseek-v3", "--dp", "16", "--enable-expert-parallel", "--enable-eplb",
+      "--num-redundant-experts", "1024"), ("--num-redundant-experts", "0 to 1023", "got 1024")),
 ])
 def test_plan_refuses_layouts_vllm_cannot_run(args, needles):
     one_error_line(run("plan", "--gpu", "h200", *args), *needles)
