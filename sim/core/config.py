@@ -159,9 +159,14 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
-    # Prefill only on every Nth step of a data-parallel MoE group's shared step counter
-    # (docs/semantics.md#data-parallel-lockstep); 1: every step.
+    # Prefill work on every Nth step (1: every step): on a data-parallel MoE group's shared
+    # step counter (docs/semantics.md#data-parallel-lockstep), else the scheduler's own
+    # cadence (docs/semantics.md#local-prefill-cadence).
     prefill_schedule_interval: int = 1
+    # The engine's DP size as vLLM's scheduler sees it: > 1 only on a MoE model's DP rank,
+    # whose engine core drives the cadence; a single engine and a dense model's DP ranks
+    # (which vLLM reconfigures as independent engines) see 1 and keep a local cadence.
+    data_parallel_size: int = 1
     # vLLM's AsyncScheduler: two batches in flight (EngineCore.step_async), which also
     # doubles the tokens the sliding-window and chunked-local admission caps must cover.
     async_scheduling: bool = dataclasses.field(kw_only=True)
@@ -183,7 +188,8 @@ class SchedulerConfig:
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "pipeline_parallel_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "pipeline_parallel_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             require(is_int(value) and value > 0, name, "a positive integer", value)
         check_knobs({name: getattr(self, name) for name in SCHEDULER_KNOBS}, SCHEDULER_KNOBS)
@@ -192,6 +198,11 @@ class SchedulerConfig:
             self._check_speculative()
         if self.pipeline_parallel_size > 1:
             self._check_pipeline()
+        if self.local_prefill_interval > 1:
+            require(self.num_speculative_tokens == 0 and self.pipeline_parallel_size == 1,
+                    "prefill_schedule_interval", "1 with speculative decoding or pipeline stages (a local prefill "
+                    "cadence is modelled for one plain engine: docs/semantics.md#local-prefill-cadence)",
+                    self.prefill_schedule_interval)
         if not self.enable_chunked_prefill:
             # Without chunking a max_model_len prompt must fit one step, as vLLM requires.
             require(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
