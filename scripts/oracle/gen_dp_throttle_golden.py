@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Golden cases for prefill throttling under data parallelism: one rank of a DP group
-that runs in lockstep (vLLM 0.33's ``DPEngineCoreProc``, a MoE model).
+that runs in lockstep (vLLM 0.33's ``DPEngineCoreProc``, a MoE model); and, with
+``data_parallel_size`` 1 in the config (gen_prefill_cadence_golden.py), the scheduler's own
+local cadence of a single engine.
 
 Builds vLLM's *real* v1 ``Scheduler`` from a ``VllmConfig`` whose ``ParallelConfig`` has
-``data_parallel_size = 2`` (so the scheduler leaves the cadence to the engine core:
-``local_prefill_interval == 1``, checked) and whose ``SchedulerConfig`` has
-``prefill_schedule_interval = N``. The engine core's rule is applied here as
+the case's ``data_parallel_size`` (2: the scheduler leaves the cadence to the engine core,
+``local_prefill_interval == 1``; 1: it keeps its own, ``local_prefill_interval == N``;
+both checked) and whose ``SchedulerConfig`` has ``prefill_schedule_interval = N``. A
+single engine's core never throttles (``EngineCore._should_throttle_prefills``): its
+steps call ``schedule(False)``. For a DP rank: The engine core's rule is applied here as
 ``DPEngineCoreProc._should_throttle_prefills`` applies it (v1/engine/core.py): a step
 throttles when ``N > 1 and step_counter % N != 0``. The counter is a single rank's view
 of the group's shared ``step_counter``: the case is one wave (the other ranks keep it
@@ -25,7 +29,7 @@ One step (``EngineCore.step`` for one rank):
 
 The run ends after the first step at whose end every request has arrived and finished.
 The files are the golden format (tests/golden/README.md) with
-``"prefill_schedule_interval": N`` in config.json.
+``"prefill_schedule_interval": N`` and ``"data_parallel_size"`` in config.json.
 
 Usage (the oracle venv's python, PYTHONWARNINGS=ignore):
   gen_dp_throttle_golden.py make [--out DIR]      build and run the dp_throttle_* cases
@@ -61,7 +65,7 @@ CONFIG_KEYS = ["vllm_version", "kv_cache_groups", "block_size", "num_blocks", "m
                "max_num_batched_tokens", "long_prefill_token_threshold", "enable_chunked_prefill",
                "scheduling_policy", "watermark", "scheduler_reserve_full_isl", "enable_prefix_caching",
                "prefix_caching_hash_algo", "prefix_cache_retention_interval", "async_scheduling",
-               "prefill_schedule_interval", "description"]
+               "prefill_schedule_interval", "data_parallel_size", "description"]
 
 
 def build_scheduler(cfg: dict):
@@ -84,7 +88,7 @@ def build_scheduler(cfg: dict):
                                prefix_caching_hash_algo=cfg["prefix_caching_hash_algo"],
                                prefix_cache_retention_interval=cfg["prefix_cache_retention_interval"])
     vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
-                             parallel_config=ParallelConfig(data_parallel_size=2),
+                             parallel_config=ParallelConfig(data_parallel_size=int(cfg["data_parallel_size"])),
                              scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"))
     vllm_config.cache_config.num_gpu_blocks = int(cfg["num_blocks"])
     groups = build_groups(cfg["kv_cache_groups"], bs)
@@ -96,10 +100,12 @@ def build_scheduler(cfg: dict):
                       structured_output_manager=StructuredOutputManager(vllm_config),
                       block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
     # What vLLM made of the settings: exactly what the case says, and the cadence is the
-    # engine core's (not the scheduler's local one).
+    # engine core's for a DP rank, the scheduler's own for a single engine.
+    dp = int(cfg["data_parallel_size"])
+    interval = int(cfg["prefill_schedule_interval"])
     checks = dict(async_scheduling=(bool(vllm_config.scheduler_config.async_scheduling), False),
-                  data_parallel_size=(vllm_config.parallel_config.data_parallel_size, 2),
-                  local_prefill_interval=(sched.local_prefill_interval, 1),
+                  data_parallel_size=(vllm_config.parallel_config.data_parallel_size, dp),
+                  local_prefill_interval=(sched.local_prefill_interval, interval if dp == 1 else 1),
                   prefill_schedule_interval=(vllm_config.scheduler_config.prefill_schedule_interval,
                                              int(cfg["prefill_schedule_interval"])),
                   max_in_flight_tokens=(vllm_config.max_in_flight_tokens, int(cfg["max_num_batched_tokens"])),
@@ -124,6 +130,7 @@ def run_case(cfg: dict, requests: list[dict], max_steps: int = 100_000):
     """The step loop of the module docstring; returns (expected requests, expected steps)."""
     sched, hasher = build_scheduler(cfg)
     interval = int(cfg["prefill_schedule_interval"])
+    dp_rank = int(cfg["data_parallel_size"]) > 1
     pool = sched.kv_cache_manager.block_pool
     preempted: list[str] = []
     original_preempt = sched._preempt_request
@@ -159,7 +166,7 @@ def run_case(cfg: dict, requests: list[dict], max_steps: int = 100_000):
         if sched.has_requests():
             before = {rid: r.status for rid, r in sched.requests.items()}
             preempted.clear()
-            so = sched.schedule(throttles(interval, step))
+            so = sched.schedule(throttles(interval, step) if dp_rank else False)
             rec["preempted"] = list(preempted)
             for rid in preempted:
                 info[rid]["num_preemptions"] += 1
@@ -203,14 +210,15 @@ def run_case(cfg: dict, requests: list[dict], max_steps: int = 100_000):
 
 def config(interval: int, groups: list[dict], num_blocks: int, description: str, *, budget: int = 128,
            max_num_seqs: int = 16, long_prefill: int = 0, policy: str = "fcfs", caching: bool = True,
-           max_model_len: int = 512) -> dict:
+           max_model_len: int = 512, data_parallel_size: int = 2) -> dict:
     return {"vllm_version": VLLM_VERSION, "kv_cache_groups": groups, "block_size": 16, "num_blocks": num_blocks,
             "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
             "long_prefill_token_threshold": long_prefill, "enable_chunked_prefill": True,
             "scheduling_policy": policy, "watermark": 0.0, "scheduler_reserve_full_isl": True,
             "enable_prefix_caching": caching, "prefix_caching_hash_algo": "sha256",
             "prefix_cache_retention_interval": 0, "async_scheduling": False,
-            "prefill_schedule_interval": interval, "description": description}
+            "prefill_schedule_interval": interval, "data_parallel_size": data_parallel_size,
+            "description": description}
 
 
 def cases() -> dict:

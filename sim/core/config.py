@@ -247,6 +247,13 @@ class SchedulerConfig:
         return self.num_lookahead_tokens > 0 and self.num_hash_lookahead_tokens == 0
 
     @property
+    def local_prefill_interval(self) -> int:
+        """The scheduler's own prefill cadence (vLLM's ``Scheduler.local_prefill_interval``):
+        ``prefill_schedule_interval`` unless a DP MoE group's engine core drives it
+        (docs/semantics.md#local-prefill-cadence)."""
+        return self.prefill_schedule_interval if self.data_parallel_size == 1 else 1
+
+    @property
     def max_concurrent_batches(self) -> int:
         """Batches the engine keeps in flight (vLLM's ``VllmConfig.max_concurrent_batches``
         with its default V2 model runner): one per pipeline stage, and one more with

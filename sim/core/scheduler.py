@@ -41,7 +41,8 @@ from kvtwin.sim.core.kv_connector import KVConnector
 from kvtwin.sim.core.kv_connector_state import KVConnectorState
 from kvtwin.sim.core.mamba_chunks import MambaChunks
 from kvtwin.sim.core.request import Request, RequestStatus
-from kvtwin.sim.core.prefill_throttle import defers_prefills, note_release
+from kvtwin.sim.core.prefill_throttle import (defers_prefills, holds_prefills_locally, note_local_cadence,
+                                               note_release)
 from kvtwin.sim.core.request_queue import create_request_queue, remove_from_queue
 from kvtwin.sim.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvtwin.sim.core.spec import KVCacheConfig
@@ -110,6 +111,11 @@ class Scheduler(ConnectorScheduling):
         self.defer_prefills = False
         self.prefill_capacity_bound = False
         self.throttled = scheduler_config.prefill_schedule_interval > 1  # only then is the bound read
+        # The scheduler's own cadence (docs/semantics.md#local-prefill-cadence): a full
+        # interval back, so the first step is never held.
+        self.local_prefill_interval = scheduler_config.local_prefill_interval
+        self.last_prefill_step = -self.local_prefill_interval
+        self.num_executed_steps = 0
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -129,6 +135,8 @@ class Scheduler(ConnectorScheduling):
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         out = SchedulerOutput()
         self.defer_prefills = defer = defers_prefills(self, throttle_prefills)
+        if self.local_prefill_interval > 1 and not defer:
+            self.defer_prefills = defer = holds_prefills_locally(self)
         if self.finished_req_ids:
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         long_prefill = self.long_prefill_threshold()
@@ -146,6 +154,8 @@ class Scheduler(ConnectorScheduling):
             self.schedule_waiting(out, token_budget, long_prefill)
             if self.throttled:
                 note_release(self, defer)
+        if self.local_prefill_interval > 1:
+            note_local_cadence(self, out)
         # Advance the computed counts optimistically (before the forward pass), noting for
         # the executor where each request starts and which ones sample.
         self.advance_computed(out)

@@ -26,7 +26,7 @@ _CONFIG_FIELDS = {
     "long_prefill_token_threshold", "enable_chunked_prefill", "scheduling_policy", "watermark",
     "scheduler_reserve_full_isl", "enable_prefix_caching", "prefix_caching_hash_algo", "async_scheduling",
     "description", "vllm_version", "adaptive_long_prefill_threshold", "kv_offload", "speculative",
-    "prefix_cache_retention_interval", "pipeline_parallel_size", "prefill_schedule_interval",
+    "prefix_cache_retention_interval", "pipeline_parallel_size", "prefill_schedule_interval", "data_parallel_size",
 }
 # The ``speculative`` table of a speculative-decoding case (scripts/oracle/gen_spec_golden.py).
 # "eagle", "eagle3", "mtp" (single-module): a draft head with its own KV, k lookahead slots
@@ -162,6 +162,7 @@ def load_config(path: Path, *, hash_algo: str | None = None) -> tuple[KVCacheCon
             async_scheduling=_typed(data, "async_scheduling", bool, False, source=source),
             pipeline_parallel_size=_typed(data, "pipeline_parallel_size", int, 1, source=source),
             prefill_schedule_interval=_typed(data, "prefill_schedule_interval", int, 1, source=source),
+            data_parallel_size=_typed(data, "data_parallel_size", int, 1, source=source),
             num_speculative_tokens=num_spec_tokens,
             **lookaheads,
         )

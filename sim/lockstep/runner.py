@@ -198,11 +198,12 @@ def run_case(case: GoldenCase | PDCase, *, on_step: Callable[[int], None] | None
 
 
 def _stepper(case: GoldenCase, engine: EngineCore, is_async: bool) -> Callable[[ModelExecutor, int], BatchRecord]:
-    """How the case steps its engine at a step number. A case with a prefill cadence is one
-    rank of a DP group in one wave, the group's step counter being the step number
-    (docs/semantics.md#data-parallel-lockstep)."""
+    """How the case steps its engine at a step number. A case with a prefill cadence and a
+    DP size is one rank of a DP group in one wave, the group's step counter being the step
+    number (docs/semantics.md#data-parallel-lockstep); without a DP size its scheduler
+    keeps the cadence itself (docs/semantics.md#local-prefill-cadence)."""
     interval = case.scheduler_config.prefill_schedule_interval
-    if interval == 1:
+    if interval == 1 or case.scheduler_config.data_parallel_size == 1:
         step_fn = engine.step_async if is_async else engine.step
         return lambda model, step: step_fn(model)
     if is_async:

@@ -181,7 +181,8 @@ class EngineConfig:
         _check_model_fits_parallel(model, self)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes > gpu.memory_bytes:
             raise ConfigError("kv_cache_memory_bytes", kv_cache_memory_limit(gpu), self.kv_cache_memory_bytes)
-        scheduler = self._scheduler_config(max_model_len, max_num_seqs, max_num_batched_tokens)
+        scheduler = self._scheduler_config(max_model_len, max_num_seqs, max_num_batched_tokens,
+                                           lockstep=self.data_parallel_size > 1 and model.num_experts > 0)
         cache = CacheConfig(**self._cache_settings())
         return ResolvedEngineConfig(
             tensor_parallel_size=tp, data_parallel_size=self.data_parallel_size,
@@ -198,14 +199,18 @@ class EngineConfig:
             activation_peak_bytes=self.activation_peak_bytes, cuda_graph_bytes=self.cuda_graph_bytes,
             non_torch_bytes=self.non_torch_bytes, scheduler=scheduler, cache=cache)
 
-    def _scheduler_config(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
+    def _scheduler_config(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, *,
+                          lockstep: bool) -> SchedulerConfig:
         """The scheduler's config, with the engine's pipeline stages (its batch queue holds
         one batch per stage, one more with asynchronous scheduling:
-        docs/semantics.md#pipeline-parallelism)."""
+        docs/semantics.md#pipeline-parallelism) and the DP size its scheduler sees: the
+        group's for a MoE model's ranks in lockstep, whose engine core drives the prefill
+        cadence, else 1 (docs/semantics.md#local-prefill-cadence)."""
         knobs = {name: getattr(self, name) for name in SCHEDULER_KNOBS}
         return SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, **knobs,
-                               pipeline_parallel_size=self.pipeline_parallel_size)
+                               pipeline_parallel_size=self.pipeline_parallel_size,
+                               data_parallel_size=self.data_parallel_size if lockstep else 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,12 +317,6 @@ def _check_model_fits_parallel(model: ModelPreset, engine: EngineConfig) -> None
     if engine.num_redundant_experts and not engine.enable_eplb:
         raise ConfigError("num_redundant_experts", "0 unless enable_eplb is true (vLLM refuses redundant experts "
                           "without EPLB)", engine.num_redundant_experts)
-    interval = engine.prefill_schedule_interval
-    if interval > 1 and not (engine.data_parallel_size > 1 and model.num_experts):
-        # vLLM's own cadence without a DP group (scheduler.py, "local" throttling) is not modelled.
-        raise ConfigError("prefill_schedule_interval", f"1 without a data-parallel group of a MoE model "
-                          f"(docs/semantics.md#data-parallel-lockstep; {model.name} with data_parallel_size "
-                          f"{engine.data_parallel_size} is not one)", interval)
 
 
 def _check_model_fits_settings(model: ModelPreset, *, tp: int, max_model_len: int) -> None:

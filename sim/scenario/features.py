@@ -185,6 +185,8 @@ FEATURES: tuple[Feature, ...] = (
             _engine_parallel("pipeline_parallel_size", 1)),
     Feature("dp_lockstep", "the DP ranks of a MoE model, which step together (dummy batches, waves)",
             "[engine] data_parallel_size > 1 with a MoE [model]; --data-parallel-size", _dp_lockstep),
+    Feature("prefill_cadence", "prefill work held to every Nth step (vLLM's prefill_schedule_interval)",
+            "[engine] prefill_schedule_interval > 1", _engine_parallel("prefill_schedule_interval", 1)),
 )
 
 REFUSED: tuple[Refusal, ...] = (
@@ -227,6 +229,18 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("dp_lockstep", "offload"), "a KV connector in a lockstep group is not modelled",
             (("offload", "0 with data_parallel_size > 1 on MoE {model}"),
              ("dp_lockstep", "1 with a KV offload tier on MoE {model}"))),
+    # The cadence with a connector: vLLM's asynchronous KV loads skip the interval's restart
+    # (docs/semantics.md#local-prefill-cadence); no golden case pins it.
+    Refusal(("prefill_cadence", "offload"), "a prefill cadence with a KV connector is not modelled",
+            (("offload", "0 with prefill_schedule_interval > 1"), ("prefill_cadence", "1 with a KV offload tier"))),
+    Refusal(("prefill_cadence", "disaggregation"), "a prefill cadence with a KV connector is not modelled",
+            (("prefill_cadence", "1 with a [disaggregation] table"),)),
+    Refusal(("prefill_cadence", "speculative"), "a prefill cadence with drafting is not modelled",
+            (("speculative", "no method with prefill_schedule_interval > 1"),
+             ("prefill_cadence", "1 with speculative decoding"))),
+    Refusal(("prefill_cadence", "pipeline_parallel"), "a prefill cadence through pipeline stages is not modelled",
+            (("prefill_cadence", "1 with pipeline_parallel_size > 1"),
+             ("pipeline_parallel", "1 with prefill_schedule_interval > 1"))),
     Refusal(("dp_lockstep", "speculative"), "drafting in a lockstep group is not modelled",
             (("speculative", "no method with data_parallel_size > 1 on MoE {model}"),
              ("dp_lockstep", "1 with speculative decoding on MoE {model}"))),

@@ -226,14 +226,24 @@ def test_a_dense_models_dp_ranks_are_independent_engines_behind_vllms_balancer()
 @pytest.mark.parametrize("engine, field", [
     # The features table, when the scenario is resolved (the flag that set it is named).
     ({"data_parallel_size": 2, "pipeline_parallel_size": 2}, "--pp"),
-    # The engine's own settings, when it is planned: a cadence needs a DP group of a MoE model.
-    ({"data_parallel_size": 1, "prefill_schedule_interval": 2}, "prefill_schedule_interval"),
-    ({"model": "llama-3.1-8b", "data_parallel_size": 2, "prefill_schedule_interval": 2}, "prefill_schedule_interval"),
 ])
 def test_what_a_dp_group_does_not_model_is_refused(engine, field):
     with pytest.raises(ConfigError) as err:
         _dp_replay(**engine)
     assert field in err.value.field, err.value
+
+
+@pytest.mark.parametrize("model, dp, lockstep_dp", [(None, 1, 1), ("llama-3.1-8b", 2, 1), (None, 2, 2)])
+def test_the_prefill_cadence_is_the_group_engine_cores_only_in_lockstep(model, dp, lockstep_dp):
+    """docs/semantics.md#local-prefill-cadence: a single engine and a dense model's DP ranks
+    keep the cadence in their own scheduler (it sees DP size 1); a MoE model's ranks in
+    lockstep leave it to the group's step counter."""
+    planned, result = _dp_replay(model, data_parallel_size=dp, prefill_schedule_interval=3, async_scheduling=False)
+    config = planned.engine.scheduler
+    assert config.data_parallel_size == lockstep_dp
+    assert config.local_prefill_interval == (3 if lockstep_dp == 1 else 1)
+    summary = result.summary.to_pylist()[0]
+    assert summary["completed"] + summary["rejected"] == 40
 
 
 # -- asynchronous scheduling (docs/semantics.md#asynchronous-scheduling-in-a-group) ----------

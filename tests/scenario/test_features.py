@@ -36,6 +36,7 @@ ON = {
     "expert_parallel": ({"model": {"preset": "gpt-oss-20b"}, "engine": {"enable_expert_parallel": True}},
                         Overrides()),
     "dp_lockstep": ({"model": {"preset": "gpt-oss-20b"}, "engine": {"data_parallel_size": 2}}, Overrides()),
+    "prefill_cadence": ({"engine": {"prefill_schedule_interval": 2}}, Overrides()),
 }
 # Pairs whose tables name different models: not a refusal, just no one scenario.
 OTHER_MODELS = {frozenset({"expert_parallel", "mamba_without_prefix_caching"}),
@@ -58,6 +59,10 @@ REFUSAL_NAMES = {
     frozenset({"dp_lockstep", "pipeline_parallel"}): ("engine.pipeline_parallel_size", "lockstep"),
     frozenset({"dp_lockstep", "offload"}): ("offload.cpu_bytes", "lockstep"),
     frozenset({"dp_lockstep", "speculative"}): ("speculative.method", "lockstep"),
+    frozenset({"prefill_cadence", "offload"}): ("offload.cpu_bytes", "prefill cadence"),
+    frozenset({"prefill_cadence", "disaggregation"}): ("engine.prefill_schedule_interval", "KV connector"),
+    frozenset({"prefill_cadence", "speculative"}): ("speculative.method", "prefill cadence"),
+    frozenset({"prefill_cadence", "pipeline_parallel"}): ("engine.prefill_schedule_interval", "pipeline stages"),
 }
 def _merge(*tables: dict) -> dict:
     out: dict = {}

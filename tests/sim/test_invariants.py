@@ -269,7 +269,7 @@ def run_scenario(s: Scenario, *, check: bool = True, probe_rng: random.Random | 
     # step number its step counter (as sim/lockstep/runner.py steps these cases).
     is_async = engine.async_scheduling
     interval = s.scheduler_config.prefill_schedule_interval
-    if interval > 1:
+    if interval > 1 and s.scheduler_config.data_parallel_size > 1:
         def step_fn(executor):
             return engine.step(executor, throttles_prefills(interval, step))
     else:
