@@ -139,3 +139,11 @@ def test_bad_indexer_fields_name_the_field(change, field):
     with pytest.raises(ConfigError) as err:
         model_from_mapping(entry)
     assert err.value.field == f"model.{field}"
+
+
+def test_cli_refuses_a_block_the_indexer_cannot_tile_in_one_line(run_plan):
+    out = run_plan("--model", "deepseek-v3.2", "--gpu", "h200", "--tp", 8, "--block-size", 16,
+                   "--max-model-len", 8192)
+    assert out.exit_code == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtwin: error: block_size:") and "multiple of 64" in lines[0]
