@@ -38,6 +38,7 @@ _ARCH_FAMILIES = {
     "GptOssForCausalLM": "gpt_oss",
     "Llama4ForCausalLM": "llama4", "Llama4ForConditionalGeneration": "llama4",
     "DeepseekV3ForCausalLM": "deepseek", "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV32ForCausalLM": "deepseek",
     "Qwen3NextForCausalLM": "qwen3_next",
     "JambaForCausalLM": "jamba",
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
@@ -231,6 +232,11 @@ def _read_deepseek(c: _Config, out: dict[str, Any]) -> None:
     out["head_dim"] = f.int("qk_nope_head_dim") + out["qk_rope_head_dim"]
     out["head_dim_v"] = f.int("v_head_dim")
     out["first_dense_layers"] = f.get("first_k_dense_replace", 0)
+    # vLLM 0.33 builds the sparse-attention indexer wherever the config has index_topk
+    # (deepseek_v2.py ``is_v32 = hasattr(config, "index_topk")``).
+    if f.get("index_topk") is not None:
+        for key in ("index_head_dim", "index_n_heads", "index_topk"):
+            out[key] = f.int(key)
     _moe_fields(f, out, experts="n_routed_experts", intermediate="moe_intermediate_size")
     out["shared_expert_intermediate_size"] = f.get("n_shared_experts", 0) * out["moe_intermediate_size"]
     if _quant_method(c.raw) == "fp8":
@@ -306,6 +312,14 @@ _FAMILY_READERS: dict[str, Callable[[_Config, dict[str, Any]], None]] = {
 }
 
 
+def indexer_params(m: dict[str, Any], hidden: int) -> int:
+    """One layer's lightning indexer (vLLM 0.33 ``Indexer``): queries from the q latent
+    (``wq_b``), one key (``wk``) and per-head weights from the hidden state, the key's
+    LayerNorm (weight and bias)."""
+    dim, heads = m["index_head_dim"], m["index_n_heads"]
+    return (m.get("q_lora_rank") or hidden) * heads * dim + hidden * dim + hidden * heads + 2 * dim
+
+
 def estimate_params(m: dict[str, Any], *, tie_embeddings: bool, moe_period: int = 1,
                     moe_offset: int = 0) -> tuple[float, float]:
     """Parameter count (total, active per token) from the shapes of a model mapping.
@@ -327,6 +341,8 @@ def estimate_params(m: dict[str, Any], *, tie_embeddings: bool, moe_period: int 
             q = (m.get("q_lora_rank") or hidden) * heads * hd + hidden * (m.get("q_lora_rank") or 0)
             mixer = q + hidden * (m["kv_lora_rank"] + m["qk_rope_head_dim"]) \
                 + m["kv_lora_rank"] * heads * (hd - m["qk_rope_head_dim"] + hd_v) + heads * hd_v * hidden
+            if m.get("index_topk") is not None:
+                mixer += indexer_params(m, hidden)
         elif k == "M":
             inner = _state_inner(state, hidden)
             mixer = 3 * hidden * inner

@@ -28,6 +28,10 @@ from kvtwin.sim.core.spec import SPEC_CLASSES
 if TYPE_CHECKING:
     from kvtwin.sim.planner.hardware import GPUSpec
 
+# The indexer quantises its keys in blocks of this many fp8 values, one fp32 scale each
+# (vLLM 0.33 ``Indexer.quant_block_size``, model_executor/models/deepseek_v2.py l.725).
+INDEXER_QUANT_BLOCK = 128
+
 # Letters of ``layer_pattern`` -> the spec kind a layer gets (None: the layer has no cache).
 LAYER_KINDS: dict[str, str | None] = {cls.pattern_letter: cls.kind for cls in SPEC_CLASSES} | {"-": None}
 # Layer kinds with K/V projections per KV head (softmax attention, MLA excepted).
@@ -266,6 +270,13 @@ class ModelPreset:
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     q_lora_rank: int | None = None
+    # DeepSeek Sparse Attention (DeepSeek-V3.2): a lightning indexer per MLA layer scores
+    # every cached token with ``index_n_heads`` heads of ``index_head_dim`` and attention
+    # reads the ``index_topk`` best. The indexer caches its own fp8 keys per layer
+    # (docs/semantics.md#sparse-mla-indexer).
+    index_head_dim: int | None = None
+    index_n_heads: int | None = None
+    index_topk: int | None = None
     intermediate_size: int = 0
     first_dense_layers: int = 0
     # Past the first dense layers, layer i's MLP is routed when (i - offset) % period == 0
@@ -326,6 +337,14 @@ class ModelPreset:
         if "A" in kinds:
             _positive_int(self.kv_lora_rank, "kv_lora_rank")
             _positive_int(self.qk_rope_head_dim, "qk_rope_head_dim")
+        indexer = (self.index_head_dim, self.index_n_heads, self.index_topk)
+        if any(v is not None for v in indexer):
+            require("A" in kinds, "index_topk", "set only on a model with MLA layers (letter A)", self.index_topk)
+            for name in ("index_head_dim", "index_n_heads", "index_topk"):
+                _positive_int(getattr(self, name), name)
+            require(self.index_head_dim % INDEXER_QUANT_BLOCK == 0, "index_head_dim",
+                    f"a multiple of {INDEXER_QUANT_BLOCK} (one fp32 scale per {INDEXER_QUANT_BLOCK} fp8 values)",
+                    self.index_head_dim)
         if "M" in kinds:
             require(self.state is not None, "state", "a recurrent-state table (the pattern has M layers)")
         if kinds & {"F", "S", "C"}:
@@ -350,6 +369,18 @@ class ModelPreset:
     @property
     def uses_mla(self) -> bool:
         return "mla" in self.layer_kinds
+
+    @property
+    def uses_sparse_indexer(self) -> bool:
+        """DeepSeek Sparse Attention: an indexer cache beside every MLA layer's latent."""
+        return self.index_topk is not None
+
+    @property
+    def indexer_bytes_per_token(self) -> int:
+        """One indexer key as vLLM 0.33 caches it: ``index_head_dim`` fp8 values plus one
+        4-byte scale per 128 of them (docs/semantics.md#sparse-mla-indexer)."""
+        assert self.index_head_dim is not None
+        return self.index_head_dim + self.index_head_dim // INDEXER_QUANT_BLOCK * 4
 
     @property
     def mla_head_size(self) -> int:

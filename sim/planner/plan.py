@@ -77,6 +77,10 @@ def _layer_name(index: int) -> str:
     return f"layers.{index}"
 
 
+def _indexer_layer_name(index: int) -> str:
+    return f"layers.{index}.indexer"
+
+
 @dataclass(frozen=True)
 class LayerShape:
     """What a layer's spec is built from, as one GPU of the TP group holds it."""
@@ -125,6 +129,36 @@ LAYER_SPEC_BUILDERS: dict[str, Callable[[LayerShape], KVCacheSpec]] = {
 }
 
 
+# DeepSeek Sparse Attention on CUDA: the indexer's kernels take blocks of exactly 64 tokens
+# (vLLM 0.33 ``DeepseekV32IndexerBackend.get_supported_kernel_block_sizes``,
+# v1/attention/backends/mla/indexer.py l.285-286), the sparse MLA backends multiples of 64
+# (flashattn_mla_sparse.py l.50-51, flashmla_sparse.py l.158-165); the platform's block size
+# is the smallest both take, and a larger one must be a multiple of 64
+# (docs/semantics.md#sparse-mla-indexer).
+SPARSE_INDEXER_BLOCK_TOKENS = 64
+# The sparse-MLA fp8 record, ``fp8_ds_mla``: 512 fp8 latent values, four fp32 scales (one per
+# 128), the 64 rope values in bf16 -- 656 bytes (vLLM 0.33 mla_attention.py l.1384-1389).
+FP8_DS_MLA_BYTES_PER_TOKEN = 656
+
+
+def sparse_mla_spec(x: LayerShape) -> MLAAttentionSpec:
+    """A DeepSeek-V3.2 layer's latent cache: bf16 like any MLA layer; with a one-byte KV
+    cache dtype vLLM serves it as ``fp8_ds_mla`` (``_canonicalize_sparse_mla_kv_cache_dtype``),
+    whose 656-byte record the spec holds as 656 one-byte values (docs/semantics.md#sparse-mla-indexer)."""
+    if x.kv_dtype_bytes == 1:
+        return MLAAttentionSpec(block_size=x.block_size, num_kv_heads=1, head_size=FP8_DS_MLA_BYTES_PER_TOKEN,
+                                head_size_v=x.model.kv_lora_rank, dtype_bytes=1)
+    return LAYER_SPEC_BUILDERS[MLAAttentionSpec.kind](x)
+
+
+def indexer_spec(x: LayerShape) -> MLAAttentionSpec:
+    """A layer's indexer keys: vLLM 0.33 gives them an MLA spec of their own (one head of
+    ``indexer_bytes_per_token`` uint8 values, ``DeepseekV32IndexerCache.get_kv_cache_spec``),
+    whatever the KV cache dtype (docs/semantics.md#sparse-mla-indexer)."""
+    return MLAAttentionSpec(block_size=x.block_size, num_kv_heads=1, head_size=x.model.indexer_bytes_per_token,
+                            dtype_bytes=1)
+
+
 def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, *,
                       num_speculative_tokens: int = 0, draft_head: DraftHead | None = None,
                       num_prefill_lookahead_tokens: int = 0) -> LayerSpecs:
@@ -143,7 +177,10 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
         attention_bytes_per_token = kv_heads * (model.head_dim + model.head_dim_v) * kv_bytes
         head_size = model.head_dim
 
-    kernel_alignment = gpu.attention_kernel_block_alignment_tokens(head_size=head_size, use_mla=model.uses_mla)
+    if model.uses_sparse_indexer:
+        kernel_alignment = SPARSE_INDEXER_BLOCK_TOKENS
+    else:
+        kernel_alignment = gpu.attention_kernel_block_alignment_tokens(head_size=head_size, use_mla=model.uses_mla)
     if eng.user_specified_block_size and eng.user_block_size % kernel_alignment:
         # vLLM refuses a block size its attention kernel cannot tile ("No common block size").
         raise ConfigError("block_size", f"a multiple of {kernel_alignment} tokens, the attention kernel's block on "
@@ -183,6 +220,13 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
     index: dict[str, int] = {}
     for i, kind in enumerate(model.layer_kinds):
         if kind is None:
+            continue
+        if kind == MLAAttentionSpec.kind and model.uses_sparse_indexer:
+            # vLLM names the latent cache first, then the indexer's, in each layer.
+            for name, spec in ((_layer_name(i), sparse_mla_spec(layer)),
+                               (_indexer_layer_name(i), indexer_spec(layer))):
+                specs[name] = with_prefill_lookahead(spec, num_prefill_lookahead_tokens)
+                index[name] = i
             continue
         spec = with_prefill_lookahead(LAYER_SPEC_BUILDERS[kind](layer), num_prefill_lookahead_tokens)
         name = _layer_name(i)

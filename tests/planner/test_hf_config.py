@@ -55,6 +55,13 @@ HF_CONFIGS = {
                                       moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
                                       intermediate_size=18432),
                               "quantization_config": {"quant_method": "fp8"}},
+    "deepseek-v3.2": lambda m: {"architectures": ["DeepseekV32ForCausalLM"],
+                                **_attn(m, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                        v_head_dim=128, q_lora_rank=1536, n_routed_experts=256,
+                                        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                                        first_k_dense_replace=3, intermediate_size=18432, index_head_dim=128,
+                                        index_n_heads=64, index_topk=2048),
+                                "quantization_config": {"quant_method": "fp8"}},
     "kimi-k2": lambda m: {"architectures": ["DeepseekV3ForCausalLM"],
                           **_attn(m, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
                                   q_lora_rank=1536, n_routed_experts=384, num_experts_per_tok=8,
@@ -111,6 +118,19 @@ def test_hf_config_gives_the_presets_layer_specs(tmp_path, name, gpu, tp):
     assert a.num_blocks == b.num_blocks and a.bytes_per_block == b.bytes_per_block
     assert [g.layer_names for g in a.groups] == [g.layer_names for g in b.groups]
     assert loaded.weight_format == preset.weight_format
+
+
+def test_v32_config_adds_the_indexer_to_v3s_estimate(tmp_path):
+    # Same shapes as DeepSeek-V3 plus index_*: the estimate grows by 61 indexers (queries
+    # 1536 -> 64 x 128, key 7168 -> 128, head weights 7168 -> 64, LayerNorm 2 x 128).
+    v32 = get_model("deepseek-v3.2")
+    estimates = {}
+    for name in ("deepseek-v3", "deepseek-v3.2"):
+        (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS[name](v32)))
+        estimates[name] = load_hf_config(tmp_path / "config.json")
+    assert (estimates["deepseek-v3.2"].index_topk, estimates["deepseek-v3"].index_topk) == (2048, None)
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 7168 * 64 + 2 * 128
+    assert estimates["deepseek-v3.2"].params_total - estimates["deepseek-v3"].params_total == 61 * indexer
 
 
 def test_parameter_estimate_is_close_for_dense_models(tmp_path):

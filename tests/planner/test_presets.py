@@ -12,7 +12,7 @@ from kvtwin.sim.planner.engine_config import EngineConfig
 from kvtwin.sim.planner.plan import plan
 
 PRESETS = ["llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-32b", "mistral-7b-v0.1", "gemma-3-12b",
-           "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout", "deepseek-v3", "qwen3-next-80b-a3b",
+           "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout", "deepseek-v3", "deepseek-v3.2", "qwen3-next-80b-a3b",
            "jamba-mini", "granite-4.0-h-small", "nemotron-h-8b", "minimax-text-01", "kimi-k2", "qwen3-235b-a22b"]
 
 
@@ -28,6 +28,7 @@ def test_model_presets_are_named_exactly():
     ("gpt-oss-20b", {"full_attention": 12, "sliding_window": 12}),
     ("llama-4-scout", {"full_attention": 12, "chunked_local": 36}),
     ("deepseek-v3", {"mla": 61}),
+    ("deepseek-v3.2", {"mla": 61}),
     ("qwen3-next-80b-a3b", {"full_attention": 12, "mamba": 36}),
     ("jamba-mini", {"full_attention": 4, "mamba": 28}),
     ("granite-4.0-h-small", {"full_attention": 4, "mamba": 36}),
