@@ -121,10 +121,11 @@ class MoEGroupPart:
     communication_s: float
     flops: float  # on the most loaded GPU
     weight_bytes: float  # on the most loaded GPU
+    fixed_s: float = 0.0  # the fitted floor and per-token time (0 without a MoE fit)
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.weights_s) + self.communication_s
+        return max(self.compute_s, self.weights_s) + self.fixed_s + self.communication_s
 
 
 def expected_max_gpu_pairs(num_tokens: int, num_experts: int, top_k: int, experts_per_gpu: int,
@@ -171,6 +172,16 @@ class MoEGroupCost:
         self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.hbm_bandwidth_fraction
         self.matmul_flops_fraction = float(efficiency.matmul_flops_fraction)
         self.matmul_half_tokens = float(efficiency.matmul_half_tokens)
+        # A fit of the experts' own (sim/calibration/fit/moe_kernels.py) replaces the dense
+        # GEMMs' factors and uniform routing's expected maximum.
+        self.fitted = efficiency.moe_fitted
+        if self.fitted:
+            self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.moe_hbm_bandwidth_fraction
+        self.moe_flops_fraction = float(efficiency.moe_flops_fraction)
+        self.moe_expert_half_tokens = float(efficiency.moe_expert_half_tokens)
+        self.imbalance = float(efficiency.moe_ep_imbalance if self.expert_parallel else efficiency.moe_tp_imbalance)
+        self.floor_s = float(efficiency.moe_floor_s)
+        self.s_per_token = float(efficiency.moe_s_per_token_value) * model.hidden_size
         # The collective's group: the DP group, or the EP group with sequence-parallel MoE.
         self.collective_gpus = self.shards if self.expert_parallel and tp > 1 else dp
         self.token_split = tp if self.expert_parallel and tp > 1 and sequence_parallel else 1
@@ -183,9 +194,14 @@ class MoEGroupCost:
         self.token_bytes = model.hidden_size * _ACTIVATION_BYTES
 
     def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
-        """(token, expert) pairs the most loaded GPU computes in one MoE layer."""
+        """(token, expert) pairs the most loaded GPU computes in one MoE layer: uniform
+        routing's expected maximum, or with a MoE fit the mean times the fitted load factor
+        (capped at what the GPU could get)."""
         if not self.expert_parallel:
-            return group_tokens * self.top_k / self.shards
+            return group_tokens * self.top_k / self.shards * (self.imbalance if self.fitted else 1.0)
+        if self.fitted:
+            mean = group_tokens * self.top_k * self.experts_per_gpu / self.num_experts
+            return min(mean * self.imbalance, float(group_tokens * min(self.top_k, self.experts_per_gpu)))
         return expected_max_gpu_pairs(group_tokens, self.num_experts, self.top_k, self.experts_per_gpu, self.shards)
 
     def weight_bytes(self, group_tokens: int) -> float:
@@ -218,12 +234,24 @@ class MoEGroupCost:
     def part(self, rank_tokens: Sequence[int]) -> MoEGroupPart:
         """The group step's MoE part, given each rank's tokens (a dummy batch: 1)."""
         group_tokens = sum(rank_tokens)
-        flops = self.pairs_on_busiest_gpu(group_tokens) * self.pair_flops
-        fraction = gemm_fraction(self.matmul_flops_fraction, self.matmul_half_tokens, group_tokens)
-        compute_s = flops / (self.flops_per_s * fraction) if flops else 0.0
+        pairs = self.pairs_on_busiest_gpu(group_tokens)
+        flops = pairs * self.pair_flops
         weight_bytes = self.weight_bytes(group_tokens)
-        return MoEGroupPart(compute_s, weight_bytes / self.bytes_per_s, self.communication_s(rank_tokens), flops,
-                            weight_bytes)
+        communication_s = self.communication_s(rank_tokens)
+        if not self.fitted:
+            fraction = gemm_fraction(self.matmul_flops_fraction, self.matmul_half_tokens, group_tokens)
+            compute_s = flops / (self.flops_per_s * fraction) if flops else 0.0
+            return MoEGroupPart(compute_s, weight_bytes / self.bytes_per_s, communication_s, flops, weight_bytes)
+        # The grouped GEMM's efficiency follows each expert's rows, uniform routing's mean.
+        fraction = gemm_fraction(self.moe_flops_fraction, self.moe_expert_half_tokens,
+                                 group_tokens * self.top_k / self.num_experts)
+        compute_s = flops / (self.flops_per_s * fraction) if flops else 0.0
+        # Tokens entering a GPU's MoE layer: the whole group's after an all-gather, its
+        # routed copies after an all-to-all.
+        entering = min(float(group_tokens), pairs) if self.collective == ALL_TO_ALL else float(group_tokens)
+        fixed_s = (self.floor_s + self.s_per_token * entering) * self.moe_layers
+        return MoEGroupPart(compute_s, weight_bytes / self.bytes_per_s, communication_s, flops, weight_bytes,
+                            fixed_s)
 
 
 class DPRankCostModel(CostModel):

@@ -39,6 +39,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kvtwin.sim.calibration.fit.kernels import holdout_predictions, relative_errors
+
 
 # Bytes per routed parameter of each measured format, as the cost model counts a
 # ``weight_format`` (``CostModel._experts``): bf16 2, DeepSeek's block FP8 1 (its scales
@@ -185,3 +187,66 @@ def fit_imbalance(fit: MoEKernelFit, rows: MoERows, balanced_s: np.ndarray, *, f
 def subset(rows: MoERows, mask: np.ndarray) -> MoERows:
     return MoERows(rows.flops[mask], rows.rows_per_expert[mask], rows.weight_bytes[mask], rows.token_values[mask],
                    rows.expert_parallel[mask], rows.seconds[mask])
+
+
+# The routing skew the bundled calibrations take: aiconfigurator's own default workload is
+# ``power_law`` (aiconfigurator_core/sdk/config.py ``workload_distribution``) with
+# alpha 1.01 for the DeepSeek family (sdk/models/deepseek.py) and 1.2 for its generic MoE
+# model (sdk/models/moe.py); DeepSeek-V3 and Kimi-K2 are the models kvtwin's DP/EP
+# presets are, so 1.01.
+DEFAULT_SKEW = "power_law_1.01"
+BALANCED = "balanced"
+
+
+@dataclass(frozen=True)
+class MeasuredMoEFit:
+    """A GPU's MoE fit from its measured layers, with what it is judged on."""
+
+    fit: MoEKernelFit
+    held_out_errors: np.ndarray  # |relative error| of each balanced row, predicted by a fit without its fold
+    ep_imbalance: float
+    tp_imbalance: float
+    skew_errors: np.ndarray  # |relative error| of the skewed rows with the load factors applied
+
+
+def _configuration(record: dict) -> tuple:
+    return tuple(str(record[c]) for c in ("dtype", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp",
+                                          "moe_ep"))
+
+
+def rows_of(records: Sequence[dict]) -> MoERows:
+    """``MoERows`` of measurement records (``moe_<gpu>.csv`` rows as dicts)."""
+    return moe_rows([str(r["dtype"]) for r in records],
+                    *([float(r[c]) for r in records] for c in ("num_tokens", "hidden_size", "inter_size", "topk",
+                                                              "num_experts", "moe_tp", "moe_ep", "latency_s")))
+
+
+def fit_measured(records: Sequence[dict], *, flops_per_s: float, bytes_per_s: float,
+                 skew: str = DEFAULT_SKEW) -> MeasuredMoEFit:
+    """The fit on the balanced records, its held-out errors (a third of the configurations
+    -- format, shape, moe_tp, moe_ep -- held out at a time, in the order they first
+    appear), and the load factors of ``skew``'s records against the same layers balanced,
+    with EP and without."""
+    balanced = [r for r in records if r["distribution"] == BALANCED]
+    rows = rows_of(balanced)
+    order: dict[tuple, int] = {}
+    folds = np.array([order.setdefault(_configuration(r), len(order)) % 3 for r in balanced])
+    held = holdout_predictions(lambda mask: fit_moe(subset(rows, mask), flops_per_s=flops_per_s,
+                                                    bytes_per_s=bytes_per_s),
+                               lambda model, mask: model.predict_s(subset(rows, mask), flops_per_s, bytes_per_s),
+                               folds)
+    fit = fit_moe(rows, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
+    balanced_s = {(*_configuration(r), str(r["num_tokens"])): float(r["latency_s"]) for r in balanced}
+    skewed = [r for r in records if r["distribution"] == skew
+              and (*_configuration(r), str(r["num_tokens"])) in balanced_s]
+    skew_rows = rows_of(skewed)
+    reference = np.array([balanced_s[(*_configuration(r), str(r["num_tokens"]))] for r in skewed])
+    factors = {}
+    predicted = np.zeros(len(skewed))
+    for ep in (True, False):
+        mask = skew_rows.expert_parallel == ep
+        factors[ep] = fit_imbalance(fit, subset(skew_rows, mask), reference[mask], flops_per_s=flops_per_s,
+                                    bytes_per_s=bytes_per_s)
+        predicted[mask] = fit.predict_s(subset(skew_rows, mask), flops_per_s, bytes_per_s, factors[ep])
+    return MeasuredMoEFit(fit, relative_errors(held, rows.seconds), factors[True], factors[False],
+                          relative_errors(predicted, skew_rows.seconds))
