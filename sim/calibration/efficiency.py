@@ -97,7 +97,7 @@ class Efficiency:
     # Rows (tokens) per expert at which the experts' grouped GEMM reaches half of
     # moe_flops_fraction; 0: the fraction holds at every size.
     moe_expert_half_tokens: float = 0.0
-    moe_hbm_bandwidth_fraction: float = 0.0  # the experts' weight reads
+    moe_hbm_bandwidth_fraction: float = 0.0  # the experts' weight reads; 0: hbm_bandwidth_fraction
     moe_floor_s: float = 0.0  # GPU time per MoE layer per step
     # Time per hidden value of each token entering a GPU's MoE layer (quantizing, permuting
     # and combining its routed copies), whatever experts it picks.

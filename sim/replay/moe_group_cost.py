@@ -41,14 +41,24 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   expected load of the most loaded GPU under uniform routing (the mean plus
   ``sqrt(2 ln GPUs)`` standard deviations of one GPU's load, the Gaussian bound on the
   expected maximum; a token picks ``top_k`` distinct experts, so a GPU's share of one token
-  is hypergeometric). The GEMMs run at the cost model's efficiency for a GEMM of as many
-  rows as the group's tokens (``gemm_fraction``), as ``CostModel`` prices its experts; the
-  efficiency of a grouped GEMM at each expert's own row count is not modelled.
+  is hypergeometric). Without a MoE fit the GEMMs run at the cost model's efficiency for a
+  GEMM of as many rows as the group's tokens (``gemm_fraction``), as ``CostModel`` prices
+  its experts. With one (``Efficiency.moe_fitted``: ``sim/calibration/fit/moe_kernels.py``
+  on aiconfigurator's measured fused-MoE layers) the grouped GEMM runs at
+  ``moe_flops_fraction`` ramped by the rows each expert gets (``T x top_k / experts``), and
+  the busiest GPU's load is the mean times the fitted load factor of skewed routing
+  (``moe_ep_imbalance`` with EP, ``moe_tp_imbalance`` without), in place of the uniform
+  bound; each MoE layer adds ``moe_floor_s`` and ``moe_s_per_token_value`` per hidden value
+  of each token entering the GPU's layer (the group's tokens after the all-gather, its
+  routed copies after an all-to-all). FP8 and MXFP4 experts compute at the bf16 rate and
+  read their own bytes per parameter, as ``CostModel`` prices them.
 * Weights: the expected distinct experts the group's tokens touch (``_weight_bytes_read``'s
   formula), on a GPU its share of them: a ``1/(DP x TP)`` slice of every touched expert
-  without EP, its own touched experts whole with EP. GPU time is the roofline
-  ``max(GEMMs, weights)`` of the MoE kernels plus the collective: the MoE kernels are
-  separate from the rank's other GEMMs, each on its own roofline.
+  without EP, its own touched experts whole with EP, at ``moe_hbm_bandwidth_fraction`` with a
+  MoE fit, else ``hbm_bandwidth_fraction``. GPU time is the roofline ``max(GEMMs,
+  weights)`` of the MoE kernels, plus the fit's fixed and per-token time, plus the
+  collective: the MoE kernels are separate from the rank's other GEMMs, each on its own
+  roofline.
 * Collective messages: hidden states at 2 bytes a value; the routing tensors (router
   logits, or top-k ids and weights) and an FP8 dispatch are not counted (vLLM quantizes
   the dispatch of an FP8 block-quantized model on every backend, the all-gather's
@@ -63,9 +73,9 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   node, else the GPU preset's NIC (``nic_bytes_per_s``, the peer link where it has none).
   GPU presets do not say how many GPUs a node has: ``GPUS_PER_NODE`` (8) is assumed.
 * Not modelled: EPLB and redundant experts, the all-to-all kernels' own costs and their
-  dedup of a token's copies bound for one GPU or node, expert load
-  imbalance beyond uniform routing, overlap of the collective with compute (dual-batch
-  overlap), and any fit to measured all-to-all times (later calibration work).
+  dedup of a token's copies bound for one GPU or node, skew beyond uniform routing without
+  a MoE fit, overlap of the collective with compute (dual-batch overlap), and any fit to
+  measured all-to-all times.
 """
 
 from __future__ import annotations
@@ -175,7 +185,7 @@ class MoEGroupCost:
         # A fit of the experts' own (sim/calibration/fit/moe_kernels.py) replaces the dense
         # GEMMs' factors and uniform routing's expected maximum.
         self.fitted = efficiency.moe_fitted
-        if self.fitted:
+        if self.fitted and efficiency.moe_hbm_bandwidth_fraction:
             self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.moe_hbm_bandwidth_fraction
         self.moe_flops_fraction = float(efficiency.moe_flops_fraction)
         self.moe_expert_half_tokens = float(efficiency.moe_expert_half_tokens)
