@@ -6,7 +6,7 @@ This script rebuilds ``sim/replay/data/measurements/`` (CSV files plus
 bare git directories (no work tree needed):
 
 * ``ai-dynamo/aiconfigurator`` (Apache-2.0): per-op kernel timings collected
-  with vLLM (GEMM, custom all-reduce, context / generation attention) and
+  with vLLM (GEMM, custom all-reduce, context / generation attention, fused MoE) and
   with nccl-tests (NCCL all-reduce), under
   ``aic-core/src/aiconfigurator_core/systems/data/<system>/<family>/<backend>/<version>/``.
   Latencies there are milliseconds per single op call.
@@ -62,16 +62,19 @@ AIC_SELECTION = {
         "system": "h100_sxm", "gpu": "H100 SXM (NVIDIA H100 80GB HBM3)",
         "gemm": "gemm/vllm/0.24.0", "allreduce": "comm/vllm/0.24.0",
         "nccl": "comm/nccl/2.29.2", "attention": "attention/vllm/0.24.0",
+        "moe": "moe/vllm/0.24.0",
     },
     "h200": {
         "system": "h200_sxm", "gpu": "H200 SXM (NVIDIA H200)",
         "gemm": "gemm/vllm/0.24.0", "allreduce": "comm/vllm/0.24.0",
         "nccl": "comm/nccl/2.29.2", "attention": "attention/vllm/0.24.0",
+        "moe": "moe/vllm/0.24.0",
     },
     "b200": {
         "system": "b200_sxm", "gpu": "B200 SXM (NVIDIA B200)",
         "gemm": "gemm/vllm/0.24.0", "allreduce": "comm/vllm/0.24.0",
         "nccl": "comm/nccl/2.29.2", "attention": "attention/vllm/0.24.0",
+        "moe": "moe/vllm/0.24.0",
     },
     "a100": {
         "system": "a100_sxm", "gpu": "A100 SXM (NVIDIA A100-SXM4-80GB)",
@@ -112,6 +115,40 @@ ATTN_HEAD_DIM = 128
 ATTN_HEADS = [(32, 8), (16, 4), (8, 2), (4, 1),     # 8B  TP1..8
               (64, 8), (32, 4), (16, 2), (8, 1)]    # 70B TP1..8
 ATTN_HEADS = sorted(set(ATTN_HEADS))
+
+# MoE experts (one fused-MoE layer, routed experts only): the (hidden, moe_intermediate,
+# top_k, experts) of the bundled MoE presets that aiconfigurator measured exactly --
+# gpt-oss-20b, gpt-oss-120b, Llama-4-Scout, Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2
+# (sim/planner/data/models.toml). Qwen3-Next, Granite-4.0-H, Jamba and MiniMax-Text-01
+# shapes are not in the tables.
+MOE_SHAPES = [(2880, 2880, 4, 32), (2880, 2880, 4, 128), (5120, 8192, 1, 16),
+              (4096, 1536, 8, 128), (7168, 2048, 8, 256), (7168, 2048, 8, 384)]
+# Weight formats the cost model prices (weight_format bf16, "fp8" = DeepSeek's block FP8,
+# "mxfp4_moe" = gpt-oss's MXFP4 experts), and per GPU family the kernel vLLM picks for
+# each by default, as ``kernel_source`` names it: (dtype, expert parallel?) -> kernel.
+# Hopper: Triton for unquantized and for block FP8 under TP, FlashInfer CUTLASS for block
+# FP8 under EP (vLLM fused_moe/oracle/fp8.py, "On Hopper for Block Fp8, prefer Triton for
+# TP and FI CUTLASS for EP"; oracle/unquantized.py moves FlashInfer behind Triton on
+# SM90); Blackwell: FlashInfer TRT-LLM first (oracle/unquantized.py, oracle/fp8.py
+# priority lists).
+MOE_DTYPES = ("bfloat16", "fp8_block", "w4a16_mxfp4")
+MOE_KERNELS = {
+    "hopper": {("bfloat16", False): "vllm_unquantizedfusedmoe_triton_tritonexperts",
+               ("bfloat16", True): "vllm_unquantizedfusedmoe_triton_tritonexperts",
+               ("fp8_block", False): "vllm_fp8moe_triton_tritonexperts",
+               ("fp8_block", True): "vllm_fp8moe_flashinfer_cutlass_flashinferexperts",
+               ("w4a16_mxfp4", False): "vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic",
+               ("w4a16_mxfp4", True): "vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic"},
+    "blackwell": {("bfloat16", False): "vllm_unquantizedfusedmoe_flashinfer_trtllm_trtllmbf16experts",
+                  ("bfloat16", True): "vllm_unquantizedfusedmoe_flashinfer_trtllm_trtllmbf16experts",
+                  ("fp8_block", False): "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmonolithic",
+                  ("fp8_block", True): "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmonolithic",
+                  ("w4a16_mxfp4", False):
+                      "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic",
+                  ("w4a16_mxfp4", True):
+                      "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic"},
+}
+MOE_FAMILY = {"h100": "hopper", "h200": "hopper", "b200": "blackwell"}
 
 VIDUR_REPO = "microsoft/vidur"
 VIDUR_LICENCE = "MIT"
@@ -302,6 +339,33 @@ def extract_aic(gd: str, out: Out) -> None:
                                  r["kernel_source"], key])
             out_rows.sort(key=lambda x: (x[4], x[5], x[1], x[2], x[3]))
             out.add_rows(f"attention_{gpu}.csv", header, out_rows)
+
+        # ---- MoE experts (fused MoE, one layer on one GPU)
+        if "moe" in sel:
+            rows = read_parquet_rows(gd, f"{base}/{sel['moe']}/moe_perf.parquet")
+            kernels = MOE_KERNELS[MOE_FAMILY[gpu]]
+            key = src("moe", "moe_perf.parquet", f"aic-{gpu}-vllm-moe", rows,
+                      "vLLM FusedMoE layer (routed experts only: gate-up GEMM, activation, down GEMM, "
+                      "top-k combine; no router GEMM, no all-to-all), one physical GPU timed as rank 0 of "
+                      "moe_tp x moe_ep (TP: every expert's intermediate split; EP: experts split); "
+                      "num_tokens = tokens entering the layer, routed over all experts; distributions "
+                      "balanced, power_law_1.01, power_law_1.2; kept: shapes (hidden, inter, topk, experts) of "
+                      "kvtwin's bundled MoE presets, dtypes bfloat16 / fp8_block / w4a16_mxfp4, vLLM's default "
+                      "kernel for the dtype and GPU family (scripts/calibration/extract_measurements.py "
+                      "MOE_KERNELS); latency ms -> s", "vllm")
+            out_rows = []
+            for r in rows:
+                shape = (r["hidden_size"], r["inter_size"], r["topk"], r["num_experts"])
+                if r["moe_dtype"] not in MOE_DTYPES or shape not in MOE_SHAPES:
+                    continue
+                if r["kernel_source"] != kernels[(r["moe_dtype"], r["moe_ep_size"] > 1)]:
+                    continue
+                out_rows.append([r["moe_dtype"], r["num_tokens"], *shape, r["moe_tp_size"], r["moe_ep_size"],
+                                 r["distribution"], fmt(r["latency"] * MS), r["kernel_source"], key])
+            out_rows.sort(key=lambda x: (x[0], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[1]))
+            out.add_rows(f"moe_{gpu}.csv", ["dtype", "num_tokens", "hidden_size", "inter_size", "topk",
+                                            "num_experts", "moe_tp", "moe_ep", "distribution", "latency_s",
+                                            "kernel", "source"], out_rows)
 
 
 # --------------------------------------------------------------------------

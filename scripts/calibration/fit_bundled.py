@@ -17,6 +17,12 @@ as vLLM runs them):
   ``decode_attention_s_per_head`` (held out likewise);
 * all-reduce -> one curve per TP degree, the fastest implementation at each size (held
   out: each inner point, predicted from its neighbours);
+* fused MoE layers (``moe_<gpu>.csv``, where aiconfigurator has them: H100, H200, B200) ->
+  ``moe_flops_fraction``, ``moe_expert_half_tokens``, ``moe_hbm_bandwidth_fraction``,
+  ``moe_floor_s``, ``moe_s_per_token_value`` on the balanced rows (held out: a third of the
+  configurations at a time), and ``moe_ep_imbalance`` / ``moe_tp_imbalance`` from the
+  ``power_law_1.01`` rows (``moe_kernels.fit_measured``); not in ``[error]``: DP MoE groups
+  only;
 * ``layer_fixed_s`` = every kernel floor of a layer (``kernels.layer_fixed_s``);
   ``step_gpu_fixed_s`` = three more (embedding, LM head, sampler).
 
@@ -53,6 +59,7 @@ from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.calibration.fit.step_model import write_calibration
 from kvtwin.sim.replay.client_side import default_client_overhead
 from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.fit.moe_kernels import DEFAULT_SKEW, fit_measured
 from kvtwin.sim.calibration.fit.kernels import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm,
                                           holdout_predictions, interpolate_s, layer_fixed_s, relative_errors)
 
@@ -182,10 +189,42 @@ def fit_allreduce(gpu: str):
     return tuple(curves), np.array(errors)
 
 
+def fit_moe_layers(gpu: str, peak_flops: float, peak_bytes: float):
+    """The MoE fit of a GPU with measured fused-MoE layers, else None."""
+    path = MEASUREMENTS / f"moe_{gpu}.csv"
+    return fit_measured(rows(path), flops_per_s=peak_flops, bytes_per_s=peak_bytes) if path.exists() else None
+
+
+def moe_fields(moe) -> dict:
+    """The ``[cost_model]`` keys of a MoE fit, rounded as the file writes them."""
+    if moe is None:
+        return {}
+    fit = moe.fit
+    return {"moe_flops_fraction": round(fit.moe_flops_fraction, 4),
+            "moe_expert_half_tokens": round(fit.moe_half_rows_per_expert, 2),
+            "moe_hbm_bandwidth_fraction": round(fit.moe_hbm_bandwidth_fraction, 4),
+            "moe_floor_s": float(f"{fit.moe_floor_s:.4g}"),
+            "moe_s_per_token_value": float(f"{fit.moe_s_per_token_value:.4g}"),
+            "moe_ep_imbalance": round(moe.ep_imbalance, 3), "moe_tp_imbalance": round(moe.tp_imbalance, 3)}
+
+
+def moe_line(gpu: str, moe) -> str:
+    """The header line of a MoE fit (tests/calibration/test_moe_kernels.py reads its p90)."""
+    fit, errors = moe.fit, moe.held_out_errors
+    return (f"{gpu}: MoE experts f={fit.moe_flops_fraction:.3f} half at {fit.moe_half_rows_per_expert:.2f} tokens "
+            f"per expert hbm={fit.moe_hbm_bandwidth_fraction:.3f} floor={fit.moe_floor_s * 1e6:.2f} us "
+            f"per-token {fit.moe_s_per_token_value * 1e12:.2f} ps per hidden value ({len(errors)} balanced "
+            f"layers; held-out median {np.median(errors):.1%}, p90 {p90(errors):.1%}); {DEFAULT_SKEW} load "
+            f"factor EP x{moe.ep_imbalance:.3f}, TP x{moe.tp_imbalance:.3f} (median {np.median(moe.skew_errors):.1%}, "
+            f"p90 {p90(moe.skew_errors):.1%} over {len(moe.skew_errors)} skewed layers)")
+
+
 def sources_for(gpu: str) -> list[dict]:
     table = tomllib.loads((MEASUREMENTS / "SOURCES.toml").read_text())
     keys = set()
-    for name in (f"gemm_{gpu}.csv", f"attention_{gpu}.csv", f"allreduce_{gpu}.csv"):
+    for name in (f"gemm_{gpu}.csv", f"attention_{gpu}.csv", f"allreduce_{gpu}.csv", f"moe_{gpu}.csv"):
+        if not (MEASUREMENTS / name).exists():
+            continue
         keys |= {r["source"] for r in rows(MEASUREMENTS / name) if r["source"].startswith("aic-")}
     wanted = ("repository", "path", "commit", "licence", "engine", "gpu", "notes")
     return [{k: str(table[key][k]) for k in wanted if k in table[key]} for key in sorted(keys)]
@@ -211,6 +250,7 @@ def calibrate(gpu: str, write: bool) -> list[str]:
         gpu, peak_flops, peak_bytes, gemm.hbm_bandwidth_fraction)
     curves, allreduce_errors = fit_allreduce(gpu)
     fixed_s = layer_fixed_s(gemm.launch_s, attention.launch_s)
+    moe = fit_moe_layers(gpu, peak_flops, peak_bytes)
     client = default_client_overhead()
     band, band_sources = serving_band()
     efficiency = Efficiency(matmul_flops_fraction=round(gemm.matmul_flops_fraction, 4),
@@ -220,7 +260,7 @@ def calibrate(gpu: str, write: bool) -> list[str]:
                             hbm_bandwidth_fraction=round(gemm.hbm_bandwidth_fraction, 4),
                             decode_attention_s_per_head=float(f"{decode_attention.seconds_per_head:.4g}"),
                             layer_fixed_s=round(fixed_s, 9), step_gpu_fixed_s=round(STEP_KERNELS * gemm.launch_s, 9),
-                            client_overhead_s=client.seconds, allreduce=curves)
+                            client_overhead_s=client.seconds, allreduce=curves, **moe_fields(moe))
     gemm_errors = relative_errors(gemm_kernels.held_out_s, gemm_kernels.measured_s)
     context_errors = prefill_kernels.errors("prefill step")
     generation_errors = decode_kernels.errors("decode step")
@@ -239,6 +279,7 @@ def calibrate(gpu: str, write: bool) -> list[str]:
         f"p90 {p90(generation_errors):.1%} over {len(generation_errors)} kernels)",
         f"{gpu}: all-reduce curves for TP {', '.join(str(c.tensor_parallel_size) for c in curves)} "
         f"(leave-one-out median {np.median(allreduce_errors):.1%}, p90 {p90(allreduce_errors):.1%})",
+        *([moe_line(gpu, moe)] if moe is not None else []),
         f"{gpu}: layer_fixed_s {fixed_s * 1e6:.1f} us (9 kernel floors at {gemm.launch_s * 1e6:.2f} us and the "
         f"attention's), step_gpu_fixed_s {STEP_KERNELS * gemm.launch_s * 1e6:.1f} us",
         f"{gpu}: held-out p90: prefill_step {errors['prefill_step']:.1%} ({len(prefill)} kernels), "

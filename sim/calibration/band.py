@@ -102,7 +102,8 @@ def step_error(calibration: Calibration) -> float | None:
 def pessimistic(efficiency: Efficiency, error: float) -> Efficiency:
     """``efficiency`` with every step ``1 + error`` times as long: each rate divided, each
     time multiplied (CPU overheads and all-reduce curves too, so the async max keeps its
-    branch); sizes (``*_tokens``) and the client's overhead, outside the step, stay."""
+    branch); sizes (``*_tokens``), the MoE load factors (``*_imbalance``, no rate) and the
+    client's overhead, outside the step, stay."""
     factor = 1.0 + error
     scaled = {}
     for f in dataclasses.fields(Efficiency):
@@ -112,6 +113,6 @@ def pessimistic(efficiency: Efficiency, error: float) -> Efficiency:
                                                   tuple(t * factor for t in c.seconds)) for c in value)
         elif f.name.endswith("_fraction"):
             scaled[f.name] = value / factor
-        elif not f.name.endswith("_tokens") and f.name != "client_overhead_s":
+        elif not f.name.endswith(("_tokens", "_imbalance")) and f.name != "client_overhead_s":
             scaled[f.name] = value * factor
     return dataclasses.replace(efficiency, **scaled)

@@ -53,6 +53,10 @@ class AllReduceCurve:
         return lo_t + (hi_t - lo_t) * (message_bytes - lo_b) / (hi_b - lo_b)
 
 
+# The fitted MoE fractions, 0 where no fit set them.
+MOE_FIT_FRACTIONS = ("moe_flops_fraction", "moe_hbm_bandwidth_fraction")
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of datasheet peaks a real step achieves, fixed GPU and CPU costs, and
@@ -85,6 +89,23 @@ class Efficiency:
     # to the client-side TTFT and E2E columns, which the SLO judges; the server-side ones
     # are vLLM's own. 0 here; 8 ms in every bundled calibration (docs/capacity.md#client-side-latency).
     client_overhead_s: float = 0.0
+    # The routed experts of a DP group's MoE layer (docs/clock.md#moe-under-data-parallelism),
+    # fitted on measured fused-MoE layers (sim/calibration/fit/moe_kernels.py). 0 (the
+    # default): not fitted, the experts are priced as the dense GEMMs (matmul_flops_fraction
+    # at the group's tokens, hbm_bandwidth_fraction), with no floor nor per-token time.
+    moe_flops_fraction: float = 0.0  # of bf16 peak, for experts of many rows each
+    # Rows (tokens) per expert at which the experts' grouped GEMM reaches half of
+    # moe_flops_fraction; 0: the fraction holds at every size.
+    moe_expert_half_tokens: float = 0.0
+    moe_hbm_bandwidth_fraction: float = 0.0  # the experts' weight reads; 0: hbm_bandwidth_fraction
+    moe_floor_s: float = 0.0  # GPU time per MoE layer per step
+    # Time per hidden value of each token entering a GPU's MoE layer (quantizing, permuting
+    # and combining its routed copies), whatever experts it picks.
+    moe_s_per_token_value: float = 0.0
+    # Load factors (at least 1) on the busiest GPU's expert compute under skewed routing,
+    # with expert parallelism and without; 1: uniform routing's expected load.
+    moe_ep_imbalance: float = 1.0
+    moe_tp_imbalance: float = 1.0
     # Measured all-reduce curves by TP degree; a TP degree without one uses
     # interconnect_fraction and allreduce_latency_s.
     allreduce: tuple[AllReduceCurve, ...] = ()
@@ -100,12 +121,22 @@ class Efficiency:
                         "one curve per tensor_parallel_size", degrees)
             elif not is_number(value):
                 raise ConfigError(f"cost_model.{f.name}", "a finite number", value)
+            elif f.name in MOE_FIT_FRACTIONS:
+                require(0 <= value <= 1, f"cost_model.{f.name}", "a fraction in (0, 1], or 0 (not fitted)", value)
             elif f.name.endswith("_fraction"):
                 require(0 < value <= 1, f"cost_model.{f.name}", "a fraction in (0, 1]", value)
+            elif f.name.endswith("_imbalance"):
+                require(value >= 1, f"cost_model.{f.name}", "a load factor of at least 1", value)
             elif f.name.endswith("_tokens"):
                 require(value >= 0, f"cost_model.{f.name}", "a non-negative number of tokens", value)
             else:
                 require(value >= 0, f"cost_model.{f.name}", "a non-negative number of seconds", value)
+
+    @property
+    def moe_fitted(self) -> bool:
+        """Whether the routed experts have a fit of their own (``moe_*``) rather than the
+        dense GEMMs' factors."""
+        return self.moe_flops_fraction > 0
 
     def allreduce_curve(self, tensor_parallel_size: int) -> AllReduceCurve | None:
         for curve in self.allreduce:

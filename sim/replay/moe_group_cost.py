@@ -41,14 +41,24 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   expected load of the most loaded GPU under uniform routing (the mean plus
   ``sqrt(2 ln GPUs)`` standard deviations of one GPU's load, the Gaussian bound on the
   expected maximum; a token picks ``top_k`` distinct experts, so a GPU's share of one token
-  is hypergeometric). The GEMMs run at the cost model's efficiency for a GEMM of as many
-  rows as the group's tokens (``gemm_fraction``), as ``CostModel`` prices its experts; the
-  efficiency of a grouped GEMM at each expert's own row count is not modelled.
+  is hypergeometric). Without a MoE fit the GEMMs run at the cost model's efficiency for a
+  GEMM of as many rows as the group's tokens (``gemm_fraction``), as ``CostModel`` prices
+  its experts. With one (``Efficiency.moe_fitted``: ``sim/calibration/fit/moe_kernels.py``
+  on aiconfigurator's measured fused-MoE layers) the grouped GEMM runs at
+  ``moe_flops_fraction`` ramped by the rows each expert gets (``T x top_k / experts``), and
+  the busiest GPU's load is the mean times the fitted load factor of skewed routing
+  (``moe_ep_imbalance`` with EP, ``moe_tp_imbalance`` without), in place of the uniform
+  bound; each MoE layer adds ``moe_floor_s`` and ``moe_s_per_token_value`` per hidden value
+  of each token entering the GPU's layer (the group's tokens after the all-gather, its
+  routed copies after an all-to-all). FP8 and MXFP4 experts compute at the bf16 rate and
+  read their own bytes per parameter, as ``CostModel`` prices them.
 * Weights: the expected distinct experts the group's tokens touch (``_weight_bytes_read``'s
   formula), on a GPU its share of them: a ``1/(DP x TP)`` slice of every touched expert
-  without EP, its own touched experts whole with EP. GPU time is the roofline
-  ``max(GEMMs, weights)`` of the MoE kernels plus the collective: the MoE kernels are
-  separate from the rank's other GEMMs, each on its own roofline.
+  without EP, its own touched experts whole with EP, at ``moe_hbm_bandwidth_fraction`` with a
+  MoE fit, else ``hbm_bandwidth_fraction``. GPU time is the roofline ``max(GEMMs,
+  weights)`` of the MoE kernels, plus the fit's fixed and per-token time, plus the
+  collective: the MoE kernels are separate from the rank's other GEMMs, each on its own
+  roofline.
 * Collective messages: hidden states at 2 bytes a value; the routing tensors (router
   logits, or top-k ids and weights) and an FP8 dispatch are not counted (vLLM quantizes
   the dispatch of an FP8 block-quantized model on every backend, the all-gather's
@@ -63,9 +73,9 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   node, else the GPU preset's NIC (``nic_bytes_per_s``, the peer link where it has none).
   GPU presets do not say how many GPUs a node has: ``GPUS_PER_NODE`` (8) is assumed.
 * Not modelled: EPLB and redundant experts, the all-to-all kernels' own costs and their
-  dedup of a token's copies bound for one GPU or node, expert load
-  imbalance beyond uniform routing, overlap of the collective with compute (dual-batch
-  overlap), and any fit to measured all-to-all times (later calibration work).
+  dedup of a token's copies bound for one GPU or node, skew beyond uniform routing without
+  a MoE fit, overlap of the collective with compute (dual-batch overlap), and any fit to
+  measured all-to-all times.
 """
 
 from __future__ import annotations
@@ -121,10 +131,11 @@ class MoEGroupPart:
     communication_s: float
     flops: float  # on the most loaded GPU
     weight_bytes: float  # on the most loaded GPU
+    fixed_s: float = 0.0  # the fitted floor and per-token time (0 without a MoE fit)
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.weights_s) + self.communication_s
+        return max(self.compute_s, self.weights_s) + self.fixed_s + self.communication_s
 
 
 def expected_max_gpu_pairs(num_tokens: int, num_experts: int, top_k: int, experts_per_gpu: int,
@@ -171,6 +182,16 @@ class MoEGroupCost:
         self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.hbm_bandwidth_fraction
         self.matmul_flops_fraction = float(efficiency.matmul_flops_fraction)
         self.matmul_half_tokens = float(efficiency.matmul_half_tokens)
+        # A fit of the experts' own (sim/calibration/fit/moe_kernels.py) replaces the dense
+        # GEMMs' factors and uniform routing's expected maximum.
+        self.fitted = efficiency.moe_fitted
+        if self.fitted and efficiency.moe_hbm_bandwidth_fraction:
+            self.bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * efficiency.moe_hbm_bandwidth_fraction
+        self.moe_flops_fraction = float(efficiency.moe_flops_fraction)
+        self.moe_expert_half_tokens = float(efficiency.moe_expert_half_tokens)
+        self.imbalance = float(efficiency.moe_ep_imbalance if self.expert_parallel else efficiency.moe_tp_imbalance)
+        self.floor_s = float(efficiency.moe_floor_s)
+        self.s_per_token = float(efficiency.moe_s_per_token_value) * model.hidden_size
         # The collective's group: the DP group, or the EP group with sequence-parallel MoE.
         self.collective_gpus = self.shards if self.expert_parallel and tp > 1 else dp
         self.token_split = tp if self.expert_parallel and tp > 1 and sequence_parallel else 1
@@ -183,9 +204,14 @@ class MoEGroupCost:
         self.token_bytes = model.hidden_size * _ACTIVATION_BYTES
 
     def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
-        """(token, expert) pairs the most loaded GPU computes in one MoE layer."""
+        """(token, expert) pairs the most loaded GPU computes in one MoE layer: uniform
+        routing's expected maximum, or with a MoE fit the mean times the fitted load factor
+        (capped at what the GPU could get)."""
         if not self.expert_parallel:
-            return group_tokens * self.top_k / self.shards
+            return group_tokens * self.top_k / self.shards * (self.imbalance if self.fitted else 1.0)
+        if self.fitted:
+            mean = group_tokens * self.top_k * self.experts_per_gpu / self.num_experts
+            return min(mean * self.imbalance, float(group_tokens * min(self.top_k, self.experts_per_gpu)))
         return expected_max_gpu_pairs(group_tokens, self.num_experts, self.top_k, self.experts_per_gpu, self.shards)
 
     def weight_bytes(self, group_tokens: int) -> float:
@@ -218,12 +244,24 @@ class MoEGroupCost:
     def part(self, rank_tokens: Sequence[int]) -> MoEGroupPart:
         """The group step's MoE part, given each rank's tokens (a dummy batch: 1)."""
         group_tokens = sum(rank_tokens)
-        flops = self.pairs_on_busiest_gpu(group_tokens) * self.pair_flops
-        fraction = gemm_fraction(self.matmul_flops_fraction, self.matmul_half_tokens, group_tokens)
-        compute_s = flops / (self.flops_per_s * fraction) if flops else 0.0
+        pairs = self.pairs_on_busiest_gpu(group_tokens)
+        flops = pairs * self.pair_flops
         weight_bytes = self.weight_bytes(group_tokens)
-        return MoEGroupPart(compute_s, weight_bytes / self.bytes_per_s, self.communication_s(rank_tokens), flops,
-                            weight_bytes)
+        communication_s = self.communication_s(rank_tokens)
+        if not self.fitted:
+            fraction = gemm_fraction(self.matmul_flops_fraction, self.matmul_half_tokens, group_tokens)
+            compute_s = flops / (self.flops_per_s * fraction) if flops else 0.0
+            return MoEGroupPart(compute_s, weight_bytes / self.bytes_per_s, communication_s, flops, weight_bytes)
+        # The grouped GEMM's efficiency follows each expert's rows, uniform routing's mean.
+        fraction = gemm_fraction(self.moe_flops_fraction, self.moe_expert_half_tokens,
+                                 group_tokens * self.top_k / self.num_experts)
+        compute_s = flops / (self.flops_per_s * fraction) if flops else 0.0
+        # Tokens entering a GPU's MoE layer: the whole group's after an all-gather, its
+        # routed copies after an all-to-all.
+        entering = min(float(group_tokens), pairs) if self.collective == ALL_TO_ALL else float(group_tokens)
+        fixed_s = (self.floor_s + self.s_per_token * entering) * self.moe_layers
+        return MoEGroupPart(compute_s, weight_bytes / self.bytes_per_s, communication_s, flops, weight_bytes,
+                            fixed_s)
 
 
 class DPRankCostModel(CostModel):

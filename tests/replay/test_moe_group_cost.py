@@ -4,6 +4,7 @@ ordinary cost model, and DP4 gpt-oss-20b replays with and without EP."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -225,13 +226,14 @@ def test_dp1_is_never_below_the_ordinary_cost():
         assert group.step([own])[1] >= plain.split_step_cost(decodes, prefills).total_s * (1 - 1e-12)
 
 
-def _dp_replay(**engine):
+def _dp_replay(moe_fit: bool = True, **engine):
     resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml",
                                 Overrides(limit=40, engine={"max_model_len": 32768, "async_scheduling": False,
                                                             "data_parallel_size": 4, **engine}))
     planned = resolved.plan()
+    efficiency = resolved.efficiency if moe_fit else dataclasses.replace(resolved.efficiency, moe_flops_fraction=0.0)
     return run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
-                      efficiency=resolved.efficiency, slo=resolved.slo)
+                      efficiency=efficiency, slo=resolved.slo)
 
 
 @pytest.fixture(scope="module")
@@ -269,12 +271,79 @@ def test_dp4_deepep_low_latency_moves_more_than_the_gather_for_gpt_oss_20b(repla
         replays[True].summary.to_pylist()[0]["moe_communication_share"]
 
 
-def test_dp4_low_load_tpot_is_below_the_old_per_rank_pricing(replays, monkeypatch):
+def test_dp4_low_load_tpot_is_below_the_old_per_rank_pricing(monkeypatch):
     """At low load each rank reads a quarter of the touched experts' bytes instead of all
-    of them: decodes are faster than when each rank was priced as holding every expert."""
+    of them: decodes are faster than when each rank was priced as holding every expert.
+    Both on the dense GEMMs' factors (no MoE fit: the fit's floor and per-token time have
+    no counterpart in the per-rank pricing)."""
+    unfitted = {ep: _dp_replay(moe_fit=False, enable_expert_parallel=ep) for ep in (False, True)}
     from kvtwin.sim.replay import data_parallel
     monkeypatch.setattr(data_parallel, "moe_dp_group", lambda plan, efficiency: None)
-    old = _dp_replay()
+    old = _dp_replay(moe_fit=False)
     assert "moe_communication_s" not in old.steps.column_names
-    for result in replays.values():
+    for result in unfitted.values():
         assert result.summary.to_pylist()[0]["mean_tpot_ms"] < old.summary.to_pylist()[0]["mean_tpot_ms"]
+
+
+def _without_moe_keys(path: Path, out: Path) -> Path:
+    """``path``'s calibration with its ``moe_*`` lines taken out."""
+    out.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                           if not line.startswith("moe_")))
+    return out
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_calibration_without_the_moe_keys_prices_the_experts_as_before(tmp_path, expert_parallel):
+    from kvtwin.sim.calibration.file import read_calibration
+    bundled = REPO / "sim" / "replay" / "data" / "calibration" / "h100.toml"
+    eff = read_calibration(_without_moe_keys(bundled, tmp_path / "h100.toml")).efficiency
+    assert not eff.moe_fitted
+    dp, tokens = 4, [3, 5, 1, 7]
+    part = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=dp, expert_parallel=expert_parallel,
+                        efficiency=eff).part(tokens)
+    E, k, L, h = MODEL.num_experts, MODEL.num_experts_per_token, MODEL.num_moe_layers, MODEL.hidden_size
+    T = sum(tokens)
+    pairs = expected_max_gpu_pairs(T, E, k, E // dp, dp) if expert_parallel else T * k / dp
+    flops = pairs * 2 * 3 * h * MODEL.moe_intermediate_size * L
+    fraction = eff.matmul_flops_fraction * T / (T + eff.matmul_half_tokens)
+    assert part.compute_s == pytest.approx(flops / (GPU.bf16_flops * fraction), rel=1e-12)
+    touched = (1 - (1 - k / E) ** T)
+    held = E // dp * touched * _expert_bytes() if expert_parallel else E * touched * _expert_bytes() / dp
+    assert part.weights_s == pytest.approx(held * L / (GPU.hbm_bandwidth_bytes_per_s * eff.hbm_bandwidth_fraction),
+                                           rel=1e-12)
+    assert part.fixed_s == 0.0
+    assert part.total_s == max(part.compute_s, part.weights_s) + part.communication_s
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_moe_fit_prices_the_experts_by_rows_per_expert_with_floor_tokens_and_load(expert_parallel):
+    eff = Efficiency(moe_flops_fraction=0.5, moe_expert_half_tokens=4.0, moe_hbm_bandwidth_fraction=0.6,
+                     moe_floor_s=30e-6, moe_s_per_token_value=1e-11, moe_ep_imbalance=1.5, moe_tp_imbalance=1.2)
+    dp, tokens = 4, [30, 50, 10, 70]
+    part = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=dp, expert_parallel=expert_parallel,
+                        efficiency=eff).part(tokens)
+    E, k, L, h = MODEL.num_experts, MODEL.num_experts_per_token, MODEL.num_moe_layers, MODEL.hidden_size
+    T = sum(tokens)
+    # The mean load (E / dp experts a GPU with EP, a 1/dp slice of each without) times the factor.
+    pairs = T * k / dp * (1.5 if expert_parallel else 1.2)
+    rows = T * k / E
+    flops = pairs * 2 * 3 * h * MODEL.moe_intermediate_size * L
+    assert part.compute_s == pytest.approx(flops / (GPU.bf16_flops * 0.5 * rows / (rows + 4.0)), rel=1e-12)
+    touched = (1 - (1 - k / E) ** T)
+    held = E // dp * touched * _expert_bytes() if expert_parallel else E * touched * _expert_bytes() / dp
+    assert part.weights_s == pytest.approx(held * L / (GPU.hbm_bandwidth_bytes_per_s * 0.6), rel=1e-12)
+    # Every GPU receives the group's tokens (all-gather) and pays the floor, per MoE layer.
+    assert part.fixed_s == pytest.approx((30e-6 + 1e-11 * h * T) * L, rel=1e-12)
+    assert part.total_s == pytest.approx(max(part.compute_s, part.weights_s) + part.fixed_s + part.communication_s,
+                                         rel=1e-15)
+
+
+def test_an_all_to_all_gpu_pays_the_per_token_time_on_the_copies_it_receives():
+    eff = Efficiency(moe_flops_fraction=0.5, moe_s_per_token_value=1e-11)
+    dp, tokens = 8, [2, 1, 1, 1, 1, 1, 1, 1]
+    cost = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=dp, expert_parallel=True,
+                        efficiency=eff, collective=ALL_TO_ALL)
+    part = cost.part(tokens)
+    # 9 tokens x 4 copies over 8 GPUs of 4 experts each: 4.5 pairs on the busiest, fewer than 9 tokens.
+    pairs = 9 * MODEL.num_experts_per_token * (MODEL.num_experts // dp) / MODEL.num_experts
+    assert part.fixed_s == pytest.approx(1e-11 * MODEL.hidden_size * pairs * MODEL.num_moe_layers, rel=1e-12)
