@@ -103,6 +103,9 @@ class EngineConfig:
     scheduler_reserve_full_isl: bool = True
     # Prefill on every Nth step of a DP MoE group's shared counter (docs/semantics.md#data-parallel-lockstep).
     prefill_schedule_interval: int = 1
+    # vLLM's ``--enforce-eager``: no CUDA graphs, so a DP MoE group's ranks run unpadded
+    # (docs/clock.md#moe-under-data-parallelism) and the estimate reserves no graph memory.
+    enforce_eager: bool = False
     # Overrides of the memory estimate (bytes per GPU), e.g. from a real profiling run.
     activation_peak_bytes: int | None = None
     cuda_graph_bytes: int | None = None
@@ -110,8 +113,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             _positive(getattr(self, name), name)
-        require(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "true or false",
-                self.enable_expert_parallel)
+        for name in ("enable_expert_parallel", "enforce_eager"):
+            require(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         require(self.all2all_backend in ALL2ALL_BACKENDS, "all2all_backend",
                 f"one of {', '.join(ALL2ALL_BACKENDS)}", self.all2all_backend)
         require(isinstance(self.enable_eplb, bool), "enable_eplb", "true or false", self.enable_eplb)
@@ -196,8 +199,9 @@ class EngineConfig:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, hybrid_kv_cache=hybrid,
             hybrid_kv_cache_is_default=hybrid == model.default_hybrid_kv_cache,
             mamba_cache_mode=mamba_cache_mode, **_mamba_dtypes(model, self),
-            activation_peak_bytes=self.activation_peak_bytes, cuda_graph_bytes=self.cuda_graph_bytes,
-            non_torch_bytes=self.non_torch_bytes, scheduler=scheduler, cache=cache)
+            activation_peak_bytes=self.activation_peak_bytes,
+            cuda_graph_bytes=0 if self.enforce_eager and self.cuda_graph_bytes is None else self.cuda_graph_bytes,
+            non_torch_bytes=self.non_torch_bytes, enforce_eager=self.enforce_eager, scheduler=scheduler, cache=cache)
 
     def _scheduler_config(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, *,
                           lockstep: bool) -> SchedulerConfig:
@@ -239,6 +243,7 @@ class ResolvedEngineConfig:
     activation_peak_bytes: int | None
     cuda_graph_bytes: int | None
     non_torch_bytes: int | None
+    enforce_eager: bool
     scheduler: SchedulerConfig
     cache: CacheConfig
     @property

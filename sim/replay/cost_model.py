@@ -439,6 +439,18 @@ class CostModel:
         return self._step_cost(num_tokens + num_decodes, kv_bytes, attention_flops, attention_work,
                                num_decodes + (len(prefill_items) if prefill_items else 0), num_decodes)
 
+    def _tp_allreduce_s(self, num_tokens: int) -> float:
+        """Seconds of a step's TP all-reduces (two a layer) of ``num_tokens`` hidden states."""
+        message_bytes = num_tokens * self.activation_bytes_per_token
+        curve = self.allreduce_curve
+        if curve is not None:
+            per_layer = curve.seconds_for(message_bytes)
+        else:
+            bandwidth = self.gpu.interconnect_bytes_per_s * self.interconnect_fraction
+            bus_bytes = message_bytes * 2 * (self.tp - 1) / self.tp
+            per_layer = (bus_bytes / bandwidth if bandwidth else 0.0) + self.allreduce_latency_s
+        return 2 * self.num_layers * per_layer
+
     def _step_cost(self, num_tokens: int, kv_bytes: float, attention_flops: float, attention_work: float,
                    num_requests: int, num_decodes: int, draft_s: float = 0.0) -> StepCost:
         body_flops = self.linear_flops_per_token * num_tokens
@@ -452,17 +464,7 @@ class CostModel:
         kv_s = kv_bytes / self.bytes_per_s
         memory_s = weights_s + kv_s
         elementwise_bytes = num_tokens * self.elementwise_bytes_per_token
-        communication_s = 0.0
-        if self.tp > 1:
-            message_bytes = num_tokens * self.activation_bytes_per_token
-            curve = self.allreduce_curve
-            if curve is not None:
-                per_layer = curve.seconds_for(message_bytes)
-            else:
-                bandwidth = self.gpu.interconnect_bytes_per_s * self.interconnect_fraction
-                bus_bytes = message_bytes * 2 * (self.tp - 1) / self.tp
-                per_layer = (bus_bytes / bandwidth if bandwidth else 0.0) + self.allreduce_latency_s
-            communication_s = 2 * self.num_layers * per_layer
+        communication_s = self._tp_allreduce_s(num_tokens) if self.tp > 1 else 0.0
         overhead_s = self.step_overhead_s + self.per_request_overhead_s * num_requests
         extra_gpu_s = self.fixed_gpu_s + self.decode_head_s * num_decodes if num_decodes else self.fixed_gpu_s
         gpu_s = (max(gemm_compute_s, weights_s) + max(attention_compute_s, kv_s) + elementwise_bytes / self.bytes_per_s

@@ -33,9 +33,11 @@ loaded GPU. The step is the slowest rank's.
 
 Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
 
-* Tokens: a rank's scheduled tokens, a dummy batch one token. vLLM pads every rank to the
-  group's largest batch when CUDA graphs run the step (``coordinate_batch_across_dp``); the
-  padding is not priced (an underestimate when the ranks' batches differ).
+* Tokens: a rank's scheduled tokens, a dummy batch one token; when CUDA graphs run the
+  step every rank runs the group's largest batch (``dp_padding_tokens``): its GEMMs, its
+  TP all-reduces and its share of the MoE collective and experts at that count, its
+  attention, LM head and CPU work on its own requests. The further padding to a captured
+  graph size is not priced, as the single-engine ``CostModel`` prices none.
 * Compute: 2 FLOPs per routed parameter per (token, expert) pair; without EP a GPU does
   ``1/(DP x TP)`` of all the group's pairs, with EP the pairs of its experts, as the
   expected load of the most loaded GPU under uniform routing (the mean plus
@@ -89,7 +91,7 @@ from kvtwin.sim.core.spec import KVCacheSpec
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.models import ModelPreset
 from kvtwin.sim.planner.plan import Plan
-from kvtwin.sim.replay.cost_model import CostModel, StepCost, gemm_fraction
+from kvtwin.sim.replay.cost_model import CostModel, StepCost, _gemm_s, gemm_fraction
 
 # GPUs one node holds: GPU presets do not say; 8 is the HGX/DGX board every preset ships on.
 GPUS_PER_NODE = 8
@@ -118,6 +120,42 @@ def collective_for(backend: str, expert_parallel: bool) -> str:
     ``use_all2all_kernels``, ``fused_moe/all2all_utils.py:203-226``)."""
     return BACKEND_COLLECTIVES[backend] if expert_parallel else ALLGATHER_REDUCESCATTER
 _ACTIVATION_BYTES = 2  # bf16 hidden states
+# vLLM 0.33's ceiling on the default largest CUDA graph (``VllmConfig._set_cudagraph_sizes``):
+# 1024 tokens on a data-centre Blackwell GPU (compute capability 10.x), else 512.
+_DEFAULT_MAX_GRAPH_TOKENS = 512
+_BLACKWELL_MAX_GRAPH_TOKENS = 1024
+
+
+def max_cudagraph_capture_tokens(max_num_seqs: int, max_num_batched_tokens: int, compute_capability: str) -> int:
+    """The largest batch vLLM 0.33 captures a CUDA graph for by default, one decode token a
+    request (``config/vllm.py:2447-2600``): ``min(2 max_num_seqs, 512 or 1024)``, then no
+    more than ``max_num_batched_tokens``; the ladder 1, 2, 4, steps of 8 below 256 and of 16
+    from there, plus ``max_num_batched_tokens`` and ``max_num_seqs`` where they fit, tops
+    out at its largest entry (docs/clock.md#moe-under-data-parallelism)."""
+    blackwell = compute_capability.split(".")[0] == "10"
+    ceiling = _BLACKWELL_MAX_GRAPH_TOKENS if blackwell else _DEFAULT_MAX_GRAPH_TOKENS
+    wanted = min(max_num_seqs * 2, ceiling)
+    cap = min(max_num_batched_tokens, wanted)
+    sizes = [size for size in (1, 2, 4) if size <= cap]
+    sizes += list(range(8, min(cap + 1, 256), 8)) + list(range(256, cap + 1, 16))
+    if max_num_batched_tokens <= cap:
+        sizes.append(max_num_batched_tokens)
+    if max_num_seqs <= wanted and max_num_seqs <= max_num_batched_tokens:
+        sizes.append(max_num_seqs)
+    return max(sizes)
+
+
+def dp_padding_tokens(rank_tokens: Sequence[int], max_graph_tokens: int | None) -> int | None:
+    """The tokens every rank of a DP group runs, or None where each runs its own
+    (docs/clock.md#moe-under-data-parallelism). A rank asks for a CUDA graph where its batch
+    fits the largest captured one; the ranks take the least graph mode any asked for, and
+    unless that is none every rank pads to the largest rank's batch
+    (``v1/worker/gpu/dp_utils.py:156-200``, the V1 runner's ``v1/worker/dp_utils.py:170-185``).
+    ``max_graph_tokens`` None: ``enforce_eager``, no graphs."""
+    if max_graph_tokens is None:
+        return None
+    largest = max(rank_tokens)
+    return largest if largest <= max_graph_tokens else None
 
 
 @dataclass(frozen=True)
@@ -284,14 +322,42 @@ class DPRankCostModel(CostModel):
     def _weight_bytes_read(self, num_tokens: int) -> float:
         return self.dense_weight_bytes
 
+    def padded(self, own: StepCost, num_tokens: int) -> StepCost:
+        """``own`` with the rank's batch padded to ``num_tokens`` rows: the GEMMs of the
+        body, the element-wise kernels and the TP all-reduces run every row (the padded
+        rows are the graph's input buffer); attention, the LM head, the KV and weight reads
+        and the CPU work stay those of the rank's requests, as the padded rows belong to
+        none (docs/clock.md#moe-under-data-parallelism). ``num_tokens`` of the result is the
+        rows the GEMMs ran."""
+        if num_tokens <= own.num_tokens:
+            return own
+        body_flops = self.linear_flops_per_token * num_tokens
+        gemm_compute_s = _gemm_s(self.matmul_flops_fraction, self.matmul_half_tokens, self.flops_per_s, body_flops,
+                                 num_tokens, own.head_flops, own.num_requests)
+        attention_compute_s = own.attention_work / (self.flops_per_s * self.attention_flops_fraction)
+        weights_s = own.weight_bytes / self.bytes_per_s
+        kv_s = own.kv_bytes / self.bytes_per_s
+        elementwise_bytes = num_tokens * self.elementwise_bytes_per_token
+        communication_s = self._tp_allreduce_s(num_tokens) if self.tp > 1 else 0.0
+        gpu_s = (max(gemm_compute_s, weights_s) + max(attention_compute_s, kv_s) + elementwise_bytes / self.bytes_per_s
+                 + own.extra_gpu_s + communication_s + own.draft_s)
+        linear_flops = body_flops + own.head_flops
+        return StepCost(gpu_s + own.overhead_s, gemm_compute_s + attention_compute_s, weights_s + kv_s,
+                        communication_s, own.overhead_s, linear_flops + own.attention_flops, own.weight_bytes,
+                        own.kv_bytes, linear_flops, own.attention_flops, own.num_requests, num_tokens, body_flops,
+                        own.head_flops, elementwise_bytes, own.extra_gpu_s, own.attention_work, own.draft_s)
+
 
 class MoEDPGroup:
     """What the lockstep group asks at each step (``dp_group.py``): each rank's seconds,
-    its own part plus the group's MoE part, and the step's StepCost per rank."""
+    its own part plus the group's MoE part, and the step's StepCost per rank.
+    ``max_graph_tokens``: the largest batch a CUDA graph runs (None: ``enforce_eager``),
+    which decides whether the ranks pad to the largest one (``dp_padding_tokens``)."""
 
-    def __init__(self, rank_model: DPRankCostModel, moe: MoEGroupCost):
+    def __init__(self, rank_model: DPRankCostModel, moe: MoEGroupCost, *, max_graph_tokens: int | None = None):
         self.rank_model = rank_model
         self.moe = moe
+        self.max_graph_tokens = max_graph_tokens
         self.dummy_cost = rank_model.split_step_cost([1], [])
 
     def rank_step(self, own: StepCost, part: MoEGroupPart) -> StepCost:
@@ -311,7 +377,12 @@ class MoEDPGroup:
         """Each rank's step (None: a dummy batch of one token) and the group step's seconds,
         the slowest rank's."""
         costs = [cost if cost is not None else self.dummy_cost for cost in own]
-        part = self.moe.part([max(cost.num_tokens, 1) for cost in costs])
+        rank_tokens = [max(cost.num_tokens, 1) for cost in costs]
+        padded = dp_padding_tokens(rank_tokens, self.max_graph_tokens)
+        if padded is not None:
+            costs = [self.rank_model.padded(cost, padded) for cost in costs]
+            rank_tokens = [padded] * len(costs)
+        part = self.moe.part(rank_tokens)
         steps = [self.rank_step(cost, part) for cost in costs]
         return steps, max(step.total_s for step in steps)
 
@@ -325,4 +396,7 @@ def moe_dp_group(plan: Plan, efficiency: Efficiency) -> MoEDPGroup:
                        data_parallel_size=eng.data_parallel_size, expert_parallel=eng.enable_expert_parallel,
                        efficiency=efficiency, collective=collective_for(eng.all2all_backend, eng.enable_expert_parallel),
                        sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS)
-    return MoEDPGroup(rank_model, moe)
+    scheduler = eng.scheduler
+    max_graph_tokens = None if eng.enforce_eager else max_cudagraph_capture_tokens(
+        scheduler.max_num_seqs, scheduler.max_num_batched_tokens, plan.gpu.compute_capability)
+    return MoEDPGroup(rank_model, moe, max_graph_tokens=max_graph_tokens)
