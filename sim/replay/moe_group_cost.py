@@ -74,7 +74,12 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
 * Link: NVLink (``interconnect_bytes_per_s``) while the group's ``DP x TP`` GPUs fit one
   node, else the GPU preset's NIC (``nic_bytes_per_s``, the peer link where it has none).
   GPU presets do not say how many GPUs a node has: ``GPUS_PER_NODE`` (8) is assumed.
-* Not modelled: EPLB and redundant experts, the all-to-all kernels' own costs and their
+* EPLB (``enable_eplb``): each GPU holds ``(experts + num_redundant_experts) / (DP x TP)``
+  physical experts and reads its touched ones; the busiest GPU carries the mean load, as if
+  EPLB's rebalancing (every 3000 steps, on the last 1000 steps' loads) had evened it out
+  from the start: its first interval and its residual imbalance are not priced, nor the
+  moves of expert weights between GPUs.
+* Not modelled: the all-to-all kernels' own costs and their
   dedup of a token's copies bound for one GPU or node, skew beyond uniform routing without
   a MoE fit, overlap of the collective with compute (dual-batch overlap), and any fit to
   measured all-to-all times.
@@ -196,7 +201,8 @@ class MoEGroupCost:
 
     def __init__(self, model: ModelPreset, gpu: GPUSpec, *, tensor_parallel_size: int, data_parallel_size: int,
                  expert_parallel: bool, efficiency: Efficiency = Efficiency(),
-                 collective: str = ALLGATHER_REDUCESCATTER, sequence_parallel: bool = True):
+                 collective: str = ALLGATHER_REDUCESCATTER, sequence_parallel: bool = True,
+                 eplb_redundant_experts: int | None = None):
         if not model.num_experts:
             raise ValueError(f"{model.name} has no routed experts")
         if collective not in (ALLGATHER_REDUCESCATTER, ALL_TO_ALL):
@@ -212,7 +218,11 @@ class MoEGroupCost:
         self.moe_layers = model.num_moe_layers
         # Bytes of one whole routed expert in one layer (``CostModel._experts`` at TP 1).
         self.expert_bytes, _ = CostModel._experts(model, 1)
-        self.experts_per_gpu = math.ceil(self.num_experts / self.shards) if self.expert_parallel else self.num_experts
+        # EPLB (``eplb_redundant_experts`` not None, EP only) spreads the experts and its
+        # redundant replicas evenly, and rebalances them to the measured load.
+        self.eplb = self.expert_parallel and eplb_redundant_experts is not None
+        physical = self.num_experts + (eplb_redundant_experts or 0) if self.eplb else self.num_experts
+        self.experts_per_gpu = math.ceil(physical / self.shards) if self.expert_parallel else self.num_experts
         # Bytes of each expert a GPU holds: whole with EP, a 1/(DP x TP) slice without.
         self.held_expert_bytes = self.expert_bytes if self.expert_parallel else self.expert_bytes / self.shards
         self.pair_flops = 2.0 * 3 * model.hidden_size * model.moe_intermediate_size * self.moe_layers
@@ -244,7 +254,11 @@ class MoEGroupCost:
     def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
         """(token, expert) pairs the most loaded GPU computes in one MoE layer: uniform
         routing's expected maximum, or with a MoE fit the mean times the fitted load factor
-        (capped at what the GPU could get)."""
+        (capped at what the GPU could get); with EPLB the mean, as its rebalancing leaves
+        every GPU the same load."""
+        if self.eplb:
+            return min(group_tokens * self.top_k / self.shards, float(group_tokens * min(self.top_k,
+                                                                                        self.experts_per_gpu)))
         if not self.expert_parallel:
             return group_tokens * self.top_k / self.shards * (self.imbalance if self.fitted else 1.0)
         if self.fitted:
@@ -395,7 +409,8 @@ def moe_dp_group(plan: Plan, efficiency: Efficiency) -> MoEDPGroup:
     moe = MoEGroupCost(plan.model, plan.gpu, tensor_parallel_size=eng.tensor_parallel_size,
                        data_parallel_size=eng.data_parallel_size, expert_parallel=eng.enable_expert_parallel,
                        efficiency=efficiency, collective=collective_for(eng.all2all_backend, eng.enable_expert_parallel),
-                       sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS)
+                       sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS,
+                       eplb_redundant_experts=eng.num_redundant_experts if eng.enable_eplb else None)
     scheduler = eng.scheduler
     max_graph_tokens = None if eng.enforce_eager else max_cudagraph_capture_tokens(
         scheduler.max_num_seqs, scheduler.max_num_batched_tokens, plan.gpu.compute_capability)

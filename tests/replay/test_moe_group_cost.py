@@ -347,3 +347,24 @@ def test_an_all_to_all_gpu_pays_the_per_token_time_on_the_copies_it_receives():
     # 9 tokens x 4 copies over 8 GPUs of 4 experts each: 4.5 pairs on the busiest, fewer than 9 tokens.
     pairs = 9 * MODEL.num_experts_per_token * (MODEL.num_experts // dp) / MODEL.num_experts
     assert part.fixed_s == pytest.approx(1e-11 * MODEL.hidden_size * pairs * MODEL.num_moe_layers, rel=1e-12)
+
+
+@pytest.mark.parametrize("fitted", [False, True])
+def test_eplb_holds_its_redundant_experts_and_evens_the_load(fitted):
+    """docs/clock.md#moe-under-data-parallelism, EPLB: (32 + 8) physical experts over 4 GPUs,
+    10 each read when touched, and the busiest GPU at the mean load whatever the fit's load
+    factor or uniform routing's tail."""
+    eff = Efficiency(moe_flops_fraction=0.5, moe_ep_imbalance=1.5) if fitted else EFF
+    dp, tokens = 4, [30, 50, 10, 70]
+    common = dict(tensor_parallel_size=1, data_parallel_size=dp, expert_parallel=True, efficiency=eff)
+    plain = MoEGroupCost(MODEL, GPU, **common)
+    eplb = MoEGroupCost(MODEL, GPU, **common, eplb_redundant_experts=8)
+    E, k, L, T = MODEL.num_experts, MODEL.num_experts_per_token, MODEL.num_moe_layers, sum(tokens)
+    assert eplb.experts_per_gpu == (E + 8) // dp == plain.experts_per_gpu + 2
+    assert eplb.pairs_on_busiest_gpu(T) == pytest.approx(T * k / dp, rel=1e-15)
+    assert plain.pairs_on_busiest_gpu(T) > eplb.pairs_on_busiest_gpu(T)
+    touched = 1 - (1 - k / E) ** T
+    assert eplb.weight_bytes(T) == pytest.approx((E + 8) // dp * touched * _expert_bytes() * L, rel=1e-12)
+    # EPLB without EP is no EPLB (vLLM refuses it; the planner first).
+    tp = MoEGroupCost(MODEL, GPU, **{**common, "expert_parallel": False}, eplb_redundant_experts=8)
+    assert not tp.eplb and tp.experts_per_gpu == E
