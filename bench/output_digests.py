@@ -35,8 +35,9 @@ from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIRS = [ROOT / "tests" / "golden" / "cases"]
 
-# Every bundled trace, the hybrid and offload layouts, speculative decoding and disaggregated
-# prefill/decode, each through the replay path.
+# Every bundled trace, the hybrid and offload layouts, speculative decoding, disaggregated
+# prefill/decode, pipeline stages and data-parallel MoE groups (sync and async, with and
+# without EP and EPLB), each through the replay path.
 REPLAYS: list[tuple[str, str, dict]] = [
     ("default", "default.toml", {}),
     ("mooncake-h100-overload", "mooncake-llama8b-h100-overload.toml", {}),
@@ -50,6 +51,15 @@ REPLAYS: list[tuple[str, str, dict]] = [
     ("offload-b200", "mooncake-llama8b-b200-offload.toml", {}),
     ("spec-eagle3", "mooncake-llama8b-h100-eagle3.toml", {}),
     ("pd-2p1d", "mooncake-llama8b-h100-pd.toml", {}),
+    ("llama8b-pp2", "mooncake-llama8b-h100-overload.toml", {"engine": {"pipeline_parallel_size": 2}}),
+    ("gpt-oss-20b-dp4-sync", "replay-gpt-oss-20b.toml",
+     {"engine": {"data_parallel_size": 4, "max_model_len": 32768, "async_scheduling": False}}),
+    ("gpt-oss-20b-dp4-ep-cadence", "replay-gpt-oss-20b.toml",
+     {"engine": {"data_parallel_size": 4, "enable_expert_parallel": True, "max_model_len": 32768,
+                 "prefill_schedule_interval": 2}}),
+    ("dsv3-dp16-ep-eplb", "mooncake-deepseek-v3-h200-dp16-ep.toml",
+     {"engine": {"enable_eplb": True, "num_redundant_experts": 32}}),
+    ("llama8b-cadence", "mooncake-llama8b-h100-overload.toml", {"engine": {"prefill_schedule_interval": 3}}),
 ]
 
 
