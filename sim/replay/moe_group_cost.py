@@ -74,7 +74,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtwin.sim.calibration.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import CollectiveCurve, DeepEPTable, Efficiency
 from kvtwin.sim.core.spec import KVCacheSpec
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.models import ModelPreset
@@ -99,6 +99,10 @@ BACKEND_COLLECTIVES = {
 # Backends whose EP group splits a rank's tokens over its TP GPUs (sequence-parallel MoE,
 # ``config/parallel.py:768-786``); the others dispatch every TP GPU's full copy.
 SEQUENCE_PARALLEL_BACKENDS = frozenset(BACKEND_COLLECTIVES) - {"moonep", "flashinfer_nvlink_two_sided"}
+
+
+# The DeepEP backends and the kernels of theirs the calibration's ``deepep`` tables measure.
+DEEPEP_BACKEND_MODES = {"deepep_low_latency": "low_latency", "deepep_high_throughput": "high_throughput"}
 
 
 def collective_for(backend: str, expert_parallel: bool) -> str:
@@ -147,7 +151,8 @@ class MoEGroupCost:
 
     def __init__(self, model: ModelPreset, gpu: GPUSpec, *, tensor_parallel_size: int, data_parallel_size: int,
                  expert_parallel: bool, efficiency: Efficiency = Efficiency(),
-                 collective: str = ALLGATHER_REDUCESCATTER, sequence_parallel: bool = True):
+                 collective: str = ALLGATHER_REDUCESCATTER, sequence_parallel: bool = True,
+                 deepep_mode: str | None = None):
         if not model.num_experts:
             raise ValueError(f"{model.name} has no routed experts")
         if collective not in (ALLGATHER_REDUCESCATTER, ALL_TO_ALL):
@@ -179,8 +184,39 @@ class MoEGroupCost:
             link = gpu.nic_bytes_per_s
         self.link_bytes_per_s = float(link) * efficiency.interconnect_fraction
         self.latency_s = float(efficiency.allreduce_latency_s)
-        self.curve = efficiency.allreduce_curve(self.collective_gpus) if self.shards <= GPUS_PER_NODE else None
+        within_node = self.shards <= GPUS_PER_NODE
+        n = self.collective_gpus
+        self.curve = efficiency.allreduce_curve(n) if within_node else None
         self.token_bytes = model.hidden_size * _ACTIVATION_BYTES
+        # The measured tables that price the collective, where the calibration has one
+        # for this group; else the all-reduce curve or the link (``pricing`` says which).
+        self.allgather: CollectiveCurve | None = None
+        self.reducescatter: CollectiveCurve | None = None
+        self.alltoall: CollectiveCurve | None = None
+        self.deepep: DeepEPTable | None = None
+        nodes = math.ceil(self.shards / GPUS_PER_NODE)
+        if collective == ALL_TO_ALL and deepep_mode is not None:
+            self.deepep = efficiency.deepep_table(deepep_mode, nodes)
+        if self.deepep is None and within_node and collective == ALL_TO_ALL:
+            self.alltoall = efficiency.collective_curve("alltoall", n)
+        if within_node and collective == ALLGATHER_REDUCESCATTER:
+            allgather, reducescatter = efficiency.collective_curve("allgather", n), \
+                efficiency.collective_curve("reducescatter", n)
+            if allgather is not None and reducescatter is not None:
+                self.allgather, self.reducescatter = allgather, reducescatter
+        if n <= 1:
+            self.pricing = "none (one GPU in the collective)"
+        elif self.deepep is not None:
+            self.pricing = f"measured DeepEP {deepep_mode} dispatch and combine ({nodes} node(s))"
+        elif self.allgather is not None:
+            self.pricing = f"measured NCCL all-gather and reduce-scatter ({n} GPUs)"
+        elif self.alltoall is not None:
+            self.pricing = f"measured NCCL all-to-all ({n} GPUs)"
+        elif self.curve is not None:
+            self.pricing = f"measured all-reduce of the same bytes ({n} GPUs)"
+        else:
+            self.pricing = (f"bandwidth model: {n} GPUs over {'the NIC' if not within_node else 'NVLink'} "
+                            f"({self.shards} GPUs in the group), no measured table")
 
     def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
         """(token, expert) pairs the most loaded GPU computes in one MoE layer."""
@@ -201,13 +237,25 @@ class MoEGroupCost:
         if n <= 1:
             return 0.0
         if self.collective == ALL_TO_ALL:
+            if self.deepep is not None:
+                # The table's model sends top_k x hidden values a token: another model's
+                # tokens count as the table's tokens of the same bytes.
+                tokens = max(rank_tokens) / self.token_split
+                equivalent = tokens * self.top_k * self.model.hidden_size / (self.deepep.top_k * self.deepep.hidden_size)
+                return self.deepep.seconds_for(equivalent) * self.moe_layers
             # The busiest GPU sends its tokens' top-k copies, (n-1)/n of them to other GPUs
             # (dispatch), and gets them back (combine): per GPU the bytes of one all-reduce
-            # of ``tokens x top_k`` hidden states, priced as that all-reduce.
+            # of ``tokens x top_k`` hidden states, priced as that all-reduce; nccl-tests'
+            # all-to-all of a send buffer that size where one is measured, once each way.
             message = max(rank_tokens) / self.token_split * self.top_k * self.token_bytes
+            if self.alltoall is not None:
+                return 2 * self.alltoall.seconds_for(message) * self.moe_layers
         else:
-            # Every GPU gathers all the group's hidden states and scatters the outputs back.
+            # Every GPU gathers all the group's hidden states and scatters the outputs back:
+            # the all-gather's output and the reduce-scatter's input are those bytes.
             message = sum(rank_tokens) * self.token_bytes
+            if self.allgather is not None and self.reducescatter is not None:
+                return (self.allgather.seconds_for(message) + self.reducescatter.seconds_for(message)) * self.moe_layers
         if self.curve is not None:
             per_layer = self.curve.seconds_for(message)
         else:
@@ -286,5 +334,6 @@ def moe_dp_group(plan: Plan, efficiency: Efficiency) -> MoEDPGroup:
     moe = MoEGroupCost(plan.model, plan.gpu, tensor_parallel_size=eng.tensor_parallel_size,
                        data_parallel_size=eng.data_parallel_size, expert_parallel=eng.enable_expert_parallel,
                        efficiency=efficiency, collective=collective_for(eng.all2all_backend, eng.enable_expert_parallel),
-                       sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS)
+                       sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS,
+                       deepep_mode=DEEPEP_BACKEND_MODES.get(eng.all2all_backend) if eng.enable_expert_parallel else None)
     return MoEDPGroup(rank_model, moe)
