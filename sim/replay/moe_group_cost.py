@@ -55,17 +55,25 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   included, so it is no difference between backends). The all-gather plus reduce-scatter
   of ``N`` bytes moves the bytes of one ring all-reduce of ``N`` (``2 (n-1)/n N`` per
   GPU); the all-to-all of the busiest rank's ``t`` tokens moves ``2 (n-1)/n t top_k x
-  hidden x 2`` per GPU, an all-reduce of ``N = t top_k x hidden x 2``. Either is priced as
-  its all-reduce: the calibration's measured curve for ``n`` GPUs where it has one
+  hidden x 2`` per GPU, an all-reduce of ``N = t top_k x hidden x 2``.
+* Pricing, from the calibration's measured tables where one fits the group (``pricing``
+  says which): DeepEP's backends from the ``deepep`` table of their kernel and node count
+  (``ceil(DP x TP / 8)``), one dispatch and one combine at the busiest rank's tokens
+  counted as the table model's tokens of the same bytes; the other all-to-alls from the
+  NCCL ``alltoall`` curve of ``n`` GPUs, two of a send buffer of ``N``; the gather from
+  the ``allgather`` and ``reducescatter`` curves of ``n`` GPUs, one of each at ``N`` (the
+  gathered output and the scattered input, nccl-tests' sizes). NCCL was measured within
+  one node: past it, and where no table fits, each is priced as its all-reduce as before
+  the tables: the measured all-reduce curve for ``n`` GPUs where there is one
   (``efficiency.allreduce_curve``), else those bytes over the link at
   ``interconnect_fraction`` plus ``allreduce_latency_s`` per collective.
 * Link: NVLink (``interconnect_bytes_per_s``) while the group's ``DP x TP`` GPUs fit one
   node, else the GPU preset's NIC (``nic_bytes_per_s``, the peer link where it has none).
   GPU presets do not say how many GPUs a node has: ``GPUS_PER_NODE`` (8) is assumed.
-* Not modelled: EPLB and redundant experts, the all-to-all kernels' own costs and their
-  dedup of a token's copies bound for one GPU or node, expert load
-  imbalance beyond uniform routing, overlap of the collective with compute (dual-batch
-  overlap), and any fit to measured all-to-all times (later calibration work).
+* Not modelled: EPLB and redundant experts, the all-to-all kernels of backends other than
+  DeepEP (priced as NCCL's) and, past the measured tables, the kernels' dedup of a token's
+  copies bound for one GPU or node, expert load imbalance beyond uniform routing, and
+  overlap of the collective with compute (dual-batch overlap).
 """
 
 from __future__ import annotations
