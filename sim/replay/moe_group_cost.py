@@ -248,9 +248,10 @@ class MoEGroupCost:
             if self.deepep is not None:
                 # The table's model sends top_k x hidden values a token: another model's
                 # tokens count as the table's tokens of the same bytes.
+                table = self.deepep
                 tokens = max(rank_tokens) / self.token_split
-                equivalent = tokens * self.top_k * self.model.hidden_size / (self.deepep.top_k * self.deepep.hidden_size)
-                return self.deepep.seconds_for(equivalent) * self.moe_layers
+                equivalent = tokens * self.top_k * self.model.hidden_size / (table.top_k * table.hidden_size)
+                return table.seconds_for(equivalent) * self.moe_layers
             # The busiest GPU sends its tokens' top-k copies, (n-1)/n of them to other GPUs
             # (dispatch), and gets them back (combine): per GPU the bytes of one all-reduce
             # of ``tokens x top_k`` hidden states, priced as that all-reduce; nccl-tests'
@@ -343,5 +344,6 @@ def moe_dp_group(plan: Plan, efficiency: Efficiency) -> MoEDPGroup:
                        data_parallel_size=eng.data_parallel_size, expert_parallel=eng.enable_expert_parallel,
                        efficiency=efficiency, collective=collective_for(eng.all2all_backend, eng.enable_expert_parallel),
                        sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS,
-                       deepep_mode=DEEPEP_BACKEND_MODES.get(eng.all2all_backend) if eng.enable_expert_parallel else None)
+                       deepep_mode=DEEPEP_BACKEND_MODES.get(eng.all2all_backend) if eng.enable_expert_parallel
+                       else None)
     return MoEDPGroup(rank_model, moe)

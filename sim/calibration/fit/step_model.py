@@ -39,7 +39,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvtwin.sim.replay.cost_model import StepCost, gemm_s
-from kvtwin.sim.calibration.efficiency import COLLECTIVE_OPS, SCALAR_EFFICIENCY_FIELDS, TABLE_EFFICIENCY_FIELDS, Efficiency
+from kvtwin.sim.calibration.efficiency import (COLLECTIVE_OPS, SCALAR_EFFICIENCY_FIELDS, TABLE_EFFICIENCY_FIELDS,
+                                                Efficiency)
 
 # Fitted columns, in the order of x above. The order also decides which of two
 # collinear columns the fit keeps (the earlier one).
