@@ -111,6 +111,8 @@ def replicas_line(row: dict, replicas) -> str | None:
         dummies = " / ".join(f"{r['dummy_steps']:,}" for r in per)
         line += (f"; in lockstep: {int(row['dp_group_steps']):,} group steps in {int(row['dp_waves']):,} waves, "
                  f"dummy batches {dummies}")
+        if not missing(row.get("moe_communication_pricing")):
+            line += f"; MoE collectives: {row['moe_communication_pricing']}"
     return line
 
 

@@ -223,8 +223,9 @@ class MoEGroupCost:
         elif self.curve is not None:
             self.pricing = f"measured all-reduce of the same bytes ({n} GPUs)"
         else:
-            self.pricing = (f"bandwidth model: {n} GPUs over {'the NIC' if not within_node else 'NVLink'} "
-                            f"({self.shards} GPUs in the group), no measured table")
+            group = f" ({self.shards} GPUs in the group)" if self.shards != n else ""
+            self.pricing = (f"bandwidth model: {n} GPUs over {'the NIC' if not within_node else 'NVLink'}{group}, "
+                            "no measured table")
 
     def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
         """(token, expert) pairs the most loaded GPU computes in one MoE layer."""

@@ -326,13 +326,14 @@ def test_dp1_is_never_below_the_ordinary_cost():
         assert group.step([own])[1] >= plain.split_step_cost(decodes, prefills).total_s * (1 - 1e-12)
 
 
-def _dp_replay(**engine):
+def _dp_replay(efficiency_edit=None, **engine):
     resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml",
                                 Overrides(limit=40, engine={"max_model_len": 32768, "async_scheduling": False,
                                                             "data_parallel_size": 4, **engine}))
     planned = resolved.plan()
+    efficiency = efficiency_edit(resolved.efficiency) if efficiency_edit else resolved.efficiency
     return run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
-                      efficiency=resolved.efficiency, slo=resolved.slo)
+                      efficiency=efficiency, slo=resolved.slo)
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +350,17 @@ def test_dp4_replays_carry_the_moe_collective_per_step(replays):
         assert (steps.column("communication_s").to_numpy()[ran] >= comm).all()
         share = result.summary.to_pylist()[0]["moe_communication_share"]
         assert 0 < share < 1
+
+
+def test_dp4_replays_name_what_priced_the_collective(replays):
+    """The bundled H100 file has NCCL curves for 4 GPUs: the gather is priced from them,
+    and without them from the all-reduce curve; the summary says which."""
+    for result in replays.values():
+        assert result.summary.to_pylist()[0]["moe_communication_pricing"] == \
+            "measured NCCL all-gather and reduce-scatter (4 GPUs)"
+    stripped = _dp_replay(_without_collectives, enable_expert_parallel=True)
+    assert stripped.summary.to_pylist()[0]["moe_communication_pricing"] == \
+        "measured all-reduce of the same bytes (4 GPUs)"
 
 
 def test_dp4_deepep_low_latency_moves_more_than_the_gather_for_gpt_oss_20b(replays):
