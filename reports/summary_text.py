@@ -112,6 +112,8 @@ def replicas_line(row: dict, replicas) -> str | None:
         line += (f"; in lockstep: {int(row['dp_group_steps']):,} group steps in {int(row['dp_waves']):,} waves, "
                  f"dummy batches {dummies}, MoE collectives {format_percent(row.get('moe_communication_share'))} "
                  f"of busy time")
+        if not missing(row.get("moe_communication_pricing")):
+            line += f" ({row['moe_communication_pricing']})"
     if len(per) > 1 and "kv_cache_usage_peak" in replicas.column_names:
         line += "; KV cache usage peak " + " / ".join(format_percent(r["kv_cache_usage_peak"], 0) for r in per)
     return line

@@ -7,7 +7,8 @@ bare git directories (no work tree needed):
 
 * ``ai-dynamo/aiconfigurator`` (Apache-2.0): per-op kernel timings collected
   with vLLM (GEMM, custom all-reduce, context / generation attention, fused MoE) and
-  with nccl-tests (NCCL all-reduce), under
+  with nccl-tests (NCCL all-reduce, all-gather, reduce-scatter, all-to-all), and
+  DeepEP dispatch/combine timed with SGLang's DeepEP benchmarks, under
   ``aic-core/src/aiconfigurator_core/systems/data/<system>/<family>/<backend>/<version>/``.
   Latencies there are milliseconds per single op call.
 * ``microsoft/vidur`` (MIT): per-layer operation profiles
@@ -87,6 +88,19 @@ AIC_SELECTION = {
         "nccl": "comm/nccl/2.27.3", "attention": "attention/vllm/0.24.0",
     },
 }
+
+# aiconfigurator's DeepEP tables (collected with SGLang's DeepEP benchmarks): per GPU
+# the "comm/sglang/<version>" folder. 0.5.6.post2 is the newest with several node counts
+# (1, 2, 4, 8 nodes of 8 GPUs) for H100/H200; B200 has 0.5.12, one node only.
+AIC_DEEPEP = {"h100": "comm/sglang/0.5.6.post2", "h200": "comm/sglang/0.5.6.post2", "b200": "comm/sglang/0.5.12"}
+# The one MoE shape measured at every node count (DeepSeek-V3's hidden size, top-k and
+# experts), and DeepEP's default SM budget (deep_ep.Buffer.num_sms, which vLLM keeps)
+# for the high-throughput ("normal") kernels swept over several budgets.
+DEEPEP_SHAPE = {"hidden_size": 7168, "num_topk": 8, "num_experts": 256}
+DEEPEP_SMS = 20
+# nccl-tests collectives taken besides the all-reduce (op_name -> file name part).
+COLLECTIVE_OPS = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "alltoall": "alltoall"}
+US = 1e-6  # microseconds -> seconds
 
 # GEMM (n, k) shapes kept: y[m, n] = x[m, k] @ W[n, k]^T.  aiconfigurator
 # sweeps a generic grid of n, k (32 ... 65536), so Llama-3.1 shapes that are
@@ -311,6 +325,58 @@ def extract_aic(gd: str, out: Out) -> None:
                      for r in rows if r["op_name"] == "all_reduce" and r["nccl_dtype"] == "half"]
         out.add_rows(f"allreduce_{gpu}.csv",
                      ["tp", "message_bytes", "latency_s", "implementation", "source"], out_rows)
+
+        # ---- NCCL all-gather, reduce-scatter, all-to-all (nccl-tests), from the same file
+        key = src("nccl", "nccl_perf.parquet", f"aic-{gpu}-nccl-collectives", rows,
+                  "nccl-tests all_gather_perf / reduce_scatter_perf / alltoall_perf (collector/network/"
+                  "collect_nccl.py: '-b size -e size', out-of-place time, column 5 of the result line), dtype half "
+                  "only (int8 dropped); message_size is the nccl-tests size in elements (the collector stores "
+                  "size // 2) -> bytes x2; nccl-tests' size is the whole buffer of one GPU: the all-gather's "
+                  "gathered output (each GPU contributes size/n), the reduce-scatter's input (each GPU keeps "
+                  "size/n), the all-to-all's send buffer (size/n to each GPU); latency ms -> s", "nccl")
+        out_rows = [[r["op_name"], r["num_gpus"], r["message_size"] * FP16_BYTES, fmt(r["latency"] * MS), key]
+                    for r in rows if r["op_name"] in COLLECTIVE_OPS and r["nccl_dtype"] == "half"]
+        out_rows.sort(key=lambda x: (x[0], x[1], x[2]))
+        out.add_rows(f"collectives_{gpu}.csv", ["op", "num_gpus", "message_bytes", "seconds", "source"],
+                     out_rows)
+
+        # ---- DeepEP dispatch / combine (SGLang's DeepEP benchmarks)
+        if gpu in AIC_DEEPEP:
+            out_rows = []
+            for mode, fname in (("ll", "wideep_deepep_ll_perf.parquet"),
+                                ("normal", "wideep_deepep_normal_perf.parquet")):
+                path = f"{base}/{AIC_DEEPEP[gpu]}/{fname}"
+                rows = read_parquet_rows(gd, path)
+                key = f"aic-{gpu}-deepep-{mode}"
+                out.add_source(key, repository=AIC_REPO, path=path, commit=commit,
+                               file_commit=last_change(gd, path), licence=AIC_LICENCE,
+                               engine=f"DeepEP via SGLang {'/'.join(sorted({str(r['version']) for r in rows}))}",
+                               gpu=sel["gpu"], device_string=sorted({r["device"] for r in rows})[0],
+                               notes=("DeepEP " + ("low-latency dispatch/combine (collector/wideep/sglang/"
+                                                   "collect_deepep_ll.py, deepep/test_low_latency.py): "
+                                                   "dispatch_avg_t_us, combine_avg_t_us"
+                                                   if mode == "ll" else
+                                                   "normal (high-throughput) dispatch/combine (collector/wideep/"
+                                                   "sglang/collect_deepep_normal.py, deepep/test_intranode.py and "
+                                                   f"test_internode.py): dispatch_sms = combine_sms = {DEEPEP_SMS} "
+                                                   "only (DeepEP's default), time = transmit_us + notify_us")
+                                      + "; num_token = tokens each rank dispatches; node_num = nodes of 8 GPUs; "
+                                        "hidden 7168, top-8, 256 experts only; us -> s"))
+                for r in rows:
+                    if any(r[k] != v for k, v in DEEPEP_SHAPE.items()):
+                        continue
+                    if mode == "ll":
+                        dispatch_us, combine_us = r["dispatch_avg_t_us"], r["combine_avg_t_us"]
+                    elif r["dispatch_sms"] != DEEPEP_SMS or r["combine_sms"] != DEEPEP_SMS:
+                        continue
+                    else:
+                        dispatch_us = r["dispatch_transmit_us"] + r["dispatch_notify_us"]
+                        combine_us = r["combine_transmit_us"] + r["combine_notify_us"]
+                    out_rows.append([mode, r["node_num"], r["num_token"], fmt(dispatch_us * US),
+                                     fmt(combine_us * US), key])
+            out_rows.sort(key=lambda x: (x[0], x[1], x[2]))
+            out.add_rows(f"deepep_{gpu}.csv", ["mode", "nodes", "tokens_per_rank", "dispatch_s", "combine_s",
+                                                "source"], out_rows)
 
         # ---- attention
         header = ["phase", "batch", "q_len", "past_len", "num_heads", "num_kv_heads", "head_dim",

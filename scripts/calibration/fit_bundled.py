@@ -23,6 +23,9 @@ as vLLM runs them):
   configurations at a time), and ``moe_ep_imbalance`` / ``moe_tp_imbalance`` from the
   ``power_law_1.01`` rows (``moe_kernels.fit_measured``); not in ``[error]``: DP MoE groups
   only;
+* NCCL all-gather, reduce-scatter and all-to-all -> one curve per op and GPU count, and
+  DeepEP's dispatch and combine -> one table per kernel and node count, for a DP group's
+  MoE collectives (held out: each inner point, predicted from its neighbours);
 * ``layer_fixed_s`` = every kernel floor of a layer (``kernels.layer_fixed_s``);
   ``step_gpu_fixed_s`` = three more (embedding, LM head, sampler).
 
@@ -50,6 +53,7 @@ import math
 import sys
 import tomllib
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +62,7 @@ import numpy as np
 from kvtwin.sim.planner.hardware import get_gpu
 from kvtwin.sim.calibration.fit.step_model import write_calibration
 from kvtwin.sim.replay.client_side import default_client_overhead
-from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.efficiency import AllReduceCurve, CollectiveCurve, DeepEPTable, Efficiency
 from kvtwin.sim.calibration.fit.moe_kernels import DEFAULT_SKEW, fit_measured
 from kvtwin.sim.calibration.fit.kernels import (allreduce_points, fit_attention, fit_decode_attention, fit_gemm,
                                           holdout_predictions, interpolate_s, layer_fixed_s, relative_errors)
@@ -219,10 +223,70 @@ def moe_line(gpu: str, moe) -> str:
             f"p90 {p90(moe.skew_errors):.1%} over {len(moe.skew_errors)} skewed layers)")
 
 
+def _leave_one_out(sizes: Sequence[float], times: Sequence[float]) -> list[float]:
+    """The relative error of each inner point of a curve, predicted from the others."""
+    s, t = np.array(sizes, dtype=float), np.array(times, dtype=float)
+    errors = []
+    for i in range(1, len(s) - 1):
+        keep = np.arange(len(s)) != i
+        errors.append(float(relative_errors(interpolate_s(s[keep], t[keep], s[i:i + 1]), t[i:i + 1])[0]))
+    return errors
+
+
+# collectives_<gpu>.csv op -> the Efficiency field of its curves.
+COLLECTIVE_FIELDS = {"all_gather": "allgather", "reduce_scatter": "reducescatter", "alltoall": "alltoall"}
+# deepep_<gpu>.csv mode -> DeepEPTable.mode; the one shape extract_measurements.py keeps.
+DEEPEP_MODES = {"ll": "low_latency", "normal": "high_throughput"}
+DEEPEP_HIDDEN_SIZE, DEEPEP_TOP_K = 7168, 8
+
+
+def fit_collectives(gpu: str) -> tuple[dict[str, tuple[CollectiveCurve, ...]], np.ndarray]:
+    """nccl-tests' all-gather, reduce-scatter and all-to-all: one curve per op and GPU
+    count (``allreduce_points``' rule), and the leave-one-out errors of all of them."""
+    path = MEASUREMENTS / f"collectives_{gpu}.csv"
+    if not path.exists():
+        return {}, np.zeros(0)
+    points = defaultdict(list)
+    for r in rows(path):
+        points[(r["op"], int(r["num_gpus"]))].append((r["message_bytes"], r["seconds"]))
+    curves: dict[str, list[CollectiveCurve]] = defaultdict(list)
+    errors: list[float] = []
+    for (op, num_gpus) in sorted(points):
+        sizes, times = allreduce_points(*zip(*points[(op, num_gpus)]))
+        if len(sizes) < 3:
+            continue
+        curves[COLLECTIVE_FIELDS[op]].append(CollectiveCurve(num_gpus, sizes, times))
+        errors += _leave_one_out(sizes, times)
+    return {op: tuple(c) for op, c in curves.items()}, np.array(errors)
+
+
+def fit_deepep(gpu: str) -> tuple[tuple[DeepEPTable, ...], np.ndarray]:
+    """DeepEP's dispatch and combine: one table per mode and node count, each time made
+    non-decreasing in tokens (as ``allreduce_points``), and the leave-one-out errors of
+    their sums."""
+    path = MEASUREMENTS / f"deepep_{gpu}.csv"
+    if not path.exists():
+        return (), np.zeros(0)
+    points = defaultdict(dict)
+    for r in rows(path):
+        points[(r["mode"], int(r["nodes"]))][float(r["tokens_per_rank"])] = (r["dispatch_s"], r["combine_s"])
+    tables, errors = [], []
+    for (mode, nodes) in sorted(points):
+        by_tokens = points[(mode, nodes)]
+        tokens = tuple(sorted(by_tokens))
+        dispatch = tuple(float(t) for t in np.maximum.accumulate([by_tokens[n][0] for n in tokens]))
+        combine = tuple(float(t) for t in np.maximum.accumulate([by_tokens[n][1] for n in tokens]))
+        tables.append(DeepEPTable(DEEPEP_MODES[mode], nodes, DEEPEP_HIDDEN_SIZE, DEEPEP_TOP_K, tokens, dispatch,
+                                  combine))
+        errors += _leave_one_out(tokens, [d + c for d, c in zip(dispatch, combine)])
+    return tuple(tables), np.array(errors)
+
+
 def sources_for(gpu: str) -> list[dict]:
     table = tomllib.loads((MEASUREMENTS / "SOURCES.toml").read_text())
     keys = set()
-    for name in (f"gemm_{gpu}.csv", f"attention_{gpu}.csv", f"allreduce_{gpu}.csv", f"moe_{gpu}.csv"):
+    for name in (f"gemm_{gpu}.csv", f"attention_{gpu}.csv", f"allreduce_{gpu}.csv", f"moe_{gpu}.csv",
+                 f"collectives_{gpu}.csv", f"deepep_{gpu}.csv"):
         if not (MEASUREMENTS / name).exists():
             continue
         keys |= {r["source"] for r in rows(MEASUREMENTS / name) if r["source"].startswith("aic-")}
@@ -249,6 +313,8 @@ def calibrate(gpu: str, write: bool) -> list[str]:
     attention, prefill_kernels, decode_attention, decode_kernels = fit_attention_rows(
         gpu, peak_flops, peak_bytes, gemm.hbm_bandwidth_fraction)
     curves, allreduce_errors = fit_allreduce(gpu)
+    collectives, collective_errors = fit_collectives(gpu)
+    deepep, deepep_errors = fit_deepep(gpu)
     fixed_s = layer_fixed_s(gemm.launch_s, attention.launch_s)
     moe = fit_moe_layers(gpu, peak_flops, peak_bytes)
     client = default_client_overhead()
@@ -260,7 +326,8 @@ def calibrate(gpu: str, write: bool) -> list[str]:
                             hbm_bandwidth_fraction=round(gemm.hbm_bandwidth_fraction, 4),
                             decode_attention_s_per_head=float(f"{decode_attention.seconds_per_head:.4g}"),
                             layer_fixed_s=round(fixed_s, 9), step_gpu_fixed_s=round(STEP_KERNELS * gemm.launch_s, 9),
-                            client_overhead_s=client.seconds, allreduce=curves, **moe_fields(moe))
+                            client_overhead_s=client.seconds, allreduce=curves, **collectives, deepep=deepep,
+                            **moe_fields(moe))
     gemm_errors = relative_errors(gemm_kernels.held_out_s, gemm_kernels.measured_s)
     context_errors = prefill_kernels.errors("prefill step")
     generation_errors = decode_kernels.errors("decode step")
@@ -280,6 +347,14 @@ def calibrate(gpu: str, write: bool) -> list[str]:
         f"{gpu}: all-reduce curves for TP {', '.join(str(c.tensor_parallel_size) for c in curves)} "
         f"(leave-one-out median {np.median(allreduce_errors):.1%}, p90 {p90(allreduce_errors):.1%})",
         *([moe_line(gpu, moe)] if moe is not None else []),
+        *([f"{gpu}: NCCL collective curves: " + "; ".join(
+            f"{op} for {', '.join(str(c.num_gpus) for c in collectives[op])} GPUs" for op in collectives)
+           + f" (leave-one-out median {np.median(collective_errors):.1%}, p90 {p90(collective_errors):.1%})"]
+          if collectives else []),
+        *([f"{gpu}: DeepEP dispatch+combine tables: " + "; ".join(
+            f"{t.mode} {t.nodes} node(s)" for t in deepep)
+           + f" (leave-one-out median {np.median(deepep_errors):.1%}, p90 {p90(deepep_errors):.1%})"]
+          if deepep else []),
         f"{gpu}: layer_fixed_s {fixed_s * 1e6:.1f} us (9 kernel floors at {gemm.launch_s * 1e6:.2f} us and the "
         f"attention's), step_gpu_fixed_s {STEP_KERNELS * gemm.launch_s * 1e6:.1f} us",
         f"{gpu}: held-out p90: prefill_step {errors['prefill_step']:.1%} ({len(prefill)} kernels), "

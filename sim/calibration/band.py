@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 
 from kvtwin.sim.calibration.file import BANDED_FIGURES, UNCALIBRATED, Calibration
-from kvtwin.sim.calibration.efficiency import AllReduceCurve, Efficiency
+from kvtwin.sim.calibration.efficiency import COLLECTIVE_OPS, AllReduceCurve, Efficiency
 
 
 def uncalibrated_line(note: str, *, slow_edge: bool = False) -> str:
@@ -111,6 +111,13 @@ def pessimistic(efficiency: Efficiency, error: float) -> Efficiency:
         if f.name == "allreduce":
             scaled[f.name] = tuple(AllReduceCurve(c.tensor_parallel_size, c.message_bytes,
                                                   tuple(t * factor for t in c.seconds)) for c in value)
+        elif f.name in COLLECTIVE_OPS:
+            scaled[f.name] = tuple(dataclasses.replace(c, seconds=tuple(t * factor for t in c.seconds))
+                                   for c in value)
+        elif f.name == "deepep":
+            scaled[f.name] = tuple(dataclasses.replace(c, dispatch_s=tuple(t * factor for t in c.dispatch_s),
+                                                       combine_s=tuple(t * factor for t in c.combine_s))
+                                   for c in value)
         elif f.name.endswith("_fraction"):
             scaled[f.name] = value / factor
         elif not f.name.endswith(("_tokens", "_imbalance")) and f.name != "client_overhead_s":

@@ -67,8 +67,16 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   included, so it is no difference between backends). The all-gather plus reduce-scatter
   of ``N`` bytes moves the bytes of one ring all-reduce of ``N`` (``2 (n-1)/n N`` per
   GPU); the all-to-all of the busiest rank's ``t`` tokens moves ``2 (n-1)/n t top_k x
-  hidden x 2`` per GPU, an all-reduce of ``N = t top_k x hidden x 2``. Either is priced as
-  its all-reduce: the calibration's measured curve for ``n`` GPUs where it has one
+  hidden x 2`` per GPU, an all-reduce of ``N = t top_k x hidden x 2``.
+* Pricing, from the calibration's measured tables where one fits the group (``pricing``
+  says which): DeepEP's backends from the ``deepep`` table of their kernel and node count
+  (``ceil(DP x TP / 8)``), one dispatch and one combine at the busiest rank's tokens
+  counted as the table model's tokens of the same bytes; the other all-to-alls from the
+  NCCL ``alltoall`` curve of ``n`` GPUs, two of a send buffer of ``N``; the gather from
+  the ``allgather`` and ``reducescatter`` curves of ``n`` GPUs, one of each at ``N`` (the
+  gathered output and the scattered input, nccl-tests' sizes). NCCL was measured within
+  one node: past it, and where no table fits, each is priced as its all-reduce as before
+  the tables: the measured all-reduce curve for ``n`` GPUs where there is one
   (``efficiency.allreduce_curve``), else those bytes over the link at
   ``interconnect_fraction`` plus ``allreduce_latency_s`` per collective.
 * Link: NVLink (``interconnect_bytes_per_s``) while the group's ``DP x TP`` GPUs fit one
@@ -79,10 +87,10 @@ Assumptions, each documented in docs/clock.md#moe-under-data-parallelism:
   EPLB's rebalancing (every 3000 steps, on the last 1000 steps' loads) had evened it out
   from the start: its first interval and its residual imbalance are not priced, nor the
   moves of expert weights between GPUs.
-* Not modelled: the all-to-all kernels' own costs and their
-  dedup of a token's copies bound for one GPU or node, skew beyond uniform routing without
-  a MoE fit, overlap of the collective with compute (dual-batch overlap), and any fit to
-  measured all-to-all times.
+* Not modelled: the all-to-all kernels of backends other than DeepEP (priced as NCCL's)
+  and, past the measured tables, the kernels' dedup of a token's copies bound for one GPU
+  or node, skew beyond uniform routing without a MoE fit, and overlap of the collective
+  with compute (dual-batch overlap).
 """
 
 from __future__ import annotations
@@ -91,7 +99,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtwin.sim.calibration.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import CollectiveCurve, DeepEPTable, Efficiency
 from kvtwin.sim.core.spec import KVCacheSpec
 from kvtwin.sim.planner.hardware import GPUSpec
 from kvtwin.sim.planner.models import ModelPreset
@@ -116,6 +124,10 @@ BACKEND_COLLECTIVES = {
 # Backends whose EP group splits a rank's tokens over its TP GPUs (sequence-parallel MoE,
 # ``config/parallel.py:768-786``); the others dispatch every TP GPU's full copy.
 SEQUENCE_PARALLEL_BACKENDS = frozenset(BACKEND_COLLECTIVES) - {"moonep", "flashinfer_nvlink_two_sided"}
+
+
+# The DeepEP backends and the kernels of theirs the calibration's ``deepep`` tables measure.
+DEEPEP_BACKEND_MODES = {"deepep_low_latency": "low_latency", "deepep_high_throughput": "high_throughput"}
 
 
 def collective_for(backend: str, expert_parallel: bool) -> str:
@@ -202,7 +214,7 @@ class MoEGroupCost:
     def __init__(self, model: ModelPreset, gpu: GPUSpec, *, tensor_parallel_size: int, data_parallel_size: int,
                  expert_parallel: bool, efficiency: Efficiency = Efficiency(),
                  collective: str = ALLGATHER_REDUCESCATTER, sequence_parallel: bool = True,
-                 eplb_redundant_experts: int | None = None):
+                 eplb_redundant_experts: int | None = None, deepep_mode: str | None = None):
         if not model.num_experts:
             raise ValueError(f"{model.name} has no routed experts")
         if collective not in (ALLGATHER_REDUCESCATTER, ALL_TO_ALL):
@@ -248,8 +260,40 @@ class MoEGroupCost:
             link = gpu.nic_bytes_per_s
         self.link_bytes_per_s = float(link) * efficiency.interconnect_fraction
         self.latency_s = float(efficiency.allreduce_latency_s)
-        self.curve = efficiency.allreduce_curve(self.collective_gpus) if self.shards <= GPUS_PER_NODE else None
+        within_node = self.shards <= GPUS_PER_NODE
+        n = self.collective_gpus
+        self.curve = efficiency.allreduce_curve(n) if within_node else None
         self.token_bytes = model.hidden_size * _ACTIVATION_BYTES
+        # The measured tables that price the collective, where the calibration has one
+        # for this group; else the all-reduce curve or the link (``pricing`` says which).
+        self.allgather: CollectiveCurve | None = None
+        self.reducescatter: CollectiveCurve | None = None
+        self.alltoall: CollectiveCurve | None = None
+        self.deepep: DeepEPTable | None = None
+        nodes = math.ceil(self.shards / GPUS_PER_NODE)
+        if collective == ALL_TO_ALL and deepep_mode is not None:
+            self.deepep = efficiency.deepep_table(deepep_mode, nodes)
+        if self.deepep is None and within_node and collective == ALL_TO_ALL:
+            self.alltoall = efficiency.collective_curve("alltoall", n)
+        if within_node and collective == ALLGATHER_REDUCESCATTER:
+            allgather, reducescatter = efficiency.collective_curve("allgather", n), \
+                efficiency.collective_curve("reducescatter", n)
+            if allgather is not None and reducescatter is not None:
+                self.allgather, self.reducescatter = allgather, reducescatter
+        if n <= 1:
+            self.pricing = "none (one GPU in the collective)"
+        elif self.deepep is not None:
+            self.pricing = f"measured DeepEP {deepep_mode} dispatch and combine ({nodes} node(s))"
+        elif self.allgather is not None:
+            self.pricing = f"measured NCCL all-gather and reduce-scatter ({n} GPUs)"
+        elif self.alltoall is not None:
+            self.pricing = f"measured NCCL all-to-all ({n} GPUs)"
+        elif self.curve is not None:
+            self.pricing = f"measured all-reduce of the same bytes ({n} GPUs)"
+        else:
+            group = f" ({self.shards} GPUs in the group)" if self.shards != n else ""
+            self.pricing = (f"bandwidth model: {n} GPUs over {'the NIC' if not within_node else 'NVLink'}{group}, "
+                            "no measured table")
 
     def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
         """(token, expert) pairs the most loaded GPU computes in one MoE layer: uniform
@@ -279,13 +323,26 @@ class MoEGroupCost:
         if n <= 1:
             return 0.0
         if self.collective == ALL_TO_ALL:
+            if self.deepep is not None:
+                # The table's model sends top_k x hidden values a token: another model's
+                # tokens count as the table's tokens of the same bytes.
+                table = self.deepep
+                tokens = max(rank_tokens) / self.token_split
+                equivalent = tokens * self.top_k * self.model.hidden_size / (table.top_k * table.hidden_size)
+                return table.seconds_for(equivalent) * self.moe_layers
             # The busiest GPU sends its tokens' top-k copies, (n-1)/n of them to other GPUs
             # (dispatch), and gets them back (combine): per GPU the bytes of one all-reduce
-            # of ``tokens x top_k`` hidden states, priced as that all-reduce.
+            # of ``tokens x top_k`` hidden states, priced as that all-reduce; nccl-tests'
+            # all-to-all of a send buffer that size where one is measured, once each way.
             message = max(rank_tokens) / self.token_split * self.top_k * self.token_bytes
+            if self.alltoall is not None:
+                return 2 * self.alltoall.seconds_for(message) * self.moe_layers
         else:
-            # Every GPU gathers all the group's hidden states and scatters the outputs back.
+            # Every GPU gathers all the group's hidden states and scatters the outputs back:
+            # the all-gather's output and the reduce-scatter's input are those bytes.
             message = sum(rank_tokens) * self.token_bytes
+            if self.allgather is not None and self.reducescatter is not None:
+                return (self.allgather.seconds_for(message) + self.reducescatter.seconds_for(message)) * self.moe_layers
         if self.curve is not None:
             per_layer = self.curve.seconds_for(message)
         else:
@@ -410,7 +467,9 @@ def moe_dp_group(plan: Plan, efficiency: Efficiency) -> MoEDPGroup:
                        data_parallel_size=eng.data_parallel_size, expert_parallel=eng.enable_expert_parallel,
                        efficiency=efficiency, collective=collective_for(eng.all2all_backend, eng.enable_expert_parallel),
                        sequence_parallel=eng.all2all_backend in SEQUENCE_PARALLEL_BACKENDS,
-                       eplb_redundant_experts=eng.num_redundant_experts if eng.enable_eplb else None)
+                       eplb_redundant_experts=eng.num_redundant_experts if eng.enable_eplb else None,
+                       deepep_mode=DEEPEP_BACKEND_MODES.get(eng.all2all_backend) if eng.enable_expert_parallel
+                       else None)
     scheduler = eng.scheduler
     max_graph_tokens = None if eng.enforce_eager else max_cudagraph_capture_tokens(
         scheduler.max_num_seqs, scheduler.max_num_batched_tokens, plan.gpu.compute_capability)

@@ -108,12 +108,14 @@ BAND = ColumnSet(
 # A data-parallel group that steps together (docs/semantics.md#data-parallel-lockstep): its
 # steps, its waves, and the dummy batches its ranks ran (each rank's in replicas.parquet);
 # priced by a cost model, each step's MoE collectives and their share of the group's busy
-# time (docs/clock.md#moe-under-data-parallelism).
+# time, and which measured table (or the bandwidth model) priced them
+# (docs/clock.md#moe-under-data-parallelism).
 DATA_PARALLEL = ColumnSet(
     "data_parallel",
     steps=("moe_communication_s",),
-    summary={"dp_group_steps": _INT, "dp_waves": _INT, "dummy_steps": _INT, "moe_communication_share": _FLOAT},
-    optional=frozenset({"moe_communication_share"}),
+    summary={"dp_group_steps": _INT, "dp_waves": _INT, "dummy_steps": _INT, "moe_communication_share": _FLOAT,
+             "moe_communication_pricing": _STRING},
+    optional=frozenset({"moe_communication_share", "moe_communication_pricing"}),
 )
 
 # In the order their columns follow the base columns of each table.

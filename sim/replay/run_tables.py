@@ -85,6 +85,8 @@ def run_tables(metrics: MetricsRecorder, end_s: float, settings: RunSettings) ->
     if group is not None:
         features[DATA_PARALLEL.feature] = {"dp_group_steps": group.group_steps, "dp_waves": group.waves,
                                            "dummy_steps": sum(group.dummy_steps), **moe_communication_share(steps)}
+        if group.settings.moe is not None:
+            features[DATA_PARALLEL.feature]["moe_communication_pricing"] = group.settings.moe.moe.pricing
         replicas = replicas.append_column("dummy_steps", pa.array(group.dummy_steps, pa.int64()))
     summary = pa.Table.from_pylist([assemble("summary", base, features)])
     return RunTables(requests, steps, summary, replicas)

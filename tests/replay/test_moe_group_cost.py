@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtwin.sim.calibration.efficiency import Efficiency
+from kvtwin.sim.calibration.efficiency import CollectiveCurve, DeepEPTable, Efficiency
 from kvtwin.sim.planner.hardware import GPU_PRESETS
 from kvtwin.sim.planner.models import MODEL_PRESETS
 from kvtwin.sim.replay.cost_model import CostModel
@@ -137,14 +137,114 @@ def test_deepseek_v3_dp16_all_to_all_moves_half_the_gather_over_the_nic():
     assert a2a.communication_s(tokens) == pytest.approx(_link_seconds(800 * h * 2, dp, nic) * L, rel=1e-12)
 
 
-def test_a_measured_curve_prices_the_all_to_all_at_its_all_reduce_size():
+def _without_collectives(efficiency: Efficiency) -> Efficiency:
+    return dataclasses.replace(efficiency, allgather=(), reducescatter=(), alltoall=(), deepep=())
+
+
+def test_without_collective_curves_the_all_reduce_curve_prices_both_shapes():
+    """A calibration without the collective keys prices as before they existed: each shape
+    as the measured all-reduce of its message (docs/clock.md#moe-under-data-parallelism)."""
     resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml", Overrides(limit=1))
-    curve = resolved.efficiency.allreduce_curve(4)
+    efficiency = _without_collectives(resolved.efficiency)
+    curve = efficiency.allreduce_curve(4)
     assert curve is not None
-    a2a = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=4, expert_parallel=True,
-                       efficiency=resolved.efficiency, collective=ALL_TO_ALL)
     h, L = MODEL.hidden_size, MODEL.num_moe_layers
-    assert a2a.communication_s([300, 20, 1, 1]) == pytest.approx(curve.seconds_for(300 * 4 * h * 2) * L, rel=1e-12)
+    for collective, message in ((ALL_TO_ALL, 300 * 4 * h * 2), (ALLGATHER_REDUCESCATTER, 322 * h * 2)):
+        cost = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=4, expert_parallel=True,
+                            efficiency=efficiency, collective=collective, deepep_mode="low_latency")
+        assert cost.communication_s([300, 20, 1, 1]) == curve.seconds_for(message) * L
+        assert cost.pricing == "measured all-reduce of the same bytes (4 GPUs)"
+
+
+# Hand-made tables: two points each, so every lookup below is one line of arithmetic.
+AG4 = CollectiveCurve(4, (1e3, 1e7), (1e-5, 1e-3))
+RS4 = CollectiveCurve(4, (1e3, 1e7), (2e-5, 3e-3))
+A2A4 = CollectiveCurve(4, (1e3, 1e7), (4e-5, 5e-3))
+LL1 = DeepEPTable("low_latency", 1, 7168, 8, (1.0, 128.0), (1e-5, 4e-5), (1e-5, 7e-5))
+HT1 = DeepEPTable("high_throughput", 1, 7168, 8, (1.0, 128.0), (3e-5, 5e-5), (5e-5, 9e-5))
+LL2 = DeepEPTable("low_latency", 2, 7168, 8, (1.0, 128.0), (2e-5, 1e-4), (3e-5, 2e-4))
+TABLES = Efficiency(matmul_half_tokens=0.0, allgather=(AG4,), reducescatter=(RS4,), alltoall=(A2A4,),
+                    deepep=(LL1, HT1, LL2))
+
+
+def _line(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def test_the_gather_is_an_all_gather_and_a_reduce_scatter_of_the_groups_tokens():
+    """DP 4: 100 + 50 + 30 + 20 tokens of 2,880 bf16 values; nccl-tests' all-gather output
+    and reduce-scatter input are all of them, 1,152,000 bytes."""
+    cost = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=4, expert_parallel=True,
+                        efficiency=TABLES)
+    message = 1_152_000
+    assert message == 200 * MODEL.hidden_size * 2
+    per_layer = _line(1e3, 1e-5, 1e7, 1e-3, message) + _line(1e3, 2e-5, 1e7, 3e-3, message)
+    assert cost.communication_s([100, 50, 30, 20]) == pytest.approx(per_layer * MODEL.num_moe_layers, rel=1e-12)
+    assert cost.pricing == "measured NCCL all-gather and reduce-scatter (4 GPUs)"
+    # Without EP every backend gathers, and the same curves price it.
+    no_ep = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=4, expert_parallel=False,
+                         efficiency=TABLES)
+    assert no_ep.communication_s([100, 50, 30, 20]) == cost.communication_s([100, 50, 30, 20])
+
+
+def test_an_all_to_all_backend_sends_the_busiest_ranks_copies_each_way():
+    """nixl_ep at DP 4: the busiest rank's 100 tokens x top-4 x 2,880 x 2 bytes is its
+    send buffer, 2,304,000 bytes, once to dispatch and once to combine."""
+    cost = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=4, expert_parallel=True,
+                        efficiency=TABLES, collective=ALL_TO_ALL)
+    message = 100 * 4 * 2880 * 2
+    per_layer = 2 * _line(1e3, 4e-5, 1e7, 5e-3, message)
+    assert cost.communication_s([100, 50, 30, 20]) == pytest.approx(per_layer * MODEL.num_moe_layers, rel=1e-12)
+    assert cost.pricing == "measured NCCL all-to-all (4 GPUs)"
+
+
+@pytest.mark.parametrize("mode, dispatch, combine", [
+    ("low_latency", (1e-5, 4e-5), (1e-5, 7e-5)), ("high_throughput", (3e-5, 5e-5), (5e-5, 9e-5))])
+def test_deepep_prices_the_table_tokens_of_the_same_bytes(mode, dispatch, combine):
+    """gpt-oss-20b sends 4 x 2,880 values a token, the table's model 8 x 7,168: the
+    busiest rank's 100 tokens are 100 x 11,520 / 57,344 of the table's tokens."""
+    cost = MoEGroupCost(MODEL, GPU, tensor_parallel_size=1, data_parallel_size=4, expert_parallel=True,
+                        efficiency=TABLES, collective=ALL_TO_ALL, deepep_mode=mode)
+    tokens = 100 * 4 * 2880 / (8 * 7168)
+    per_layer = _line(1, dispatch[0], 128, dispatch[1], tokens) + _line(1, combine[0], 128, combine[1], tokens)
+    assert cost.communication_s([100, 50, 30, 20]) == pytest.approx(per_layer * MODEL.num_moe_layers, rel=1e-12)
+    assert cost.deepep.mode == mode and cost.deepep.nodes == 1
+
+
+def test_deepep_picks_the_table_of_the_groups_node_count_and_else_the_link():
+    """DP 16 spans 2 nodes of 8: the 2-node table; DP 24 (3 nodes) has none, nor has the
+    NCCL all-to-all past one node: the bandwidth model over the NIC, and ``pricing`` says so."""
+    gpu = GPU_PRESETS["h200"]
+    two = MoEGroupCost(MODEL, gpu, tensor_parallel_size=1, data_parallel_size=16, expert_parallel=True,
+                       efficiency=TABLES, collective=ALL_TO_ALL, deepep_mode="low_latency")
+    assert two.deepep is LL2
+    tokens = 10 * 4 * 2880 / (8 * 7168)
+    assert two.communication_s([10] * 16) == pytest.approx(
+        (_line(1, 2e-5, 128, 1e-4, tokens) + _line(1, 3e-5, 128, 2e-4, tokens)) * MODEL.num_moe_layers, rel=1e-12)
+    # One token a rank is 0.2 of the table's: below it, its smallest row (the latency floor).
+    assert two.communication_s([1] * 16) == pytest.approx((2e-5 + 3e-5) * MODEL.num_moe_layers, rel=1e-12)
+    three = MoEGroupCost(MODEL, gpu, tensor_parallel_size=1, data_parallel_size=24, expert_parallel=True,
+                         efficiency=TABLES, collective=ALL_TO_ALL, deepep_mode="low_latency")
+    plain = MoEGroupCost(MODEL, gpu, tensor_parallel_size=1, data_parallel_size=24, expert_parallel=True,
+                         efficiency=EFF, collective=ALL_TO_ALL)
+    assert three.deepep is None and three.alltoall is None
+    assert three.communication_s([10] * 24) == plain.communication_s([10] * 24)
+    assert three.pricing.startswith("bandwidth model: 24 GPUs over the NIC")
+    # The gather past one node: no NCCL curve was measured over the NIC.
+    wide = MoEGroupCost(MODEL, gpu, tensor_parallel_size=1, data_parallel_size=16, expert_parallel=True,
+                        efficiency=TABLES)
+    assert wide.allgather is None and wide.pricing.startswith("bandwidth model")
+
+
+@pytest.mark.parametrize("backend, picks", [
+    ("allgather_reducescatter", "allgather"), ("deepep_low_latency", "deepep"), ("deepep_high_throughput", "deepep"),
+    ("mori_low_latency", "alltoall"), ("nixl_ep", "alltoall"), ("deepep_v2", "alltoall")])
+def test_each_backend_picks_its_table_from_the_bundled_h100_file(backend, picks):
+    group = _group_for(backend)
+    found = {name: getattr(group, name) is not None for name in ("allgather", "alltoall", "deepep")}
+    assert found == {name: name == picks for name in found}
+    if picks == "deepep":
+        assert group.deepep.mode == backend.removeprefix("deepep_")
 
 
 def _group_for(backend: str, *, ep: bool = True, tp: int = 1, dp: int = 4):
@@ -226,12 +326,14 @@ def test_dp1_is_never_below_the_ordinary_cost():
         assert group.step([own])[1] >= plain.split_step_cost(decodes, prefills).total_s * (1 - 1e-12)
 
 
-def _dp_replay(moe_fit: bool = True, **engine):
+def _dp_replay(efficiency_edit=None, moe_fit: bool = True, **engine):
     resolved = resolve_scenario(REPO / "scenarios" / "replay-gpt-oss-20b.toml",
                                 Overrides(limit=40, engine={"max_model_len": 32768, "async_scheduling": False,
                                                             "data_parallel_size": 4, **engine}))
     planned = resolved.plan()
-    efficiency = resolved.efficiency if moe_fit else dataclasses.replace(resolved.efficiency, moe_flops_fraction=0.0)
+    efficiency = efficiency_edit(resolved.efficiency) if efficiency_edit else resolved.efficiency
+    if not moe_fit:
+        efficiency = dataclasses.replace(efficiency, moe_flops_fraction=0.0)
     return run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
                       efficiency=efficiency, slo=resolved.slo)
 
@@ -250,6 +352,17 @@ def test_dp4_replays_carry_the_moe_collective_per_step(replays):
         assert (steps.column("communication_s").to_numpy()[ran] >= comm).all()
         share = result.summary.to_pylist()[0]["moe_communication_share"]
         assert 0 < share < 1
+
+
+def test_dp4_replays_name_what_priced_the_collective(replays):
+    """The bundled H100 file has NCCL curves for 4 GPUs: the gather is priced from them,
+    and without them from the all-reduce curve; the summary says which."""
+    for result in replays.values():
+        assert result.summary.to_pylist()[0]["moe_communication_pricing"] == \
+            "measured NCCL all-gather and reduce-scatter (4 GPUs)"
+    stripped = _dp_replay(_without_collectives, enable_expert_parallel=True)
+    assert stripped.summary.to_pylist()[0]["moe_communication_pricing"] == \
+        "measured all-reduce of the same bytes (4 GPUs)"
 
 
 def test_dp4_deepep_low_latency_moves_more_than_the_gather_for_gpt_oss_20b(replays):

@@ -208,8 +208,9 @@ EXEMPT = {
     # recounts them from the group's step rows and works them out by hand.
     "dp_group_steps", "dp_waves", "dummy_steps",
     # A DP MoE group's collective seconds: tests/replay/test_moe_group_cost.py prices them by
-    # hand and checks the replay's step rows and share carry them.
-    "moe_communication_s", "moe_communication_share",
+    # hand and checks the replay's step rows and share carry them, and which table priced
+    # them (moe_communication_pricing).
+    "moe_communication_s", "moe_communication_share", "moe_communication_pricing",
 }
 CLIENT_ORACLE = {"ttft_client_s", "e2el_client_s", "client_overhead_ms",
                  *(f"{s}_{m}_client_ms" for m in ("ttft", "e2el") for s in ("mean", "median", "p90", "p99"))}

@@ -39,7 +39,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvtwin.sim.replay.cost_model import StepCost, gemm_s
-from kvtwin.sim.calibration.efficiency import SCALAR_EFFICIENCY_FIELDS, Efficiency
+from kvtwin.sim.calibration.efficiency import (COLLECTIVE_OPS, SCALAR_EFFICIENCY_FIELDS, TABLE_EFFICIENCY_FIELDS,
+                                                Efficiency)
 
 # Fitted columns, in the order of x above. The order also decides which of two
 # collinear columns the fit keeps (the earlier one).
@@ -413,12 +414,25 @@ def calibration_text(fit_or_efficiency: Fit | Efficiency, *, comment_lines: Iter
         text += "\n"
     text += "[cost_model]\n"
     text += "".join(f"{name} = {_toml_float(getattr(efficiency, name))}\n" for name in SCALAR_EFFICIENCY_FIELDS)
-    if not efficiency.allreduce:
-        text += "allreduce = []\n"  # written, so that no base's curves leak into a load
+    # An empty list is written, so that no base's curves leak into a load; before any
+    # [[...]] table, which would take it in.
+    for name in TABLE_EFFICIENCY_FIELDS:
+        if not getattr(efficiency, name):
+            text += f"{name} = []\n"
     for curve in efficiency.allreduce:
         text += (f"\n[[cost_model.allreduce]]\ntensor_parallel_size = {curve.tensor_parallel_size}\n"
                  f"message_bytes = [{', '.join(_toml_float(b) for b in curve.message_bytes)}]\n"
                  f"seconds = [{', '.join(_toml_float(t) for t in curve.seconds)}]\n")
+    for op in COLLECTIVE_OPS:
+        for c in getattr(efficiency, op):
+            text += (f"\n[[cost_model.{op}]]\nnum_gpus = {c.num_gpus}\n"
+                     f"message_bytes = [{', '.join(_toml_float(b) for b in c.message_bytes)}]\n"
+                     f"seconds = [{', '.join(_toml_float(t) for t in c.seconds)}]\n")
+    for table in efficiency.deepep:
+        text += (f"\n[[cost_model.deepep]]\nmode = {_toml_string(table.mode)}\nnodes = {table.nodes}\n"
+                 f"hidden_size = {table.hidden_size}\ntop_k = {table.top_k}\n"
+                 + "".join(f"{name} = [{', '.join(_toml_float(v) for v in getattr(table, name))}]\n"
+                           for name in ("tokens_per_rank", "dispatch_s", "combine_s")))
     finite = {kind: value for kind, value in (errors or {}).items() if math.isfinite(value)}
     if finite:
         text += "\n[error]  # p90 absolute relative error on a held-out fold\n"
