@@ -161,7 +161,7 @@ def gemm_s(eff: Efficiency, flops_per_s: float, body_flops: float, num_tokens: i
                    head_flops, num_requests)
 
 
-def gemm_fraction(fraction: float, half_tokens: float, rows: int) -> float:
+def gemm_fraction(fraction: float, half_tokens: float, rows: float) -> float:
     """The fraction of peak FLOP/s a GEMM of ``rows`` rows (tokens) reaches: ``fraction``
     (``matmul_flops_fraction``) for a large one, half of it at ``half_tokens`` rows
     (``matmul_half_tokens``; 0 means no ramp)."""
