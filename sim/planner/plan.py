@@ -77,8 +77,18 @@ def _layer_name(index: int) -> str:
     return f"layers.{index}"
 
 
+_INDEXER_SUFFIX = ".indexer"
+
+
 def _indexer_layer_name(index: int) -> str:
-    return f"layers.{index}.indexer"
+    return f"layers.{index}{_INDEXER_SUFFIX}"
+
+
+def is_indexer_layer(name: str) -> bool:
+    """Whether the cached layer ``name`` is a sparse-attention indexer's keys (``indexer_spec``)
+    rather than an attention layer: the cost model prices it as the indexer it is
+    (docs/clock.md#sparse-attention)."""
+    return name.endswith(_INDEXER_SUFFIX)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ through the model once. Per GPU of the tensor-parallel group it
 * reads each sequence's KV once per layer: full attention and MLA their whole context,
   sliding-window layers at most the window, chunked-local layers the current chunk,
   recurrent layers their state (read and written), and writes the new tokens' KV,
+* with DeepSeek Sparse Attention (``index_topk``) prices each layer's latent attention
+  over at most ``index_topk`` keys per query and its indexer, which scores every cached
+  key, as a kernel of its own (docs/clock.md#sparse-attention),
 * does 2 FLOPs per body parameter per token, plus QK^T and PV over what each query
   token attends (closed forms for causal, windowed and chunked masks), and runs the LM
   head only at the positions that sample: one per scheduled request, as vLLM's model
@@ -62,9 +65,10 @@ from kvtwin.sim.planner.draft_head import DraftHead
 from kvtwin.sim.planner.hardware import GPUSpec, require_cost_model_inputs
 from kvtwin.sim.planner.memory_budget import weights_bytes_per_gpu
 from kvtwin.sim.planner.models import ModelPreset
+from kvtwin.sim.planner.plan import is_indexer_layer
 from kvtwin.sim.core.window_pricing import CHUNK_KEYS, FULL_KEYS, NO_KEYS, WINDOW_KEYS
 from kvtwin.sim.core.spec import (AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
-                                  SlidingWindowSpec)
+                                  MLAAttentionSpec, SlidingWindowSpec, window_decode_keys, window_keys)
 from kvtwin.sim.calibration.efficiency import Efficiency
 
 _MXFP4_BYTES_PER_PARAM = 4.25 / 8
@@ -80,6 +84,13 @@ class LayerClass:
     attention_width: int = 0  # q heads per GPU x (d_k + d_v): FLOPs per attended key / 2
     kv_bytes_per_token: float = 0.0  # per layer
     state_bytes: int = 0  # per layer per request (recurrent)
+    # Sparse attention: the most keys one query attends (``index_topk``), the indexer
+    # having picked them; 0: the keys the spec says (docs/clock.md#sparse-attention).
+    key_cap: int = 0
+    # Attention work per FLOP: below 1 for a kernel running faster than bf16 (the
+    # indexer's fp8 logits), so that ``attention_work`` stays seconds at the bf16 rate.
+    work_per_flop: float = 1.0
+    decode_heads: int = 0  # query heads per layer whose decode kernel pays the per-head time
 
 
 @dataclass  # not frozen: one is made every step, and a compiled frozen dataclass sets each field through object.__setattr__
@@ -185,7 +196,7 @@ def _add_decodes(lc: LayerClass, attended: int, num_decodes: int, kv_bytes: floa
     attention is charged at the plain fraction: its kernel splits the keys, not the queries."""
     kv_bytes += ((attended + num_decodes) * lc.kv_bytes_per_token + 2 * lc.state_bytes * num_decodes) * lc.num_layers
     flops = 2.0 * lc.attention_width * lc.num_layers * attended
-    return kv_bytes, attention_flops + flops, attention_work + flops
+    return kv_bytes, attention_flops + flops, attention_work + flops * lc.work_per_flop
 
 
 class CostModel:
@@ -201,7 +212,7 @@ class CostModel:
         self.tp = tensor_parallel_size
         self.async_scheduling = async_scheduling
         self.eff = efficiency
-        self.layer_classes = self._layer_classes(model, layer_specs, tensor_parallel_size)
+        self.layer_classes = self._layer_classes(model, gpu, layer_specs, tensor_parallel_size)
         self.weight_bytes = float(weights_bytes_per_gpu(model, tp=tensor_parallel_size)) - self._embedding_table_bytes(
             model, tensor_parallel_size)
         self.expert_bytes, self.moe_layers = self._experts(model, tensor_parallel_size)
@@ -215,8 +226,7 @@ class CostModel:
         self.fixed_gpu_s = model.num_layers * efficiency.layer_fixed_s + efficiency.step_gpu_fixed_s
         # A decode's attention work beyond its KV read: per query head and attention layer.
         self.decode_head_s = efficiency.decode_attention_s_per_head * sum(
-            lc.num_layers * max(1, model.num_attention_heads // tensor_parallel_size)
-            for lc in self.layer_classes if lc.attention_width)
+            lc.num_layers * lc.decode_heads for lc in self.layer_classes)
         self.allreduce_curve = efficiency.allreduce_curve(tensor_parallel_size)
         # The factors every step reads, held as plain floats: ``Efficiency`` is a scenario
         # type, and reading its fields per step costs more than the step's arithmetic.
@@ -290,16 +300,42 @@ class CostModel:
         return 2.0 * (model.num_layers * per_layer + attention_layers * rotary)
 
     @staticmethod
-    def _layer_classes(model: ModelPreset, specs: dict[str, KVCacheSpec], tp: int) -> tuple[LayerClass, ...]:
+    def _layer_classes(model: ModelPreset, gpu: GPUSpec, specs: dict[str, KVCacheSpec],
+                       tp: int) -> tuple[LayerClass, ...]:
         q_heads = max(1, model.num_attention_heads // tp)
-        counts: dict[KVCacheSpec, int] = {}
-        for spec in specs.values():
+        counts: dict[tuple[KVCacheSpec, bool], int] = {}
+        for name, spec in specs.items():
             # Padding a page to a unified size changes no byte a step reads.
             key = (dataclasses.replace(spec, page_size_padded=None) if isinstance(spec, (AttentionSpec, MambaSpec))
                    else spec)
-            counts[key] = counts.get(key, 0) + 1
-        return tuple(LayerClass(spec, n, q_heads * spec.attention_width_per_head, spec.kv_bytes_per_token,
-                                spec.state_bytes) for spec, n in counts.items())
+            indexer = is_indexer_layer(name)
+            counts[(key, indexer)] = counts.get((key, indexer), 0) + 1
+        classes: list[LayerClass] = []
+        for (spec, indexer), n in counts.items():
+            if indexer:
+                classes.append(CostModel._indexer_class(model, gpu, spec, n))
+                continue
+            width = q_heads * spec.attention_width_per_head
+            key_cap = 0
+            if model.index_topk is not None and isinstance(spec, MLAAttentionSpec):
+                key_cap = model.index_topk
+            classes.append(LayerClass(spec, n, width, spec.kv_bytes_per_token, spec.state_bytes, key_cap=key_cap,
+                                      decode_heads=q_heads if width else 0))
+        return tuple(classes)
+
+    @staticmethod
+    def _indexer_class(model: ModelPreset, gpu: GPUSpec, spec: KVCacheSpec, num_layers: int) -> LayerClass:
+        """The lightning indexers of DeepSeek Sparse Attention (docs/clock.md#sparse-attention):
+        each query scores every cached key causally with ``index_n_heads`` heads of
+        ``index_head_dim`` (replicated: every TP rank runs them all), reading the keys' fp8
+        cache, ``kv_bytes_per_token`` of the spec, once per sequence. The logits are fp8
+        GEMMs, at the fp8 rate where the GPU has one. Its kernel has no per-head decode time
+        of its own in the model: its heads are summed into one score per key."""
+        assert model.index_n_heads is not None and model.index_head_dim is not None
+        width = model.index_n_heads * model.index_head_dim
+        work_per_flop = gpu.bf16_flops / gpu.fp8_flops if gpu.fp8_flops else 1.0
+        return LayerClass(spec, num_layers, width, spec.kv_bytes_per_token, spec.state_bytes,
+                          work_per_flop=work_per_flop)
 
     @staticmethod
     def _experts(model: ModelPreset, tp: int) -> tuple[float, int]:
@@ -333,9 +369,10 @@ class CostModel:
         num_decodes = len(decode_ends)
         if num_decodes:
             for lc in self.layer_classes:
+                cap = lc.key_cap
+                attended = window_decode_keys(cap, decode_ends) if cap else lc.spec.decode_attended_keys(decode_ends)
                 kv_bytes, attention_flops, attention_work = _add_decodes(
-                    lc, lc.spec.decode_attended_keys(decode_ends), num_decodes, kv_bytes, attention_flops,
-                    attention_work)
+                    lc, attended, num_decodes, kv_bytes, attention_flops, attention_work)
         if verify_items:
             verify_tokens, kv_bytes, attention_flops, attention_work = self._prefill_terms(
                 verify_items, kv_bytes, attention_flops, attention_work, weigh_short=False)
@@ -361,15 +398,22 @@ class CostModel:
             num_tokens += new
             end = before + new
             chunk_flops = 0.0
+            chunk_work = 0.0
             for lc in layer_classes:
                 spec = lc.spec
                 # A chunk reads what its queries attend and writes its new tokens; a
-                # recurrent layer reads and writes its state once.
+                # recurrent layer reads and writes its state once. A sparse layer's queries
+                # each gather their own top keys, which over a chunk cover most of the
+                # context: it reads its whole context, as dense MLA does.
                 kv_bytes += ((spec.kv_tokens_read(before, new) + new) * lc.kv_bytes_per_token
                              + 2 * lc.state_bytes) * lc.num_layers
-                chunk_flops += 2.0 * lc.attention_width * lc.num_layers * spec.attended_keys(before, end)
+                cap = lc.key_cap
+                keys = window_keys(cap, before, end) if cap else spec.attended_keys(before, end)
+                flops = 2.0 * lc.attention_width * lc.num_layers * keys
+                chunk_flops += flops
+                chunk_work += flops * lc.work_per_flop
             attention_flops += chunk_flops
-            attention_work += chunk_flops * (new + half) / new if half else chunk_flops
+            attention_work += chunk_work * (new + half) / new if half else chunk_work
         return num_tokens, kv_bytes, attention_flops, attention_work
 
     @property
@@ -379,18 +423,21 @@ class CostModel:
         return all(type(lc.spec).decode_attended_keys is FullAttentionSpec.decode_attended_keys
                    and isinstance(lc.spec, FullAttentionSpec)
                    and lc.spec.sliding_window is None and lc.spec.attention_chunk_size is None
-                   for lc in self.layer_classes)
+                   and not lc.key_cap for lc in self.layer_classes)
 
     def decode_key_shapes(self) -> list[tuple[int, int]] | None:
         """Per layer class, how its decodes attend their context, as a decode window
         keeps it in closed form (``sim/core/decode_window.py``: ``FULL_KEYS``,
         ``WINDOW_KEYS`` and its window, ``CHUNK_KEYS`` and its chunk, ``NO_KEYS``); None
-        if some class attends otherwise."""
+        if some class attends otherwise. A sparse layer's decode attends ``min(context,
+        index_topk)`` keys, as a sliding window of ``index_topk`` would."""
         shapes: list[tuple[int, int]] = []
         for lc in self.layer_classes:
             spec = lc.spec
             method = type(spec).decode_attended_keys
-            if method is KVCacheSpec.decode_attended_keys:
+            if lc.key_cap:
+                shapes.append((WINDOW_KEYS, lc.key_cap))
+            elif method is KVCacheSpec.decode_attended_keys:
                 shapes.append((NO_KEYS, 0))  # a recurrent state: no keys
             elif method is SlidingWindowSpec.decode_attended_keys and isinstance(spec, SlidingWindowSpec):
                 shapes.append((WINDOW_KEYS, spec.sliding_window))

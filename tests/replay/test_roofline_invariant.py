@@ -13,12 +13,15 @@ lower bound, never through the cost model's helpers:
   the LM head at each scheduled request's last token (vLLM computes logits there), and
   QK^T and PV over the keys each query token attends (causal, windowed or chunked mask),
   with the query heads split over the ranks; at the GPU's highest peak for the weights'
-  format (FP8 tensor cores for FP8 checkpoints).
+  format (FP8 tensor cores for FP8 checkpoints). With DeepSeek Sparse Attention
+  (``index_topk``) a query attends at most its top ``index_topk`` keys, and the indexer
+  scores every causal key with ``index_n_heads x index_head_dim`` products on every rank.
 * Bytes: the weights once, but for the embedding table (a lookup reads a few rows) and
   the routed experts no token is sent to (a step with tokens touches at least ``top_k``
   experts per MoE layer); the KV each query reads (cached keys it attends) and writes (its
-  own); a recurrent state's SSM part read and written once per request and layer; and the
-  residual stream read and written once per layer per token.
+  own; a sparse layer at least its first query's top keys, and its indexer keys whole,
+  ``index_head_dim`` fp8 bytes each); a recurrent state's SSM part read and written once
+  per request and layer; and the residual stream read and written once per layer per token.
 
 The parameter count (``params_total``) is the only preset figure taken as given: it bounds
 the weights that are not routed experts from below once the experts (from their shapes)
@@ -133,6 +136,14 @@ def _keys(letter, model, before, new):
     return keys
 
 
+def _sparse_keys(topk, before, new):
+    """Keys the queries at positions before .. before+new-1 attend when each attends at
+    most its ``topk`` best: ``min(p + 1, topk)`` summed."""
+    capped = max(0, before + new - max(before, topk))  # queries at p >= topk
+    low = before + new - capped  # the others run from before to low - 1
+    return ((low * (low + 1) - before * (before + 1)) // 2 if low > before else 0) + capped * topk
+
+
 def _kv_tokens(letter, model, before, new):
     """KV entries a chunk moves in one layer: the cached ones its first query attends, and
     its own (written)."""
@@ -196,7 +207,15 @@ def floor_s(model, gpu, tp, kv_dtype, decode_ends, prefill_items, verify_items=(
     kv_bytes = 0.0
     state_bytes = BF16 * _ssm_state_elements(model, tp) if model.state is not None else 0.0
     for letter in _layers(model):
-        if letter in "FSCA":
+        if letter == "A" and model.index_topk is not None:
+            per_token = _kv_bytes_per_token(letter, model, tp, kv_dtype)
+            indexer_width = model.index_n_heads * model.index_head_dim
+            for new, before in items:
+                flops += 2.0 * width * _sparse_keys(model.index_topk, before, new)
+                kv_bytes += per_token * min(before + new, model.index_topk + new - 1)
+                flops += 2.0 * indexer_width * _keys(letter, model, before, new)
+                kv_bytes += model.index_head_dim * (before + new)
+        elif letter in "FSCA":
             per_token = _kv_bytes_per_token(letter, model, tp, kv_dtype)
             for new, before in items:
                 flops += 2.0 * width * _keys(letter, model, before, new)
