@@ -13,6 +13,7 @@ dummy batches and its wave stays alive; each side's pool is planned with its own
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,6 @@ import pytest
 from kvtwin.sim.core.errors import ConfigError
 from kvtwin.sim.core.request import RequestStatus
 from kvtwin.sim.planner.engine_config import EngineConfig
-from kvtwin.sim.planner.offload import OffloadConfig
 from kvtwin.sim.planner.plan import plan
 from kvtwin.sim.replay import run as run_module
 from kvtwin.sim.replay.clock import dp_group
@@ -32,6 +32,7 @@ from kvtwin.sim.scenario.disaggregation import Disaggregation, disaggregation_fr
 from kvtwin.sim.scenario.resolve import Overrides, resolve_scenario
 from tests.cli_run import one_error_line, run
 from tests.replay.test_pd import WatchedFront
+from tests.replay.test_pd_capacity import SCENARIO as CHAT_SCENARIO
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIO = REPO / "scenarios" / "replay-gpt-oss-20b.toml"
@@ -165,19 +166,26 @@ def test_each_side_plans_its_pool_with_its_own_dp_size():
     assert side_plan(base, 1) is base
 
 
-def test_a_kv_offload_tier_on_every_rank_of_a_lockstep_group():
-    """A DP 2 MoE group with a CPU tier on each rank (docs/semantics.md#a-kv-connector-in-a-group):
-    every request ends, each rank's finished blocks are stored to its CPU tier, and the
-    group's waves end."""
-    resolved = _resolved(data_parallel_size=2, kv_cache_memory_bytes=SMALL_POOL_BYTES, async_scheduling=False)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_kv_offload_tier_on_every_rank_of_a_lockstep_group(async_scheduling):
+    """A DP 2 MoE group with a CPU tier on each rank (docs/semantics.md#a-kv-connector-in-a-group),
+    its GPU pools small beside many shared prefixes, so prefixes come back from the CPU:
+    every request ends, loads land (a rank whose requests wait for them runs dummies), and
+    the waves end."""
+    data = tomllib.loads(CHAT_SCENARIO.replace('preset = "llama-3.1-8b"', 'preset = "gpt-oss-20b"'))
+    del data["disaggregation"]
+    data["engine"].update(replicas=1, data_parallel_size=2, kv_cache_memory_bytes=2**29,
+                          async_scheduling=async_scheduling)
+    data["workload"].update(num_requests=150, shared_prefix={"count": 40, "tokens": 3000, "zipf_s": 1.0})
+    data["offload"] = {"cpu_bytes": 4 * 2**30}
+    resolved = resolve_scenario(REPO / "chat.toml", data=data)
     planned = resolved.plan()
-    offload = dataclasses.replace(resolved, offload=OffloadConfig(cpu_bytes=8 * 2**30)).offload_for(planned)
     result = run_replay(planned, resolved.require_workload().load(), deployment=resolved.deployment,
-                        efficiency=resolved.efficiency, slo=resolved.slo, offload=offload)
+                        efficiency=resolved.efficiency, offload=resolved.offload_for(planned))
     summary = result.summary.to_pylist()[0]
-    assert summary["completed"] + summary["rejected"] == NUM_REQUESTS
-    assert summary["offload_cpu_stored_keys"] > 0
-    assert summary["dp_waves"] >= 1 and summary["dummy_steps"] >= 0
+    assert summary["completed"] == 150
+    assert summary["cpu_hit_tokens"] > 0 and summary["offload_cpu_loaded_keys"] > 0
+    assert summary["dp_waves"] >= 1 and summary["dummy_steps"] > 0
 
 
 # -- the config -------------------------------------------------------------------------------

@@ -269,8 +269,10 @@ def rank_process(shared: AsyncGroup, index: int):
                 reported = False
                 while in_flight:
                     reported |= _reported((yield from apply_oldest()))
-                if not reported:
-                    due_s = replica.next_transfer_event_s()
+                due_s = replica.next_transfer_event_s()
+                # Once every arrival is in, with nothing due, nothing will wake it: go on
+                # (its step dropped the finished requests, so the loop ends).
+                if not reported and not (due_s is None and cluster.arrivals_done):
                     idle = forwards.idle_event()
                     yield idle if due_s is None else env.any_of([idle, env.timeout(max(0.0, due_s - env.now))])
                 continue

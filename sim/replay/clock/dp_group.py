@@ -193,8 +193,11 @@ def _connector_steps(cluster: ClusterView, ranks: Sequence[Replica]):
         result = rank.engine.step(rank.executor)
         cluster.applied(rank, result, BatchTimes(now, now, now), synchronous=True)
         reported |= _reported(result)
-    if not reported:
-        yield _sleep_until(env, ranks, _next_transfer_s(ranks))
+    due_s = _next_transfer_s(ranks)
+    # Once every arrival is in, with nothing due, nothing will wake the group: go on (the
+    # steps dropped the finished requests, so the loop ends).
+    if not reported and not (due_s is None and cluster.arrivals_done):
+        yield _sleep_until(env, ranks, due_s)
     return True
 
 
