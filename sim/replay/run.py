@@ -18,7 +18,8 @@ them. ``connector_tiers.py`` builds them, as it builds a P/D replay's connectors
 With a ``Disaggregation`` (the scenario's ``[disaggregation]`` table) the replicas are its
 prefill and decode engines, each with a P/D connector tier, and the one ``Cluster`` has
 the P/D front (``clock/pd_front.py``, vLLM's P/D proxy) where a plain replay has a router
-(``RoutedFront``): the same engines, recorder, clock and tables otherwise.
+(``RoutedFront``): the same engines, recorder, clock and tables otherwise. A side of DP
+ranks (``pd_sides.py``) runs its own plan, and a MoE side's ranks one lockstep group.
 """
 
 from __future__ import annotations

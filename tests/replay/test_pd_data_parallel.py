@@ -202,6 +202,14 @@ def test_bad_side_dp_names_the_field(table, field):
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("size", [0, -2])
+def test_a_side_dp_below_one_is_one_error_line(tmp_path, size):
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('[model]\npreset = "gpt-oss-20b"\n[hardware]\ngpu = "h100"\n'
+                        f'[disaggregation]\ndecode_data_parallel_size = {size}\n')
+    one_error_line(run("plan", "--scenario", scenario), "disaggregation.decode_data_parallel_size", "positive integer")
+
+
 def test_a_side_dp_on_a_dense_model_is_one_error_line(tmp_path):
     scenario = tmp_path / "s.toml"
     scenario.write_text('[model]\npreset = "llama-3.1-8b"\n[hardware]\ngpu = "h100"\n'
