@@ -66,7 +66,9 @@ INTERPRETED = {"spec.py", "config.py", "errors.py", "__init__.py",
                # A DP plan's wiring: once per run.
                "data_parallel.py",
                # P/D: the front's generator process (pd_front.py), its summaries and router.
-               "pd_front.py", "pd_summaries.py", "pd_router.py"}
+               "pd_front.py", "pd_summaries.py", "pd_router.py",
+               # P/D sides as DP engines: wired once per run.
+               "pd_sides.py"}
 
 
 def _notice(message: str) -> None:

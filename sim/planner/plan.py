@@ -533,6 +533,19 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
     drafter reading ``num_prefill_lookahead_tokens`` > 1 prefill tokens ahead (multi-module
     MTP) makes every sliding-window layer retain that many less one below its window."""
     eng = engine.resolve(model, gpu)
+    result = plan_resolved(model, gpu, eng, num_speculative_tokens=num_speculative_tokens, draft_head=draft_head,
+                           num_prefill_lookahead_tokens=num_prefill_lookahead_tokens)
+    if not result.fits and suggest:
+        result = dataclasses.replace(result, suggestions=tuple(_suggestions(model, gpu, engine, result,
+                                                                            num_speculative_tokens, draft_head,
+                                                                            num_prefill_lookahead_tokens)))
+    return result
+
+
+def plan_resolved(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, *, num_speculative_tokens: int = 0,
+                  draft_head: DraftHead | None = None, num_prefill_lookahead_tokens: int = 0) -> Plan:
+    """``plan`` for an engine config already resolved (no suggestions when it does not fit):
+    a P/D side's pool re-planned with its own DP size (``sim/replay/pd_sides.py``)."""
     layers = build_layer_specs(model, gpu, eng, num_speculative_tokens=num_speculative_tokens,
                                draft_head=draft_head, num_prefill_lookahead_tokens=num_prefill_lookahead_tokens)
     grouping = group_layers(layers.cached_specs, hybrid_kv_cache=eng.hybrid_kv_cache)
@@ -575,10 +588,6 @@ def plan(model: ModelPreset, gpu: GPUSpec, engine: EngineConfig, *, suggest: boo
                   steady_state_blocks_per_request=steady, fits=fits, needed_bytes=needed,
                   estimated_max_model_len=estimated_len, warnings=tuple(warnings), draft_head=draft_head,
                   stages=tuple(st.plan for st in stages), limiting_stage=limiting.stage)
-    if not fits and suggest:
-        result = dataclasses.replace(result, suggestions=tuple(_suggestions(model, gpu, engine, result,
-                                                                            num_speculative_tokens, draft_head,
-                                                                            num_prefill_lookahead_tokens)))
     return result
 
 

@@ -39,12 +39,12 @@ def data_parallel(plan: Plan, deployment: Deployment, cost_model: CostModel | No
                   disaggregation: bool = False, speculative: bool = False) -> DataParallel | None:
     """The plan's DP ranks in the replay (None: ``data_parallel_size`` 1, the deployment's
     replicas as they are). What a DP run does not model (several copies of the DP engine; in
-    a lockstep group pipeline stages, a KV connector or drafts) the features table refused
-    already. ``cost_model`` prices the dummy batch (None: 0 s,
+    a lockstep group pipeline stages or drafts) the features table refused already; a P/D
+    side's DP ranks are ``pd_sides.py``'s. ``offload``: a KV connector on every rank, which
+    a group runs (docs/semantics.md#a-kv-connector-in-a-group). ``cost_model`` prices the dummy batch (None: 0 s,
     a clock whose batches are not priced by a cost model)."""
     eng = plan.engine
     dp = eng.data_parallel_size
-    scheduler = eng.scheduler
     if dp == 1:
         return None
     # The table refuses these pairs when the scenario is resolved
@@ -54,12 +54,19 @@ def data_parallel(plan: Plan, deployment: Deployment, cost_model: CostModel | No
     if not is_lockstep(plan):
         # A prefill cadence needs a lockstep group: EngineConfig.resolve refused it otherwise.
         return DataParallel(dp, deployment.dp_router, None)
-    assert eng.pipeline_parallel_size == 1 and not (offload or speculative), \
-        "pipeline stages, a KV connector or drafts in a lockstep group are not modelled"
+    assert eng.pipeline_parallel_size == 1 and not speculative, \
+        "pipeline stages or drafts in a lockstep group are not modelled"
+    return DataParallel(dp, deployment.dp_router, lockstep_settings(plan, cost_model))
+
+
+def lockstep_settings(plan: Plan, cost_model: CostModel | None) -> LockstepSettings:
+    """How a MoE plan's DP ranks step together: its prefill cadence, the dummy batch's
+    seconds (``cost_model``'s; None: 0 s) and the group's MoE pricing."""
+    eng = plan.engine
+    scheduler = eng.scheduler
     dummy_s = cost_model.split_step_cost([1], []).total_s if cost_model is not None else 0.0
     # The group prices its MoE layers for all ranks (docs/clock.md#moe-under-data-parallelism).
     moe = (moe_dp_group(plan, cost_model.eff) if cost_model is not None and eng.pipeline_parallel_size == 1
            else None)
-    settings = LockstepSettings(prefill_schedule_interval=scheduler.prefill_schedule_interval, dummy_batch_s=dummy_s,
-                                moe=moe)
-    return DataParallel(dp, deployment.dp_router, settings)
+    return LockstepSettings(prefill_schedule_interval=scheduler.prefill_schedule_interval, dummy_batch_s=dummy_s,
+                            moe=moe)

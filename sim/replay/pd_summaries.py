@@ -63,9 +63,9 @@ def pd_replica_requests(requests, disaggregation: Disaggregation) -> list:
         decode_view = decode_view.set_column(decode_view.schema.get_field_index(name), name,
                                              requests.column(source))
     out = []
-    num_prefill = disaggregation.prefill_replicas
+    num_prefill = disaggregation.prefill_engines
     for column, first, count, table in (("prefill_replica", 0, num_prefill, requests),
-                                        ("decode_replica", num_prefill, disaggregation.decode_replicas, decode_view)):
+                                        ("decode_replica", num_prefill, disaggregation.decode_engines, decode_view)):
         counts = _side_counts(requests, column, first, count)
         mean = counts.mean()
         replica_of_request = requests.column(column).to_numpy()
@@ -79,8 +79,8 @@ def pd_side_imbalance(requests, disaggregation: Disaggregation) -> tuple[float, 
     """Each side's load imbalance: requests per prefill replica over their mean, and per
     decode replica over theirs (``summaries.load_imbalance``); NaN for a side nothing reached."""
     sides = []
-    for column, first, count in (("prefill_replica", 0, disaggregation.prefill_replicas),
-                                 ("decode_replica", disaggregation.prefill_replicas, disaggregation.decode_replicas)):
+    for column, first, count in (("prefill_replica", 0, disaggregation.prefill_engines),
+                                 ("decode_replica", disaggregation.prefill_engines, disaggregation.decode_engines)):
         counts = _side_counts(requests, column, first, count)
         mean = counts.mean()
         sides.append(float(counts.max() / mean) if mean > 0 else math.nan)

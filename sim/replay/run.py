@@ -18,7 +18,8 @@ them. ``connector_tiers.py`` builds them, as it builds a P/D replay's connectors
 With a ``Disaggregation`` (the scenario's ``[disaggregation]`` table) the replicas are its
 prefill and decode engines, each with a P/D connector tier, and the one ``Cluster`` has
 the P/D front (``clock/pd_front.py``, vLLM's P/D proxy) where a plain replay has a router
-(``RoutedFront``): the same engines, recorder, clock and tables otherwise.
+(``RoutedFront``): the same engines, recorder, clock and tables otherwise. A side of DP
+ranks (``pd_sides.py``) runs its own plan, and a MoE side's ranks one lockstep group.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from kvtwin.sim.replay.clock.progress import ReplayClock
 from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.connector_tiers import connector_tiers, link_copies
 from kvtwin.sim.replay.pd_router import PDRouter
+from kvtwin.sim.replay.pd_sides import PDSide, pd_sides
 from kvtwin.sim.calibration.file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
 from kvtwin.sim.scenario.disaggregation import Disaggregation
@@ -225,9 +227,20 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
                        disaggregation=disaggregation is not None, speculative=speculative.enabled)
     num_replicas = (disaggregation.num_replicas if disaggregation is not None
                     else dp.ranks if dp is not None else deployment.replicas)
-    _require_pools_fit(plan, num_replicas)
     # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
     assert disaggregation is None or not speculative.enabled, "P/D with speculative decoding is not modelled"
+    if disaggregation is not None and disaggregation.has_data_parallel_sides:
+        # Each side's engines run its own plan; a MoE side's ranks step together.
+        sides = pd_sides(plan, disaggregation, lambda planned: plan_cost_model(planned, efficiency))
+        side_executors: list[ModelExecutor] = [
+            CostModelExecutor(side.lockstep.moe.rank_model if side.lockstep is not None and side.lockstep.moe is not None
+                              else plan_cost_model(side.plan, efficiency))
+            for side in sides for _ in range(side.engines)]
+        return run_with_executor(plan, trace, side_executors, slo=slo, time_limit_s=time_limit_s,
+                                 on_progress=on_progress, decode_windows=decode_windows,
+                                 disaggregation=disaggregation, client_overhead_s=efficiency.client_overhead_s,
+                                 calibration=calibration, sides=sides)
+    _require_pools_fit(plan, num_replicas)
     # A DP MoE group's ranks price their steps without the routed experts; the group adds
     # its MoE part (docs/clock.md#moe-under-data-parallelism).
     moe_group = dp.lockstep.moe if dp is not None and dp.lockstep is not None else None
@@ -281,7 +294,8 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
                       offload: ResolvedOffload | None = None, decode_windows: bool = True,
                       disaggregation: Disaggregation | None = None, client_overhead_s: float = 0.0,
                       calibration: Calibration | None = None,
-                      lockstep: LockstepSettings | None = None) -> ReplayResult:
+                      lockstep: LockstepSettings | None = None,
+                      sides: tuple[PDSide, PDSide] | None = None) -> ReplayResult:
     """Any clock: the plan's engine replays the trace, each step lasting what its replica's
     executor says (predicted, measured on a device, or replayed from a recording); ``env``
     is the SimPy environment (a ``simpy.rt.RealtimeEnvironment`` paces arrivals in real
@@ -296,33 +310,47 @@ def run_with_executor(plan: Plan, trace: pa.Table, executors: Sequence[ModelExec
     ``client_overhead_s`` is the time outside the engine a client also sees: the
     client-side columns beside the server's, and the SLO judged on them (``client_side.py``).
     ``calibration``: as in ``run_replay``. ``lockstep``: the replicas are the ranks of one
-    data-parallel group that steps together (``data_parallel.py``)."""
+    data-parallel group that steps together (``data_parallel.py``). ``sides``: with
+    ``disaggregation``, its two sides when either is a DP engine (``pd_sides.py``): each
+    side's engines run its plan, and a MoE side's ranks are a lockstep group of their own."""
     kv_cache_config = plan.require_fits()
-    _require_pools_fit(plan, len(executors))
     eng = plan.engine
     env = env if env is not None else simpy.Environment()  # the transfers' clock is the replay's
-    tiers = connector_tiers(plan, env, len(executors), offload=offload, disaggregation=disaggregation)
-    engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
+    if sides is None:
+        _require_pools_fit(plan, len(executors))
+        tiers = connector_tiers(plan, env, len(executors), offload=offload, disaggregation=disaggregation)
+        engines = [EngineCore(kv_cache_config, eng.scheduler, eng.cache, tier) for tier in tiers]
+        groups = [DPGroup(lockstep, len(engines))] if lockstep is not None else []
+    else:
+        assert lockstep is None and disaggregation is not None, "a P/D side's group comes with its side"
+        _require_pools_fit(max((side.plan for side in sides), key=lambda p: p.num_blocks), len(executors))
+        tiers, engines = [], []
+        for side in sides:
+            side_tiers = connector_tiers(side.plan, env, side.engines, disaggregation=disaggregation)
+            side_config = side.plan.require_fits()
+            tiers += side_tiers
+            engines += [EngineCore(side_config, eng.scheduler, eng.cache, tier) for tier in side_tiers]
+        groups = [DPGroup(side.lockstep, side.engines, side.first) for side in sides if side.lockstep is not None]
+        assert len(engines) == len(executors), "one executor per engine of each side"
     roles, label = None, router
     if disaggregation is not None:
-        roles = ["prefill"] * disaggregation.prefill_replicas + ["decode"] * disaggregation.decode_replicas
+        roles = ["prefill"] * disaggregation.prefill_engines + ["decode"] * disaggregation.decode_engines
         label = f"pd:{disaggregation.prefill_router}/{disaggregation.decode_router}"
     metrics = MetricsRecorder(len(kv_cache_config.groups), len(engines), offload=offload, roles=roles,
                               num_speculative_tokens=eng.scheduler.num_speculative_tokens,
-                              moe_group=lockstep is not None and lockstep.moe is not None)
+                              moe_group=any(group.settings.moe is not None for group in groups))
     # A lockstep group's ranks schedule batch by batch: its forwards are collectives that
     # pair every rank's k-th batch (docs/semantics.md#asynchronous-scheduling-in-a-group).
-    windows = decode_windows and lockstep is None
+    windows = decode_windows and not groups
     replicas = [Replica(engine, executor, window_pricing(executor) if windows else None)
                 for engine, executor in zip(engines, executors)]
-    group = DPGroup(lockstep, len(replicas)) if lockstep is not None else None
     cluster = Cluster(env, replicas, _front(plan, router, engines, tiers, disaggregation), metrics,
-                      time_limit_s=time_limit_s, on_progress=on_progress, dp_group=group)
+                      time_limit_s=time_limit_s, on_progress=on_progress, dp_groups=groups)
     end_s = cluster.run(arrivals_from_trace(trace))
     tables = run_tables(metrics, end_s, RunSettings(
         slo, trace, label, retention_label(eng.cache.prefix_cache_retention_interval), client_overhead_s,
         offload=offload.describe() if offload is not None else None, disaggregation=disaggregation,
-        calibration=calibration, dp_group=group))
+        calibration=calibration, dp_groups=tuple(groups)))
     return ReplayResult(tables.requests, tables.steps, tables.summary, end_s, tables.replicas)
 
 
@@ -332,7 +360,7 @@ def _front(plan: Plan, router: str, engines: Sequence[EngineCore], tiers: Sequen
     ``disaggregation`` the P/D front over its prefill and decode engines and their tiers."""
     if disaggregation is None:
         return RoutedFront(make_router(router, engines))
-    num_prefill = disaggregation.prefill_replicas
+    num_prefill = disaggregation.prefill_engines
     pairs = PDRouter(engines[:num_prefill], engines[num_prefill:], disaggregation.prefill_router,
                      disaggregation.decode_router)
     return PDFront(tiers, pairs, copies=link_copies(plan))

@@ -40,8 +40,9 @@ class RunSettings:
     offload: dict | None = None
     disaggregation: Disaggregation | None = None
     calibration: Calibration | None = None
-    # The DP group that stepped the replicas together (None: none), for its columns.
-    dp_group: DPGroup | None = None
+    # The DP groups that stepped replicas together (none: each stepped alone), for their
+    # columns: one over every replica, or one per P/D side with DP ranks.
+    dp_groups: tuple[DPGroup, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,21 @@ def run_tables(metrics: MetricsRecorder, end_s: float, settings: RunSettings) ->
     features[CLIENT_SIDE.feature] = client_summary(requests, settings.client_overhead_s)
     if settings.calibration is not None:
         features[BAND.feature] = band_columns(base, settings.calibration)
-    group = settings.dp_group
-    if group is not None:
-        features[DATA_PARALLEL.feature] = {"dp_group_steps": group.group_steps, "dp_waves": group.waves,
-                                           "dummy_steps": sum(group.dummy_steps), **moe_communication_share(steps)}
-        if group.settings.moe is not None:
-            features[DATA_PARALLEL.feature]["moe_communication_pricing"] = group.settings.moe.moe.pricing
-        replicas = replicas.append_column("dummy_steps", pa.array(group.dummy_steps, pa.int64()))
+    groups = settings.dp_groups
+    if groups:
+        # Several groups (P/D sides) sum their steps, waves and dummies (reports/SCHEMA.md).
+        features[DATA_PARALLEL.feature] = {"dp_group_steps": sum(group.group_steps for group in groups),
+                                           "dp_waves": sum(group.waves for group in groups),
+                                           "dummy_steps": sum(sum(group.dummy_steps) for group in groups),
+                                           **moe_communication_share(steps)}
+        pricing = next((group.settings.moe.moe.pricing for group in groups if group.settings.moe is not None), None)
+        if pricing is not None:
+            features[DATA_PARALLEL.feature]["moe_communication_pricing"] = pricing
+        # A replica outside every group (a P/D side of plain engines) ran no dummies.
+        dummies = [0] * replicas.num_rows
+        for group in groups:
+            dummies[group.first:group.first + group.num_ranks] = group.dummy_steps
+        replicas = replicas.append_column("dummy_steps", pa.array(dummies, pa.int64()))
     summary = pa.Table.from_pylist([assemble("summary", base, features)])
     return RunTables(requests, steps, summary, replicas)
 

@@ -217,18 +217,16 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("pipeline_parallel", "disaggregation"), "a KV connector with pipeline stages is not modelled",
             (("pipeline_parallel", "1 with a [disaggregation] table"),)),
     # Data parallelism (docs/semantics.md#data-parallel-lockstep): one DP engine, its ranks
-    # the replay's replicas; P/D roles of DP engines (wide-EP P/D) are not modelled yet.
+    # the replay's replicas; with P/D each side names its own (docs/semantics.md#data-parallel-pd-sides).
     Refusal(("data_parallel", "replicas"), "the DP ranks are the deployment's engines; several DP engines are "
             "not modelled", (("replicas", "1 with data_parallel_size > 1"),
                              ("data_parallel", "1 with [engine] replicas > 1"))),
-    Refusal(("data_parallel", "disaggregation"), "DP ranks in P/D roles are not modelled",
+    Refusal(("data_parallel", "disaggregation"), "each P/D side names its own DP ranks: "
+            "disaggregation.prefill_data_parallel_size and decode_data_parallel_size",
             (("data_parallel", "1 with a [disaggregation] table"),)),
     Refusal(("dp_lockstep", "pipeline_parallel"), "pipeline stages in a lockstep group are not modelled",
             (("pipeline_parallel", "1 with data_parallel_size > 1 on MoE {model}"),
              ("dp_lockstep", "1 with pipeline_parallel_size > 1 on MoE {model}"))),
-    Refusal(("dp_lockstep", "offload"), "a KV connector in a lockstep group is not modelled",
-            (("offload", "0 with data_parallel_size > 1 on MoE {model}"),
-             ("dp_lockstep", "1 with a KV offload tier on MoE {model}"))),
     # The cadence with a connector: vLLM's asynchronous KV loads skip the interval's restart
     # (docs/semantics.md#local-prefill-cadence); no golden case pins it.
     Refusal(("prefill_cadence", "offload"), "a prefill cadence with a KV connector is not modelled",

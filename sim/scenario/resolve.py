@@ -45,7 +45,7 @@ from kvtwin.sim.planner.offload import OffloadConfig, ResolvedOffload
 from kvtwin.sim.planner.plan import Plan, plan
 from kvtwin.sim.calibration.file import Calibration
 from kvtwin.sim.scenario.deployment import Deployment
-from kvtwin.sim.scenario.disaggregation import Disaggregation
+from kvtwin.sim.scenario.disaggregation import Disaggregation, require_sides_plannable
 from kvtwin.sim.calibration.efficiency import Efficiency
 from kvtwin.sim.scenario.features import require_allowed
 from kvtwin.sim.calibration.gpu import bundled_for
@@ -177,7 +177,11 @@ class ResolvedScenario:
             "router": None if pd is not None else self.deployment.router,
             "disaggregation": None if pd is None else {
                 "prefill_replicas": pd.prefill_replicas, "decode_replicas": pd.decode_replicas, "link": pd.link,
-                "prefill_router": pd.prefill_router, "decode_router": pd.decode_router},
+                "prefill_router": pd.prefill_router, "decode_router": pd.decode_router,
+                # Only where set: a P/D run of plain engines records what it always did.
+                **({"prefill_data_parallel_size": pd.prefill_data_parallel_size,
+                    "decode_data_parallel_size": pd.decode_data_parallel_size}
+                   if pd.has_data_parallel_sides else {})},
             "offload": None if not self.offload.enabled else {
                 "cpu_bytes": self.offload.cpu_bytes, "disk_bytes": self.offload.disk_bytes,
                 "policy": self.offload.policy},
@@ -315,6 +319,7 @@ def resolve_scenario(path: Path | None, overrides: Overrides = Overrides(), *,
                             disaggregation=scenario.disaggregation, speculative=speculative)
     # Every feature is known now, flags included: the one check of which combine.
     require_allowed(resolved, overrides, where)
+    require_sides_plannable(scenario.disaggregation, model, gpu, engine, where)
     return resolved
 
 

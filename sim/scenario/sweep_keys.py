@@ -21,7 +21,8 @@ axis varies slowest), numbered from 0 in that order. KEY is a dotted scenario pa
   ``decode_replicas``, ``link``, ``bandwidth_gbps``, ...; ``Disaggregation``), and
   ``disaggregation.shape=2P1D,1P2D,none``: each ``xPyD`` sets both replica counts, ``none``
   runs the point aggregated (no ``[disaggregation]`` table: ``engine.replicas`` replicas),
-  so xPyD and the aggregated deployment at equal GPUs sit in one sweep;
+  so xPyD and the aggregated deployment at equal GPUs sit in one sweep; wide-EP shapes
+  name DP sides: ``p8dp-d16dp`` (each side one DP engine of that many ranks), ``p2-d4dp``;
 * ``speculative.<field>`` — speculative decoding (``speculative.num_speculative_tokens``,
   ``speculative.acceptance``, ...; ``SpeculativeConfig``).
 
@@ -157,21 +158,52 @@ def parse_shape(value: str, where: str) -> tuple[int, int]:
     prefill, sep, rest = text.partition("P")
     decode, sep2, tail = rest.partition("D")
     if not (sep and sep2 and not tail and prefill.isdigit() and decode.isdigit()):
-        raise ConfigError(where, "xPyD (such as 2P1D: prefill and decode replicas) or none (aggregated)", value)
+        raise ConfigError(where, "xPyD (such as 2P1D: prefill and decode replicas), p<N>[dp]-d<M>[dp] (such as "
+                          "p8dp-d16dp: sides of DP ranks) or none (aggregated)", value)
     return int(prefill), int(decode)
 
 
+SIDE_SHAPE_EXPECTED = ("p<N>[dp]-d<M>[dp] (such as p8dp-d16dp: a prefill side of one DP engine of 8 ranks, "
+                       "a decode side of 16; p2-d1: two prefill and one decode replica)")
+
+
+def parse_side_shape(value: str, where: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``p<N>[dp]-d<M>[dp]`` as each side's ``(replicas, data_parallel_size)``: ``p8dp`` is one
+    DP engine of 8 ranks, ``p2`` two plain replicas (docs/semantics.md#data-parallel-pd-sides)."""
+    text = value.strip().lower()
+    prefill, sep, decode = text.partition("-")
+    sides = []
+    for part, letter in ((prefill, "p"), (decode, "d")):
+        count = part[1:].removesuffix("dp")
+        if not (sep and part.startswith(letter) and count.isdigit()):
+            raise ConfigError(where, SIDE_SHAPE_EXPECTED, value)
+        sides.append((1, int(count)) if part.endswith("dp") else (int(count), 1))
+    return sides[0], sides[1]
+
+
 def _apply_shape(out: dict, key: str, value: object) -> None:
-    """``disaggregation.shape``: ``xPyD`` sets the table's replica counts (its link and
-    routers stay); none drops the table, so the point runs aggregated (``engine.replicas``)."""
+    """``disaggregation.shape``: ``xPyD`` sets the table's replica counts, ``p<N>[dp]-d<M>[dp]``
+    each side's replicas or DP ranks (its link and routers stay; a side's DP size the shape
+    does not give is dropped, back to 1); none drops the table, so the point runs
+    aggregated (``engine.replicas``)."""
     if value is None:
         out.pop("disaggregation", None)
         return
-    prefill, decode = parse_shape(str(value), f"{FLAG} {key}")
+    where = f"{FLAG} {key}"
+    text = str(value)
+    if "-" in text:
+        (prefill, prefill_dp), (decode, decode_dp) = parse_side_shape(text, where)
+    else:
+        (prefill, decode), prefill_dp, decode_dp = parse_shape(text, where), 1, 1
     table = out.setdefault("disaggregation", {})
     if not isinstance(table, dict):
         raise ConfigError("disaggregation", "a table", table)
     table["prefill_replicas"], table["decode_replicas"] = prefill, decode
+    for name, size in (("prefill_data_parallel_size", prefill_dp), ("decode_data_parallel_size", decode_dp)):
+        if size > 1:
+            table[name] = size
+        else:
+            table.pop(name, None)
 
 
 def with_limit(data: dict, limit: int | None) -> dict:

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtwin.sim.core.errors import ConfigError
-from kvtwin.sim.scenario.sweep_keys import apply_values, parse_shape, parse_sweeps
+from kvtwin.sim.scenario.sweep_keys import apply_values, parse_shape, parse_side_shape, parse_sweeps
 from tests.replay.test_capacity import _app
 
 SCENARIO = """
@@ -136,3 +136,35 @@ def test_validate_refuses_a_disaggregated_scenario(scenario, tmp_path):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "disaggregation" in lines[0] and str(scenario) in lines[0], lines
+
+
+def test_wide_ep_shapes_name_dp_sides():
+    """``p<N>[dp]-d<M>[dp]`` (docs/semantics.md#data-parallel-pd-sides): a ``dp`` side is one DP
+    engine of that many ranks, a bare count that many replicas; a shape drops a DP size it
+    does not give, so the points of one sweep differ only by their shapes."""
+    assert parse_side_shape("p8dp-d16dp", "w") == ((1, 8), (1, 16))
+    assert parse_side_shape("P2-D4DP", "w") == ((2, 1), (1, 4))
+    for bad in ("p8dp", "d1-p1", "p2x-d1", "p-d1", "8dp-16dp", "p2-d1-"):
+        with pytest.raises(ConfigError) as err:
+            parse_side_shape(bad, "w")
+        assert "p8dp-d16dp" in err.value.expected
+    data = {"disaggregation": {"link": "nvlink", "decode_data_parallel_size": 4}}
+    assert apply_values(data, {"disaggregation.shape": "p2dp-d1"})["disaggregation"] == {
+        "link": "nvlink", "prefill_replicas": 1, "decode_replicas": 1, "prefill_data_parallel_size": 2}
+    assert apply_values(data, {"disaggregation.shape": "2P1D"})["disaggregation"] == {
+        "link": "nvlink", "prefill_replicas": 2, "decode_replicas": 1}
+
+
+def test_a_sweep_of_wide_ep_shapes_counts_every_rank(tmp_path):
+    """The same chat workload on gpt-oss-20b (MoE) at two wide-EP shapes: each point runs its
+    sides' DP groups, and its GPUs are every rank's (TP 1: one GPU a rank)."""
+    scenario = tmp_path / "wide.toml"
+    scenario.write_text(SCENARIO.replace('preset = "llama-3.1-8b"', 'preset = "gpt-oss-20b"'))
+    out = tmp_path / "cap"
+    result = _invoke(scenario, "--sweep", "disaggregation.shape=p2dp-d2dp,p1-d2dp", "--jobs", 1, "--out", out, "-q")
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "capacity.parquet").to_pylist()
+    assert [r["disaggregation.shape"] for r in rows] == ["p2dp-d2dp", "p1-d2dp"]
+    assert all(r["status"] == "ok" and r["num_requests"] == 60 for r in rows)
+    assert [r["num_gpus"] for r in rows] == [4, 3]
+    assert all(r["completed"] + r["rejected"] == 60 for r in rows)

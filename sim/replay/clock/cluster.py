@@ -107,7 +107,7 @@ class Cluster:
     def __init__(self, env: simpy.Environment, replicas: Sequence[Replica], front: Front,
                  recorder: MetricsRecorder, *, time_limit_s: float | None = None,
                  on_progress: Callable[[ReplayClock], None] | None = None, progress_every: int = 2000,
-                 dp_group: DPGroup | None = None):
+                 dp_group: DPGroup | None = None, dp_groups: Sequence[DPGroup] = ()):
         if front.num_replicas != len(replicas):
             raise ValueError(f"{len(replicas)} replicas behind a front of {front.num_replicas}")
         self.env = env
@@ -124,6 +124,9 @@ class Cluster:
         # The replicas are the ranks of one data-parallel group that steps together
         # (dp_group.py); None: each replica runs its own engine process.
         self.dp_group = dp_group
+        # Groups over some of the replicas (a P/D side's DP ranks, from each group's
+        # ``first``); the replicas outside any run their own engine processes.
+        self.dp_groups = list(dp_groups) if dp_group is None else [dp_group]
         front.attach(self)
 
     @property
@@ -160,12 +163,17 @@ class Cluster:
         limit; returns the simulated time at which the run ended."""
         env = self.env
         env.process(arrival_process(self, iter(arrivals)))
-        if self.dp_group is not None and self.replicas[0].engine.async_scheduling:
-            dones = AsyncGroup(self, self.replicas, self.dp_group).processes()
-        elif self.dp_group is not None:
-            dones = [env.process(dp_group_process(self, self.replicas, self.dp_group))]
-        else:
-            dones = [env.process(_engine_process(self, replica)) for replica in self.replicas]
+        dones: list[simpy.Process] = []
+        grouped: set[int] = set()
+        for group in self.dp_groups:
+            ranks = self.replicas[group.first:group.first + group.num_ranks]
+            grouped.update(range(group.first, group.first + group.num_ranks))
+            if ranks[0].engine.async_scheduling:
+                dones.extend(AsyncGroup(self, ranks, group).processes())
+            else:
+                dones.append(env.process(dp_group_process(self, ranks, group)))
+        dones.extend(env.process(_engine_process(self, replica)) for replica in self.replicas
+                     if replica.index not in grouped)
         done = dones[0] if len(dones) == 1 else env.all_of(dones)
         limit = self.time_limit_s
         with relaxed_collection():

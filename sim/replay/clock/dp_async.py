@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import simpy
 
-from kvtwin.sim.core.engine import Execution
+from kvtwin.sim.core.engine import BatchRecord, Execution
 from kvtwin.sim.core.prefill_throttle import throttles_prefills
 from kvtwin.sim.replay.clock.dp_group import DPGroup
 from kvtwin.sim.replay.clock.engine_processes import ClusterView
@@ -95,8 +95,15 @@ class ForwardPasses:
         if forward.progress or any(rank.engine.any_batch_executed() for rank in self.ranks):
             self.stalled = False
         elif any(rank.engine.has_unfinished_requests() for rank in self.ranks):
-            # Requests wait yet nothing computes anywhere: only an arrival can change that.
-            if self.cluster.arrivals_done:
+            # Requests wait yet nothing computes anywhere: only a load landing (with a KV
+            # connector) or an arrival can change that.
+            due = [due_s for rank in self.ranks if rank.engine.has_connector
+                   and (due_s := rank.next_transfer_event_s()) is not None]
+            if due:
+                self.stalled = False
+                if forward.duration_s == 0:
+                    wait = env.any_of([self.idle_event(), env.timeout(max(0.0, min(due) - env.now))])
+            elif self.cluster.arrivals_done:
                 if self.stalled:
                     blocked = next(rank for rank in self.ranks if rank.engine.has_unfinished_requests())
                     raise blocked.engine.no_progress_error("workload")
@@ -139,6 +146,13 @@ def _moe_forward(moe: MoEDPGroup, executions: list[Execution | None]) -> float:
         if execution is not None:
             execution.cost = cost
     return duration_s
+
+
+def _reported(result: BatchRecord) -> bool:
+    """Whether the worker reported a transfer finished with this batch's result."""
+    transfers = result.connector_output
+    return transfers is not None and bool(transfers.completed_jobs or transfers.finished_recving
+                                          or transfers.finished_sending)
 
 
 class _Forward:
@@ -218,6 +232,8 @@ def rank_process(shared: AsyncGroup, index: int):
     in_flight: deque[tuple[int | None, float, float, float]] = deque()
     last_end_s = 0.0  # the end of the batch this rank applied last
 
+    connector = engine.has_connector
+
     def apply_oldest():
         nonlocal last_end_s
         forward, scheduled_s, start_s, end_s = in_flight.popleft()
@@ -227,7 +243,9 @@ def rank_process(shared: AsyncGroup, index: int):
             yield env.timeout(end_s - env.now)
         times = BatchTimes(scheduled_s, start_s, end_s, last_end_s)
         last_end_s = end_s
-        cluster.applied(replica, engine.update_batch(), times)
+        result = engine.update_batch()
+        cluster.applied(replica, result, times)
+        return result
 
     while True:
         if not group.running:
@@ -240,6 +258,23 @@ def rank_process(shared: AsyncGroup, index: int):
                 if cluster.arrivals_done:
                     return
                 yield forwards.idle_event()
+                continue
+            elif connector:
+                # A connector's work outside a wave steps alone, no forward and no dummy
+                # (docs/semantics.md#a-kv-connector-in-a-group): report, then wait for
+                # the next transfer or an arrival.
+                if engine.has_requests():
+                    engine.schedule_batch(executor)
+                    in_flight.append((None, env.now, env.now, env.now))
+                reported = False
+                while in_flight:
+                    reported |= _reported((yield from apply_oldest()))
+                due_s = replica.next_transfer_event_s()
+                # Once every arrival is in, with nothing due, nothing will wake it: go on
+                # (its step dropped the finished requests, so the loop ends).
+                if not reported and not (due_s is None and cluster.arrivals_done):
+                    idle = forwards.idle_event()
+                    yield idle if due_s is None else env.any_of([idle, env.timeout(max(0.0, due_s - env.now))])
                 continue
         # One iteration: the engine step (step_with_batch_queue), then a dummy batch if it
         # computed nothing, then the step counter and perhaps the all-reduce.

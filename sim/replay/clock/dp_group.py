@@ -19,8 +19,11 @@ them all:
   whether the step defers prefills (``prefill_throttle.throttles_prefills``).
 
 This process runs a group with synchronous scheduling (each rank one batch at a time);
-with asynchronous scheduling each rank runs its own loop (``dp_async.py``). A scenario
-with a KV connector, drafts or pipeline stages in a group is refused before it gets here.
+with asynchronous scheduling each rank runs its own loop (``dp_async.py``). With a KV
+connector on every rank (an offload tier, or a P/D side's) a rank whose requests wait
+for a load runs dummies until it lands, and a connector's work outside a wave steps alone
+(docs/semantics.md#a-kv-connector-in-a-group). A scenario with drafts or pipeline stages
+in a group is refused before it gets here.
 """
 
 from __future__ import annotations
@@ -59,8 +62,12 @@ class DPGroup:
     """The group's shared state: its step counter and whether a wave runs, and what the
     run's tables report (dummy batches per rank, the group's steps and waves)."""
 
-    def __init__(self, settings: LockstepSettings, num_ranks: int):
+    def __init__(self, settings: LockstepSettings, num_ranks: int, first: int = 0):
+        """``first``: the cluster index of the group's first rank (its ranks are the
+        ``num_ranks`` replicas from there; a P/D side's group starts past the prefill side)."""
         self.settings = settings
+        self.first = first
+        self.num_ranks = num_ranks
         self.step_counter = 0
         self.running = False
         self.dummy_steps = [0] * num_ranks
@@ -72,9 +79,15 @@ def dp_group_process(cluster: ClusterView, ranks: Sequence[Replica], group: DPGr
     """Step ``ranks`` together until arrivals are done and no rank has requests."""
     env = cluster.env
     settings = group.settings
+    connector = ranks[0].engine.has_connector
     stalled = False  # the last step ran no tokens anywhere, with every arrival in
     while True:
         if not group.running:
+            if connector and not any(rank.engine.has_unfinished_requests() for rank in ranks):
+                # A connector's work outside a wave (docs/semantics.md#a-kv-connector-in-a-group).
+                if not (yield from _connector_steps(cluster, ranks)):
+                    return
+                continue
             if not any(rank.engine.has_requests() for rank in ranks):
                 if cluster.arrivals_done:
                     return
@@ -110,6 +123,16 @@ def dp_group_process(cluster: ClusterView, ranks: Sequence[Replica], group: DPGr
             stalled = False
             continue
         # Requests wait on some rank, yet no rank could run a token.
+        if connector and any(rank.engine.waits_for_transfers() for rank in ranks):
+            # A load will let them go on: the dummies' time brings it nearer; free dummies
+            # wait for it (or an arrival) rather than spin at one instant.
+            reported = any(_reported(result) for _, result in stepped)
+            due_s = _next_transfer_s(ranks)
+            if reported or due_s is not None:
+                stalled = False
+                if duration_s == 0 and not reported:
+                    yield _sleep_until(env, ranks, due_s)
+                continue
         if cluster.arrivals_done:
             if stalled:
                 blocked = next(rank for rank in ranks if rank.engine.has_unfinished_requests())
@@ -152,6 +175,52 @@ def _moe_group_step(moe: MoEDPGroup, ranks: Sequence[Replica], stepped: list[tup
         if result is not None:
             result.execution.cost = cost
     return duration_s
+
+
+def _connector_steps(cluster: ClusterView, ranks: Sequence[Replica]):
+    """No rank has unfinished requests, yet a connector may still have work (finished
+    requests to report, a P/D prefill side's blocks held for a read): each such rank steps
+    on its own, with no wave and no dummy, as vLLM's loop steps a rank that ``has_work``
+    and skips the dummy of a rank with nothing unfinished while no wave runs. Then the
+    group waits for the next transfer or an arrival. False: nothing is left to do."""
+    env = cluster.env
+    busy = [rank for rank in ranks if rank.engine.has_requests()]
+    if not busy and cluster.arrivals_done:
+        return False
+    reported = False
+    for rank in busy:
+        now = env.now
+        result = rank.engine.step(rank.executor)
+        cluster.applied(rank, result, BatchTimes(now, now, now), synchronous=True)
+        reported |= _reported(result)
+    due_s = _next_transfer_s(ranks)
+    # Once every arrival is in, with nothing due, nothing will wake the group: go on (the
+    # steps dropped the finished requests, so the loop ends).
+    if not reported and not (due_s is None and cluster.arrivals_done):
+        yield _sleep_until(env, ranks, due_s)
+    return True
+
+
+def _next_transfer_s(ranks: Sequence[Replica]) -> float | None:
+    """When the next transfer in flight on any rank ends (None: none is)."""
+    due = [due_s for rank in ranks if (due_s := rank.next_transfer_event_s()) is not None]
+    return min(due) if due else None
+
+
+def _sleep_until(env: simpy.Environment, ranks: Sequence[Replica], due_s: float | None) -> simpy.Event:
+    """One event that ``due_s`` (None: never) or an arrival on any rank triggers."""
+    wake = _sleep_all(env, ranks)
+    if due_s is None:
+        return wake
+    return env.any_of([wake, env.timeout(max(0.0, due_s - env.now))])
+
+
+def _reported(result: BatchRecord) -> bool:
+    """Whether the worker reported a transfer finished with this step's result (a waiting
+    request may go on at the next schedule)."""
+    transfers = result.connector_output
+    return transfers is not None and bool(transfers.completed_jobs or transfers.finished_recving
+                                          or transfers.finished_sending)
 
 
 def _sleep_all(env: simpy.Environment, ranks: Sequence[Replica]) -> simpy.Event:
