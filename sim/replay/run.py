@@ -223,13 +223,18 @@ def run_replay(plan: Plan, trace: pa.Table, *, deployment: Deployment = Deployme
     each replica's executor its acceptance draws (seed plus the replica's index) and its
     cost model the draft head. ``calibration``: the clock's, whose band on each p99 the
     summary then carries (docs/capacity.md#the-band)."""
-    dp = data_parallel(plan, deployment, plan_cost_model(plan, efficiency), offload=offload is not None,
-                       disaggregation=disaggregation is not None, speculative=speculative.enabled)
+    pd_sides_run = disaggregation is not None and disaggregation.has_data_parallel_sides
+    # With DP sides the plan is the prefill side's (``ResolvedScenario.plan``): its ranks are
+    # the side's, not a DP group of the whole run.
+    dp = None if pd_sides_run else data_parallel(
+        plan, deployment, plan_cost_model(plan, efficiency), offload=offload is not None,
+        disaggregation=disaggregation is not None, speculative=speculative.enabled)
     num_replicas = (disaggregation.num_replicas if disaggregation is not None
                     else dp.ranks if dp is not None else deployment.replicas)
     # Refused when the scenario is resolved (docs/architecture.md#features-and-their-combinations).
     assert disaggregation is None or not speculative.enabled, "P/D with speculative decoding is not modelled"
-    if disaggregation is not None and disaggregation.has_data_parallel_sides:
+    if pd_sides_run:
+        assert disaggregation is not None
         # Each side's engines run its own plan; a MoE side's ranks step together.
         sides = pd_sides(plan, disaggregation, lambda planned: plan_cost_model(planned, efficiency))
         side_executors: list[ModelExecutor] = [

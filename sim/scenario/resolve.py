@@ -143,7 +143,14 @@ class ResolvedScenario:
         # Drafting sizes a Mamba layer's speculative state blocks (its pool worst case too);
         # a draft head's layers and weights take their share of the GPU.
         drafts = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
-        planned = plan(self.model, self.gpu, self.engine, num_speculative_tokens=drafts,
+        engine = self.engine
+        pd = self.disaggregation
+        if pd is not None and pd.has_data_parallel_sides:
+            # Wide-EP P/D: the run's plan is its prefill side's, the one its first engines
+            # run (a model too big for one GPU fits only with its side's experts spread:
+            # docs/semantics.md#data-parallel-pd-sides); the decode side plans its own.
+            engine = dataclasses.replace(engine, data_parallel_size=pd.prefill_data_parallel_size)
+        planned = plan(self.model, self.gpu, engine, num_speculative_tokens=drafts,
                        draft_head=self.speculative.draft_head,
                        num_prefill_lookahead_tokens=self.speculative.num_prefill_lookahead_tokens)
         return with_speculative(planned, self.speculative, self.where, self.overrides)

@@ -234,3 +234,20 @@ def test_side_dp_keys_resolve_and_are_recorded(tmp_path):
     assert (pd.prefill_engines, pd.decode_engines, pd.num_replicas) == (2, 4, 6)
     described = resolved.describe()["disaggregation"]
     assert (described["prefill_data_parallel_size"], described["decode_data_parallel_size"]) == (2, 4)
+
+
+def test_a_model_that_fits_only_with_its_sides_experts_spread_replays(tmp_path):
+    """DeepSeek-V3 on H200s does not fit one GPU (TP 1, DP 1); as 8 + 8 DP + EP sides it
+    does: the run's plan is its prefill side's (DP 8), and the replay runs both sides."""
+    path = tmp_path / "wide-ep-pd.toml"
+    path.write_text('[model]\npreset = "deepseek-v3"\n[hardware]\ngpu = "h200"\n'
+                    '[engine]\nenable_expert_parallel = true\nmax_model_len = 32768\n'
+                    '[workload]\ntrace = "bundled:mooncake_conversation_trace.jsonl"\n'
+                    '[disaggregation]\nprefill_data_parallel_size = 8\ndecode_data_parallel_size = 8\n')
+    resolved = resolve_scenario(path, Overrides(limit=12))
+    with pytest.raises(ConfigError, match="a layout that fits"):
+        plan(resolved.model, resolved.gpu, resolved.engine).require_fits()
+    planned = resolved.plan()
+    assert planned.engine.data_parallel_size == 8 and planned.fits
+    result = run("replay", str(path), "--quiet", "--limit", "12", "--no-report", "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.stderr
