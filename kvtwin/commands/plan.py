@@ -54,8 +54,7 @@ def render_plan(p: Plan) -> str:
     sizes = [f"TP {tp}"] + [f"{name} {n}" for name, n in (("PP", layout.pipeline_parallel_size),
                                                           ("DP", layout.data_parallel_size),
                                                           ("EP", layout.expert_parallel_size)) if n > 1]
-    if layout.enable_eplb:
-        sizes.append(f"EPLB, {layout.num_redundant_experts} redundant experts")
+    sizes += [f"EPLB, {layout.num_redundant_experts} redundant experts"] if layout.enable_eplb else []
     where = f"{layout.num_gpus} x {p.gpu.name} ({', '.join(sizes)})" if layout.num_gpus > 1 else p.gpu.name
     lines.append(f"kvtwin plan: {p.model.name} on {where} - vLLM 0.33 KV cache layout")
     default = "vLLM default" if eng.hybrid_kv_cache_is_default else "not vLLM's default"

@@ -112,7 +112,7 @@ def pessimistic(efficiency: Efficiency, error: float) -> Efficiency:
             scaled[f.name] = tuple(AllReduceCurve(c.tensor_parallel_size, c.message_bytes,
                                                   tuple(t * factor for t in c.seconds)) for c in value)
         elif f.name in COLLECTIVE_OPS:
-            scaled[f.name] = tuple(dataclasses.replace(c, seconds=tuple(t * factor for t in c.seconds))
+            scaled[f.name] = tuple(dataclasses.replace(c, seconds=tuple(factor * t for t in c.seconds))
                                    for c in value)
         elif f.name == "deepep":
             scaled[f.name] = tuple(dataclasses.replace(c, dispatch_s=tuple(t * factor for t in c.dispatch_s),

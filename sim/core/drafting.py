@@ -9,7 +9,7 @@ from __future__ import annotations
 from math import lcm
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
-from kvtwin.sim.core.errors import require
+from kvtwin.sim.core.errors import ConfigError, require
 from kvtwin.sim.core.request import Request
 from kvtwin.sim.core.scheduler_output import SchedulerOutput
 from kvtwin.sim.core.spec import KVCacheConfig, MambaSpec, SlidingWindowSpec
@@ -58,6 +58,22 @@ def reserve_prefill_lookahead(request: Request, computed: int, num_new: int, loo
     if 0 < remaining < lookahead:
         num_new -= lookahead - remaining
     return max(num_new, 0)
+
+
+def pad_admission(out: SchedulerOutput, request_id: str, num_new: int, num_padding: int, num_spec_tokens: int,
+                  long_prefill_threshold: int) -> None:
+    """A one-token admission padded to a verify step (``Scheduler._first_chunk``): its
+    ``num_padding`` placeholder drafts, never accepted (docs/semantics.md#scheduling-drafts)."""
+    if num_padding != num_spec_tokens:
+        # Only the long-prefill threshold shortens a padded row, and only without a Mamba
+        # align-mode layout (which drops the padding instead); vLLM 0.33 then fails an
+        # assertion and its engine stops.
+        raise ConfigError("long_prefill_token_threshold",
+                          f"0 or at least 1 + num_speculative_tokens = {1 + num_spec_tokens} (request {request_id}'s "
+                          f"one-token admission, padded to a verify step, was cut to {num_new} tokens, where vLLM "
+                          "0.33 fails an assertion)", long_prefill_threshold)
+    assert out.scheduled_spec_decode_tokens is not None
+    out.scheduled_spec_decode_tokens[request_id] = [-1] * num_padding
 
 
 def schedule_spec_tokens(out: SchedulerOutput, request: Request, num_new: int) -> None:

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from kvtwin.sim.core.config import CacheConfig, SchedulerConfig
 from kvtwin.sim.core.connector_scheduling import ConnectorScheduling
-from kvtwin.sim.core.drafting import check_drafting, reserve_prefill_lookahead, schedule_spec_tokens, verify_drafts
-from kvtwin.sim.core.errors import ConfigError
+from kvtwin.sim.core.drafting import (check_drafting, pad_admission, reserve_prefill_lookahead, schedule_spec_tokens,
+                                      verify_drafts)
 from kvtwin.sim.core.hashing import BlockHasher, get_hash_fn
 from kvtwin.sim.core.kv_cache_blocks import KVCacheBlocks
 from kvtwin.sim.core.kv_cache_manager import KVCacheManager
@@ -111,8 +111,7 @@ class Scheduler(ConnectorScheduling):
         self.defer_prefills = False
         self.prefill_capacity_bound = False
         self.throttled = scheduler_config.prefill_schedule_interval > 1  # only then is the bound read
-        # The scheduler's own cadence (docs/semantics.md#local-prefill-cadence): a full
-        # interval back, so the first step is never held.
+        # Its own cadence, a full interval back: the first step is never held (docs/semantics.md#local-prefill-cadence).
         self.local_prefill_interval = scheduler_config.local_prefill_interval
         self.last_prefill_step = -self.local_prefill_interval
         self.num_executed_steps = 0
@@ -454,17 +453,8 @@ class Scheduler(ConnectorScheduling):
         out.num_scheduled_tokens[request_id] = num_new
         num_padding = num_new - (request.num_tokens - num_computed)
         if num_padding > 0:
-            # Padded to a verify step (``_first_chunk``): placeholder drafts, never accepted.
-            if num_padding != self.num_spec_tokens:
-                # Only the long-prefill threshold shortens a padded row, and only without a
-                # Mamba align-mode layout (which drops the padding instead); vLLM 0.33 then
-                # fails an assertion and its engine stops (docs/semantics.md#scheduling-drafts).
-                raise ConfigError("long_prefill_token_threshold",
-                                  f"0 or at least 1 + num_speculative_tokens = {1 + self.num_spec_tokens} (request "
-                                  f"{request_id}'s one-token admission, padded to a verify step, was cut to {num_new} "
-                                  "tokens, where vLLM 0.33 fails an assertion)", self.config.long_prefill_token_threshold)
-            assert out.scheduled_spec_decode_tokens is not None
-            out.scheduled_spec_decode_tokens[request_id] = [-1] * num_padding
+            pad_admission(out, request_id, num_new, num_padding, self.num_spec_tokens,
+                          self.config.long_prefill_token_threshold)
 
     def _preempt(self, request: Request) -> None:
         """Free everything (hashed blocks stay cached) and requeue at the front; keep outputs."""

@@ -169,6 +169,14 @@ def indexer_spec(x: LayerShape) -> MLAAttentionSpec:
                             dtype_bytes=1)
 
 
+def _layer_caches(layer: LayerShape, index: int, kind: str) -> tuple[tuple[str, KVCacheSpec], ...]:
+    """Layer ``index``'s caches by name: its kind's spec, or with DeepSeek Sparse Attention
+    the MLA latent then the indexer's keys, in vLLM's order (docs/semantics.md#sparse-mla-indexer)."""
+    if kind == MLAAttentionSpec.kind and layer.model.uses_sparse_indexer:
+        return ((_layer_name(index), sparse_mla_spec(layer)), (_indexer_layer_name(index), indexer_spec(layer)))
+    return ((_layer_name(index), LAYER_SPEC_BUILDERS[kind](layer)),)
+
+
 def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfig, *,
                       num_speculative_tokens: int = 0, draft_head: DraftHead | None = None,
                       num_prefill_lookahead_tokens: int = 0) -> LayerSpecs:
@@ -231,17 +239,9 @@ def build_layer_specs(model: ModelPreset, gpu: GPUSpec, eng: ResolvedEngineConfi
     for i, kind in enumerate(model.layer_kinds):
         if kind is None:
             continue
-        if kind == MLAAttentionSpec.kind and model.uses_sparse_indexer:
-            # vLLM names the latent cache first, then the indexer's, in each layer.
-            for name, spec in ((_layer_name(i), sparse_mla_spec(layer)),
-                               (_indexer_layer_name(i), indexer_spec(layer))):
-                specs[name] = with_prefill_lookahead(spec, num_prefill_lookahead_tokens)
-                index[name] = i
-            continue
-        spec = with_prefill_lookahead(LAYER_SPEC_BUILDERS[kind](layer), num_prefill_lookahead_tokens)
-        name = _layer_name(i)
-        specs[name] = spec
-        index[name] = i
+        for name, spec in _layer_caches(layer, i, kind):
+            specs[name] = with_prefill_lookahead(spec, num_prefill_lookahead_tokens)
+            index[name] = i
     draft_specs: dict[str, KVCacheSpec] = {}
     if draft_head is not None:
         builder = LAYER_SPEC_BUILDERS[draft_head.layer_kind(model)]

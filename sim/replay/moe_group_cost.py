@@ -266,34 +266,43 @@ class MoEGroupCost:
         self.token_bytes = model.hidden_size * _ACTIVATION_BYTES
         # The measured tables that price the collective, where the calibration has one
         # for this group; else the all-reduce curve or the link (``pricing`` says which).
-        self.allgather: CollectiveCurve | None = None
-        self.reducescatter: CollectiveCurve | None = None
-        self.alltoall: CollectiveCurve | None = None
-        self.deepep: DeepEPTable | None = None
+        self.allgather, self.reducescatter, self.alltoall, self.deepep, self.pricing = self._collective_tables(
+            efficiency, deepep_mode, within_node)
+
+    def _collective_tables(self, efficiency: Efficiency, deepep_mode: str | None, within_node: bool) -> tuple[
+            CollectiveCurve | None, CollectiveCurve | None, CollectiveCurve | None, DeepEPTable | None, str]:
+        """The all-gather, reduce-scatter, all-to-all and DeepEP tables that price this
+        group's collective (None where the calibration has none for it), and what priced it
+        in words (docs/clock.md#moe-under-data-parallelism)."""
+        allgather: CollectiveCurve | None = None
+        reducescatter: CollectiveCurve | None = None
+        alltoall: CollectiveCurve | None = None
+        deepep: DeepEPTable | None = None
+        n, collective = self.collective_gpus, self.collective
         nodes = math.ceil(self.shards / GPUS_PER_NODE)
         if collective == ALL_TO_ALL and deepep_mode is not None:
-            self.deepep = efficiency.deepep_table(deepep_mode, nodes)
-        if self.deepep is None and within_node and collective == ALL_TO_ALL:
-            self.alltoall = efficiency.collective_curve("alltoall", n)
+            deepep = efficiency.deepep_table(deepep_mode, nodes)
+        if deepep is None and within_node and collective == ALL_TO_ALL:
+            alltoall = efficiency.collective_curve("alltoall", n)
         if within_node and collective == ALLGATHER_REDUCESCATTER:
-            allgather, reducescatter = efficiency.collective_curve("allgather", n), \
-                efficiency.collective_curve("reducescatter", n)
-            if allgather is not None and reducescatter is not None:
-                self.allgather, self.reducescatter = allgather, reducescatter
+            gather, scatter = efficiency.collective_curve("allgather", n), efficiency.collective_curve("reducescatter", n)
+            if gather is not None and scatter is not None:
+                allgather, reducescatter = gather, scatter
         if n <= 1:
-            self.pricing = "none (one GPU in the collective)"
-        elif self.deepep is not None:
-            self.pricing = f"measured DeepEP {deepep_mode} dispatch and combine ({nodes} node(s))"
-        elif self.allgather is not None:
-            self.pricing = f"measured NCCL all-gather and reduce-scatter ({n} GPUs)"
-        elif self.alltoall is not None:
-            self.pricing = f"measured NCCL all-to-all ({n} GPUs)"
+            pricing = "none (one GPU in the collective)"
+        elif deepep is not None:
+            pricing = f"measured DeepEP {deepep_mode} dispatch and combine ({nodes} node(s))"
+        elif allgather is not None:
+            pricing = f"measured NCCL all-gather and reduce-scatter ({n} GPUs)"
+        elif alltoall is not None:
+            pricing = f"measured NCCL all-to-all ({n} GPUs)"
         elif self.curve is not None:
-            self.pricing = f"measured all-reduce of the same bytes ({n} GPUs)"
+            pricing = f"measured all-reduce of the same bytes ({n} GPUs)"
         else:
             group = f" ({self.shards} GPUs in the group)" if self.shards != n else ""
-            self.pricing = (f"bandwidth model: {n} GPUs over {'the NIC' if not within_node else 'NVLink'}{group}, "
-                            "no measured table")
+            pricing = (f"bandwidth model: {n} GPUs over {'the NIC' if not within_node else 'NVLink'}{group}, "
+                       "no measured table")
+        return allgather, reducescatter, alltoall, deepep, pricing
 
     def pairs_on_busiest_gpu(self, group_tokens: int) -> float:
         """(token, expert) pairs the most loaded GPU computes in one MoE layer: uniform

@@ -28,7 +28,7 @@ layers (``ForwardPasses``):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import simpy
 
@@ -40,6 +40,12 @@ from kvtwin.sim.replay.clock.replica import Replica
 from kvtwin.sim.replay.cost_model import StepCost
 from kvtwin.sim.replay.moe_group_cost import MoEDPGroup
 from kvtwin.sim.replay.recorder import BatchTimes
+
+# A rank's batches in flight, oldest first (beside the engine's queue): the forward each
+# runs in (None: it computes nothing), when it was scheduled, its start and end; and the
+# rank's step that applies the oldest of them.
+InFlight = deque[tuple[int | None, float, float, float]]
+ApplyOldest = Callable[[], Generator[simpy.Event, object, BatchRecord]]
 
 
 class ForwardPasses:
@@ -224,12 +230,8 @@ def rank_process(shared: AsyncGroup, index: int):
     ranks = shared.ranks
     replica = ranks[index]
     engine = replica.engine
-    executor = replica.executor
-    size = engine.batch_queue_size
     counters = shared.step_counters
-    # Per batch in flight, oldest first (beside the engine's queue): the forward it runs in
-    # (None: it computes nothing), when it was scheduled, its start and end.
-    in_flight: deque[tuple[int | None, float, float, float]] = deque()
+    in_flight: InFlight = deque()
     last_end_s = 0.0  # the end of the batch this rank applied last
 
     connector = engine.has_connector
@@ -260,42 +262,11 @@ def rank_process(shared: AsyncGroup, index: int):
                 yield forwards.idle_event()
                 continue
             elif connector:
-                # A connector's work outside a wave steps alone, no forward and no dummy
-                # (docs/semantics.md#a-kv-connector-in-a-group): report, then wait for
-                # the next transfer or an arrival.
-                if engine.has_requests():
-                    engine.schedule_batch(executor)
-                    in_flight.append((None, env.now, env.now, env.now))
-                reported = False
-                while in_flight:
-                    reported |= _reported((yield from apply_oldest()))
-                due_s = replica.next_transfer_event_s()
-                # Once every arrival is in, with nothing due, nothing will wake it: go on
-                # (its step dropped the finished requests, so the loop ends).
-                if not reported and not (due_s is None and cluster.arrivals_done):
-                    idle = forwards.idle_event()
-                    yield idle if due_s is None else env.any_of([idle, env.timeout(max(0.0, due_s - env.now))])
+                yield from _connector_alone(shared, replica, in_flight, apply_oldest)
                 continue
         # One iteration: the engine step (step_with_batch_queue), then a dummy batch if it
         # computed nothing, then the step counter and perhaps the all-reduce.
-        executed = preempted = False
-        if engine.has_requests():
-            throttle = throttles_prefills(settings.prefill_schedule_interval, counters[index])
-            batch = engine.schedule_batch(executor, throttle)
-            scheduled_s = env.now
-            if batch.executed:
-                executed = True
-                forward, started = forwards.issue(index, batch.execution.duration_s, True, batch.execution)
-                yield started
-                start_s, end_s = forwards.times(forward)
-                in_flight.append((forward, scheduled_s, start_s, end_s))
-            else:
-                preempted = bool(batch.output.preempted)
-                in_flight.append((None, scheduled_s, scheduled_s, scheduled_s))
-            if not (len(in_flight) < size and (executed or engine.has_requests())):
-                yield from apply_oldest()
-        elif in_flight:
-            yield from apply_oldest()
+        executed, preempted = yield from _engine_step(shared, index, in_flight, apply_oldest)
         unfinished = engine.has_unfinished_requests()
         if not executed:
             if not unfinished and not group.running:
@@ -310,3 +281,51 @@ def rank_process(shared: AsyncGroup, index: int):
         if not (yield shared.sync.join(unfinished)):
             counters[index] = 0
             group.running = False  # the wave ends on every rank
+
+
+def _engine_step(shared: AsyncGroup, index: int, in_flight: InFlight, apply_oldest: ApplyOldest):
+    """A rank's ``step_with_batch_queue``: schedule a batch if it has requests and issue its
+    forward when it computes something, then apply the oldest batch when the queue is full
+    or nothing more can be scheduled. Returns (executed, preempted)."""
+    env, forwards = shared.cluster.env, shared.forwards
+    replica = shared.ranks[index]
+    engine = replica.engine
+    executed = preempted = False
+    if engine.has_requests():
+        throttle = throttles_prefills(shared.group.settings.prefill_schedule_interval, shared.step_counters[index])
+        batch = engine.schedule_batch(replica.executor, throttle)
+        scheduled_s = env.now
+        if batch.executed:
+            executed = True
+            forward, started = forwards.issue(index, batch.execution.duration_s, True, batch.execution)
+            yield started
+            start_s, end_s = forwards.times(forward)
+            in_flight.append((forward, scheduled_s, start_s, end_s))
+        else:
+            preempted = bool(batch.output.preempted)
+            in_flight.append((None, scheduled_s, scheduled_s, scheduled_s))
+        if not (len(in_flight) < engine.batch_queue_size and (executed or engine.has_requests())):
+            yield from apply_oldest()
+    elif in_flight:
+        yield from apply_oldest()
+    return executed, preempted
+
+
+def _connector_alone(shared: AsyncGroup, replica: Replica, in_flight: InFlight, apply_oldest: ApplyOldest):
+    """A connector's work outside a wave steps alone, no forward and no dummy
+    (docs/semantics.md#a-kv-connector-in-a-group): report, then wait for the next transfer
+    or an arrival."""
+    env = shared.cluster.env
+    engine = replica.engine
+    if engine.has_requests():
+        engine.schedule_batch(replica.executor)
+        in_flight.append((None, env.now, env.now, env.now))
+    reported = False
+    while in_flight:
+        reported |= _reported((yield from apply_oldest()))
+    due_s = replica.next_transfer_event_s()
+    # Once every arrival is in, with nothing due, nothing will wake it: go on (its step
+    # dropped the finished requests, so the loop ends).
+    if not reported and not (due_s is None and shared.cluster.arrivals_done):
+        idle = shared.forwards.idle_event()
+        yield idle if due_s is None else env.any_of([idle, env.timeout(max(0.0, due_s - env.now))])
