@@ -7,6 +7,8 @@ over vLLM's defaults); this module prints the result as a table or one JSON obje
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from pathlib import Path
@@ -231,6 +233,18 @@ def plan(
             print(json.dumps(comparison.to_json(), indent=1) if as_json else render_compare(comparison))
             on = comparison.on
             if not on.fits:
+                raise typer.Exit(code=EXIT_DOES_NOT_FIT)
+            return
+        pd = resolved.disaggregation
+        if pd is not None and pd.has_data_parallel_sides:
+            # Wide-EP P/D: each side is a DP engine of its own size, planned on its own
+            # (docs/semantics.md#data-parallel-pd-sides).
+            sides = {role: make_plan(chosen_model, chosen_gpu, dataclasses.replace(engine, data_parallel_size=size))
+                     for role, size in (("prefill", pd.prefill_data_parallel_size),
+                                        ("decode", pd.decode_data_parallel_size))}
+            print(json.dumps({role: side.to_json() for role, side in sides.items()}, indent=1) if as_json else
+                  "\n\n".join(f"{role} side:\n{render_plan(side)}" for role, side in sides.items()))
+            if not all(side.fits for side in sides.values()):
                 raise typer.Exit(code=EXIT_DOES_NOT_FIT)
             return
         result = make_plan(chosen_model, chosen_gpu, engine)

@@ -251,3 +251,24 @@ def test_a_model_that_fits_only_with_its_sides_experts_spread_replays(tmp_path):
     assert planned.engine.data_parallel_size == 8 and planned.fits
     result = run("replay", str(path), "--quiet", "--limit", "12", "--no-report", "--out", str(tmp_path / "run"))
     assert result.exit_code == 0, result.stderr
+
+
+def test_kvtwin_plan_shows_each_dp_sides_own_plan(tmp_path):
+    """``kvtwin plan --scenario`` on wide-EP P/D plans each side with its own DP size (the
+    scenario's DP 1 engine would not fit DeepSeek-V3 on one H200)."""
+    import json
+
+    path = tmp_path / "wide-ep-pd.toml"
+    path.write_text('[model]\npreset = "deepseek-v3"\n[hardware]\ngpu = "h200"\n'
+                    '[engine]\nenable_expert_parallel = true\nmax_model_len = 32768\n'
+                    '[disaggregation]\nprefill_data_parallel_size = 8\ndecode_data_parallel_size = 16\n')
+    result = run("plan", "--scenario", str(path), "--json")
+    assert result.exit_code == 0, result.stderr
+    sides = json.loads(result.stdout)
+    resolved = resolve_scenario(path)
+    for role, dp in (("prefill", 8), ("decode", 16)):
+        alone = plan(resolved.model, resolved.gpu, dataclasses.replace(resolved.engine, data_parallel_size=dp))
+        assert sides[role]["data_parallel_size"] == dp and sides[role]["num_blocks"] == alone.num_blocks
+    assert sides["decode"]["num_blocks"] > sides["prefill"]["num_blocks"]  # its experts spread over 16 GPUs
+    text = run("plan", "--scenario", str(path))
+    assert text.exit_code == 0 and "prefill side:" in text.stdout and "decode side:" in text.stdout
