@@ -47,6 +47,23 @@ def _on(flag: bool) -> str:
     return "on" if flag else "off"
 
 
+def _group_rows(j: dict) -> list[str]:
+    """The KV cache groups table of a plan's JSON, one row per group."""
+    lines: list[str] = []
+    header = f"  {'id':>3}  {'kind':<15} {'layers':>6} {'pad':>4} {'block':>6} {'page bytes':>12} " \
+             f"{'window':>7} {'blocks/req':>10} {'steady':>7}"
+    lines.append(header)
+    for g in j["groups"]:
+        window = g.get("sliding_window") or g.get("attention_chunk_size") or g.get("compute_only_sliding_window") \
+            or g.get("compute_only_attention_chunk_size") or ""
+        # A uniform-type group's layers may differ in page size (DeepSeek-V3.2's latent and indexer).
+        pages = "+".join(f"{b:,}" for b in dict.fromkeys(g.get("layer_page_bytes") or [g["page_bytes"]]))
+        lines.append(f"  {g['group_id']:>3}  {g['kind']:<15} {g['num_layers']:>6} {g['num_padding_layers']:>4} "
+                     f"{g['block_size']:>6} {pages:>12} {str(window):>7} {g['blocks_per_request']:>10,} "
+                     f"{g['steady_state_blocks_per_request']:>7,}")
+    return lines
+
+
 def render_plan(p: Plan) -> str:
     j = p.to_json()
     eng = p.engine
@@ -76,15 +93,7 @@ def render_plan(p: Plan) -> str:
     lines.append("")
     lines.append(f"KV cache groups ({j['grouping']}, group size {j['group_size']}, "
                  f"{j['waste']['num_padding_layers']} padding layers)")
-    header = f"  {'id':>3}  {'kind':<15} {'layers':>6} {'pad':>4} {'block':>6} {'page bytes':>12} " \
-             f"{'window':>7} {'blocks/req':>10} {'steady':>7}"
-    lines.append(header)
-    for g in j["groups"]:
-        window = g.get("sliding_window") or g.get("attention_chunk_size") or g.get("compute_only_sliding_window") \
-            or g.get("compute_only_attention_chunk_size") or ""
-        lines.append(f"  {g['group_id']:>3}  {g['kind']:<15} {g['num_layers']:>6} {g['num_padding_layers']:>4} "
-                     f"{g['block_size']:>6} {g['page_bytes']:>12,} {str(window):>7} {g['blocks_per_request']:>10,} "
-                     f"{g['steady_state_blocks_per_request']:>7,}")
+    lines += _group_rows(j)
     lines.append("")
     lines.append("Pool (per GPU" + (", per DP rank" if layout.data_parallel_size > 1 else "") + ")")
     lines.append(f"  bytes per block       {_n(p.bytes_per_block)}")
